@@ -1,0 +1,57 @@
+//! The command line: clap structs (dumb), one function per command, output formats.
+
+mod route;
+
+use crate::config::presets;
+use crate::error::Result;
+use clap::{Parser, Subcommand};
+use std::io::Write;
+
+pub use route::RouteArgs;
+
+/// Audit Mixture-of-Experts routers for train/inference causality leaks.
+#[derive(Debug, Parser)]
+#[command(name = "moe-audit", version, about)]
+pub struct Cli {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The commands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// List the built-in router presets.
+    Presets,
+    /// Route seeded inputs (or given logits) and print the routing record and load summary.
+    Route(RouteArgs),
+}
+
+/// Runs a parsed command, writing its output to `out`. Returns the process exit code.
+pub fn run(cli: Cli, out: &mut dyn Write) -> Result<u8> {
+    match cli.command {
+        Command::Presets => {
+            for p in presets() {
+                let config = p.config()?;
+                writeln!(out, "{:<22} {}", p.name, config.description).map_err(io_error)?;
+            }
+            Ok(0)
+        }
+        Command::Route(args) => route::run(&args, out),
+    }
+}
+
+pub(crate) fn io_error(e: std::io::Error) -> crate::Error {
+    crate::Error::input("<stdout>", e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+}

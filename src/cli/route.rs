@@ -1,0 +1,97 @@
+//! `moe-audit route`: one call through a router, shown as a table or the JSON record.
+
+use super::io_error;
+use crate::config::RouterConfig;
+use crate::error::{Error, Result};
+use crate::layer::{MoeLayer, Seeded};
+use crate::routing::{assign, render_table, Logits};
+use candle_core::{DType, Device};
+use clap::{Args, ValueEnum};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// Arguments of `moe-audit route`.
+#[derive(Debug, Args)]
+pub struct RouteArgs {
+    /// A preset name (see `moe-audit presets`) or a router TOML file.
+    pub router: String,
+    /// Sequences per call.
+    #[arg(long, default_value_t = 2, help_heading = "Sizes")]
+    pub batch: usize,
+    /// Tokens per sequence (default 8; with --logits, derived from the file).
+    #[arg(long, help_heading = "Sizes")]
+    pub seq_len: Option<usize>,
+    /// Hidden size of the seeded layer.
+    #[arg(long, default_value_t = 64, help_heading = "Sizes")]
+    pub hidden: usize,
+    /// Expert FFN size of the seeded layer.
+    #[arg(long, default_value_t = 128, help_heading = "Sizes")]
+    pub ffn: usize,
+    /// Seed of the layer weights and hidden states.
+    #[arg(long, default_value_t = 0, help_heading = "Input")]
+    pub seed: u64,
+    /// Route these logits instead: a JSON array of batch*seq_len rows of `experts` numbers,
+    /// flattened sequence-major; --batch splits the rows into sequences.
+    #[arg(long, value_name = "FILE", help_heading = "Input")]
+    pub logits: Option<PathBuf>,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = RouteFormat::Table, help_heading = "Output")]
+    pub format: RouteFormat,
+}
+
+/// Output formats of `route`.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum RouteFormat {
+    /// The compact routing table with the load summary.
+    Table,
+    /// The routing record as JSON.
+    Json,
+}
+
+pub(super) fn run(args: &RouteArgs, out: &mut dyn Write) -> Result<u8> {
+    let config = RouterConfig::load(&args.router)?;
+    let routing = match &args.logits {
+        Some(path) => assign(&config, read_logits(path, args.batch, args.seq_len, config.experts)?.view())?,
+        None => {
+            let seq_len = args.seq_len.unwrap_or(8);
+            for (flag, v) in [("--batch", args.batch), ("--seq-len", seq_len), ("--hidden", args.hidden), ("--ffn", args.ffn)] {
+                if v == 0 {
+                    return Err(Error::Usage(format!("{flag} must be at least 1")));
+                }
+            }
+            let device = Device::Cpu;
+            let layer = MoeLayer::seeded(config, args.hidden, args.ffn, args.seed, DType::F32, &device)?;
+            // Hidden states from a stream of their own, so changing the weights' seed and the
+            // input's seed are independent choices.
+            let x = Seeded::new(args.seed ^ 0x9e37_79b9_7f4a_7c15).normal(&[args.batch, seq_len, args.hidden], &device)?;
+            layer.forward(&x)?.1
+        }
+    };
+    let text = match args.format {
+        RouteFormat::Table => render_table(&routing),
+        RouteFormat::Json => serde_json::to_string_pretty(&routing).expect("a routing record always serialises") + "\n",
+    };
+    out.write_all(text.as_bytes()).map_err(io_error)?;
+    Ok(0)
+}
+
+/// Reads a logits file: a JSON array of rows, each `experts` numbers.
+pub(crate) fn read_logits(path: &Path, batch: usize, seq_len: Option<usize>, experts: usize) -> Result<Logits> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::input(path, format!("cannot read: {e}")))?;
+    let rows: Vec<Vec<f32>> = serde_json::from_str(&text)
+        .map_err(|e| Error::input(path, format!("expected a JSON array of rows of numbers: {e}")))?;
+    if batch == 0 {
+        return Err(Error::Usage("--batch must be at least 1".into()));
+    }
+    if rows.is_empty() || rows.len() % batch != 0 {
+        return Err(Error::input(path, format!("{} rows cannot be split into --batch {batch} sequences", rows.len())));
+    }
+    let s = rows.len() / batch;
+    if let Some(want) = seq_len.filter(|&want| want != s) {
+        return Err(Error::input(path, format!("{} rows at --batch {batch} give seq_len {s}, not --seq-len {want}", rows.len())));
+    }
+    if let Some((i, row)) = rows.iter().enumerate().find(|(_, r)| r.len() != experts) {
+        return Err(Error::input(path, format!("row {i} has {} values, the router has {experts} experts", row.len())));
+    }
+    Ok(Logits::from_shape_vec((batch, s, experts), rows.concat()).expect("rows checked"))
+}

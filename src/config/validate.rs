@@ -1,0 +1,76 @@
+//! Semantic checks on a parsed [`RouterConfig`]: every rule in one place, each error naming
+//! the field and the value.
+
+use super::{RouterConfig, RouterKind, ScoreFn};
+
+type Check = Result<(), (&'static str, String)>;
+
+fn ensure(ok: bool, field: &'static str, message: impl FnOnce() -> String) -> Check {
+    if ok {
+        Ok(())
+    } else {
+        Err((field, message()))
+    }
+}
+
+impl RouterConfig {
+    /// Checks the rules the schema cannot express. Errors are `(field, message)`.
+    pub(crate) fn validate(&self) -> Check {
+        let e = self.experts;
+        ensure(!self.name.trim().is_empty(), "name", || "must not be empty".into())?;
+        ensure(e > 0, "experts", || format!("must be at least 1, got {e}"))?;
+        ensure(self.routed_scaling.is_finite() && self.routed_scaling > 0.0, "routed_scaling", || {
+            format!("must be finite and > 0, got {}", self.routed_scaling)
+        })?;
+        match self.kind {
+            RouterKind::TokenChoice => {
+                let k = self.top_k.ok_or(("top_k", "is required for a token-choice router".to_string()))?;
+                ensure(k >= 1, "top_k", || format!("must be at least 1, got {k}"))?;
+                ensure(k <= e, "top_k", || format!("{k} exceeds experts = {e}"))?;
+            }
+            RouterKind::ExpertChoice => {
+                ensure(self.top_k.is_none(), "top_k", || "does not apply to an expert-choice router (each expert picks tokens)".into())?;
+                ensure(self.score != ScoreFn::SoftmaxPost, "score", || {
+                    "softmax-post needs a per-token top-k; use softmax-pre or sigmoid for expert choice".into()
+                })?;
+                ensure(self.expert_bias.is_none(), "expert_bias", || "applies to token-choice routers only".into())?;
+                ensure(self.group_limit.is_none(), "group_limit", || "applies to token-choice routers only".into())?;
+                let cap = self.capacity.as_ref().ok_or(("capacity", "is required for an expert-choice router".to_string()))?;
+                ensure(!cap.pad && !cap.renormalize_after_drop, "capacity", || {
+                    "pad and renormalize_after_drop apply to token-choice routers only".into()
+                })?;
+            }
+        }
+        if self.score == ScoreFn::SoftmaxPost {
+            ensure(self.normalize != Some(false), "normalize", || "softmax-post is normalised by construction; remove `normalize = false`".into())?;
+        }
+        if let Some(bias) = &self.expert_bias {
+            ensure(bias.len() == e, "expert_bias", || format!("has {} entries, expected one per expert ({e})", bias.len()))?;
+            if let Some((i, b)) = bias.iter().enumerate().find(|(_, b)| !b.is_finite()) {
+                return Err(("expert_bias", format!("entry {i} is {b}, must be finite")));
+            }
+        }
+        if let Some(g) = &self.group_limit {
+            ensure(g.groups > 0 && e % g.groups == 0, "group_limit.groups", || format!("{} does not divide experts = {e}", g.groups))?;
+            ensure(g.top_groups >= 1 && g.top_groups <= g.groups, "group_limit.top_groups", || {
+                format!("{} must be between 1 and groups = {}", g.top_groups, g.groups)
+            })?;
+            let per_group = e / g.groups;
+            ensure(g.score_top >= 1 && g.score_top <= per_group, "group_limit.score_top", || {
+                format!("{} must be between 1 and experts per group = {per_group}", g.score_top)
+            })?;
+            ensure(g.top_groups * per_group >= self.k(), "group_limit.top_groups", || {
+                format!("{} groups of {per_group} experts cannot hold top_k = {}", g.top_groups, self.k())
+            })?;
+        }
+        if let Some(cap) = &self.capacity {
+            match (cap.factor, cap.fixed) {
+                (Some(f), None) => ensure(f.is_finite() && f > 0.0, "capacity.factor", || format!("must be finite and > 0, got {f}"))?,
+                (None, Some(_)) => {}
+                (Some(_), Some(_)) => return Err(("capacity", "set either `factor` or `fixed`, not both".into())),
+                (None, None) => return Err(("capacity", "needs `factor` (derived capacity) or `fixed` (constant capacity)".into())),
+            }
+        }
+        Ok(())
+    }
+}

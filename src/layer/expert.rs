@@ -1,0 +1,40 @@
+//! One SwiGLU expert: `w2(silu(w1 x) * w3 x)`, Mixtral's expert MLP.
+
+use crate::error::Result;
+use candle_core::{Module, Tensor, D};
+use candle_nn::VarBuilder;
+
+/// A SwiGLU feed-forward expert. `w1` and `w3` are stored fused and transposed (`[hidden,
+/// 2*ffn]`) so one matmul computes both projections.
+#[derive(Debug, Clone)]
+pub struct Expert {
+    w13_t: Tensor,
+    w2_t: Tensor,
+    ffn: usize,
+}
+
+impl Expert {
+    /// Loads `w1.weight` `[ffn, hidden]`, `w3.weight` `[ffn, hidden]` and `w2.weight`
+    /// `[hidden, ffn]` from `vb`.
+    pub fn new(hidden: usize, ffn: usize, vb: VarBuilder) -> Result<Self> {
+        let w1 = vb.get((ffn, hidden), "w1.weight")?;
+        let w3 = vb.get((ffn, hidden), "w3.weight")?;
+        let w2 = vb.get((hidden, ffn), "w2.weight")?;
+        Ok(Self {
+            w13_t: Tensor::cat(&[&w1, &w3], 0)?.t()?.contiguous()?,
+            w2_t: w2.t()?.contiguous()?,
+            ffn,
+        })
+    }
+}
+
+impl Module for Expert {
+    /// # Shapes
+    /// `x`: `[tokens, hidden]` → `[tokens, hidden]`.
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let h = x.matmul(&self.w13_t)?;
+        let gate = h.narrow(D::Minus1, 0, self.ffn)?;
+        let up = h.narrow(D::Minus1, self.ffn, self.ffn)?;
+        (candle_nn::ops::silu(&gate)? * up)?.matmul(&self.w2_t)
+    }
+}

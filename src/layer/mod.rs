@@ -1,0 +1,128 @@
+//! The MoE layer on candle: gate → routing → dispatch → SwiGLU experts → combine.
+//!
+//! Dispatch gathers every expert's kept rows (padding slots included) in one `index_select`;
+//! combine adds the weighted outputs back with one `index_add` in ascending expert order, so
+//! each token's sum has a fixed order (deterministic, and reproducible by expert-parallel code).
+
+mod expert;
+mod weights;
+
+pub use expert::Expert;
+pub use weights::{infer_dims, load_safetensors, seeded_weights, tensor_names, LayerDims, Seeded};
+
+use crate::config::RouterConfig;
+use crate::error::{Error, Result};
+use crate::router::{ConfigRouter, Router};
+use crate::routing::Routing;
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::VarBuilder;
+use std::collections::HashMap;
+use std::path::Path;
+
+/// A Mixture-of-Experts feed-forward layer: a router and E SwiGLU experts.
+#[derive(Debug, Clone)]
+pub struct MoeLayer {
+    router: ConfigRouter,
+    experts: Vec<Expert>,
+    dims: LayerDims,
+}
+
+impl MoeLayer {
+    /// Builds the layer from Mixtral-style names under `vb` (`gate.weight`, `experts.{i}.w1.weight`, ...).
+    pub fn new(config: RouterConfig, hidden: usize, ffn: usize, vb: VarBuilder) -> Result<Self> {
+        let dims = LayerDims { hidden, ffn, experts: config.experts };
+        let experts = (0..config.experts)
+            .map(|i| Expert::new(hidden, ffn, vb.pp(format!("experts.{i}"))))
+            .collect::<Result<Vec<_>>>()?;
+        let router = ConfigRouter::new(config, hidden, vb.pp("gate"))?;
+        Ok(Self { router, experts, dims })
+    }
+
+    /// Builds the layer from named tensors, cast to `dtype`.
+    pub fn from_tensors(config: RouterConfig, tensors: HashMap<String, Tensor>, dtype: DType, device: &Device) -> Result<Self> {
+        let dims = infer_dims(&tensors, &format!("weights of router `{}`", config.name))?;
+        if dims.experts != config.experts {
+            return Err(Error::shape(
+                &format!("weights of router `{}`", config.name),
+                format!("gate.weight has {} experts, the router config has {}", dims.experts, config.experts),
+            ));
+        }
+        let vb = VarBuilder::from_tensors(tensors, dtype, device);
+        Self::new(config, dims.hidden, dims.ffn, vb)
+    }
+
+    /// Seeded weights (see [`seeded_weights`]); the same seed gives the same layer on every run.
+    pub fn seeded(config: RouterConfig, hidden: usize, ffn: usize, seed: u64, dtype: DType, device: &Device) -> Result<Self> {
+        let tensors = seeded_weights(LayerDims { hidden, ffn, experts: config.experts }, seed, device)?;
+        Self::from_tensors(config, tensors, dtype, device)
+    }
+
+    /// Loads Mixtral-style weights from a safetensors file.
+    pub fn from_safetensors(config: RouterConfig, path: &Path, dtype: DType, device: &Device) -> Result<Self> {
+        let tensors = load_safetensors(path, device)?;
+        Self::from_tensors(config, tensors, dtype, device).map_err(|e| Error::input(path, e.to_string()))
+    }
+
+    /// The router (gate + assignment).
+    pub fn router(&self) -> &ConfigRouter {
+        &self.router
+    }
+
+    /// The experts, by id.
+    pub fn experts(&self) -> &[Expert] {
+        &self.experts
+    }
+
+    /// Layer sizes.
+    pub fn dims(&self) -> LayerDims {
+        self.dims
+    }
+
+    /// Routes `x` and runs the experts.
+    ///
+    /// # Shapes
+    /// `x`: `[batch, seq_len, hidden]` → `y`: `[batch, seq_len, hidden]`, same dtype and device.
+    pub fn forward(&self, x: &Tensor) -> Result<(Tensor, Routing)> {
+        let routing = self.router.route(x)?;
+        let y = self.apply(x, &routing)?;
+        Ok((y, routing))
+    }
+
+    /// Dispatch, experts and combine for a given routing: each token's output is the sum over
+    /// its kept routes of weight × expert(x); dropped routes contribute nothing.
+    ///
+    /// # Shapes
+    /// `x`: `[batch, seq_len, hidden]` → `[batch, seq_len, hidden]`.
+    pub fn apply(&self, x: &Tensor, routing: &Routing) -> Result<Tensor> {
+        let (b, s, h) = x.dims3()?;
+        if (b, s) != (routing.batch, routing.seq_len) || h != self.dims.hidden {
+            return Err(Error::shape(
+                "MoE layer",
+                format!(
+                    "input [{b}, {s}, {h}] does not match routing [{}, {}] and hidden size {}",
+                    routing.batch, routing.seq_len, self.dims.hidden
+                ),
+            ));
+        }
+        let x = x.reshape((b * s, h))?;
+        let rows = routing.expert_rows();
+        let (index, weight): (Vec<u32>, Vec<f32>) = rows.iter().flatten().map(|&(t, w)| (t as u32, w)).unzip();
+        if index.is_empty() {
+            return Ok(x.zeros_like()?.reshape((b, s, h))?);
+        }
+        let device = x.device();
+        let index = Tensor::new(index.as_slice(), device)?;
+        let weight = Tensor::new(weight.as_slice(), device)?.to_dtype(x.dtype())?.unsqueeze(1)?;
+        let gathered = x.index_select(&index, 0)?;
+        let mut outputs = Vec::with_capacity(self.experts.len());
+        let mut start = 0;
+        for (expert, rows) in self.experts.iter().zip(&rows) {
+            if !rows.is_empty() {
+                outputs.push(expert.forward(&gathered.narrow(0, start, rows.len())?)?);
+                start += rows.len();
+            }
+        }
+        let weighted = Tensor::cat(&outputs, 0)?.broadcast_mul(&weight)?;
+        Ok(x.zeros_like()?.index_add(&index, &weighted, 0)?.reshape((b, s, h))?)
+    }
+}

@@ -1,0 +1,19 @@
+//! moe-audit: Mixture-of-Experts layers on candle, and an auditor for train/inference causality
+//! leaks in MoE routers.
+//!
+//! The crate follows the data flow:
+//! [`config`] (TOML, validated) → [`router`] (scores → assignment) → [`routing::Routing`] (the
+//! record) → [`layer`] (dispatch → experts → combine).
+#![warn(missing_docs)]
+
+pub mod cli;
+pub mod config;
+pub mod error;
+pub mod layer;
+pub mod router;
+pub mod routing;
+
+pub use config::RouterConfig;
+pub use error::{Error, Result};
+pub use router::{ConfigRouter, Router};
+pub use routing::{assign, Logits, Routing};

@@ -1,0 +1,110 @@
+//! Capacity arithmetic and token dropping, with each framework's exact rounding and priority.
+//!
+//! This is where routing stops being per token: which routes an over-full expert keeps depends
+//! on the other tokens of the group. Ties always go to the lower token index of the group's
+//! priority order (the flattening order).
+
+use crate::config::{Arithmetic, CapacityConfig, DropPolicy};
+use std::cmp::Ordering;
+
+use super::scores::{desc, Choice};
+
+/// The capacity of every expert in a group of `tokens` tokens, `k` routes per token.
+pub fn capacity(cap: &CapacityConfig, tokens: usize, k: usize, experts: usize) -> usize {
+    let Some(cf) = cap.factor else {
+        return cap.fixed.unwrap_or(0).max(cap.min);
+    };
+    let derived = match cap.arithmetic {
+        // Megatron-LM get_capacity(num_tokens = T*k): ceil((num_tokens / E) * cf), float64.
+        Arithmetic::Megatron => (((tokens * k) as f64 / experts as f64) * cf).ceil(),
+        // DeepSpeed _capacity: ceil((T / E) * tensor(cf*k)): a float32 product.
+        Arithmetic::Deepspeed => {
+            let per_expert = (tokens as f64 / experts as f64) as f32;
+            let factor = (cf * k as f64) as f32;
+            (per_expert * factor).ceil() as f64
+        }
+        // flaxformer: int(round(cf * T / E)), Python's round half to even.
+        Arithmetic::Flaxformer => (cf * tokens as f64 / experts as f64).round_ties_even(),
+    };
+    (derived as usize).max(cap.min)
+}
+
+/// The outcome of dropping in one group.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Dropped {
+    /// `kept[i][j]`: whether route j (choice order) of the group's token i survived.
+    pub kept: Vec<Vec<bool>>,
+    /// Per expert, the group tokens added as gate-0 padding rows, in token order.
+    pub padding: Vec<Vec<usize>>,
+}
+
+/// Applies capacity `c` to the choices of one group (tokens in priority order).
+pub(crate) fn drop_routes(cap: &CapacityConfig, c: usize, choices: &[Choice], experts: usize) -> Dropped {
+    // (token, choice rank, gate) of every route, per expert.
+    let mut candidates: Vec<Vec<(usize, usize, f32)>> = vec![Vec::new(); experts];
+    for (i, choice) in choices.iter().enumerate() {
+        for (rank, (&e, &g)) in choice.experts.iter().zip(&choice.gates).enumerate() {
+            candidates[e].push((i, rank, g));
+        }
+    }
+    let order = |a: &(usize, usize, f32), b: &(usize, usize, f32)| -> Ordering {
+        match cap.policy {
+            DropPolicy::Probs => desc(a.2, b.2).then(a.0.cmp(&b.0)),
+            DropPolicy::Position => a.0.cmp(&b.0),
+            DropPolicy::ChoiceRank => a.1.cmp(&b.1).then(a.0.cmp(&b.0)),
+        }
+    };
+    let mut kept: Vec<Vec<bool>> = choices.iter().map(|ch| vec![false; ch.experts.len()]).collect();
+    let mut padding = vec![Vec::new(); experts];
+    let slots = c.min(choices.len());
+    for (e, routes) in candidates.iter_mut().enumerate() {
+        routes.sort_by(order);
+        for &(i, rank, _) in routes.iter().take(c) {
+            kept[i][rank] = true;
+        }
+        if cap.pad && routes.len() < slots {
+            let mut routed = vec![false; choices.len()];
+            routes.iter().for_each(|r| routed[r.0] = true);
+            padding[e] = (0..choices.len()).filter(|&i| !routed[i]).take(slots - routes.len()).collect();
+        }
+    }
+    Dropped { kept, padding }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cap(arithmetic: Arithmetic, factor: f64, min: usize) -> CapacityConfig {
+        CapacityConfig {
+            factor: Some(factor),
+            fixed: None,
+            policy: DropPolicy::Probs,
+            arithmetic,
+            min,
+            pad: false,
+            renormalize_after_drop: false,
+        }
+    }
+
+    #[test]
+    fn fifty_tokens_four_experts_cf_1_2_is_15_in_megatron_and_16_in_deepspeed() {
+        assert_eq!(capacity(&cap(Arithmetic::Megatron, 1.2, 0), 50, 1, 4), 15);
+        assert_eq!(capacity(&cap(Arithmetic::Deepspeed, 1.2, 0), 50, 1, 4), 16);
+    }
+
+    #[test]
+    fn min_capacity_and_fixed_capacity() {
+        assert_eq!(capacity(&cap(Arithmetic::Deepspeed, 1.0, 4), 8, 1, 8), 4);
+        assert_eq!(capacity(&cap(Arithmetic::Megatron, 1.0, 0), 8, 1, 8), 1);
+        let fixed = CapacityConfig { factor: None, fixed: Some(64), ..cap(Arithmetic::Megatron, 1.0, 0) };
+        assert_eq!(capacity(&fixed, 3, 2, 8), 64);
+    }
+
+    #[test]
+    fn flaxformer_rounds_half_to_even() {
+        // 2.0 * 5 / 4 = 2.5 -> 2; 2.0 * 7 / 4 = 3.5 -> 4.
+        assert_eq!(capacity(&cap(Arithmetic::Flaxformer, 2.0, 0), 5, 1, 4), 2);
+        assert_eq!(capacity(&cap(Arithmetic::Flaxformer, 2.0, 0), 7, 1, 4), 4);
+    }
+}

@@ -1,0 +1,90 @@
+//! Routing: from a `[batch, seq_len, experts]` score matrix to a [`Routing`] record.
+//!
+//! The assignment stage is pure host code over `f32` logits: exact, deterministic and the same
+//! on every device. Scopes split the call into groups ([`scope`]); each group is routed by token
+//! choice or expert choice; capacity and dropping live in [`capacity`].
+
+pub mod capacity;
+mod expert_choice;
+mod record;
+pub(crate) mod scope;
+pub(crate) mod scores;
+mod stats;
+mod table;
+mod token_choice;
+
+pub use record::{ExpertLoad, GroupRecord, LoadStats, Route, Routing, ScopeRecord, TokenRouting};
+pub use table::render_table;
+
+use crate::config::{RouterConfig, RouterKind};
+use crate::error::{Error, Result};
+use ndarray::ArrayView3;
+
+/// Host-side logits of one call, `[batch, seq_len, experts]`.
+pub type Logits = ndarray::Array3<f32>;
+
+/// The routes of one group's tokens (in group order) and the group's capacity.
+pub(crate) struct GroupRouting {
+    pub routes: Vec<Vec<Route>>,
+    pub capacity: Option<usize>,
+}
+
+/// Routes a whole call: the assignment stage of every built-in router.
+///
+/// # Shapes
+/// `logits`: `[batch, seq_len, experts]`, finite.
+pub fn assign(config: &RouterConfig, logits: ArrayView3<f32>) -> Result<Routing> {
+    let (batch, seq_len, experts) = logits.dim();
+    if experts != config.experts {
+        return Err(Error::shape(
+            &format!("router `{}`", config.name),
+            format!("logits have {experts} experts per token, the router has {}", config.experts),
+        ));
+    }
+    if batch == 0 || seq_len == 0 {
+        return Err(Error::shape(&format!("router `{}`", config.name), format!("empty input: batch {batch}, seq_len {seq_len}")));
+    }
+    scores::check_finite(&logits)?;
+    let logits = logits.as_standard_layout();
+    let flat = logits.as_slice().expect("standard layout is contiguous");
+    let row = |i: usize| &flat[i * experts..(i + 1) * experts];
+
+    let mut tokens: Vec<TokenRouting> = (0..batch * seq_len)
+        .map(|i| TokenRouting { batch: i / seq_len, pos: i % seq_len, group: 0, routes: Vec::new() })
+        .collect();
+    let mut groups = Vec::new();
+    for (g, members) in scope::groups(&config.scope, batch, seq_len).into_iter().enumerate() {
+        let rows: Vec<&[f32]> = members.iter().map(|&i| row(i)).collect();
+        let routed = match config.kind {
+            RouterKind::TokenChoice => token_choice::route_group(config, &rows),
+            RouterKind::ExpertChoice => expert_choice::route_group(config, &rows),
+        };
+        for (&i, routes) in members.iter().zip(routed.routes) {
+            tokens[i].group = g;
+            tokens[i].routes = routes;
+        }
+        groups.push(GroupRecord { tokens: members.len(), capacity: routed.capacity });
+    }
+
+    let experts_load = stats::loads(experts, &tokens);
+    let stats = stats::load_stats(&experts_load, (0..batch * seq_len).map(row));
+    let capacity = config.capacity.as_ref().map(|_| {
+        let total: usize = groups.iter().filter_map(|g| g.capacity).sum();
+        vec![total; experts]
+    });
+    Ok(Routing {
+        router: config.name.clone(),
+        batch,
+        seq_len,
+        experts,
+        top_k: match config.kind {
+            RouterKind::TokenChoice => Some(config.k()),
+            RouterKind::ExpertChoice => None,
+        },
+        capacity,
+        scope: ScopeRecord { group: config.scope.group, flatten: config.scope.flatten, groups },
+        tokens,
+        experts_load,
+        stats,
+    })
+}

@@ -1,0 +1,124 @@
+//! The routing record: every decision a router made for one call, complete and serde-stable.
+//!
+//! Field names are a public JSON contract (README, "The routing record"); probes compare these
+//! records token by token, so nothing that decides an output may be left out.
+
+use crate::config::{Flatten, ScopeGroup};
+use serde::{Deserialize, Serialize};
+
+/// Every routing decision of one call over a `[batch, seq_len]` input.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Routing {
+    /// The router's name.
+    pub router: String,
+    /// Sequences in the call.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq_len: usize,
+    /// Number of experts E.
+    pub experts: usize,
+    /// Experts per token; `None` for expert choice.
+    pub top_k: Option<usize>,
+    /// Slots per expert over the whole call (the sum over scope groups); `None` when dropless.
+    pub capacity: Option<Vec<usize>>,
+    /// How the call was split into routing groups, and each group's capacity.
+    pub scope: ScopeRecord,
+    /// One entry per token, sequence-major: index `batch * seq_len + pos`.
+    pub tokens: Vec<TokenRouting>,
+    /// Per expert: routes before and after dropping.
+    pub experts_load: Vec<ExpertLoad>,
+    /// Load-balance summary.
+    pub stats: LoadStats,
+}
+
+/// The scope routing was computed in.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ScopeRecord {
+    /// Grouping rule.
+    pub group: ScopeGroup,
+    /// Flattening order inside a group.
+    pub flatten: Flatten,
+    /// The groups, in order.
+    pub groups: Vec<GroupRecord>,
+}
+
+/// One routing group: the tokens that competed together.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupRecord {
+    /// Tokens in the group.
+    pub tokens: usize,
+    /// Capacity of every expert in this group; `None` when dropless.
+    pub capacity: Option<usize>,
+}
+
+/// The routes of one token.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TokenRouting {
+    /// Sequence index.
+    pub batch: usize,
+    /// Position in the sequence.
+    pub pos: usize,
+    /// Index into `scope.groups` of the group the token competed in.
+    pub group: usize,
+    /// Routes in choice order (1st choice first); padding slots last, by expert id.
+    pub routes: Vec<Route>,
+}
+
+/// One (token, expert) pair.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Route {
+    /// Expert id.
+    pub expert: usize,
+    /// Combine weight when kept; for a dropped route, the gate it had before dropping (it
+    /// contributes nothing); 0 for a padding slot.
+    pub weight: f32,
+    /// False when capacity dropped the route.
+    pub kept: bool,
+    /// True for a gate-0 padding slot added by pad-to-capacity.
+    pub padded: bool,
+}
+
+/// Load of one expert.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExpertLoad {
+    /// Expert id.
+    pub expert: usize,
+    /// Routes chosen before capacity.
+    pub routed: usize,
+    /// Routes kept after capacity.
+    pub kept: usize,
+    /// Padding slots added (pad-to-capacity).
+    pub padded: usize,
+}
+
+/// Load-balance figures of one call.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LoadStats {
+    /// max over experts of routes before dropping, over their mean.
+    pub max_over_mean_load: f64,
+    /// Coefficient of variation (population std / mean) of routes before dropping.
+    pub load_cv: f64,
+    /// Dropped routes over routed routes.
+    pub drop_rate: f64,
+    /// Switch/GShard auxiliary loss `E * sum_e f_e * P_e` (f: share of routes, P: mean softmax).
+    pub aux_loss: f64,
+}
+
+impl Routing {
+    /// The routes of token `pos` of sequence `batch`.
+    pub fn token(&self, batch: usize, pos: usize) -> &TokenRouting {
+        &self.tokens[batch * self.seq_len + pos]
+    }
+
+    /// Kept routes of every expert as `(flat token index, weight)`, in token order; padding
+    /// slots included (weight 0). This is what dispatch sends to each expert.
+    pub fn expert_rows(&self) -> Vec<Vec<(usize, f32)>> {
+        let mut rows = vec![Vec::new(); self.experts];
+        for (i, t) in self.tokens.iter().enumerate() {
+            for r in t.routes.iter().filter(|r| r.kept) {
+                rows[r.expert].push((i, r.weight));
+            }
+        }
+        rows
+    }
+}

@@ -1,0 +1,159 @@
+//! From one token's logits to its choices: score functions, selection bias, group-limited
+//! top-k, and gates. Everything here is per token, so it is causal by construction; the
+//! leaks live in what happens after (capacity).
+//!
+//! Ties go to the lowest expert id (the CUDA `torch.topk` rule); `-0.0 == 0.0`.
+
+use crate::config::{RouterConfig, ScoreFn};
+use crate::error::{Error, Result};
+use ndarray::ArrayView3;
+use std::cmp::Ordering;
+
+/// Descending order on finite (or infinite) floats; equal values compare equal.
+pub(crate) fn desc(a: f32, b: f32) -> Ordering {
+    b.partial_cmp(&a).unwrap_or(Ordering::Equal)
+}
+
+/// Rejects NaN and infinite logits, naming the first offender.
+pub(crate) fn check_finite(logits: &ArrayView3<f32>) -> Result<()> {
+    match logits.indexed_iter().find(|(_, v)| !v.is_finite()) {
+        Some(((batch, pos, expert), &value)) => Err(Error::NonFiniteScore { batch, pos, expert, value }),
+        None => Ok(()),
+    }
+}
+
+/// Numerically safe softmax in f32, summed in expert order.
+pub(crate) fn softmax(logits: &[f32]) -> Vec<f32> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let exps: Vec<f32> = logits.iter().map(|&l| (l - max).exp()).collect();
+    let sum: f32 = exps.iter().sum();
+    exps.iter().map(|e| e / sum).collect()
+}
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// Per-expert affinity before selection: the softmax probability or the sigmoid. `softmax-post`
+/// selects on raw logits.
+pub(crate) fn affinities(score: ScoreFn, logits: &[f32]) -> Vec<f32> {
+    match score {
+        ScoreFn::SoftmaxPre => softmax(logits),
+        ScoreFn::SoftmaxPost => logits.to_vec(),
+        ScoreFn::Sigmoid => logits.iter().map(|&l| sigmoid(l)).collect(),
+    }
+}
+
+/// Indices of the `k` largest values, largest first, ties to the lowest index.
+pub(crate) fn top_k(values: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..values.len()).collect();
+    idx.sort_by(|&a, &b| desc(values[a], values[b]).then(a.cmp(&b)));
+    idx.truncate(k);
+    idx
+}
+
+/// One token's choices: experts in choice order and their gates (before any capacity, before
+/// `routed_scaling`).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Choice {
+    pub experts: Vec<usize>,
+    pub gates: Vec<f32>,
+}
+
+/// A token-choice router's selection for one token.
+pub(crate) fn choose(config: &RouterConfig, logits: &[f32]) -> Choice {
+    let k = config.k();
+    let aff = affinities(config.score, logits);
+    let mut select = aff.clone();
+    if let Some(bias) = &config.expert_bias {
+        select.iter_mut().zip(bias).for_each(|(s, b)| *s += b);
+    }
+    if let Some(g) = &config.group_limit {
+        let per_group = config.experts / g.groups;
+        let group_scores: Vec<f32> = select
+            .chunks(per_group)
+            .map(|chunk| top_k(chunk, g.score_top).iter().map(|&i| chunk[i]).sum())
+            .collect();
+        let chosen = top_k(&group_scores, g.top_groups);
+        for (e, s) in select.iter_mut().enumerate() {
+            if !chosen.contains(&(e / per_group)) {
+                *s = f32::NEG_INFINITY;
+            }
+        }
+    }
+    let experts = top_k(&select, k);
+    let mut gates: Vec<f32> = match config.score {
+        ScoreFn::SoftmaxPost => softmax(&experts.iter().map(|&e| logits[e]).collect::<Vec<_>>()),
+        _ => experts.iter().map(|&e| aff[e]).collect(),
+    };
+    if config.normalizes() && config.score != ScoreFn::SoftmaxPost {
+        let sum: f32 = gates.iter().sum();
+        // DeepSeek-V3 adds 1e-20 for sigmoid; Mixtral divides by the plain sum.
+        let denom = if config.score == ScoreFn::Sigmoid { sum + 1e-20 } else { sum };
+        gates.iter_mut().for_each(|g| *g /= denom);
+    }
+    Choice { experts, gates }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::preset;
+
+    #[test]
+    fn top_k_breaks_ties_to_the_lowest_index() {
+        assert_eq!(top_k(&[1.0, 3.0, 3.0, 2.0, 3.0], 3), vec![1, 2, 4]);
+        assert_eq!(top_k(&[0.0, -0.0, 0.0], 2), vec![0, 1]);
+    }
+
+    #[test]
+    fn softmax_survives_large_logits() {
+        let p = softmax(&[1000.0, 1000.0, -1000.0]);
+        assert_eq!(p, vec![0.5, 0.5, 0.0]);
+    }
+
+    #[test]
+    fn mixtral_renormalises_the_two_softmax_probabilities() {
+        let config = preset("mixtral").unwrap().config().unwrap();
+        let logits = [0.0, 2.0, 1.0, -1.0, 0.5, 0.0, 0.0, 0.0];
+        let c = choose(&config, &logits);
+        assert_eq!(c.experts, vec![1, 2]);
+        let p = softmax(&logits);
+        assert_eq!(c.gates, vec![p[1] / (p[1] + p[2]), p[2] / (p[1] + p[2])]);
+    }
+
+    #[test]
+    fn softmax_post_is_the_softmax_of_the_chosen_logits() {
+        let config = preset("megatron-probs").unwrap().config().unwrap();
+        let c = choose(&config, &[0.0, 2.0, 1.0, -1.0, 0.5, 0.0, 0.0, 0.0]);
+        assert_eq!(c.experts, vec![1, 2]);
+        assert_eq!(c.gates, softmax(&[2.0, 1.0]));
+    }
+
+    #[test]
+    fn deepseek_bias_selects_but_does_not_weigh() {
+        let mut config = preset("deepseek-v3").unwrap().config().unwrap();
+        config.experts = 8;
+        config.top_k = Some(2);
+        config.group_limit = None;
+        let mut bias = vec![0.0; 8];
+        bias[7] = 10.0;
+        config.expert_bias = Some(bias);
+        let logits = [3.0, 2.0, 0.0, 0.0, 0.0, 0.0, 0.0, -3.0];
+        let c = choose(&config, &logits);
+        assert_eq!(c.experts, vec![7, 0]);
+        let (s7, s0) = (sigmoid(-3.0), sigmoid(3.0));
+        assert_eq!(c.gates, vec![s7 / (s7 + s0 + 1e-20), s0 / (s7 + s0 + 1e-20)]);
+    }
+
+    #[test]
+    fn group_limit_excludes_experts_of_unchosen_groups() {
+        let mut config = preset("deepseek-v3").unwrap().config().unwrap();
+        config.experts = 8;
+        config.top_k = Some(2);
+        config.group_limit = Some(crate::config::GroupLimit { groups: 4, top_groups: 1, score_top: 2 });
+        // Group 0 = {0,1}: best single expert (5.0) but weak partner; group 2 = {4,5}: 4.0 + 4.0.
+        let c = choose(&config, &[5.0, -5.0, 0.0, 0.0, 4.0, 4.0, 0.0, 0.0]);
+        assert_eq!(c.experts, vec![4, 5]);
+    }
+}

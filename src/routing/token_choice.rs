@@ -1,0 +1,51 @@
+//! Token choice: each token takes its k best experts; capacity (if any) then drops routes
+//! group-wide, and gates may be renormalised over the survivors.
+
+use super::capacity::{capacity, drop_routes};
+use super::scores::choose;
+use super::GroupRouting;
+use crate::config::RouterConfig;
+use crate::routing::Route;
+
+/// Routes one group; `rows` are the group's logits in priority order.
+pub(crate) fn route_group(config: &RouterConfig, rows: &[&[f32]]) -> GroupRouting {
+    let choices: Vec<_> = rows.iter().map(|row| choose(config, row)).collect();
+    let scale = config.routed_scaling;
+    let Some(cap) = &config.capacity else {
+        let routes = choices
+            .iter()
+            .map(|ch| ch.experts.iter().zip(&ch.gates).map(|(&e, &g)| kept_route(e, g * scale)).collect())
+            .collect();
+        return GroupRouting { routes, capacity: None };
+    };
+    let c = capacity(cap, rows.len(), config.k(), config.experts);
+    let dropped = drop_routes(cap, c, &choices, config.experts);
+    let mut routes: Vec<Vec<Route>> = choices
+        .iter()
+        .zip(&dropped.kept)
+        .map(|(ch, kept)| {
+            let survivors: f32 = ch.gates.iter().zip(kept).filter(|(_, &k)| k).map(|(g, _)| g).sum();
+            // DeepSpeed clamps the denominator at float32 eps.
+            let denom = if cap.renormalize_after_drop { survivors.max(f32::EPSILON) } else { 1.0 };
+            ch.experts
+                .iter()
+                .zip(&ch.gates)
+                .zip(kept)
+                .map(|((&e, &g), &k)| {
+                    let weight = if k { g / denom } else { g };
+                    Route { expert: e, weight: weight * scale, kept: k, padded: false }
+                })
+                .collect()
+        })
+        .collect();
+    for (e, tokens) in dropped.padding.iter().enumerate() {
+        for &i in tokens {
+            routes[i].push(Route { expert: e, weight: 0.0, kept: true, padded: true });
+        }
+    }
+    GroupRouting { routes, capacity: Some(c) }
+}
+
+fn kept_route(expert: usize, weight: f32) -> Route {
+    Route { expert, weight, kept: true, padded: false }
+}
