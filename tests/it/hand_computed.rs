@@ -1,0 +1,200 @@
+//! Cases computed by hand from DOMAIN.md §4: each pins one published rule.
+
+use moe_audit::config::{preset, Arithmetic, CapacityConfig, DropPolicy, Flatten, RouterConfig, ScoreFn, ScopeConfig, ScopeGroup};
+use moe_audit::routing::Route;
+use moe_audit::{assign, Logits, Routing};
+
+fn token_choice(experts: usize, k: usize, score: ScoreFn, capacity: Option<CapacityConfig>) -> RouterConfig {
+    let mut c = preset("megatron-probs").unwrap().config().unwrap();
+    c.name = "hand".into();
+    c.experts = experts;
+    c.top_k = Some(k);
+    c.score = score;
+    c.capacity = capacity;
+    c
+}
+
+fn cap(factor: f64, policy: DropPolicy, arithmetic: Arithmetic) -> CapacityConfig {
+    CapacityConfig { factor: Some(factor), fixed: None, policy, arithmetic, min: 0, pad: false, renormalize_after_drop: false }
+}
+
+fn route(config: &RouterConfig, batch: usize, rows: &[&[f32]]) -> Routing {
+    let e = rows[0].len();
+    let logits = Logits::from_shape_vec((batch, rows.len() / batch, e), rows.concat()).unwrap();
+    assign(config, logits.view()).unwrap()
+}
+
+fn kept(expert: usize, weight: f32) -> Route {
+    Route { expert, weight, kept: true, padded: false }
+}
+
+fn dropped(expert: usize, weight: f32) -> Route {
+    Route { expert, weight, kept: false, padded: false }
+}
+
+fn padded(expert: usize) -> Route {
+    Route { expert, weight: 0.0, kept: true, padded: true }
+}
+
+fn ln(p: f32) -> f32 {
+    p.ln()
+}
+
+#[test]
+fn fifty_tokens_four_experts_cf_1_2_gives_15_slots_in_megatron_and_16_in_deepspeed() {
+    // Every token wants expert 0, so the kept count shows the capacity in force.
+    let rows: Vec<&[f32]> = vec![&[1.0, 0.0, 0.0, 0.0]; 50];
+    for (arithmetic, c) in [(Arithmetic::Megatron, 15), (Arithmetic::Deepspeed, 16)] {
+        let config = token_choice(4, 1, ScoreFn::SoftmaxPre, Some(cap(1.2, DropPolicy::Position, arithmetic)));
+        let r = route(&config, 1, &rows);
+        assert_eq!(r.capacity, Some(vec![c; 4]), "{arithmetic:?}");
+        assert_eq!(r.experts_load[0].kept, c);
+        // Position policy: the first c tokens keep it.
+        assert!(r.tokens[..c].iter().all(|t| t.routes[0].kept));
+        assert!(r.tokens[c..].iter().all(|t| !t.routes[0].kept));
+    }
+}
+
+#[test]
+fn megatron_probs_a_later_stronger_token_evicts_an_earlier_one() {
+    // Scenario 1: cf 1.0, E = 2, k = 1: C = ceil(2*1/2*1) = 1.
+    let config = token_choice(2, 1, ScoreFn::SoftmaxPre, Some(cap(1.0, DropPolicy::Probs, Arithmetic::Megatron)));
+    let full = route(&config, 1, &[&[1.0, 0.0], &[3.0, 0.0]]);
+    assert!(!full.tokens[0].routes[0].kept, "token 0 is evicted by token 1");
+    assert!(full.tokens[1].routes[0].kept);
+    // The prefix alone (what a decoder sees at step 0) keeps it: the P probe's leak.
+    let prefix = route(&config, 1, &[&[1.0, 0.0]]);
+    assert!(prefix.tokens[0].routes[0].kept);
+}
+
+#[test]
+fn deepspeed_top2_every_first_choice_outranks_every_second_choice() {
+    // Scenario 5: T = 4, E = 2, k = 2, cf 0.5: C = ceil(f32(4/2) * f32(0.5*2)) = 2.
+    let mut c = cap(0.5, DropPolicy::ChoiceRank, Arithmetic::Deepspeed);
+    c.renormalize_after_drop = true;
+    let config = token_choice(2, 2, ScoreFn::SoftmaxPre, Some(c));
+    let r = route(&config, 1, &[&[1.0, 0.0], &[1.0, 0.0], &[0.0, 1.0], &[0.0, 1.0]]);
+    // Expert 1: tokens 0 and 1 chose it 2nd, tokens 2 and 3 1st: the later 1st choices win.
+    for t in 0..2 {
+        assert_eq!(r.tokens[t].routes, vec![kept(0, 1.0), dropped(1, 1.0 / (1.0 + 1f32.exp()))]);
+    }
+    for t in 2..4 {
+        assert_eq!(r.tokens[t].routes, vec![kept(1, 1.0), dropped(0, 1.0 / (1.0 + 1f32.exp()))]);
+    }
+    // Position priority would have kept tokens 0 and 1 at expert 1 instead.
+    let mut position = config.clone();
+    position.capacity.as_mut().unwrap().policy = DropPolicy::Position;
+    let r = route(&position, 1, &[&[1.0, 0.0], &[1.0, 0.0], &[0.0, 1.0], &[0.0, 1.0]]);
+    assert!(r.tokens[0].routes[1].kept && !r.tokens[2].routes[0].kept);
+}
+
+#[test]
+fn renormalising_after_a_drop_turns_0_73_into_1() {
+    // Scenario 4: token 0's gates are 0.73 / 0.27; token 1 takes expert 1 with 0.9, so token 0's
+    // 2nd route is dropped and its surviving weight becomes 1.0 while its expert ids stay the same.
+    let mut c = cap(0.5, DropPolicy::Probs, Arithmetic::Deepspeed);
+    c.renormalize_after_drop = true;
+    let config = token_choice(2, 2, ScoreFn::SoftmaxPre, Some(c));
+    let full = route(&config, 1, &[&[ln(0.73), ln(0.27)], &[ln(0.1), ln(0.9)]]);
+    assert_eq!(full.capacity, Some(vec![1, 1]));
+    let t0 = &full.tokens[0].routes;
+    assert_eq!((t0[0].expert, t0[0].weight, t0[0].kept), (0, 1.0, true));
+    assert_eq!((t0[1].expert, t0[1].kept), (1, false));
+    let prefix = route(&config, 1, &[&[ln(0.73), ln(0.27)]]);
+    let w: Vec<f32> = prefix.tokens[0].routes.iter().map(|r| r.weight).collect();
+    assert!((w[0] - 0.73).abs() < 1e-6 && (w[1] - 0.27).abs() < 1e-6, "{w:?}");
+    assert!(prefix.tokens[0].routes.iter().all(|r| r.kept));
+}
+
+#[test]
+fn pad_to_capacity_fills_with_the_lowest_index_non_routed_tokens_at_gate_0() {
+    // T = 4, E = 2, k = 1, cf 1: C = 2. Everyone wants expert 0; it keeps the two largest gates
+    // (tokens 1 and 3). Expert 1 got no route, so it is padded with tokens 0 and 1.
+    let mut c = cap(1.0, DropPolicy::Probs, Arithmetic::Megatron);
+    c.pad = true;
+    let config = token_choice(2, 1, ScoreFn::SoftmaxPre, Some(c));
+    let r = route(&config, 1, &[&[2.0, 0.0], &[3.0, 0.0], &[1.0, 0.0], &[4.0, 0.0]]);
+    let p = |l: f32| 1.0 / (1.0 + (-l).exp());
+    assert_eq!(r.tokens[0].routes, vec![dropped(0, p(2.0)), padded(1)]);
+    assert_eq!(r.tokens[1].routes, vec![kept(0, p(3.0)), padded(1)]);
+    assert_eq!(r.tokens[2].routes, vec![dropped(0, p(1.0))]);
+    assert_eq!(r.tokens[3].routes, vec![kept(0, p(4.0))]);
+    assert_eq!((r.experts_load[1].routed, r.experts_load[1].kept, r.experts_load[1].padded), (0, 0, 2));
+}
+
+#[test]
+fn pad_to_capacity_skips_tokens_already_routed_to_the_expert() {
+    // Expert 1 has one route (token 2); the one missing slot goes to token 0.
+    let mut c = cap(1.0, DropPolicy::Probs, Arithmetic::Megatron);
+    c.pad = true;
+    let config = token_choice(2, 1, ScoreFn::SoftmaxPre, Some(c));
+    let r = route(&config, 1, &[&[2.0, 0.0], &[3.0, 0.0], &[0.0, 1.0], &[4.0, 0.0]]);
+    assert_eq!(r.tokens[0].routes[1], padded(1));
+    assert!(r.tokens[1].routes.iter().all(|x| !x.padded));
+    assert_eq!(r.experts_load[1].padded, 1);
+}
+
+#[test]
+fn position_major_flattening_puts_sequence_1_position_0_before_sequence_0_position_1() {
+    // Megatron [S, B]: order is (b0,s0), (b1,s0), (b0,s1), (b1,s1). T = 4, E = 2, k = 1: C = 2.
+    let config = token_choice(2, 1, ScoreFn::SoftmaxPre, Some(cap(1.0, DropPolicy::Position, Arithmetic::Megatron)));
+    let rows: [&[f32]; 4] = [&[1.0, 0.0]; 4];
+    let r = route(&config, 2, &rows);
+    let kept_at = |b, s| r.token(b, s).routes[0].kept;
+    assert!(kept_at(0, 0) && kept_at(1, 0) && !kept_at(0, 1) && !kept_at(1, 1));
+    let mut seq_major = config.clone();
+    seq_major.scope.flatten = Flatten::SequenceMajor;
+    let r = route(&seq_major, 2, &rows);
+    let kept_at = |b, s| r.token(b, s).routes[0].kept;
+    assert!(kept_at(0, 0) && kept_at(0, 1) && !kept_at(1, 0) && !kept_at(1, 1));
+}
+
+#[test]
+fn switch_capacity_is_per_sequence_and_first_come() {
+    let mut config = preset("switch").unwrap().config().unwrap();
+    config.experts = 2;
+    config.capacity.as_mut().unwrap().fixed = Some(1);
+    let rows: [&[f32]; 4] = [&[1.0, 0.0]; 4];
+    let r = route(&config, 2, &rows);
+    assert_eq!(r.scope.groups.len(), 2);
+    assert_eq!(r.capacity, Some(vec![2, 2]), "one slot per expert in each of two sequences");
+    let kept_at = |b, s| r.token(b, s).routes[0].kept;
+    assert!(kept_at(0, 0) && !kept_at(0, 1) && kept_at(1, 0) && !kept_at(1, 1));
+}
+
+#[test]
+fn expert_choice_each_expert_takes_its_top_c_tokens() {
+    // E = 2, T = 4, cf 1: C = round(1*4/2) = 2. Expert 0 takes tokens 3 and 0, expert 1 tokens 1 and 2.
+    let mut config = preset("expert-choice").unwrap().config().unwrap();
+    config.experts = 2;
+    config.capacity.as_mut().unwrap().factor = Some(1.0);
+    let r = route(&config, 1, &[&[1.0, 0.0], &[0.0, 1.0], &[0.0, 2.0], &[3.0, 0.0]]);
+    let experts = |t: usize| r.tokens[t].routes.iter().map(|x| x.expert).collect::<Vec<_>>();
+    assert_eq!((experts(0), experts(1), experts(2), experts(3)), (vec![0], vec![1], vec![1], vec![0]));
+    assert_eq!(r.top_k, None);
+    // Token 0 loses expert 0 when a later token wants it more: not causal.
+    let r = route(&config, 1, &[&[1.0, 0.0], &[0.0, 1.0], &[2.0, 0.0], &[3.0, 0.0]]);
+    assert!(r.tokens[0].routes.iter().all(|x| x.expert != 0));
+}
+
+#[test]
+fn tokens_groups_split_the_flattened_order() {
+    let mut config = token_choice(2, 1, ScoreFn::SoftmaxPre, Some(cap(1.0, DropPolicy::Position, Arithmetic::Megatron)));
+    config.scope = ScopeConfig { group: ScopeGroup::Tokens(3), flatten: Flatten::SequenceMajor };
+    let rows: [&[f32]; 4] = [&[1.0, 0.0]; 4];
+    let r = route(&config, 1, &rows);
+    // Groups of 3 and 1 tokens: capacities ceil(3/2) = 2 and ceil(1/2) = 1.
+    let caps: Vec<_> = r.scope.groups.iter().map(|g| (g.tokens, g.capacity)).collect();
+    assert_eq!(caps, vec![(3, Some(2)), (1, Some(1))]);
+    let kept: Vec<bool> = r.tokens.iter().map(|t| t.routes[0].kept).collect();
+    assert_eq!(kept, vec![true, true, false, true]);
+}
+
+#[test]
+fn non_finite_scores_are_errors_naming_batch_position_and_expert() {
+    let config = token_choice(2, 1, ScoreFn::SoftmaxPre, None);
+    let mut logits = Logits::zeros((2, 3, 2));
+    logits[[1, 2, 1]] = f32::NAN;
+    let err = assign(&config, logits.view()).unwrap_err().to_string();
+    assert_eq!(err, "non-finite score NaN at batch 1, position 2, expert 1");
+}

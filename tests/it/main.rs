@@ -1,0 +1,7 @@
+//! Behaviour tests, one file per feature area, in one integration binary.
+
+mod cli;
+mod hand_computed;
+mod invariants;
+mod layer;
+mod snapshots;
