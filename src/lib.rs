@@ -6,6 +6,7 @@
 //! record) → [`layer`] (dispatch → experts → combine).
 #![warn(missing_docs)]
 
+pub mod analyze;
 pub mod cli;
 pub mod config;
 pub mod error;
@@ -16,4 +17,4 @@ pub mod routing;
 pub use config::RouterConfig;
 pub use error::{Error, Result};
 pub use router::{ConfigRouter, Router};
-pub use routing::{assign, Logits, Routing};
+pub use routing::{assign, assign_masked, Logits, Routing};

@@ -5,10 +5,10 @@
 
 use crate::config::RouterConfig;
 use crate::error::{Error, Result};
-use crate::routing::{assign, Logits, Routing};
+use crate::routing::{assign, assign_masked, Logits, Routing};
 use candle_core::{DType, Module, Tensor};
 use candle_nn::{Linear, VarBuilder};
-use ndarray::ArrayView3;
+use ndarray::{ArrayView2, ArrayView3};
 
 /// Anything that routes tokens to experts. The analyzer sees routers only through this trait.
 pub trait Router: Send + Sync {
@@ -16,6 +16,14 @@ pub trait Router: Send + Sync {
     fn name(&self) -> &str;
     /// Number of experts E.
     fn experts(&self) -> usize;
+    /// Hidden size the score stage takes; `None` for a router fed logits directly.
+    fn hidden_size(&self) -> Option<usize> {
+        None
+    }
+    /// The built-in configuration, when the router has one (witnesses then replay from it).
+    fn config(&self) -> Option<&RouterConfig> {
+        None
+    }
     /// Stage 1: gate logits.
     ///
     /// # Shapes
@@ -26,6 +34,22 @@ pub trait Router: Send + Sync {
     /// # Shapes
     /// `logits`: `[batch, seq_len, experts]`.
     fn assign(&self, logits: ArrayView3<f32>) -> Result<Routing>;
+    /// Whether [`Router::assign_masked`] takes a padding mask.
+    fn accepts_padding_mask(&self) -> bool {
+        false
+    }
+    /// Stage 2 with a padding mask (`true` = padding).
+    ///
+    /// # Shapes
+    /// `logits`: `[batch, seq_len, experts]`; `padding`: `[batch, seq_len]`.
+    fn assign_masked(&self, logits: ArrayView3<f32>, padding: ArrayView2<bool>) -> Result<Routing> {
+        let _ = (logits, padding);
+        Err(Error::shape(&format!("router `{}`", self.name()), "the router takes no padding mask"))
+    }
+    /// The router used when serving, if it differs from this one (`[inference]`).
+    fn inference(&self) -> Result<Option<Box<dyn Router>>> {
+        Ok(None)
+    }
     /// Both stages.
     fn route(&self, hidden: &Tensor) -> Result<Routing> {
         self.assign(logits_to_host(&self.scores(hidden)?)?.view())
@@ -53,9 +77,15 @@ impl ConfigRouter {
         Ok(Self { config, gate: Linear::new(weight, None) })
     }
 
-    /// The configuration this router follows.
-    pub fn config(&self) -> &RouterConfig {
-        &self.config
+    /// The same gate under another configuration (the `[inference]` one, say).
+    pub fn with_config(&self, config: RouterConfig) -> Result<Self> {
+        if config.experts != self.config.experts {
+            return Err(Error::shape(
+                &format!("router `{}`", config.name),
+                format!("{} experts, the gate has {}", config.experts, self.config.experts),
+            ));
+        }
+        Ok(Self { config, gate: self.gate.clone() })
     }
 
     /// The gate matrix `[experts, hidden]`.
@@ -89,7 +119,30 @@ impl Router for ConfigRouter {
         Ok(self.gate.forward(hidden)?)
     }
 
+    fn hidden_size(&self) -> Option<usize> {
+        self.gate.weight().dims2().ok().map(|(_, h)| h)
+    }
+
+    fn config(&self) -> Option<&RouterConfig> {
+        Some(&self.config)
+    }
+
     fn assign(&self, logits: ArrayView3<f32>) -> Result<Routing> {
         assign(&self.config, logits)
+    }
+
+    fn accepts_padding_mask(&self) -> bool {
+        self.config.padding_mask.is_some()
+    }
+
+    fn assign_masked(&self, logits: ArrayView3<f32>, padding: ArrayView2<bool>) -> Result<Routing> {
+        assign_masked(&self.config, logits, Some(padding))
+    }
+
+    fn inference(&self) -> Result<Option<Box<dyn Router>>> {
+        Ok(match self.config.inference_config()? {
+            Some(config) => Some(Box::new(self.with_config(config)?)),
+            None => None,
+        })
     }
 }

@@ -1,5 +1,6 @@
 //! The command line: clap structs (dumb), one function per command, output formats.
 
+mod check;
 mod route;
 
 use crate::config::presets;
@@ -7,6 +8,7 @@ use crate::error::Result;
 use clap::{Parser, Subcommand};
 use std::io::Write;
 
+pub use check::{verdicts, CheckArgs, ZooArgs};
 pub use route::RouteArgs;
 
 /// Audit Mixture-of-Experts routers for train/inference causality leaks.
@@ -25,6 +27,10 @@ pub enum Command {
     Presets,
     /// Route seeded inputs (or given logits) and print the routing record and load summary.
     Route(RouteArgs),
+    /// Audit routers for causality leaks (exit 0 no leak, 1 leak, 2 error).
+    Check(CheckArgs),
+    /// Audit every preset at default sizes and print the verdicts beside load balance.
+    Zoo(ZooArgs),
 }
 
 /// Runs a parsed command, writing its output to `out`. Returns the process exit code.
@@ -38,6 +44,8 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<u8> {
             Ok(0)
         }
         Command::Route(args) => route::run(&args, out),
+        Command::Check(args) => check::run(&args, out),
+        Command::Zoo(args) => check::zoo(&args, out),
     }
 }
 

@@ -50,6 +50,22 @@ pub struct RouterConfig {
     /// Which tokens compete with each other.
     #[serde(default)]
     pub scope: ScopeConfig,
+    /// How the router treats padding when given a padding mask; absent: it takes no mask.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub padding_mask: Option<PaddingMask>,
+    /// Fields overridden when serving (`[inference]`); `dropless = true` removes the capacity.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inference: Option<toml::Table>,
+}
+
+/// What a router that accepts a padding mask does with padding tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PaddingMask {
+    /// Padding gets no routes and does not count toward the capacity.
+    Exclude,
+    /// Padding is routed like any token and takes capacity (the bug of scenario 11).
+    Compete,
 }
 
 fn one() -> f32 {
@@ -243,7 +259,38 @@ impl RouterConfig {
             Error::config(source_name, &field, message)
         })?;
         config.validate().map_err(|(field, message)| Error::config(source_name, field, message))?;
+        config.inference_config_from(source_name)?;
         Ok(config)
+    }
+
+    /// The configuration used when serving: this one with the `[inference]` overrides applied, or
+    /// `None` when the router declares no `[inference]` table.
+    pub fn inference_config(&self) -> Result<Option<RouterConfig>> {
+        self.inference_config_from(&self.name)
+    }
+
+    fn inference_config_from(&self, source_name: &str) -> Result<Option<RouterConfig>> {
+        let Some(overrides) = &self.inference else { return Ok(None) };
+        let mut base = RouterConfig { inference: None, ..self.clone() };
+        let mut overrides = overrides.clone();
+        if let Some(dropless) = overrides.remove("dropless") {
+            match dropless {
+                toml::Value::Boolean(true) => base.capacity = None,
+                toml::Value::Boolean(false) => {}
+                other => return Err(Error::config(source_name, "inference.dropless", format!("must be true or false, got {other}"))),
+            }
+        }
+        let mut table = toml::Table::try_from(&base).expect("a config always serialises to TOML");
+        merge(&mut table, overrides);
+        let text = toml::to_string(&table).expect("a TOML table always serialises");
+        let inference = RouterConfig::from_toml(&text, source_name).map_err(|e| match e {
+            Error::Config { source_name, field, message } => Error::Config { source_name, field: format!("inference.{field}"), message },
+            other => other,
+        })?;
+        if inference.inference.is_some() {
+            return Err(Error::config(source_name, "inference.inference", "an [inference] table cannot nest another"));
+        }
+        Ok(Some(inference))
     }
 
     /// Reads, parses and validates a TOML file.
@@ -278,6 +325,18 @@ impl RouterConfig {
             ScoreFn::SoftmaxPost => true,
             ScoreFn::SoftmaxPre => self.normalize.unwrap_or(false),
             ScoreFn::Sigmoid => self.normalize.unwrap_or(true) && self.k() > 1,
+        }
+    }
+}
+
+/// Deep-merges `overrides` into `table`: nested tables merge, other values replace.
+fn merge(table: &mut toml::Table, overrides: toml::Table) {
+    for (key, value) in overrides {
+        match (table.get_mut(&key), value) {
+            (Some(toml::Value::Table(t)), toml::Value::Table(o)) => merge(t, o),
+            (_, value) => {
+                table.insert(key, value);
+            }
         }
     }
 }

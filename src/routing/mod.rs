@@ -16,9 +16,9 @@ mod token_choice;
 pub use record::{ExpertLoad, GroupRecord, LoadStats, Route, Routing, ScopeRecord, TokenRouting};
 pub use table::render_table;
 
-use crate::config::{RouterConfig, RouterKind};
+use crate::config::{PaddingMask, RouterConfig, RouterKind};
 use crate::error::{Error, Result};
-use ndarray::ArrayView3;
+use ndarray::{ArrayView2, ArrayView3};
 
 /// Host-side logits of one call, `[batch, seq_len, experts]`.
 pub type Logits = ndarray::Array3<f32>;
@@ -34,7 +34,31 @@ pub(crate) struct GroupRouting {
 /// # Shapes
 /// `logits`: `[batch, seq_len, experts]`, finite.
 pub fn assign(config: &RouterConfig, logits: ArrayView3<f32>) -> Result<Routing> {
+    assign_masked(config, logits, None)
+}
+
+/// [`assign`] with a padding mask (`true` = padding), for routers whose config declares
+/// `padding_mask`: with `exclude`, padding tokens get no routes and do not count toward capacity;
+/// with `compete`, they are routed like any token.
+///
+/// # Shapes
+/// `logits`: `[batch, seq_len, experts]`; `padding`: `[batch, seq_len]`.
+pub fn assign_masked(config: &RouterConfig, logits: ArrayView3<f32>, padding: Option<ArrayView2<bool>>) -> Result<Routing> {
     let (batch, seq_len, experts) = logits.dim();
+    if let Some(mask) = &padding {
+        if config.padding_mask.is_none() {
+            return Err(Error::shape(&format!("router `{}`", config.name), "the router takes no padding mask (set `padding_mask`)".to_string()));
+        }
+        if mask.dim() != (batch, seq_len) {
+            return Err(Error::shape(
+                &format!("router `{}`", config.name),
+                format!("padding mask is {:?}, logits are [{batch}, {seq_len}, {experts}]", mask.dim()),
+            ));
+        }
+    }
+    let excluded = |i: usize| {
+        config.padding_mask == Some(PaddingMask::Exclude) && padding.as_ref().is_some_and(|m| m[[i / seq_len, i % seq_len]])
+    };
     if experts != config.experts {
         return Err(Error::shape(
             &format!("router `{}`", config.name),
@@ -53,7 +77,8 @@ pub fn assign(config: &RouterConfig, logits: ArrayView3<f32>) -> Result<Routing>
         .map(|i| TokenRouting { batch: i / seq_len, pos: i % seq_len, group: 0, routes: Vec::new() })
         .collect();
     let mut groups = Vec::new();
-    for (g, members) in scope::groups(&config.scope, batch, seq_len).into_iter().enumerate() {
+    for (g, mut members) in scope::groups(&config.scope, batch, seq_len).into_iter().enumerate() {
+        members.retain(|&i| !excluded(i));
         let rows: Vec<&[f32]> = members.iter().map(|&i| row(i)).collect();
         let routed = match config.kind {
             RouterKind::TokenChoice => token_choice::route_group(config, &rows),

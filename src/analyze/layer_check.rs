@@ -1,0 +1,120 @@
+//! The layer half of the audit: the score stage must be per token (checked once), and on one
+//! sample case per probe the whole layer runs, so an output that changes while the routing does
+//! not (a layer bug) is caught. Output differences within f32 summation noise are drift.
+
+use super::{Finding, Probe, Verdict};
+use crate::error::Result;
+use crate::layer::{MoeLayer, Seeded};
+use crate::router::{logits_to_host, Router};
+use crate::routing::{Logits, Routing};
+use crate::analyze::compare::diff_token;
+use candle_core::{Device, Tensor};
+
+/// Relative output tolerance: matmuls of different row counts may block and sum differently.
+const OUTPUT_TOLERANCE: f64 = 1e-4;
+/// Tolerance on recomputed logits (same reason).
+const SCORE_TOLERANCE: f32 = 1e-4;
+
+/// Scores of a truncated and of a re-ordered batch must equal the full batch's scores.
+pub(super) fn scores_per_token(router: &dyn Router, x: &Tensor, logits: &Logits) -> Result<Vec<String>> {
+    let (b, s, _) = x.dims3()?;
+    let mut out = Vec::new();
+    let half = s.div_ceil(2);
+    let prefix = logits_to_host(&router.scores(&x.narrow(1, 0, half)?)?)?;
+    let reversed = logits_to_host(&router.scores(&x.flip(&[0])?.contiguous()?)?)?;
+    for bi in 0..b {
+        for p in 0..s {
+            for e in 0..logits.dim().2 {
+                let want = logits[[bi, p, e]];
+                let tol = SCORE_TOLERANCE * (1.0 + want.abs());
+                if p < half && (prefix[[bi, p, e]] - want).abs() > tol {
+                    out.push(format!("scores are not per token: truncating the batch changes batch {bi}, position {p}"));
+                    return Ok(out);
+                }
+                if (reversed[[b - 1 - bi, p, e]] - want).abs() > tol {
+                    out.push(format!("scores are not per token: re-ordering the batch changes batch {bi}, position {p}"));
+                    return Ok(out);
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Runs the layer on one hidden-state version of the probe and folds the result into `finding`.
+pub(super) fn sample(layer: &MoeLayer, x: &Tensor, probe: Probe, finding: &mut Finding, seed: u64) -> Result<()> {
+    if finding.verdict == Verdict::NotApplicable || probe == Probe::M {
+        return Ok(());
+    }
+    let (b, s, h) = x.dims3()?;
+    let fresh = |n: usize, salt: u64| Seeded::new(seed ^ salt).normal(&[1, n, h], &Device::Cpu);
+    // (changed input, for each sequence of x its index there, positions compared per sequence)
+    let (xb, seq_map, compare): (Tensor, Vec<Option<usize>>, Vec<usize>) = match probe {
+        Probe::P => (x.narrow(1, 0, s.div_ceil(2))?, (0..b).map(Some).collect(), vec![s.div_ceil(2); b]),
+        Probe::F => {
+            let t = s / 2;
+            let mut v = x.flatten_all()?.to_vec1::<f32>()?;
+            let later = fresh(s - t - 1, 0xf)?.flatten_all()?.to_vec1::<f32>()?;
+            v[(t + 1) * h..s * h].copy_from_slice(&later);
+            let mut compare = vec![0; b];
+            compare[0] = t + 1;
+            (Tensor::from_vec(v, (b, s, h), x.device())?, (0..b).map(Some).collect(), compare)
+        }
+        Probe::N => {
+            let replaced = Tensor::cat(&[&x.narrow(0, 0, b - 1)?, &fresh(s, 0xa)?], 0)?;
+            let mut compare = vec![s; b];
+            compare[b - 1] = 0;
+            (replaced, (0..b).map(Some).collect(), compare)
+        }
+        Probe::R => (x.flip(&[0])?.contiguous()?, (0..b).map(|i| Some(b - 1 - i)).collect(), vec![s; b]),
+        Probe::D | Probe::S => {
+            if probe == Probe::S {
+                layer.forward(&fresh(s, 0x5)?.broadcast_as((b, s, h))?.contiguous()?)?;
+            }
+            (x.clone(), (0..b).map(Some).collect(), vec![s; b])
+        }
+        Probe::M => unreachable!("returned above"),
+    };
+    let (ya, ra) = layer.forward(x)?;
+    let (yb, rb) = layer.forward(&xb.contiguous()?)?;
+    let (leaks, drift) = compare_outputs(&ya, &ra, &yb, &rb, &seq_map, &compare, probe == Probe::D || probe == Probe::S)?;
+    finding.output_leaks += leaks;
+    finding.output_drift = drift;
+    if leaks > 0 {
+        finding.verdict = Verdict::Leak;
+    }
+    Ok(())
+}
+
+/// Tokens with identical routing must have equal outputs: bit for bit when `exact`, else within
+/// the f32 tolerance. Returns (tokens over tolerance, largest relative difference within it).
+fn compare_outputs(
+    ya: &Tensor,
+    ra: &Routing,
+    yb: &Tensor,
+    rb: &Routing,
+    seq_map: &[Option<usize>],
+    compare: &[usize],
+    exact: bool,
+) -> Result<(usize, Option<f64>)> {
+    let scale = |y: &Tensor| -> Result<Vec<Vec<Vec<f32>>>> { Ok(y.to_dtype(candle_core::DType::F32)?.to_vec3()?) };
+    let (va, vb) = (scale(ya)?, scale(yb)?);
+    let (mut leaks, mut drift) = (0usize, None::<f64>);
+    for (i, (&n, map)) in compare.iter().zip(seq_map).enumerate() {
+        let Some(j) = *map else { continue };
+        for p in 0..n {
+            if diff_token(ra, (i, p), rb, (j, p)).any() {
+                continue;
+            }
+            let (a, b) = (&va[i][p], &vb[j][p]);
+            let norm = a.iter().fold(1.0f64, |m, v| m.max(f64::from(v.abs())));
+            let diff = a.iter().zip(b).fold(0.0f64, |m, (x, y)| m.max(f64::from((x - y).abs()))) / norm;
+            if (exact && diff > 0.0) || diff > OUTPUT_TOLERANCE {
+                leaks += 1;
+            } else if diff > 0.0 {
+                drift = Some(drift.map_or(diff, |d| d.max(diff)));
+            }
+        }
+    }
+    Ok((leaks, drift))
+}

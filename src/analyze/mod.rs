@@ -1,0 +1,474 @@
+//! The causality analyzer: probes perturb, truncate and re-batch a router's input, compare full
+//! routing records token by token, and report every leak with a minimal, replayable witness.
+//!
+//! Probes run the assignment stage on logits (cheap, exact); the score stage is checked once to
+//! be per token, and the MoE layer is run on a sample of each probe so layer bugs (outputs that
+//! change while routing does not) are caught too.
+
+mod case;
+pub mod compare;
+mod layer_check;
+mod probes;
+pub mod report;
+pub mod witness;
+
+pub use case::{Call, Case};
+pub use witness::Witness;
+
+use crate::error::{Error, Result};
+use crate::layer::{MoeLayer, Seeded};
+use crate::router::{logits_to_host, Router};
+use crate::routing::{LoadStats, Routing};
+use candle_core::Device;
+use case::Outcome;
+use probes::Ctx;
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// A probe: one way of changing the input that must not change a token's routing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum Probe {
+    /// Prefix: truncate after t.
+    P,
+    /// Future: change tokens after t.
+    F,
+    /// Neighbour: change another sequence.
+    N,
+    /// Re-batch: permute, resize, pad.
+    R,
+    /// Repeat: the same call twice.
+    D,
+    /// Replay: the same call after a different call.
+    S,
+    /// Mode: training versus inference configuration.
+    M,
+}
+
+impl Probe {
+    /// All probes, in report order.
+    pub const ALL: [Probe; 7] = [Probe::P, Probe::F, Probe::N, Probe::R, Probe::D, Probe::S, Probe::M];
+
+    /// The property the probe tests.
+    pub fn property(self) -> Property {
+        match self {
+            Probe::P => Property::CLength,
+            Probe::F => Property::CContent,
+            Probe::N | Probe::R => Property::B,
+            Probe::D => Property::D,
+            Probe::S => Property::S,
+            Probe::M => Property::TI,
+        }
+    }
+
+    /// Its long name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Probe::P => "prefix",
+            Probe::F => "future",
+            Probe::N => "neighbour",
+            Probe::R => "re-batch",
+            Probe::D => "repeat",
+            Probe::S => "replay",
+            Probe::M => "mode",
+        }
+    }
+
+    /// Parses a comma-separated list such as `P,F,N`.
+    pub fn parse_list(list: &str) -> Result<Vec<Probe>> {
+        let mut probes = Vec::new();
+        for item in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let probe = match item.to_ascii_uppercase().as_str() {
+                "P" => Probe::P,
+                "F" => Probe::F,
+                "N" => Probe::N,
+                "R" => Probe::R,
+                "D" => Probe::D,
+                "S" => Probe::S,
+                "M" => Probe::M,
+                _ => return Err(Error::Usage(format!("--probes: unknown probe `{item}`, expected some of P,F,N,R,D,S,M"))),
+            };
+            if !probes.contains(&probe) {
+                probes.push(probe);
+            }
+        }
+        if probes.is_empty() {
+            return Err(Error::Usage("--probes: no probe given".into()));
+        }
+        probes.sort();
+        Ok(probes)
+    }
+}
+
+impl fmt::Display for Probe {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{self:?}")
+    }
+}
+
+/// The properties of DOMAIN.md §2.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Property {
+    /// Causal in content.
+    #[serde(rename = "C-content")]
+    CContent,
+    /// Causal in length.
+    #[serde(rename = "C-length")]
+    CLength,
+    /// Batch-invariant.
+    B,
+    /// Deterministic.
+    D,
+    /// Stateless.
+    S,
+    /// Train = inference.
+    #[serde(rename = "T/I")]
+    TI,
+    /// Layout-invariant.
+    L,
+}
+
+impl fmt::Display for Property {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Property::CContent => "C-content",
+            Property::CLength => "C-length",
+            Property::B => "B",
+            Property::D => "D",
+            Property::S => "S",
+            Property::TI => "T/I",
+            Property::L => "L",
+        })
+    }
+}
+
+/// A probe's verdict.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Verdict {
+    /// No token's routing or output changed.
+    Pass,
+    /// Some token's routing or output changed.
+    Leak,
+    /// The probe cannot apply (batch of 1, no `[inference]` table, ...).
+    NotApplicable,
+}
+
+/// Audit sizes and knobs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AuditOptions {
+    /// Probes to run.
+    pub probes: Vec<Probe>,
+    /// Sequences per call.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq_len: usize,
+    /// Trials of the randomised probes (F, N, R).
+    pub trials: usize,
+    /// Seed of every random choice.
+    pub seed: u64,
+}
+
+impl Default for AuditOptions {
+    fn default() -> Self {
+        AuditOptions { probes: Probe::ALL.to_vec(), batch: 4, seq_len: 128, trials: 32, seed: 0 }
+    }
+}
+
+/// Counts of how far after a token the change that affected it was: bucket `[from, to]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InfluenceBucket {
+    /// Smallest distance in the bucket.
+    pub from: usize,
+    /// Largest distance in the bucket.
+    pub to: usize,
+    /// Affected tokens.
+    pub count: usize,
+}
+
+/// The result of one probe on one router.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Finding {
+    /// The probe.
+    pub probe: Probe,
+    /// Pass, leak or not applicable.
+    pub verdict: Verdict,
+    /// The property the probe tests.
+    pub property: Property,
+    /// Tokens compared over all cases.
+    pub compared: usize,
+    /// Tokens whose routing decision changed (ids, order, kept, padding, weights).
+    pub affected: usize,
+    /// `affected / compared`.
+    pub rate: f64,
+    /// Whether the capacity in force changed for some token.
+    pub capacity_changed: bool,
+    /// Smallest position of an affected token.
+    pub first_position: Option<usize>,
+    /// How far after t the change that affected t was (same-sequence changes only).
+    pub influence: Vec<InfluenceBucket>,
+    /// Layer sample: tokens whose output changed although their routing did not.
+    pub output_leaks: usize,
+    /// Layer sample: largest relative output difference among tokens with identical routing
+    /// that stayed within the f32 tolerance (numeric drift, never a leak).
+    pub output_drift: Option<f64>,
+    /// One line on what was done or why the probe does not apply.
+    pub note: String,
+    /// A minimal pair of inputs that reproduces the leak.
+    pub witness: Option<Witness>,
+}
+
+/// Everything found about one router.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RouterReport {
+    /// The router's name.
+    pub router: String,
+    /// Load balance of the base call.
+    pub load: LoadStats,
+    /// Invariant violations (capacity exceeded, capacity not the declared formula, scores not
+    /// per token); empty when all hold.
+    pub invariants: Vec<String>,
+    /// One finding per probe run.
+    pub findings: Vec<Finding>,
+}
+
+impl RouterReport {
+    /// Whether any probe found a leak or any invariant failed.
+    pub fn leaks(&self) -> bool {
+        !self.invariants.is_empty() || self.findings.iter().any(|f| f.verdict == Verdict::Leak)
+    }
+
+    /// The finding of `probe`, if it ran.
+    pub fn finding(&self, probe: Probe) -> Option<&Finding> {
+        self.findings.iter().find(|f| f.probe == probe)
+    }
+}
+
+/// A whole audit.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Report {
+    /// The options the audit ran with.
+    pub options: AuditOptions,
+    /// One report per router.
+    pub routers: Vec<RouterReport>,
+}
+
+impl Report {
+    /// Whether any router leaks.
+    pub fn leaks(&self) -> bool {
+        self.routers.iter().any(RouterReport::leaks)
+    }
+}
+
+/// What is audited: a router, and optionally the layer around it (outputs are then checked too).
+pub struct Subject<'a> {
+    /// The router.
+    pub router: &'a dyn Router,
+    /// The layer whose outputs are sampled.
+    pub layer: Option<&'a MoeLayer>,
+}
+
+impl<'a> Subject<'a> {
+    /// A layer and its router.
+    pub fn layer(layer: &'a MoeLayer) -> Self {
+        Subject { router: layer.router(), layer: Some(layer) }
+    }
+}
+
+/// Audits one subject; `tick` is called once per probe (progress).
+pub fn audit(subject: &Subject, options: &AuditOptions, tick: &mut dyn FnMut(&str)) -> Result<RouterReport> {
+    let (b, s) = (options.batch, options.seq_len);
+    if b == 0 || s == 0 {
+        return Err(Error::Usage(format!("--batch and --seq-len must be at least 1, got {b} and {s}")));
+    }
+    let router = subject.router;
+    let hidden = match router.hidden_size() {
+        Some(h) => Some(Seeded::new(options.seed).normal(&[b, s, h], &Device::Cpu)?),
+        None => None,
+    };
+    let logits = match &hidden {
+        Some(x) => logits_to_host(&router.scores(x)?)?,
+        None => {
+            let t = Seeded::new(options.seed).normal(&[b, s, router.experts()], &Device::Cpu)?;
+            crate::routing::Logits::from_shape_vec((b, s, router.experts()), t.flatten_all()?.to_vec1()?).expect("shape")
+        }
+    };
+    let base = Call::new(logits);
+    let base_routing = base.route(router)?;
+    let mut invariants = invariant_violations(router, &base_routing);
+    if let Some(x) = &hidden {
+        invariants.extend(layer_check::scores_per_token(router, x, &base.logits)?);
+    }
+    let ctx = Ctx { router, base, base_routing, trials: options.trials, seed: options.seed };
+    let mut findings = Vec::new();
+    for &probe in &options.probes {
+        tick(&format!("{} {}", router.name(), probe.name()));
+        let mut finding = run_probe(&ctx, probe)?;
+        if let (Some(layer), Some(x)) = (subject.layer, &hidden) {
+            layer_check::sample(layer, x, probe, &mut finding, options.seed)?;
+        }
+        findings.push(finding);
+    }
+    Ok(RouterReport { router: router.name().to_string(), load: ctx.base_routing.stats, invariants, findings })
+}
+
+fn run_probe(ctx: &Ctx, probe: Probe) -> Result<Finding> {
+    let mut finding = Finding {
+        probe,
+        verdict: Verdict::Pass,
+        property: probe.property(),
+        compared: 0,
+        affected: 0,
+        rate: 0.0,
+        capacity_changed: false,
+        first_position: None,
+        influence: Vec::new(),
+        output_leaks: 0,
+        output_drift: None,
+        note: String::new(),
+        witness: None,
+    };
+    let cases = match probe {
+        Probe::P => probes::prefix(ctx),
+        Probe::F => probes::future(ctx)?,
+        Probe::N => probes::neighbour(ctx)?,
+        Probe::R => probes::rebatch(ctx)?,
+        Probe::D | Probe::S | Probe::M => return repeat_probe(ctx, probe, finding),
+    };
+    if cases.is_empty() {
+        finding.verdict = Verdict::NotApplicable;
+        finding.note = match probe {
+            Probe::N => "needs a batch of 2 or more".into(),
+            _ => "needs a sequence of 2 or more tokens".into(),
+        };
+        return Ok(finding);
+    }
+    finding.note = format!("{} cases", cases.len());
+    let mut first_leak: Option<(Case, case::Affected)> = None;
+    let mut distances = Vec::new();
+    for case in &cases {
+        let rb = case.b.route(ctx.router)?;
+        let outcome = case.compare(&ctx.base_routing, &rb);
+        absorb(&mut finding, &outcome, &mut distances);
+        if first_leak.is_none() {
+            if let Some(hit) = pick_witness_token(&outcome) {
+                first_leak = Some((case.clone(), hit));
+            }
+        }
+    }
+    finish(&mut finding, &distances);
+    if let Some((case, hit)) = first_leak {
+        finding.witness = witness::build(ctx.router, probe, &case, (hit.batch, hit.pos))?;
+    }
+    Ok(finding)
+}
+
+/// Prefers a token whose decision changed over one whose capacity alone changed.
+fn pick_witness_token(outcome: &Outcome) -> Option<case::Affected> {
+    outcome.affected.iter().find(|a| a.diff.decision()).or(outcome.affected.first()).copied()
+}
+
+fn absorb(finding: &mut Finding, outcome: &Outcome, distances: &mut Vec<usize>) {
+    finding.compared += outcome.compared;
+    for a in &outcome.affected {
+        finding.capacity_changed |= a.diff.capacity;
+        if a.diff.decision() {
+            finding.affected += 1;
+            distances.extend(a.distance);
+        }
+        finding.first_position = Some(finding.first_position.map_or(a.pos, |p| p.min(a.pos)));
+    }
+}
+
+fn finish(finding: &mut Finding, distances: &[usize]) {
+    finding.rate = if finding.compared > 0 { finding.affected as f64 / finding.compared as f64 } else { 0.0 };
+    if finding.affected > 0 || finding.capacity_changed {
+        finding.verdict = Verdict::Leak;
+    }
+    finding.influence = influence_histogram(distances);
+}
+
+/// Buckets 1, 2-3, 4-7, 8-15, ...
+fn influence_histogram(distances: &[usize]) -> Vec<InfluenceBucket> {
+    let mut buckets: Vec<InfluenceBucket> = Vec::new();
+    for &d in distances {
+        let from = 1usize << (usize::BITS - 1 - d.max(1).leading_zeros());
+        match buckets.iter_mut().find(|b| b.from == from) {
+            Some(b) => b.count += 1,
+            None => buckets.push(InfluenceBucket { from, to: 2 * from - 1, count: 1 }),
+        }
+    }
+    buckets.sort_by_key(|b| b.from);
+    buckets
+}
+
+/// D (the same call twice), S (the same call after another) and M (train vs inference config).
+fn repeat_probe(ctx: &Ctx, probe: Probe, mut finding: Finding) -> Result<Finding> {
+    let (b, s) = ctx.base.dims();
+    let same = Case {
+        a: ctx.base.clone(),
+        b: ctx.base.clone(),
+        seq_map: (0..b).map(Some).collect(),
+        offset: 0,
+        compare: vec![s; b],
+        change_from: vec![None; b],
+    };
+    let (reference, again, case) = match probe {
+        Probe::D => (ctx.base_routing.clone(), ctx.base.route(ctx.router)?, same),
+        Probe::S => {
+            let mut rng = rand::SeedableRng::seed_from_u64(ctx.seed ^ 0x5);
+            let other = Call::new(ctx.fresh(s.max(2) * b, &mut rng)?.into_shape_with_order((b, s.max(2), ctx.router.experts())).expect("shape"));
+            let first = ctx.base.route(ctx.router)?;
+            other.route(ctx.router)?;
+            let after = ctx.base.route(ctx.router)?;
+            (first, after, Case { b: other, ..same })
+        }
+        _ => match ctx.router.inference()? {
+            None => {
+                finding.verdict = Verdict::NotApplicable;
+                finding.note = "no [inference] table: training and serving use one rule".into();
+                return Ok(finding);
+            }
+            Some(inference) => (ctx.base_routing.clone(), ctx.base.route(inference.as_ref())?, same),
+        },
+    };
+    let outcome = case.compare(&reference, &again);
+    let mut distances = Vec::new();
+    absorb(&mut finding, &outcome, &mut distances);
+    finish(&mut finding, &distances);
+    finding.note = match probe {
+        Probe::D => "the same call twice".into(),
+        Probe::S => "the same call before and after another call".into(),
+        _ => "training versus [inference] configuration on the same input".into(),
+    };
+    if let Some(hit) = pick_witness_token(&outcome) {
+        finding.witness = witness::build(ctx.router, probe, &case, (hit.batch, hit.pos))?;
+    }
+    Ok(finding)
+}
+
+/// Capacity respected and equal to the declared formula, in every group.
+fn invariant_violations(router: &dyn Router, r: &Routing) -> Vec<String> {
+    let mut out = Vec::new();
+    let config = router.config();
+    for (g, group) in r.scope.groups.iter().enumerate() {
+        let Some(c) = group.capacity else { continue };
+        let mut kept = vec![0usize; r.experts];
+        for t in r.tokens.iter().filter(|t| t.group == g) {
+            t.routes.iter().filter(|x| x.kept).for_each(|x| kept[x.expert] += 1);
+        }
+        if let Some((e, k)) = kept.iter().enumerate().find(|(_, &k)| k > c) {
+            out.push(format!("group {g}: expert {e} kept {k} routes over its capacity {c}"));
+        }
+        if let Some(declared) = config.and_then(|cfg| {
+            cfg.capacity.as_ref().map(|cap| {
+                let k = r.top_k.unwrap_or(1);
+                crate::routing::capacity::capacity(cap, group.tokens, k, r.experts)
+            })
+        }) {
+            if declared != c {
+                out.push(format!("group {g}: capacity {c} is not the declared formula's {declared}"));
+            }
+        }
+    }
+    out
+}

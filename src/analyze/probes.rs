@@ -1,0 +1,208 @@
+//! The probes: each builds cases (pairs of calls whose aligned tokens must route alike).
+//! Random changes rarely make a capacity bind, so every probe that can also makes *targeted*
+//! changes: later or neighbouring tokens pushed hard toward the experts a token uses.
+
+use super::case::{Call, Case};
+use super::Probe;
+use crate::error::Result;
+use crate::layer::Seeded;
+use crate::router::{logits_to_host, Router};
+use crate::routing::Routing;
+use candle_core::Device;
+use ndarray::{s, Array2, Array3, Axis};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+/// Logit given to the targeted expert of a crafted token (the others get 0): strong enough to win
+/// every gate comparison (softmax gate ≈ 0.999 over 8 experts).
+const TARGET_LOGIT: f32 = 8.0;
+
+/// What the probes share: the router, the base call and its routing, and seeded randomness.
+pub(crate) struct Ctx<'a> {
+    pub router: &'a dyn Router,
+    pub base: Call,
+    pub base_routing: Routing,
+    pub trials: usize,
+    pub seed: u64,
+}
+
+impl Ctx<'_> {
+    fn rng(&self, probe: Probe) -> ChaCha8Rng {
+        ChaCha8Rng::seed_from_u64(self.seed ^ (0x5eed_0000 + probe as u64))
+    }
+
+    fn experts(&self) -> usize {
+        self.router.experts()
+    }
+
+    /// `n` fresh token rows from the same distribution as the base call: seeded hidden states
+    /// through the router's score stage, or standard-normal logits for a logits-only router.
+    pub fn fresh(&self, n: usize, rng: &mut ChaCha8Rng) -> Result<Array2<f32>> {
+        let mut seeded = Seeded::new(rng.random());
+        let logits = match self.router.hidden_size() {
+            Some(h) => logits_to_host(&self.router.scores(&seeded.normal(&[1, n, h], &Device::Cpu)?)?)?,
+            None => {
+                let t = seeded.normal(&[1, n, self.experts()], &Device::Cpu)?;
+                Array3::from_shape_vec((1, n, self.experts()), t.flatten_all()?.to_vec1()?).expect("shape")
+            }
+        };
+        Ok(logits.index_axis_move(Axis(0), 0))
+    }
+
+    /// A crafted token row that wants expert `e` above all others.
+    fn targeted_row(&self, e: usize) -> Vec<f32> {
+        let mut row = vec![0.0; self.experts()];
+        row[e] = TARGET_LOGIT;
+        row
+    }
+
+    /// The expert a token is pushed toward in trial `trial`: its routes in turn (1st choice, 2nd
+    /// choice, ...), or its strongest logit when it has no route (expert choice).
+    fn target_of(&self, batch: usize, pos: usize, trial: usize) -> usize {
+        let routes = &self.base_routing.token(batch, pos).routes;
+        let real: Vec<usize> = routes.iter().filter(|r| !r.padded).map(|r| r.expert).collect();
+        if real.is_empty() {
+            let row = self.base.logits.slice(s![batch, pos, ..]);
+            crate::routing::scores::top_k(row.as_slice().expect("contiguous row"), 1)[0]
+        } else {
+            real[trial % real.len()]
+        }
+    }
+
+    fn identity(&self) -> Vec<Option<usize>> {
+        (0..self.base.dims().0).map(Some).collect()
+    }
+}
+
+/// P: truncate every sequence after position t, for every t; compare positions ≤ t.
+pub(crate) fn prefix(ctx: &Ctx) -> Vec<Case> {
+    let (b, s) = ctx.base.dims();
+    (0..s.saturating_sub(1))
+        .map(|t| Case {
+            a: ctx.base.clone(),
+            b: ctx.base.truncate(t + 1),
+            seq_map: ctx.identity(),
+            offset: 0,
+            compare: vec![t + 1; b],
+            change_from: vec![Some(t + 1); b],
+        })
+        .collect()
+}
+
+/// F: same length, change only the tokens after t of one sequence; half the trials random,
+/// half targeted at the experts token t uses.
+pub(crate) fn future(ctx: &Ctx) -> Result<Vec<Case>> {
+    let (b, s) = ctx.base.dims();
+    if s < 2 {
+        return Ok(Vec::new());
+    }
+    let mut rng = ctx.rng(Probe::F);
+    let mut cases = Vec::with_capacity(ctx.trials);
+    for trial in 0..ctx.trials {
+        let seq = rng.random_range(0..b);
+        let t = rng.random_range(0..s - 1);
+        let mut changed = ctx.base.clone();
+        let later = s - t - 1;
+        let rows = if trial % 2 == 0 {
+            ctx.fresh(later, &mut rng)?
+        } else {
+            let row = ctx.targeted_row(ctx.target_of(seq, t, trial / 2));
+            Array2::from_shape_fn((later, ctx.experts()), |(_, e)| row[e])
+        };
+        changed.logits.slice_mut(s![seq, t + 1.., ..]).assign(&rows);
+        let mut compare = vec![0; b];
+        compare[seq] = t + 1;
+        let mut change_from = vec![None; b];
+        change_from[seq] = Some(t + 1);
+        cases.push(Case { a: ctx.base.clone(), b: changed, seq_map: ctx.identity(), offset: 0, compare, change_from });
+    }
+    Ok(cases)
+}
+
+/// N: change one other sequence of the batch (random, or every token pushed toward the experts
+/// of a token of another sequence); compare the untouched sequences.
+pub(crate) fn neighbour(ctx: &Ctx) -> Result<Vec<Case>> {
+    let (b, s) = ctx.base.dims();
+    if b < 2 {
+        return Ok(Vec::new());
+    }
+    let mut rng = ctx.rng(Probe::N);
+    let mut cases = Vec::with_capacity(ctx.trials);
+    for trial in 0..ctx.trials {
+        let seq = rng.random_range(0..b);
+        let mut changed = ctx.base.clone();
+        let rows = if trial % 2 == 0 {
+            ctx.fresh(s, &mut rng)?
+        } else {
+            let victim = (seq + 1 + rng.random_range(0..b - 1)) % b;
+            let row = ctx.targeted_row(ctx.target_of(victim, rng.random_range(0..s), trial / 2));
+            Array2::from_shape_fn((s, ctx.experts()), |(_, e)| row[e])
+        };
+        changed.logits.slice_mut(s![seq, .., ..]).assign(&rows);
+        let mut compare = vec![s; b];
+        compare[seq] = 0;
+        cases.push(Case { a: ctx.base.clone(), b: changed, seq_map: ctx.identity(), offset: 0, compare, change_from: vec![None; b] });
+    }
+    Ok(cases)
+}
+
+/// R: permute the sequences, drop one, add one, append padding, and (for routers that take a
+/// padding mask) pad on the left.
+pub(crate) fn rebatch(ctx: &Ctx) -> Result<Vec<Case>> {
+    let (b, s) = ctx.base.dims();
+    let mut rng = ctx.rng(Probe::R);
+    let mut cases = Vec::new();
+    let whole = |a: &Call, b_call: Call, seq_map: Vec<Option<usize>>| Case {
+        compare: vec![s; a.dims().0],
+        change_from: vec![None; a.dims().0],
+        a: a.clone(),
+        b: b_call,
+        seq_map,
+        offset: 0,
+    };
+    // Permutations: the reverse, then random shuffles.
+    let mut orders: Vec<Vec<usize>> = if b > 1 { vec![(0..b).rev().collect()] } else { Vec::new() };
+    for _ in 0..ctx.trials / 8 {
+        let mut order: Vec<usize> = (0..b).collect();
+        for i in (1..b).rev() {
+            order.swap(i, rng.random_range(0..=i));
+        }
+        if order.iter().enumerate().any(|(i, &o)| i != o) {
+            orders.push(order);
+        }
+    }
+    for order in orders {
+        let mut seq_map = vec![None; b];
+        order.iter().enumerate().for_each(|(k, &i)| seq_map[i] = Some(k));
+        cases.push(whole(&ctx.base, ctx.base.select(&order), seq_map));
+    }
+    if b > 1 {
+        let kept: Vec<usize> = (0..b - 1).collect();
+        let mut seq_map: Vec<Option<usize>> = kept.iter().map(|&i| Some(i)).collect();
+        seq_map.push(None);
+        cases.push(whole(&ctx.base, ctx.base.select(&kept), seq_map));
+    }
+    let mut grown = ctx.base.logits.clone();
+    grown.append(Axis(0), ctx.fresh(s, &mut rng)?.insert_axis(Axis(0)).view()).expect("same shape");
+    cases.push(whole(&ctx.base, Call { logits: grown, padding: ctx.base.padding.as_ref().map(|m| pad_rows(m, 1)) }, ctx.identity()));
+
+    // Padding: pad tokens have all-zero logits (no preference); masked when the router takes a mask.
+    let m = (s / 4).max(1);
+    let takes_mask = ctx.router.accepts_padding_mask();
+    let mut appended = Call::new(ndarray::concatenate(Axis(1), &[ctx.base.logits.view(), Array3::zeros((b, m, ctx.experts())).view()]).expect("same batch"));
+    if takes_mask {
+        appended.padding = Some(Array2::from_shape_fn((b, s + m), |(_, p)| p >= s));
+    }
+    cases.push(Case { change_from: vec![Some(s); b], ..whole(&ctx.base, appended, ctx.identity()) });
+    if takes_mask {
+        let logits = ndarray::concatenate(Axis(1), &[Array3::zeros((b, m, ctx.experts())).view(), ctx.base.logits.view()]).expect("same batch");
+        let left = Call { logits, padding: Some(Array2::from_shape_fn((b, s + m), |(_, p)| p < m)) };
+        cases.push(Case { offset: m, ..whole(&ctx.base, left, ctx.identity()) });
+    }
+    Ok(cases)
+}
+
+fn pad_rows(mask: &Array2<bool>, extra: usize) -> Array2<bool> {
+    let (b, s) = mask.dim();
+    Array2::from_shape_fn((b + extra, s), |(i, p)| i < b && mask[[i, p]])
+}

@@ -1,0 +1,126 @@
+//! Rendering reports: a terminal table (which routers leak, how often, why), markdown for a CI
+//! summary, and the zoo's verdict table beside load balance. JSON is the serde form of
+//! [`Report`].
+
+use super::{Finding, Probe, Report, RouterReport, Verdict};
+use std::fmt::Write;
+
+fn verdict_word(v: Verdict) -> &'static str {
+    match v {
+        Verdict::Pass => "pass",
+        Verdict::Leak => "LEAK",
+        Verdict::NotApplicable => "n/a",
+    }
+}
+
+fn percent(rate: f64) -> String {
+    format!("{:.1}%", rate * 100.0)
+}
+
+/// Why, in a few words: what changed, where, from how far.
+fn why(f: &Finding) -> String {
+    if f.verdict != Verdict::Leak {
+        return f.note.clone();
+    }
+    let mut parts = Vec::new();
+    if let Some(w) = &f.witness {
+        parts.push(format!("{} changed", w.differs));
+    } else if f.capacity_changed && f.affected == 0 {
+        parts.push("capacity changed".into());
+    }
+    if let Some(p) = f.first_position {
+        parts.push(format!("first at position {p}"));
+    }
+    if let Some(b) = f.influence.first() {
+        parts.push(format!("nearest cause {}..{} tokens later", b.from, b.to));
+    }
+    if f.output_leaks > 0 {
+        parts.push(format!("{} outputs changed with identical routing", f.output_leaks));
+    }
+    parts.join("; ")
+}
+
+/// The terminal table: one row per router × probe, then invariant failures and the summary.
+pub fn render_text(report: &Report, witness_paths: &dyn Fn(&str, Probe) -> Option<String>) -> String {
+    let mut out = String::new();
+    let o = &report.options;
+    let _ = writeln!(out, "moe-audit check: batch {} x seq {}, {} trials, seed {}", o.batch, o.seq_len, o.trials, o.seed);
+    let _ = writeln!(out, "{:<22} {:<12} {:<7} {:<10} {:>7}  why", "router", "probe", "verdict", "property", "rate");
+    for r in &report.routers {
+        for f in &r.findings {
+            let mut line = format!(
+                "{:<22} {:<12} {:<7} {:<10} {:>7}  {}",
+                r.router,
+                format!("{} {}", f.probe, f.probe.name()),
+                verdict_word(f.verdict),
+                f.property.to_string(),
+                if f.verdict == Verdict::NotApplicable { "-".into() } else { percent(f.rate) },
+                why(f)
+            );
+            if let Some(path) = witness_paths(&r.router, f.probe) {
+                let _ = write!(line, " [witness {path}]");
+            }
+            let _ = writeln!(out, "{}", line.trim_end());
+        }
+        for v in &r.invariants {
+            let _ = writeln!(out, "{:<22} invariant    FAIL    {v}", r.router);
+        }
+    }
+    let leaking: Vec<&str> = report.routers.iter().filter(|r| r.leaks()).map(|r| r.router.as_str()).collect();
+    let _ = if leaking.is_empty() {
+        writeln!(out, "no leak found in {} router(s)", report.routers.len())
+    } else {
+        writeln!(out, "{} of {} router(s) leak: {}", leaking.len(), report.routers.len(), leaking.join(", "))
+    };
+    out
+}
+
+/// Markdown for a CI step summary.
+pub fn render_markdown(report: &Report) -> String {
+    let mut out = String::from("## moe-audit\n\n");
+    let o = &report.options;
+    let _ = writeln!(out, "batch {} × seq {}, {} trials, seed {}\n", o.batch, o.seq_len, o.trials, o.seed);
+    out.push_str("| router | probe | verdict | property | rate | why |\n|---|---|---|---|---|---|\n");
+    for r in &report.routers {
+        for f in &r.findings {
+            let verdict = match f.verdict {
+                Verdict::Leak => "❌ leak",
+                Verdict::Pass => "✅ pass",
+                Verdict::NotApplicable => "n/a",
+            };
+            let _ = writeln!(
+                out,
+                "| `{}` | {} {} | {verdict} | {} | {} | {} |",
+                r.router,
+                f.probe,
+                f.probe.name(),
+                f.property,
+                if f.verdict == Verdict::NotApplicable { "–".into() } else { percent(f.rate) },
+                why(f).replace('|', "\\|")
+            );
+        }
+        for v in &r.invariants {
+            let _ = writeln!(out, "| `{}` | invariant | ❌ fail | – | – | {} |", r.router, v.replace('|', "\\|"));
+        }
+    }
+    out
+}
+
+/// The zoo: one row per router, a verdict column per probe, beside its load balance.
+pub fn render_zoo(routers: &[RouterReport], probes: &[Probe]) -> String {
+    let mut out = String::new();
+    let _ = write!(out, "{:<22}", "router");
+    for p in probes {
+        let _ = write!(out, " {:<5}", p.to_string());
+    }
+    let _ = writeln!(out, " {:>8} {:>6}", "max/mean", "drop");
+    for r in routers {
+        let _ = write!(out, "{:<22}", r.router);
+        for p in probes {
+            let v = r.finding(*p).map_or("-", |f| verdict_word(f.verdict));
+            let _ = write!(out, " {v:<5}");
+        }
+        let _ = writeln!(out, " {:>8.3} {:>6}", r.load.max_over_mean_load, percent(r.load.drop_rate));
+    }
+    out
+}

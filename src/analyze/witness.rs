@@ -1,0 +1,350 @@
+//! Witnesses: the smallest input pair found that still shows a leak, saved as a file that
+//! replays from itself alone (`moe-audit check --replay witness.json`).
+//!
+//! Shrinking is greedy and deterministic: drop whole sequences, undo changed tokens, then drop
+//! positions in halving chunks (delta debugging), keeping each step only if the token still
+//! routes differently.
+
+use super::case::{Call, Case};
+use super::compare::{diff_token, TokenDiff};
+use super::{Probe, Property};
+use crate::config::RouterConfig;
+use crate::error::{Error, Result};
+use crate::router::Router;
+use crate::routing::{assign, assign_masked, Logits, Routing, TokenRouting};
+use ndarray::{s, Array2, Axis};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+/// The witness file format tag.
+pub const FORMAT: &str = "moe-audit-witness/1";
+
+/// Caps the shrinking work on large inputs.
+const MAX_SHRINK_STEPS: usize = 4000;
+
+/// One call as stored in a witness.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StoredCall {
+    /// Sequences.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq_len: usize,
+    /// `batch*seq_len` rows of logits, sequence-major.
+    pub logits: Vec<Vec<f32>>,
+    /// `batch` rows of `seq_len` flags (`true` = padding), when the call has a mask.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub padding: Option<Vec<Vec<bool>>>,
+}
+
+/// A token of a stored call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenRef {
+    /// Sequence.
+    pub batch: usize,
+    /// Position.
+    pub pos: usize,
+}
+
+/// A minimal, replayable leak: token `token_a` of call `a` and token `token_b` of call `b` must
+/// route alike, and do not.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Witness {
+    /// Always [`FORMAT`].
+    pub format: String,
+    /// The router, complete (its `[inference]` table included).
+    pub router: RouterConfig,
+    /// The probe that found it.
+    pub probe: Probe,
+    /// The property broken.
+    pub property: Property,
+    /// What differs, e.g. `kept, weight`.
+    pub differs: String,
+    /// The reference call. For S, `b` is the call made in between; for D and M, `b` is unused.
+    pub a: StoredCall,
+    /// The changed call.
+    pub b: StoredCall,
+    /// The token in `a`.
+    pub token_a: TokenRef,
+    /// The same token in `b`.
+    pub token_b: TokenRef,
+    /// Its routing in the reference run.
+    pub before: TokenRouting,
+    /// Its routing in the changed run.
+    pub after: TokenRouting,
+}
+
+/// A case reduced to one token, the unit that shrinking works on.
+#[derive(Debug, Clone)]
+struct Pair {
+    a: Call,
+    b: Call,
+    seq_map: Vec<Option<usize>>,
+    offset: usize,
+    token: (usize, usize),
+}
+
+impl Pair {
+    fn token_b(&self) -> Option<(usize, usize)> {
+        self.seq_map[self.token.0].map(|j| (j, self.token.1 + self.offset))
+    }
+}
+
+fn route_with(config: &RouterConfig, call: &Call) -> Result<Routing> {
+    match &call.padding {
+        Some(mask) => assign_masked(config, call.logits.view(), Some(mask.view())),
+        None => assign(config, call.logits.view()),
+    }
+}
+
+/// Routes both sides as `probe` prescribes and diffs the token.
+fn replay_pair(config: &RouterConfig, probe: Probe, pair: &Pair) -> Result<(Routing, Routing, TokenDiff)> {
+    let Some(tb) = pair.token_b() else { return Err(Error::Usage("witness token has no counterpart in call b".into())) };
+    let (ra, rb) = match probe {
+        Probe::D => (route_with(config, &pair.a)?, route_with(config, &pair.a)?),
+        Probe::S => {
+            let first = route_with(config, &pair.a)?;
+            route_with(config, &pair.b)?;
+            (first, route_with(config, &pair.a)?)
+        }
+        Probe::M => {
+            let inference = config.inference_config()?.ok_or_else(|| Error::Usage("an M witness needs an [inference] table".into()))?;
+            (route_with(config, &pair.a)?, route_with(&inference, &pair.a)?)
+        }
+        _ => (route_with(config, &pair.a)?, route_with(config, &pair.b)?),
+    };
+    let diff = diff_token(&ra, pair.token, &rb, tb);
+    Ok((ra, rb, diff))
+}
+
+/// Builds a shrunk witness for token `token` (in `case.a`), when the router has a config.
+pub(crate) fn build(router: &dyn Router, probe: Probe, case: &Case, token: (usize, usize)) -> Result<Option<Witness>> {
+    let Some(config) = router.config() else { return Ok(None) };
+    let pair = Pair { a: case.a.clone(), b: case.b.clone(), seq_map: case.seq_map.clone(), offset: case.offset, token };
+    let leaks = |p: &Pair| replay_pair(config, probe, p).map(|(_, _, d)| d.any()).unwrap_or(false);
+    if !leaks(&pair) {
+        return Ok(None);
+    }
+    let pair = shrink(pair, probe, &leaks);
+    let (ra, rb, diff) = replay_pair(config, probe, &pair)?;
+    let tb = pair.token_b().expect("kept by shrinking");
+    Ok(Some(Witness {
+        format: FORMAT.into(),
+        router: config.clone(),
+        probe,
+        property: probe.property(),
+        differs: diff.describe(),
+        a: store(&pair.a),
+        b: store(&pair.b),
+        token_a: TokenRef { batch: pair.token.0, pos: pair.token.1 },
+        token_b: TokenRef { batch: tb.0, pos: tb.1 },
+        before: ra.token(pair.token.0, pair.token.1).clone(),
+        after: rb.token(tb.0, tb.1).clone(),
+    }))
+}
+
+fn shrink(mut pair: Pair, probe: Probe, leaks: &dyn Fn(&Pair) -> bool) -> Pair {
+    let steps = std::cell::Cell::new(0usize);
+    let attempt = |candidate: Option<Pair>, pair: &mut Pair| -> bool {
+        steps.set(steps.get() + 1);
+        match candidate {
+            Some(c) if steps.get() < MAX_SHRINK_STEPS && leaks(&c) => {
+                *pair = c;
+                true
+            }
+            _ => false,
+        }
+    };
+    loop {
+        let mut progress = false;
+        // Whole sequences of a (with their image in b), then b-only sequences.
+        let mut k = 0;
+        while k < pair.a.dims().0 {
+            if !attempt(drop_sequence(&pair, k), &mut pair) {
+                k += 1;
+            } else {
+                progress = true;
+            }
+        }
+        let mut j = 0;
+        while j < pair.b.dims().0 {
+            if !attempt(drop_b_sequence(&pair, j), &mut pair) {
+                j += 1;
+            } else {
+                progress = true;
+            }
+        }
+        // Undo changes: rows of b that differ from their aligned row in a.
+        if !matches!(probe, Probe::D | Probe::S | Probe::M) {
+            for (i, p) in changed_rows(&pair) {
+                progress |= attempt(Some(revert_row(&pair, i, p)), &mut pair);
+            }
+        }
+        // Positions, in halving chunks.
+        let mut chunk = coordinates(&pair).len() / 2;
+        while chunk >= 1 {
+            let mut start = 0;
+            while start < coordinates(&pair).len() {
+                let coords: Vec<isize> = coordinates(&pair).into_iter().skip(start).take(chunk).collect();
+                if attempt(drop_coordinates(&pair, &coords), &mut pair) {
+                    progress = true;
+                } else {
+                    start += chunk;
+                }
+            }
+            chunk /= 2;
+        }
+        if !progress || steps.get() >= MAX_SHRINK_STEPS {
+            return pair;
+        }
+    }
+}
+
+fn drop_sequence(pair: &Pair, k: usize) -> Option<Pair> {
+    let (ba, _) = pair.a.dims();
+    if k == pair.token.0 || ba < 2 {
+        return None;
+    }
+    let keep_a: Vec<usize> = (0..ba).filter(|&i| i != k).collect();
+    let removed_b = pair.seq_map[k];
+    let keep_b: Vec<usize> = (0..pair.b.dims().0).filter(|&j| Some(j) != removed_b).collect();
+    if keep_b.is_empty() {
+        return None;
+    }
+    let seq_map = keep_a.iter().map(|&i| pair.seq_map[i].map(|j| keep_b.iter().position(|&x| x == j).expect("kept"))).collect();
+    let token = (if pair.token.0 > k { pair.token.0 - 1 } else { pair.token.0 }, pair.token.1);
+    Some(Pair { a: pair.a.select(&keep_a), b: pair.b.select(&keep_b), seq_map, offset: pair.offset, token })
+}
+
+fn drop_b_sequence(pair: &Pair, j: usize) -> Option<Pair> {
+    if pair.seq_map.contains(&Some(j)) || pair.b.dims().0 < 2 {
+        return None;
+    }
+    let keep_b: Vec<usize> = (0..pair.b.dims().0).filter(|&x| x != j).collect();
+    let seq_map = pair.seq_map.iter().map(|m| m.map(|x| if x > j { x - 1 } else { x })).collect();
+    Some(Pair { b: pair.b.select(&keep_b), seq_map, ..pair.clone() })
+}
+
+/// Aligned (a-sequence, a-position) pairs whose rows differ between a and b.
+fn changed_rows(pair: &Pair) -> Vec<(usize, usize)> {
+    let (ba, sa) = pair.a.dims();
+    let (_, sb) = pair.b.dims();
+    let mut out = Vec::new();
+    for i in 0..ba {
+        let Some(j) = pair.seq_map[i] else { continue };
+        for p in 0..sa {
+            let q = p + pair.offset;
+            if q < sb && pair.a.logits.slice(s![i, p, ..]) != pair.b.logits.slice(s![j, q, ..]) {
+                out.push((i, p));
+            }
+        }
+    }
+    out
+}
+
+fn revert_row(pair: &Pair, i: usize, p: usize) -> Pair {
+    let mut out = pair.clone();
+    let j = pair.seq_map[i].expect("changed rows are aligned");
+    out.b.logits.slice_mut(s![j, p + pair.offset, ..]).assign(&pair.a.logits.slice(s![i, p, ..]));
+    out
+}
+
+/// Position coordinates in a's frame covering both calls (b-only positions are negative or
+/// beyond a's length), without the witness token's.
+fn coordinates(pair: &Pair) -> Vec<isize> {
+    let (_, sa) = pair.a.dims();
+    let (_, sb) = pair.b.dims();
+    let lo = -(pair.offset as isize);
+    let hi = (sa as isize).max(sb as isize - pair.offset as isize);
+    (lo..hi).filter(|&c| c != pair.token.1 as isize).collect()
+}
+
+fn drop_coordinates(pair: &Pair, coords: &[isize]) -> Option<Pair> {
+    let (_, sa) = pair.a.dims();
+    let (_, sb) = pair.b.dims();
+    let keep_a: Vec<usize> = (0..sa).filter(|&p| !coords.contains(&(p as isize))).collect();
+    let keep_b: Vec<usize> = (0..sb).filter(|&q| !coords.contains(&(q as isize - pair.offset as isize))).collect();
+    if keep_a.is_empty() || keep_b.is_empty() {
+        return None;
+    }
+    let removed_before = |c: isize| coords.iter().filter(|&&x| x < c).count();
+    let token_pos = pair.token.1 - removed_before(pair.token.1 as isize);
+    let offset = pair.offset - coords.iter().filter(|&&x| x < 0).count();
+    let keep = |call: &Call, idx: &[usize]| Call {
+        logits: call.logits.select(Axis(1), idx),
+        padding: call.padding.as_ref().map(|m| m.select(Axis(1), idx)),
+    };
+    Some(Pair { a: keep(&pair.a, &keep_a), b: keep(&pair.b, &keep_b), seq_map: pair.seq_map.clone(), offset, token: (pair.token.0, token_pos) })
+}
+
+fn store(call: &Call) -> StoredCall {
+    let (batch, seq_len) = call.dims();
+    StoredCall {
+        batch,
+        seq_len,
+        logits: call.logits.rows().into_iter().map(|r| r.to_vec()).collect(),
+        padding: call.padding.as_ref().map(|m| m.rows().into_iter().map(|r| r.to_vec()).collect()),
+    }
+}
+
+fn load(call: &StoredCall, name: &str, path: &Path) -> Result<Call> {
+    let experts = call.logits.first().map_or(0, Vec::len);
+    if call.batch * call.seq_len != call.logits.len() || call.logits.iter().any(|r| r.len() != experts) || experts == 0 {
+        return Err(Error::input(path, format!("call `{name}`: expected {} rows of equal length", call.batch * call.seq_len)));
+    }
+    let logits = Logits::from_shape_vec((call.batch, call.seq_len, experts), call.logits.concat()).expect("checked");
+    let padding = match &call.padding {
+        Some(rows) if rows.len() != call.batch || rows.iter().any(|r| r.len() != call.seq_len) => {
+            return Err(Error::input(path, format!("call `{name}`: padding must be {} rows of {} flags", call.batch, call.seq_len)))
+        }
+        Some(rows) => Some(Array2::from_shape_vec((call.batch, call.seq_len), rows.concat()).expect("checked")),
+        None => None,
+    };
+    Ok(Call { logits, padding })
+}
+
+/// The outcome of replaying a witness.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Replay {
+    /// The witness as read.
+    pub witness: Witness,
+    /// What differs now (nothing: the leak no longer reproduces).
+    pub diff: TokenDiff,
+    /// The token's routing in the reference run now.
+    pub before: TokenRouting,
+    /// The token's routing in the changed run now.
+    pub after: TokenRouting,
+}
+
+impl Witness {
+    /// Reads a witness file.
+    pub fn read(path: &Path) -> Result<Witness> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::input(path, format!("cannot read: {e}")))?;
+        let w: Witness = serde_json::from_str(&text).map_err(|e| Error::input(path, format!("not a witness: {e}")))?;
+        if w.format != FORMAT {
+            return Err(Error::input(path, format!("format `{}` is not `{FORMAT}`", w.format)));
+        }
+        w.router.validate().map_err(|(field, message)| Error::config(&path.display().to_string(), &format!("router.{field}"), message))?;
+        Ok(w)
+    }
+
+    /// Replays the witness from its own contents.
+    pub fn replay(self, path: &Path) -> Result<Replay> {
+        let (a, b) = (load(&self.a, "a", path)?, load(&self.b, "b", path)?);
+        if a.logits.dim().2 != self.router.experts {
+            return Err(Error::input(path, format!("logits have {} experts, the router {}", a.logits.dim().2, self.router.experts)));
+        }
+        let (ta, tb) = ((self.token_a.batch, self.token_a.pos), (self.token_b.batch, self.token_b.pos));
+        let (ba, sa) = a.dims();
+        let (bb, sb) = b.dims();
+        if ta.0 >= ba || ta.1 >= sa || (!matches!(self.probe, Probe::D | Probe::S | Probe::M) && (tb.0 >= bb || tb.1 >= sb)) {
+            return Err(Error::input(path, "the witness token lies outside its calls".to_string()));
+        }
+        let mut seq_map = vec![None; ba];
+        seq_map[ta.0] = Some(if matches!(self.probe, Probe::D | Probe::S | Probe::M) { ta.0 } else { tb.0 });
+        let offset = if matches!(self.probe, Probe::D | Probe::S | Probe::M) { 0 } else { tb.1.checked_sub(ta.1).ok_or_else(|| Error::input(path, "token_b lies before token_a".to_string()))? };
+        let pair = Pair { a, b, seq_map, offset, token: ta };
+        let (ra, rb, diff) = replay_pair(&self.router, self.probe, &pair)?;
+        let tb = pair.token_b().expect("mapped");
+        Ok(Replay { before: ra.token(ta.0, ta.1).clone(), after: rb.token(tb.0, tb.1).clone(), diff, witness: self })
+    }
+}
