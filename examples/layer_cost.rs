@@ -137,6 +137,134 @@ mod mixtral_block {
 
 use mixtral_block::SparseMoeBlock;
 
+/// Prototype expert kernels for `--experiments` (scratch measurements, not library code): the
+/// same SwiGLU math with other weight layouts, or with experts run on parallel threads.
+mod experiments {
+    use candle_core::{Result, Tensor, D};
+    use std::collections::HashMap;
+
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    pub enum Layout {
+        /// The library's layout: `w13_t` `[H, 2F]` and `w2_t` `[F, H]`, both contiguous.
+        FusedKn,
+        /// `w13` `[2F, H]` contiguous, multiplied through a `.t()` view (candle_nn::Linear style).
+        FusedNk,
+        /// Separate `w1`, `w3` `[F, H]` and `w2` `[H, F]`, through `.t()` views (Mixtral's).
+        SplitNk,
+        /// Separate `w1_t`, `w3_t` `[H, F]` and `w2_t` `[F, H]`, contiguous.
+        SplitKn,
+    }
+
+    pub struct Proto {
+        pub layout: Layout,
+        a: Tensor,
+        b: Option<Tensor>,
+        w2: Tensor,
+        ffn: usize,
+    }
+
+    impl Proto {
+        pub fn new(layout: Layout, w1: &Tensor, w3: &Tensor, w2: &Tensor) -> Result<Self> {
+            let ffn = w1.dim(0)?;
+            let (a, b, w2) = match layout {
+                Layout::FusedKn => (Tensor::cat(&[w1, w3], 0)?.t()?.contiguous()?, None, w2.t()?.contiguous()?),
+                Layout::FusedNk => (Tensor::cat(&[w1, w3], 0)?.contiguous()?, None, w2.contiguous()?),
+                Layout::SplitNk => (w1.contiguous()?, Some(w3.contiguous()?), w2.contiguous()?),
+                Layout::SplitKn => (w1.t()?.contiguous()?, Some(w3.t()?.contiguous()?), w2.t()?.contiguous()?),
+            };
+            Ok(Self { layout, a, b, w2, ffn })
+        }
+
+        pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+            match self.layout {
+                Layout::FusedKn => {
+                    let h = x.matmul(&self.a)?;
+                    let gate = h.narrow(D::Minus1, 0, self.ffn)?;
+                    let up = h.narrow(D::Minus1, self.ffn, self.ffn)?;
+                    (candle_nn::ops::silu(&gate)? * up)?.matmul(&self.w2)
+                }
+                Layout::FusedNk => {
+                    let h = x.matmul(&self.a.t()?)?;
+                    let gate = h.narrow(D::Minus1, 0, self.ffn)?;
+                    let up = h.narrow(D::Minus1, self.ffn, self.ffn)?;
+                    (candle_nn::ops::silu(&gate)? * up)?.matmul(&self.w2.t()?)
+                }
+                Layout::SplitNk => {
+                    let gate = x.matmul(&self.a.t()?)?;
+                    let up = x.matmul(&self.b.as_ref().unwrap().t()?)?;
+                    (candle_nn::ops::silu(&gate)? * up)?.matmul(&self.w2.t()?)
+                }
+                Layout::SplitKn => {
+                    let gate = x.matmul(&self.a)?;
+                    let up = x.matmul(self.b.as_ref().unwrap())?;
+                    (candle_nn::ops::silu(&gate)? * up)?.matmul(&self.w2)
+                }
+            }
+        }
+    }
+
+    pub fn protos(tensors: &HashMap<String, Tensor>, experts: usize, layout: Layout) -> Result<Vec<Proto>> {
+        (0..experts)
+            .map(|i| {
+                let w = |n: &str| tensors[&format!("experts.{i}.{n}.weight")].clone();
+                Proto::new(layout, &w("w1"), &w("w3"), &w("w2"))
+            })
+            .collect()
+    }
+
+    /// Runs `f(e, rows of e)` for every non-empty expert; with `threads > 1`, experts are split
+    /// into contiguous chunks of about equal row counts, one OS thread each, and candle's gemm is
+    /// told to stay single-threaded (`RAYON_NUM_THREADS=1`, read by candle on every matmul).
+    pub fn run_experts(
+        gathered: &Tensor,
+        counts: &[usize],
+        threads: usize,
+        f: &(dyn Fn(usize, &Tensor) -> Result<Tensor> + Sync),
+    ) -> Result<Vec<Tensor>> {
+        let mut starts = Vec::with_capacity(counts.len());
+        let mut acc = 0;
+        for &c in counts {
+            starts.push(acc);
+            acc += c;
+        }
+        let one = |e: usize| -> Result<Option<Tensor>> {
+            if counts[e] == 0 {
+                return Ok(None);
+            }
+            Ok(Some(f(e, &gathered.narrow(0, starts[e], counts[e])?)?))
+        };
+        if threads <= 1 {
+            return Ok((0..counts.len()).map(one).collect::<Result<Vec<_>>>()?.into_iter().flatten().collect());
+        }
+        // Chunk boundaries by cumulative rows.
+        let mut bounds = vec![0];
+        for t in 1..threads {
+            let target = acc * t / threads;
+            let e = starts.iter().position(|&s| s >= target).unwrap_or(counts.len());
+            bounds.push(e.max(*bounds.last().unwrap()));
+        }
+        bounds.push(counts.len());
+        std::env::set_var("RAYON_NUM_THREADS", "1");
+        let parts: Vec<Result<Vec<Option<Tensor>>>> = std::thread::scope(|s| {
+            let handles: Vec<_> = bounds
+                .windows(2)
+                .map(|w| {
+                    let (lo, hi) = (w[0], w[1]);
+                    s.spawn(move || (lo..hi).map(one).collect::<Result<Vec<_>>>())
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        std::env::remove_var("RAYON_NUM_THREADS");
+        let mut out = Vec::new();
+        for p in parts {
+            out.extend(p?.into_iter().flatten());
+        }
+        Ok(out)
+    }
+}
+
+
 /// One size: the three implementations and the shared input.
 struct Case {
     experts: usize,
@@ -144,6 +272,9 @@ struct Case {
     dense: Expert,
     mixtral: SparseMoeBlock,
     x: Tensor,
+    /// The layer's and the dense baseline's tensors, for `--experiments`.
+    tensors: HashMap<String, Tensor>,
+    dense_tensors: HashMap<String, Tensor>,
 }
 
 fn setup(experts: usize, device: &Device) -> BoxResult<Case> {
@@ -154,10 +285,10 @@ fn setup(experts: usize, device: &Device) -> BoxResult<Case> {
     let tensors: HashMap<String, Tensor> = seeded_weights(LayerDims { hidden: HIDDEN, ffn: FFN, experts }, LAYER_SEED, device)?;
     let mixtral_vb = VarBuilder::from_tensors(tensors.clone(), DType::F32, device);
     let mixtral = SparseMoeBlock::new(HIDDEN, FFN, experts, TOP_K, mixtral_vb)?;
-    let moe = MoeLayer::from_tensors(config, tensors, DType::F32, device)?;
+    let moe = MoeLayer::from_tensors(config, tensors.clone(), DType::F32, device)?;
 
     let dense_tensors = seeded_weights(LayerDims { hidden: HIDDEN, ffn: TOP_K * FFN, experts: 1 }, DENSE_SEED, device)?;
-    let dense_vb = VarBuilder::from_tensors(dense_tensors, DType::F32, device);
+    let dense_vb = VarBuilder::from_tensors(dense_tensors.clone(), DType::F32, device);
     let dense = Expert::new(HIDDEN, TOP_K * FFN, dense_vb.pp("experts.0"))?;
 
     let x = Seeded::new(INPUT_SEED).normal(&[BATCH, SEQ, HIDDEN], device)?;
@@ -171,7 +302,7 @@ fn setup(experts: usize, device: &Device) -> BoxResult<Case> {
         return Err(format!("E={experts}: MoeLayer and Mixtral SparseMoeBlock differ: max |diff| {diff:e}, max |y| {scale:e}").into());
     }
     eprintln!("E={experts}: MoeLayer vs Mixtral SparseMoeBlock max |diff| {diff:.3e} (max |y| {scale:.3e})");
-    Ok(Case { experts, moe, dense, mixtral, x })
+    Ok(Case { experts, moe, dense, mixtral, x, tensors, dense_tensors })
 }
 
 /// The dense ceiling on `[batch, seq, hidden]` (our experts take `[tokens, hidden]`).
@@ -278,10 +409,74 @@ fn breakdown(case: &Case, warmup: usize, reps: usize) -> BoxResult<[Duration; 6]
     Ok(samples.map(median))
 }
 
+
+/// `--experiments`: the expert stage alone (routing and gather done once) under prototype
+/// kernels, and the dense ceiling under the same layouts; medians over interleaved reps.
+fn run_experiments(case: &Case, warmup: usize, reps: usize) -> BoxResult<()> {
+    use experiments::{protos, run_experts, Layout, Proto};
+    let layer = &case.moe;
+    let routing = layer.router().route(&case.x)?;
+    let (b, s, h) = case.x.dims3()?;
+    let x = case.x.reshape((b * s, h))?;
+    let rows = routing.expert_rows();
+    let counts: Vec<usize> = rows.iter().map(Vec::len).collect();
+    let index: Vec<u32> = rows.iter().flatten().map(|&(t, _)| t as u32).collect();
+    let gathered = x.index_select(&Tensor::new(index.as_slice(), x.device())?, 0)?;
+    let layouts = [Layout::FusedKn, Layout::FusedNk, Layout::SplitNk, Layout::SplitKn];
+    let moe_protos: Vec<Vec<Proto>> = layouts.iter().map(|&l| protos(&case.tensors, case.experts, l)).collect::<candle_core::Result<_>>()?;
+    let dense_protos: Vec<Proto> = layouts
+        .iter()
+        .map(|&l| protos(&case.dense_tensors, 1, l).map(|mut v| v.remove(0)))
+        .collect::<candle_core::Result<_>>()?;
+    let lib = |e: usize, xs: &Tensor| layer.experts()[e].forward(xs);
+    let (gathered, counts, x) = (&gathered, counts.as_slice(), &x);
+
+    type Run<'a> = Box<dyn Fn() -> candle_core::Result<Vec<Tensor>> + 'a>;
+    let mut variants: Vec<(String, Run)> = Vec::new();
+    variants.push(("moe experts, library Expert, 1 gemm pool".into(), Box::new(|| run_experts(gathered, counts, 1, &lib))));
+    variants.push(("moe experts, library Expert, 2 expert threads".into(), Box::new(|| run_experts(gathered, counts, 2, &lib))));
+    for (l, ps) in layouts.iter().zip(&moe_protos) {
+        let f = move |e: usize, xs: &Tensor| ps[e].forward(xs);
+        variants.push((format!("moe experts, {l:?}"), Box::new(move || run_experts(gathered, counts, 1, &f))));
+        variants.push((format!("moe experts, {l:?}, 2 expert threads"), Box::new(move || run_experts(gathered, counts, 2, &f))));
+    }
+    variants.push(("dense, library Expert".into(), Box::new(|| Ok(vec![case.dense.forward(x)?]))));
+    for (l, p) in layouts.iter().zip(&dense_protos) {
+        variants.push((format!("dense, {l:?}"), Box::new(move || Ok(vec![p.forward(x)?]))));
+    }
+
+    // Every moe variant must reproduce the library's expert outputs.
+    let reference = Tensor::cat(&variants[0].1()?, 0)?;
+    for (name, run) in &variants {
+        if name.starts_with("moe") {
+            let d = (Tensor::cat(&run()?, 0)? - &reference)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(d < 1e-4, "{name}: differs from the library by {d}");
+        }
+    }
+    let n = variants.len();
+    let mut samples = vec![Vec::new(); n];
+    for rep in 0..warmup + reps {
+        for slot in 0..n {
+            let v = (rep + slot) % n;
+            let (out, d) = time(|| (variants[v].1)());
+            drop(out?);
+            if rep >= warmup {
+                samples[v].push(d);
+            }
+        }
+    }
+    println!("  E={} expert-stage experiments (median ms, rows per expert {}..{}):", case.experts, counts.iter().min().unwrap(), counts.iter().max().unwrap());
+    for ((name, _), v) in variants.iter().zip(samples) {
+        println!("    {:<50} {:8.2}", name, ms(median(v)));
+    }
+    Ok(())
+}
+
 fn main() -> BoxResult<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let reps = args.iter().position(|a| a == "--reps").and_then(|i| args.get(i + 1)).map(|n| n.parse()).transpose()?.unwrap_or(15);
     let show_breakdown = args.iter().any(|a| a == "--breakdown");
+    let show_experiments = args.iter().any(|a| a == "--experiments");
     let warmup = 3;
     let device = Device::Cpu;
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -312,6 +507,9 @@ fn main() -> BoxResult<()> {
             let total: Duration = stages.iter().sum();
             let parts: Vec<String> = STAGES.iter().zip(stages).map(|(n, d)| format!("{n} {:.2}", ms(d))).collect();
             println!("  E={:<2} moe stages (ms): {} | sum {:.2}", case.experts, parts.join(" | "), ms(total));
+        }
+        if show_experiments {
+            run_experiments(&case, warmup, reps)?;
         }
     }
     println!("moe_vs_dense={min_dense:.3} moe_vs_mixtral={min_mixtral:.3}");

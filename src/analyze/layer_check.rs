@@ -2,9 +2,9 @@
 //! sample case per probe the whole layer runs, so an output that changes while the routing does
 //! not (a layer bug) is caught. Output differences within f32 summation noise are drift.
 
-use super::{Finding, Probe, Verdict};
+use super::{Finding, Layer, Probe, Verdict};
 use crate::error::Result;
-use crate::layer::{MoeLayer, Seeded};
+use crate::layer::Seeded;
 use crate::router::{logits_to_host, Router};
 use crate::routing::{Logits, Routing};
 use crate::analyze::compare::diff_token;
@@ -42,7 +42,7 @@ pub(super) fn scores_per_token(router: &dyn Router, x: &Tensor, logits: &Logits)
 }
 
 /// Runs the layer on one hidden-state version of the probe and folds the result into `finding`.
-pub(super) fn sample(layer: &MoeLayer, x: &Tensor, probe: Probe, finding: &mut Finding, seed: u64) -> Result<()> {
+pub(super) fn sample(layer: &dyn Layer, x: &Tensor, probe: Probe, finding: &mut Finding, seed: u64) -> Result<()> {
     if finding.verdict == Verdict::NotApplicable || probe == Probe::M {
         return Ok(());
     }

@@ -19,7 +19,7 @@ use crate::error::{Error, Result};
 use crate::layer::{MoeLayer, Seeded};
 use crate::router::{logits_to_host, Router};
 use crate::routing::{LoadStats, Routing};
-use candle_core::Device;
+use candle_core::{Device, Tensor};
 use case::Outcome;
 use probes::Ctx;
 use serde::{Deserialize, Serialize};
@@ -259,12 +259,25 @@ impl Report {
     }
 }
 
+/// A layer the analyzer can run: hidden states in, outputs and routing out.
+pub trait Layer {
+    /// # Shapes
+    /// `x`: `[batch, seq_len, hidden]` → `[batch, seq_len, hidden]`.
+    fn forward(&self, x: &Tensor) -> Result<(Tensor, Routing)>;
+}
+
+impl Layer for MoeLayer {
+    fn forward(&self, x: &Tensor) -> Result<(Tensor, Routing)> {
+        MoeLayer::forward(self, x)
+    }
+}
+
 /// What is audited: a router, and optionally the layer around it (outputs are then checked too).
 pub struct Subject<'a> {
     /// The router.
     pub router: &'a dyn Router,
-    /// The layer whose outputs are sampled.
-    pub layer: Option<&'a MoeLayer>,
+    /// The layer whose outputs are sampled; it must route with `router`.
+    pub layer: Option<&'a dyn Layer>,
 }
 
 impl<'a> Subject<'a> {

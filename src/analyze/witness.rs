@@ -266,8 +266,8 @@ fn drop_coordinates(pair: &Pair, coords: &[isize]) -> Option<Pair> {
     if keep_a.is_empty() || keep_b.is_empty() {
         return None;
     }
-    let removed_before = |c: isize| coords.iter().filter(|&&x| x < c).count();
-    let token_pos = pair.token.1 - removed_before(pair.token.1 as isize);
+    // Only a's own positions (0..) shift the token; negative coordinates are b's left padding.
+    let token_pos = pair.token.1 - coords.iter().filter(|&&x| (0..pair.token.1 as isize).contains(&x)).count();
     let offset = pair.offset - coords.iter().filter(|&&x| x < 0).count();
     let keep = |call: &Call, idx: &[usize]| Call {
         logits: call.logits.select(Axis(1), idx),

@@ -78,7 +78,9 @@ pub(super) fn run(args: &RouteArgs, out: &mut dyn Write) -> Result<u8> {
 /// Reads a logits file: a JSON array of rows, each `experts` numbers.
 pub(crate) fn read_logits(path: &Path, batch: usize, seq_len: Option<usize>, experts: usize) -> Result<Logits> {
     let text = std::fs::read_to_string(path).map_err(|e| Error::input(path, format!("cannot read: {e}")))?;
-    let rows: Vec<Vec<f32>> = serde_json::from_str(&text)
+    // Read as f64 and narrow: a value beyond f32 becomes inf, which routing rejects naming the
+    // batch, position and expert (more useful than a parse error).
+    let rows: Vec<Vec<f64>> = serde_json::from_str(&text)
         .map_err(|e| Error::input(path, format!("expected a JSON array of rows of numbers: {e}")))?;
     if batch == 0 {
         return Err(Error::Usage("--batch must be at least 1".into()));
@@ -93,5 +95,6 @@ pub(crate) fn read_logits(path: &Path, batch: usize, seq_len: Option<usize>, exp
     if let Some((i, row)) = rows.iter().enumerate().find(|(_, r)| r.len() != experts) {
         return Err(Error::input(path, format!("row {i} has {} values, the router has {experts} experts", row.len())));
     }
-    Ok(Logits::from_shape_vec((batch, s, experts), rows.concat()).expect("rows checked"))
+    let flat = rows.iter().flatten().map(|&v| v as f32).collect();
+    Ok(Logits::from_shape_vec((batch, s, experts), flat).expect("rows checked"))
 }

@@ -248,15 +248,20 @@ impl RouterConfig {
     pub fn from_toml(text: &str, source_name: &str) -> Result<Self> {
         let de = toml::Deserializer::new(text);
         let config: RouterConfig = serde_path_to_error::deserialize(de).map_err(|e| {
-            let field = e.path().to_string();
+            let path = e.path().to_string();
             let inner = e.into_inner();
-            let mut message = inner.message().to_string();
-            if let Some(span) = inner.span() {
+            // toml messages may span lines; a report line must not.
+            let message = inner.message().split_whitespace().collect::<Vec<_>>().join(" ");
+            let location = inner.span().map(|span| {
                 let (line, col) = line_col(text, span.start);
-                message = format!("{message} (line {line}, column {col})");
+                format!("line {line}, column {col}")
+            });
+            match (path.as_str(), location) {
+                ("." | "", Some(at)) => Error::config(source_name, &at, message),
+                ("." | "", None) => Error::config(source_name, "-", message),
+                (field, Some(at)) => Error::config(source_name, field, format!("{message} ({at})")),
+                (field, None) => Error::config(source_name, field, message),
             }
-            let field = if field == "." || field.is_empty() { "-".to_string() } else { field };
-            Error::config(source_name, &field, message)
         })?;
         config.validate().map_err(|(field, message)| Error::config(source_name, field, message))?;
         config.inference_config_from(source_name)?;

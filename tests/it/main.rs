@@ -1,5 +1,6 @@
 //! Behaviour tests, one file per feature area, in one integration binary.
 
+mod analyze;
 mod cli;
 mod hand_computed;
 mod invariants;

@@ -1,0 +1,350 @@
+//! The analyzer: expected verdicts of the presets, one test per applicable scenario of
+//! DOMAIN.md §6, false positives, witnesses that replay.
+
+use candle_core::{DType, Device, Tensor};
+use moe_audit::analyze::{audit, AuditOptions, Layer, Probe, RouterReport, Subject, Verdict, Witness};
+use moe_audit::config::{preset, RouterConfig};
+use moe_audit::layer::MoeLayer;
+use moe_audit::router::{ConfigRouter, Router};
+use moe_audit::Routing;
+use ndarray::ArrayView3;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use Probe::*;
+use Verdict::{Leak, NotApplicable, Pass};
+
+fn options(probes: &[Probe]) -> AuditOptions {
+    AuditOptions { probes: probes.to_vec(), batch: 4, seq_len: 32, trials: 16, seed: 0 }
+}
+
+fn layer_of(config: RouterConfig) -> MoeLayer {
+    MoeLayer::seeded(config, 32, 32, 0, DType::F32, &Device::Cpu).unwrap()
+}
+
+fn audit_config(config: RouterConfig, probes: &[Probe]) -> RouterReport {
+    let layer = layer_of(config);
+    audit(&Subject::layer(&layer), &options(probes), &mut |_| {}).unwrap()
+}
+
+fn audit_preset(name: &str, probes: &[Probe]) -> RouterReport {
+    audit_config(config(name), probes)
+}
+
+fn config(name: &str) -> RouterConfig {
+    preset(name).unwrap().config().unwrap()
+}
+
+fn verdicts(r: &RouterReport) -> Vec<Verdict> {
+    r.findings.iter().map(|f| f.verdict).collect()
+}
+
+fn toml_config(text: &str) -> RouterConfig {
+    RouterConfig::from_toml(text, "test.toml").unwrap()
+}
+
+#[test]
+fn expected_verdicts_of_the_presets() {
+    let table: [(&str, [Verdict; 5]); 7] = [
+        ("mixtral", [Pass, Pass, Pass, Pass, Pass]),
+        ("deepseek-v3", [Pass, Pass, Pass, Pass, Pass]),
+        ("switch", [Pass, Pass, Pass, Pass, Pass]),
+        ("expert-choice", [Leak, Leak, Leak, Leak, Pass]),
+        ("megatron-probs", [Leak, Leak, Leak, Leak, Pass]),
+        ("megatron-position", [Leak, Pass, Leak, Leak, Pass]),
+        ("deepspeed-top2", [Leak, Leak, Leak, Leak, Pass]),
+    ];
+    for (name, want) in table {
+        let report = audit_preset(name, &[P, F, N, R, D]);
+        assert_eq!(verdicts(&report), want, "{name}");
+        assert!(report.invariants.is_empty(), "{name}: {:?}", report.invariants);
+        for f in report.findings.iter().filter(|f| f.verdict == Leak) {
+            assert!(f.rate > 0.0 && f.witness.is_some(), "{name} {}: a leak has a rate and a witness", f.probe);
+        }
+    }
+}
+
+#[test]
+fn switch_stays_causal_when_its_fixed_capacity_binds() {
+    // The preset's 64 slots never bind at 32 tokens; 3 per sequence do.
+    let mut c = config("switch");
+    c.capacity.as_mut().unwrap().fixed = Some(3);
+    let report = audit_config(c, &[P, F, N, R]);
+    assert_eq!(verdicts(&report), [Pass, Pass, Pass, Pass]);
+}
+
+#[test]
+fn scenario_01_probs_eviction() {
+    let c = toml_config(
+        "name = \"s1\"\nkind = \"token-choice\"\nexperts = 2\ntop_k = 1\nscore = \"softmax-pre\"\n[capacity]\nfactor = 1.0\npolicy = \"probs\"\n",
+    );
+    let r = audit_config(c, &[P, F]);
+    assert_eq!(verdicts(&r), [Leak, Leak]);
+    let w = r.finding(F).unwrap().witness.as_ref().unwrap();
+    assert!(w.before.routes[0].kept && !w.after.routes[0].kept, "evicted by a later token: {w:?}");
+}
+
+#[test]
+fn scenario_02_capacity_from_length() {
+    let r = audit_preset("megatron-position", &[P, F]);
+    assert_eq!(verdicts(&r), [Leak, Pass]);
+    assert!(r.finding(P).unwrap().capacity_changed);
+}
+
+#[test]
+fn scenario_03_position_priority_across_sequence_major_flattening() {
+    // deepspeed-top1: first come in [B, S] order; sequence 0 outranks all of sequence 1.
+    let r = audit_preset("deepspeed-top1", &[F, N, R]);
+    assert_eq!(verdicts(&r), [Pass, Leak, Leak]);
+}
+
+#[test]
+fn scenario_04_renormalisation_after_drop_changes_weights_not_ids() {
+    let r = audit_preset("deepspeed-topk-probs", &[F]);
+    let w = r.finding(F).unwrap().witness.as_ref().unwrap();
+    let ids = |t: &moe_audit::routing::TokenRouting| t.routes.iter().map(|x| x.expert).collect::<Vec<_>>();
+    assert_eq!(ids(&w.before), ids(&w.after), "same experts");
+    let kept_weight = |t: &moe_audit::routing::TokenRouting| t.routes.iter().filter(|x| x.kept).map(|x| x.weight).collect::<Vec<_>>();
+    assert_ne!(kept_weight(&w.before), kept_weight(&w.after));
+    assert!(w.after.routes.iter().any(|x| x.kept && (x.weight - 1.0).abs() < 1e-6), "the survivor takes all the weight: {w:?}");
+}
+
+#[test]
+fn scenario_05_choice_rank_priority_loses_the_second_choice() {
+    let r = audit_preset("deepspeed-top2", &[F]);
+    let w = r.finding(F).unwrap().witness.as_ref().unwrap();
+    // Later tokens' 1st choices outrank token t's 2nd choice: changing them takes it (or gives it
+    // back), while t's 1st choice is kept either way.
+    assert!(w.before.routes[0].kept && w.after.routes[0].kept, "1st choices are never displaced by later tokens: {w:?}");
+    assert_ne!(w.before.routes[1].kept, w.after.routes[1].kept, "{w:?}");
+}
+
+#[test]
+fn scenario_06_cross_sequence_competition() {
+    let r = audit_preset("megatron-probs", &[N, R]);
+    assert_eq!(verdicts(&r), [Leak, Leak]);
+}
+
+#[test]
+fn scenario_07_expert_choice_in_a_decoder() {
+    let r = audit_preset("expert-choice", &[P, F, N]);
+    assert_eq!(verdicts(&r), [Leak, Leak, Leak]);
+}
+
+#[test]
+fn scenario_09_algorithm_switch_between_train_and_eval() {
+    let mut text = preset("expert-choice").unwrap().toml.to_string();
+    text.push_str("\n[inference]\nkind = \"token-choice\"\ntop_k = 2\ndropless = true\n");
+    let r = audit_config(toml_config(&text), &[M]);
+    let f = r.finding(M).unwrap();
+    assert_eq!(f.verdict, Leak);
+    assert!(f.rate > 0.5, "most tokens route differently, got {}", f.rate);
+    // A capacity factor raised for serving is a T/I mismatch too; no [inference] table is n/a.
+    let mut text = preset("megatron-probs").unwrap().toml.to_string();
+    text.push_str("\n[inference]\ncapacity = { factor = 4.0 }\n");
+    assert_eq!(verdicts(&audit_config(toml_config(&text), &[M])), [Leak]);
+    assert_eq!(verdicts(&audit_preset("megatron-probs", &[M])), [NotApplicable]);
+}
+
+#[test]
+fn scenario_11_padding_that_takes_capacity_leaks_on_re_padding() {
+    let router = |mask: &str| {
+        toml_config(&format!(
+            "name = \"pads-{mask}\"\nkind = \"token-choice\"\nexperts = 4\ntop_k = 1\nscore = \"softmax-pre\"\npadding_mask = \"{mask}\"\n\
+             [capacity]\nfixed = 4\npolicy = \"position\"\n[scope]\ngroup = \"sequence\"\n"
+        ))
+    };
+    assert_eq!(verdicts(&audit_config(router("compete"), &[R])), [Leak]);
+    assert_eq!(verdicts(&audit_config(router("exclude"), &[R])), [Pass]);
+}
+
+/// A router that breaks ties at random in eval, like DeepSpeed's random token selection: every
+/// call drops a different token of an over-full expert.
+struct RandomSelection {
+    inner: ConfigRouter,
+    calls: AtomicUsize,
+}
+
+impl Router for RandomSelection {
+    fn name(&self) -> &str {
+        "random-selection"
+    }
+    fn experts(&self) -> usize {
+        self.inner.experts()
+    }
+    fn hidden_size(&self) -> Option<usize> {
+        self.inner.hidden_size()
+    }
+    fn scores(&self, hidden: &Tensor) -> moe_audit::Result<Tensor> {
+        self.inner.scores(hidden)
+    }
+    fn assign(&self, logits: ArrayView3<f32>) -> moe_audit::Result<Routing> {
+        let call = self.calls.fetch_add(1, Ordering::SeqCst);
+        let mut r = self.inner.assign(logits)?;
+        let n = r.tokens.len();
+        let t = &mut r.tokens[(call * 7919) % n];
+        t.routes.iter_mut().for_each(|x| x.kept = !x.kept);
+        Ok(r)
+    }
+}
+
+#[test]
+fn scenario_12_random_selection_in_eval() {
+    let layer = layer_of(config("megatron-probs"));
+    let router = RandomSelection { inner: layer.router().clone(), calls: AtomicUsize::new(0) };
+    let r = audit(&Subject { router: &router, layer: None }, &options(&[D, S]), &mut |_| {}).unwrap();
+    assert_eq!(verdicts(&r), [Leak, Leak]);
+    assert!(r.finding(D).unwrap().witness.is_none(), "no config to replay from");
+}
+
+/// A router whose forward overwrites its own capacity (an eval capacity that persists).
+struct MutatingCapacity {
+    inner: Mutex<ConfigRouter>,
+}
+
+impl Router for MutatingCapacity {
+    fn name(&self) -> &str {
+        "mutating-capacity"
+    }
+    fn experts(&self) -> usize {
+        8
+    }
+    fn hidden_size(&self) -> Option<usize> {
+        self.inner.lock().unwrap().hidden_size()
+    }
+    fn scores(&self, hidden: &Tensor) -> moe_audit::Result<Tensor> {
+        self.inner.lock().unwrap().scores(hidden)
+    }
+    fn assign(&self, logits: ArrayView3<f32>) -> moe_audit::Result<Routing> {
+        let mut inner = self.inner.lock().unwrap();
+        let r = inner.assign(logits)?;
+        let mut config = inner.config().unwrap().clone();
+        let cap = config.capacity.as_mut().unwrap();
+        cap.factor = Some(cap.factor.unwrap() * 0.5);
+        *inner = inner.with_config(config)?;
+        Ok(r)
+    }
+}
+
+#[test]
+fn scenario_13_state_mutated_by_forward() {
+    let layer = layer_of(config("megatron-probs"));
+    let router = MutatingCapacity { inner: Mutex::new(layer.router().clone()) };
+    let r = audit(&Subject { router: &router, layer: None }, &options(&[D, S]), &mut |_| {}).unwrap();
+    assert_eq!(verdicts(&r), [Leak, Leak]);
+}
+
+/// HF transformers issue 48293: a capacity configured and reported, never enforced.
+struct UnenforcedCapacity(ConfigRouter);
+
+impl Router for UnenforcedCapacity {
+    fn name(&self) -> &str {
+        "unenforced-capacity"
+    }
+    fn experts(&self) -> usize {
+        self.0.experts()
+    }
+    fn hidden_size(&self) -> Option<usize> {
+        self.0.hidden_size()
+    }
+    fn config(&self) -> Option<&RouterConfig> {
+        self.0.config()
+    }
+    fn scores(&self, hidden: &Tensor) -> moe_audit::Result<Tensor> {
+        self.0.scores(hidden)
+    }
+    fn assign(&self, logits: ArrayView3<f32>) -> moe_audit::Result<Routing> {
+        let mut r = self.0.assign(logits)?;
+        r.tokens.iter_mut().flat_map(|t| &mut t.routes).for_each(|x| x.kept = true);
+        Ok(r)
+    }
+}
+
+#[test]
+fn scenario_14_capacity_silently_not_enforced() {
+    let layer = layer_of(config("megatron-probs"));
+    let router = UnenforcedCapacity(layer.router().clone());
+    let r = audit(&Subject { router: &router, layer: None }, &options(&[D]), &mut |_| {}).unwrap();
+    assert!(r.leaks());
+    assert!(r.invariants.iter().any(|v| v.contains("over its capacity")), "{:?}", r.invariants);
+}
+
+#[test]
+fn scenario_16_gradient_only_coupling_is_not_a_leak() {
+    // A sequence-wise auxiliary loss couples tokens through gradients only; the forward routing is
+    // plain top-k, which every forward probe must pass.
+    let r = audit_preset("mixtral", &[P, F, N, R, D, S]);
+    assert!(!r.leaks(), "{:?}", verdicts(&r));
+}
+
+/// The layer with f32 noise that depends on the call's token count, as a different summation
+/// order over more rows gives.
+struct SummationOrderNoise(MoeLayer);
+
+impl Layer for SummationOrderNoise {
+    fn forward(&self, x: &Tensor) -> moe_audit::Result<(Tensor, Routing)> {
+        let (y, r) = self.0.forward(x)?;
+        let tokens = (x.dims()[0] * x.dims()[1]) as f64;
+        Ok(((y.clone() + (y * (1e-7 * tokens))?)?, r))
+    }
+}
+
+/// A layer whose outputs leak batch-mates into each token (a layer bug, not a routing one).
+struct BatchMeanLeak(MoeLayer);
+
+impl Layer for BatchMeanLeak {
+    fn forward(&self, x: &Tensor) -> moe_audit::Result<(Tensor, Routing)> {
+        let (y, r) = self.0.forward(x)?;
+        let mean = x.mean_keepdim(0)?.mean_keepdim(1)?;
+        Ok((y.broadcast_add(&(mean * 0.1)?)?, r))
+    }
+}
+
+#[test]
+fn summation_order_noise_is_drift_not_a_leak() {
+    let layer = SummationOrderNoise(layer_of(config("mixtral")));
+    let r = audit(&Subject { router: layer.0.router(), layer: Some(&layer) }, &options(&[P, N, R]), &mut |_| {}).unwrap();
+    assert_eq!(verdicts(&r), [Pass, Pass, Pass]);
+    assert!(r.finding(P).unwrap().output_drift.is_some_and(|d| d > 0.0), "the drift is measured and reported");
+}
+
+#[test]
+fn an_output_that_changes_while_routing_does_not_is_a_leak() {
+    let layer = BatchMeanLeak(layer_of(config("mixtral")));
+    let r = audit(&Subject { router: layer.0.router(), layer: Some(&layer) }, &options(&[N, D]), &mut |_| {}).unwrap();
+    assert_eq!(verdicts(&r), [Leak, Pass]);
+    assert!(r.finding(N).unwrap().output_leaks > 0);
+}
+
+#[test]
+fn every_witness_replays_from_its_file_alone() {
+    let dir = std::env::temp_dir().join(format!("moe-audit-witness-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for name in ["megatron-probs", "expert-choice", "deepspeed-top2"] {
+        let r = audit_preset(name, &[P, F, N, R]);
+        for f in &r.findings {
+            let w = f.witness.as_ref().unwrap();
+            assert!(w.a.batch * w.a.seq_len <= 16, "{name} {}: witness not minimal: {}x{}", f.probe, w.a.batch, w.a.seq_len);
+            let path = dir.join(format!("{name}-{}.json", f.probe));
+            std::fs::write(&path, serde_json::to_string(w).unwrap()).unwrap();
+            let replay = Witness::read(&path).unwrap().replay(&path).unwrap();
+            assert!(replay.diff.any(), "{name} {}", f.probe);
+            assert_eq!((&replay.before, &replay.after), (&w.before, &w.after));
+            // The same witness against a dropless router does not reproduce.
+            let mut fixed = w.clone();
+            fixed.router.capacity = None;
+            fixed.router.kind = moe_audit::config::RouterKind::TokenChoice;
+            fixed.router.top_k = Some(2);
+            fixed.router.score = moe_audit::config::ScoreFn::SoftmaxPost;
+            std::fs::write(&path, serde_json::to_string(&fixed).unwrap()).unwrap();
+            assert!(!Witness::read(&path).unwrap().replay(&path).unwrap().diff.any());
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn the_same_audit_gives_the_same_json() {
+    let a = serde_json::to_string(&audit_preset("megatron-probs", &[P, F, N, R, D, S])).unwrap();
+    let b = serde_json::to_string(&audit_preset("megatron-probs", &[P, F, N, R, D, S])).unwrap();
+    assert_eq!(a, b);
+}

@@ -1,0 +1,358 @@
+//! The `moe-audit` binary: commands, output, and every bad input giving exit code 2 with one
+//! `error: ` line on stderr (no panic, no backtrace).
+//!
+//! Files live in one fixed directory under the system temp dir; messages are compared with the
+//! directory replaced by `[TMP]`. Files are written atomically (write, then rename) so that two
+//! test processes running at once never read a half-written file.
+
+use moe_audit::Routing;
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+const BIN: &str = env!("CARGO_BIN_EXE_moe-audit");
+
+fn tmp_dir() -> PathBuf {
+    let dir = std::env::temp_dir().join("moe-audit-it-cli");
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
+
+/// Writes `text` to `name` in the temp dir; returns the path as a string.
+fn file(name: &str, text: &str) -> String {
+    let dir = tmp_dir();
+    let path = dir.join(name);
+    let partial = dir.join(format!(".{name}.{}", std::process::id()));
+    std::fs::write(&partial, text).expect("write temp file");
+    std::fs::rename(&partial, &path).expect("rename temp file");
+    path.to_str().expect("utf-8 temp path").to_string()
+}
+
+fn run(args: &[&str]) -> Output {
+    Command::new(BIN).args(args).env("RUST_BACKTRACE", "1").output().expect("run moe-audit")
+}
+
+fn stdout(args: &[&str]) -> String {
+    let out = run(args);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "moe-audit {args:?} failed: {:?}\n{err}", out.status);
+    assert!(err.is_empty(), "moe-audit {args:?} wrote to stderr: {err}");
+    String::from_utf8(out.stdout).expect("utf-8 stdout")
+}
+
+/// Runs a command that must fail: exit code 2, nothing on stdout, one `error: ` line on stderr.
+/// Returns that line with the temp dir redacted.
+fn fail(args: &[&str]) -> String {
+    let err = fail_lines(args);
+    assert_eq!(err.lines().count(), 1, "moe-audit {args:?}: stderr is not one line:\n{err}");
+    err
+}
+
+/// As `fail`, without the one-line rule (clap usage errors, known multi-line messages).
+fn fail_lines(args: &[&str]) -> String {
+    let out = run(args);
+    let err = String::from_utf8(out.stderr).expect("utf-8 stderr");
+    assert_eq!(out.status.code(), Some(2), "moe-audit {args:?}: exit status {:?}, stderr:\n{err}", out.status);
+    assert!(out.stdout.is_empty(), "moe-audit {args:?}: wrote to stdout on error");
+    assert!(err.starts_with("error: "), "moe-audit {args:?}: stderr does not start with `error: `:\n{err}");
+    assert!(!err.contains("panicked") && !err.contains("stack backtrace") && !err.contains("RUST_BACKTRACE"), "panic:\n{err}");
+    err.trim_end().replace(tmp_dir().to_str().unwrap(), "[TMP]")
+}
+
+/// A valid router file; the bad ones below are this with one change.
+const ROUTER: &str = r#"name = "t"
+kind = "token-choice"
+experts = 8
+top_k = 2
+score = "softmax-post"
+
+[capacity]
+factor = 1.0
+policy = "probs"
+"#;
+
+fn router_with(name: &str, from: &str, to: &str) -> String {
+    assert!(ROUTER.contains(from), "{from:?} is not in the base router");
+    file(name, &ROUTER.replacen(from, to, 1))
+}
+
+const PRESETS: [&str; 10] = [
+    "mixtral",
+    "deepseek-v3",
+    "switch",
+    "megatron-probs",
+    "megatron-position",
+    "megatron-probs-pad",
+    "deepspeed-top1",
+    "deepspeed-top2",
+    "deepspeed-topk-probs",
+    "expert-choice",
+];
+
+// ---------------------------------------------------------------------------------------------
+// Commands that work
+
+#[test]
+fn presets_lists_all_ten_with_descriptions() {
+    let out = stdout(&["presets"]);
+    let names: Vec<&str> = out.lines().map(|l| l.split_whitespace().next().unwrap_or("")).collect();
+    assert_eq!(names, PRESETS);
+    for line in out.lines() {
+        assert!(line.split_whitespace().count() > 1, "no description: {line:?}");
+    }
+}
+
+#[test]
+fn route_prints_the_table() {
+    let out = stdout(&["route", "megatron-probs"]);
+    let mut lines = out.lines();
+    assert_eq!(
+        lines.next().unwrap(),
+        "router megatron-probs | batch 2 x seq 8 | 8 experts, top-2 | scope batch (1 groups), position-major | capacity 4 per expert per group"
+    );
+    assert_eq!(lines.next().unwrap(), "  b  pos  routes in choice order (x dropped, p padding slot)");
+    // 16 token rows, each with two routes.
+    let rows: Vec<&str> = out.lines().skip(2).take(16).collect();
+    for (i, row) in rows.iter().enumerate() {
+        assert!(row.starts_with(&format!("{:>3} {:>4} ", i / 8, i % 8)), "row {i}: {row:?}");
+        assert_eq!(row.matches(" e").count(), 2, "row {i}: {row:?}");
+    }
+    assert!(out.contains("expert  routed  kept  padded"));
+    assert!(out.lines().last().unwrap().starts_with("max/mean load "));
+}
+
+#[test]
+fn route_json_is_a_routing_record_and_repeatable() {
+    let out = stdout(&["route", "mixtral", "--format", "json"]);
+    let r: Routing = serde_json::from_str(&out).expect("route --format json prints a Routing");
+    assert_eq!((r.router.as_str(), r.batch, r.seq_len, r.experts, r.top_k), ("mixtral", 2, 8, 8, Some(2)));
+    assert_eq!(r.tokens.len(), 16);
+    assert!(r.tokens.iter().all(|t| t.routes.len() == 2 && t.routes.iter().all(|x| x.kept)));
+    // D: the same command twice prints the same bytes (seeded weights and inputs).
+    assert_eq!(stdout(&["route", "mixtral", "--format", "json"]), out);
+    assert_eq!(stdout(&["route", "megatron-probs-pad"]), stdout(&["route", "megatron-probs-pad"]));
+}
+
+#[test]
+fn route_seed_changes_the_input() {
+    let a = stdout(&["route", "mixtral", "--seed", "1"]);
+    assert_ne!(a, stdout(&["route", "mixtral", "--seed", "2"]));
+    assert_eq!(a, stdout(&["route", "mixtral", "--seed", "1"]));
+}
+
+/// 2 sequences x 2 positions, E = 8, k = 2, so C = ceil(4*2/8 * 1.0) = 1 for megatron-*.
+/// Rows are sequence-major: (0,0), (0,1), (1,0), (1,1). [S,B] priority: (0,0), (1,0), (0,1), (1,1).
+///  (0,0): e0 = 1, e1 = 0        → e0 0.7311, e1 0.2689
+///  (0,1): e3 = 2, e4 = 0        → e3 0.8808, e4 0.1192
+///  (1,0): e0 = 3, e2 = 0        → e0 0.9526, e2 0.0474
+///  (1,1): the same row as (0,1) → exact ties on e3 and e4
+const HAND_LOGITS: &str = "[
+  [1, 0, -5, -5, -5, -5, -5, -5],
+  [-5, -5, -5, 2, 0, -5, -5, -5],
+  [3, -5, 0, -5, -5, -5, -5, -5],
+  [-5, -5, -5, 2, 0, -5, -5, -5]
+]";
+
+#[test]
+fn route_hand_written_logits_megatron_probs() {
+    let logits = file("hand.json", HAND_LOGITS);
+    let out = stdout(&["route", "megatron-probs", "--logits", &logits, "--batch", "2"]);
+    // probs: (1,0)'s stronger gate on e0 evicts the earlier (0,0); on e3 and e4 the gates tie
+    // exactly and the lower [S,B] index (0,1) keeps both, so (1,1) loses both routes.
+    let want = "\
+router megatron-probs | batch 2 x seq 2 | 8 experts, top-2 | scope batch (1 groups), position-major | capacity 1 per expert per group
+  b  pos  routes in choice order (x dropped, p padding slot)
+  0    0  e0   0.7311x e1   0.2689
+  0    1  e3   0.8808  e4   0.1192
+  1    0  e0   0.9526  e2   0.0474
+  1    1  e3   0.8808x e4   0.1192x
+expert  routed  kept  padded
+     0       2     1       0
+     1       1     1       0
+     2       1     1       0
+     3       2     1       0
+     4       2     1       0
+(3 idle experts not shown)
+";
+    let (got_head, _) = out.split_once("max/mean").expect("stats line");
+    assert_eq!(got_head, want);
+    assert!(out.contains("drop rate 0.375"), "3 of 8 routes dropped:\n{out}");
+}
+
+#[test]
+fn route_hand_written_logits_megatron_position() {
+    let logits = file("hand.json", HAND_LOGITS);
+    let out = stdout(&["route", "megatron-position", "--logits", &logits, "--batch", "2"]);
+    // position: on e0 the first route in [S,B] order, (0,0), keeps its slot despite the weaker gate.
+    let rows: Vec<&str> = out.lines().skip(2).take(4).collect();
+    assert_eq!(
+        rows,
+        [
+            "  0    0  e0   0.7311  e1   0.2689",
+            "  0    1  e3   0.8808  e4   0.1192",
+            "  1    0  e0   0.9526x e2   0.0474",
+            "  1    1  e3   0.8808x e4   0.1192x",
+        ]
+    );
+}
+
+#[test]
+fn route_hand_written_logits_json_and_seq_len() {
+    let logits = file("hand.json", HAND_LOGITS);
+    let out = stdout(&["route", "mixtral", "--logits", &logits, "--batch", "2", "--seq-len", "2", "--format", "json"]);
+    let r: Routing = serde_json::from_str(&out).unwrap();
+    assert_eq!((r.batch, r.seq_len), (2, 2));
+    let ids: Vec<Vec<usize>> = r.tokens.iter().map(|t| t.routes.iter().map(|x| x.expert).collect()).collect();
+    assert_eq!(ids, [vec![0, 1], vec![3, 4], vec![0, 2], vec![3, 4]]);
+    // One sequence of four tokens instead: same rows, another shape.
+    let out = stdout(&["route", "mixtral", "--logits", &logits, "--batch", "1", "--format", "json"]);
+    let r: Routing = serde_json::from_str(&out).unwrap();
+    assert_eq!((r.batch, r.seq_len), (1, 4));
+}
+
+#[test]
+fn route_accepts_a_router_file() {
+    let path = file("ok.toml", ROUTER);
+    let logits = file("hand.json", HAND_LOGITS);
+    let out = stdout(&["route", &path, "--logits", &logits, "--batch", "2"]);
+    assert!(out.starts_with("router t | batch 2 x seq 2 | 8 experts, top-2 |"), "{out}");
+    // The file is megatron-probs under another name (the default scope is the batch in [S,B]
+    // order): the same decisions.
+    let preset = stdout(&["route", "megatron-probs", "--logits", &logits, "--batch", "2"]);
+    assert_eq!(out.lines().skip(1).collect::<Vec<_>>(), preset.lines().skip(1).collect::<Vec<_>>());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bad inputs: exit 2, one line, says what and where
+
+#[test]
+fn unknown_preset() {
+    insta::assert_snapshot!(fail(&["route", "no-such-router"]), @"error: unknown router `no-such-router`: not a preset (mixtral, deepseek-v3, switch, megatron-probs, megatron-position, megatron-probs-pad, deepspeed-top1, deepspeed-top2, deepspeed-topk-probs, expert-choice) and not a file");
+}
+
+const SYNTAX_ERROR: &str = "name = \"t\"\nkind = \"token-choice\"\nexperts = \ntop_k = 2\n";
+
+#[test]
+fn toml_syntax_error_names_file_and_line() {
+    let path = file("syntax.toml", SYNTAX_ERROR);
+    let err = fail_lines(&["route", &path]);
+    assert!(err.starts_with("error: [TMP]/syntax.toml: "), "{err}");
+    assert!(err.contains("line 3, column 11"), "{err}");
+}
+
+#[test]
+fn toml_syntax_error_is_one_line() {
+    let path = file("syntax.toml", SYNTAX_ERROR);
+    let err = fail(&["route", &path]);
+    assert!(!err.contains(": -: "), "{err}");
+}
+
+#[test]
+fn top_k_larger_than_experts() {
+    let path = router_with("top_k_9.toml", "top_k = 2", "top_k = 9");
+    insta::assert_snapshot!(fail(&["route", &path]), @"error: [TMP]/top_k_9.toml: top_k: 9 exceeds experts = 8");
+}
+
+#[test]
+fn capacity_factor_zero() {
+    let path = router_with("factor_0.toml", "factor = 1.0", "factor = 0");
+    insta::assert_snapshot!(fail(&["route", &path]), @"error: [TMP]/factor_0.toml: capacity.factor: must be finite and > 0, got 0");
+    let path = router_with("factor_neg.toml", "factor = 1.0", "factor = -0.5");
+    insta::assert_snapshot!(fail(&["route", &path]), @"error: [TMP]/factor_neg.toml: capacity.factor: must be finite and > 0, got -0.5");
+}
+
+#[test]
+fn zero_experts() {
+    let path = router_with("experts_0.toml", "experts = 8", "experts = 0");
+    insta::assert_snapshot!(fail(&["route", &path]), @"error: [TMP]/experts_0.toml: experts: must be at least 1, got 0");
+}
+
+#[test]
+fn expert_bias_of_wrong_length() {
+    let path = router_with("bias.toml", "top_k = 2\n", "top_k = 2\nexpert_bias = [0.0, 1.0]\n");
+    insta::assert_snapshot!(fail(&["route", &path]), @"error: [TMP]/bias.toml: expert_bias: has 2 entries, expected one per expert (8)");
+}
+
+#[test]
+fn unknown_drop_policy_names_the_field_path() {
+    let path = router_with("fifo.toml", r#"policy = "probs""#, r#"policy = "fifo""#);
+    insta::assert_snapshot!(fail(&["route", &path]), @"error: [TMP]/fifo.toml: capacity.policy: unknown variant `fifo`, expected one of `probs`, `position`, `choice-rank` (line 9, column 10)");
+}
+
+#[test]
+fn unknown_field() {
+    let path = router_with("colour.toml", "top_k = 2\n", "top_k = 2\ncolour = \"red\"\n");
+    let err = fail(&["route", &path]);
+    assert!(err.starts_with("error: [TMP]/colour.toml: colour: unknown field `colour`, expected one of `name`, "), "{err}");
+    assert!(err.ends_with("(line 5, column 1)"), "{err}");
+}
+
+#[test]
+fn both_factor_and_fixed() {
+    let path = router_with("both.toml", "factor = 1.0\n", "factor = 1.0\nfixed = 4\n");
+    insta::assert_snapshot!(fail(&["route", &path]), @"error: [TMP]/both.toml: capacity: set either `factor` or `fixed`, not both");
+}
+
+#[test]
+fn logits_file_that_is_not_json() {
+    let logits = file("not_json.json", "not json\n");
+    insta::assert_snapshot!(fail(&["route", "megatron-probs", "--logits", &logits]), @"error: [TMP]/not_json.json: expected a JSON array of rows of numbers: expected ident at line 1 column 2");
+}
+
+#[test]
+fn logits_row_of_wrong_length() {
+    let logits = file("short_row.json", "[[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3]]");
+    insta::assert_snapshot!(fail(&["route", "megatron-probs", "--logits", &logits, "--batch", "1"]), @"error: [TMP]/short_row.json: row 1 has 3 values, the router has 8 experts");
+}
+
+#[test]
+fn logits_rows_not_divisible_by_batch() {
+    let logits = file("three_rows.json", "[[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6, 7, 8]]");
+    insta::assert_snapshot!(fail(&["route", "megatron-probs", "--logits", &logits, "--batch", "2"]), @"error: [TMP]/three_rows.json: 3 rows cannot be split into --batch 2 sequences");
+}
+
+#[test]
+fn logits_overflowing_f32_are_rejected_not_routed() {
+    // 1e40 is finite in JSON but overflows f32 to inf: row 2 is batch 1, position 0.
+    let logits = file(
+        "huge.json",
+        "[[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 1e40, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6, 7, 8]]",
+    );
+    insta::assert_snapshot!(fail(&["route", "megatron-probs", "--logits", &logits, "--batch", "2"]), @"error: non-finite score inf at batch 1, position 0, expert 3");
+}
+
+#[test]
+fn batch_zero() {
+    insta::assert_snapshot!(fail(&["route", "megatron-probs", "--batch", "0"]), @"error: --batch must be at least 1");
+    let logits = file("hand.json", HAND_LOGITS);
+    insta::assert_snapshot!(fail(&["route", "megatron-probs", "--logits", &logits, "--batch", "0"]), @"error: --batch must be at least 1");
+}
+
+#[test]
+fn seq_len_zero() {
+    insta::assert_snapshot!(fail(&["route", "megatron-probs", "--seq-len", "0"]), @"error: --seq-len must be at least 1");
+    let logits = file("hand.json", HAND_LOGITS);
+    insta::assert_snapshot!(fail(&["route", "megatron-probs", "--logits", &logits, "--seq-len", "0"]), @"error: [TMP]/hand.json: 4 rows at --batch 2 give seq_len 2, not --seq-len 0");
+}
+
+#[test]
+fn hidden_and_ffn_zero() {
+    insta::assert_snapshot!(fail(&["route", "mixtral", "--hidden", "0"]), @"error: --hidden must be at least 1");
+    insta::assert_snapshot!(fail(&["route", "mixtral", "--ffn", "0"]), @"error: --ffn must be at least 1");
+}
+
+#[test]
+fn nonexistent_logits_file() {
+    let missing = tmp_dir().join("does-not-exist.json");
+    let _ = std::fs::remove_file(&missing);
+    insta::assert_snapshot!(fail(&["route", "megatron-probs", "--logits", missing.to_str().unwrap()]), @"error: [TMP]/does-not-exist.json: cannot read: No such file or directory (os error 2)");
+}
+
+#[test]
+fn unknown_flag_is_a_usage_error() {
+    let err = fail_lines(&["route", "megatron-probs", "--frobnicate"]);
+    insta::assert_snapshot!(err.lines().next().unwrap(), @"error: unexpected argument '--frobnicate' found");
+    let err = fail_lines(&["frobnicate"]);
+    insta::assert_snapshot!(err.lines().next().unwrap(), @"error: unrecognized subcommand 'frobnicate'");
+    let err = fail_lines(&["route", "megatron-probs", "--batch", "two"]);
+    assert!(err.contains("--batch"), "{err}");
+}
