@@ -6,6 +6,7 @@ use crate::error::Result;
 use crate::router::Router;
 use crate::routing::{Logits, Routing};
 use ndarray::{s, Array2, Axis};
+use std::sync::Arc;
 
 /// One call to a router: logits and, for routers that take one, a padding mask.
 #[derive(Debug, Clone, PartialEq)]
@@ -57,8 +58,8 @@ impl Call {
 /// and position `p` of `a` is position `p + offset` of `b`.
 #[derive(Debug, Clone)]
 pub struct Case {
-    /// The reference call.
-    pub a: Call,
+    /// The reference call (shared: most cases of a probe compare against the same base call).
+    pub a: Arc<Call>,
     /// The changed call.
     pub b: Call,
     /// For each sequence of `a`, its index in `b`, if present.

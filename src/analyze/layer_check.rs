@@ -41,49 +41,79 @@ pub(super) fn scores_per_token(router: &dyn Router, x: &Tensor, logits: &Logits)
     Ok(out)
 }
 
-/// Runs the layer on one hidden-state version of the probe and folds the result into `finding`.
-pub(super) fn sample(layer: &dyn Layer, x: &Tensor, probe: Probe, finding: &mut Finding, seed: u64) -> Result<()> {
-    if finding.verdict == Verdict::NotApplicable || probe == Probe::M {
-        return Ok(());
+/// The layer sample: the first (up to) [`SAMPLE_SEQS`] sequences × [`SAMPLE_LEN`] positions of the
+/// audit's hidden states, and the layer's output on them, computed once. Each probe then runs the
+/// whole layer on one changed version of the sample: a small fixed cost per probe, so the audit
+/// stays a few forward passes however long the input (routing is probed at full size anyway).
+pub(super) struct Sample<'a> {
+    layer: &'a dyn Layer,
+    x: Tensor,
+    y: Tensor,
+    routing: Routing,
+    seed: u64,
+}
+
+/// Sequences in the layer sample (two, so the neighbour and re-batch probes apply).
+const SAMPLE_SEQS: usize = 2;
+/// Positions per sequence in the layer sample.
+const SAMPLE_LEN: usize = 64;
+
+impl<'a> Sample<'a> {
+    pub(super) fn new(layer: &'a dyn Layer, x: &Tensor, seed: u64) -> Result<Self> {
+        let (b, s, _) = x.dims3()?;
+        let x = x.narrow(0, 0, b.min(SAMPLE_SEQS))?.narrow(1, 0, s.min(SAMPLE_LEN))?.contiguous()?;
+        let (y, routing) = layer.forward(&x)?;
+        Ok(Sample { layer, x, y, routing, seed })
     }
-    let (b, s, h) = x.dims3()?;
-    let fresh = |n: usize, salt: u64| Seeded::new(seed ^ salt).normal(&[1, n, h], &Device::Cpu);
-    // (changed input, for each sequence of x its index there, positions compared per sequence)
-    let (xb, seq_map, compare): (Tensor, Vec<Option<usize>>, Vec<usize>) = match probe {
-        Probe::P => (x.narrow(1, 0, s.div_ceil(2))?, (0..b).map(Some).collect(), vec![s.div_ceil(2); b]),
-        Probe::F => {
-            let t = s / 2;
-            let mut v = x.flatten_all()?.to_vec1::<f32>()?;
-            let later = fresh(s - t - 1, 0xf)?.flatten_all()?.to_vec1::<f32>()?;
-            v[(t + 1) * h..s * h].copy_from_slice(&later);
-            let mut compare = vec![0; b];
-            compare[0] = t + 1;
-            (Tensor::from_vec(v, (b, s, h), x.device())?, (0..b).map(Some).collect(), compare)
+
+    /// Runs the layer on the sample changed as `probe` prescribes and folds the result into
+    /// `finding`.
+    pub(super) fn check(&self, probe: Probe, finding: &mut Finding) -> Result<()> {
+        if finding.verdict == Verdict::NotApplicable || probe == Probe::M {
+            return Ok(());
         }
-        Probe::N => {
-            let replaced = Tensor::cat(&[&x.narrow(0, 0, b - 1)?, &fresh(s, 0xa)?], 0)?;
-            let mut compare = vec![s; b];
-            compare[b - 1] = 0;
-            (replaced, (0..b).map(Some).collect(), compare)
-        }
-        Probe::R => (x.flip(&[0])?.contiguous()?, (0..b).map(|i| Some(b - 1 - i)).collect(), vec![s; b]),
-        Probe::D | Probe::S => {
-            if probe == Probe::S {
-                layer.forward(&fresh(s, 0x5)?.broadcast_as((b, s, h))?.contiguous()?)?;
+        let x = &self.x;
+        let (b, s, h) = x.dims3()?;
+        let fresh = |n: usize, salt: u64| Seeded::new(self.seed ^ salt).normal(&[1, n, h], &Device::Cpu);
+        let all = || (0..b).map(Some).collect::<Vec<_>>();
+        // (changed input, for each sequence of x its index there, positions compared per sequence)
+        let (xb, seq_map, compare): (Tensor, Vec<Option<usize>>, Vec<usize>) = match probe {
+            Probe::P => (x.narrow(1, 0, s.div_ceil(2))?, all(), vec![s.div_ceil(2); b]),
+            Probe::F => {
+                let t = s / 2;
+                let mut v = x.flatten_all()?.to_vec1::<f32>()?;
+                let later = fresh(s - t - 1, 0xf)?.flatten_all()?.to_vec1::<f32>()?;
+                v[(t + 1) * h..s * h].copy_from_slice(&later);
+                let mut compare = vec![0; b];
+                compare[0] = t + 1;
+                (Tensor::from_vec(v, (b, s, h), x.device())?, all(), compare)
             }
-            (x.clone(), (0..b).map(Some).collect(), vec![s; b])
+            Probe::N if b < 2 => return Ok(()),
+            Probe::N => {
+                let replaced = Tensor::cat(&[&x.narrow(0, 0, b - 1)?, &fresh(s, 0xa)?], 0)?;
+                let mut compare = vec![s; b];
+                compare[b - 1] = 0;
+                (replaced, all(), compare)
+            }
+            Probe::R => (x.flip(&[0])?, (0..b).map(|i| Some(b - 1 - i)).collect(), vec![s; b]),
+            Probe::D | Probe::S => {
+                if probe == Probe::S {
+                    self.layer.forward(&fresh(s, 0x5)?.broadcast_as((b, s, h))?.contiguous()?)?;
+                }
+                (x.clone(), all(), vec![s; b])
+            }
+            Probe::M => unreachable!("returned above"),
+        };
+        let (yb, rb) = self.layer.forward(&xb.contiguous()?)?;
+        let exact = probe == Probe::D || probe == Probe::S;
+        let (leaks, drift) = compare_outputs(&self.y, &self.routing, &yb, &rb, &seq_map, &compare, exact)?;
+        finding.output_leaks += leaks;
+        finding.output_drift = drift;
+        if leaks > 0 {
+            finding.verdict = Verdict::Leak;
         }
-        Probe::M => unreachable!("returned above"),
-    };
-    let (ya, ra) = layer.forward(x)?;
-    let (yb, rb) = layer.forward(&xb.contiguous()?)?;
-    let (leaks, drift) = compare_outputs(&ya, &ra, &yb, &rb, &seq_map, &compare, probe == Probe::D || probe == Probe::S)?;
-    finding.output_leaks += leaks;
-    finding.output_drift = drift;
-    if leaks > 0 {
-        finding.verdict = Verdict::Leak;
+        Ok(())
     }
-    Ok(())
 }
 
 /// Tokens with identical routing must have equal outputs: bit for bit when `exact`, else within

@@ -305,19 +305,23 @@ pub fn audit(subject: &Subject, options: &AuditOptions, tick: &mut dyn FnMut(&st
             crate::routing::Logits::from_shape_vec((b, s, router.experts()), t.flatten_all()?.to_vec1()?).expect("shape")
         }
     };
-    let base = Call::new(logits);
+    let base = std::sync::Arc::new(Call::new(logits));
     let base_routing = base.route(router)?;
     let mut invariants = invariant_violations(router, &base_routing);
     if let Some(x) = &hidden {
         invariants.extend(layer_check::scores_per_token(router, x, &base.logits)?);
     }
     let ctx = Ctx { router, base, base_routing, trials: options.trials, seed: options.seed };
+    let sample = match (subject.layer, &hidden) {
+        (Some(layer), Some(x)) => Some(layer_check::Sample::new(layer, x, options.seed)?),
+        _ => None,
+    };
     let mut findings = Vec::new();
     for &probe in &options.probes {
         tick(&format!("{} {}", router.name(), probe.name()));
         let mut finding = run_probe(&ctx, probe)?;
-        if let (Some(layer), Some(x)) = (subject.layer, &hidden) {
-            layer_check::sample(layer, x, probe, &mut finding, options.seed)?;
+        if let Some(sample) = &sample {
+            sample.check(probe, &mut finding)?;
         }
         findings.push(finding);
     }
@@ -340,14 +344,15 @@ fn run_probe(ctx: &Ctx, probe: Probe) -> Result<Finding> {
         note: String::new(),
         witness: None,
     };
-    let cases = match probe {
-        Probe::P => probes::prefix(ctx),
-        Probe::F => probes::future(ctx)?,
-        Probe::N => probes::neighbour(ctx)?,
-        Probe::R => probes::rebatch(ctx)?,
+    let cases: Box<dyn Iterator<Item = Case> + '_> = match probe {
+        Probe::P => Box::new(probes::prefix(ctx)),
+        Probe::F => Box::new(probes::future(ctx)?.into_iter()),
+        Probe::N => Box::new(probes::neighbour(ctx)?.into_iter()),
+        Probe::R => Box::new(probes::rebatch(ctx)?.into_iter()),
         Probe::D | Probe::S | Probe::M => return repeat_probe(ctx, probe, finding),
     };
-    if cases.is_empty() {
+    let mut cases = cases.peekable();
+    if cases.peek().is_none() {
         finding.verdict = Verdict::NotApplicable;
         finding.note = match probe {
             Probe::N => "needs a batch of 2 or more".into(),
@@ -355,19 +360,21 @@ fn run_probe(ctx: &Ctx, probe: Probe) -> Result<Finding> {
         };
         return Ok(finding);
     }
-    finding.note = format!("{} cases", cases.len());
     let mut first_leak: Option<(Case, case::Affected)> = None;
     let mut distances = Vec::new();
-    for case in &cases {
+    let mut count = 0;
+    for case in cases {
+        count += 1;
         let rb = case.b.route(ctx.router)?;
         let outcome = case.compare(&ctx.base_routing, &rb);
         absorb(&mut finding, &outcome, &mut distances);
         if first_leak.is_none() {
             if let Some(hit) = pick_witness_token(&outcome) {
-                first_leak = Some((case.clone(), hit));
+                first_leak = Some((case, hit));
             }
         }
     }
+    finding.note = format!("{count} cases");
     finish(&mut finding, &distances);
     if let Some((case, hit)) = first_leak {
         finding.witness = witness::build(ctx.router, probe, &case, (hit.batch, hit.pos))?;
@@ -418,8 +425,8 @@ fn influence_histogram(distances: &[usize]) -> Vec<InfluenceBucket> {
 fn repeat_probe(ctx: &Ctx, probe: Probe, mut finding: Finding) -> Result<Finding> {
     let (b, s) = ctx.base.dims();
     let same = Case {
-        a: ctx.base.clone(),
-        b: ctx.base.clone(),
+        a: std::sync::Arc::clone(&ctx.base),
+        b: Call::clone(&ctx.base),
         seq_map: (0..b).map(Some).collect(),
         offset: 0,
         compare: vec![s; b],

@@ -12,6 +12,7 @@ use candle_core::Device;
 use ndarray::{s, Array2, Array3, Axis};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use std::sync::Arc;
 
 /// Logit given to the targeted expert of a crafted token (the others get 0): strong enough to win
 /// every gate comparison (softmax gate ≈ 0.999 over 8 experts).
@@ -20,7 +21,7 @@ const TARGET_LOGIT: f32 = 8.0;
 /// What the probes share: the router, the base call and its routing, and seeded randomness.
 pub(crate) struct Ctx<'a> {
     pub router: &'a dyn Router,
-    pub base: Call,
+    pub base: Arc<Call>,
     pub base_routing: Routing,
     pub trials: usize,
     pub seed: u64,
@@ -74,19 +75,18 @@ impl Ctx<'_> {
     }
 }
 
-/// P: truncate every sequence after position t, for every t; compare positions ≤ t.
-pub(crate) fn prefix(ctx: &Ctx) -> Vec<Case> {
+/// P: truncate every sequence after position t, for every t; compare positions ≤ t. Lazy, so
+/// memory stays O(T·E) however long the sequence.
+pub(crate) fn prefix<'a>(ctx: &'a Ctx) -> impl Iterator<Item = Case> + 'a {
     let (b, s) = ctx.base.dims();
-    (0..s.saturating_sub(1))
-        .map(|t| Case {
-            a: ctx.base.clone(),
-            b: ctx.base.truncate(t + 1),
-            seq_map: ctx.identity(),
-            offset: 0,
-            compare: vec![t + 1; b],
-            change_from: vec![Some(t + 1); b],
-        })
-        .collect()
+    (0..s.saturating_sub(1)).map(move |t| Case {
+        a: Arc::clone(&ctx.base),
+        b: ctx.base.truncate(t + 1),
+        seq_map: ctx.identity(),
+        offset: 0,
+        compare: vec![t + 1; b],
+        change_from: vec![Some(t + 1); b],
+    })
 }
 
 /// F: same length, change only the tokens after t of one sequence; half the trials random,
@@ -101,7 +101,7 @@ pub(crate) fn future(ctx: &Ctx) -> Result<Vec<Case>> {
     for trial in 0..ctx.trials {
         let seq = rng.random_range(0..b);
         let t = rng.random_range(0..s - 1);
-        let mut changed = ctx.base.clone();
+        let mut changed = Call::clone(&ctx.base);
         let later = s - t - 1;
         let rows = if trial % 2 == 0 {
             ctx.fresh(later, &mut rng)?
@@ -114,7 +114,7 @@ pub(crate) fn future(ctx: &Ctx) -> Result<Vec<Case>> {
         compare[seq] = t + 1;
         let mut change_from = vec![None; b];
         change_from[seq] = Some(t + 1);
-        cases.push(Case { a: ctx.base.clone(), b: changed, seq_map: ctx.identity(), offset: 0, compare, change_from });
+        cases.push(Case { a: Arc::clone(&ctx.base), b: changed, seq_map: ctx.identity(), offset: 0, compare, change_from });
     }
     Ok(cases)
 }
@@ -130,7 +130,7 @@ pub(crate) fn neighbour(ctx: &Ctx) -> Result<Vec<Case>> {
     let mut cases = Vec::with_capacity(ctx.trials);
     for trial in 0..ctx.trials {
         let seq = rng.random_range(0..b);
-        let mut changed = ctx.base.clone();
+        let mut changed = Call::clone(&ctx.base);
         let rows = if trial % 2 == 0 {
             ctx.fresh(s, &mut rng)?
         } else {
@@ -141,7 +141,7 @@ pub(crate) fn neighbour(ctx: &Ctx) -> Result<Vec<Case>> {
         changed.logits.slice_mut(s![seq, .., ..]).assign(&rows);
         let mut compare = vec![s; b];
         compare[seq] = 0;
-        cases.push(Case { a: ctx.base.clone(), b: changed, seq_map: ctx.identity(), offset: 0, compare, change_from: vec![None; b] });
+        cases.push(Case { a: Arc::clone(&ctx.base), b: changed, seq_map: ctx.identity(), offset: 0, compare, change_from: vec![None; b] });
     }
     Ok(cases)
 }
@@ -152,10 +152,10 @@ pub(crate) fn rebatch(ctx: &Ctx) -> Result<Vec<Case>> {
     let (b, s) = ctx.base.dims();
     let mut rng = ctx.rng(Probe::R);
     let mut cases = Vec::new();
-    let whole = |a: &Call, b_call: Call, seq_map: Vec<Option<usize>>| Case {
+    let whole = |a: &Arc<Call>, b_call: Call, seq_map: Vec<Option<usize>>| Case {
         compare: vec![s; a.dims().0],
         change_from: vec![None; a.dims().0],
-        a: a.clone(),
+        a: Arc::clone(a),
         b: b_call,
         seq_map,
         offset: 0,

@@ -119,7 +119,7 @@ fn replay_pair(config: &RouterConfig, probe: Probe, pair: &Pair) -> Result<(Rout
 /// Builds a shrunk witness for token `token` (in `case.a`), when the router has a config.
 pub(crate) fn build(router: &dyn Router, probe: Probe, case: &Case, token: (usize, usize)) -> Result<Option<Witness>> {
     let Some(config) = router.config() else { return Ok(None) };
-    let pair = Pair { a: case.a.clone(), b: case.b.clone(), seq_map: case.seq_map.clone(), offset: case.offset, token };
+    let pair = Pair { a: Call::clone(&case.a), b: case.b.clone(), seq_map: case.seq_map.clone(), offset: case.offset, token };
     let leaks = |p: &Pair| replay_pair(config, probe, p).map(|(_, _, d)| d.any()).unwrap_or(false);
     if !leaks(&pair) {
         return Ok(None);

@@ -1,0 +1,124 @@
+//! The layer-cost setup shared by `benches/layer.rs` and `examples/layer_cost.rs`: our layer and
+//! its two references on the same weights and input.
+//!
+//! * `moe`: our [`MoeLayer`] with the Mixtral preset (softmax, top-2, renormalised, dropless);
+//! * `dense`: the ceiling, one dense SwiGLU FFN of size k × FFN on every token (the same active
+//!   FLOPs), built as our own [`Expert`] so it runs the same kernels;
+//! * `mixtral`: the algorithm of candle-transformers 0.11's Mixtral `SparseMoeBlock` (the common
+//!   Rust baseline). That type and its config fields are private upstream, so it is written out
+//!   here: softmax on the device, top-2 per row on the host by sorting, then per expert an
+//!   `index_select` of its tokens, three `candle_nn::Linear` (`w1`, `w3`, `w2`, `x·Wᵀ`), a scale,
+//!   and an `index_add` into a fresh output.
+//!
+//! T = 2048 tokens (batch 1 × seq 2048), H 512, expert FFN 1024, k 2, E 8 and E 64.
+
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::{Linear, VarBuilder};
+use moe_audit::layer::{seeded_weights, Expert, LayerDims, MoeLayer, Seeded};
+
+pub const BATCH: usize = 1;
+pub const SEQ: usize = 2048;
+pub const HIDDEN: usize = 512;
+pub const FFN: usize = 1024;
+pub const TOP_K: usize = 2;
+pub const SIZES: [usize; 2] = [8, 64];
+
+type BoxResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
+
+/// The Mixtral block's algorithm (see the module docs).
+pub struct MixtralBlock {
+    gate: Linear,
+    experts: Vec<[Linear; 3]>,
+}
+
+impl MixtralBlock {
+    fn new(experts: usize, vb: &VarBuilder) -> candle_core::Result<Self> {
+        let linear = |name: String, shape: (usize, usize)| vb.get(shape, &name).map(|w| Linear::new(w, None));
+        let gate = linear("gate.weight".into(), (experts, HIDDEN))?;
+        let experts = (0..experts)
+            .map(|i| {
+                let w = |n: &str, shape| linear(format!("experts.{i}.{n}.weight"), shape);
+                Ok([w("w1", (FFN, HIDDEN))?, w("w3", (FFN, HIDDEN))?, w("w2", (HIDDEN, FFN))?])
+            })
+            .collect::<candle_core::Result<_>>()?;
+        Ok(Self { gate, experts })
+    }
+
+    /// # Shapes
+    /// `x`: `[batch, seq, hidden]` → `[batch, seq, hidden]`.
+    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let (b, s, h) = x.dims3()?;
+        let xs = x.reshape((b * s, h))?;
+        let probs = candle_nn::ops::softmax_last_dim(&self.gate.forward(&xs)?)?.to_vec2::<f32>()?;
+        let mut rows: Vec<Vec<u32>> = vec![Vec::new(); self.experts.len()];
+        let mut weights: Vec<Vec<f32>> = vec![Vec::new(); self.experts.len()];
+        for (t, p) in probs.iter().enumerate() {
+            let mut order: Vec<usize> = (0..p.len()).collect();
+            order.sort_by(|&i, &j| p[j].total_cmp(&p[i]));
+            let top = &order[..TOP_K];
+            let sum: f32 = top.iter().map(|&e| p[e]).sum();
+            for &e in top {
+                rows[e].push(t as u32);
+                weights[e].push(p[e] / sum);
+            }
+        }
+        let mut ys = xs.zeros_like()?;
+        for (e, [w1, w3, w2]) in self.experts.iter().enumerate() {
+            if rows[e].is_empty() {
+                continue;
+            }
+            let index = Tensor::new(rows[e].as_slice(), xs.device())?;
+            let weight = Tensor::new(weights[e].as_slice(), xs.device())?.unsqueeze(1)?;
+            let xe = xs.index_select(&index, 0)?;
+            let ye = w2.forward(&(candle_nn::ops::silu(&w1.forward(&xe)?)? * w3.forward(&xe)?)?)?;
+            ys = ys.index_add(&index, &ye.broadcast_mul(&weight)?, 0)?;
+        }
+        ys.reshape((b, s, h))
+    }
+}
+
+/// One size: the three implementations and the shared input.
+pub struct LayerCase {
+    pub moe: MoeLayer,
+    pub dense: Expert,
+    pub mixtral: MixtralBlock,
+    pub x: Tensor,
+}
+
+impl LayerCase {
+    /// Seeded weights and input; checks that our output equals the Mixtral block's.
+    pub fn new(experts: usize, device: &Device) -> BoxResult<Self> {
+        let mut config = moe_audit::config::preset("mixtral").ok_or("no mixtral preset")?.config()?;
+        config.experts = experts;
+        let tensors = seeded_weights(LayerDims { hidden: HIDDEN, ffn: FFN, experts }, 0, device)?;
+        let mixtral = MixtralBlock::new(experts, &VarBuilder::from_tensors(tensors.clone(), DType::F32, device))?;
+        let moe = MoeLayer::from_tensors(config, tensors, DType::F32, device)?;
+        let dense_tensors = seeded_weights(LayerDims { hidden: HIDDEN, ffn: TOP_K * FFN, experts: 1 }, 1, device)?;
+        let dense = Expert::new(HIDDEN, TOP_K * FFN, VarBuilder::from_tensors(dense_tensors, DType::F32, device).pp("experts.0"))?;
+        let x = Seeded::new(2).normal(&[BATCH, SEQ, HIDDEN], device)?;
+
+        // Same weights, same rule: the outputs agree up to float summation order.
+        let (ours, _) = moe.forward(&x)?;
+        let theirs = mixtral.forward(&x)?;
+        let scale = theirs.abs()?.max_all()?.to_scalar::<f32>()?;
+        let diff = (&ours - &theirs)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        if diff > 1e-4 * scale.max(1e-3) {
+            return Err(format!("E={experts}: MoeLayer and the Mixtral block differ: max |diff| {diff:e}, max |y| {scale:e}").into());
+        }
+        Ok(Self { moe, dense, mixtral, x })
+    }
+
+    pub fn moe(&self) -> candle_core::Result<Tensor> {
+        self.moe.forward(&self.x).map(|(y, _)| y).map_err(|e| candle_core::Error::Msg(e.to_string()))
+    }
+
+    /// The dense ceiling on `[batch, seq, hidden]` (our experts take `[tokens, hidden]`).
+    pub fn dense(&self) -> candle_core::Result<Tensor> {
+        let (b, s, h) = self.x.dims3()?;
+        self.dense.forward(&self.x.reshape((b * s, h))?)?.reshape((b, s, h))
+    }
+
+    pub fn mixtral(&self) -> candle_core::Result<Tensor> {
+        self.mixtral.forward(&self.x)
+    }
+}
