@@ -59,14 +59,15 @@ pub fn capacity_of(r: &Routing, t: &TokenRouting) -> Option<usize> {
 /// Compares token `(ba, pa)` of `a` with token `(bb, pb)` of `b`.
 pub fn diff_token(a: &Routing, (ba, pa): (usize, usize), b: &Routing, (bb, pb): (usize, usize)) -> TokenDiff {
     let (ta, tb) = (a.token(ba, pa), b.token(bb, pb));
-    let real = |t: &TokenRouting| t.routes.iter().filter(|r| !r.padded).map(|r| r.expert).collect::<Vec<_>>();
-    let pads = |t: &TokenRouting| t.routes.iter().filter(|r| r.padded).map(|r| r.expert).collect::<Vec<_>>();
-    let experts = real(ta) != real(tb);
+    fn experts_of(t: &TokenRouting, padded: bool) -> impl Iterator<Item = usize> + '_ {
+        t.routes.iter().filter(move |r| r.padded == padded).map(|r| r.expert)
+    }
+    let experts = !experts_of(ta, false).eq(experts_of(tb, false));
     let (kept, weight) = if experts {
         (false, false)
     } else {
         let pairs = || ta.routes.iter().filter(|r| !r.padded).zip(tb.routes.iter().filter(|r| !r.padded));
         (pairs().any(|(x, y)| x.kept != y.kept), pairs().any(|(x, y)| (x.weight - y.weight).abs() > WEIGHT_TOLERANCE))
     };
-    TokenDiff { experts, kept, padded: pads(ta) != pads(tb), weight, capacity: capacity_of(a, ta) != capacity_of(b, tb) }
+    TokenDiff { experts, kept, padded: !experts_of(ta, true).eq(experts_of(tb, true)), weight, capacity: capacity_of(a, ta) != capacity_of(b, tb) }
 }

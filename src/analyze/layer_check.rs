@@ -56,7 +56,7 @@ pub(super) struct Sample<'a> {
 /// Sequences in the layer sample (two, so the neighbour and re-batch probes apply).
 const SAMPLE_SEQS: usize = 2;
 /// Positions per sequence in the layer sample.
-const SAMPLE_LEN: usize = 64;
+const SAMPLE_LEN: usize = 16;
 
 impl<'a> Sample<'a> {
     pub(super) fn new(layer: &'a dyn Layer, x: &Tensor, seed: u64) -> Result<Self> {

@@ -23,6 +23,8 @@ use candle_core::{Device, Tensor};
 use case::Outcome;
 use probes::Ctx;
 use serde::{Deserialize, Serialize};
+use rayon::prelude::*;
+use std::borrow::Cow;
 use std::fmt;
 
 /// A probe: one way of changing the input that must not change a token's routing.
@@ -311,7 +313,8 @@ pub fn audit(subject: &Subject, options: &AuditOptions, tick: &mut dyn FnMut(&st
     if let Some(x) = &hidden {
         invariants.extend(layer_check::scores_per_token(router, x, &base.logits)?);
     }
-    let ctx = Ctx { router, base, base_routing, trials: options.trials, seed: options.seed };
+    let pure = looks_pure(router, &base, &base_routing)?;
+    let ctx = Ctx { router, base, base_routing, trials: options.trials, seed: options.seed, pure };
     let sample = match (subject.layer, &hidden) {
         (Some(layer), Some(x)) => Some(layer_check::Sample::new(layer, x, options.seed)?),
         _ => None,
@@ -344,15 +347,17 @@ fn run_probe(ctx: &Ctx, probe: Probe) -> Result<Finding> {
         note: String::new(),
         witness: None,
     };
-    let cases: Box<dyn Iterator<Item = Case> + '_> = match probe {
-        Probe::P => Box::new(probes::prefix(ctx)),
-        Probe::F => Box::new(probes::future(ctx)?.into_iter()),
-        Probe::N => Box::new(probes::neighbour(ctx)?.into_iter()),
-        Probe::R => Box::new(probes::rebatch(ctx)?.into_iter()),
+    let built = match probe {
+        Probe::P => Vec::new(),
+        Probe::F => probes::future(ctx)?,
+        Probe::N => probes::neighbour(ctx)?,
+        Probe::R => probes::rebatch(ctx)?,
         Probe::D | Probe::S | Probe::M => return repeat_probe(ctx, probe, finding),
     };
-    let mut cases = cases.peekable();
-    if cases.peek().is_none() {
+    // P has one case per position, made on demand so memory stays O(T·E).
+    let count = if probe == Probe::P { ctx.base.dims().1.saturating_sub(1) } else { built.len() };
+    let case = |i: usize| if probe == Probe::P { Cow::Owned(probes::prefix_case(ctx, i)) } else { Cow::Borrowed(&built[i]) };
+    if count == 0 {
         finding.verdict = Verdict::NotApplicable;
         finding.note = match probe {
             Probe::N => "needs a batch of 2 or more".into(),
@@ -360,24 +365,27 @@ fn run_probe(ctx: &Ctx, probe: Probe) -> Result<Finding> {
         };
         return Ok(finding);
     }
-    let mut first_leak: Option<(Case, case::Affected)> = None;
-    let mut distances = Vec::new();
-    let mut count = 0;
-    for case in cases {
-        count += 1;
-        let rb = case.b.route(ctx.router)?;
-        let outcome = case.compare(&ctx.base_routing, &rb);
-        absorb(&mut finding, &outcome, &mut distances);
+    let run = |i: usize| -> Result<(Tally, Option<case::Affected>)> {
+        let case = case(i);
+        let outcome = case.compare(&ctx.base_routing, &case.b.route(ctx.router)?);
+        Ok((Tally::of(&outcome), pick_witness_token(&outcome)))
+    };
+    // Cases are independent, so they run in parallel for a router that looks pure; a stateful
+    // one sees its calls in case order, so the audit stays deterministic either way.
+    let results: Vec<_> = if ctx.pure { (0..count).into_par_iter().map(run).collect() } else { (0..count).map(run).collect() };
+    let mut tally = Tally::default();
+    let mut first_leak = None;
+    for (i, result) in results.into_iter().enumerate() {
+        let (t, hit) = result?;
+        tally.merge(&t);
         if first_leak.is_none() {
-            if let Some(hit) = pick_witness_token(&outcome) {
-                first_leak = Some((case, hit));
-            }
+            first_leak = hit.map(|hit| (i, hit));
         }
     }
     finding.note = format!("{count} cases");
-    finish(&mut finding, &distances);
-    if let Some((case, hit)) = first_leak {
-        finding.witness = witness::build(ctx.router, probe, &case, (hit.batch, hit.pos))?;
+    tally.finish(&mut finding);
+    if let Some((i, hit)) = first_leak {
+        finding.witness = witness::build(ctx.router, probe, &case(i), (hit.batch, hit.pos))?;
     }
     Ok(finding)
 }
@@ -387,38 +395,59 @@ fn pick_witness_token(outcome: &Outcome) -> Option<case::Affected> {
     outcome.affected.iter().find(|a| a.diff.decision()).or(outcome.affected.first()).copied()
 }
 
-fn absorb(finding: &mut Finding, outcome: &Outcome, distances: &mut Vec<usize>) {
-    finding.compared += outcome.compared;
-    for a in &outcome.affected {
-        finding.capacity_changed |= a.diff.capacity;
-        if a.diff.decision() {
-            finding.affected += 1;
-            distances.extend(a.distance);
-        }
-        finding.first_position = Some(finding.first_position.map_or(a.pos, |p| p.min(a.pos)));
-    }
+/// What a probe saw, summed over its cases: O(1) per case whatever the number of affected tokens.
+#[derive(Default)]
+struct Tally {
+    compared: usize,
+    affected: usize,
+    capacity_changed: bool,
+    first_position: Option<usize>,
+    /// Affected tokens by distance to the change, bucket i holding [2^i, 2^(i+1)) (the last
+    /// bucket everything beyond).
+    influence: [usize; 32],
 }
 
-fn finish(finding: &mut Finding, distances: &[usize]) {
-    finding.rate = if finding.compared > 0 { finding.affected as f64 / finding.compared as f64 } else { 0.0 };
-    if finding.affected > 0 || finding.capacity_changed {
-        finding.verdict = Verdict::Leak;
-    }
-    finding.influence = influence_histogram(distances);
-}
-
-/// Buckets 1, 2-3, 4-7, 8-15, ...
-fn influence_histogram(distances: &[usize]) -> Vec<InfluenceBucket> {
-    let mut buckets: Vec<InfluenceBucket> = Vec::new();
-    for &d in distances {
-        let from = 1usize << (usize::BITS - 1 - d.max(1).leading_zeros());
-        match buckets.iter_mut().find(|b| b.from == from) {
-            Some(b) => b.count += 1,
-            None => buckets.push(InfluenceBucket { from, to: 2 * from - 1, count: 1 }),
+impl Tally {
+    fn of(outcome: &Outcome) -> Tally {
+        let mut t = Tally { compared: outcome.compared, ..Tally::default() };
+        for a in &outcome.affected {
+            t.capacity_changed |= a.diff.capacity;
+            if a.diff.decision() {
+                t.affected += 1;
+                if let Some(d) = a.distance {
+                    t.influence[(d.max(1).ilog2() as usize).min(31)] += 1;
+                }
+            }
+            t.first_position = Some(t.first_position.map_or(a.pos, |p| p.min(a.pos)));
         }
+        t
     }
-    buckets.sort_by_key(|b| b.from);
-    buckets
+
+    fn merge(&mut self, other: &Tally) {
+        self.compared += other.compared;
+        self.affected += other.affected;
+        self.capacity_changed |= other.capacity_changed;
+        self.first_position = match (self.first_position, other.first_position) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        self.influence.iter_mut().zip(other.influence).for_each(|(a, b)| *a += b);
+    }
+
+    fn finish(&self, finding: &mut Finding) {
+        finding.compared = self.compared;
+        finding.affected = self.affected;
+        finding.capacity_changed = self.capacity_changed;
+        finding.first_position = self.first_position;
+        finding.rate = if self.compared > 0 { self.affected as f64 / self.compared as f64 } else { 0.0 };
+        if self.affected > 0 || self.capacity_changed {
+            finding.verdict = Verdict::Leak;
+        }
+        finding.influence = (self.influence.iter().enumerate())
+            .filter(|(_, &count)| count > 0)
+            .map(|(i, &count)| InfluenceBucket { from: 1 << i, to: (2 << i) - 1, count })
+            .collect();
+    }
 }
 
 /// D (the same call twice), S (the same call after another) and M (train vs inference config).
@@ -452,9 +481,7 @@ fn repeat_probe(ctx: &Ctx, probe: Probe, mut finding: Finding) -> Result<Finding
         },
     };
     let outcome = case.compare(&reference, &again);
-    let mut distances = Vec::new();
-    absorb(&mut finding, &outcome, &mut distances);
-    finish(&mut finding, &distances);
+    Tally::of(&outcome).finish(&mut finding);
     finding.note = match probe {
         Probe::D => "the same call twice".into(),
         Probe::S => "the same call before and after another call".into(),
@@ -464,6 +491,14 @@ fn repeat_probe(ctx: &Ctx, probe: Probe, mut finding: Finding) -> Result<Finding
         finding.witness = witness::build(ctx.router, probe, &case, (hit.batch, hit.pos))?;
     }
     Ok(finding)
+}
+
+/// Whether the router routes the base call alike twice in a row and after another call: then
+/// probe cases may run in parallel without changing what the router returns.
+fn looks_pure(router: &dyn Router, base: &Call, base_routing: &Routing) -> Result<bool> {
+    let again = base.route(router)?;
+    base.truncate(base.dims().1.div_ceil(2)).route(router)?;
+    Ok(again == *base_routing && base.route(router)? == *base_routing)
 }
 
 /// Capacity respected and equal to the declared formula, in every group.

@@ -25,6 +25,8 @@ pub(crate) struct Ctx<'a> {
     pub base_routing: Routing,
     pub trials: usize,
     pub seed: u64,
+    /// Whether cases may run in parallel (see `looks_pure`).
+    pub pure: bool,
 }
 
 impl Ctx<'_> {
@@ -75,18 +77,17 @@ impl Ctx<'_> {
     }
 }
 
-/// P: truncate every sequence after position t, for every t; compare positions ≤ t. Lazy, so
-/// memory stays O(T·E) however long the sequence.
-pub(crate) fn prefix<'a>(ctx: &'a Ctx) -> impl Iterator<Item = Case> + 'a {
-    let (b, s) = ctx.base.dims();
-    (0..s.saturating_sub(1)).map(move |t| Case {
+/// P at position t: every sequence truncated after t; positions ≤ t compared.
+pub(crate) fn prefix_case(ctx: &Ctx, t: usize) -> Case {
+    let b = ctx.base.dims().0;
+    Case {
         a: Arc::clone(&ctx.base),
         b: ctx.base.truncate(t + 1),
         seq_map: ctx.identity(),
         offset: 0,
         compare: vec![t + 1; b],
         change_from: vec![Some(t + 1); b],
-    })
+    }
 }
 
 /// F: same length, change only the tokens after t of one sequence; half the trials random,

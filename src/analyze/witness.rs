@@ -1,9 +1,9 @@
 //! Witnesses: the smallest input pair found that still shows a leak, saved as a file that
 //! replays from itself alone (`moe-audit check --replay witness.json`).
 //!
-//! Shrinking is greedy and deterministic: drop whole sequences, undo changed tokens, then drop
-//! positions in halving chunks (delta debugging), keeping each step only if the token still
-//! routes differently.
+//! Shrinking is greedy and deterministic: drop whole sequences, then positions, then undo changed
+//! tokens, the last two in halving chunks (delta debugging), keeping each step only if the token
+//! still routes differently; repeat until nothing more goes.
 
 use super::case::{Call, Case};
 use super::compare::{diff_token, TokenDiff};
@@ -173,30 +173,48 @@ fn shrink(mut pair: Pair, probe: Probe, leaks: &dyn Fn(&Pair) -> bool) -> Pair {
                 progress = true;
             }
         }
-        // Undo changes: rows of b that differ from their aligned row in a.
+        // Positions, then changes undone (rows of b back to their aligned row of a), each in
+        // halving chunks: big inputs shrink in a few tries.
+        progress |= ddmin(&mut pair, &coordinates, &drop_coordinates, &attempt);
         if !matches!(probe, Probe::D | Probe::S | Probe::M) {
-            for (i, p) in changed_rows(&pair) {
-                progress |= attempt(Some(revert_row(&pair, i, p)), &mut pair);
-            }
-        }
-        // Positions, in halving chunks.
-        let mut chunk = coordinates(&pair).len() / 2;
-        while chunk >= 1 {
-            let mut start = 0;
-            while start < coordinates(&pair).len() {
-                let coords: Vec<isize> = coordinates(&pair).into_iter().skip(start).take(chunk).collect();
-                if attempt(drop_coordinates(&pair, &coords), &mut pair) {
-                    progress = true;
-                } else {
-                    start += chunk;
-                }
-            }
-            chunk /= 2;
+            progress |= ddmin(&mut pair, &changed_rows, &|p, rows| Some(revert_rows(p, rows)), &attempt);
         }
         if !progress || steps.get() >= MAX_SHRINK_STEPS {
             return pair;
         }
     }
+}
+
+/// Delta debugging over the items `items(pair)` lists: tries removing chunks of half the items,
+/// then quarters, ... down to single items, keeping every removal after which the leak remains.
+fn ddmin<T: Clone>(
+    pair: &mut Pair,
+    items: &dyn Fn(&Pair) -> Vec<T>,
+    remove: &dyn Fn(&Pair, &[T]) -> Option<Pair>,
+    attempt: &dyn Fn(Option<Pair>, &mut Pair) -> bool,
+) -> bool {
+    let mut progress = false;
+    let mut chunk = items(pair).len().div_ceil(2);
+    while chunk >= 1 {
+        let mut start = 0;
+        loop {
+            let all = items(pair);
+            if start >= all.len() {
+                break;
+            }
+            let part: Vec<T> = all.into_iter().skip(start).take(chunk).collect();
+            if attempt(remove(pair, &part), pair) {
+                progress = true;
+            } else {
+                start += chunk;
+            }
+        }
+        if chunk == 1 {
+            break;
+        }
+        chunk = chunk.div_ceil(2);
+    }
+    progress
 }
 
 fn drop_sequence(pair: &Pair, k: usize) -> Option<Pair> {
@@ -241,10 +259,12 @@ fn changed_rows(pair: &Pair) -> Vec<(usize, usize)> {
     out
 }
 
-fn revert_row(pair: &Pair, i: usize, p: usize) -> Pair {
+fn revert_rows(pair: &Pair, rows: &[(usize, usize)]) -> Pair {
     let mut out = pair.clone();
-    let j = pair.seq_map[i].expect("changed rows are aligned");
-    out.b.logits.slice_mut(s![j, p + pair.offset, ..]).assign(&pair.a.logits.slice(s![i, p, ..]));
+    for &(i, p) in rows {
+        let j = pair.seq_map[i].expect("changed rows are aligned");
+        out.b.logits.slice_mut(s![j, p + pair.offset, ..]).assign(&pair.a.logits.slice(s![i, p, ..]));
+    }
     out
 }
 

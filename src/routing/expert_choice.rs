@@ -11,7 +11,7 @@ use crate::routing::Route;
 /// Routes one group; `rows` are the group's logits in priority order.
 pub(crate) fn route_group(config: &RouterConfig, rows: &[&[f32]]) -> GroupRouting {
     let cap = config.capacity.as_ref().expect("validated: expert choice has a capacity");
-    let scores: Vec<Vec<f32>> = rows.iter().map(|row| affinities(config.score, row)).collect();
+    let scores: Vec<_> = rows.iter().map(|row| affinities(config.score, row)).collect();
     let c = capacity(cap, rows.len(), 1, config.experts);
     let mut routes: Vec<Vec<Route>> = vec![Vec::new(); rows.len()];
     let mut order: Vec<usize> = (0..rows.len()).collect();

@@ -7,6 +7,7 @@
 use crate::config::{RouterConfig, ScoreFn};
 use crate::error::{Error, Result};
 use ndarray::ArrayView3;
+use std::borrow::Cow;
 use std::cmp::Ordering;
 
 /// Descending order on finite (or infinite) floats; equal values compare equal.
@@ -24,10 +25,18 @@ pub(crate) fn check_finite(logits: &ArrayView3<f32>) -> Result<()> {
 
 /// Numerically safe softmax in f32, summed in expert order.
 pub(crate) fn softmax(logits: &[f32]) -> Vec<f32> {
+    let mut out = Vec::with_capacity(logits.len());
+    softmax_into(logits, &mut out);
+    out
+}
+
+/// [`softmax`] into a reused buffer (the load statistics take one per token of every call).
+pub(crate) fn softmax_into(logits: &[f32], out: &mut Vec<f32>) {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let exps: Vec<f32> = logits.iter().map(|&l| (l - max).exp()).collect();
-    let sum: f32 = exps.iter().sum();
-    exps.iter().map(|e| e / sum).collect()
+    out.clear();
+    out.extend(logits.iter().map(|&l| (l - max).exp()));
+    let sum: f32 = out.iter().sum();
+    out.iter_mut().for_each(|e| *e /= sum);
 }
 
 fn sigmoid(x: f32) -> f32 {
@@ -36,20 +45,33 @@ fn sigmoid(x: f32) -> f32 {
 
 /// Per-expert affinity before selection: the softmax probability or the sigmoid. `softmax-post`
 /// selects on raw logits.
-pub(crate) fn affinities(score: ScoreFn, logits: &[f32]) -> Vec<f32> {
+pub(crate) fn affinities(score: ScoreFn, logits: &[f32]) -> Cow<'_, [f32]> {
     match score {
-        ScoreFn::SoftmaxPre => softmax(logits),
-        ScoreFn::SoftmaxPost => logits.to_vec(),
-        ScoreFn::Sigmoid => logits.iter().map(|&l| sigmoid(l)).collect(),
+        ScoreFn::SoftmaxPre => Cow::Owned(softmax(logits)),
+        ScoreFn::SoftmaxPost => Cow::Borrowed(logits),
+        ScoreFn::Sigmoid => Cow::Owned(logits.iter().map(|&l| sigmoid(l)).collect()),
     }
 }
 
 /// Indices of the `k` largest values, largest first, ties to the lowest index.
+///
+/// One pass with a sorted buffer of k (O(E·k)): k is small and this runs for every token of
+/// every probe. A value enters before the first kept value it strictly exceeds, so an equal
+/// value stays behind the lower index.
 pub(crate) fn top_k(values: &[f32], k: usize) -> Vec<usize> {
-    let mut idx: Vec<usize> = (0..values.len()).collect();
-    idx.sort_by(|&a, &b| desc(values[a], values[b]).then(a.cmp(&b)));
-    idx.truncate(k);
-    idx
+    let mut best: Vec<usize> = Vec::with_capacity(k + 1);
+    // The k-th best value so far: anything not above it cannot enter once the buffer is full.
+    let mut floor = f32::NEG_INFINITY;
+    for (i, &v) in values.iter().enumerate() {
+        if best.len() == k && v <= floor {
+            continue;
+        }
+        let at = best.iter().position(|&j| v > values[j]).unwrap_or(best.len());
+        best.insert(at, i);
+        best.truncate(k);
+        floor = values[*best.last().expect("not empty")];
+    }
+    best
 }
 
 /// One token's choices: experts in choice order and their gates (before any capacity, before
@@ -64,9 +86,9 @@ pub(crate) struct Choice {
 pub(crate) fn choose(config: &RouterConfig, logits: &[f32]) -> Choice {
     let k = config.k();
     let aff = affinities(config.score, logits);
-    let mut select = aff.clone();
+    let mut select = Cow::Borrowed(aff.as_ref());
     if let Some(bias) = &config.expert_bias {
-        select.iter_mut().zip(bias).for_each(|(s, b)| *s += b);
+        select.to_mut().iter_mut().zip(bias).for_each(|(s, b)| *s += b);
     }
     if let Some(g) = &config.group_limit {
         let per_group = config.experts / g.groups;
@@ -75,7 +97,7 @@ pub(crate) fn choose(config: &RouterConfig, logits: &[f32]) -> Choice {
             .map(|chunk| top_k(chunk, g.score_top).iter().map(|&i| chunk[i]).sum())
             .collect();
         let chosen = top_k(&group_scores, g.top_groups);
-        for (e, s) in select.iter_mut().enumerate() {
+        for (e, s) in select.to_mut().iter_mut().enumerate() {
             if !chosen.contains(&(e / per_group)) {
                 *s = f32::NEG_INFINITY;
             }
@@ -104,6 +126,20 @@ mod tests {
     fn top_k_breaks_ties_to_the_lowest_index() {
         assert_eq!(top_k(&[1.0, 3.0, 3.0, 2.0, 3.0], 3), vec![1, 2, 4]);
         assert_eq!(top_k(&[0.0, -0.0, 0.0], 2), vec![0, 1]);
+    }
+
+    #[test]
+    fn top_k_equals_a_stable_sort_on_every_small_input() {
+        // Every vector of length 5 over {-1, 0, 1, 2, -inf}: ties everywhere.
+        let alphabet = [-1.0, 0.0, 1.0, 2.0, f32::NEG_INFINITY];
+        for code in 0..alphabet.len().pow(5) {
+            let values: Vec<f32> = (0..5).map(|i| alphabet[code / alphabet.len().pow(i) % alphabet.len()]).collect();
+            let mut sorted: Vec<usize> = (0..5).collect();
+            sorted.sort_by(|&a, &b| desc(values[a], values[b]));
+            for k in 1..=5 {
+                assert_eq!(top_k(&values, k), sorted[..k], "{values:?} k={k}");
+            }
+        }
     }
 
     #[test]

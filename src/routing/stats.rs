@@ -1,7 +1,7 @@
 //! Load-balance figures of a routing: what users trade against causality.
 
 use super::record::{ExpertLoad, LoadStats, TokenRouting};
-use super::scores::softmax;
+use super::scores::softmax_into;
 
 /// Routes per expert before and after dropping.
 pub(crate) fn loads(experts: usize, tokens: &[TokenRouting]) -> Vec<ExpertLoad> {
@@ -34,9 +34,11 @@ pub(crate) fn load_stats<'a>(loads: &[ExpertLoad], rows: impl Iterator<Item = &'
     };
     let mut mean_prob = vec![0.0f64; loads.len()];
     let mut n = 0usize;
+    let mut probs = Vec::with_capacity(loads.len());
     for row in rows {
         n += 1;
-        softmax(row).iter().zip(&mut mean_prob).for_each(|(p, m)| *m += f64::from(*p));
+        softmax_into(row, &mut probs);
+        probs.iter().zip(&mut mean_prob).for_each(|(p, m)| *m += f64::from(*p));
     }
     let aux_loss = if total > 0.0 && n > 0 {
         e * routed.iter().zip(&mean_prob).map(|(r, p)| (r / total) * (p / n as f64)).sum::<f64>()
