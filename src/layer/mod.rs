@@ -16,6 +16,7 @@ use crate::router::{ConfigRouter, Router};
 use crate::routing::Routing;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::VarBuilder;
+use rayon::prelude::*;
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -114,14 +115,22 @@ impl MoeLayer {
         let index = Tensor::new(index.as_slice(), device)?;
         let weight = Tensor::new(weight.as_slice(), device)?.to_dtype(x.dtype())?.unsqueeze(1)?;
         let gathered = x.index_select(&index, 0)?;
-        let mut outputs = Vec::with_capacity(self.experts.len());
+        // (expert, first row, rows) of every busy expert, in ascending expert id.
+        let mut slices = Vec::with_capacity(self.experts.len());
         let mut start = 0;
-        for (expert, rows) in self.experts.iter().zip(&rows) {
-            if !rows.is_empty() {
-                outputs.push(expert.forward(&gathered.narrow(0, start, rows.len())?)?);
-                start += rows.len();
-            }
+        for (e, rows) in rows.iter().enumerate().filter(|(_, r)| !r.is_empty()) {
+            slices.push((e, start, rows.len()));
+            start += rows.len();
         }
+        let run = |&(e, start, len): &(usize, usize, usize)| self.experts[e].forward(&gathered.narrow(0, start, len)?);
+        // On the CPU, experts run as parallel tasks (each matmul may split further): many
+        // small matmuls keep the cores busier side by side than one after another. Each
+        // expert's arithmetic is the same either way, so the output is too, bit for bit.
+        let outputs: Vec<Tensor> = if device.is_cpu() {
+            slices.par_iter().map(run).collect::<candle_core::Result<_>>()?
+        } else {
+            slices.iter().map(run).collect::<candle_core::Result<_>>()?
+        };
         let weighted = Tensor::cat(&outputs, 0)?.broadcast_mul(&weight)?;
         Ok(x.zeros_like()?.index_add(&index, &weighted, 0)?.reshape((b, s, h))?)
     }
