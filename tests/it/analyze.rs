@@ -44,7 +44,8 @@ fn toml_config(text: &str) -> RouterConfig {
 
 #[test]
 fn expected_verdicts_of_the_presets() {
-    let table: [(&str, [Verdict; 5]); 7] = [
+    // Issue #3's table, then the other presets with the reason for each verdict.
+    let table: [(&str, [Verdict; 5]); 10] = [
         ("mixtral", [Pass, Pass, Pass, Pass, Pass]),
         ("deepseek-v3", [Pass, Pass, Pass, Pass, Pass]),
         ("switch", [Pass, Pass, Pass, Pass, Pass]),
@@ -52,6 +53,14 @@ fn expected_verdicts_of_the_presets() {
         ("megatron-probs", [Leak, Leak, Leak, Leak, Pass]),
         ("megatron-position", [Leak, Pass, Leak, Leak, Pass]),
         ("deepspeed-top2", [Leak, Leak, Leak, Leak, Pass]),
+        // megatron-probs plus padding rows: the same gate-priority eviction, and which tokens
+        // pad an expert depends on who else routed there.
+        ("megatron-probs-pad", [Leak, Leak, Leak, Leak, Pass]),
+        // First come in [B, S] order: later tokens of a sequence never outrank earlier ones (F
+        // passes), but C comes from T (P) and sequence 0 outranks sequence 1 (N, R).
+        ("deepspeed-top1", [Leak, Pass, Leak, Leak, Pass]),
+        // Ranked by probability across the batch, renormalised after dropping.
+        ("deepspeed-topk-probs", [Leak, Leak, Leak, Leak, Pass]),
     ];
     for (name, want) in table {
         let report = audit_preset(name, &[P, F, N, R, D]);
@@ -347,4 +356,26 @@ fn the_same_audit_gives_the_same_json() {
     let a = serde_json::to_string(&audit_preset("megatron-probs", &[P, F, N, R, D, S])).unwrap();
     let b = serde_json::to_string(&audit_preset("megatron-probs", &[P, F, N, R, D, S])).unwrap();
     assert_eq!(a, b);
+}
+
+/// Every float rounded to 4 decimals, so the snapshots claim decisions, not last bits.
+fn rounded(v: serde_json::Value) -> serde_json::Value {
+    use serde_json::Value;
+    match v {
+        Value::Number(n) if n.is_f64() => serde_json::json!((n.as_f64().unwrap() * 1e4).round() / 1e4),
+        Value::Array(a) => Value::Array(a.into_iter().map(rounded).collect()),
+        Value::Object(o) => Value::Object(o.into_iter().map(|(k, v)| (k, rounded(v))).collect()),
+        other => other,
+    }
+}
+
+#[test]
+fn json_reports() {
+    // Small enough to read: 2 sequences of 8 tokens, 4 trials. The report has no timings.
+    let options = AuditOptions { probes: Probe::ALL.to_vec(), batch: 2, seq_len: 8, trials: 4, seed: 0 };
+    for name in ["mixtral", "megatron-probs", "expert-choice"] {
+        let layer = layer_of(config(name));
+        let report = audit(&Subject::layer(&layer), &options, &mut |_| {}).unwrap();
+        insta::assert_json_snapshot!(format!("report_{name}"), rounded(serde_json::to_value(&report).unwrap()));
+    }
 }

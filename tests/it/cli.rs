@@ -356,3 +356,88 @@ fn unknown_flag_is_a_usage_error() {
     let err = fail_lines(&["route", "megatron-probs", "--batch", "two"]);
     assert!(err.contains("--batch"), "{err}");
 }
+
+/// Runs `check` (or `zoo`) and returns (exit code, stdout); stderr must be empty (no terminal,
+/// so no progress bar).
+fn check(args: &[&str]) -> (i32, String) {
+    let out = run(args);
+    assert!(out.stderr.is_empty(), "moe-audit {args:?} wrote to stderr: {}", String::from_utf8_lossy(&out.stderr));
+    (out.status.code().expect("exit code"), String::from_utf8(out.stdout).expect("utf-8 stdout"))
+}
+
+const SMALL: [&str; 6] = ["--seq-len", "16", "--trials", "8", "--batch", "3"];
+
+#[test]
+fn check_exits_0_without_a_leak_and_1_with_one() {
+    let (code, text) = check(&[&["check", "mixtral", "deepseek-v3"], &SMALL[..]].concat());
+    assert_eq!(code, 0, "{text}");
+    assert!(text.ends_with("no leak found in 2 router(s)\n"), "{text}");
+    let (code, text) = check(&[&["check", "mixtral", "megatron-probs"], &SMALL[..]].concat());
+    assert_eq!(code, 1, "{text}");
+    assert!(text.contains("megatron-probs         F future     LEAK    C-content"), "{text}");
+    assert!(text.ends_with("1 of 2 router(s) leak: megatron-probs\n"), "{text}");
+}
+
+#[test]
+fn check_json_is_the_report_and_byte_identical_across_runs() {
+    let args = [&["check", "expert-choice", "--format", "json"], &SMALL[..]].concat();
+    let (code, first) = check(&args);
+    assert_eq!(code, 1);
+    assert_eq!(check(&args).1, first, "same command, same bytes");
+    let report: moe_audit::analyze::Report = serde_json::from_str(&first).unwrap();
+    assert_eq!(report.routers[0].router, "expert-choice");
+    assert_eq!(report.routers[0].findings.len(), 7);
+}
+
+#[test]
+fn check_markdown_and_output_file() {
+    let out = tmp_dir().join("report.md");
+    let out = out.to_str().unwrap();
+    let (code, text) = check(&[&["check", "megatron-position", "--format", "markdown", "--output", out], &SMALL[..]].concat());
+    assert_eq!((code, text.as_str()), (1, ""), "the report goes to the file only");
+    let md = std::fs::read_to_string(out).unwrap();
+    assert!(md.starts_with("## moe-audit\n"), "{md}");
+    assert!(md.contains("| `megatron-position` | P prefix | ❌ leak | C-length |"), "{md}");
+    assert!(md.contains("| `megatron-position` | F future | ✅ pass | C-content |"), "{md}");
+}
+
+#[test]
+fn witnesses_are_written_and_replay_with_exit_1() {
+    let dir = tmp_dir().join("witnesses");
+    let _ = std::fs::remove_dir_all(&dir);
+    let dir_s = dir.to_str().unwrap();
+    let (code, text) = check(&[&["check", "megatron-probs", "--probes", "F,N", "--witness-dir", dir_s], &SMALL[..]].concat());
+    assert_eq!(code, 1);
+    let witness = dir.join("megatron-probs-F.json");
+    assert!(text.contains(&format!("[witness {}]", witness.display())), "{text}");
+    let (code, text) = check(&["check", "--replay", witness.to_str().unwrap()]);
+    assert_eq!(code, 1, "{text}");
+    assert!(text.starts_with("LEAK reproduced: router megatron-probs, probe F (future), property C-content: token "), "{text}");
+    assert!(dir.join("megatron-probs-N.json").is_file());
+}
+
+#[test]
+fn replay_of_a_file_that_is_not_a_witness() {
+    let path = file("not_a_witness.json", "{\"format\": \"moe-audit-witness/1\"}");
+    let err = fail(&["check", "--replay", &path]);
+    assert!(err.starts_with("error: [TMP]/not_a_witness.json: not a witness: missing field"), "{err}");
+}
+
+#[test]
+fn check_rejects_bad_probes_and_sizes() {
+    insta::assert_snapshot!(fail(&["check", "mixtral", "--probes", "P,X"]), @"error: --probes: unknown probe `X`, expected some of P,F,N,R,D,S,M");
+    insta::assert_snapshot!(fail(&["check", "mixtral", "--seq-len", "0"]), @"error: --seq-len must be at least 1");
+    insta::assert_snapshot!(fail(&["check", "no-such-router"]), @"error: unknown router `no-such-router`: not a preset (mixtral, deepseek-v3, switch, megatron-probs, megatron-position, megatron-probs-pad, deepspeed-top1, deepspeed-top2, deepspeed-topk-probs, expert-choice) and not a file");
+}
+
+#[test]
+fn zoo_prints_every_preset_with_verdicts_and_load() {
+    let (code, text) = check(&["zoo"]);
+    assert_eq!(code, 0, "{text}");
+    assert!(text.starts_with("router                 P     F     N     R     D     S     M     max/mean   drop\n"), "{text}");
+    for p in moe_audit::config::presets() {
+        assert!(text.lines().any(|l| l.starts_with(&format!("{:<22} ", p.name))), "{} missing:\n{text}", p.name);
+    }
+    assert!(text.contains("\nmegatron-position      LEAK  pass  LEAK  LEAK  pass  pass  n/a "), "{text}");
+    assert!(text.ends_with("7 of 10 presets leak. LEAK = the probe changed some token's routing; see `moe-audit check <preset>` for rates and witnesses.\n"), "{text}");
+}
