@@ -140,6 +140,17 @@ fn scenario_07_expert_choice_in_a_decoder() {
 }
 
 #[test]
+fn scenario_08_batch_prioritised_routing() {
+    // V-MoE BPR with k = 1: the batch is served in order of each token's top probability, which
+    // for top-1 is exactly keeping each expert's largest gates over the whole batch.
+    let c = toml_config(
+        "name = \"bpr\"\nkind = \"token-choice\"\nexperts = 8\ntop_k = 1\nscore = \"softmax-pre\"\n\
+         [capacity]\nfactor = 1.0\npolicy = \"probs\"\n[scope]\nflatten = \"sequence-major\"\n",
+    );
+    assert_eq!(verdicts(&audit_config(c, &[F, N])), [Leak, Leak]);
+}
+
+#[test]
 fn scenario_09_algorithm_switch_between_train_and_eval() {
     let mut text = preset("expert-choice").unwrap().toml.to_string();
     text.push_str("\n[inference]\nkind = \"token-choice\"\ntop_k = 2\ndropless = true\n");
