@@ -24,7 +24,7 @@ use case::Outcome;
 use probes::Ctx;
 use serde::{Deserialize, Serialize};
 use rayon::prelude::*;
-use std::borrow::Cow;
+use std::sync::Arc;
 use std::fmt;
 
 /// A probe: one way of changing the input that must not change a token's routing.
@@ -307,7 +307,7 @@ pub fn audit(subject: &Subject, options: &AuditOptions, tick: &mut dyn FnMut(&st
             crate::routing::Logits::from_shape_vec((b, s, router.experts()), t.flatten_all()?.to_vec1()?).expect("shape")
         }
     };
-    let base = std::sync::Arc::new(Call::new(logits));
+    let base = Arc::new(Call::new(logits));
     let base_routing = base.route(router)?;
     let mut invariants = invariant_violations(router, &base_routing);
     if let Some(x) = &hidden {
@@ -347,16 +347,14 @@ fn run_probe(ctx: &Ctx, probe: Probe) -> Result<Finding> {
         note: String::new(),
         witness: None,
     };
-    let built = match probe {
-        Probe::P => Vec::new(),
-        Probe::F => probes::future(ctx)?,
-        Probe::N => probes::neighbour(ctx)?,
-        Probe::R => probes::rebatch(ctx)?,
+    let cases = match probe {
+        Probe::P => probes::Cases::Prefix(ctx),
+        Probe::F => probes::Cases::Built(probes::future(ctx)?),
+        Probe::N => probes::Cases::Built(probes::neighbour(ctx)?),
+        Probe::R => probes::Cases::Built(probes::rebatch(ctx)?),
         Probe::D | Probe::S | Probe::M => return repeat_probe(ctx, probe, finding),
     };
-    // P has one case per position, made on demand so memory stays O(T·E).
-    let count = if probe == Probe::P { ctx.base.dims().1.saturating_sub(1) } else { built.len() };
-    let case = |i: usize| if probe == Probe::P { Cow::Owned(probes::prefix_case(ctx, i)) } else { Cow::Borrowed(&built[i]) };
+    let count = cases.len();
     if count == 0 {
         finding.verdict = Verdict::NotApplicable;
         finding.note = match probe {
@@ -366,7 +364,7 @@ fn run_probe(ctx: &Ctx, probe: Probe) -> Result<Finding> {
         return Ok(finding);
     }
     let run = |i: usize| -> Result<(Tally, Option<case::Affected>)> {
-        let case = case(i);
+        let case = cases.get(i);
         let outcome = case.compare(&ctx.base_routing, &case.b.route(ctx.router)?);
         Ok((Tally::of(&outcome), pick_witness_token(&outcome)))
     };
@@ -385,7 +383,7 @@ fn run_probe(ctx: &Ctx, probe: Probe) -> Result<Finding> {
     finding.note = format!("{count} cases");
     tally.finish(&mut finding);
     if let Some((i, hit)) = first_leak {
-        finding.witness = witness::build(ctx.router, probe, &case(i), (hit.batch, hit.pos))?;
+        finding.witness = witness::build(ctx.router, probe, &cases.get(i), (hit.batch, hit.pos))?;
     }
     Ok(finding)
 }
@@ -427,10 +425,7 @@ impl Tally {
         self.compared += other.compared;
         self.affected += other.affected;
         self.capacity_changed |= other.capacity_changed;
-        self.first_position = match (self.first_position, other.first_position) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
+        self.first_position = self.first_position.into_iter().chain(other.first_position).min();
         self.influence.iter_mut().zip(other.influence).for_each(|(a, b)| *a += b);
     }
 
@@ -454,7 +449,7 @@ impl Tally {
 fn repeat_probe(ctx: &Ctx, probe: Probe, mut finding: Finding) -> Result<Finding> {
     let (b, s) = ctx.base.dims();
     let same = Case {
-        a: std::sync::Arc::clone(&ctx.base),
+        a: Arc::clone(&ctx.base),
         b: Call::clone(&ctx.base),
         seq_map: (0..b).map(Some).collect(),
         offset: 0,

@@ -12,6 +12,7 @@ use candle_core::Device;
 use ndarray::{s, Array2, Array3, Axis};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use std::borrow::Cow;
 use std::sync::Arc;
 
 /// Logit given to the targeted expert of a crafted token (the others get 0): strong enough to win
@@ -77,8 +78,33 @@ impl Ctx<'_> {
     }
 }
 
+/// A probe's cases: P makes its case for position t on demand (one per position, so memory
+/// stays O(T·E)); the other probes build theirs up front.
+pub(crate) enum Cases<'a> {
+    /// P over the base call of this context.
+    Prefix(&'a Ctx<'a>),
+    /// Cases built by F, N or R.
+    Built(Vec<Case>),
+}
+
+impl Cases<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            Cases::Prefix(ctx) => ctx.base.dims().1.saturating_sub(1),
+            Cases::Built(cases) => cases.len(),
+        }
+    }
+
+    pub fn get(&self, i: usize) -> Cow<'_, Case> {
+        match self {
+            Cases::Prefix(ctx) => Cow::Owned(prefix_case(ctx, i)),
+            Cases::Built(cases) => Cow::Borrowed(&cases[i]),
+        }
+    }
+}
+
 /// P at position t: every sequence truncated after t; positions ≤ t compared.
-pub(crate) fn prefix_case(ctx: &Ctx, t: usize) -> Case {
+fn prefix_case(ctx: &Ctx, t: usize) -> Case {
     let b = ctx.base.dims().0;
     Case {
         a: Arc::clone(&ctx.base),
