@@ -5,6 +5,7 @@
 //! be per token, and the MoE layer is run on a sample of each probe so layer bugs (outputs that
 //! change while routing does not) are caught too.
 
+mod budget;
 mod case;
 pub mod compare;
 mod layer_check;

@@ -339,7 +339,12 @@ impl Witness {
     /// Reads a witness file.
     pub fn read(path: &Path) -> Result<Witness> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::input(path, format!("cannot read: {e}")))?;
-        let w: Witness = serde_json::from_str(&text).map_err(|e| Error::input(path, format!("not a witness: {e}")))?;
+        Self::parse(&text, path)
+    }
+
+    /// Parses and validates a witness; `path` names it in errors.
+    pub fn parse(text: &str, path: &Path) -> Result<Witness> {
+        let w: Witness = serde_json::from_str(text).map_err(|e| Error::input(path, format!("not a witness: {e}")))?;
         if w.format != FORMAT {
             return Err(Error::input(path, format!("format `{}` is not `{FORMAT}`", w.format)));
         }

@@ -6,6 +6,8 @@ use crate::analyze::{audit, AuditOptions, Probe, Report, RouterReport, Subject, 
 use crate::config::{presets, RouterConfig};
 use crate::error::{Error, Result};
 use crate::layer::MoeLayer;
+use crate::memory;
+use bytesize::ByteSize;
 use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -52,6 +54,10 @@ pub struct CheckArgs {
     /// Write one witness file per leak here (`<router>-<probe>.json`).
     #[arg(long, value_name = "DIR", help_heading = "Output")]
     pub witness_dir: Option<PathBuf>,
+    /// Refuse to start an audit estimated to need more memory (e.g. `4GiB`; default: half of
+    /// physical memory).
+    #[arg(long, value_name = "SIZE", help_heading = "Audit")]
+    pub max_memory: Option<ByteSize>,
 }
 
 /// Report formats of `check`.
@@ -76,8 +82,13 @@ impl CheckArgs {
     }
 }
 
-/// Audits each config with a seeded layer, with a progress bar on a terminal.
-pub(crate) fn audit_all(configs: Vec<RouterConfig>, options: &AuditOptions, hidden: usize, ffn: usize) -> Result<Report> {
+/// Audits each config with a seeded layer, with a progress bar on a terminal; fails before
+/// allocating anything when an audit is estimated to need more than `max_memory` bytes.
+pub(crate) fn audit_all(configs: Vec<RouterConfig>, options: &AuditOptions, hidden: usize, ffn: usize, max_memory: u64) -> Result<Report> {
+    for config in &configs {
+        let estimate = options.memory_estimate(config.experts, config.k(), hidden, ffn);
+        memory::ensure_fits(&format!("the audit of `{}`", config.name), estimate, max_memory)?;
+    }
     let bar = if std::io::stderr().is_terminal() {
         ProgressBar::with_draw_target(Some((configs.len() * options.probes.len()) as u64), ProgressDrawTarget::stderr())
     } else {
@@ -108,7 +119,7 @@ pub(super) fn run(args: &CheckArgs, out: &mut dyn Write) -> Result<u8> {
     }
     let options = args.options()?;
     let configs = args.routers.iter().map(|r| RouterConfig::load(r)).collect::<Result<Vec<_>>>()?;
-    let report = audit_all(configs, &options, args.hidden, args.ffn)?;
+    let report = audit_all(configs, &options, args.hidden, args.ffn, memory::limit(args.max_memory))?;
     if let Some(dir) = &args.witness_dir {
         std::fs::create_dir_all(dir).map_err(|e| Error::input(dir, format!("cannot create: {e}")))?;
         for r in &report.routers {
@@ -170,7 +181,7 @@ pub struct ZooArgs {
 pub(super) fn zoo(args: &ZooArgs, out: &mut dyn Write) -> Result<u8> {
     let options = AuditOptions { seed: args.seed, ..AuditOptions::default() };
     let configs = presets().iter().map(|p| p.config()).collect::<Result<Vec<_>>>()?;
-    let report = audit_all(configs, &options, 64, 128)?;
+    let report = audit_all(configs, &options, 64, 128, memory::limit(None))?;
     let mut text = render_zoo(&report.routers, &options.probes);
     let leaking = report.routers.iter().filter(|r| r.findings.iter().any(|f| f.verdict == Verdict::Leak)).count();
     text.push_str(&format!(

@@ -4,6 +4,8 @@ use super::io_error;
 use crate::config::RouterConfig;
 use crate::error::{Error, Result};
 use crate::layer::{MoeLayer, Seeded};
+use crate::memory::{self, CallSizes};
+use bytesize::ByteSize;
 use crate::routing::{assign, render_table, Logits};
 use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};
@@ -37,6 +39,10 @@ pub struct RouteArgs {
     /// Output format.
     #[arg(long, value_enum, default_value_t = RouteFormat::Table, help_heading = "Output")]
     pub format: RouteFormat,
+    /// Refuse to start a call estimated to need more memory (e.g. `4GiB`; default: half of
+    /// physical memory).
+    #[arg(long, value_name = "SIZE", help_heading = "Sizes")]
+    pub max_memory: Option<ByteSize>,
 }
 
 /// Output formats of `route`.
@@ -59,6 +65,8 @@ pub(super) fn run(args: &RouteArgs, out: &mut dyn Write) -> Result<u8> {
                     return Err(Error::Usage(format!("{flag} must be at least 1")));
                 }
             }
+            let sizes = CallSizes { batch: args.batch, seq_len, experts: config.experts, routes: config.k(), hidden: args.hidden, ffn: args.ffn };
+            memory::ensure_fits("this call", sizes.estimate(), memory::limit(args.max_memory))?;
             let device = Device::Cpu;
             let layer = MoeLayer::seeded(config, args.hidden, args.ffn, args.seed, DType::F32, &device)?;
             // Hidden states from a stream of their own, so changing the weights' seed and the

@@ -380,6 +380,20 @@ fn check_json_is_the_report_and_byte_identical_across_runs() {
 }
 
 #[test]
+fn json_is_byte_identical_across_thread_counts() {
+    // Probe cases run on rayon's pool: the report must not depend on how many threads it has.
+    let args = [&["check", "mixtral", "megatron-probs", "expert-choice", "--format", "json"], &SMALL[..]].concat();
+    let with_threads = |n: &str| {
+        let out = Command::new(BIN).args(&args).env("RAYON_NUM_THREADS", n).output().expect("run moe-audit");
+        assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
+        out.stdout
+    };
+    let one = with_threads("1");
+    assert_eq!(one, with_threads("2"), "1 vs 2 threads");
+    assert_eq!(one, with_threads("4"), "1 vs 4 threads");
+}
+
+#[test]
 fn check_markdown_and_output_file() {
     let out = tmp_dir().join("report.md");
     let out = out.to_str().unwrap();

@@ -2,7 +2,9 @@
 
 mod analyze;
 mod cli;
+mod edge_cases;
 mod hand_computed;
 mod invariants;
 mod layer;
+mod limits;
 mod snapshots;

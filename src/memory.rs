@@ -1,0 +1,78 @@
+//! Memory limits: a run estimates what it will allocate and refuses, before allocating, to go
+//! over the limit (a sequence length of 10^9 fails at once instead of swapping).
+
+use crate::error::{Error, Result};
+use bytesize::ByteSize;
+
+/// Share of physical memory a run may use when no `--max-memory` is given.
+const DEFAULT_SHARE: u64 = 2; // one half
+
+/// Assumed physical memory where it cannot be read.
+const FALLBACK_PHYSICAL: u64 = 8 << 30;
+
+/// Total physical memory, from `/proc/meminfo` (Linux); `None` where it cannot be read.
+pub fn physical_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// The limit in force: `requested`, or half of physical memory.
+pub fn limit(requested: Option<ByteSize>) -> u64 {
+    requested.map_or_else(|| physical_memory().unwrap_or(FALLBACK_PHYSICAL) / DEFAULT_SHARE, |b| b.as_u64())
+}
+
+/// Fails with the estimate when `estimate` bytes exceed `limit`.
+pub fn ensure_fits(what: &str, estimate: u64, limit: u64) -> Result<()> {
+    if estimate <= limit {
+        return Ok(());
+    }
+    Err(Error::Usage(format!(
+        "{what} needs about {} of memory, over the limit of {} (--max-memory; the default is half of physical memory): use smaller sizes or raise the limit",
+        ByteSize(estimate).display().iec(),
+        ByteSize(limit).display().iec()
+    )))
+}
+
+/// `a * b * ...`, saturating: estimates of absurd sizes must not overflow.
+fn product(factors: &[usize]) -> u64 {
+    factors.iter().fold(1u64, |acc, &f| acc.saturating_mul(f as u64))
+}
+
+/// The sizes of one routed call through a seeded layer, and what its parts take in memory.
+#[derive(Debug, Clone, Copy)]
+pub struct CallSizes {
+    /// Sequences.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq_len: usize,
+    /// Experts E.
+    pub experts: usize,
+    /// Routes per token (k; 1 for expert choice).
+    pub routes: usize,
+    /// Hidden size of the layer.
+    pub hidden: usize,
+    /// Expert FFN size of the layer.
+    pub ffn: usize,
+}
+
+impl CallSizes {
+    /// The `f32` logits of the call.
+    pub fn logits_bytes(&self) -> u64 {
+        product(&[self.batch, self.seq_len, self.experts, 4])
+    }
+
+    /// Its routing record: per token an entry of about 64 bytes and 16 per route.
+    pub fn routing_bytes(&self) -> u64 {
+        product(&[self.batch, self.seq_len, 64 + 16 * self.routes.max(1)])
+    }
+
+    /// The call with the layer: the process itself (32 MiB), logits, one routing record, the
+    /// hidden states and their output, and the expert and gate weights.
+    pub fn estimate(&self) -> u64 {
+        let hidden = product(&[self.batch, self.seq_len, self.hidden, 4, 2]);
+        let weights = product(&[self.experts, 3, self.hidden, self.ffn, 4]).saturating_add(product(&[self.experts, self.hidden, 4]));
+        [32 << 20, self.logits_bytes(), self.routing_bytes(), hidden, weights].iter().fold(0u64, |a, &b| a.saturating_add(b))
+    }
+}

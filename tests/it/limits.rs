@@ -1,0 +1,49 @@
+//! Resource limits: runs estimate their memory before allocating and refuse, at once, to go
+//! over `--max-memory` (default: half of physical memory).
+
+use moe_audit::analyze::AuditOptions;
+use moe_audit::memory::{limit, physical_memory};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_moe-audit");
+
+/// Runs the binary; returns (exit code, stderr, wall time).
+fn run(args: &[&str]) -> (Option<i32>, String, Duration) {
+    let start = Instant::now();
+    // One worker thread: the estimate counts routing records per thread.
+    let out = Command::new(BIN).args(args).env("RAYON_NUM_THREADS", "1").output().expect("run moe-audit");
+    (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned(), start.elapsed())
+}
+
+#[test]
+fn a_sequence_of_a_billion_tokens_fails_before_allocating() {
+    for args in [&["check", "megatron-probs", "--seq-len", "1000000000"][..], &["route", "mixtral", "--seq-len", "1000000000"]] {
+        let (code, err, took) = run(args);
+        assert_eq!(code, Some(2), "{args:?}: {err}");
+        assert!(err.starts_with("error: ") && err.contains("TiB of memory, over the limit of"), "{args:?}: {err}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+        // Generous: an attempt to allocate terabytes would take far longer or be killed.
+        assert!(took < Duration::from_secs(10), "{args:?} took {took:?}");
+    }
+}
+
+#[test]
+fn max_memory_is_honoured_both_ways() {
+    let (code, err, _) = run(&["check", "mixtral", "--seq-len", "16", "--trials", "4", "--max-memory", "1MiB"]);
+    assert_eq!(code, Some(2));
+    insta::assert_snapshot!(err.trim_end(), @"error: the audit of `mixtral` needs about 32.8 MiB of memory, over the limit of 1.0 MiB (--max-memory; the default is half of physical memory): use smaller sizes or raise the limit");
+    let (code, err, _) = run(&["check", "mixtral", "--seq-len", "16", "--trials", "4", "--max-memory", "1GiB"]);
+    assert_eq!(code, Some(0), "{err}");
+}
+
+#[test]
+fn the_default_limit_is_half_of_physical_memory_and_estimates_grow_with_size() {
+    if let Some(total) = physical_memory() {
+        assert_eq!(limit(None), total / 2);
+    }
+    let small = AuditOptions::default().memory_estimate(8, 2, 64, 128);
+    let long = AuditOptions { seq_len: 1 << 20, ..AuditOptions::default() }.memory_estimate(8, 2, 64, 128);
+    assert!(small < 64 << 20, "default audit estimate {small}");
+    assert!(long > 1000 * small / 8 && long > 4 << 30, "{long}");
+}
