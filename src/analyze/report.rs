@@ -5,7 +5,7 @@
 use super::{Finding, Probe, Report, RouterReport, Verdict};
 use std::fmt::Write;
 
-fn verdict_word(v: Verdict) -> &'static str {
+pub(crate) fn verdict_word(v: Verdict) -> &'static str {
     match v {
         Verdict::Pass => "pass",
         Verdict::Leak => "LEAK",
@@ -18,7 +18,7 @@ fn percent(rate: f64) -> String {
 }
 
 /// Why, in a few words: what changed, where, from how far.
-fn why(f: &Finding) -> String {
+pub(crate) fn why(f: &Finding) -> String {
     if f.verdict != Verdict::Leak {
         return f.note.clone();
     }

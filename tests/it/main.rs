@@ -2,6 +2,7 @@
 
 mod analyze;
 mod cli;
+mod external;
 mod hand_computed;
 mod invariants;
 mod layer;
