@@ -14,8 +14,10 @@ pub mod external;
 pub mod layer;
 pub mod router;
 pub mod routing;
+mod snapshot;
 
 pub use config::RouterConfig;
 pub use error::{Error, Result};
 pub use router::{ConfigRouter, Router};
 pub use routing::{assign, assign_masked, Logits, Routing};
+pub use snapshot::snapshot;

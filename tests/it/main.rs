@@ -7,3 +7,4 @@ mod hand_computed;
 mod invariants;
 mod layer;
 mod snapshots;
+mod user_snapshot;
