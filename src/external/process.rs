@@ -37,6 +37,8 @@ struct Shared {
     timeout: Duration,
     handshake: Handshake,
     stderr: Arc<Mutex<Vec<u8>>>,
+    /// Disconnects when the stderr reader has seen the end of the pipe.
+    stderr_done: Mutex<Receiver<()>>,
     conversation: Mutex<Conversation>,
 }
 
@@ -76,7 +78,9 @@ impl ExternalRouter {
         let stderr = Arc::new(Mutex::new(Vec::new()));
         let mut err_pipe = child.stderr.take().expect("piped");
         let sink = Arc::clone(&stderr);
+        let (done, stderr_done) = mpsc::channel::<()>();
         std::thread::spawn(move || {
+            let _done = done;
             let mut buf = [0u8; 4096];
             while let Ok(n @ 1..) = err_pipe.read(&mut buf) {
                 let mut tail = sink.lock().expect("stderr buffer");
@@ -99,6 +103,7 @@ impl ExternalRouter {
             timeout,
             handshake: placeholder,
             stderr,
+            stderr_done: Mutex::new(stderr_done),
             conversation: Mutex::new(Conversation {
                 child,
                 stdin,
@@ -152,6 +157,8 @@ impl Shared {
     fn fail(&self, message: String) -> Error {
         let mut conv = self.conversation.lock().expect("conversation");
         kill(&mut conv.child);
+        // The group is dead: its stderr ends at once; read what it said last.
+        let _ = self.stderr_done.lock().expect("stderr reader").recv_timeout(Duration::from_secs(1));
         let tail = String::from_utf8_lossy(&self.stderr.lock().expect("stderr buffer"))
             .trim()
             .to_string();
