@@ -31,6 +31,12 @@ pub trait Router: Send + Sync {
         let _ = e;
         None
     }
+    /// Hidden states `[batch, seq_len, hidden]` drawn from `seed` for the audit (real activations,
+    /// say); `None`: standard normal, the default.
+    fn draw_hidden(&self, shape: (usize, usize), seed: u64) -> Result<Option<Tensor>> {
+        let _ = (shape, seed);
+        Ok(None)
+    }
     /// Whether calls may run concurrently. A router behind one subprocess answers calls one at a
     /// time, and must see them in a fixed order for the audit to stay deterministic.
     fn concurrent(&self) -> bool {

@@ -297,7 +297,7 @@ pub fn audit(subject: &Subject, options: &AuditOptions, tick: &mut dyn FnMut(&st
     }
     let router = subject.router;
     let hidden = match router.hidden_size() {
-        Some(h) => Some(Seeded::new(options.seed).normal(&[b, s, h], &Device::Cpu)?),
+        Some(h) => Some(probes::hidden_states(router, (b, s), h, options.seed)?),
         None => None,
     };
     let logits = match &hidden {

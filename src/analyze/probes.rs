@@ -43,9 +43,10 @@ impl Ctx<'_> {
     /// `n` fresh token rows from the same distribution as the base call: seeded hidden states
     /// through the router's score stage, or standard-normal logits for a logits-only router.
     pub fn fresh(&self, n: usize, rng: &mut ChaCha8Rng) -> Result<Array2<f32>> {
-        let mut seeded = Seeded::new(rng.random());
+        let seed = rng.random();
+        let mut seeded = Seeded::new(seed);
         let logits = match self.router.hidden_size() {
-            Some(h) => logits_to_host(&self.router.scores(&seeded.normal(&[1, n, h], &Device::Cpu)?)?)?,
+            Some(h) => logits_to_host(&self.router.scores(&hidden_states(self.router, (1, n), h, seed)?)?)?,
             None => {
                 let t = seeded.normal(&[1, n, self.width()], &Device::Cpu)?;
                 Array3::from_shape_vec((1, n, self.width()), t.flatten_all()?.to_vec1()?).expect("shape")
@@ -79,6 +80,14 @@ impl Ctx<'_> {
 
     fn identity(&self) -> Vec<Option<usize>> {
         (0..self.base.dims().0).map(Some).collect()
+    }
+}
+
+/// Hidden states `[batch, seq_len, h]` from `seed`: the router's own draw, or standard normal.
+pub(crate) fn hidden_states(router: &dyn Router, (b, s): (usize, usize), h: usize, seed: u64) -> Result<candle_core::Tensor> {
+    match router.draw_hidden((b, s), seed)? {
+        Some(x) => Ok(x),
+        None => Seeded::new(seed).normal(&[b, s, h], &Device::Cpu),
     }
 }
 

@@ -103,6 +103,13 @@ pub fn render_markdown(report: &Report) -> String {
             let _ = writeln!(out, "| `{}` | invariant | ❌ fail | – | – | {} |", r.router, v.replace('|', "\\|"));
         }
     }
+    // The verdict in one line, for a reader of the step summary who skips the table.
+    let leaking: Vec<String> = report.routers.iter().filter(|r| r.leaks()).map(|r| format!("`{}`", r.router)).collect();
+    let _ = if leaking.is_empty() {
+        writeln!(out, "\n✅ no leak found in {} router(s)", report.routers.len())
+    } else {
+        writeln!(out, "\n❌ {} of {} router(s) leak: {}", leaking.len(), report.routers.len(), leaking.join(", "))
+    };
     out
 }
 

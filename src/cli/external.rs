@@ -8,7 +8,7 @@ use crate::external::gate::GateSource;
 use crate::external::{plan, ExternalRouter, Handshake, InputKind, TraceRouter};
 use clap::Args;
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// Routers that live outside moe-audit.
@@ -55,6 +55,16 @@ pub struct ExternalArgs {
         help_heading = "External routers"
     )]
     pub bias: Option<String>,
+    /// Real hidden states `[..., hidden]` to sample the audit's tokens from, with --weights
+    /// (`FILE.safetensors` holding one tensor, or `FILE.safetensors:TENSOR`); default: seeded
+    /// standard normal.
+    #[arg(
+        long,
+        value_name = "FILE[:TENSOR]",
+        requires = "gate",
+        help_heading = "External routers"
+    )]
+    pub hidden_states: Option<String>,
 }
 
 impl ExternalArgs {
@@ -84,11 +94,26 @@ impl ExternalArgs {
         options: &AuditOptions,
     ) -> Result<Vec<RouterReport>> {
         let mut reports = Vec::new();
+        if self.weights.is_some() && configs.is_empty() {
+            return Err(Error::Usage(
+                "--weights: name the routers (presets or TOML files) to audit on the gate".into(),
+            ));
+        }
         if let (Some(weights), Some(gate)) = (&self.weights, &self.gate) {
+            let hidden_states =
+                self.hidden_states
+                    .as_deref()
+                    .map(|spec| match spec.rsplit_once(':') {
+                        Some((file, tensor)) if !Path::new(spec).is_file() => {
+                            (Path::new(file), Some(tensor))
+                        }
+                        _ => (Path::new(spec), None),
+                    });
             let source = GateSource {
                 weights,
                 gate,
                 bias: self.bias.as_deref(),
+                hidden_states,
             };
             for config in configs {
                 let router = source.router(config)?;

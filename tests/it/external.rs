@@ -431,6 +431,72 @@ fn real_gate_weights_are_audited() {
         [Pass, Pass, Pass, Pass, Pass, Pass, Leak, Leak, Leak, Leak, Pass, Pass]
     );
 
+    // Real hidden states: tokens sampled (seeded) from the file's rows; same bytes every run.
+    let states = checkpoint(
+        "states.safetensors",
+        &[("h", gate(40, 16).reshape((4, 10, 16)).unwrap())],
+    );
+    let sampled = [
+        "mixtral",
+        "--weights",
+        &file,
+        "--gate",
+        MIXTRAL_GATE,
+        "--hidden-states",
+        &states,
+        "--probes",
+        "P,F",
+    ];
+    let (code, report) = check_json(&sampled);
+    assert_eq!(
+        (code, verdicts(&report)),
+        (0, vec![(Probe::P, Pass), (Probe::F, Pass)])
+    );
+    let (_, seeded) = check_json(&[
+        "mixtral",
+        "--weights",
+        &file,
+        "--gate",
+        MIXTRAL_GATE,
+        "--probes",
+        "P,F",
+    ]);
+    assert_ne!(
+        report.routers[0].load, seeded.routers[0].load,
+        "the states file is used"
+    );
+    let twice = |args: &[&str]| run(&[&["check", "--format", "json"], args].concat()).stdout;
+    assert_eq!(twice(&sampled), twice(&sampled));
+    let bad = checkpoint(
+        "bad-states.safetensors",
+        &[("a", gate(3, 5)), ("b", gate(3, 16))],
+    );
+    for (spec, want) in [
+        (
+            bad.clone(),
+            "holds 2 tensors: name one as FILE:TENSOR".to_string(),
+        ),
+        (
+            format!("{bad}:a"),
+            "tensor `a` has shape [3, 5], expected [..., 16] (the gate's hidden size)".to_string(),
+        ),
+    ] {
+        let out = run(&[
+            "check",
+            "mixtral",
+            "--weights",
+            &file,
+            "--gate",
+            MIXTRAL_GATE,
+            "--hidden-states",
+            &spec,
+        ]);
+        assert_eq!(
+            String::from_utf8(out.stderr).unwrap().trim_end(),
+            format!("error: {bad}: {want}")
+        );
+    }
+
     // DeepSeek-V3: a gate with 256 experts would do; the preset's expert count is what matters.
     let experts = moe_audit::RouterConfig::load("deepseek-v3")
         .unwrap()
@@ -533,6 +599,26 @@ fn junit_and_github_formats() {
     assert!(
         text.contains("<testcase classname=\"moe-audit.mixtral\" name=\"P prefix (C-length)\"/>"),
         "{text}"
+    );
+    let md = String::from_utf8(
+        run(&[
+            "check",
+            "megatron-probs",
+            "--format",
+            "markdown",
+            "--batch",
+            "2",
+            "--seq-len",
+            "16",
+            "--probes",
+            "P",
+        ])
+        .stdout,
+    )
+    .unwrap();
+    assert!(
+        md.ends_with("\n❌ 1 of 1 router(s) leak: `megatron-probs`\n"),
+        "{md}"
     );
     let annotations: Vec<&str> = text.lines().filter(|l| l.starts_with("::")).collect();
     assert_eq!(annotations.len(), 1, "{text}");
