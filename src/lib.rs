@@ -10,12 +10,15 @@ pub mod analyze;
 pub mod cli;
 pub mod config;
 pub mod error;
+pub mod external;
 pub mod layer;
 pub mod memory;
 pub mod router;
 pub mod routing;
+mod snapshot;
 
 pub use config::RouterConfig;
 pub use error::{Error, Result};
 pub use router::{ConfigRouter, Router};
 pub use routing::{assign, assign_masked, Logits, Routing};
+pub use snapshot::snapshot;

@@ -20,6 +20,28 @@ pub trait Router: Send + Sync {
     fn hidden_size(&self) -> Option<usize> {
         None
     }
+    /// Width of a row the assignment stage takes: E logits, or H hidden values for a router that
+    /// applies its own gate inside assignment (an external router with `input: hidden`).
+    fn row_width(&self) -> usize {
+        self.experts()
+    }
+    /// A row that wants expert `e` above all others, for targeted probes; `None`: the analyzer's
+    /// own logit row (a large logit at `e`), which only fits a router fed logits.
+    fn targeted_row(&self, e: usize) -> Option<Vec<f32>> {
+        let _ = e;
+        None
+    }
+    /// Hidden states `[batch, seq_len, hidden]` drawn from `seed` for the audit (real activations,
+    /// say); `None`: standard normal, the default.
+    fn draw_hidden(&self, shape: (usize, usize), seed: u64) -> Result<Option<Tensor>> {
+        let _ = (shape, seed);
+        Ok(None)
+    }
+    /// Whether calls may run concurrently. A router behind one subprocess answers calls one at a
+    /// time, and must see them in a fixed order for the audit to stay deterministic.
+    fn concurrent(&self) -> bool {
+        true
+    }
     /// The built-in configuration, when the router has one (witnesses then replay from it).
     fn config(&self) -> Option<&RouterConfig> {
         None

@@ -298,14 +298,14 @@ pub fn audit(subject: &Subject, options: &AuditOptions, tick: &mut dyn FnMut(&st
     }
     let router = subject.router;
     let hidden = match router.hidden_size() {
-        Some(h) => Some(Seeded::new(options.seed).normal(&[b, s, h], &Device::Cpu)?),
+        Some(h) => Some(probes::hidden_states(router, (b, s), h, options.seed)?),
         None => None,
     };
     let logits = match &hidden {
         Some(x) => logits_to_host(&router.scores(x)?)?,
         None => {
-            let t = Seeded::new(options.seed).normal(&[b, s, router.experts()], &Device::Cpu)?;
-            crate::routing::Logits::from_shape_vec((b, s, router.experts()), t.flatten_all()?.to_vec1()?).expect("shape")
+            let t = Seeded::new(options.seed).normal(&[b, s, router.row_width()], &Device::Cpu)?;
+            crate::routing::Logits::from_shape_vec((b, s, router.row_width()), t.flatten_all()?.to_vec1()?).expect("shape")
         }
     };
     let base = Arc::new(Call::new(logits));
@@ -314,7 +314,7 @@ pub fn audit(subject: &Subject, options: &AuditOptions, tick: &mut dyn FnMut(&st
     if let Some(x) = &hidden {
         invariants.extend(layer_check::scores_per_token(router, x, &base.logits)?);
     }
-    let pure = looks_pure(router, &base, &base_routing)?;
+    let pure = router.concurrent() && looks_pure(router, &base, &base_routing)?;
     let ctx = Ctx { router, base, base_routing, trials: options.trials, seed: options.seed, pure };
     let sample = match (subject.layer, &hidden) {
         (Some(layer), Some(x)) => Some(layer_check::Sample::new(layer, x, options.seed)?),
@@ -461,7 +461,7 @@ fn repeat_probe(ctx: &Ctx, probe: Probe, mut finding: Finding) -> Result<Finding
         Probe::D => (ctx.base_routing.clone(), ctx.base.route(ctx.router)?, same),
         Probe::S => {
             let mut rng = rand::SeedableRng::seed_from_u64(ctx.seed ^ 0x5);
-            let other = Call::new(ctx.fresh(s.max(2) * b, &mut rng)?.into_shape_with_order((b, s.max(2), ctx.router.experts())).expect("shape"));
+            let other = Call::new(ctx.fresh(s.max(2) * b, &mut rng)?.into_shape_with_order((b, s.max(2), ctx.router.row_width())).expect("shape"));
             let first = ctx.base.route(ctx.router)?;
             other.route(ctx.router)?;
             let after = ctx.base.route(ctx.router)?;

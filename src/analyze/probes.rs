@@ -35,19 +35,21 @@ impl Ctx<'_> {
         ChaCha8Rng::seed_from_u64(self.seed ^ (0x5eed_0000 + probe as u64))
     }
 
-    fn experts(&self) -> usize {
-        self.router.experts()
+    /// Width of an input row: E logits, or H hidden values (see [`Router::row_width`]).
+    fn width(&self) -> usize {
+        self.router.row_width()
     }
 
     /// `n` fresh token rows from the same distribution as the base call: seeded hidden states
     /// through the router's score stage, or standard-normal logits for a logits-only router.
     pub fn fresh(&self, n: usize, rng: &mut ChaCha8Rng) -> Result<Array2<f32>> {
-        let mut seeded = Seeded::new(rng.random());
+        let seed = rng.random();
+        let mut seeded = Seeded::new(seed);
         let logits = match self.router.hidden_size() {
-            Some(h) => logits_to_host(&self.router.scores(&seeded.normal(&[1, n, h], &Device::Cpu)?)?)?,
+            Some(h) => logits_to_host(&self.router.scores(&hidden_states(self.router, (1, n), h, seed)?)?)?,
             None => {
-                let t = seeded.normal(&[1, n, self.experts()], &Device::Cpu)?;
-                Array3::from_shape_vec((1, n, self.experts()), t.flatten_all()?.to_vec1()?).expect("shape")
+                let t = seeded.normal(&[1, n, self.width()], &Device::Cpu)?;
+                Array3::from_shape_vec((1, n, self.width()), t.flatten_all()?.to_vec1()?).expect("shape")
             }
         };
         Ok(logits.index_axis_move(Axis(0), 0))
@@ -55,7 +57,10 @@ impl Ctx<'_> {
 
     /// A crafted token row that wants expert `e` above all others.
     fn targeted_row(&self, e: usize) -> Vec<f32> {
-        let mut row = vec![0.0; self.experts()];
+        if let Some(row) = self.router.targeted_row(e) {
+            return row;
+        }
+        let mut row = vec![0.0; self.width()];
         row[e] = TARGET_LOGIT;
         row
     }
@@ -75,6 +80,14 @@ impl Ctx<'_> {
 
     fn identity(&self) -> Vec<Option<usize>> {
         (0..self.base.dims().0).map(Some).collect()
+    }
+}
+
+/// Hidden states `[batch, seq_len, h]` from `seed`: the router's own draw, or standard normal.
+pub(crate) fn hidden_states(router: &dyn Router, (b, s): (usize, usize), h: usize, seed: u64) -> Result<candle_core::Tensor> {
+    match router.draw_hidden((b, s), seed)? {
+        Some(x) => Ok(x),
+        None => Seeded::new(seed).normal(&[b, s, h], &Device::Cpu),
     }
 }
 
@@ -134,7 +147,7 @@ pub(crate) fn future(ctx: &Ctx) -> Result<Vec<Case>> {
             ctx.fresh(later, &mut rng)?
         } else {
             let row = ctx.targeted_row(ctx.target_of(seq, t, trial / 2));
-            Array2::from_shape_fn((later, ctx.experts()), |(_, e)| row[e])
+            Array2::from_shape_fn((later, ctx.width()), |(_, e)| row[e])
         };
         changed.logits.slice_mut(s![seq, t + 1.., ..]).assign(&rows);
         let mut compare = vec![0; b];
@@ -163,7 +176,7 @@ pub(crate) fn neighbour(ctx: &Ctx) -> Result<Vec<Case>> {
         } else {
             let victim = (seq + 1 + rng.random_range(0..b - 1)) % b;
             let row = ctx.targeted_row(ctx.target_of(victim, rng.random_range(0..s), trial / 2));
-            Array2::from_shape_fn((s, ctx.experts()), |(_, e)| row[e])
+            Array2::from_shape_fn((s, ctx.width()), |(_, e)| row[e])
         };
         changed.logits.slice_mut(s![seq, .., ..]).assign(&rows);
         let mut compare = vec![s; b];
@@ -216,13 +229,13 @@ pub(crate) fn rebatch(ctx: &Ctx) -> Result<Vec<Case>> {
     // Padding: pad tokens have all-zero logits (no preference); masked when the router takes a mask.
     let m = (s / 4).max(1);
     let takes_mask = ctx.router.accepts_padding_mask();
-    let mut appended = Call::new(ndarray::concatenate(Axis(1), &[ctx.base.logits.view(), Array3::zeros((b, m, ctx.experts())).view()]).expect("same batch"));
+    let mut appended = Call::new(ndarray::concatenate(Axis(1), &[ctx.base.logits.view(), Array3::zeros((b, m, ctx.width())).view()]).expect("same batch"));
     if takes_mask {
         appended.padding = Some(Array2::from_shape_fn((b, s + m), |(_, p)| p >= s));
     }
     cases.push(Case { change_from: vec![Some(s); b], ..whole(&ctx.base, appended, ctx.identity()) });
     if takes_mask {
-        let logits = ndarray::concatenate(Axis(1), &[Array3::zeros((b, m, ctx.experts())).view(), ctx.base.logits.view()]).expect("same batch");
+        let logits = ndarray::concatenate(Axis(1), &[Array3::zeros((b, m, ctx.width())).view(), ctx.base.logits.view()]).expect("same batch");
         let left = Call { logits, padding: Some(Array2::from_shape_fn((b, s + m), |(_, p)| p < m)) };
         cases.push(Case { offset: m, ..whole(&ctx.base, left, ctx.identity()) });
     }

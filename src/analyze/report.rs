@@ -5,7 +5,7 @@
 use super::{Finding, Probe, Report, RouterReport, Verdict};
 use std::fmt::Write;
 
-fn verdict_word(v: Verdict) -> &'static str {
+pub(crate) fn verdict_word(v: Verdict) -> &'static str {
     match v {
         Verdict::Pass => "pass",
         Verdict::Leak => "LEAK",
@@ -18,7 +18,7 @@ fn percent(rate: f64) -> String {
 }
 
 /// Why, in a few words: what changed, where, from how far.
-fn why(f: &Finding) -> String {
+pub(crate) fn why(f: &Finding) -> String {
     if f.verdict != Verdict::Leak {
         return f.note.clone();
     }
@@ -103,6 +103,13 @@ pub fn render_markdown(report: &Report) -> String {
             let _ = writeln!(out, "| `{}` | invariant | ❌ fail | – | – | {} |", r.router, v.replace('|', "\\|"));
         }
     }
+    // The verdict in one line, for a reader of the step summary who skips the table.
+    let leaking: Vec<String> = report.routers.iter().filter(|r| r.leaks()).map(|r| format!("`{}`", r.router)).collect();
+    let _ = if leaking.is_empty() {
+        writeln!(out, "\n✅ no leak found in {} router(s)", report.routers.len())
+    } else {
+        writeln!(out, "\n❌ {} of {} router(s) leak: {}", leaking.len(), report.routers.len(), leaking.join(", "))
+    };
     out
 }
 

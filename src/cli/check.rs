@@ -1,5 +1,6 @@
 //! `moe-audit check` (the CI gate) and `moe-audit zoo` (every preset at default sizes).
 
+use super::external::ExternalArgs;
 use super::io_error;
 use crate::analyze::report::{render_markdown, render_text, render_zoo};
 use crate::analyze::{audit, AuditOptions, Probe, Report, RouterReport, Subject, Verdict, Witness};
@@ -18,7 +19,7 @@ use std::path::{Path, PathBuf};
 #[derive(Debug, Args)]
 pub struct CheckArgs {
     /// Preset names or router TOML files.
-    #[arg(required_unless_present = "replay", conflicts_with = "replay")]
+    #[arg(required_unless_present_any = ["replay", "router_cmd", "traces"], conflicts_with = "replay")]
     pub routers: Vec<String>,
     /// Replay a witness file: exit 1 if it still shows the leak, 0 if not.
     #[arg(long, value_name = "WITNESS.json")]
@@ -58,6 +59,12 @@ pub struct CheckArgs {
     /// physical memory).
     #[arg(long, value_name = "SIZE", help_heading = "Audit")]
     pub max_memory: Option<ByteSize>,
+    /// Also print GitHub Actions `::error::` annotations, one per leak, on stdout.
+    #[arg(long, help_heading = "Output")]
+    pub github: bool,
+    /// Routers outside moe-audit.
+    #[command(flatten)]
+    pub external: ExternalArgs,
 }
 
 /// Report formats of `check`.
@@ -69,6 +76,8 @@ pub enum CheckFormat {
     Json,
     /// A table for a CI step summary.
     Markdown,
+    /// JUnit XML: one test case per router × probe.
+    Junit,
 }
 
 impl CheckArgs {
@@ -117,9 +126,10 @@ pub(super) fn run(args: &CheckArgs, out: &mut dyn Write) -> Result<u8> {
     if let Some(path) = &args.replay {
         return replay(path, out);
     }
-    let options = args.options()?;
+    let options = args.external.options(args.options()?)?;
     let configs = args.routers.iter().map(|r| RouterConfig::load(r)).collect::<Result<Vec<_>>>()?;
-    let report = audit_all(configs, &options, args.hidden, args.ffn, memory::limit(args.max_memory))?;
+    let mut report = if args.external.real_gate() { Report { options: options.clone(), routers: Vec::new() } } else { audit_all(configs.clone(), &options, args.hidden, args.ffn, memory::limit(args.max_memory))? };
+    report.routers.extend(args.external.audit(configs, &options)?);
     if let Some(dir) = &args.witness_dir {
         std::fs::create_dir_all(dir).map_err(|e| Error::input(dir, format!("cannot create: {e}")))?;
         for r in &report.routers {
@@ -140,10 +150,14 @@ pub(super) fn run(args: &CheckArgs, out: &mut dyn Write) -> Result<u8> {
         }),
         CheckFormat::Json => serde_json::to_string_pretty(&report).expect("a report always serialises") + "\n",
         CheckFormat::Markdown => render_markdown(&report),
+        CheckFormat::Junit => super::ci::render_junit(&report),
     };
     match &args.output {
         Some(path) => std::fs::write(path, text).map_err(|e| Error::input(path, format!("cannot write: {e}")))?,
         None => out.write_all(text.as_bytes()).map_err(io_error)?,
+    }
+    if args.github {
+        out.write_all(super::ci::render_github(&report).as_bytes()).map_err(io_error)?;
     }
     Ok(u8::from(report.leaks()))
 }

@@ -1,6 +1,8 @@
 //! The command line: clap structs (dumb), one function per command, output formats.
 
 mod check;
+mod ci;
+mod external;
 mod route;
 
 use crate::config::presets;
@@ -9,6 +11,7 @@ use clap::{Parser, Subcommand};
 use std::io::Write;
 
 pub use check::{verdicts, CheckArgs, ZooArgs};
+pub use external::{ExternalArgs, PlanArgs};
 pub use route::RouteArgs;
 
 /// Audit Mixture-of-Experts routers for train/inference causality leaks.
@@ -31,6 +34,8 @@ pub enum Command {
     Check(CheckArgs),
     /// Audit every preset at default sizes and print the verdicts beside load balance.
     Zoo(ZooArgs),
+    /// Write the inputs of an audit for a router that cannot run as a subprocess (trace files).
+    Plan(PlanArgs),
 }
 
 /// Runs a parsed command, writing its output to `out`. Returns the process exit code.
@@ -46,6 +51,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<u8> {
         Command::Route(args) => route::run(&args, out),
         Command::Check(args) => check::run(&args, out),
         Command::Zoo(args) => check::zoo(&args, out),
+        Command::Plan(args) => external::run_plan(&args, out),
     }
 }
 

@@ -3,8 +3,10 @@
 mod analyze;
 mod cli;
 mod edge_cases;
+mod external;
 mod hand_computed;
 mod invariants;
 mod layer;
 mod limits;
 mod snapshots;
+mod user_snapshot;

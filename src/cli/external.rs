@@ -1,0 +1,247 @@
+//! The `check` flags for routers outside moe-audit (a subprocess, trace files, a real gate),
+//! and `moe-audit plan`.
+
+use crate::analyze::{audit, AuditOptions, Probe, RouterReport, Subject};
+use crate::config::RouterConfig;
+use crate::error::{Error, Result};
+use crate::external::gate::GateSource;
+use crate::external::{plan, ExternalRouter, Handshake, InputKind, TraceRouter};
+use clap::Args;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// Routers that live outside moe-audit.
+#[derive(Debug, Args)]
+pub struct ExternalArgs {
+    /// A command speaking the moe-audit/1 protocol on stdin/stdout (docs/PROTOCOL.md), run with
+    /// `sh -c`; repeat for several routers.
+    #[arg(long, value_name = "COMMAND", help_heading = "External routers")]
+    pub router_cmd: Vec<String>,
+    /// Seconds to wait for a router's handshake and for each answer.
+    #[arg(
+        long,
+        default_value_t = 60.0,
+        value_name = "SECS",
+        help_heading = "External routers"
+    )]
+    pub timeout: f64,
+    /// A trace directory (`moe-audit plan`, answered by your harness); the audit runs with the
+    /// plan's probes and sizes.
+    #[arg(long, value_name = "DIR", help_heading = "External routers")]
+    pub traces: Option<PathBuf>,
+    /// A safetensors checkpoint holding the gate of the routers named on the command line.
+    #[arg(
+        long,
+        value_name = "FILE.safetensors",
+        requires = "gate",
+        help_heading = "External routers"
+    )]
+    pub weights: Option<PathBuf>,
+    /// The gate matrix `[experts, hidden]` in --weights.
+    #[arg(
+        long,
+        value_name = "TENSOR",
+        requires = "weights",
+        help_heading = "External routers"
+    )]
+    pub gate: Option<String>,
+    /// A selection-only expert bias `[experts]` in --weights (DeepSeek-V3
+    /// `e_score_correction_bias`); replaces the config's `expert_bias`.
+    #[arg(
+        long,
+        value_name = "TENSOR",
+        requires = "gate",
+        help_heading = "External routers"
+    )]
+    pub bias: Option<String>,
+    /// Real hidden states `[..., hidden]` to sample the audit's tokens from, with --weights
+    /// (`FILE.safetensors` holding one tensor, or `FILE.safetensors:TENSOR`); default: seeded
+    /// standard normal.
+    #[arg(
+        long,
+        value_name = "FILE[:TENSOR]",
+        requires = "gate",
+        help_heading = "External routers"
+    )]
+    pub hidden_states: Option<String>,
+}
+
+impl ExternalArgs {
+    /// Whether the configs named on the command line take their gate from --weights.
+    pub(super) fn real_gate(&self) -> bool {
+        self.weights.is_some()
+    }
+
+    /// The audit options: the plan's when auditing traces.
+    pub(super) fn options(&self, options: AuditOptions) -> Result<AuditOptions> {
+        if self.traces.is_some() && !self.router_cmd.is_empty() {
+            return Err(Error::Usage(
+                "--traces replays one planned audit; audit --router-cmd routers in another run"
+                    .into(),
+            ));
+        }
+        match &self.traces {
+            Some(dir) => Ok(TraceRouter::open(dir)?.options().clone()),
+            None => Ok(options),
+        }
+    }
+
+    /// Audits the configs on a real gate, the router commands and the traces.
+    pub(super) fn audit(
+        &self,
+        configs: Vec<RouterConfig>,
+        options: &AuditOptions,
+    ) -> Result<Vec<RouterReport>> {
+        let mut reports = Vec::new();
+        if self.weights.is_some() && configs.is_empty() {
+            return Err(Error::Usage(
+                "--weights: name the routers (presets or TOML files) to audit on the gate".into(),
+            ));
+        }
+        if let (Some(weights), Some(gate)) = (&self.weights, &self.gate) {
+            let hidden_states =
+                self.hidden_states
+                    .as_deref()
+                    .map(|spec| match spec.rsplit_once(':') {
+                        Some((file, tensor)) if !Path::new(spec).is_file() => {
+                            (Path::new(file), Some(tensor))
+                        }
+                        _ => (Path::new(spec), None),
+                    });
+            let source = GateSource {
+                weights,
+                gate,
+                bias: self.bias.as_deref(),
+                hidden_states,
+            };
+            for config in configs {
+                let router = source.router(config)?;
+                reports.push(audit(
+                    &Subject {
+                        router: &router,
+                        layer: None,
+                    },
+                    options,
+                    &mut |_| {},
+                )?);
+            }
+        }
+        if !(self.timeout.is_finite() && self.timeout > 0.0) {
+            return Err(Error::Usage(format!(
+                "--timeout must be a positive number of seconds, got {}",
+                self.timeout
+            )));
+        }
+        for command in &self.router_cmd {
+            let router = ExternalRouter::spawn(
+                command,
+                Duration::from_secs_f64(self.timeout),
+                options.seed,
+            )?;
+            reports.push(audit(
+                &Subject {
+                    router: &router,
+                    layer: None,
+                },
+                options,
+                &mut |_| {},
+            )?);
+        }
+        if let Some(dir) = &self.traces {
+            let router = TraceRouter::open(dir)?;
+            reports.push(audit(
+                &Subject {
+                    router: &router,
+                    layer: None,
+                },
+                options,
+                &mut |_| {},
+            )?);
+        }
+        Ok(reports)
+    }
+}
+
+/// Arguments of `moe-audit plan`.
+#[derive(Debug, Args)]
+pub struct PlanArgs {
+    /// Where to write `manifest.json` and `inputs.safetensors`.
+    #[arg(long, value_name = "DIR")]
+    pub output: PathBuf,
+    /// The router's name in the report.
+    #[arg(long, default_value = "traced")]
+    pub name: String,
+    /// Number of experts E.
+    #[arg(long)]
+    pub experts: usize,
+    /// Experts per token (omit for expert choice).
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    /// What the harness feeds its router: E logits or H hidden values per token.
+    #[arg(long, value_enum, default_value_t = InputArg::Logits)]
+    pub input: InputArg,
+    /// Hidden size H (with --input hidden).
+    #[arg(long)]
+    pub hidden_size: Option<usize>,
+    /// Probes to plan, comma separated.
+    #[arg(long, default_value = "P,F,N,R,D,S,M")]
+    pub probes: String,
+    /// Sequences per call.
+    #[arg(long, default_value_t = 4)]
+    pub batch: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 128)]
+    pub seq_len: usize,
+    /// Trials of the randomised probes.
+    #[arg(long, default_value_t = 32)]
+    pub trials: usize,
+    /// Seed of the inputs and every random choice.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+/// `--input` of `plan`.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum InputArg {
+    /// E gate logits per token.
+    Logits,
+    /// H hidden values per token.
+    Hidden,
+}
+
+pub(super) fn run_plan(args: &PlanArgs, out: &mut dyn Write) -> Result<u8> {
+    let input = match args.input {
+        InputArg::Logits => InputKind::Logits,
+        InputArg::Hidden => InputKind::Hidden,
+    };
+    let router = Handshake {
+        protocol: crate::external::protocol::PROTOCOL.into(),
+        name: args.name.clone(),
+        experts: args.experts,
+        top_k: args.top_k,
+        input,
+        hidden_size: args.hidden_size,
+    };
+    if args.batch == 0 || args.seq_len == 0 {
+        return Err(Error::Usage(
+            "--batch and --seq-len must be at least 1".into(),
+        ));
+    }
+    let options = AuditOptions {
+        probes: Probe::parse_list(&args.probes)?,
+        batch: args.batch,
+        seq_len: args.seq_len,
+        trials: args.trials,
+        seed: args.seed,
+    };
+    let calls = plan(&router, &options, &args.output)?;
+    writeln!(
+        out,
+        "planned {calls} calls in {}: answer each call of manifest.json, in order, with one response line in decisions.jsonl, then run `moe-audit check --traces {}`",
+        args.output.display(),
+        args.output.display()
+    )
+    .map_err(super::io_error)?;
+    Ok(0)
+}

@@ -1,0 +1,252 @@
+//! The `moe-audit/1` messages (docs/PROTOCOL.md) and their validation: a response becomes a
+//! [`Routing`] only when every field fits the request, so no verdict is ever drawn from bad data.
+
+use crate::config::{Flatten, ScopeGroup};
+use crate::routing::{stats, GroupRecord, Route, Routing, ScopeRecord, TokenRouting};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// The protocol tag a router announces in its handshake.
+pub const PROTOCOL: &str = "moe-audit/1";
+
+/// What a router's rows hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum InputKind {
+    /// E gate logits per token: the analyzer crafts targeted rows itself.
+    Logits,
+    /// H hidden values per token: the router applies its own gate.
+    Hidden,
+}
+
+/// The first line a router writes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Handshake {
+    /// Always [`PROTOCOL`].
+    pub protocol: String,
+    /// Name used in reports.
+    pub name: String,
+    /// Number of experts E.
+    pub experts: usize,
+    /// Experts per token; `null` for expert choice.
+    pub top_k: Option<usize>,
+    /// Row contents.
+    pub input: InputKind,
+    /// Hidden size H (required with `input: hidden`).
+    #[serde(default)]
+    pub hidden_size: Option<usize>,
+}
+
+impl Handshake {
+    /// Checks the handshake; the error says which field is wrong.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.protocol != PROTOCOL {
+            return Err(format!(
+                "handshake: protocol `{}`, expected `{PROTOCOL}`",
+                self.protocol
+            ));
+        }
+        if self.experts == 0 {
+            return Err("handshake: experts must be at least 1".into());
+        }
+        if let Some(k) = self.top_k {
+            if k == 0 || k > self.experts {
+                return Err(format!(
+                    "handshake: top_k {k} is not in 1..={}",
+                    self.experts
+                ));
+            }
+        }
+        match (self.input, self.hidden_size) {
+            (InputKind::Hidden, None | Some(0)) => {
+                Err("handshake: input `hidden` needs hidden_size >= 1".into())
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Values per row of a request.
+    pub fn row_width(&self) -> usize {
+        match self.input {
+            InputKind::Logits => self.experts,
+            InputKind::Hidden => self.hidden_size.unwrap_or(0),
+        }
+    }
+}
+
+/// Which configuration the router must route with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// Training (every probe but M's second call).
+    Train,
+    /// Serving (the M probe).
+    Inference,
+}
+
+impl fmt::Display for Mode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Mode::Train => "train",
+            Mode::Inference => "inference",
+        })
+    }
+}
+
+/// One call: `batch * seq_len` rows, sequence-major.
+#[derive(Debug, Serialize)]
+pub struct Request<'a> {
+    /// Request number, from 1.
+    pub id: u64,
+    /// Configuration to route with.
+    pub mode: Mode,
+    /// Sequences.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq_len: usize,
+    /// The rows.
+    pub data: Vec<&'a [f32]>,
+}
+
+/// One route of a response.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteOut {
+    /// Expert id (signed, so a negative id is reported as out of range, not as a parse error).
+    pub expert: i64,
+    /// Combine weight when kept; the gate before dropping otherwise.
+    pub weight: f32,
+    /// False when capacity dropped the route.
+    pub kept: bool,
+}
+
+/// A router's answer to one request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Response {
+    /// The request's id.
+    pub id: u64,
+    /// Per token (sequence-major), its routes in choice order.
+    pub tokens: Vec<Vec<RouteOut>>,
+    /// Slots per expert over the call; `null` when dropless.
+    pub capacity: Option<Vec<usize>>,
+}
+
+impl Response {
+    /// Checks the response against its request and builds the routing record. `rows` are the
+    /// request's logits (for the load statistics), or `None` for hidden rows.
+    pub fn into_routing(
+        self,
+        hs: &Handshake,
+        (id, batch, seq_len): (u64, usize, usize),
+        rows: Option<&[f32]>,
+    ) -> Result<Routing, String> {
+        if self.id != id {
+            return Err(format!("response id {} does not match", self.id));
+        }
+        let n = batch * seq_len;
+        if self.tokens.len() != n {
+            return Err(format!(
+                "{} tokens, expected batch {batch} x seq_len {seq_len} = {n}",
+                self.tokens.len()
+            ));
+        }
+        let e = hs.experts;
+        let mut tokens = Vec::with_capacity(n);
+        for (i, routes) in self.tokens.into_iter().enumerate() {
+            let at = || {
+                format!(
+                    "token {i} (batch {}, position {})",
+                    i / seq_len,
+                    i % seq_len
+                )
+            };
+            let mut seen = vec![false; e];
+            let mut out = Vec::with_capacity(routes.len());
+            for r in routes {
+                let expert = usize::try_from(r.expert).ok().filter(|&x| x < e);
+                let Some(expert) = expert else {
+                    return Err(format!(
+                        "{}: expert {} is out of range 0..{e}",
+                        at(),
+                        r.expert
+                    ));
+                };
+                if std::mem::replace(&mut seen[expert], true) {
+                    return Err(format!("{}: expert {expert} appears twice", at()));
+                }
+                if !r.weight.is_finite() {
+                    return Err(format!(
+                        "{}: weight {} of expert {expert} is not finite",
+                        at(),
+                        r.weight
+                    ));
+                }
+                out.push(Route {
+                    expert,
+                    weight: r.weight,
+                    kept: r.kept,
+                    padded: false,
+                });
+            }
+            if let Some(k) = hs.top_k {
+                if out.len() != k {
+                    return Err(format!(
+                        "{}: {} routes, the handshake declared top_k {k}",
+                        at(),
+                        out.len()
+                    ));
+                }
+            }
+            tokens.push(TokenRouting {
+                batch: i / seq_len,
+                pos: i % seq_len,
+                group: 0,
+                routes: out,
+            });
+        }
+        if let Some(c) = &self.capacity {
+            if c.len() != e {
+                return Err(format!(
+                    "capacity has {} entries, expected one per expert ({e})",
+                    c.len()
+                ));
+            }
+        }
+        // One routing group: the whole call. Unequal capacities count by their largest.
+        let group_capacity = self.capacity.as_ref().and_then(|c| c.iter().copied().max());
+        let experts_load = stats::loads(e, &tokens);
+        let stats = match rows {
+            Some(flat) => stats::load_stats(&experts_load, flat.chunks(e)),
+            None => stats::load_stats(&experts_load, std::iter::empty()),
+        };
+        Ok(Routing {
+            router: hs.name.clone(),
+            batch,
+            seq_len,
+            experts: e,
+            top_k: hs.top_k,
+            capacity: self.capacity,
+            scope: ScopeRecord {
+                group: ScopeGroup::Batch,
+                flatten: Flatten::SequenceMajor,
+                groups: vec![GroupRecord {
+                    tokens: n,
+                    capacity: group_capacity,
+                }],
+            },
+            tokens,
+            experts_load,
+            stats,
+        })
+    }
+}
+
+/// Parses one response line; the error quotes the start of a line that is not a response.
+pub fn parse_response(line: &str) -> Result<Response, String> {
+    serde_json::from_str(line).map_err(|e| {
+        let head: String = line.chars().take(80).collect();
+        format!("not a response ({e}): `{head}`")
+    })
+}

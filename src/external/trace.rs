@@ -1,0 +1,410 @@
+//! Trace files, for routers that cannot run as a subprocess.
+//!
+//! `plan` writes every call the audit will make (`inputs.safetensors`, one tensor per distinct
+//! input, and `manifest.json`, the calls in order); the user's harness answers each call in the
+//! response format (`decisions.jsonl`); [`TraceRouter`] replays the answers, looking each call up
+//! by its content (and how many times the same content was asked before, so D and S still see
+//! repeats in order).
+//!
+//! The audit's inputs depend on the router's answers in one place only: targeted trials push
+//! toward experts the base call's token uses. `plan` therefore runs the audit once per expert e
+//! against a recorder that routes every token to e, and writes the union of the calls: whatever
+//! the real router answers, every call it is asked is in the plan.
+
+use super::protocol::{parse_response, Handshake, InputKind, Mode, Response, RouteOut};
+use super::ExternalRows;
+use crate::analyze::{audit, AuditOptions, Subject};
+use crate::error::{Error, Result};
+use crate::router::Router;
+use crate::routing::Routing;
+use candle_core::{Device, Tensor};
+use ndarray::{Array3, ArrayView3};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+/// The manifest format tag.
+pub const FORMAT: &str = "moe-audit-plan/1";
+/// File names inside a trace directory.
+pub const MANIFEST: &str = "manifest.json";
+/// The probe inputs.
+pub const INPUTS: &str = "inputs.safetensors";
+/// The harness's answers, one response line per call.
+pub const DECISIONS: &str = "decisions.jsonl";
+
+/// One planned call.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PlannedCall {
+    /// The id the response must carry.
+    pub id: u64,
+    /// Configuration to route with.
+    pub mode: Mode,
+    /// Sequences.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq_len: usize,
+    /// Tensor in `inputs.safetensors`, `[batch, seq_len, width]` f32.
+    pub tensor: String,
+}
+
+/// `manifest.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// Always [`FORMAT`].
+    pub format: String,
+    /// The router, as its handshake would describe it.
+    pub router: Handshake,
+    /// The audit the plan is for; `check --traces` runs exactly this.
+    pub options: AuditOptions,
+    /// The calls, in the order the audit makes them; answer them in this order.
+    pub calls: Vec<PlannedCall>,
+}
+
+/// A call's content: its shape and the exact bits of its rows.
+type Content = ((usize, usize, usize), Vec<u32>);
+
+fn content(rows: ArrayView3<f32>) -> Content {
+    (rows.dim(), rows.iter().map(|v| v.to_bits()).collect())
+}
+
+type Log = Arc<Mutex<Vec<(Mode, Array3<f32>)>>>;
+
+/// Records calls and answers each with every token routed to one expert.
+struct Recorder {
+    hs: Arc<Handshake>,
+    rows: ExternalRows,
+    mode: Mode,
+    answer: usize,
+    log: Log,
+}
+
+impl Router for Recorder {
+    fn name(&self) -> &str {
+        &self.hs.name
+    }
+    fn experts(&self) -> usize {
+        self.hs.experts
+    }
+    fn row_width(&self) -> usize {
+        self.hs.row_width()
+    }
+    fn targeted_row(&self, e: usize) -> Option<Vec<f32>> {
+        self.rows.targeted(e)
+    }
+    fn concurrent(&self) -> bool {
+        false
+    }
+    fn scores(&self, hidden: &Tensor) -> Result<Tensor> {
+        super::pass_through(self, hidden)
+    }
+    fn assign(&self, rows: ArrayView3<f32>) -> Result<Routing> {
+        let (b, s, _) = rows.dim();
+        self.log
+            .lock()
+            .expect("log")
+            .push((self.mode, rows.as_standard_layout().into_owned()));
+        let route = RouteOut {
+            expert: self.answer as i64,
+            weight: 1.0,
+            kept: true,
+        };
+        let response = Response {
+            id: 0,
+            tokens: vec![vec![route]; b * s],
+            capacity: None,
+        };
+        let hs = Handshake {
+            top_k: None,
+            ..Handshake::clone(&self.hs)
+        };
+        response
+            .into_routing(&hs, (0, b, s), None)
+            .map_err(|e| Error::Usage(format!("plan: {e}")))
+    }
+    fn inference(&self) -> Result<Option<Box<dyn Router>>> {
+        let (hs, rows, log) = (
+            Arc::clone(&self.hs),
+            self.rows.clone(),
+            Arc::clone(&self.log),
+        );
+        Ok(Some(Box::new(Recorder {
+            hs,
+            rows,
+            mode: Mode::Inference,
+            answer: self.answer,
+            log,
+        })))
+    }
+}
+
+/// Writes the plan of `options` for a router described by `router` into `dir`; returns the
+/// number of calls.
+pub fn plan(router: &Handshake, options: &AuditOptions, dir: &Path) -> Result<usize> {
+    router.validate().map_err(Error::Usage)?;
+    let hs = Arc::new(router.clone());
+    let rows = ExternalRows::new(router, options.seed);
+    let mut calls: Vec<PlannedCall> = Vec::new();
+    let mut names: HashMap<Content, String> = HashMap::new();
+    let mut tensors: HashMap<String, Tensor> = HashMap::new();
+    // How often each (mode, content) is planned: a pass adds only the occurrences the plan lacks.
+    let mut planned: HashMap<(Mode, Content), usize> = HashMap::new();
+    for answer in 0..router.experts {
+        let log: Log = Arc::default();
+        let recorder = Recorder {
+            hs: Arc::clone(&hs),
+            rows: rows.clone(),
+            mode: Mode::Train,
+            answer,
+            log: Arc::clone(&log),
+        };
+        audit(
+            &Subject {
+                router: &recorder,
+                layer: None,
+            },
+            options,
+            &mut |_| {},
+        )?;
+        drop(recorder);
+        let mut this_pass: HashMap<(Mode, Content), usize> = HashMap::new();
+        for (mode, data) in Arc::try_unwrap(log)
+            .expect("the audit is over")
+            .into_inner()
+            .expect("log")
+        {
+            let c = content(data.view());
+            let k = (mode, c.clone());
+            let seen = this_pass.entry(k.clone()).or_default();
+            *seen += 1;
+            let have = planned.entry(k).or_default();
+            if *seen <= *have {
+                continue;
+            }
+            *have += 1;
+            let n = names.len();
+            let name = names
+                .entry(c)
+                .or_insert_with(|| format!("call.{n}"))
+                .clone();
+            if !tensors.contains_key(&name) {
+                let t = Tensor::from_slice(
+                    data.as_slice().expect("owned standard layout"),
+                    data.dim(),
+                    &Device::Cpu,
+                )?;
+                tensors.insert(name.clone(), t);
+            }
+            let (batch, seq_len, _) = data.dim();
+            calls.push(PlannedCall {
+                id: calls.len() as u64 + 1,
+                mode,
+                batch,
+                seq_len,
+                tensor: name,
+            });
+        }
+    }
+    std::fs::create_dir_all(dir).map_err(|e| Error::input(dir, format!("cannot create: {e}")))?;
+    let inputs = dir.join(INPUTS);
+    candle_core::safetensors::save(&tensors, &inputs)
+        .map_err(|e| Error::input(&inputs, format!("cannot write: {e}")))?;
+    let manifest = Manifest {
+        format: FORMAT.into(),
+        router: router.clone(),
+        options: options.clone(),
+        calls,
+    };
+    let path = dir.join(MANIFEST);
+    let json =
+        serde_json::to_string_pretty(&manifest).expect("a manifest always serialises") + "\n";
+    std::fs::write(&path, json).map_err(|e| Error::input(&path, format!("cannot write: {e}")))?;
+    Ok(manifest.calls.len())
+}
+
+/// A router replaying a harness's answers to a plan.
+pub struct TraceRouter {
+    hs: Arc<Handshake>,
+    mode: Mode,
+    rows: ExternalRows,
+    replay: Arc<Replay>,
+}
+
+/// The answers by (mode, content), in plan order, and how many of each were used.
+struct Replay {
+    dir: PathBuf,
+    options: AuditOptions,
+    answers: HashMap<(Mode, Content), Vec<(u64, Routing)>>,
+    used: Mutex<HashMap<(Mode, Content), usize>>,
+}
+
+impl TraceRouter {
+    /// Opens a trace directory: the manifest, the inputs and the decisions, all checked against
+    /// each other before anything is analyzed.
+    pub fn open(dir: &Path) -> Result<Self> {
+        let path = dir.join(MANIFEST);
+        let text = std::fs::read_to_string(&path).map_err(|e| {
+            Error::input(
+                &path,
+                format!("cannot read (write it with `moe-audit plan`): {e}"),
+            )
+        })?;
+        let manifest: Manifest = serde_json::from_str(&text)
+            .map_err(|e| Error::input(&path, format!("not a plan manifest: {e}")))?;
+        if manifest.format != FORMAT {
+            return Err(Error::input(
+                &path,
+                format!("format `{}`, expected `{FORMAT}`", manifest.format),
+            ));
+        }
+        manifest
+            .router
+            .validate()
+            .map_err(|e| Error::input(&path, e))?;
+        let hs = manifest.router;
+        let inputs_path = dir.join(INPUTS);
+        let inputs = crate::layer::load_safetensors(&inputs_path, &Device::Cpu)?;
+        let decisions_path = dir.join(DECISIONS);
+        let decisions = std::fs::read_to_string(&decisions_path)
+            .map_err(|e| Error::input(&decisions_path, format!("cannot read (your harness writes one response line per call of {MANIFEST}): {e}")))?;
+        let mut responses = HashMap::new();
+        for (n, line) in decisions
+            .lines()
+            .enumerate()
+            .filter(|(_, l)| !l.trim().is_empty())
+        {
+            let at = |m: String| Error::input(&decisions_path, format!("line {}: {m}", n + 1));
+            let r = parse_response(line).map_err(at)?;
+            if responses.insert(r.id, r).is_some() {
+                return Err(at("a second response for this id".into()));
+            }
+        }
+        let mut answers: HashMap<(Mode, Content), Vec<(u64, Routing)>> = HashMap::new();
+        for call in &manifest.calls {
+            let t = inputs.get(&call.tensor).ok_or_else(|| {
+                Error::input(
+                    &inputs_path,
+                    format!("no tensor `{}` (call {})", call.tensor, call.id),
+                )
+            })?;
+            let dims = (call.batch, call.seq_len, hs.row_width());
+            let data = t.dims3().ok().filter(|&d| d == dims).and_then(|_| {
+                t.to_dtype(candle_core::DType::F32)
+                    .and_then(|t| t.flatten_all()?.to_vec1::<f32>())
+                    .ok()
+            });
+            let Some(data) = data else {
+                return Err(Error::input(
+                    &inputs_path,
+                    format!(
+                        "tensor `{}` is {:?}, call {} needs {dims:?}",
+                        call.tensor,
+                        t.dims(),
+                        call.id
+                    ),
+                ));
+            };
+            let rows = Array3::from_shape_vec(dims, data).expect("shape checked");
+            let response = responses.remove(&call.id).ok_or_else(|| {
+                Error::input(
+                    &decisions_path,
+                    format!(
+                        "no response for call {} ({}, tensor `{}`)",
+                        call.id, call.mode, call.tensor
+                    ),
+                )
+            })?;
+            let logits =
+                (hs.input == InputKind::Logits).then(|| rows.as_slice().expect("standard layout"));
+            let routing = response
+                .into_routing(&hs, (call.id, call.batch, call.seq_len), logits)
+                .map_err(|e| {
+                    Error::input(
+                        &decisions_path,
+                        format!(
+                            "call {} ({}, batch {} x seq_len {}): {e}",
+                            call.id, call.mode, call.batch, call.seq_len
+                        ),
+                    )
+                })?;
+            answers
+                .entry((call.mode, content(rows.view())))
+                .or_default()
+                .push((call.id, routing));
+        }
+        if let Some(id) = responses.keys().min() {
+            return Err(Error::input(
+                &decisions_path,
+                format!("response id {id} is not a call of {MANIFEST}"),
+            ));
+        }
+        let rows = ExternalRows::new(&hs, manifest.options.seed);
+        let replay = Replay {
+            dir: dir.to_path_buf(),
+            options: manifest.options,
+            answers,
+            used: Mutex::default(),
+        };
+        Ok(TraceRouter {
+            hs: Arc::new(hs),
+            mode: Mode::Train,
+            rows,
+            replay: Arc::new(replay),
+        })
+    }
+
+    /// The audit the traces were planned for.
+    pub fn options(&self) -> &AuditOptions {
+        &self.replay.options
+    }
+}
+
+impl Router for TraceRouter {
+    fn name(&self) -> &str {
+        &self.hs.name
+    }
+    fn experts(&self) -> usize {
+        self.hs.experts
+    }
+    fn row_width(&self) -> usize {
+        self.hs.row_width()
+    }
+    fn targeted_row(&self, e: usize) -> Option<Vec<f32>> {
+        self.rows.targeted(e)
+    }
+    fn concurrent(&self) -> bool {
+        false
+    }
+    fn scores(&self, hidden: &Tensor) -> Result<Tensor> {
+        super::pass_through(self, hidden)
+    }
+    fn assign(&self, rows: ArrayView3<f32>) -> Result<Routing> {
+        let k = (self.mode, content(rows));
+        let mut used = self.replay.used.lock().expect("replay");
+        let n = used.entry(k.clone()).or_default();
+        let (b, s, _) = rows.dim();
+        let answers = self.replay.answers.get(&k).map_or(&[][..], Vec::as_slice);
+        let Some((_, routing)) = answers.get(*n) else {
+            return Err(Error::input(
+                &self.replay.dir,
+                format!(
+                    "the audit asks a {} call (batch {b} x seq_len {s}) that the plan holds {} time(s), asked {} time(s): plan and audit differ (re-run `moe-audit plan`)",
+                    self.mode,
+                    answers.len(),
+                    *n + 1
+                ),
+            ));
+        };
+        *n += 1;
+        Ok(routing.clone())
+    }
+    fn inference(&self) -> Result<Option<Box<dyn Router>>> {
+        let replay = Arc::clone(&self.replay);
+        Ok(Some(Box::new(TraceRouter {
+            hs: Arc::clone(&self.hs),
+            mode: Mode::Inference,
+            rows: self.rows.clone(),
+            replay,
+        })))
+    }
+}
