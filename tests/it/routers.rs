@@ -139,3 +139,22 @@ fn m_reports_how_often_training_and_serving_disagree() {
         assert_eq!(f.rate, want, "{name}");
     }
 }
+
+#[test]
+fn scenario_15_bf16_flips_sit_at_near_ties() {
+    let layer = layer_of(config("mixtral"));
+    let o = AuditOptions { probes: vec![X], batch: 4, seq_len: 256, trials: 1, seed: 0 };
+    let f = audit(&Subject::layer(&layer), &o, &mut |_| {}).unwrap().findings.remove(0);
+    let n = f.numerics.as_ref().unwrap();
+    let bf16 = &n.flips[0];
+    assert_eq!((bf16.dtype.as_str(), bf16.tokens), ("bf16", 1024));
+    assert!(bf16.flipped > 0 && f.verdict == Leak, "{bf16:?}");
+    assert!(bf16.median_margin_at_flips.unwrap() < bf16.median_margin.unwrap() / 10.0, "flips are near-ties: {bf16:?}");
+    assert_eq!(bf16.margins_at_flips.iter().map(|b| b.count).sum::<usize>(), bf16.flipped);
+    assert!(f.witness.is_some(), "a flip replays from its witness");
+    // Swamping: f16 stalls on long sums, f32 and pairwise do not.
+    let last = n.swamping.last().unwrap();
+    assert!(last.f16 > 0.5 && last.f32 < 1e-4 && last.f16_pairwise < 1e-3, "{last:?}");
+    // X is opt-in.
+    assert!(!Probe::ALL.contains(&X));
+}
