@@ -415,7 +415,7 @@ fn replay_of_a_file_that_is_not_a_witness() {
 
 #[test]
 fn check_rejects_bad_probes_and_sizes() {
-    insta::assert_snapshot!(fail(&["check", "mixtral", "--probes", "P,X"]), @"error: --probes: unknown probe `X`, expected some of P,F,N,R,D,S,M");
+    insta::assert_snapshot!(fail(&["check", "mixtral", "--probes", "P,Q"]), @"error: --probes: unknown probe `Q`, expected some of P,F,N,R,D,S,M,X");
     insta::assert_snapshot!(fail(&["check", "mixtral", "--seq-len", "0"]), @"error: --seq-len must be at least 1");
     insta::assert_snapshot!(fail(&["check", "no-such-router"]), @"error: unknown router `no-such-router`: not a preset (mixtral, deepseek-v3, switch, megatron-probs, megatron-position, megatron-probs-pad, deepspeed-top1, deepspeed-top2, deepspeed-topk-probs, expert-choice, aux-loss-free, causal-capacity, sinkhorn, batch-prioritized, expert-choice-tc-serve) and not a file");
 }
