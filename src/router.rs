@@ -110,6 +110,11 @@ impl ConfigRouter {
         Ok(Self { config, gate: self.gate.clone() })
     }
 
+    /// One aux-loss-free balancing step between training batches ([`RouterConfig::balance_step`]).
+    pub fn balance_step(&mut self, loads: &[crate::routing::ExpertLoad]) -> Result<()> {
+        self.config.balance_step(loads)
+    }
+
     /// The gate matrix `[experts, hidden]`.
     pub fn gate_weight(&self) -> &Tensor {
         self.gate.weight()

@@ -51,9 +51,9 @@ impl TokenDiff {
     }
 }
 
-/// The capacity in force for a token: its group's capacity.
+/// The capacity in force for a token: its own (causal capacity), else its group's.
 pub fn capacity_of(r: &Routing, t: &TokenRouting) -> Option<usize> {
-    r.scope.groups.get(t.group).and_then(|g| g.capacity)
+    t.capacity.or_else(|| r.scope.groups.get(t.group).and_then(|g| g.capacity))
 }
 
 /// Compares token `(ba, pa)` of `a` with token `(bb, pb)` of `b`.

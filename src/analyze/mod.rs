@@ -9,6 +9,7 @@ mod budget;
 mod case;
 pub mod compare;
 mod layer_check;
+pub mod numerics;
 mod probes;
 pub mod report;
 pub mod witness;
@@ -45,10 +46,12 @@ pub enum Probe {
     S,
     /// Mode: training versus inference configuration.
     M,
+    /// Numerics: routing in bf16/f16 versus f32, and low-precision accumulation (off by default).
+    X,
 }
 
 impl Probe {
-    /// All probes, in report order.
+    /// The default probes, in report order (X, numerics, is opt-in).
     pub const ALL: [Probe; 7] = [Probe::P, Probe::F, Probe::N, Probe::R, Probe::D, Probe::S, Probe::M];
 
     /// The property the probe tests.
@@ -59,7 +62,7 @@ impl Probe {
             Probe::N | Probe::R => Property::B,
             Probe::D => Property::D,
             Probe::S => Property::S,
-            Probe::M => Property::TI,
+            Probe::M | Probe::X => Property::TI,
         }
     }
 
@@ -73,6 +76,7 @@ impl Probe {
             Probe::D => "repeat",
             Probe::S => "replay",
             Probe::M => "mode",
+            Probe::X => "numerics",
         }
     }
 
@@ -88,7 +92,8 @@ impl Probe {
                 "D" => Probe::D,
                 "S" => Probe::S,
                 "M" => Probe::M,
-                _ => return Err(Error::Usage(format!("--probes: unknown probe `{item}`, expected some of P,F,N,R,D,S,M"))),
+                "X" => Probe::X,
+                _ => return Err(Error::Usage(format!("--probes: unknown probe `{item}`, expected some of P,F,N,R,D,S,M,X"))),
             };
             if !probes.contains(&probe) {
                 probes.push(probe);
@@ -218,6 +223,9 @@ pub struct Finding {
     pub note: String,
     /// A minimal pair of inputs that reproduces the leak.
     pub witness: Option<Witness>,
+    /// Probe X only: precision flips and accumulator swamping.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub numerics: Option<numerics::Numerics>,
 }
 
 /// Everything found about one router.
@@ -315,7 +323,7 @@ pub fn audit(subject: &Subject, options: &AuditOptions, tick: &mut dyn FnMut(&st
         invariants.extend(layer_check::scores_per_token(router, x, &base.logits)?);
     }
     let pure = router.concurrent() && looks_pure(router, &base, &base_routing)?;
-    let ctx = Ctx { router, base, base_routing, trials: options.trials, seed: options.seed, pure };
+    let ctx = Ctx { router, base, base_routing, trials: options.trials, seed: options.seed, pure, hidden: hidden.clone() };
     let sample = match (subject.layer, &hidden) {
         (Some(layer), Some(x)) => Some(layer_check::Sample::new(layer, x, options.seed)?),
         _ => None,
@@ -347,6 +355,7 @@ fn run_probe(ctx: &Ctx, probe: Probe) -> Result<Finding> {
         output_drift: None,
         note: String::new(),
         witness: None,
+        numerics: None,
     };
     let cases = match probe {
         Probe::P => probes::Cases::Prefix(ctx),
@@ -354,6 +363,7 @@ fn run_probe(ctx: &Ctx, probe: Probe) -> Result<Finding> {
         Probe::N => probes::Cases::Built(probes::neighbour(ctx)?),
         Probe::R => probes::Cases::Built(probes::rebatch(ctx)?),
         Probe::D | Probe::S | Probe::M => return repeat_probe(ctx, probe, finding),
+        Probe::X => return numerics::probe(ctx, finding),
     };
     let count = cases.len();
     if count == 0 {

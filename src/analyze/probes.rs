@@ -28,6 +28,8 @@ pub(crate) struct Ctx<'a> {
     pub seed: u64,
     /// Whether cases may run in parallel (see `looks_pure`).
     pub pure: bool,
+    /// The hidden states behind `base`, for a router with a score stage.
+    pub hidden: Option<candle_core::Tensor>,
 }
 
 impl Ctx<'_> {

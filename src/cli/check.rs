@@ -25,7 +25,7 @@ pub struct CheckArgs {
     #[arg(long, value_name = "WITNESS.json")]
     pub replay: Option<PathBuf>,
     /// Probes to run, comma separated: P prefix, F future, N neighbour, R re-batch, D repeat,
-    /// S replay, M mode.
+    /// S replay, M mode; X numerics (bf16/f16 routing flips, accumulator swamping) is opt-in.
     #[arg(long, default_value = "P,F,N,R,D,S,M", help_heading = "Audit")]
     pub probes: String,
     /// Sequences per call.

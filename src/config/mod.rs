@@ -44,6 +44,14 @@ pub struct RouterConfig {
     /// Multiplier on every gate after normalisation (DeepSeek-V3's `routed_scaling_factor`).
     #[serde(default = "one", skip_serializing_if = "is_one")]
     pub routed_scaling: f32,
+    /// How a token's experts are selected: plain top-k, or top-k of a Sinkhorn-balanced score
+    /// matrix over the routing group (training-time balancing; serve with `selection = "top-k"`).
+    #[serde(default, skip_serializing_if = "Selection::is_top_k")]
+    pub selection: Selection,
+    /// Aux-loss-free balancing (DeepSeek-V3): between training steps the selection bias moves by
+    /// `rate * sign(mean_load - load_e)` ([`RouterConfig::balance_step`]); never inside a forward.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bias_update_rate: Option<f32>,
     /// Capacity and token dropping; absent for a dropless router.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub capacity: Option<CapacityConfig>,
@@ -96,6 +104,24 @@ pub enum ScoreFn {
     SoftmaxPost,
     /// Sigmoid per expert, then top-k.
     Sigmoid,
+}
+
+/// Expert selection rule of a token-choice router.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Selection {
+    /// Each token's k best selection scores.
+    #[default]
+    TopK,
+    /// The k best entries of each token's row of the Sinkhorn-balanced `exp(logits)` of the group
+    /// (Megatron-LM `sinkhorn`): balanced across the group, so not causal.
+    Sinkhorn,
+}
+
+impl Selection {
+    fn is_top_k(&self) -> bool {
+        *self == Selection::TopK
+    }
 }
 
 /// Group-limited top-k: choose `top_groups` of `groups` expert groups first, then top-k inside them.
@@ -153,6 +179,10 @@ pub enum DropPolicy {
     Position,
     /// Every 1st choice outranks every 2nd choice, then token order (DeepSpeed top-2).
     ChoiceRank,
+    /// Causal capacity: the token at position t keeps an expert iff fewer than `C(t)` earlier
+    /// tokens of its sequence kept it, `C(t)` being the capacity formula for a group of t + 1
+    /// tokens (`ceil(cf*(t+1)*k/E)` with Megatron arithmetic). Needs `scope.group = "sequence"`.
+    Causal,
 }
 
 /// Capacity arithmetic, reproducing each framework's rounding.

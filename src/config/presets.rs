@@ -29,6 +29,11 @@ const PRESETS: &[Preset] = presets![
     "deepspeed-top2",
     "deepspeed-topk-probs",
     "expert-choice",
+    "aux-loss-free",
+    "causal-capacity",
+    "sinkhorn",
+    "batch-prioritized",
+    "expert-choice-tc-serve",
 ];
 
 /// All presets, in a fixed order.

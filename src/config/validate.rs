@@ -1,7 +1,7 @@
 //! Semantic checks on a parsed [`RouterConfig`]: every rule in one place, each error naming
 //! the field and the value.
 
-use super::{RouterConfig, RouterKind, ScoreFn};
+use super::{DropPolicy, RouterConfig, RouterKind, ScopeGroup, ScoreFn, Selection};
 
 type Check = Result<(), (&'static str, String)>;
 
@@ -35,6 +35,8 @@ impl RouterConfig {
                 })?;
                 ensure(self.expert_bias.is_none(), "expert_bias", || "applies to token-choice routers only".into())?;
                 ensure(self.group_limit.is_none(), "group_limit", || "applies to token-choice routers only".into())?;
+                ensure(self.selection == Selection::TopK, "selection", || "applies to token-choice routers only".into())?;
+                ensure(self.bias_update_rate.is_none(), "bias_update_rate", || "applies to token-choice routers only".into())?;
                 let cap = self.capacity.as_ref().ok_or(("capacity", "is required for an expert-choice router".to_string()))?;
                 ensure(!cap.pad && !cap.renormalize_after_drop, "capacity", || {
                     "pad and renormalize_after_drop apply to token-choice routers only".into()
@@ -63,7 +65,21 @@ impl RouterConfig {
                 format!("{} groups of {per_group} experts cannot hold top_k = {}", g.top_groups, self.k())
             })?;
         }
+        if self.selection == Selection::Sinkhorn {
+            ensure(self.expert_bias.is_none() && self.group_limit.is_none() && self.bias_update_rate.is_none(), "selection", || {
+                "sinkhorn balances the selection itself; remove expert_bias, group_limit and bias_update_rate".into()
+            })?;
+        }
+        if let Some(rate) = self.bias_update_rate {
+            ensure(rate.is_finite() && rate > 0.0, "bias_update_rate", || format!("must be finite and > 0, got {rate}"))?;
+        }
         if let Some(cap) = &self.capacity {
+            if cap.policy == DropPolicy::Causal {
+                ensure(self.scope.group == ScopeGroup::Sequence, "capacity.policy", || {
+                    format!("causal counts earlier tokens of the same sequence; needs scope.group = \"sequence\", got \"{}\"", self.scope.group)
+                })?;
+                ensure(!cap.pad, "capacity.pad", || "pad-to-capacity needs the final capacity, which a causal capacity never knows in advance".into())?;
+            }
             match (cap.factor, cap.fixed) {
                 (Some(f), None) => ensure(f.is_finite() && f > 0.0, "capacity.factor", || format!("must be finite and > 0, got {f}"))?,
                 (None, Some(_)) => {}

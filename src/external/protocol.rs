@@ -204,6 +204,7 @@ impl Response {
                 pos: i % seq_len,
                 group: 0,
                 routes: out,
+                capacity: None,
             });
         }
         if let Some(c) = &self.capacity {

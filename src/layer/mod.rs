@@ -69,6 +69,11 @@ impl MoeLayer {
         &self.router
     }
 
+    /// One aux-loss-free balancing step of the router, between training batches.
+    pub fn balance_step(&mut self, loads: &[crate::routing::ExpertLoad]) -> Result<()> {
+        self.router.balance_step(loads)
+    }
+
     /// The experts, by id.
     pub fn experts(&self) -> &[Expert] {
         &self.experts

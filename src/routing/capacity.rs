@@ -52,6 +52,8 @@ pub(crate) fn drop_routes(cap: &CapacityConfig, c: usize, choices: &[Choice], ex
             DropPolicy::Probs => desc(a.2, b.2).then(a.0.cmp(&b.0)),
             DropPolicy::Position => a.0.cmp(&b.0),
             DropPolicy::ChoiceRank => a.1.cmp(&b.1).then(a.0.cmp(&b.0)),
+            // Causal groups never reach here (see `drop_causal`); position order is its limit.
+            DropPolicy::Causal => a.0.cmp(&b.0),
         }
     };
     let mut kept: Vec<Vec<bool>> = choices.iter().map(|ch| vec![false; ch.experts.len()]).collect();
@@ -69,6 +71,27 @@ pub(crate) fn drop_routes(cap: &CapacityConfig, c: usize, choices: &[Choice], ex
         }
     }
     Dropped { kept, padding }
+}
+
+/// Causal capacity over one sequence (`choices` in position order): position t keeps a route to
+/// expert e iff fewer than `C(t)` earlier positions kept e, `C(t)` = [`capacity`] of a group of
+/// t + 1 tokens. Returns the outcome and the capacity in force at each position.
+pub(crate) fn drop_causal(cap: &CapacityConfig, choices: &[Choice], k: usize, experts: usize) -> (Dropped, Vec<usize>) {
+    let mut kept_so_far = vec![0usize; experts];
+    let mut in_force = Vec::with_capacity(choices.len());
+    let kept = choices
+        .iter()
+        .enumerate()
+        .map(|(t, choice)| {
+            let c = capacity(cap, t + 1, k, experts);
+            in_force.push(c);
+            // A token's own routes go to distinct experts, so they never compete with each other.
+            let kept: Vec<bool> = choice.experts.iter().map(|&e| kept_so_far[e] < c).collect();
+            choice.experts.iter().zip(&kept).filter(|(_, &k)| k).for_each(|(&e, _)| kept_so_far[e] += 1);
+            kept
+        })
+        .collect();
+    (Dropped { kept, padding: vec![Vec::new(); experts] }, in_force)
 }
 
 #[cfg(test)]

@@ -26,5 +26,5 @@ pub(crate) fn route_group(config: &RouterConfig, rows: &[&[f32]]) -> GroupRoutin
     for r in &mut routes {
         r.sort_by(|a, b| desc(a.weight, b.weight).then(a.expert.cmp(&b.expert)));
     }
-    GroupRouting { routes, capacity: Some(c) }
+    GroupRouting { routes, capacity: Some(c), in_force: None }
 }

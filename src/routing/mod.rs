@@ -4,11 +4,13 @@
 //! on every device. Scopes split the call into groups ([`scope`]); each group is routed by token
 //! choice or expert choice; capacity and dropping live in [`capacity`].
 
+pub mod balance;
 pub mod capacity;
 mod expert_choice;
 mod record;
 pub(crate) mod scope;
 pub(crate) mod scores;
+mod sinkhorn;
 pub(crate) mod stats;
 mod table;
 mod token_choice;
@@ -27,6 +29,8 @@ pub type Logits = ndarray::Array3<f32>;
 pub(crate) struct GroupRouting {
     pub routes: Vec<Vec<Route>>,
     pub capacity: Option<usize>,
+    /// Per token, the capacity in force when it differs from the group's (causal capacity).
+    pub in_force: Option<Vec<usize>>,
 }
 
 /// Routes a whole call: the assignment stage of every built-in router.
@@ -74,7 +78,7 @@ pub fn assign_masked(config: &RouterConfig, logits: ArrayView3<f32>, padding: Op
     let row = |i: usize| &flat[i * experts..(i + 1) * experts];
 
     let mut tokens: Vec<TokenRouting> = (0..batch * seq_len)
-        .map(|i| TokenRouting { batch: i / seq_len, pos: i % seq_len, group: 0, routes: Vec::new() })
+        .map(|i| TokenRouting { batch: i / seq_len, pos: i % seq_len, group: 0, routes: Vec::new(), capacity: None })
         .collect();
     let mut groups = Vec::new();
     for (g, mut members) in scope::groups(&config.scope, batch, seq_len).into_iter().enumerate() {
@@ -84,9 +88,10 @@ pub fn assign_masked(config: &RouterConfig, logits: ArrayView3<f32>, padding: Op
             RouterKind::TokenChoice => token_choice::route_group(config, &rows),
             RouterKind::ExpertChoice => expert_choice::route_group(config, &rows),
         };
-        for (&i, routes) in members.iter().zip(routed.routes) {
+        for (n, (&i, routes)) in members.iter().zip(routed.routes).enumerate() {
             tokens[i].group = g;
             tokens[i].routes = routes;
+            tokens[i].capacity = routed.in_force.as_ref().map(|c| c[n]);
         }
         groups.push(GroupRecord { tokens: members.len(), capacity: routed.capacity });
     }

@@ -62,6 +62,9 @@ pub struct TokenRouting {
     pub group: usize,
     /// Routes in choice order (1st choice first); padding slots last, by expert id.
     pub routes: Vec<Route>,
+    /// The capacity in force for this token when it is not its group's: causal capacity `C(t)`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity: Option<usize>,
 }
 
 /// One (token, expert) pair.

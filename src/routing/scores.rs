@@ -84,9 +84,19 @@ pub(crate) struct Choice {
 
 /// A token-choice router's selection for one token.
 pub(crate) fn choose(config: &RouterConfig, logits: &[f32]) -> Choice {
+    choose_from(config, logits, None)
+}
+
+/// [`choose`] selecting on `select` (a Sinkhorn-balanced row) instead of the affinities; the
+/// gates still come from the token's own scores.
+pub(crate) fn choose_on(config: &RouterConfig, logits: &[f32], select: &[f32]) -> Choice {
+    choose_from(config, logits, Some(select))
+}
+
+fn choose_from(config: &RouterConfig, logits: &[f32], select_on: Option<&[f32]>) -> Choice {
     let k = config.k();
     let aff = affinities(config.score, logits);
-    let mut select = Cow::Borrowed(aff.as_ref());
+    let mut select = Cow::Borrowed(select_on.unwrap_or(aff.as_ref()));
     if let Some(bias) = &config.expert_bias {
         select.to_mut().iter_mut().zip(bias).for_each(|(s, b)| *s += b);
     }

@@ -1,25 +1,35 @@
 //! Token choice: each token takes its k best experts; capacity (if any) then drops routes
 //! group-wide, and gates may be renormalised over the survivors.
 
-use super::capacity::{capacity, drop_routes};
-use super::scores::choose;
+use super::capacity::{capacity, drop_causal, drop_routes};
+use super::scores::{choose, choose_on};
+use super::sinkhorn::sinkhorn;
 use super::GroupRouting;
-use crate::config::RouterConfig;
+use crate::config::{DropPolicy, RouterConfig, Selection};
 use crate::routing::Route;
 
 /// Routes one group; `rows` are the group's logits in priority order.
 pub(crate) fn route_group(config: &RouterConfig, rows: &[&[f32]]) -> GroupRouting {
-    let choices: Vec<_> = rows.iter().map(|row| choose(config, row)).collect();
+    let choices: Vec<_> = match config.selection {
+        Selection::TopK => rows.iter().map(|row| choose(config, row)).collect(),
+        Selection::Sinkhorn => rows.iter().zip(sinkhorn(rows)).map(|(row, balanced)| choose_on(config, row, &balanced)).collect(),
+    };
     let scale = config.routed_scaling;
     let Some(cap) = &config.capacity else {
         let routes = choices
             .iter()
             .map(|ch| ch.experts.iter().zip(&ch.gates).map(|(&e, &g)| kept_route(e, g * scale)).collect())
             .collect();
-        return GroupRouting { routes, capacity: None };
+        return GroupRouting { routes, capacity: None, in_force: None };
     };
     let c = capacity(cap, rows.len(), config.k(), config.experts);
-    let dropped = drop_routes(cap, c, &choices, config.experts);
+    let (dropped, in_force) = match cap.policy {
+        DropPolicy::Causal => {
+            let (dropped, in_force) = drop_causal(cap, &choices, config.k(), config.experts);
+            (dropped, Some(in_force))
+        }
+        _ => (drop_routes(cap, c, &choices, config.experts), None),
+    };
     let mut routes: Vec<Vec<Route>> = choices
         .iter()
         .zip(&dropped.kept)
@@ -43,7 +53,7 @@ pub(crate) fn route_group(config: &RouterConfig, rows: &[&[f32]]) -> GroupRoutin
             routes[i].push(Route { expert: e, weight: 0.0, kept: true, padded: true });
         }
     }
-    GroupRouting { routes, capacity: Some(c) }
+    GroupRouting { routes, capacity: Some(c), in_force }
 }
 
 fn kept_route(expert: usize, weight: f32) -> Route {

@@ -45,7 +45,7 @@ fn toml_config(text: &str) -> RouterConfig {
 #[test]
 fn expected_verdicts_of_the_presets() {
     // Issue #3's table, then the other presets with the reason for each verdict.
-    let table: [(&str, [Verdict; 5]); 10] = [
+    let table: [(&str, [Verdict; 5]); 15] = [
         ("mixtral", [Pass, Pass, Pass, Pass, Pass]),
         ("deepseek-v3", [Pass, Pass, Pass, Pass, Pass]),
         ("switch", [Pass, Pass, Pass, Pass, Pass]),
@@ -61,6 +61,14 @@ fn expected_verdicts_of_the_presets() {
         ("deepspeed-top1", [Leak, Pass, Leak, Leak, Pass]),
         // Ranked by probability across the batch, renormalised after dropping.
         ("deepspeed-topk-probs", [Leak, Leak, Leak, Leak, Pass]),
+        // Per token with a bias that only moves between steps.
+        ("aux-loss-free", [Pass, Pass, Pass, Pass, Pass]),
+        // C(t) grows with the prefix and counts only earlier tokens of the sequence.
+        ("causal-capacity", [Pass, Pass, Pass, Pass, Pass]),
+        // Balanced over the whole batch in training.
+        ("sinkhorn", [Leak, Leak, Leak, Leak, Pass]),
+        ("batch-prioritized", [Leak, Leak, Leak, Leak, Pass]),
+        ("expert-choice-tc-serve", [Leak, Leak, Leak, Leak, Pass]),
     ];
     for (name, want) in table {
         let report = audit_preset(name, &[P, F, N, R, D]);
@@ -143,11 +151,7 @@ fn scenario_07_expert_choice_in_a_decoder() {
 fn scenario_08_batch_prioritised_routing() {
     // V-MoE BPR with k = 1: the batch is served in order of each token's top probability, which
     // for top-1 is exactly keeping each expert's largest gates over the whole batch.
-    let c = toml_config(
-        "name = \"bpr\"\nkind = \"token-choice\"\nexperts = 8\ntop_k = 1\nscore = \"softmax-pre\"\n\
-         [capacity]\nfactor = 1.0\npolicy = \"probs\"\n[scope]\nflatten = \"sequence-major\"\n",
-    );
-    assert_eq!(verdicts(&audit_config(c, &[F, N])), [Leak, Leak]);
+    assert_eq!(verdicts(&audit_preset("batch-prioritized", &[F, N])), [Leak, Leak]);
 }
 
 #[test]

@@ -80,7 +80,7 @@ fn router_with(name: &str, from: &str, to: &str) -> String {
 // Commands that work
 
 #[test]
-fn presets_lists_all_ten_with_descriptions() {
+fn presets_lists_all_with_descriptions() {
     let out = stdout(&["presets"]);
     let names: Vec<&str> = out.lines().map(|l| l.split_whitespace().next().unwrap_or("")).collect();
     // The list itself is pinned in invariants.rs (`the_preset_list_is_the_one_these_tests_cover`).
@@ -216,7 +216,7 @@ fn route_accepts_a_router_file() {
 
 #[test]
 fn unknown_preset() {
-    insta::assert_snapshot!(fail(&["route", "no-such-router"]), @"error: unknown router `no-such-router`: not a preset (mixtral, deepseek-v3, switch, megatron-probs, megatron-position, megatron-probs-pad, deepspeed-top1, deepspeed-top2, deepspeed-topk-probs, expert-choice) and not a file");
+    insta::assert_snapshot!(fail(&["route", "no-such-router"]), @"error: unknown router `no-such-router`: not a preset (mixtral, deepseek-v3, switch, megatron-probs, megatron-position, megatron-probs-pad, deepspeed-top1, deepspeed-top2, deepspeed-topk-probs, expert-choice, aux-loss-free, causal-capacity, sinkhorn, batch-prioritized, expert-choice-tc-serve) and not a file");
 }
 
 const SYNTAX_ERROR: &str = "name = \"t\"\nkind = \"token-choice\"\nexperts = \ntop_k = 2\n";
@@ -265,7 +265,7 @@ fn expert_bias_of_wrong_length() {
 #[test]
 fn unknown_drop_policy_names_the_field_path() {
     let path = router_with("fifo.toml", r#"policy = "probs""#, r#"policy = "fifo""#);
-    insta::assert_snapshot!(fail(&["route", &path]), @"error: [TMP]/fifo.toml: capacity.policy: unknown variant `fifo`, expected one of `probs`, `position`, `choice-rank` (line 9, column 10)");
+    insta::assert_snapshot!(fail(&["route", &path]), @"error: [TMP]/fifo.toml: capacity.policy: unknown variant `fifo`, expected one of `probs`, `position`, `choice-rank`, `causal` (line 9, column 10)");
 }
 
 #[test]
@@ -429,9 +429,9 @@ fn replay_of_a_file_that_is_not_a_witness() {
 
 #[test]
 fn check_rejects_bad_probes_and_sizes() {
-    insta::assert_snapshot!(fail(&["check", "mixtral", "--probes", "P,X"]), @"error: --probes: unknown probe `X`, expected some of P,F,N,R,D,S,M");
+    insta::assert_snapshot!(fail(&["check", "mixtral", "--probes", "P,Q"]), @"error: --probes: unknown probe `Q`, expected some of P,F,N,R,D,S,M,X");
     insta::assert_snapshot!(fail(&["check", "mixtral", "--seq-len", "0"]), @"error: --seq-len must be at least 1");
-    insta::assert_snapshot!(fail(&["check", "no-such-router"]), @"error: unknown router `no-such-router`: not a preset (mixtral, deepseek-v3, switch, megatron-probs, megatron-position, megatron-probs-pad, deepspeed-top1, deepspeed-top2, deepspeed-topk-probs, expert-choice) and not a file");
+    insta::assert_snapshot!(fail(&["check", "no-such-router"]), @"error: unknown router `no-such-router`: not a preset (mixtral, deepseek-v3, switch, megatron-probs, megatron-position, megatron-probs-pad, deepspeed-top1, deepspeed-top2, deepspeed-topk-probs, expert-choice, aux-loss-free, causal-capacity, sinkhorn, batch-prioritized, expert-choice-tc-serve) and not a file");
 }
 
 #[test]
@@ -443,5 +443,5 @@ fn zoo_prints_every_preset_with_verdicts_and_load() {
         assert!(text.lines().any(|l| l.starts_with(&format!("{:<22} ", p.name))), "{} missing:\n{text}", p.name);
     }
     assert!(text.contains("\nmegatron-position      LEAK  pass  LEAK  LEAK  pass  pass  n/a "), "{text}");
-    assert!(text.ends_with("7 of 10 presets leak. LEAK = the probe changed some token's routing; see `moe-audit check <preset>` for rates and witnesses.\n"), "{text}");
+    assert!(text.ends_with("10 of 15 presets leak. LEAK = the probe changed some token's routing; see `moe-audit check <preset>` for rates and witnesses.\n"), "{text}");
 }

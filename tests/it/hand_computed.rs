@@ -198,3 +198,78 @@ fn non_finite_scores_are_errors_naming_batch_position_and_expert() {
     let err = assign(&config, logits.view()).unwrap_err().to_string();
     assert_eq!(err, "non-finite score NaN at batch 1, position 2, expert 1");
 }
+
+// ---------------------------------------------------------------------------------------------
+// The load-balancing routers (issue #6)
+
+#[test]
+fn causal_capacity_grows_with_the_prefix() {
+    // E = 2, k = 1, cf 1.0: C(t) = ceil((t+1)/2) = 1, 1, 2, 2, 3. Every token wants expert 0;
+    // t keeps it iff fewer than C(t) earlier tokens kept it: kept, dropped, kept, dropped, kept.
+    let mut config = token_choice(2, 1, ScoreFn::SoftmaxPre, Some(cap(1.0, DropPolicy::Causal, Arithmetic::Megatron)));
+    config.scope = ScopeConfig { group: ScopeGroup::Sequence, flatten: Flatten::PositionMajor };
+    let rows: Vec<&[f32]> = vec![&[1.0, 0.0]; 5];
+    let r = route(&config, 1, &rows);
+    let p = 1f32.exp() / (1f32.exp() + 1.0);
+    let want = [kept(0, p), dropped(0, p), kept(0, p), dropped(0, p), kept(0, p)];
+    for (t, want) in r.tokens.iter().zip(want) {
+        assert_eq!(t.routes, [want], "position {}", t.pos);
+    }
+    assert_eq!(r.tokens.iter().map(|t| t.capacity).collect::<Vec<_>>(), [Some(1), Some(1), Some(2), Some(2), Some(3)]);
+    assert_eq!(r.scope.groups[0].capacity, Some(3), "the group's bound is the usual ceil(cf*T*k/E)");
+    // The first three positions route the same alone: nothing later was counted.
+    let prefix = route(&config, 1, &rows[..3]);
+    assert_eq!(prefix.tokens, r.tokens[..3]);
+}
+
+#[test]
+fn batch_prioritized_serves_the_most_confident_tokens_first() {
+    // 2 sequences × 2 tokens, all top-1 on expert 0, C = ceil(4*1/8*1.0) = 1: the largest
+    // probability over the batch (0.9 at (0, 1)) keeps it; the earlier 0.6 and the other
+    // sequence's 0.8 lose it, whatever their position.
+    let config = preset("batch-prioritized").unwrap().config().unwrap();
+    let row = |p: f32| {
+        let mut v = vec![-30.0f32; 8];
+        (v[0], v[1]) = (ln(p), ln(1.0 - p));
+        v
+    };
+    let rows = [row(0.6), row(0.9), row(0.8), row(0.7)];
+    let r = route(&config, 2, &rows.iter().map(Vec::as_slice).collect::<Vec<_>>());
+    let kept_of: Vec<bool> = r.tokens.iter().map(|t| t.routes[0].kept).collect();
+    assert_eq!(kept_of, [false, true, false, false]);
+    assert!(r.tokens.iter().all(|t| t.routes[0].expert == 0));
+}
+
+#[test]
+fn sinkhorn_sends_the_weaker_preference_elsewhere_and_serving_does_not() {
+    // exp(logits) = [[e², 1], [e, 1]]: the balanced 2×2 limit is [[a, ½-a], [½-a, a]] with
+    // (a / (½-a))² = e, a = √e / (2(1+√e)) ≈ 0.311: token 0 keeps expert 0, token 1 moves to 1.
+    let config = preset("sinkhorn").unwrap().config().unwrap();
+    let mut c = config.clone();
+    c.experts = 2;
+    let r = route(&c, 1, &[&[2.0, 0.0], &[1.0, 0.0]]);
+    let sigmoid = |x: f32| 1.0 / (1.0 + (-x).exp());
+    assert_eq!(r.tokens[0].routes, [kept(0, sigmoid(2.0))]);
+    assert_eq!(r.tokens[1].routes, [kept(1, sigmoid(0.0))], "the gate is the token's own score");
+    // Served with plain top-1, both take expert 0: one of two tokens routes differently (M).
+    let serve = c.inference_config().unwrap().unwrap();
+    let s = route(&serve, 1, &[&[2.0, 0.0], &[1.0, 0.0]]);
+    assert_eq!((s.tokens[0].routes[0].expert, s.tokens[1].routes[0].expert), (0, 0));
+}
+
+#[test]
+fn aux_loss_free_bias_moves_against_the_load_and_only_selects() {
+    // E = 2, k = 1, sigmoid: logits [1.0, 0.95] send all 3 tokens to expert 0. Loads [3, 0], mean
+    // 1.5: one step at rate 0.01 gives bias [-0.01, +0.01]; σ(1) - 0.01 ≈ 0.7211 < σ(0.95) + 0.01
+    // ≈ 0.7311, so expert 1 now wins, at its unbiased gate σ(0.95).
+    let mut c = preset("aux-loss-free").unwrap().config().unwrap();
+    (c.experts, c.top_k, c.expert_bias) = (2, Some(1), None);
+    let rows: Vec<&[f32]> = vec![&[1.0, 0.95]; 3];
+    let before = route(&c, 1, &rows);
+    assert!(before.tokens.iter().all(|t| t.routes[0].expert == 0));
+    c.balance_step(&before.experts_load).unwrap();
+    assert_eq!(c.expert_bias, Some(vec![-0.01, 0.01]));
+    let after = route(&c, 1, &rows);
+    let sigmoid = |x: f32| 1.0 / (1.0 + (-x).exp());
+    assert!(after.tokens.iter().all(|t| t.routes == [kept(1, sigmoid(0.95))]), "{:?}", after.tokens);
+}

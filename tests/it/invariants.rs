@@ -14,7 +14,7 @@
 
 use moe_audit::config::{
     preset, presets, Arithmetic, CapacityConfig, DropPolicy, Flatten, GroupLimit, RouterConfig, RouterKind, ScopeConfig,
-    ScopeGroup, ScoreFn,
+    ScopeGroup, ScoreFn, Selection,
 };
 use moe_audit::routing::capacity::capacity;
 use moe_audit::{assign, Routing};
@@ -124,9 +124,44 @@ struct Choice {
     gates: Vec<f32>,
 }
 
-fn reference_choice(c: &RouterConfig, row: &[f32]) -> Choice {
+/// Sinkhorn balancing of one group (Megatron-LM `sinkhorn`, written out from its definition):
+/// alternately scale rows and columns of `exp(logits - max)` to mass 1/T and 1/E, in f64.
+fn reference_sinkhorn(rows: &[Vec<f32>]) -> Vec<Vec<f32>> {
+    let (t, e) = (rows.len(), rows[0].len());
+    let max = rows.iter().flatten().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let cost: Vec<Vec<f64>> = rows.iter().map(|r| r.iter().map(|&v| (f64::from(v) - f64::from(max)).exp()).collect()).collect();
+    let (mut rs, mut cs) = (vec![1.0f64; t], vec![1.0f64; e]);
+    for _ in 0..200 {
+        rs = cost.iter().map(|r| 1.0 / (t as f64 * (r.iter().zip(&cs).map(|(c, b)| c * b).sum::<f64>() + 1e-8))).collect();
+        let next: Vec<f64> = (0..e).map(|j| 1.0 / (e as f64 * ((0..t).map(|i| cost[i][j] * rs[i]).sum::<f64>() + 1e-8))).collect();
+        let change: f64 = next.iter().zip(&cs).map(|(n, o)| (n - o).abs() / n.abs().max(1e-8)).sum::<f64>() / e as f64;
+        cs = next;
+        if change < 1e-4 {
+            break;
+        }
+    }
+    (0..t).map(|i| (0..e).map(|j| (cost[i][j] * rs[i] * cs[j]) as f32).collect()).collect()
+}
+
+/// Each token's choice; Sinkhorn selection balances over the token's routing group.
+fn reference_choices(c: &RouterConfig, x: &Array3<f32>) -> Vec<Choice> {
+    let (b, s, _) = x.dim();
+    if c.selection == Selection::TopK {
+        return (0..b * s).map(|i| reference_choice(c, &row(x, i), None)).collect();
+    }
+    let mut out: Vec<Option<Choice>> = (0..b * s).map(|_| None).collect();
+    for members in reference_groups(&c.scope, b, s) {
+        let rows: Vec<Vec<f32>> = members.iter().map(|&i| row(x, i)).collect();
+        for ((&i, r), balanced) in members.iter().zip(&rows).zip(reference_sinkhorn(&rows)) {
+            out[i] = Some(reference_choice(c, r, Some(balanced)));
+        }
+    }
+    out.into_iter().map(|c| c.expect("every token is in a group")).collect()
+}
+
+fn reference_choice(c: &RouterConfig, row: &[f32], select_on: Option<Vec<f32>>) -> Choice {
     let aff = affinity(c.score, row);
-    let mut select = aff.clone();
+    let mut select = select_on.unwrap_or_else(|| aff.clone());
     if let Some(bias) = &c.expert_bias {
         select.iter_mut().zip(bias).for_each(|(s, b)| *s += b);
     }
@@ -308,7 +343,7 @@ fn check_token_choice(c: &RouterConfig, x: &Array3<f32>, r: &Routing, extreme: b
     let (b, s, e) = x.dim();
     let k = c.k();
     let scale = c.routed_scaling;
-    let choices: Vec<Choice> = (0..b * s).map(|i| reference_choice(c, &row(x, i))).collect();
+    let choices = reference_choices(c, x);
     let renorm = c.capacity.as_ref().is_some_and(|cap| cap.renormalize_after_drop);
 
     for (i, t) in r.tokens.iter().enumerate() {
@@ -365,6 +400,9 @@ fn check_dropping(
     r: &Routing,
 ) -> Check {
     let renorm = cap.renormalize_after_drop;
+    if cap.policy == DropPolicy::Causal {
+        return check_causal(c, cap, members, r);
+    }
     for e in 0..c.experts {
         // (priority index in group, choice rank, pre-drop gate, kept)
         let mut routes: Vec<(usize, usize, f32, bool)> = Vec::new();
@@ -391,6 +429,7 @@ fn check_dropping(
             DropPolicy::Probs => desc(a.2, b.2).then(a.0.cmp(&b.0)),
             DropPolicy::Position => a.0.cmp(&b.0),
             DropPolicy::ChoiceRank => a.1.cmp(&b.1).then(a.0.cmp(&b.0)),
+            DropPolicy::Causal => unreachable!("checked by check_causal"),
         });
         let keep = cap_g.min(order.len());
         for (n, route) in order.iter().enumerate() {
@@ -422,7 +461,7 @@ fn check_dropping(
                     prop_assert!(routes.iter().all(|r| r.1 > 0 || r.3), "choice-rank: a 2nd choice kept while a 1st choice dropped");
                 }
             }
-            DropPolicy::Probs => {}
+            DropPolicy::Probs | DropPolicy::Causal => {}
         }
 
         let slots = cap_g.min(members.len());
@@ -439,6 +478,23 @@ fn check_dropping(
         } else {
             prop_assert!(padded.is_empty(), "padding without pad = true");
         }
+    }
+    Ok(())
+}
+
+/// Causal capacity in one sequence: position p keeps expert e iff fewer than C(p) = capacity of a
+/// (p + 1)-token group of earlier positions kept e; C(p) is the capacity recorded for the token.
+fn check_causal(c: &RouterConfig, cap: &CapacityConfig, members: &[usize], r: &Routing) -> Check {
+    let mut kept_before = vec![0usize; c.experts];
+    for (p, &i) in members.iter().enumerate() {
+        let t = &r.tokens[i];
+        let limit = capacity(cap, p + 1, c.k(), c.experts);
+        prop_assert_eq!(t.capacity, Some(limit), "token ({}, {}): capacity in force", t.batch, t.pos);
+        for route in &t.routes {
+            prop_assert!(!route.padded, "causal capacity never pads");
+            prop_assert_eq!(route.kept, kept_before[route.expert] < limit, "token ({}, {}) expert {}: {} earlier kept, C = {}", t.batch, t.pos, route.expert, kept_before[route.expert], limit);
+        }
+        t.routes.iter().filter(|x| x.kept).for_each(|x| kept_before[x.expert] += 1);
     }
     Ok(())
 }
@@ -501,6 +557,11 @@ preset_props! {
     preset_deepspeed_top2: "deepspeed-top2", 64;
     preset_deepspeed_topk_probs: "deepspeed-topk-probs", 64;
     preset_expert_choice: "expert-choice", 64;
+    preset_aux_loss_free: "aux-loss-free", 64;
+    preset_causal_capacity: "causal-capacity", 64;
+    preset_sinkhorn: "sinkhorn", 64;
+    preset_batch_prioritized: "batch-prioritized", 64;
+    preset_expert_choice_tc_serve: "expert-choice-tc-serve", 64;
 }
 
 #[test]
@@ -518,7 +579,12 @@ fn the_preset_list_is_the_one_these_tests_cover() {
             "deepspeed-top1",
             "deepspeed-top2",
             "deepspeed-topk-probs",
-            "expert-choice"
+            "expert-choice",
+            "aux-loss-free",
+            "causal-capacity",
+            "sinkhorn",
+            "batch-prioritized",
+            "expert-choice-tc-serve"
         ],
         "a preset was added or removed: add it to preset_props!"
     );
@@ -571,6 +637,19 @@ fn modified_configs() -> Vec<RouterConfig> {
     ] {
         out.push(small(name, 4));
     }
+    for name in ["causal-capacity", "batch-prioritized"] {
+        out.push(small(name, 4));
+    }
+    let mut c = small("causal-capacity", 4);
+    c.name += "-k1-cf0.5-renorm";
+    c.top_k = Some(1);
+    let cap = c.capacity.as_mut().unwrap();
+    (cap.factor, cap.renormalize_after_drop) = (Some(0.5), true);
+    out.push(c);
+    let mut c = small("sinkhorn", 4);
+    c.name += "-k2-softmax-per-sequence";
+    (c.top_k, c.score, c.scope.group) = (Some(2), ScoreFn::SoftmaxPre, ScopeGroup::Sequence);
+    out.push(c);
     let mut switch = small("switch", 4);
     switch.capacity.as_mut().unwrap().fixed = Some(2);
     out.push(switch);

@@ -8,5 +8,6 @@ mod hand_computed;
 mod invariants;
 mod layer;
 mod limits;
+mod routers;
 mod snapshots;
 mod user_snapshot;
