@@ -11,6 +11,7 @@ pub mod cli;
 pub mod config;
 pub mod error;
 pub mod layer;
+pub mod parallel;
 pub mod router;
 pub mod routing;
 

@@ -6,6 +6,7 @@ use crate::analyze::{audit, AuditOptions, Probe, Report, RouterReport, Subject, 
 use crate::config::{presets, RouterConfig};
 use crate::error::{Error, Result};
 use crate::layer::MoeLayer;
+use crate::parallel::{split_batch, Communicator, OnComm};
 use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -52,6 +53,24 @@ pub struct CheckArgs {
     /// Write one witness file per leak here (`<router>-<probe>.json`).
     #[arg(long, value_name = "DIR", help_heading = "Output")]
     pub witness_dir: Option<PathBuf>,
+    /// Expert-parallel ranks of the layout probe (L), which runs the layer on them [default: 2;
+    /// with --comm mpi, the MPI world size].
+    #[arg(long, help_heading = "Parallel")]
+    pub ranks: Option<usize>,
+    /// How the ranks communicate: threads of this process, or MPI, one rank per process under
+    /// `mpirun -np R` (rank 0 prints the report; needs a build with `--features mpi`).
+    #[arg(long, value_enum, default_value_t = CommKind::InProcess, help_heading = "Parallel")]
+    pub comm: CommKind,
+}
+
+/// Communicators of `check --comm`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum CommKind {
+    /// In-process ranks (threads).
+    #[value(name = "inproc")]
+    InProcess,
+    /// MPI ranks (one per process).
+    Mpi,
 }
 
 /// Report formats of `check`.
@@ -72,12 +91,17 @@ impl CheckArgs {
                 return Err(Error::Usage(format!("{flag} must be at least 1")));
             }
         }
-        Ok(AuditOptions { probes: Probe::parse_list(&self.probes)?, batch: self.batch, seq_len: self.seq_len, trials: self.trials, seed: self.seed })
+        let ranks = self.ranks.unwrap_or(2);
+        if self.ranks.is_some() && (ranks == 0 || self.batch % ranks != 0) {
+            return Err(Error::Usage(format!("--ranks {ranks}: the batch of {} sequences must split evenly over the ranks", self.batch)));
+        }
+        Ok(AuditOptions { probes: Probe::parse_list(&self.probes)?, batch: self.batch, seq_len: self.seq_len, trials: self.trials, seed: self.seed, ranks })
     }
 }
 
-/// Audits each config with a seeded layer, with a progress bar on a terminal.
-pub(crate) fn audit_all(configs: Vec<RouterConfig>, options: &AuditOptions, hidden: usize, ffn: usize) -> Result<Report> {
+/// Audits each config with a seeded layer, with a progress bar on a terminal. With `comm`, the
+/// layout probe runs the layer expert-parallel over it (every rank audits alike).
+pub(crate) fn audit_all(configs: Vec<RouterConfig>, options: &AuditOptions, hidden: usize, ffn: usize, comm: Option<&dyn Communicator>) -> Result<Report> {
     let bar = if std::io::stderr().is_terminal() {
         ProgressBar::with_draw_target(Some((configs.len() * options.probes.len()) as u64), ProgressDrawTarget::stderr())
     } else {
@@ -91,7 +115,14 @@ pub(crate) fn audit_all(configs: Vec<RouterConfig>, options: &AuditOptions, hidd
             bar.set_message(msg.to_string());
             bar.inc(1);
         };
-        routers.push(audit(&Subject::layer(&layer), options, &mut tick)?);
+        let report = match comm {
+            Some(comm) => {
+                let on_comm = OnComm::new(&layer, comm);
+                audit(&Subject { router: layer.router(), layer: Some(&on_comm) }, options, &mut tick)?
+            }
+            None => audit(&Subject::layer(&layer), options, &mut tick)?,
+        };
+        routers.push(report);
     }
     bar.finish_and_clear();
     Ok(Report { options: options.clone(), routers })
@@ -106,9 +137,41 @@ pub(super) fn run(args: &CheckArgs, out: &mut dyn Write) -> Result<u8> {
     if let Some(path) = &args.replay {
         return replay(path, out);
     }
-    let options = args.options()?;
+    match args.comm {
+        CommKind::InProcess => audit_and_report(args, out, None),
+        CommKind::Mpi => run_mpi(args, out),
+    }
+}
+
+/// Every MPI rank audits alike (the layout probe's layer run is collective); rank 0 reports. A
+/// failing rank aborts every rank with its error and exit code 2.
+#[cfg(feature = "mpi")]
+fn run_mpi(args: &CheckArgs, out: &mut dyn Write) -> Result<u8> {
+    let comm = crate::parallel::mpi::MpiComm::init()?;
+    let size = comm.size();
+    let result = match args.ranks {
+        Some(r) if r != size => Err(Error::Usage(format!("--ranks {r} differs from the MPI world size {size} (mpirun -np)"))),
+        _ => audit_and_report(args, out, Some(&comm)),
+    };
+    result.or_else(|e| comm.abort(&e))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn run_mpi(_: &CheckArgs, _: &mut dyn Write) -> Result<u8> {
+    Err(Error::Usage("--comm mpi: this moe-audit was built without MPI (cargo build --features mpi)".into()))
+}
+
+fn audit_and_report(args: &CheckArgs, out: &mut dyn Write, comm: Option<&dyn Communicator>) -> Result<u8> {
+    let mut options = args.options()?;
+    if let Some(comm) = comm {
+        options.ranks = comm.size();
+        split_batch(options.batch, comm.size())?;
+    }
     let configs = args.routers.iter().map(|r| RouterConfig::load(r)).collect::<Result<Vec<_>>>()?;
-    let report = audit_all(configs, &options, args.hidden, args.ffn)?;
+    let report = audit_all(configs, &options, args.hidden, args.ffn, comm)?;
+    if comm.is_some_and(|c| c.rank() != 0) {
+        return Ok(u8::from(report.leaks()));
+    }
     if let Some(dir) = &args.witness_dir {
         std::fs::create_dir_all(dir).map_err(|e| Error::input(dir, format!("cannot create: {e}")))?;
         for r in &report.routers {
@@ -170,7 +233,7 @@ pub struct ZooArgs {
 pub(super) fn zoo(args: &ZooArgs, out: &mut dyn Write) -> Result<u8> {
     let options = AuditOptions { seed: args.seed, ..AuditOptions::default() };
     let configs = presets().iter().map(|p| p.config()).collect::<Result<Vec<_>>>()?;
-    let report = audit_all(configs, &options, 64, 128)?;
+    let report = audit_all(configs, &options, 64, 128, None)?;
     let mut text = render_zoo(&report.routers, &options.probes);
     let leaking = report.routers.iter().filter(|r| r.findings.iter().any(|f| f.verdict == Verdict::Leak)).count();
     text.push_str(&format!(

@@ -8,7 +8,7 @@ use crate::error::Result;
 use clap::{Parser, Subcommand};
 use std::io::Write;
 
-pub use check::{verdicts, CheckArgs, ZooArgs};
+pub use check::{verdicts, CheckArgs, CommKind, ZooArgs};
 pub use route::RouteArgs;
 
 /// Audit Mixture-of-Experts routers for train/inference causality leaks.

@@ -9,7 +9,7 @@ mod expert_choice;
 mod record;
 pub(crate) mod scope;
 pub(crate) mod scores;
-mod stats;
+pub(crate) mod stats;
 mod table;
 mod token_choice;
 

@@ -5,4 +5,5 @@ mod cli;
 mod hand_computed;
 mod invariants;
 mod layer;
+mod parallel;
 mod snapshots;
