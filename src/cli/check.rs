@@ -158,7 +158,12 @@ fn run_mpi(args: &CheckArgs, out: &mut dyn Write) -> Result<u8> {
 
 #[cfg(not(feature = "mpi"))]
 fn run_mpi(_: &CheckArgs, _: &mut dyn Write) -> Result<u8> {
-    Err(Error::Usage("--comm mpi: this moe-audit was built without MPI (cargo build --features mpi)".into()))
+    Err(no_mpi())
+}
+
+#[cfg(not(feature = "mpi"))]
+pub(super) fn no_mpi() -> Error {
+    Error::Usage("--comm mpi: this moe-audit was built without MPI (cargo build --features mpi)".into())
 }
 
 fn audit_and_report(args: &CheckArgs, out: &mut dyn Write, comm: Option<&dyn Communicator>) -> Result<u8> {

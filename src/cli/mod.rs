@@ -1,6 +1,7 @@
 //! The command line: clap structs (dumb), one function per command, output formats.
 
 mod check;
+mod ep;
 mod route;
 
 use crate::config::presets;
@@ -9,6 +10,7 @@ use clap::{Parser, Subcommand};
 use std::io::Write;
 
 pub use check::{verdicts, CheckArgs, CommKind, ZooArgs};
+pub use ep::{EpArgs, EpFormat};
 pub use route::RouteArgs;
 
 /// Audit Mixture-of-Experts routers for train/inference causality leaks.
@@ -31,6 +33,9 @@ pub enum Command {
     Check(CheckArgs),
     /// Audit every preset at default sizes and print the verdicts beside load balance.
     Zoo(ZooArgs),
+    /// Run a seeded layer expert-parallel once: per-rank traffic against the all-to-all formula,
+    /// and the output against the single-device layer.
+    Ep(EpArgs),
 }
 
 /// Runs a parsed command, writing its output to `out`. Returns the process exit code.
@@ -46,6 +51,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<u8> {
         Command::Route(args) => route::run(&args, out),
         Command::Check(args) => check::run(&args, out),
         Command::Zoo(args) => check::zoo(&args, out),
+        Command::Ep(args) => ep::run(&args, out),
     }
 }
 

@@ -10,7 +10,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 /// Rank, world size and the collectives of an expert-parallel exchange. Every rank must call
 /// the same collectives in the same order.
-pub trait Communicator: Sync {
+pub trait Communicator {
     /// This rank, `0..size`.
     fn rank(&self) -> usize;
     /// Number of ranks.

@@ -194,7 +194,12 @@ impl<'a> ExpertParallel<'a> {
     pub fn forward_gathered(&self, comm: &dyn Communicator, x: &Tensor) -> Result<Gathered> {
         let (b, s, h) = x.dims3()?;
         let per_rank = split_batch(b, comm.size())?;
-        let out = self.forward(comm, &x.narrow(0, comm.rank() * per_rank, per_rank)?)?;
+        let first = comm.rank() * per_rank;
+        // Errors name the sequence in the whole batch, not in the rank's block.
+        let out = self.forward(comm, &x.narrow(0, first, per_rank)?).map_err(|e| match e {
+            Error::NonFiniteScore { batch, pos, expert, value } => Error::NonFiniteScore { batch: batch + first, pos, expert, value },
+            e => e,
+        })?;
         let mine = RankResult { y: out.y.flatten_all()?.to_vec1()?, routing: out.routing, logits: out.logits, traffic: out.traffic };
         let all = comm.all_gather_bytes(serde_json::to_vec(&mine).expect("a rank result always serialises"))?;
         let parts = (all.iter().enumerate())

@@ -7,7 +7,7 @@ use super::comm::{check_counts, check_rows, Communicator};
 use crate::error::{Error, Result};
 use mpi::datatype::{Partition, PartitionMut};
 use mpi::topology::SimpleCommunicator;
-use mpi::traits::*;
+use mpi::traits::{Communicator as _, CommunicatorCollectives as _};
 use mpi::Count;
 
 /// The MPI world as a [`Communicator`]. Dropping it finalises MPI.

@@ -5,5 +5,7 @@ mod cli;
 mod hand_computed;
 mod invariants;
 mod layer;
+#[cfg(feature = "mpi")]
+mod mpi;
 mod parallel;
 mod snapshots;

@@ -163,3 +163,27 @@ fn layout_probe_verdicts() {
     assert!(layout("megatron-position", 2).note.contains("flattening"));
     assert_eq!(layout("mixtral", 3).verdict, Verdict::Pass, "3 ranks do not split 4 sequences: flattening only");
 }
+
+fn cli(args: &[&str]) -> (Option<i32>, String, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_moe-audit")).args(args).output().unwrap();
+    (out.status.code(), String::from_utf8(out.stdout).unwrap(), String::from_utf8(out.stderr).unwrap())
+}
+
+#[test]
+fn cli_ranks_and_comm() {
+    let (code, out, _) = cli(&["check", "megatron-probs", "--probes", "L", "--ranks", "4", "--seq-len", "32"]);
+    assert_eq!(code, Some(1), "{out}");
+    let (code, _, err) = cli(&["check", "mixtral", "--ranks", "3"]);
+    assert_eq!((code, err.as_str()), (Some(2), "error: --ranks 3: the batch of 4 sequences must split evenly over the ranks\n"));
+    let (code, _, err) = cli(&["ep", "mixtral", "--ranks", "3", "--batch", "3"]);
+    assert_eq!((code, err.as_str()), (Some(2), "error: rank 0 failed: 8 experts do not split evenly over 3 ranks\n"));
+    let (code, out, _) = cli(&["ep", "megatron-probs", "--ranks", "4", "--seq-len", "64"]);
+    assert_eq!(code, Some(0));
+    assert!(out.starts_with("router megatron-probs | 4 ranks | batch 4 x seq 64, hidden 64 | 8 experts, 2 per rank\n"), "{out}");
+    assert!(out.contains("equal to the single-device layer on the ranks' routing, bit for bit: yes"), "{out}");
+    #[cfg(not(feature = "mpi"))]
+    {
+        let (code, _, err) = cli(&["check", "mixtral", "--comm", "mpi"]);
+        assert_eq!((code, err.as_str()), (Some(2), "error: --comm mpi: this moe-audit was built without MPI (cargo build --features mpi)\n"));
+    }
+}
