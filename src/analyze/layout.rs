@@ -83,7 +83,8 @@ pub(super) fn probe(ctx: &Ctx, plan: &Plan) -> Result<Finding> {
     } else if let (true, Some((layer, x))) = (split, plan.layer) {
         if let Some(ep) = layer.forward_parallel(x, r)? {
             let (y, routing) = layer.forward(x)?;
-            let (leaks, drift) = compare_outputs(&y, &routing, &ep.y, &ep.routing, &(0..b).map(Some).collect::<Vec<_>>(), &vec![s; b], false)?;
+            let (leaks, drift) =
+                compare_outputs(&y, &routing, &ep.y, &ep.routing, &(0..b).map(Some).collect::<Vec<_>>(), &vec![s; b], false)?;
             finding.output_leaks += leaks;
             finding.output_drift = drift;
             if leaks > 0 {

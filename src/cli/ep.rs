@@ -132,7 +132,9 @@ fn on_ranks<T: Send>(kind: CommKind, ranks: Option<usize>, work: impl Fn(&dyn Co
         CommKind::Mpi => {
             let comm = crate::parallel::mpi::MpiComm::init()?;
             let result = match ranks {
-                Some(r) if r != comm.size() => Err(Error::Usage(format!("--ranks {r} differs from the MPI world size {} (mpirun -np)", comm.size()))),
+                Some(r) if r != comm.size() => {
+                    Err(Error::Usage(format!("--ranks {r} differs from the MPI world size {} (mpirun -np)", comm.size())))
+                }
                 _ => work(&comm),
             };
             let value = result.unwrap_or_else(|e| comm.abort(&e));
@@ -145,7 +147,10 @@ fn on_ranks<T: Send>(kind: CommKind, ranks: Option<usize>, work: impl Fn(&dyn Co
 
 fn checksum(y: &Tensor) -> Result<u64> {
     let bits = y.flatten_all()?.to_vec1::<f32>()?;
-    Ok(bits.iter().flat_map(|v| v.to_bits().to_le_bytes()).fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)))
+    Ok(bits
+        .iter()
+        .flat_map(|v| v.to_bits().to_le_bytes())
+        .fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)))
 }
 
 fn render(r: &EpReport) -> String {

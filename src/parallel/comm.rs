@@ -149,7 +149,9 @@ impl Communicator for InProcess {
         for m in got {
             match m {
                 Message::Counts(c) if c.len() == per_rank => out.extend(c),
-                Message::Counts(c) => return Err(Error::shape("count exchange", format!("a rank sent {} counts, expected {per_rank}", c.len()))),
+                Message::Counts(c) => {
+                    return Err(Error::shape("count exchange", format!("a rank sent {} counts, expected {per_rank}", c.len())))
+                }
                 _ => return Err(mismatch("a count exchange")),
             }
         }
@@ -168,7 +170,10 @@ impl Communicator for InProcess {
         for (src, m) in got.into_iter().enumerate() {
             let Message::Rows(data, start, len) = m else { return Err(mismatch("a row all-to-all")) };
             if len != recv_rows[src] * width {
-                return Err(Error::shape("all-to-all", format!("rank {src} sent {} rows, {} expected", len / width.max(1), recv_rows[src])));
+                return Err(Error::shape(
+                    "all-to-all",
+                    format!("rank {src} sent {} rows, {} expected", len / width.max(1), recv_rows[src]),
+                ));
             }
             out.extend_from_slice(&data[start..start + len]);
         }

@@ -203,7 +203,10 @@ impl<'a> ExpertParallel<'a> {
         let mine = RankResult { y: out.y.flatten_all()?.to_vec1()?, routing: out.routing, logits: out.logits, traffic: out.traffic };
         let all = comm.all_gather_bytes(serde_json::to_vec(&mine).expect("a rank result always serialises"))?;
         let parts = (all.iter().enumerate())
-            .map(|(r, bytes)| serde_json::from_slice::<RankResult>(bytes).map_err(|e| Error::shape("gather", format!("rank {r} sent an unreadable result: {e}"))))
+            .map(|(r, bytes)| {
+                serde_json::from_slice::<RankResult>(bytes)
+                    .map_err(|e| Error::shape("gather", format!("rank {r} sent an unreadable result: {e}")))
+            })
             .collect::<Result<Vec<_>>>()?;
         let y: Vec<f32> = parts.iter().flat_map(|p| p.y.iter().copied()).collect();
         let traffic = parts.iter().map(|p| p.traffic).collect();

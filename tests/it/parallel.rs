@@ -37,7 +37,16 @@ fn bits(t: &Tensor) -> Vec<u32> {
 #[test]
 fn expert_parallel_equals_single_device_bit_for_bit() {
     let x = input();
-    let presets = ["mixtral", "deepseek-v3", "switch", "megatron-probs", "megatron-probs-pad", "deepspeed-top2", "deepspeed-topk-probs", "expert-choice"];
+    let presets = [
+        "mixtral",
+        "deepseek-v3",
+        "switch",
+        "megatron-probs",
+        "megatron-probs-pad",
+        "deepspeed-top2",
+        "deepspeed-topk-probs",
+        "expert-choice",
+    ];
     for ranks in [1, 2, 4] {
         let per_rank = ScopeConfig { group: ScopeGroup::Tokens(B / ranks * S), flatten: Flatten::SequenceMajor };
         let per_sequence = ScopeConfig { group: ScopeGroup::Sequence, flatten: Flatten::PositionMajor };
@@ -184,6 +193,9 @@ fn cli_ranks_and_comm() {
     #[cfg(not(feature = "mpi"))]
     {
         let (code, _, err) = cli(&["check", "mixtral", "--comm", "mpi"]);
-        assert_eq!((code, err.as_str()), (Some(2), "error: --comm mpi: this moe-audit was built without MPI (cargo build --features mpi)\n"));
+        assert_eq!(
+            (code, err.as_str()),
+            (Some(2), "error: --comm mpi: this moe-audit was built without MPI (cargo build --features mpi)\n")
+        );
     }
 }
