@@ -51,7 +51,7 @@ pub(super) fn probe(ctx: &Ctx, plan: &Plan) -> Result<Finding> {
                 first_leak = pick_witness_token(&outcome).map(|hit| (case, hit));
             }
         }
-        notes.push(format!("{r} ranks, {per} sequences each"));
+        notes.push(format!("{r} ranks of {per} {}", if per == 1 { "sequence" } else { "sequences" }));
     }
     if let Some(flipped) = ctx.router.config().and_then(flipped_flatten) {
         let base = &ctx.base;

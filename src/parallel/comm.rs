@@ -82,9 +82,13 @@ impl Shared {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Records a rank's own failure. Of ranks failing alike (bad input every rank sees), the
+    /// lowest is kept, so the error reported does not depend on thread timing.
     fn fail(&self, rank: usize, message: String) {
         let mut state = self.lock();
-        state.failure.get_or_insert((rank, message));
+        if state.failure.as_ref().is_none_or(|(r, _)| rank < *r) {
+            state.failure = Some((rank, message));
+        }
         self.wake.notify_all();
     }
 }
@@ -215,12 +219,10 @@ pub fn run_ranks<T: Send>(size: usize, work: impl Fn(&InProcess) -> Result<T> + 
                 let work = &work;
                 scope.spawn(move || match catch_unwind(AssertUnwindSafe(|| work(&comm))) {
                     Ok(Ok(value)) => Some(value),
+                    // A peer's failure, already recorded.
+                    Ok(Err(Error::Rank { .. })) => None,
                     Ok(Err(e)) => {
-                        let message = match e {
-                            Error::Rank { message, .. } => message,
-                            e => e.to_string(),
-                        };
-                        comm.shared.fail(rank, message);
+                        comm.shared.fail(rank, e.to_string());
                         None
                     }
                     Err(_) => {
@@ -275,6 +277,15 @@ mod tests {
         assert_eq!(err.to_string(), "rank 2 failed: bad shape");
         let err = run_ranks(2, |c| if c.rank() == 1 { panic!("boom") } else { c.barrier() }).unwrap_err();
         assert_eq!(err.to_string(), "rank 1 failed: panicked");
+    }
+
+    #[test]
+    fn ranks_failing_alike_report_the_lowest() {
+        for _ in 0..20 {
+            let err = run_ranks(4, |c| if c.rank() >= 1 { Err::<(), _>(Error::Usage(format!("bad {}", c.rank()))) } else { c.barrier() })
+                .unwrap_err();
+            assert_eq!(err.to_string(), "rank 1 failed: bad 1");
+        }
     }
 
     #[test]
