@@ -67,6 +67,8 @@ struct State {
     mail: Vec<Vec<Option<Message>>>,
     /// The first failure: (rank, message).
     failure: Option<(usize, String)>,
+    /// Ranks whose work returned: a collective waiting for one of them fails instead of hanging.
+    finished: Vec<bool>,
 }
 
 /// The mailbox the in-process ranks share.
@@ -114,6 +116,9 @@ impl InProcess {
                 if let Some(f) = &state.failure {
                     return Err(failed(f));
                 }
+                if state.finished[dst] {
+                    return Err(gone(dst));
+                }
                 state = shared.wake.wait(state).unwrap_or_else(|e| e.into_inner());
             }
             state.mail[dst][self.rank] = Some(make(dst));
@@ -123,6 +128,9 @@ impl InProcess {
             if let Some(f) = &state.failure {
                 return Err(failed(f));
             }
+            if let Some(src) = (0..shared.size).find(|&src| state.mail[self.rank][src].is_none() && state.finished[src]) {
+                return Err(gone(src));
+            }
             if state.mail[self.rank].iter().all(Option::is_some) {
                 let got = state.mail[self.rank].iter_mut().map(|m| m.take().expect("all present")).collect();
                 shared.wake.notify_all();
@@ -131,6 +139,10 @@ impl InProcess {
             state = shared.wake.wait(state).unwrap_or_else(|e| e.into_inner());
         }
     }
+}
+
+fn gone(rank: usize) -> Error {
+    Error::shape("in-process all-to-all", format!("rank {rank} returned while another rank waits for it in a collective"))
 }
 
 fn mismatch(what: &str) -> Error {
@@ -209,7 +221,11 @@ pub fn run_ranks<T: Send>(size: usize, work: impl Fn(&InProcess) -> Result<T> + 
     }
     let shared = Arc::new(Shared {
         size,
-        state: Mutex::new(State { mail: (0..size).map(|_| (0..size).map(|_| None).collect()).collect(), failure: None }),
+        state: Mutex::new(State {
+            mail: (0..size).map(|_| (0..size).map(|_| None).collect()).collect(),
+            failure: None,
+            finished: vec![false; size],
+        }),
         wake: Condvar::new(),
     });
     let results: Vec<Option<T>> = std::thread::scope(|scope| {
@@ -218,7 +234,12 @@ pub fn run_ranks<T: Send>(size: usize, work: impl Fn(&InProcess) -> Result<T> + 
                 let comm = InProcess { rank, shared: Arc::clone(&shared) };
                 let work = &work;
                 scope.spawn(move || match catch_unwind(AssertUnwindSafe(|| work(&comm))) {
-                    Ok(Ok(value)) => Some(value),
+                    Ok(Ok(value)) => {
+                        let mut state = comm.shared.lock();
+                        state.finished[rank] = true;
+                        comm.shared.wake.notify_all();
+                        Some(value)
+                    }
                     // A peer's failure, already recorded.
                     Ok(Err(Error::Rank { .. })) => None,
                     Ok(Err(e)) => {
@@ -286,6 +307,12 @@ mod tests {
                 .unwrap_err();
             assert_eq!(err.to_string(), "rank 1 failed: bad 1");
         }
+    }
+
+    #[test]
+    fn a_rank_that_returns_early_does_not_hang_the_others() {
+        let err = run_ranks(3, |c| if c.rank() == 1 { Ok(()) } else { c.barrier() }).unwrap_err();
+        assert!(err.to_string().ends_with("rank 1 returned while another rank waits for it in a collective"), "{err}");
     }
 
     #[test]
