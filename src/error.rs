@@ -57,6 +57,14 @@ pub enum Error {
     /// A command-line value that cannot be used.
     #[error("{0}")]
     Usage(String),
+    /// An expert-parallel rank failed; every rank stops with this error.
+    #[error("rank {rank} failed: {message}")]
+    Rank {
+        /// The rank that failed first.
+        rank: usize,
+        /// Its error.
+        message: String,
+    },
     /// A failure inside candle (device, dtype, kernel).
     #[error("candle: {0}")]
     Candle(#[from] candle_core::Error),

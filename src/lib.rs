@@ -13,6 +13,7 @@ pub mod error;
 pub mod external;
 pub mod layer;
 pub mod memory;
+pub mod parallel;
 pub mod router;
 pub mod routing;
 mod snapshot;

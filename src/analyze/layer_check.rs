@@ -69,7 +69,7 @@ impl<'a> Sample<'a> {
     /// Runs the layer on the sample changed as `probe` prescribes and folds the result into
     /// `finding`.
     pub(super) fn check(&self, probe: Probe, finding: &mut Finding) -> Result<()> {
-        if finding.verdict == Verdict::NotApplicable || probe == Probe::M || probe == Probe::X {
+        if finding.verdict == Verdict::NotApplicable || matches!(probe, Probe::M | Probe::L | Probe::X) {
             return Ok(());
         }
         let x = &self.x;
@@ -102,7 +102,7 @@ impl<'a> Sample<'a> {
                 }
                 (x.clone(), all(), vec![s; b])
             }
-            Probe::M | Probe::X => unreachable!("returned above"),
+            Probe::M | Probe::L | Probe::X => unreachable!("returned above"),
         };
         let (yb, rb) = self.layer.forward(&xb.contiguous()?)?;
         let exact = probe == Probe::D || probe == Probe::S;
@@ -118,7 +118,7 @@ impl<'a> Sample<'a> {
 
 /// Tokens with identical routing must have equal outputs: bit for bit when `exact`, else within
 /// the f32 tolerance. Returns (tokens over tolerance, largest relative difference within it).
-fn compare_outputs(
+pub(super) fn compare_outputs(
     ya: &Tensor,
     ra: &Routing,
     yb: &Tensor,

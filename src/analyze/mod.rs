@@ -9,6 +9,7 @@ mod budget;
 mod case;
 pub mod compare;
 mod layer_check;
+mod layout;
 pub mod numerics;
 mod probes;
 pub mod report;
@@ -46,13 +47,15 @@ pub enum Probe {
     S,
     /// Mode: training versus inference configuration.
     M,
+    /// Layout: 1 versus R expert-parallel ranks, [S,B] versus [B,S] flattening.
+    L,
     /// Numerics: routing in bf16/f16 versus f32, and low-precision accumulation (off by default).
     X,
 }
 
 impl Probe {
     /// The default probes, in report order (X, numerics, is opt-in).
-    pub const ALL: [Probe; 7] = [Probe::P, Probe::F, Probe::N, Probe::R, Probe::D, Probe::S, Probe::M];
+    pub const ALL: [Probe; 8] = [Probe::P, Probe::F, Probe::N, Probe::R, Probe::D, Probe::S, Probe::M, Probe::L];
 
     /// The property the probe tests.
     pub fn property(self) -> Property {
@@ -63,6 +66,7 @@ impl Probe {
             Probe::D => Property::D,
             Probe::S => Property::S,
             Probe::M | Probe::X => Property::TI,
+            Probe::L => Property::L,
         }
     }
 
@@ -76,6 +80,7 @@ impl Probe {
             Probe::D => "repeat",
             Probe::S => "replay",
             Probe::M => "mode",
+            Probe::L => "layout",
             Probe::X => "numerics",
         }
     }
@@ -92,8 +97,9 @@ impl Probe {
                 "D" => Probe::D,
                 "S" => Probe::S,
                 "M" => Probe::M,
+                "L" => Probe::L,
                 "X" => Probe::X,
-                _ => return Err(Error::Usage(format!("--probes: unknown probe `{item}`, expected some of P,F,N,R,D,S,M,X"))),
+                _ => return Err(Error::Usage(format!("--probes: unknown probe `{item}`, expected some of P,F,N,R,D,S,M,L,X"))),
             };
             if !probes.contains(&probe) {
                 probes.push(probe);
@@ -174,11 +180,18 @@ pub struct AuditOptions {
     pub trials: usize,
     /// Seed of every random choice.
     pub seed: u64,
+    /// Expert-parallel ranks the layout probe (L) compares with one.
+    #[serde(default = "default_ranks")]
+    pub ranks: usize,
+}
+
+fn default_ranks() -> usize {
+    2
 }
 
 impl Default for AuditOptions {
     fn default() -> Self {
-        AuditOptions { probes: Probe::ALL.to_vec(), batch: 4, seq_len: 128, trials: 32, seed: 0 }
+        AuditOptions { probes: Probe::ALL.to_vec(), batch: 4, seq_len: 128, trials: 32, seed: 0, ranks: default_ranks() }
     }
 }
 
@@ -228,6 +241,28 @@ pub struct Finding {
     pub numerics: Option<numerics::Numerics>,
 }
 
+impl Finding {
+    /// A passing finding of `probe` with nothing compared yet.
+    fn empty(probe: Probe) -> Finding {
+        Finding {
+            probe,
+            verdict: Verdict::Pass,
+            property: probe.property(),
+            compared: 0,
+            affected: 0,
+            rate: 0.0,
+            capacity_changed: false,
+            first_position: None,
+            influence: Vec::new(),
+            output_leaks: 0,
+            output_drift: None,
+            note: String::new(),
+            witness: None,
+            numerics: None,
+        }
+    }
+}
+
 /// Everything found about one router.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RouterReport {
@@ -275,11 +310,25 @@ pub trait Layer {
     /// # Shapes
     /// `x`: `[batch, seq_len, hidden]` → `[batch, seq_len, hidden]`.
     fn forward(&self, x: &Tensor) -> Result<(Tensor, Routing)>;
+
+    /// The layer expert-parallel on `ranks` ranks, each routing its own block of sequences,
+    /// gathered; `None` for a layer that cannot run expert-parallel.
+    ///
+    /// # Shapes
+    /// `x`: `[batch, seq_len, hidden]`, `batch` divisible by `ranks`.
+    fn forward_parallel(&self, x: &Tensor, ranks: usize) -> Result<Option<crate::parallel::Gathered>> {
+        let _ = (x, ranks);
+        Ok(None)
+    }
 }
 
 impl Layer for MoeLayer {
     fn forward(&self, x: &Tensor) -> Result<(Tensor, Routing)> {
         MoeLayer::forward(self, x)
+    }
+
+    fn forward_parallel(&self, x: &Tensor, ranks: usize) -> Result<Option<crate::parallel::Gathered>> {
+        crate::parallel::forward_in_process(self, x, ranks).map(Some)
     }
 }
 
@@ -323,6 +372,7 @@ pub fn audit(subject: &Subject, options: &AuditOptions, tick: &mut dyn FnMut(&st
         invariants.extend(layer_check::scores_per_token(router, x, &base.logits)?);
     }
     let pure = router.concurrent() && looks_pure(router, &base, &base_routing)?;
+    let layout = layout::Plan { ranks: options.ranks, layer: subject.layer.zip(hidden.as_ref()) };
     let ctx = Ctx { router, base, base_routing, trials: options.trials, seed: options.seed, pure, hidden: hidden.clone() };
     let sample = match (subject.layer, &hidden) {
         (Some(layer), Some(x)) => Some(layer_check::Sample::new(layer, x, options.seed)?),
@@ -331,7 +381,7 @@ pub fn audit(subject: &Subject, options: &AuditOptions, tick: &mut dyn FnMut(&st
     let mut findings = Vec::new();
     for &probe in &options.probes {
         tick(&format!("{} {}", router.name(), probe.name()));
-        let mut finding = run_probe(&ctx, probe)?;
+        let mut finding = if probe == Probe::L { layout::probe(&ctx, &layout)? } else { run_probe(&ctx, probe)? };
         if let Some(sample) = &sample {
             sample.check(probe, &mut finding)?;
         }
@@ -341,22 +391,7 @@ pub fn audit(subject: &Subject, options: &AuditOptions, tick: &mut dyn FnMut(&st
 }
 
 fn run_probe(ctx: &Ctx, probe: Probe) -> Result<Finding> {
-    let mut finding = Finding {
-        probe,
-        verdict: Verdict::Pass,
-        property: probe.property(),
-        compared: 0,
-        affected: 0,
-        rate: 0.0,
-        capacity_changed: false,
-        first_position: None,
-        influence: Vec::new(),
-        output_leaks: 0,
-        output_drift: None,
-        note: String::new(),
-        witness: None,
-        numerics: None,
-    };
+    let mut finding = Finding::empty(probe);
     let cases = match probe {
         Probe::P => probes::Cases::Prefix(ctx),
         Probe::F => probes::Cases::Built(probes::future(ctx)?),
@@ -364,6 +399,7 @@ fn run_probe(ctx: &Ctx, probe: Probe) -> Result<Finding> {
         Probe::R => probes::Cases::Built(probes::rebatch(ctx)?),
         Probe::D | Probe::S | Probe::M => return repeat_probe(ctx, probe, finding),
         Probe::X => return numerics::probe(ctx, finding),
+        Probe::L => unreachable!("the layout probe runs in layout.rs"),
     };
     let count = cases.len();
     if count == 0 {

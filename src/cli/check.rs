@@ -9,6 +9,7 @@ use crate::error::{Error, Result};
 use crate::layer::MoeLayer;
 use crate::memory;
 use bytesize::ByteSize;
+use crate::parallel::{split_batch, Communicator, OnComm};
 use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -25,8 +26,9 @@ pub struct CheckArgs {
     #[arg(long, value_name = "WITNESS.json")]
     pub replay: Option<PathBuf>,
     /// Probes to run, comma separated: P prefix, F future, N neighbour, R re-batch, D repeat,
-    /// S replay, M mode; X numerics (bf16/f16 routing flips, accumulator swamping) is opt-in.
-    #[arg(long, default_value = "P,F,N,R,D,S,M", help_heading = "Audit")]
+    /// S replay, M mode, L layout; X numerics (bf16/f16 routing flips, accumulator swamping) is
+    /// opt-in.
+    #[arg(long, default_value = "P,F,N,R,D,S,M,L", help_heading = "Audit")]
     pub probes: String,
     /// Sequences per call.
     #[arg(long, default_value_t = 4, help_heading = "Audit")]
@@ -65,6 +67,24 @@ pub struct CheckArgs {
     /// Routers outside moe-audit.
     #[command(flatten)]
     pub external: ExternalArgs,
+    /// Expert-parallel ranks of the layout probe (L), which runs the layer on them [default: 2;
+    /// with --comm mpi, the MPI world size].
+    #[arg(long, help_heading = "Parallel")]
+    pub ranks: Option<usize>,
+    /// How the ranks communicate: threads of this process, or MPI, one rank per process under
+    /// `mpirun -np R` (rank 0 prints the report; needs a build with `--features mpi`).
+    #[arg(long, value_enum, default_value_t = CommKind::InProcess, help_heading = "Parallel")]
+    pub comm: CommKind,
+}
+
+/// Communicators of `check --comm`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum CommKind {
+    /// In-process ranks (threads).
+    #[value(name = "inproc")]
+    InProcess,
+    /// MPI ranks (one per process).
+    Mpi,
 }
 
 /// Report formats of `check`.
@@ -87,13 +107,18 @@ impl CheckArgs {
                 return Err(Error::Usage(format!("{flag} must be at least 1")));
             }
         }
-        Ok(AuditOptions { probes: Probe::parse_list(&self.probes)?, batch: self.batch, seq_len: self.seq_len, trials: self.trials, seed: self.seed })
+        let ranks = self.ranks.unwrap_or(2);
+        if self.ranks.is_some() && (ranks == 0 || self.batch % ranks != 0) {
+            return Err(Error::Usage(format!("--ranks {ranks}: the batch of {} sequences must split evenly over the ranks", self.batch)));
+        }
+        Ok(AuditOptions { probes: Probe::parse_list(&self.probes)?, batch: self.batch, seq_len: self.seq_len, trials: self.trials, seed: self.seed, ranks })
     }
 }
 
 /// Audits each config with a seeded layer, with a progress bar on a terminal; fails before
-/// allocating anything when an audit is estimated to need more than `max_memory` bytes.
-pub(crate) fn audit_all(configs: Vec<RouterConfig>, options: &AuditOptions, hidden: usize, ffn: usize, max_memory: u64) -> Result<Report> {
+/// allocating anything when an audit is estimated to need more than `max_memory` bytes. With
+/// `comm`, the layout probe runs the layer expert-parallel over it (every rank audits alike).
+pub(crate) fn audit_all(configs: Vec<RouterConfig>, options: &AuditOptions, hidden: usize, ffn: usize, max_memory: u64, comm: Option<&dyn Communicator>) -> Result<Report> {
     for config in &configs {
         let estimate = options.memory_estimate(config.experts, config.k(), hidden, ffn);
         memory::ensure_fits(&format!("the audit of `{}`", config.name), estimate, max_memory)?;
@@ -111,7 +136,14 @@ pub(crate) fn audit_all(configs: Vec<RouterConfig>, options: &AuditOptions, hidd
             bar.set_message(msg.to_string());
             bar.inc(1);
         };
-        routers.push(audit(&Subject::layer(&layer), options, &mut tick)?);
+        let report = match comm {
+            Some(comm) => {
+                let on_comm = OnComm::new(&layer, comm);
+                audit(&Subject { router: layer.router(), layer: Some(&on_comm) }, options, &mut tick)?
+            }
+            None => audit(&Subject::layer(&layer), options, &mut tick)?,
+        };
+        routers.push(report);
     }
     bar.finish_and_clear();
     Ok(Report { options: options.clone(), routers })
@@ -126,10 +158,51 @@ pub(super) fn run(args: &CheckArgs, out: &mut dyn Write) -> Result<u8> {
     if let Some(path) = &args.replay {
         return replay(path, out);
     }
-    let options = args.external.options(args.options()?)?;
+    match args.comm {
+        CommKind::InProcess => audit_and_report(args, out, None),
+        CommKind::Mpi => run_mpi(args, out),
+    }
+}
+
+/// Every MPI rank audits alike (the layout probe's layer run is collective); rank 0 reports. A
+/// failing rank aborts every rank with its error and exit code 2.
+#[cfg(feature = "mpi")]
+fn run_mpi(args: &CheckArgs, out: &mut dyn Write) -> Result<u8> {
+    let comm = crate::parallel::mpi::MpiComm::init()?;
+    let size = comm.size();
+    let result = match args.ranks {
+        Some(r) if r != size => Err(Error::Usage(format!("--ranks {r} differs from the MPI world size {size} (mpirun -np)"))),
+        _ => audit_and_report(args, out, Some(&comm)),
+    };
+    result.or_else(|e| comm.abort(&e))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn run_mpi(_: &CheckArgs, _: &mut dyn Write) -> Result<u8> {
+    Err(no_mpi())
+}
+
+#[cfg(not(feature = "mpi"))]
+pub(super) fn no_mpi() -> Error {
+    Error::Usage("--comm mpi: this moe-audit was built without MPI (cargo build --features mpi)".into())
+}
+
+fn audit_and_report(args: &CheckArgs, out: &mut dyn Write, comm: Option<&dyn Communicator>) -> Result<u8> {
+    let mut options = args.external.options(args.options()?)?;
+    if let Some(comm) = comm {
+        options.ranks = comm.size();
+        split_batch(options.batch, comm.size())?;
+    }
     let configs = args.routers.iter().map(|r| RouterConfig::load(r)).collect::<Result<Vec<_>>>()?;
-    let mut report = if args.external.real_gate() { Report { options: options.clone(), routers: Vec::new() } } else { audit_all(configs.clone(), &options, args.hidden, args.ffn, memory::limit(args.max_memory))? };
+    let mut report = if args.external.real_gate() {
+        Report { options: options.clone(), routers: Vec::new() }
+    } else {
+        audit_all(configs.clone(), &options, args.hidden, args.ffn, memory::limit(args.max_memory), comm)?
+    };
     report.routers.extend(args.external.audit(configs, &options)?);
+    if comm.is_some_and(|c| c.rank() != 0) {
+        return Ok(u8::from(report.leaks()));
+    }
     if let Some(dir) = &args.witness_dir {
         std::fs::create_dir_all(dir).map_err(|e| Error::input(dir, format!("cannot create: {e}")))?;
         for r in &report.routers {
@@ -195,7 +268,7 @@ pub struct ZooArgs {
 pub(super) fn zoo(args: &ZooArgs, out: &mut dyn Write) -> Result<u8> {
     let options = AuditOptions { seed: args.seed, ..AuditOptions::default() };
     let configs = presets().iter().map(|p| p.config()).collect::<Result<Vec<_>>>()?;
-    let report = audit_all(configs, &options, 64, 128, memory::limit(None))?;
+    let report = audit_all(configs, &options, 64, 128, memory::limit(None), None)?;
     let mut text = render_zoo(&report.routers, &options.probes);
     let leaking = report.routers.iter().filter(|r| r.findings.iter().any(|f| f.verdict == Verdict::Leak)).count();
     text.push_str(&format!(
@@ -209,4 +282,17 @@ pub(super) fn zoo(args: &ZooArgs, out: &mut dyn Write) -> Result<u8> {
 /// Verdicts of one audited router, for tests and tools.
 pub fn verdicts(r: &RouterReport) -> Vec<(Probe, Verdict)> {
     r.findings.iter().map(|f| (f.probe, f.verdict)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[test]
+    fn the_default_probes_are_probe_all() {
+        let cli = crate::cli::Cli::parse_from(["moe-audit", "check", "mixtral"]);
+        let crate::cli::Command::Check(args) = cli.command else { panic!("not check") };
+        assert_eq!(Probe::parse_list(&args.probes).unwrap(), Probe::ALL.to_vec());
+    }
 }

@@ -185,7 +185,7 @@ pub struct PlanArgs {
     #[arg(long)]
     pub hidden_size: Option<usize>,
     /// Probes to plan, comma separated.
-    #[arg(long, default_value = "P,F,N,R,D,S,M")]
+    #[arg(long, default_value = "P,F,N,R,D,S,M,L")]
     pub probes: String,
     /// Sequences per call.
     #[arg(long, default_value_t = 4)]
@@ -234,6 +234,7 @@ pub(super) fn run_plan(args: &PlanArgs, out: &mut dyn Write) -> Result<u8> {
         seq_len: args.seq_len,
         trials: args.trials,
         seed: args.seed,
+        ..AuditOptions::default()
     };
     let calls = plan(&router, &options, &args.output)?;
     writeln!(

@@ -3,6 +3,7 @@
 mod check;
 mod ci;
 mod external;
+mod ep;
 mod route;
 
 use crate::config::presets;
@@ -10,7 +11,8 @@ use crate::error::Result;
 use clap::{Parser, Subcommand};
 use std::io::Write;
 
-pub use check::{verdicts, CheckArgs, ZooArgs};
+pub use check::{verdicts, CheckArgs, CommKind, ZooArgs};
+pub use ep::{EpArgs, EpFormat};
 pub use external::{ExternalArgs, PlanArgs};
 pub use route::RouteArgs;
 
@@ -36,6 +38,9 @@ pub enum Command {
     Zoo(ZooArgs),
     /// Write the inputs of an audit for a router that cannot run as a subprocess (trace files).
     Plan(PlanArgs),
+    /// Run a seeded layer expert-parallel once: per-rank traffic against the all-to-all formula,
+    /// and the output against the single-device layer.
+    Ep(EpArgs),
 }
 
 /// Runs a parsed command, writing its output to `out`. Returns the process exit code.
@@ -52,6 +57,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<u8> {
         Command::Check(args) => check::run(&args, out),
         Command::Zoo(args) => check::zoo(&args, out),
         Command::Plan(args) => external::run_plan(&args, out),
+        Command::Ep(args) => ep::run(&args, out),
     }
 }
 

@@ -57,7 +57,7 @@ pub enum RouteFormat {
 pub(super) fn run(args: &RouteArgs, out: &mut dyn Write) -> Result<u8> {
     let config = RouterConfig::load(&args.router)?;
     let routing = match &args.logits {
-        Some(path) => assign(&config, read_logits(path, args.batch, args.seq_len, config.experts)?.view())?,
+        Some(path) => assign(&config, read_logits(path, args.batch, args.seq_len, config.experts, &format!("the router has {} experts", config.experts))?.view())?,
         None => {
             let seq_len = args.seq_len.unwrap_or(8);
             for (flag, v) in [("--batch", args.batch), ("--seq-len", seq_len), ("--hidden", args.hidden), ("--ffn", args.ffn)] {
@@ -83,8 +83,9 @@ pub(super) fn run(args: &RouteArgs, out: &mut dyn Write) -> Result<u8> {
     Ok(0)
 }
 
-/// Reads a logits file: a JSON array of rows, each `experts` numbers.
-pub(crate) fn read_logits(path: &Path, batch: usize, seq_len: Option<usize>, experts: usize) -> Result<Logits> {
+/// Reads a logits file: a JSON array of rows, each `experts` numbers (`expected` says why, for
+/// errors). Hidden states are read the same way.
+pub(crate) fn read_logits(path: &Path, batch: usize, seq_len: Option<usize>, experts: usize, expected: &str) -> Result<Logits> {
     let text = std::fs::read_to_string(path).map_err(|e| Error::input(path, format!("cannot read: {e}")))?;
     // Read as f64 and narrow: a value beyond f32 becomes inf, which routing rejects naming the
     // batch, position and expert (more useful than a parse error).
@@ -101,7 +102,7 @@ pub(crate) fn read_logits(path: &Path, batch: usize, seq_len: Option<usize>, exp
         return Err(Error::input(path, format!("{} rows at --batch {batch} give seq_len {s}, not --seq-len {want}", rows.len())));
     }
     if let Some((i, row)) = rows.iter().enumerate().find(|(_, r)| r.len() != experts) {
-        return Err(Error::input(path, format!("row {i} has {} values, the router has {experts} experts", row.len())));
+        return Err(Error::input(path, format!("row {i} has {} values, {expected}", row.len())));
     }
     let flat = rows.iter().flatten().map(|&v| v as f32).collect();
     Ok(Logits::from_shape_vec((batch, s, experts), flat).expect("rows checked"))

@@ -376,7 +376,7 @@ fn check_json_is_the_report_and_byte_identical_across_runs() {
     assert_eq!(check(&args).1, first, "same command, same bytes");
     let report: moe_audit::analyze::Report = serde_json::from_str(&first).unwrap();
     assert_eq!(report.routers[0].router, "expert-choice");
-    assert_eq!(report.routers[0].findings.len(), 7);
+    assert_eq!(report.routers[0].findings.len(), 8);
 }
 
 #[test]
@@ -429,7 +429,7 @@ fn replay_of_a_file_that_is_not_a_witness() {
 
 #[test]
 fn check_rejects_bad_probes_and_sizes() {
-    insta::assert_snapshot!(fail(&["check", "mixtral", "--probes", "P,Q"]), @"error: --probes: unknown probe `Q`, expected some of P,F,N,R,D,S,M,X");
+    insta::assert_snapshot!(fail(&["check", "mixtral", "--probes", "P,Q"]), @"error: --probes: unknown probe `Q`, expected some of P,F,N,R,D,S,M,L,X");
     insta::assert_snapshot!(fail(&["check", "mixtral", "--seq-len", "0"]), @"error: --seq-len must be at least 1");
     insta::assert_snapshot!(fail(&["check", "no-such-router"]), @"error: unknown router `no-such-router`: not a preset (mixtral, deepseek-v3, switch, megatron-probs, megatron-position, megatron-probs-pad, deepspeed-top1, deepspeed-top2, deepspeed-topk-probs, expert-choice, aux-loss-free, causal-capacity, sinkhorn, batch-prioritized, expert-choice-tc-serve) and not a file");
 }
@@ -438,10 +438,10 @@ fn check_rejects_bad_probes_and_sizes() {
 fn zoo_prints_every_preset_with_verdicts_and_load() {
     let (code, text) = check(&["zoo"]);
     assert_eq!(code, 0, "{text}");
-    assert!(text.starts_with("router                 P     F     N     R     D     S     M     max/mean   drop\n"), "{text}");
+    assert!(text.starts_with("router                 P     F     N     R     D     S     M     L     max/mean   drop\n"), "{text}");
     for p in moe_audit::config::presets() {
         assert!(text.lines().any(|l| l.starts_with(&format!("{:<22} ", p.name))), "{} missing:\n{text}", p.name);
     }
-    assert!(text.contains("\nmegatron-position      LEAK  pass  LEAK  LEAK  pass  pass  n/a "), "{text}");
+    assert!(text.contains("\nmegatron-position      LEAK  pass  LEAK  LEAK  pass  pass  n/a   LEAK "), "{text}");
     assert!(text.ends_with("10 of 15 presets leak. LEAK = the probe changed some token's routing; see `moe-audit check <preset>` for rates and witnesses.\n"), "{text}");
 }

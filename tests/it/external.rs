@@ -91,7 +91,7 @@ fn verdicts(report: &Report) -> Vec<(Probe, Verdict)> {
         .collect()
 }
 
-const MEGATRON_VERDICTS: [(Probe, Verdict); 7] = [
+const MEGATRON_VERDICTS: [(Probe, Verdict); 8] = [
     (Probe::P, Verdict::Leak),
     (Probe::F, Verdict::Leak),
     (Probe::N, Verdict::Leak),
@@ -99,6 +99,8 @@ const MEGATRON_VERDICTS: [(Probe, Verdict); 7] = [
     (Probe::D, Verdict::Pass),
     (Probe::S, Verdict::Pass),
     (Probe::M, Verdict::Pass),
+    // Per-rank capacity: each rank's tokens compete for a smaller capacity of their own.
+    (Probe::L, Verdict::Leak),
 ];
 
 #[test]

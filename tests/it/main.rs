@@ -9,5 +9,8 @@ mod invariants;
 mod layer;
 mod limits;
 mod routers;
+#[cfg(feature = "mpi")]
+mod mpi;
+mod parallel;
 mod snapshots;
 mod user_snapshot;

@@ -1,0 +1,125 @@
+//! The layout probe (L): the same batch under 1 versus R expert-parallel ranks (each rank routes
+//! its own block of sequences, as Megatron-LM and DeepSpeed do), and under [S,B] versus [B,S]
+//! flattening. Capacity computed per rank makes a token's routing depend on which tokens share
+//! its rank (DOMAIN.md §6, scenario 10). With a layer, the layer itself runs expert-parallel on
+//! R ranks and its outputs are checked against the single-device layer.
+
+use super::case::Case;
+use super::layer_check::compare_outputs;
+use super::probes::Ctx;
+use super::{pick_witness_token, witness, Finding, Layer, Probe, Tally, Verdict};
+use crate::config::{Flatten, RouterConfig, ScopeGroup};
+use crate::error::Result;
+use crate::parallel::RankTraffic;
+use crate::routing::assign_masked;
+use candle_core::Tensor;
+use std::sync::Arc;
+
+/// What the layout probe runs on besides the router.
+pub(super) struct Plan<'a> {
+    /// Ranks compared with one.
+    pub ranks: usize,
+    /// The layer and the audit's hidden states, when a layer is audited.
+    pub layer: Option<(&'a dyn Layer, &'a Tensor)>,
+}
+
+/// Runs L: one case per rank (its sequences routed alone versus within the whole batch), one
+/// case with the flattening order flipped, and the expert-parallel layer run.
+pub(super) fn probe(ctx: &Ctx, plan: &Plan) -> Result<Finding> {
+    let mut finding = Finding::empty(Probe::L);
+    let (b, s) = ctx.base.dims();
+    let r = plan.ranks;
+    let split = r >= 2 && b % r == 0;
+    let mut notes = Vec::new();
+    let mut tally = Tally::default();
+    let mut first_leak = None;
+    if split {
+        let per = b / r;
+        for rank in 0..r {
+            let seqs: Vec<usize> = (rank * per..(rank + 1) * per).collect();
+            let case = Case {
+                a: Arc::clone(&ctx.base),
+                b: ctx.base.select(&seqs),
+                seq_map: (0..b).map(|i| seqs.contains(&i).then(|| i - rank * per)).collect(),
+                offset: 0,
+                compare: (0..b).map(|i| if seqs.contains(&i) { s } else { 0 }).collect(),
+                change_from: vec![None; b],
+            };
+            let outcome = case.compare(&ctx.base_routing, &case.b.route(ctx.router)?);
+            tally.merge(&Tally::of(&outcome));
+            if first_leak.is_none() {
+                first_leak = pick_witness_token(&outcome).map(|hit| (case, hit));
+            }
+        }
+        notes.push(format!("{r} ranks of {per} {}", if per == 1 { "sequence" } else { "sequences" }));
+    }
+    if let Some(flipped) = ctx.router.config().and_then(flipped_flatten) {
+        let base = &ctx.base;
+        let routing = assign_masked(&flipped, base.logits.view(), base.padding.as_ref().map(|m| m.view()))?;
+        let same = Case {
+            a: Arc::clone(base),
+            b: base.as_ref().clone(),
+            seq_map: (0..b).map(Some).collect(),
+            offset: 0,
+            compare: vec![s; b],
+            change_from: vec![None; b],
+        };
+        let outcome = same.compare(&ctx.base_routing, &routing);
+        let affected = Tally::of(&outcome).affected;
+        tally.merge(&Tally::of(&outcome));
+        notes.push(format!("[S,B] vs [B,S] flattening: {affected} tokens differ"));
+    }
+    if notes.is_empty() {
+        finding.verdict = Verdict::NotApplicable;
+        finding.note = format!("needs a batch divisible by {r} ranks (2 or more), or a router config whose scope is not per sequence");
+        return Ok(finding);
+    }
+    tally.finish(&mut finding);
+    if let Some((case, hit)) = first_leak {
+        finding.witness = witness::build(ctx.router, Probe::L, &case, (hit.batch, hit.pos))?;
+    }
+    if split && ctx.router.experts() % r != 0 {
+        notes.push(format!("layer not run expert-parallel: {} experts do not split over {r} ranks", ctx.router.experts()));
+    } else if let (true, Some((layer, x))) = (split, plan.layer) {
+        if let Some(ep) = layer.forward_parallel(x, r)? {
+            let (y, routing) = layer.forward(x)?;
+            let (leaks, drift) =
+                compare_outputs(&y, &routing, &ep.y, &ep.routing, &(0..b).map(Some).collect::<Vec<_>>(), &vec![s; b], false)?;
+            finding.output_leaks += leaks;
+            finding.output_drift = drift;
+            if leaks > 0 {
+                finding.verdict = Verdict::Leak;
+            }
+            notes.push(traffic_note(&ep.traffic));
+        }
+    }
+    finding.note = notes.join("; ");
+    Ok(finding)
+}
+
+/// The router's config with the other flattening order, when the order can matter (a scope
+/// per sequence flattens each sequence alike either way).
+fn flipped_flatten(config: &RouterConfig) -> Option<RouterConfig> {
+    if config.scope.group == ScopeGroup::Sequence {
+        return None;
+    }
+    let mut flipped = config.clone();
+    flipped.scope.flatten = match config.scope.flatten {
+        Flatten::PositionMajor => Flatten::SequenceMajor,
+        Flatten::SequenceMajor => Flatten::PositionMajor,
+    };
+    Some(flipped)
+}
+
+/// The dispatch traffic of the expert-parallel run against DOMAIN.md §5's uniform formula.
+fn traffic_note(traffic: &[RankTraffic]) -> String {
+    let sent: usize = traffic.iter().map(|t| t.dispatch.bytes_sent).sum();
+    let payload: usize = traffic.iter().map(|t| t.payload_bytes).sum();
+    let uniform: f64 = traffic.iter().map(|t| t.uniform_bytes_sent).sum();
+    let n = traffic.len();
+    format!(
+        "expert-parallel layer on {n} ranks: dispatch sent {sent} of {payload} bytes off-rank ({:.1}%; uniform routing (N-1)/N = {:.1}%)",
+        100.0 * sent as f64 / payload.max(1) as f64,
+        100.0 * uniform / payload.max(1) as f64
+    )
+}

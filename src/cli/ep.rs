@@ -1,0 +1,190 @@
+//! `moe-audit ep`: one expert-parallel forward of a seeded layer, with each rank's traffic
+//! beside DOMAIN.md §5's formula and the output checked against the single-device layer.
+
+use super::check::CommKind;
+use super::io_error;
+use super::route::read_logits;
+use crate::config::RouterConfig;
+use crate::error::{Error, Result};
+use crate::layer::{MoeLayer, Seeded};
+use crate::parallel::{run_ranks, split_batch, Communicator, ExpertParallel, RankTraffic};
+use crate::router::Router;
+use candle_core::{DType, Device, Tensor};
+use clap::{Args, ValueEnum};
+use serde::Serialize;
+use std::io::Write;
+use std::path::PathBuf;
+
+/// Arguments of `moe-audit ep`.
+#[derive(Debug, Args)]
+pub struct EpArgs {
+    /// Preset name or router TOML file.
+    pub router: String,
+    /// Ranks (in-process; with --comm mpi, the MPI world size) [default: 2].
+    #[arg(long)]
+    pub ranks: Option<usize>,
+    /// How the ranks communicate (mpi: run under `mpirun -np R`; rank 0 prints).
+    #[arg(long, value_enum, default_value_t = CommKind::InProcess)]
+    pub comm: CommKind,
+    /// Sequences (split evenly over the ranks).
+    #[arg(long, default_value_t = 4)]
+    pub batch: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 128)]
+    pub seq_len: usize,
+    /// Hidden size of the seeded layer.
+    #[arg(long, default_value_t = 64)]
+    pub hidden: usize,
+    /// Expert FFN size of the seeded layer.
+    #[arg(long, default_value_t = 128)]
+    pub ffn: usize,
+    /// Seed of the layer and the input.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Hidden states instead of seeded ones: a JSON array of batch*seq_len rows of `hidden`
+    /// numbers, sequence-major (--batch splits them into sequences).
+    #[arg(long, value_name = "FILE")]
+    pub input: Option<PathBuf>,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = EpFormat::Text)]
+    pub format: EpFormat,
+}
+
+/// Output formats of `ep`.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum EpFormat {
+    /// A table per rank.
+    Text,
+    /// The whole result.
+    Json,
+}
+
+/// What `ep` reports (the JSON contract).
+#[derive(Debug, Serialize)]
+struct EpReport {
+    router: String,
+    ranks: usize,
+    batch: usize,
+    seq_len: usize,
+    hidden: usize,
+    experts: usize,
+    /// FNV-1a 64 of the output's f32 bits, sequence-major: equal outputs, equal checksums.
+    output_checksum: String,
+    /// The output equals the single-device layer's on the ranks' routing, bit for bit.
+    equals_single_device: bool,
+    /// Tokens whose routing differs from the single-device layer's on the whole batch (per-rank
+    /// routing scope: 0 unless capacity or expert choice depends on which tokens share a rank).
+    tokens_routed_differently: usize,
+    traffic: Vec<RankTraffic>,
+}
+
+pub(super) fn run(args: &EpArgs, out: &mut dyn Write) -> Result<u8> {
+    for (flag, v) in [("--batch", args.batch), ("--seq-len", args.seq_len), ("--hidden", args.hidden), ("--ffn", args.ffn)] {
+        if v == 0 {
+            return Err(Error::Usage(format!("{flag} must be at least 1")));
+        }
+    }
+    let config = RouterConfig::load(&args.router)?;
+    let layer = MoeLayer::seeded(config, args.hidden, args.ffn, args.seed, DType::F32, &Device::Cpu)?;
+    let x = match &args.input {
+        Some(path) => {
+            let rows = read_logits(path, args.batch, None, args.hidden, &format!("--hidden is {}", args.hidden))?;
+            let dims = rows.dim();
+            Tensor::from_vec(rows.into_raw_vec_and_offset().0, dims, &Device::Cpu)?
+        }
+        None => Seeded::new(args.seed ^ 0xe9).normal(&[args.batch, args.seq_len, args.hidden], &Device::Cpu)?,
+    };
+    let seq_len = x.dims3()?.1;
+    let work = |comm: &dyn Communicator| -> Result<EpReport> {
+        split_batch(args.batch, comm.size())?;
+        let ep = ExpertParallel::new(&layer);
+        ep.local_experts(comm.size())?;
+        let g = ep.forward_gathered(comm, &x)?;
+        let (_, whole) = layer.forward(&x)?;
+        let differ = (whole.tokens.iter().zip(&g.routing.tokens)).filter(|(a, b)| a.routes != b.routes).count();
+        Ok(EpReport {
+            router: layer.router().name().to_string(),
+            ranks: comm.size(),
+            batch: args.batch,
+            seq_len,
+            hidden: args.hidden,
+            experts: layer.dims().experts,
+            output_checksum: format!("{:016x}", checksum(&g.y)?),
+            equals_single_device: checksum(&g.y)? == checksum(&layer.apply(&x, &g.routing)?)?,
+            tokens_routed_differently: differ,
+            traffic: g.traffic,
+        })
+    };
+    let Some(report) = on_ranks(args.comm, args.ranks, work)? else { return Ok(0) };
+    let text = match args.format {
+        EpFormat::Json => serde_json::to_string_pretty(&report).expect("serialises") + "\n",
+        EpFormat::Text => render(&report),
+    };
+    out.write_all(text.as_bytes()).map_err(io_error)?;
+    Ok(0)
+}
+
+/// Runs `work` on every rank; returns rank 0's result (`None` on the other MPI ranks).
+fn on_ranks<T: Send>(kind: CommKind, ranks: Option<usize>, work: impl Fn(&dyn Communicator) -> Result<T> + Sync) -> Result<Option<T>> {
+    match kind {
+        CommKind::InProcess => Ok(run_ranks(ranks.unwrap_or(2), |comm| work(comm))?.into_iter().next()),
+        #[cfg(feature = "mpi")]
+        CommKind::Mpi => {
+            let comm = crate::parallel::mpi::MpiComm::init()?;
+            let result = match ranks {
+                Some(r) if r != comm.size() => {
+                    Err(Error::Usage(format!("--ranks {r} differs from the MPI world size {} (mpirun -np)", comm.size())))
+                }
+                _ => work(&comm),
+            };
+            let value = result.unwrap_or_else(|e| comm.abort(&e));
+            Ok((comm.rank() == 0).then_some(value))
+        }
+        #[cfg(not(feature = "mpi"))]
+        CommKind::Mpi => Err(super::check::no_mpi()),
+    }
+}
+
+fn checksum(y: &Tensor) -> Result<u64> {
+    let bits = y.flatten_all()?.to_vec1::<f32>()?;
+    Ok(bits
+        .iter()
+        .flat_map(|v| v.to_bits().to_le_bytes())
+        .fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)))
+}
+
+fn render(r: &EpReport) -> String {
+    let mut s = format!(
+        "router {} | {} ranks | batch {} x seq {}, hidden {} | {} experts, {} per rank\n",
+        r.router,
+        r.ranks,
+        r.batch,
+        r.seq_len,
+        r.hidden,
+        r.experts,
+        r.experts / r.ranks
+    );
+    s += "rank  dispatch: sent rows  bytes  recv rows  local | combine: sent rows  recv rows | payload B  uniform B(N-1)/N  sent/uniform\n";
+    for t in &r.traffic {
+        s += &format!(
+            "{:>4}  {:>18}  {:>5}  {:>9}  {:>5} | {:>17}  {:>9} | {:>9}  {:>16.0}  {:>12.3}\n",
+            t.rank,
+            t.dispatch.rows_sent,
+            t.dispatch.bytes_sent,
+            t.dispatch.rows_received,
+            t.dispatch.rows_local,
+            t.combine.rows_sent,
+            t.combine.rows_received,
+            t.payload_bytes,
+            t.uniform_bytes_sent,
+            t.vs_uniform()
+        );
+    }
+    s += &format!(
+        "output checksum {} | equal to the single-device layer on the ranks' routing, bit for bit: {} | tokens routed differently than on one device: {}\n",
+        r.output_checksum,
+        if r.equals_single_device { "yes" } else { "NO" },
+        r.tokens_routed_differently
+    );
+    s
+}

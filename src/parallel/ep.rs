@@ -1,0 +1,278 @@
+//! The expert-parallel MoE layer: E experts sharded over R ranks, each rank routing its own
+//! sequences (the routing scope is the rank's tokens, as in Megatron-LM and DeepSpeed).
+//!
+//! Per rank: route → count exchange → dispatch (rows permuted so each destination's rows are
+//! contiguous, one variable-count all-to-all) → local experts → the reverse all-to-all →
+//! combine. Rows travel expert-major and in token order, so an expert sees exactly the block the
+//! single-device layer gives it (rank 0's tokens, then rank 1's, ...), and combine adds each
+//! token's weighted routes in ascending expert order starting from zero, as the single-device
+//! layer does: with the same routing scope, the output is the same, bit for bit.
+//!
+//! One caveat is candle's, not ours: its CPU gate matmul takes another kernel for 32 rows or
+//! fewer, whose logits differ in the last bit, so a rank with ≤ 32 tokens may route from
+//! logits that differ from the whole batch's (as a single-device call of ≤ 32 tokens does).
+
+use super::comm::Communicator;
+use crate::error::{Error, Result};
+use crate::layer::MoeLayer;
+use crate::router::{logits_to_host, Router};
+use crate::routing::{stats, Routing};
+use candle_core::{DType, Module, Tensor};
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+
+/// Bytes per value on the wire (rows travel as `f32`).
+const VALUE_BYTES: usize = std::mem::size_of::<f32>();
+
+/// One rank's traffic in one exchange; rows to or from itself do not cross the wire.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Traffic {
+    /// Rows sent to other ranks.
+    pub rows_sent: usize,
+    /// Bytes sent to other ranks.
+    pub bytes_sent: usize,
+    /// Rows received from other ranks.
+    pub rows_received: usize,
+    /// Bytes received from other ranks.
+    pub bytes_received: usize,
+    /// Rows this rank kept for itself.
+    pub rows_local: usize,
+}
+
+/// One rank's accounting of one forward, beside DOMAIN.md §5's formula.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct RankTraffic {
+    /// The rank.
+    pub rank: usize,
+    /// Ranks in the exchange, N.
+    pub ranks: usize,
+    /// Tokens to experts.
+    pub dispatch: Traffic,
+    /// Expert outputs back to their tokens.
+    pub combine: Traffic,
+    /// The rank's dispatch payload B: every routed row, its own included, in bytes.
+    pub payload_bytes: usize,
+    /// What uniform routing sends off-rank: `B · (N−1)/N`.
+    pub uniform_bytes_sent: f64,
+}
+
+impl RankTraffic {
+    /// Dispatch bytes actually sent off-rank over the uniform-routing formula's (1 = uniform).
+    pub fn vs_uniform(&self) -> f64 {
+        if self.uniform_bytes_sent > 0.0 {
+            self.dispatch.bytes_sent as f64 / self.uniform_bytes_sent
+        } else {
+            1.0
+        }
+    }
+}
+
+/// What one rank computed for its own tokens.
+#[derive(Debug, Clone)]
+pub struct RankOutput {
+    /// `[local batch, seq_len, hidden]`.
+    pub y: Tensor,
+    /// The rank's routing record (its sequences only).
+    pub routing: Routing,
+    /// Host logits of its tokens, `[local batch * seq_len * experts]` (for merged load stats).
+    pub logits: Vec<f32>,
+    /// Its traffic.
+    pub traffic: RankTraffic,
+}
+
+/// The whole batch after an expert-parallel forward, gathered on every rank.
+#[derive(Debug, Clone)]
+pub struct Gathered {
+    /// `[batch, seq_len, hidden]`.
+    pub y: Tensor,
+    /// The ranks' routing records, concatenated (groups numbered across ranks).
+    pub routing: Routing,
+    /// Every rank's traffic, in rank order.
+    pub traffic: Vec<RankTraffic>,
+}
+
+/// A [`MoeLayer`] run expert-parallel: this rank owns experts `rank·E/R .. (rank+1)·E/R`. Every
+/// rank holds the same layer (seeded or loaded alike) and runs only its own experts.
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertParallel<'a> {
+    layer: &'a MoeLayer,
+}
+
+impl<'a> ExpertParallel<'a> {
+    /// Wraps a layer.
+    pub fn new(layer: &'a MoeLayer) -> Self {
+        ExpertParallel { layer }
+    }
+
+    /// Experts per rank, or an error when E does not split over `ranks`.
+    pub fn local_experts(&self, ranks: usize) -> Result<usize> {
+        let e = self.layer.dims().experts;
+        if ranks == 0 || e % ranks != 0 {
+            return Err(Error::Usage(format!("{e} experts do not split evenly over {ranks} ranks")));
+        }
+        Ok(e / ranks)
+    }
+
+    /// This rank's forward over its own tokens. Collective: every rank must call it.
+    ///
+    /// # Shapes
+    /// `x`: `[local batch, seq_len, hidden]`, `f32` on the CPU → `y` of the same shape.
+    pub fn forward(&self, comm: &dyn Communicator, x: &Tensor) -> Result<RankOutput> {
+        let (ranks, rank) = (comm.size(), comm.rank());
+        let m = self.local_experts(ranks)?;
+        let (b, s, h) = x.dims3()?;
+        if h != self.layer.dims().hidden || x.dtype() != DType::F32 || !x.device().is_cpu() {
+            return Err(Error::shape(
+                &format!("expert-parallel layer on rank {rank}"),
+                format!("input [{b}, {s}, {h}] {:?}, expected hidden {} in f32 on the CPU", x.dtype(), self.layer.dims().hidden),
+            ));
+        }
+        let router = self.layer.router();
+        let logits = logits_to_host(&router.scores(x)?)?;
+        let routing = router.assign(logits.view())?;
+
+        // Dispatch: kept rows expert-major, token order within (the single-device order).
+        let rows = routing.expert_rows();
+        let (index, weight): (Vec<u32>, Vec<f32>) = rows.iter().flatten().map(|&(t, w)| (t as u32, w)).unzip();
+        let per_expert: Vec<usize> = rows.iter().map(Vec::len).collect();
+        let from_expert = comm.all_to_all_counts(&per_expert, m)?;
+        let send_rows: Vec<usize> = per_expert.chunks(m).map(|c| c.iter().sum()).collect();
+        let recv_rows: Vec<usize> = from_expert.chunks(m).map(|c| c.iter().sum()).collect();
+        let x = x.reshape((b * s, h))?;
+        let device = x.device();
+        let index = Tensor::new(index.as_slice(), device)?;
+        let send = if weight.is_empty() { Vec::new() } else { x.index_select(&index, 0)?.flatten_all()?.to_vec1()? };
+        let arrived = comm.all_to_all_rows(send, h, &send_rows, &recv_rows)?;
+
+        // Local experts, each on its rows from rank 0, then rank 1, ... (as one block).
+        let segment = |src: usize, j: usize| {
+            let start = recv_rows[..src].iter().sum::<usize>() + from_expert[src * m..src * m + j].iter().sum::<usize>();
+            start * h..(start + from_expert[src * m + j]) * h
+        };
+        let run = |j: usize| -> Result<Vec<f32>> {
+            let n: usize = (0..ranks).map(|src| from_expert[src * m + j]).sum();
+            if n == 0 {
+                return Ok(Vec::new());
+            }
+            let block: Vec<f32> = (0..ranks).flat_map(|src| arrived[segment(src, j)].iter().copied()).collect();
+            let out = self.layer.experts()[rank * m + j].forward(&Tensor::from_vec(block, (n, h), device)?)?;
+            Ok(out.flatten_all()?.to_vec1()?)
+        };
+        let outputs = (0..m).into_par_iter().map(run).collect::<Result<Vec<_>>>()?;
+
+        // Back to the tokens' ranks, in the layout they arrived in (source-major).
+        let mut back = Vec::with_capacity(arrived.len());
+        let mut taken = vec![0usize; m];
+        for src in 0..ranks {
+            for (j, out) in outputs.iter().enumerate() {
+                let len = from_expert[src * m + j] * h;
+                back.extend_from_slice(&out[taken[j]..taken[j] + len]);
+                taken[j] += len;
+            }
+        }
+        let returned = comm.all_to_all_rows(back, h, &recv_rows, &send_rows)?;
+
+        // Combine: the single-device layer's ops on the same rows in the same order.
+        let y = if weight.is_empty() {
+            x.zeros_like()?
+        } else {
+            let n = weight.len();
+            let weight = Tensor::new(weight.as_slice(), device)?.unsqueeze(1)?;
+            let weighted = Tensor::from_vec(returned, (n, h), device)?.broadcast_mul(&weight)?;
+            x.zeros_like()?.index_add(&index, &weighted, 0)?
+        };
+        let traffic = account(rank, ranks, h, &send_rows, &recv_rows);
+        let logits = logits.into_raw_vec_and_offset().0;
+        Ok(RankOutput { y: y.reshape((b, s, h))?, routing, logits, traffic })
+    }
+
+    /// Splits `x` by sequences over the ranks (rank r gets the r-th block of `batch / R`
+    /// sequences), runs [`ExpertParallel::forward`], and gathers the whole result on every rank.
+    ///
+    /// # Shapes
+    /// `x`: `[batch, seq_len, hidden]` with `batch` divisible by the number of ranks.
+    pub fn forward_gathered(&self, comm: &dyn Communicator, x: &Tensor) -> Result<Gathered> {
+        let (b, s, h) = x.dims3()?;
+        let per_rank = split_batch(b, comm.size())?;
+        let first = comm.rank() * per_rank;
+        // Errors name the sequence in the whole batch, not in the rank's block.
+        let out = self.forward(comm, &x.narrow(0, first, per_rank)?).map_err(|e| match e {
+            Error::NonFiniteScore { batch, pos, expert, value } => Error::NonFiniteScore { batch: batch + first, pos, expert, value },
+            e => e,
+        })?;
+        let mine = RankResult { y: out.y.flatten_all()?.to_vec1()?, routing: out.routing, logits: out.logits, traffic: out.traffic };
+        let all = comm.all_gather_bytes(serde_json::to_vec(&mine).expect("a rank result always serialises"))?;
+        let parts = (all.iter().enumerate())
+            .map(|(r, bytes)| {
+                serde_json::from_slice::<RankResult>(bytes)
+                    .map_err(|e| Error::shape("gather", format!("rank {r} sent an unreadable result: {e}")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let y: Vec<f32> = parts.iter().flat_map(|p| p.y.iter().copied()).collect();
+        let traffic = parts.iter().map(|p| p.traffic).collect();
+        let routing = concat(parts.into_iter().map(|p| (p.routing, p.logits)).collect());
+        Ok(Gathered { y: Tensor::from_vec(y, (b, s, h), x.device())?, routing, traffic })
+    }
+}
+
+/// Sequences per rank, or an error when the batch does not split evenly.
+pub fn split_batch(batch: usize, ranks: usize) -> Result<usize> {
+    if ranks == 0 || batch % ranks != 0 {
+        return Err(Error::Usage(format!("a batch of {batch} sequences does not split evenly over {ranks} ranks")));
+    }
+    Ok(batch / ranks)
+}
+
+/// One rank's share of [`Gathered`], as it travels.
+#[derive(Serialize, Deserialize)]
+struct RankResult {
+    y: Vec<f32>,
+    routing: Routing,
+    logits: Vec<f32>,
+    traffic: RankTraffic,
+}
+
+fn account(rank: usize, ranks: usize, h: usize, send_rows: &[usize], recv_rows: &[usize]) -> RankTraffic {
+    let bytes = h * VALUE_BYTES;
+    let off = |rows: &[usize]| rows.iter().enumerate().filter(|&(r, _)| r != rank).map(|(_, n)| n).sum::<usize>();
+    let exchange = |out: &[usize], inn: &[usize]| Traffic {
+        rows_sent: off(out),
+        bytes_sent: off(out) * bytes,
+        rows_received: off(inn),
+        bytes_received: off(inn) * bytes,
+        rows_local: out[rank],
+    };
+    let payload_bytes = send_rows.iter().sum::<usize>() * bytes;
+    RankTraffic {
+        rank,
+        ranks,
+        dispatch: exchange(send_rows, recv_rows),
+        combine: exchange(recv_rows, send_rows),
+        payload_bytes,
+        uniform_bytes_sent: payload_bytes as f64 * (ranks - 1) as f64 / ranks as f64,
+    }
+}
+
+/// The ranks' records as one record of the whole batch: sequences and groups renumbered,
+/// capacities and loads summed, load stats over all tokens.
+fn concat(parts: Vec<(Routing, Vec<f32>)>) -> Routing {
+    let mut parts = parts.into_iter();
+    let (mut all, mut logits) = parts.next().expect("at least one rank");
+    for (r, l) in parts {
+        let (batch, groups) = (all.batch, all.scope.groups.len());
+        all.tokens.extend(r.tokens.into_iter().map(|mut t| {
+            t.batch += batch;
+            t.group += groups;
+            t
+        }));
+        all.scope.groups.extend(r.scope.groups);
+        if let (Some(a), Some(b)) = (&mut all.capacity, &r.capacity) {
+            a.iter_mut().zip(b).for_each(|(a, b)| *a += b);
+        }
+        all.batch += r.batch;
+        logits.extend(l);
+    }
+    all.experts_load = stats::loads(all.experts, &all.tokens);
+    all.stats = stats::load_stats(&all.experts_load, logits.chunks(all.experts));
+    all
+}
