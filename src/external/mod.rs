@@ -14,16 +14,96 @@ pub mod process;
 pub mod protocol;
 pub mod trace;
 
-pub use process::ExternalRouter;
+pub use process::{ExternalRouter, Subprocess};
 pub use protocol::{Handshake, InputKind, Mode};
-pub use trace::{plan, TraceRouter};
+pub use trace::{plan, Replay, TraceRouter};
 
 use crate::error::{Error, Result};
 use crate::layer::Seeded;
 use crate::router::Router;
 use crate::routing::Routing;
 use candle_core::{Device, Tensor};
-use ndarray::Array3;
+use ndarray::{Array3, ArrayView3};
+use std::sync::Arc;
+
+/// Where an external router's answers come from: a subprocess, trace files, or the recorder
+/// `plan` runs the audit against.
+pub trait Answers: Send + Sync + 'static {
+    /// The router as its handshake describes it.
+    fn handshake(&self) -> &Handshake;
+    /// The routing of `rows` (`[batch, seq_len, row_width]`) in `mode`.
+    fn answer(&self, mode: Mode, rows: ArrayView3<f32>) -> Result<Routing>;
+}
+
+/// A router outside moe-audit, in one mode: the analyzer sees it through [`Router`] like a
+/// built-in one. Its score stage passes rows through; its `[inference]` router is the same
+/// source asked in `mode: inference`.
+pub struct External<A> {
+    source: Arc<A>,
+    mode: Mode,
+    rows: ExternalRows,
+}
+
+impl<A: Answers> External<A> {
+    /// The router in training mode; for `input: hidden`, asks `source` once to route a seeded
+    /// pool and keeps the targeted rows it finds (see [`ExternalRows`]) when `target` is set.
+    fn new(source: A, seed: u64, target: bool) -> Result<Self> {
+        let mut rows = ExternalRows::new(source.handshake(), seed);
+        if target && source.handshake().input == InputKind::Hidden {
+            let pool = rows.pool();
+            let routing = source.answer(Mode::Train, pool.view())?;
+            rows.pick_targets(&pool, &routing);
+        }
+        Ok(External { source: Arc::new(source), mode: Mode::Train, rows })
+    }
+
+    /// The handshake the router sent.
+    pub fn handshake(&self) -> &Handshake {
+        self.source.handshake()
+    }
+
+    /// Where the answers come from.
+    pub fn source(&self) -> &A {
+        &self.source
+    }
+}
+
+impl<A: Answers> Router for External<A> {
+    fn name(&self) -> &str {
+        &self.handshake().name
+    }
+
+    fn experts(&self) -> usize {
+        self.handshake().experts
+    }
+
+    fn row_width(&self) -> usize {
+        self.handshake().row_width()
+    }
+
+    fn targeted_row(&self, e: usize) -> Option<Vec<f32>> {
+        self.rows.targeted(e)
+    }
+
+    /// One conversation (or one replay order): calls must come one at a time, in order.
+    fn concurrent(&self) -> bool {
+        false
+    }
+
+    /// The router's gate lives elsewhere: its rows pass through unchanged.
+    fn scores(&self, hidden: &Tensor) -> Result<Tensor> {
+        pass_through(self, hidden)
+    }
+
+    fn assign(&self, rows: ArrayView3<f32>) -> Result<Routing> {
+        self.source.answer(self.mode, rows)
+    }
+
+    fn inference(&self) -> Result<Option<Box<dyn Router>>> {
+        let source = Arc::clone(&self.source);
+        Ok(Some(Box::new(External { source, mode: Mode::Inference, rows: self.rows.clone() })))
+    }
+}
 
 /// Pool rows per expert when looking for targeted hidden rows.
 const POOL_PER_EXPERT: usize = 16;

@@ -7,11 +7,9 @@
 //! stateful router sees are the same on every run.
 
 use super::protocol::{parse_response, Handshake, InputKind, Mode, Request, PROTOCOL};
-use super::ExternalRows;
+use super::{Answers, External};
 use crate::error::{Error, Result};
-use crate::router::Router;
 use crate::routing::Routing;
-use candle_core::Tensor;
 use ndarray::ArrayView3;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
@@ -32,7 +30,8 @@ struct Conversation {
     failed: Option<String>,
 }
 
-struct Shared {
+/// A router process and the conversation with it.
+pub struct Subprocess {
     command: String,
     timeout: Duration,
     handshake: Handshake,
@@ -43,11 +42,7 @@ struct Shared {
 }
 
 /// A router behind a command (`--router-cmd "python3 my_router.py"`).
-pub struct ExternalRouter {
-    shared: Arc<Shared>,
-    mode: Mode,
-    rows: ExternalRows,
-}
+pub type ExternalRouter = External<Subprocess>;
 
 impl ExternalRouter {
     /// Spawns `command` with `sh -c`, reads its handshake, and (for `input: hidden`) finds the
@@ -98,7 +93,7 @@ impl ExternalRouter {
             input: InputKind::Logits,
             hidden_size: None,
         };
-        let mut shared = Shared {
+        let mut shared = Subprocess {
             command: command.to_string(),
             timeout,
             handshake: placeholder,
@@ -123,32 +118,11 @@ impl ExternalRouter {
                 ))
             })?;
         shared.handshake = handshake;
-        let shared = Arc::new(shared);
-        let rows = ExternalRows::new(&shared.handshake, seed);
-        let mut router = ExternalRouter {
-            shared,
-            mode: Mode::Train,
-            rows,
-        };
-        if router.shared.handshake.input == InputKind::Hidden {
-            let pool = router.rows.pool();
-            let routing = router.call(pool.view())?;
-            router.rows.pick_targets(&pool, &routing);
-        }
-        Ok(router)
-    }
-
-    /// The handshake the router sent.
-    pub fn handshake(&self) -> &Handshake {
-        &self.shared.handshake
-    }
-
-    fn call(&self, rows: ArrayView3<f32>) -> Result<Routing> {
-        self.shared.call(self.mode, rows)
+        External::new(shared, seed, true)
     }
 }
 
-impl Shared {
+impl Subprocess {
     fn error(&self, message: String) -> Error {
         Error::input(format!("router `{}`", self.command), message)
     }
@@ -278,7 +252,7 @@ fn kill(child: &mut Child) {
     let _ = child.wait();
 }
 
-impl Drop for Shared {
+impl Drop for Subprocess {
     fn drop(&mut self) {
         let conv = self.conversation.get_mut().expect("conversation");
         drop(conv.stdin.take());
@@ -286,41 +260,12 @@ impl Drop for Shared {
     }
 }
 
-impl Router for ExternalRouter {
-    fn name(&self) -> &str {
-        &self.shared.handshake.name
+impl Answers for Subprocess {
+    fn handshake(&self) -> &Handshake {
+        &self.handshake
     }
 
-    fn experts(&self) -> usize {
-        self.shared.handshake.experts
-    }
-
-    fn row_width(&self) -> usize {
-        self.shared.handshake.row_width()
-    }
-
-    fn targeted_row(&self, e: usize) -> Option<Vec<f32>> {
-        self.rows.targeted(e)
-    }
-
-    fn concurrent(&self) -> bool {
-        false
-    }
-
-    /// The router's gate lives in the other process: its rows pass through unchanged.
-    fn scores(&self, hidden: &Tensor) -> Result<Tensor> {
-        super::pass_through(self, hidden)
-    }
-
-    fn assign(&self, logits: ArrayView3<f32>) -> Result<Routing> {
-        self.call(logits)
-    }
-
-    fn inference(&self) -> Result<Option<Box<dyn Router>>> {
-        Ok(Some(Box::new(ExternalRouter {
-            shared: Arc::clone(&self.shared),
-            mode: Mode::Inference,
-            rows: self.rows.clone(),
-        })))
+    fn answer(&self, mode: Mode, rows: ArrayView3<f32>) -> Result<Routing> {
+        self.call(mode, rows)
     }
 }
