@@ -13,6 +13,7 @@ pub mod error;
 pub mod layer;
 pub mod router;
 pub mod routing;
+pub mod sweep;
 
 pub use config::RouterConfig;
 pub use error::{Error, Result};

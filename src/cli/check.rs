@@ -8,8 +8,7 @@ use crate::error::{Error, Result};
 use crate::layer::MoeLayer;
 use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use std::io::{IsTerminal, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 /// Arguments of `moe-audit check`.
@@ -78,12 +77,7 @@ impl CheckArgs {
 
 /// Audits each config with a seeded layer, with a progress bar on a terminal.
 pub(crate) fn audit_all(configs: Vec<RouterConfig>, options: &AuditOptions, hidden: usize, ffn: usize) -> Result<Report> {
-    let bar = if std::io::stderr().is_terminal() {
-        ProgressBar::with_draw_target(Some((configs.len() * options.probes.len()) as u64), ProgressDrawTarget::stderr())
-    } else {
-        ProgressBar::hidden()
-    };
-    bar.set_style(ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").expect("valid template"));
+    let bar = super::progress_bar((configs.len() * options.probes.len()) as u64);
     let mut routers = Vec::new();
     for config in configs {
         let layer = MoeLayer::seeded(config, hidden, ffn, options.seed, DType::F32, &Device::Cpu)?;

@@ -2,6 +2,7 @@
 
 mod check;
 mod route;
+mod sweep;
 
 use crate::config::presets;
 use crate::error::Result;
@@ -10,6 +11,7 @@ use std::io::Write;
 
 pub use check::{verdicts, CheckArgs, ZooArgs};
 pub use route::RouteArgs;
+pub use sweep::SweepArgs;
 
 /// Audit Mixture-of-Experts routers for train/inference causality leaks.
 #[derive(Debug, Parser)]
@@ -31,6 +33,8 @@ pub enum Command {
     Check(CheckArgs),
     /// Audit every preset at default sizes and print the verdicts beside load balance.
     Zoo(ZooArgs),
+    /// Load balance against causality over a grid of routers and sizes: CSV, JSON, charts.
+    Sweep(SweepArgs),
 }
 
 /// Runs a parsed command, writing its output to `out`. Returns the process exit code.
@@ -46,7 +50,17 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<u8> {
         Command::Route(args) => route::run(&args, out),
         Command::Check(args) => check::run(&args, out),
         Command::Zoo(args) => check::zoo(&args, out),
+        Command::Sweep(args) => sweep::run(&args, out),
     }
+}
+
+/// A progress bar on stderr when it is a terminal, hidden otherwise.
+pub(crate) fn progress_bar(len: u64) -> indicatif::ProgressBar {
+    use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+    use std::io::IsTerminal;
+    let bar = if std::io::stderr().is_terminal() { ProgressBar::with_draw_target(Some(len), ProgressDrawTarget::stderr()) } else { ProgressBar::hidden() };
+    bar.set_style(ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").expect("valid template"));
+    bar
 }
 
 pub(crate) fn io_error(e: std::io::Error) -> crate::Error {

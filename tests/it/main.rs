@@ -7,3 +7,4 @@ mod invariants;
 mod layer;
 mod routers;
 mod snapshots;
+mod sweep;
