@@ -69,3 +69,16 @@ fn bad_grid_files_name_file_field_and_value() {
     error: [TMP]/g6.toml: heatmap: `mixtral-x` is not one of `routers`
     "#);
 }
+
+#[test]
+fn the_committed_default_sweep_and_the_readme_table_are_current() {
+    // `cargo run -- sweep --output-dir docs/sweep` regenerates them.
+    let dir = tmp_dir().join("sweep-default");
+    let text = stdout(&["sweep", "--output-dir", dir.to_str().unwrap()]);
+    let fresh = std::fs::read_to_string(dir.join("sweep.md")).unwrap();
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    assert_eq!(fresh, std::fs::read_to_string(root.join("docs/sweep/sweep.md")).unwrap(), "docs/sweep is stale");
+    assert!(text.starts_with(&fresh));
+    let table = fresh.split("\nAccumulator swamping").next().unwrap().trim();
+    assert!(std::fs::read_to_string(root.join("README.md")).unwrap().contains(table), "README's sweep table is stale");
+}
