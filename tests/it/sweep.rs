@@ -82,3 +82,16 @@ fn the_committed_default_sweep_and_the_readme_table_are_current() {
     let table = fresh.split("\nAccumulator swamping").next().unwrap().trim();
     assert!(std::fs::read_to_string(root.join("README.md")).unwrap().contains(table), "README's sweep table is stale");
 }
+
+#[test]
+fn check_runs_probe_x_only_when_asked() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_moe-audit"))
+        .args(["check", "mixtral", "--probes", "X", "--seq-len", "256", "--batch", "4"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(out.status.code(), Some(1), "a bf16 flip is a T/I leak: {text}");
+    assert!(text.contains("X numerics   LEAK    T/I") && text.contains("routing flips: bf16 0.59%, f16 0.10% of tokens"), "{text}");
+    let default = stdout(&["check", "mixtral", "--seq-len", "8", "--trials", "2"]);
+    assert!(!default.contains("numerics"), "X is opt-in: {default}");
+}
