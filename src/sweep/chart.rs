@@ -121,12 +121,8 @@ fn heat<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, h: &Heatmap) -> Drawn<
         h.seq_len,
         max * 100.0
     );
-    let mut chart = ChartBuilder::on(&root)
-        .caption(caption, (FONT, 16))
-        .margin(16)
-        .x_label_area_size(48)
-        .y_label_area_size(64)
-        .build_cartesian_2d(0..s, 1..s)?;
+    let mut chart =
+        ChartBuilder::on(&root).caption(caption, (FONT, 16)).margin(16).x_label_area_size(48).y_label_area_size(64).build_cartesian_2d(0..s, 1..s)?;
     chart
         .configure_mesh()
         .disable_mesh()

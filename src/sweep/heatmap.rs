@@ -52,7 +52,15 @@ pub(super) fn heatmap(router: &dyn Router, logits: &Logits, cell: &Cell, seed: u
                 for variant in 0..=e {
                     let mut changed = logits.clone();
                     for (j, v) in changed.slice_mut(ndarray::s![bi, u, ..]).iter_mut().enumerate() {
-                        *v = if variant < e { if j == variant { TARGET_LOGIT } else { 0.0 } } else { StandardNormal.sample(&mut rng) };
+                        *v = if variant < e {
+                            if j == variant {
+                                TARGET_LOGIT
+                            } else {
+                                0.0
+                            }
+                        } else {
+                            StandardNormal.sample(&mut rng)
+                        };
                     }
                     let r = router.assign(changed.view())?;
                     for (t, c) in counts.iter_mut().enumerate() {
@@ -64,9 +72,7 @@ pub(super) fn heatmap(router: &dyn Router, logits: &Logits, cell: &Cell, seed: u
         })
         .collect::<Result<_>>()?;
     let trials = b * (e + 1);
-    let rate = (1..s)
-        .map(|d| (0..s - d).map(|t| per_source[t + d - 1][t] as f64 / trials as f64).collect())
-        .collect();
+    let rate = (1..s).map(|d| (0..s - d).map(|t| per_source[t + d - 1][t] as f64 / trials as f64).collect()).collect();
     Ok(Heatmap {
         router: router.name().to_string(),
         capacity_factor: cell.capacity_factor,

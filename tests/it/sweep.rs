@@ -16,7 +16,15 @@ fn sweep(name: &str) -> (String, std::path::PathBuf) {
 fn a_small_grid_writes_every_output_byte_identically() {
     let (text, a) = sweep("sweep-a");
     let (_, b) = sweep("sweep-b");
-    let names = ["sweep.json", "sweep.csv", "sweep.md", "leak-vs-imbalance.svg", "leak-vs-imbalance.png", "heatmap-batch-prioritized.svg", "heatmap-batch-prioritized.png"];
+    let names = [
+        "sweep.json",
+        "sweep.csv",
+        "sweep.md",
+        "leak-vs-imbalance.svg",
+        "leak-vs-imbalance.png",
+        "heatmap-batch-prioritized.svg",
+        "heatmap-batch-prioritized.png",
+    ];
     for name in names {
         let (x, y) = (std::fs::read(a.join(name)).unwrap(), std::fs::read(b.join(name)).unwrap());
         assert!(!x.is_empty() && x == y, "{name} differs between two runs");
