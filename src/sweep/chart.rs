@@ -10,6 +10,8 @@ use std::sync::Once;
 
 const SIZE: (u32, u32) = (1000, 640);
 const FONT: &str = "sans-serif";
+/// Width of the heatmap's colour scale, right of the plot.
+const SCALE_WIDTH: u32 = 110;
 
 fn register_font() {
     static ONCE: Once = Once::new();
@@ -107,22 +109,29 @@ pub(super) fn heatmap(h: &Heatmap, dir: &Path) -> Result<Vec<PathBuf>> {
     both!(dir, format!("heatmap-{}", h.router), heat, h)
 }
 
+/// Square root so that rare effects stay visible; white = never, full red = the maximum.
+fn shade(v: f64, max: f64) -> RGBColor {
+    let level = if max > 0.0 { (v / max).sqrt() } else { 0.0 };
+    let fade = (255.0 * (1.0 - level)) as u8;
+    RGBColor(255, fade, fade)
+}
+
 fn heat<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, h: &Heatmap) -> Drawn<DB> {
     root.fill(&WHITE)?;
+    let (plot, scale) = root.split_horizontally(SIZE.0 - SCALE_WIDTH);
     let s = h.seq_len as i32;
     let max = h.rate.iter().flatten().copied().fold(0.0, f64::max);
     let caption = format!(
-        "{}: share of changes at t + d that change t's routing (E {}, k {}, cf {}, {} x {}; max {:.0}%)",
+        "{}: share of changes at t + d that change t's routing (E {}, k {}, cf {}, {} x {})",
         h.router,
         h.experts,
         h.top_k.map_or("-".into(), |k| k.to_string()),
         h.capacity_factor.map_or("-".into(), |f| f.to_string()),
         h.batch,
         h.seq_len,
-        max * 100.0
     );
     let mut chart =
-        ChartBuilder::on(&root).caption(caption, (FONT, 16)).margin(16).x_label_area_size(48).y_label_area_size(64).build_cartesian_2d(0..s, 1..s)?;
+        ChartBuilder::on(&plot).caption(caption, (FONT, 16)).margin(16).x_label_area_size(48).y_label_area_size(64).build_cartesian_2d(0..s, 1..s)?;
     chart
         .configure_mesh()
         .disable_mesh()
@@ -132,14 +141,21 @@ fn heat<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, h: &Heatmap) -> Drawn<
         .draw()?;
     let cells = h.rate.iter().enumerate().flat_map(|(d, row)| {
         row.iter().enumerate().map(move |(t, &v)| {
-            // Square root so that rare effects stay visible; white = never.
-            let shade = if max > 0.0 { (v / max).sqrt() } else { 0.0 };
-            let fade = (255.0 * (1.0 - shade)) as u8;
             let (t, d) = (t as i32, d as i32 + 1);
-            Rectangle::new([(t, d), (t + 1, d + 1)], RGBColor(255, fade, fade.saturating_sub(0)).filled())
+            Rectangle::new([(t, d), (t + 1, d + 1)], shade(v, max).filled())
         })
     });
     chart.draw_series(cells)?;
+    // Colour scale: ten steps from 0 to the maximum share.
+    let steps = 10;
+    let mut bar =
+        ChartBuilder::on(&scale).margin_top(60).margin_bottom(64).margin_right(48).y_label_area_size(0).build_cartesian_2d(0..1, 0..steps)?;
+    bar.draw_series((0..steps).map(|i| Rectangle::new([(0, i), (1, i + 1)], shade(max * f64::from(i + 1) / f64::from(steps), max).filled())))?;
+    bar.draw_series((0..steps).map(|i| Rectangle::new([(0, i), (1, i + 1)], BLACK.stroke_width(1))))?;
+    // Labels beside the bar, in the scale area's pixels (the bar spans its top 60 to bottom 64).
+    let right = SCALE_WIDTH as i32 - 44;
+    scale.draw(&Text::new(format!("{:.0}%", max * 100.0), (right, 56), (FONT, 13).into_font()))?;
+    scale.draw(&Text::new("0%", (right, SIZE.1 as i32 - 72), (FONT, 13).into_font()))?;
     root.present()
 }
 
