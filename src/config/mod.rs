@@ -179,6 +179,9 @@ pub enum DropPolicy {
     Position,
     /// Every 1st choice outranks every 2nd choice, then token order (DeepSpeed top-2).
     ChoiceRank,
+    /// Batch-prioritised routing (V-MoE BPR): every 1st choice before every 2nd choice, and within
+    /// a choice rank the tokens with the largest top gate (max routing probability) first.
+    BatchPriority,
     /// Causal capacity: the token at position t keeps an expert iff fewer than `C(t)` earlier
     /// tokens of its sequence kept it, `C(t)` being the capacity formula for a group of t + 1
     /// tokens (`ceil(cf*(t+1)*k/E)` with Megatron arithmetic). Needs `scope.group = "sequence"`.
