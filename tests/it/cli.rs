@@ -265,7 +265,7 @@ fn expert_bias_of_wrong_length() {
 #[test]
 fn unknown_drop_policy_names_the_field_path() {
     let path = router_with("fifo.toml", r#"policy = "probs""#, r#"policy = "fifo""#);
-    insta::assert_snapshot!(fail(&["route", &path]), @"error: [TMP]/fifo.toml: capacity.policy: unknown variant `fifo`, expected one of `probs`, `position`, `choice-rank`, `causal` (line 9, column 10)");
+    insta::assert_snapshot!(fail(&["route", &path]), @"error: [TMP]/fifo.toml: capacity.policy: unknown variant `fifo`, expected one of `probs`, `position`, `choice-rank`, `batch-priority`, `causal` (line 9, column 10)");
 }
 
 #[test]
