@@ -17,6 +17,7 @@ pub mod parallel;
 pub mod router;
 pub mod routing;
 mod snapshot;
+pub mod sweep;
 
 pub use config::RouterConfig;
 pub use error::{Error, Result};

@@ -23,6 +23,9 @@ pub(crate) fn why(f: &Finding) -> String {
         return f.note.clone();
     }
     let mut parts = Vec::new();
+    if f.numerics.is_some() {
+        parts.push(f.note.clone());
+    }
     if let Some(w) = &f.witness {
         parts.push(format!("{} changed", w.differs));
     } else if f.capacity_changed && f.affected == 0 {

@@ -12,8 +12,7 @@ use bytesize::ByteSize;
 use crate::parallel::{split_batch, Communicator, OnComm};
 use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use std::io::{IsTerminal, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 /// Arguments of `moe-audit check`.
@@ -123,12 +122,7 @@ pub(crate) fn audit_all(configs: Vec<RouterConfig>, options: &AuditOptions, hidd
         let estimate = options.memory_estimate(config.experts, config.k(), hidden, ffn);
         memory::ensure_fits(&format!("the audit of `{}`", config.name), estimate, max_memory)?;
     }
-    let bar = if std::io::stderr().is_terminal() {
-        ProgressBar::with_draw_target(Some((configs.len() * options.probes.len()) as u64), ProgressDrawTarget::stderr())
-    } else {
-        ProgressBar::hidden()
-    };
-    bar.set_style(ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").expect("valid template"));
+    let bar = super::progress_bar((configs.len() * options.probes.len()) as u64);
     let mut routers = Vec::new();
     for config in configs {
         let layer = MoeLayer::seeded(config, hidden, ffn, options.seed, DType::F32, &Device::Cpu)?;

@@ -5,6 +5,7 @@ mod ci;
 mod external;
 mod ep;
 mod route;
+mod sweep;
 
 use crate::config::presets;
 use crate::error::Result;
@@ -15,6 +16,7 @@ pub use check::{verdicts, CheckArgs, CommKind, ZooArgs};
 pub use ep::{EpArgs, EpFormat};
 pub use external::{ExternalArgs, PlanArgs};
 pub use route::RouteArgs;
+pub use sweep::SweepArgs;
 
 /// Audit Mixture-of-Experts routers for train/inference causality leaks.
 #[derive(Debug, Parser)]
@@ -41,6 +43,8 @@ pub enum Command {
     /// Run a seeded layer expert-parallel once: per-rank traffic against the all-to-all formula,
     /// and the output against the single-device layer.
     Ep(EpArgs),
+    /// Load balance against causality over a grid of routers and sizes: CSV, JSON, charts.
+    Sweep(SweepArgs),
 }
 
 /// Runs a parsed command, writing its output to `out`. Returns the process exit code.
@@ -58,7 +62,17 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<u8> {
         Command::Zoo(args) => check::zoo(&args, out),
         Command::Plan(args) => external::run_plan(&args, out),
         Command::Ep(args) => ep::run(&args, out),
+        Command::Sweep(args) => sweep::run(&args, out),
     }
+}
+
+/// A progress bar on stderr when it is a terminal, hidden otherwise.
+pub(crate) fn progress_bar(len: u64) -> indicatif::ProgressBar {
+    use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+    use std::io::IsTerminal;
+    let bar = if std::io::stderr().is_terminal() { ProgressBar::with_draw_target(Some(len), ProgressDrawTarget::stderr()) } else { ProgressBar::hidden() };
+    bar.set_style(ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").expect("valid template"));
+    bar
 }
 
 pub(crate) fn io_error(e: std::io::Error) -> crate::Error {

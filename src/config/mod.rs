@@ -179,6 +179,9 @@ pub enum DropPolicy {
     Position,
     /// Every 1st choice outranks every 2nd choice, then token order (DeepSpeed top-2).
     ChoiceRank,
+    /// Batch-prioritised routing (V-MoE BPR): every 1st choice before every 2nd choice, and within
+    /// a choice rank the tokens with the largest top gate (max routing probability) first.
+    BatchPriority,
     /// Causal capacity: the token at position t keeps an expert iff fewer than `C(t)` earlier
     /// tokens of its sequence kept it, `C(t)` being the capacity formula for a group of t + 1
     /// tokens (`ceil(cf*(t+1)*k/E)` with Megatron arithmetic). Needs `scope.group = "sequence"`.
@@ -276,23 +279,7 @@ impl fmt::Display for Flatten {
 impl RouterConfig {
     /// Parses and validates a TOML document; `source_name` names it in errors.
     pub fn from_toml(text: &str, source_name: &str) -> Result<Self> {
-        let de = toml::Deserializer::new(text);
-        let config: RouterConfig = serde_path_to_error::deserialize(de).map_err(|e| {
-            let path = e.path().to_string();
-            let inner = e.into_inner();
-            // toml messages may span lines; a report line must not.
-            let message = inner.message().split_whitespace().collect::<Vec<_>>().join(" ");
-            let location = inner.span().map(|span| {
-                let (line, col) = line_col(text, span.start);
-                format!("line {line}, column {col}")
-            });
-            match (path.as_str(), location) {
-                ("." | "", Some(at)) => Error::config(source_name, &at, message),
-                ("." | "", None) => Error::config(source_name, "-", message),
-                (field, Some(at)) => Error::config(source_name, field, format!("{message} ({at})")),
-                (field, None) => Error::config(source_name, field, message),
-            }
-        })?;
+        let config: RouterConfig = parse_toml(text, source_name)?;
         config.validate().map_err(|(field, message)| Error::config(source_name, field, message))?;
         config.inference_config_from(source_name)?;
         Ok(config)
@@ -362,6 +349,28 @@ impl RouterConfig {
             ScoreFn::Sigmoid => self.normalize.unwrap_or(true) && self.k() > 1,
         }
     }
+}
+
+/// Deserialises a TOML document; errors name the source, the dotted field path, the value and
+/// the line and column (one line each). Shared by every TOML input (routers, sweep grids).
+pub(crate) fn parse_toml<T: serde::de::DeserializeOwned>(text: &str, source_name: &str) -> Result<T> {
+    let de = toml::Deserializer::new(text);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        // toml messages may span lines; a report line must not.
+        let message = inner.message().split_whitespace().collect::<Vec<_>>().join(" ");
+        let location = inner.span().map(|span| {
+            let (line, col) = line_col(text, span.start);
+            format!("line {line}, column {col}")
+        });
+        match (path.as_str(), location) {
+            ("." | "", Some(at)) => Error::config(source_name, &at, message),
+            ("." | "", None) => Error::config(source_name, "-", message),
+            (field, Some(at)) => Error::config(source_name, field, format!("{message} ({at})")),
+            (field, None) => Error::config(source_name, field, message),
+        }
+    })
 }
 
 /// Deep-merges `overrides` into `table`: nested tables merge, other values replace.

@@ -40,16 +40,17 @@ pub(crate) struct Dropped {
 
 /// Applies capacity `c` to the choices of one group (tokens in priority order).
 pub(crate) fn drop_routes(cap: &CapacityConfig, c: usize, choices: &[Choice], experts: usize) -> Dropped {
-    // (token, choice rank, gate) of every route, per expert.
-    let mut candidates: Vec<Vec<(usize, usize, f32)>> = vec![Vec::new(); experts];
+    // (token, choice rank, gate, the token's top gate) of every route, per expert.
+    let mut candidates: Vec<Vec<(usize, usize, f32, f32)>> = vec![Vec::new(); experts];
     for (i, choice) in choices.iter().enumerate() {
         for (rank, (&e, &g)) in choice.experts.iter().zip(&choice.gates).enumerate() {
-            candidates[e].push((i, rank, g));
+            candidates[e].push((i, rank, g, choice.gates[0]));
         }
     }
-    let order = |a: &(usize, usize, f32), b: &(usize, usize, f32)| -> Ordering {
+    let order = |a: &(usize, usize, f32, f32), b: &(usize, usize, f32, f32)| -> Ordering {
         match cap.policy {
             DropPolicy::Probs => desc(a.2, b.2).then(a.0.cmp(&b.0)),
+            DropPolicy::BatchPriority => a.1.cmp(&b.1).then(desc(a.3, b.3)).then(a.0.cmp(&b.0)),
             DropPolicy::Position => a.0.cmp(&b.0),
             DropPolicy::ChoiceRank => a.1.cmp(&b.1).then(a.0.cmp(&b.0)),
             // Causal groups never reach here (see `drop_causal`); position order is its limit.
@@ -61,7 +62,7 @@ pub(crate) fn drop_routes(cap: &CapacityConfig, c: usize, choices: &[Choice], ex
     let slots = c.min(choices.len());
     for (e, routes) in candidates.iter_mut().enumerate() {
         routes.sort_by(order);
-        for &(i, rank, _) in routes.iter().take(c) {
+        for &(i, rank, ..) in routes.iter().take(c) {
             kept[i][rank] = true;
         }
         if cap.pad && routes.len() < slots {

@@ -11,14 +11,14 @@ use std::process::{Command, Output};
 
 const BIN: &str = env!("CARGO_BIN_EXE_moe-audit");
 
-fn tmp_dir() -> PathBuf {
+pub(crate) fn tmp_dir() -> PathBuf {
     let dir = std::env::temp_dir().join("moe-audit-it-cli");
     std::fs::create_dir_all(&dir).expect("temp dir");
     dir
 }
 
 /// Writes `text` to `name` in the temp dir; returns the path as a string.
-fn file(name: &str, text: &str) -> String {
+pub(crate) fn file(name: &str, text: &str) -> String {
     let dir = tmp_dir();
     let path = dir.join(name);
     let partial = dir.join(format!(".{name}.{}", std::process::id()));
@@ -31,7 +31,7 @@ fn run(args: &[&str]) -> Output {
     Command::new(BIN).args(args).env("RUST_BACKTRACE", "1").output().expect("run moe-audit")
 }
 
-fn stdout(args: &[&str]) -> String {
+pub(crate) fn stdout(args: &[&str]) -> String {
     let out = run(args);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "moe-audit {args:?} failed: {:?}\n{err}", out.status);
@@ -41,7 +41,7 @@ fn stdout(args: &[&str]) -> String {
 
 /// Runs a command that must fail: exit code 2, nothing on stdout, one `error: ` line on stderr.
 /// Returns that line with the temp dir redacted.
-fn fail(args: &[&str]) -> String {
+pub(crate) fn fail(args: &[&str]) -> String {
     let err = fail_lines(args);
     assert_eq!(err.lines().count(), 1, "moe-audit {args:?}: stderr is not one line:\n{err}");
     err
@@ -265,7 +265,7 @@ fn expert_bias_of_wrong_length() {
 #[test]
 fn unknown_drop_policy_names_the_field_path() {
     let path = router_with("fifo.toml", r#"policy = "probs""#, r#"policy = "fifo""#);
-    insta::assert_snapshot!(fail(&["route", &path]), @"error: [TMP]/fifo.toml: capacity.policy: unknown variant `fifo`, expected one of `probs`, `position`, `choice-rank`, `causal` (line 9, column 10)");
+    insta::assert_snapshot!(fail(&["route", &path]), @"error: [TMP]/fifo.toml: capacity.policy: unknown variant `fifo`, expected one of `probs`, `position`, `choice-rank`, `batch-priority`, `causal` (line 9, column 10)");
 }
 
 #[test]

@@ -273,3 +273,24 @@ fn aux_loss_free_bias_moves_against_the_load_and_only_selects() {
     let sigmoid = |x: f32| 1.0 / (1.0 + (-x).exp());
     assert!(after.tokens.iter().all(|t| t.routes == [kept(1, sigmoid(0.95))]), "{:?}", after.tokens);
 }
+
+#[test]
+fn batch_priority_ranks_second_choices_by_the_tokens_max_probability() {
+    // E = 3, k = 2, cf 0.5: C = ceil(2*2/3*0.5) = 1. Token A = [0.45, 0.35, 0.2], token B = [0.01,
+    // 0.19, 0.8]: both 2nd choices want expert 1. BPR serves B first (max probability 0.8 > 0.45),
+    // so A's 2nd choice drops although its gate (0.35) beats B's (0.19), which `probs` keeps.
+    let mut config = preset("batch-prioritized").unwrap().config().unwrap();
+    (config.experts, config.top_k) = (3, Some(2));
+    config.capacity.as_mut().unwrap().factor = Some(0.5);
+    let (a, b) = ([ln(0.45), ln(0.35), ln(0.2)], [ln(0.01), ln(0.19), ln(0.8)]);
+    let r = route(&config, 1, &[&a, &b]);
+    assert_eq!(r.capacity, Some(vec![1; 3]));
+    let close = |x: f32, y: f32| (x - y).abs() < 1e-6;
+    let (ta, tb) = (&r.tokens[0].routes, &r.tokens[1].routes);
+    assert_eq!((ta[0].expert, ta[0].kept, ta[1].expert, ta[1].kept), (0, true, 1, false));
+    assert_eq!((tb[0].expert, tb[0].kept, tb[1].expert, tb[1].kept), (2, true, 1, true));
+    assert!(close(ta[1].weight, 0.35) && close(tb[1].weight, 0.19), "gates are the raw probabilities");
+    config.capacity.as_mut().unwrap().policy = DropPolicy::Probs;
+    let r = route(&config, 1, &[&a, &b]);
+    assert_eq!((r.tokens[0].routes[1].kept, r.tokens[1].routes[1].kept), (true, false));
+}

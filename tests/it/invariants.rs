@@ -404,8 +404,8 @@ fn check_dropping(
         return check_causal(c, cap, members, r);
     }
     for e in 0..c.experts {
-        // (priority index in group, choice rank, pre-drop gate, kept)
-        let mut routes: Vec<(usize, usize, f32, bool)> = Vec::new();
+        // (priority index in group, choice rank, pre-drop gate, kept, the token's top gate)
+        let mut routes: Vec<(usize, usize, f32, bool, f32)> = Vec::new();
         let mut padded: Vec<usize> = Vec::new();
         let mut rows = 0;
         for (p, &i) in members.iter().enumerate() {
@@ -418,7 +418,7 @@ fn check_dropping(
                 }
                 // Compare like with like: renormalised weights are no longer the gates.
                 let gate = if renorm { choices[i].gates[rank] } else { route.weight };
-                routes.push((p, rank, gate, route.kept));
+                routes.push((p, rank, gate, route.kept, choices[i].gates[0]));
                 rows += usize::from(route.kept);
             }
         }
@@ -429,6 +429,7 @@ fn check_dropping(
             DropPolicy::Probs => desc(a.2, b.2).then(a.0.cmp(&b.0)),
             DropPolicy::Position => a.0.cmp(&b.0),
             DropPolicy::ChoiceRank => a.1.cmp(&b.1).then(a.0.cmp(&b.0)),
+            DropPolicy::BatchPriority => a.1.cmp(&b.1).then(desc(a.4, b.4)).then(a.0.cmp(&b.0)),
             DropPolicy::Causal => unreachable!("checked by check_causal"),
         });
         let keep = cap_g.min(order.len());
@@ -456,7 +457,7 @@ fn check_dropping(
                     prop_assert!(routes.iter().all(|r| !r.3 || r.0 < d), "position: a later route kept after an earlier drop");
                 }
             }
-            DropPolicy::ChoiceRank => {
+            DropPolicy::ChoiceRank | DropPolicy::BatchPriority => {
                 if routes.iter().any(|r| r.1 > 0 && r.3) {
                     prop_assert!(routes.iter().all(|r| r.1 > 0 || r.3), "choice-rank: a 2nd choice kept while a 1st choice dropped");
                 }
@@ -645,6 +646,10 @@ fn modified_configs() -> Vec<RouterConfig> {
     c.top_k = Some(1);
     let cap = c.capacity.as_mut().unwrap();
     (cap.factor, cap.renormalize_after_drop) = (Some(0.5), true);
+    out.push(c);
+    let mut c = small("batch-prioritized", 4);
+    c.name += "-k2";
+    c.top_k = Some(2);
     out.push(c);
     let mut c = small("sinkhorn", 4);
     c.name += "-k2-softmax-per-sequence";

@@ -14,3 +14,4 @@ mod mpi;
 mod parallel;
 mod snapshots;
 mod user_snapshot;
+mod sweep;

@@ -1,0 +1,40 @@
+//! `moe-audit sweep`: the grid of routers × sizes, load balance against leaks, with charts.
+
+use super::{io_error, progress_bar};
+use crate::error::Result;
+use crate::sweep::{self, Grid};
+use clap::Args;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// Arguments of `moe-audit sweep`.
+#[derive(Debug, Args)]
+pub struct SweepArgs {
+    /// Grid file (TOML); without it, the built-in default grid.
+    #[arg(value_name = "SWEEP.toml")]
+    pub grid: Option<PathBuf>,
+    /// Where sweep.json, sweep.csv, sweep.md and the charts go.
+    #[arg(long, value_name = "DIR", default_value = "sweep-results")]
+    pub output_dir: PathBuf,
+}
+
+pub(super) fn run(args: &SweepArgs, out: &mut dyn Write) -> Result<u8> {
+    let (grid, source, base) = match &args.grid {
+        Some(path) => (Grid::from_file(path)?, path.display().to_string(), path.parent().unwrap_or(Path::new(".")).to_path_buf()),
+        None => (Grid::default(), "<default grid>".to_string(), PathBuf::from(".")),
+    };
+    let bar = progress_bar(sweep::cell_count(&grid, &source, &base)? as u64);
+    let report = sweep::run(&grid, &source, &base, &mut |router| {
+        bar.set_message(router.to_string());
+        bar.inc(1);
+    })?;
+    bar.finish_and_clear();
+    let written = sweep::write_all(&report, &args.output_dir)?;
+    let mut text = sweep::output::markdown(&report);
+    text.push('\n');
+    for path in written {
+        text.push_str(&format!("wrote {}\n", path.display()));
+    }
+    out.write_all(text.as_bytes()).map_err(io_error)?;
+    Ok(0)
+}

@@ -1,0 +1,236 @@
+//! `moe-audit sweep`: load balance against causality over a grid of routers and sizes.
+//!
+//! Each cell builds a seeded layer (running aux-loss-free balancing steps first where the router
+//! has them), audits it with the analyzer ([`crate::analyze::audit`]) and adds what the audit
+//! does not give: the compute imbalance after dropping and the output change leaks cause. Then
+//! one router's position × distance heatmap. Everything is seeded: the same grid gives the same
+//! bytes.
+
+mod chart;
+mod grid;
+mod heatmap;
+pub mod output;
+
+pub use grid::{Cell, Grid, Skipped};
+pub use heatmap::Heatmap;
+pub use output::write_all;
+
+use crate::analyze::compare::diff_token;
+use crate::analyze::numerics::{swamping, Swamping};
+use crate::analyze::{audit, AuditOptions, Probe, RouterReport, Subject, Verdict};
+use crate::error::Result;
+use crate::layer::{MoeLayer, Seeded};
+use crate::router::{logits_to_host, Router};
+use crate::routing::Routing;
+use candle_core::{DType, Device, Tensor};
+use serde::{Deserialize, Serialize};
+
+/// The result of a sweep (`sweep.json`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SweepReport {
+    /// The grid that ran.
+    pub grid: Grid,
+    /// One row per configuration.
+    pub cells: Vec<CellResult>,
+    /// Combinations a router could not take.
+    pub skipped: Vec<Skipped>,
+    /// The heatmap router's position × distance picture.
+    pub heatmap: Heatmap,
+    /// Accumulator swamping (probe X), router-independent; `None` without `numerics`.
+    pub swamping: Option<Vec<Swamping>>,
+}
+
+/// Load balance and leaks of one configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CellResult {
+    /// Router name.
+    pub router: String,
+    /// Capacity factor applied (`None`: dropless or fixed capacity).
+    pub capacity_factor: Option<f64>,
+    /// k applied (`None`: expert choice).
+    pub top_k: Option<usize>,
+    /// E.
+    pub experts: usize,
+    /// Tokens per sequence.
+    pub seq_len: usize,
+    /// Sequences per call.
+    pub batch: usize,
+    /// Aux-loss-free balancing steps run before the audit.
+    pub balance_steps: usize,
+    /// Routed load (before dropping): max over mean.
+    pub max_over_mean_load: f64,
+    /// Routed load: coefficient of variation.
+    pub load_cv: f64,
+    /// Dropped routes over routed routes.
+    pub drop_rate: f64,
+    /// Switch auxiliary loss.
+    pub aux_loss: f64,
+    /// Kept load (what experts compute): max over mean. The imbalance the chart plots.
+    pub max_over_mean_kept: f64,
+    /// Leak rate (affected / compared tokens) per causality probe: P, F, N, R.
+    pub leak_p: f64,
+    /// See `leak_p`.
+    pub leak_f: f64,
+    /// See `leak_p`.
+    pub leak_n: f64,
+    /// See `leak_p`.
+    pub leak_r: f64,
+    /// Determinism (D) and statelessness (S) leak rates.
+    pub leak_d: f64,
+    /// See `leak_d`.
+    pub leak_s: f64,
+    /// The largest of P, F, N, R: the chart's leak rate.
+    pub leak_rate: f64,
+    /// Probes with a leak verdict, e.g. `P F N R`.
+    pub leaking: String,
+    /// M: share of tokens routed differently by the `[inference]` rule (`None`: no such table).
+    pub mismatch: Option<f64>,
+    /// Mean relative output change (L2, relative to the larger of the two outputs) of the first
+    /// half of every sequence when the second half is replaced: what leaks do to outputs (0 for
+    /// a causal router).
+    pub output_change: Option<f64>,
+    /// The same, over the tokens whose routing changed only.
+    pub output_change_affected: Option<f64>,
+    /// X: share of tokens routed differently in bf16 than in f32.
+    pub flips_bf16: Option<f64>,
+    /// X: the same in f16.
+    pub flips_f16: Option<f64>,
+}
+
+/// Runs every cell (calling `tick` after each) and the heatmap.
+pub fn run(grid: &Grid, source_name: &str, base: &std::path::Path, tick: &mut dyn FnMut(&str)) -> Result<SweepReport> {
+    let routers = grid.load_routers(source_name, base)?;
+    let (cells, skipped) = grid.cells(&routers);
+    let mut results = Vec::with_capacity(cells.len());
+    let mut heat = None;
+    for cell in &cells {
+        tick(&cell.config.name);
+        let layer = trained_layer(grid, cell)?;
+        results.push(run_cell(grid, cell, &layer)?);
+        if heat.is_none() && cell.config.name == grid.heatmap {
+            heat = Some(heatmap::heatmap(layer.router(), &base_call(grid, cell, &layer)?.0, cell, grid.seed)?);
+        }
+    }
+    let heatmap = heat.ok_or_else(|| crate::Error::config(source_name, "heatmap", format!("router `{}` has no runnable cell", grid.heatmap)))?;
+    Ok(SweepReport { grid: grid.clone(), cells: results, skipped, heatmap, swamping: grid.numerics.then(|| swamping(grid.seed)) })
+}
+
+/// Number of cells the grid runs (for a progress bar).
+pub fn cell_count(grid: &Grid, source_name: &str, base: &std::path::Path) -> Result<usize> {
+    Ok(grid.cells(&grid.load_routers(source_name, base)?).0.len())
+}
+
+/// The cell's seeded layer, after its balancing steps (on batches of the cell's size).
+fn trained_layer(grid: &Grid, cell: &Cell) -> Result<MoeLayer> {
+    let mut layer = MoeLayer::seeded(cell.config.clone(), grid.hidden, grid.ffn, grid.seed, DType::F32, &Device::Cpu)?;
+    if cell.config.bias_update_rate.is_some() {
+        for step in 0..grid.balance_steps as u64 {
+            let x = Seeded::new(grid.seed ^ (0xba1a_0000 + step)).normal(&[cell.batch, cell.seq_len, grid.hidden], &Device::Cpu)?;
+            let (_, routing) = layer.forward(&x)?;
+            layer.balance_step(&routing.experts_load)?;
+        }
+    }
+    Ok(layer)
+}
+
+fn balance_steps(grid: &Grid, cell: &Cell) -> usize {
+    if cell.config.bias_update_rate.is_some() {
+        grid.balance_steps
+    } else {
+        0
+    }
+}
+
+/// The audit's base call: the same seeded hidden states the analyzer draws, their logits.
+fn base_call(grid: &Grid, cell: &Cell, layer: &MoeLayer) -> Result<(crate::routing::Logits, Tensor)> {
+    let x = Seeded::new(grid.seed).normal(&[cell.batch, cell.seq_len, grid.hidden], &Device::Cpu)?;
+    Ok((logits_to_host(&layer.router().scores(&x)?)?, x))
+}
+
+fn run_cell(grid: &Grid, cell: &Cell, layer: &MoeLayer) -> Result<CellResult> {
+    let mut probes = vec![Probe::P, Probe::F, Probe::N, Probe::R, Probe::D, Probe::S, Probe::M];
+    if grid.numerics {
+        probes.push(Probe::X);
+    }
+    let options = AuditOptions { probes, batch: cell.batch, seq_len: cell.seq_len, trials: grid.trials, seed: grid.seed, ..AuditOptions::default() };
+    let report = audit(&Subject::layer(layer), &options, &mut |_| {})?;
+    let rate = |p: Probe| report.finding(p).filter(|f| f.verdict != Verdict::NotApplicable).map(|f| f.rate);
+    let (_, x) = base_call(grid, cell, layer)?;
+    let (y, routing) = layer.forward(&x)?;
+    let (output_change, output_change_affected) = output_change(grid, layer, &x, &y, &routing)?;
+    let flips = |i: usize| report.finding(Probe::X).and_then(|f| f.numerics.as_ref()).map(|n| n.flips[i].rate);
+    let causal = [Probe::P, Probe::F, Probe::N, Probe::R].map(|p| rate(p).unwrap_or(0.0));
+    Ok(CellResult {
+        router: cell.config.name.clone(),
+        capacity_factor: cell.capacity_factor,
+        top_k: cell.top_k,
+        experts: cell.experts,
+        seq_len: cell.seq_len,
+        batch: cell.batch,
+        balance_steps: balance_steps(grid, cell),
+        max_over_mean_load: report.load.max_over_mean_load,
+        load_cv: report.load.load_cv,
+        drop_rate: report.load.drop_rate,
+        aux_loss: report.load.aux_loss,
+        max_over_mean_kept: kept_imbalance(&routing),
+        leak_p: causal[0],
+        leak_f: causal[1],
+        leak_n: causal[2],
+        leak_r: causal[3],
+        leak_d: rate(Probe::D).unwrap_or(0.0),
+        leak_s: rate(Probe::S).unwrap_or(0.0),
+        leak_rate: causal.iter().copied().fold(0.0, f64::max),
+        leaking: leaking(&report),
+        mismatch: rate(Probe::M),
+        output_change,
+        output_change_affected,
+        flips_bf16: flips(0),
+        flips_f16: flips(1),
+    })
+}
+
+fn leaking(report: &RouterReport) -> String {
+    let probes: Vec<String> = report.findings.iter().filter(|f| f.verdict == Verdict::Leak).map(|f| f.probe.to_string()).collect();
+    probes.join(" ")
+}
+
+/// Max over mean of the kept rows per expert (padding included: experts compute it).
+fn kept_imbalance(r: &Routing) -> f64 {
+    let rows: Vec<f64> = r.experts_load.iter().map(|l| (l.kept + l.padded) as f64).collect();
+    let mean = rows.iter().sum::<f64>() / rows.len() as f64;
+    if mean > 0.0 {
+        rows.iter().copied().fold(0.0, f64::max) / mean
+    } else {
+        0.0
+    }
+}
+
+/// Replaces the second half of every sequence and measures the first half's outputs: mean
+/// relative L2 change over all those tokens, and over those whose routing changed.
+fn output_change(grid: &Grid, layer: &MoeLayer, x: &Tensor, y: &Tensor, routing: &Routing) -> Result<(Option<f64>, Option<f64>)> {
+    let (b, s, h) = x.dims3()?;
+    let half = s / 2;
+    if half == 0 {
+        return Ok((None, None));
+    }
+    let later = Seeded::new(grid.seed ^ 0xf0_7e).normal(&[b, s - half, h], &Device::Cpu)?;
+    let changed = Tensor::cat(&[&x.narrow(1, 0, half)?, &later], 1)?;
+    let (y2, r2) = layer.forward(&changed)?;
+    let (ya, yb) = (y.to_vec3::<f32>()?, y2.to_vec3::<f32>()?);
+    let (mut all, mut affected, mut n_affected) = (0.0, 0.0, 0usize);
+    for bi in 0..b {
+        for p in 0..half {
+            let (a, c) = (&ya[bi][p], &yb[bi][p]);
+            // Relative to the larger output: expert choice may leave a token with no expert (0).
+            let norm = |v: &[f32]| v.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
+            let scale = norm(a).max(norm(c));
+            let diff = if scale > 0.0 { a.iter().zip(c).map(|(u, v)| f64::from(u - v).powi(2)).sum::<f64>().sqrt() / scale } else { 0.0 };
+            all += diff;
+            if diff_token(routing, (bi, p), &r2, (bi, p)).decision() {
+                affected += diff;
+                n_affected += 1;
+            }
+        }
+    }
+    Ok((Some(all / (b * half) as f64), (n_affected > 0).then(|| affected / n_affected as f64)))
+}

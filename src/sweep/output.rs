@@ -1,0 +1,122 @@
+//! Writing a sweep: `sweep.json` (the whole report), `sweep.csv` (one row per cell),
+//! `sweep.md` (the table the README shows) and the charts.
+
+use super::{chart, CellResult, SweepReport};
+use crate::error::{Error, Result};
+use std::fmt::Write;
+use std::path::{Path, PathBuf};
+
+/// Writes every output into `dir` (created if needed); returns the paths written.
+pub fn write_all(report: &SweepReport, dir: &Path) -> Result<Vec<PathBuf>> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::input(dir, format!("cannot create: {e}")))?;
+    let mut written = Vec::new();
+    let mut write = |name: &str, text: String| -> Result<()> {
+        let path = dir.join(name);
+        std::fs::write(&path, text).map_err(|e| Error::input(&path, format!("cannot write: {e}")))?;
+        written.push(path);
+        Ok(())
+    };
+    write("sweep.json", serde_json::to_string_pretty(report).expect("a report always serialises") + "\n")?;
+    write("sweep.csv", csv(&report.cells))?;
+    write("sweep.md", markdown(report))?;
+    written.extend(chart::leak_vs_imbalance(&report.cells, dir)?);
+    written.extend(chart::heatmap(&report.heatmap, dir)?);
+    Ok(written)
+}
+
+fn opt<T: ToString>(v: Option<T>) -> String {
+    v.map_or(String::new(), |v| v.to_string())
+}
+
+/// One header line and one line per cell; empty fields where a value does not apply.
+pub fn csv(cells: &[CellResult]) -> String {
+    let mut out = String::from(
+        "router,capacity_factor,top_k,experts,seq_len,batch,balance_steps,max_over_mean_load,load_cv,drop_rate,aux_loss,\
+         max_over_mean_kept,leak_p,leak_f,leak_n,leak_r,leak_d,leak_s,leak_rate,leaking,mismatch,output_change,\
+         output_change_affected,flips_bf16,flips_f16\n",
+    );
+    for c in cells {
+        let fields = [
+            c.router.clone(),
+            opt(c.capacity_factor),
+            opt(c.top_k),
+            c.experts.to_string(),
+            c.seq_len.to_string(),
+            c.batch.to_string(),
+            c.balance_steps.to_string(),
+            c.max_over_mean_load.to_string(),
+            c.load_cv.to_string(),
+            c.drop_rate.to_string(),
+            c.aux_loss.to_string(),
+            c.max_over_mean_kept.to_string(),
+            c.leak_p.to_string(),
+            c.leak_f.to_string(),
+            c.leak_n.to_string(),
+            c.leak_r.to_string(),
+            c.leak_d.to_string(),
+            c.leak_s.to_string(),
+            c.leak_rate.to_string(),
+            c.leaking.clone(),
+            opt(c.mismatch),
+            opt(c.output_change),
+            opt(c.output_change_affected),
+            opt(c.flips_bf16),
+            opt(c.flips_f16),
+        ];
+        out.push_str(&fields.join(","));
+        out.push('\n');
+    }
+    out
+}
+
+fn pct(v: f64) -> String {
+    format!("{:.1}", v * 100.0)
+}
+
+fn opt_pct(v: Option<f64>) -> String {
+    v.map_or("–".into(), pct)
+}
+
+/// The cells as a markdown table (percentages), then skipped combinations and swamping.
+pub fn markdown(report: &SweepReport) -> String {
+    let mut out = String::from(
+        "| router | cf | k | E | B×S | max/mean routed | CV | drop % | aux | max/mean kept | P % | F % | N % | R % | M % | Δout % | bf16 flips % |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for c in &report.cells {
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {}×{} | {:.3} | {:.3} | {} | {:.3} | {:.3} | {} | {} | {} | {} | {} | {} | {} |",
+            c.router,
+            c.capacity_factor.map_or("–".into(), |f| f.to_string()),
+            c.top_k.map_or("–".into(), |k| k.to_string()),
+            c.experts,
+            c.batch,
+            c.seq_len,
+            c.max_over_mean_load,
+            c.load_cv,
+            pct(c.drop_rate),
+            c.aux_loss,
+            c.max_over_mean_kept,
+            pct(c.leak_p),
+            pct(c.leak_f),
+            pct(c.leak_n),
+            pct(c.leak_r),
+            opt_pct(c.mismatch),
+            opt_pct(c.output_change),
+            opt_pct(c.flips_bf16),
+        );
+    }
+    for s in &report.skipped {
+        let _ = writeln!(out, "\nskipped {}: {}", s.router, s.reason);
+    }
+    if let Some(rows) = &report.swamping {
+        out.push_str("\nAccumulator swamping (probe X): relative error of summing n terms of about 1.\n\n");
+        out.push_str("| terms | f16 | bf16 | f32 | f16 pairwise | bf16 pairwise |\n|---|---|---|---|---|---|\n");
+        for r in rows {
+            let _ =
+                writeln!(out, "| {} | {:.2e} | {:.2e} | {:.2e} | {:.2e} | {:.2e} |", r.terms, r.f16, r.bf16, r.f32, r.f16_pairwise, r.bf16_pairwise);
+        }
+    }
+    out
+}

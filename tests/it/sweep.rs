@@ -1,0 +1,105 @@
+//! `moe-audit sweep`: outputs, determinism, the figures of a small grid, bad grid files.
+
+use super::cli::{fail, file, stdout, tmp_dir};
+
+const SMALL: &str = "routers = [\"causal-capacity\", \"batch-prioritized\", \"sinkhorn\"]\ncapacity_factor = [1.0]\ntop_k = [1, 2]\n\
+                     experts = [4]\nseq_len = [16]\nbatch = [2]\ntrials = 2\nheatmap = \"batch-prioritized\"\n";
+
+fn sweep(name: &str) -> (String, std::path::PathBuf) {
+    let grid = file(&format!("{name}.toml"), SMALL);
+    let dir = tmp_dir().join(name);
+    let text = stdout(&["sweep", &grid, "--output-dir", dir.to_str().unwrap()]);
+    (text, dir)
+}
+
+#[test]
+fn a_small_grid_writes_every_output_byte_identically() {
+    let (text, a) = sweep("sweep-a");
+    let (_, b) = sweep("sweep-b");
+    let names = [
+        "sweep.json",
+        "sweep.csv",
+        "sweep.md",
+        "leak-vs-imbalance.svg",
+        "leak-vs-imbalance.png",
+        "heatmap-batch-prioritized.svg",
+        "heatmap-batch-prioritized.png",
+    ];
+    for name in names {
+        let (x, y) = (std::fs::read(a.join(name)).unwrap(), std::fs::read(b.join(name)).unwrap());
+        assert!(!x.is_empty() && x == y, "{name} differs between two runs");
+        assert!(text.contains(&format!("wrote {}", a.join(name).display())), "{text}");
+    }
+    assert!(std::fs::read(a.join("leak-vs-imbalance.png")).unwrap().starts_with(b"\x89PNG"));
+    assert!(std::fs::read_to_string(a.join("leak-vs-imbalance.svg")).unwrap().starts_with("<svg"));
+
+    let report: moe_audit::sweep::SweepReport = serde_json::from_str(&std::fs::read_to_string(a.join("sweep.json")).unwrap()).unwrap();
+    // 3 routers × k {1, 2}; one capacity factor.
+    assert_eq!(report.cells.len(), 6);
+    let csv = std::fs::read_to_string(a.join("sweep.csv")).unwrap();
+    assert_eq!(csv.lines().count(), 7);
+    for c in &report.cells {
+        match c.router.as_str() {
+            "causal-capacity" => {
+                assert_eq!(c.leak_rate, 0.0, "{c:?}");
+                assert!(c.leaking.split(' ').all(|p| p == "X" || p.is_empty()), "only precision flips may show: {c:?}");
+                assert!(c.drop_rate > 0.0 && c.output_change == Some(0.0), "capacity binds, outputs stay: {c:?}");
+            }
+            "batch-prioritized" => assert!(c.leak_rate > 0.0 && c.mismatch.is_none(), "{c:?}"),
+            _ => assert!(c.mismatch.is_some_and(|m| m > 0.0) && c.leak_rate > 0.0, "sinkhorn: M measured: {c:?}"),
+        }
+        assert!(c.flips_bf16.is_some() && c.max_over_mean_kept >= 1.0);
+    }
+    let h = &report.heatmap;
+    assert_eq!((h.router.as_str(), h.seq_len, h.rate.len()), ("batch-prioritized", 16, 15));
+    assert!(h.rate.iter().enumerate().all(|(d, row)| row.len() == 16 - (d + 1)));
+    assert!(h.rate.iter().flatten().any(|&r| r > 0.0), "later tokens affect earlier ones");
+    assert_eq!(report.swamping.as_ref().unwrap().len(), moe_audit::analyze::numerics::SWAMPING_TERMS.len());
+}
+
+#[test]
+fn bad_grid_files_name_file_field_and_value() {
+    let cases = [
+        ("g1.toml", "top_k = [1, 0]\n"),
+        ("g2.toml", "capacity_factor = \"x\"\n"),
+        ("g3.toml", "routers = [\"nope\"]\nheatmap = \"nope\"\n"),
+        ("g4.toml", "routerz = 1\n"),
+        ("g5.toml", "capacity_factor = [1.0, -2.0]\n"),
+        ("g6.toml", "heatmap = \"mixtral-x\"\n"),
+    ];
+    let errors: Vec<String> = cases.iter().map(|(name, text)| fail(&["sweep", &file(name, text)])).collect();
+    insta::assert_snapshot!(errors.join("\n"), @r#"
+    error: [TMP]/g1.toml: top_k[1]: must be at least 1, got 0
+    error: [TMP]/g2.toml: capacity_factor: invalid type: string "x", expected a sequence (line 1, column 19)
+    error: [TMP]/g3.toml: routers[0]: unknown router `nope`: not a preset (mixtral, deepseek-v3, switch, megatron-probs, megatron-position, megatron-probs-pad, deepspeed-top1, deepspeed-top2, deepspeed-topk-probs, expert-choice, aux-loss-free, causal-capacity, sinkhorn, batch-prioritized, expert-choice-tc-serve) and not a file
+    error: [TMP]/g4.toml: routerz: unknown field `routerz`, expected one of `routers`, `capacity_factor`, `top_k`, `experts`, `seq_len`, `batch`, `trials`, `seed`, `hidden`, `ffn`, `balance_steps`, `numerics`, `heatmap` (line 1, column 1)
+    error: [TMP]/g5.toml: capacity_factor[1]: must be finite and > 0, got -2
+    error: [TMP]/g6.toml: heatmap: `mixtral-x` is not one of `routers`
+    "#);
+}
+
+#[test]
+fn the_committed_default_sweep_and_the_readme_table_are_current() {
+    // `cargo run -- sweep --output-dir docs/sweep` regenerates them.
+    let dir = tmp_dir().join("sweep-default");
+    let text = stdout(&["sweep", "--output-dir", dir.to_str().unwrap()]);
+    let fresh = std::fs::read_to_string(dir.join("sweep.md")).unwrap();
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    assert_eq!(fresh, std::fs::read_to_string(root.join("docs/sweep/sweep.md")).unwrap(), "docs/sweep is stale");
+    assert!(text.starts_with(&fresh));
+    let table = fresh.split("\nAccumulator swamping").next().unwrap().trim();
+    assert!(std::fs::read_to_string(root.join("README.md")).unwrap().contains(table), "README's sweep table is stale");
+}
+
+#[test]
+fn check_runs_probe_x_only_when_asked() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_moe-audit"))
+        .args(["check", "mixtral", "--probes", "X", "--seq-len", "256", "--batch", "4"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(out.status.code(), Some(1), "a bf16 flip is a T/I leak: {text}");
+    assert!(text.contains("X numerics   LEAK    T/I") && text.contains("routing flips: bf16 0.59%, f16 0.10% of tokens"), "{text}");
+    let default = stdout(&["check", "mixtral", "--seq-len", "8", "--trials", "2"]);
+    assert!(!default.contains("numerics"), "X is opt-in: {default}");
+}
