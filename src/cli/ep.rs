@@ -1,6 +1,8 @@
 //! `moe-audit ep`: one expert-parallel forward of a seeded layer, with each rank's traffic
 //! beside DOMAIN.md §5's formula and the output checked against the single-device layer.
 
+use crate::memory::{self, CallSizes};
+use bytesize::ByteSize;
 use super::check::CommKind;
 use super::io_error;
 use super::route::read_logits;
@@ -48,6 +50,10 @@ pub struct EpArgs {
     /// Output format.
     #[arg(long, value_enum, default_value_t = EpFormat::Text)]
     pub format: EpFormat,
+    /// Refuse to start a forward estimated to need more memory (e.g. `4GiB`; default: half of
+    /// physical memory).
+    #[arg(long, value_name = "SIZE")]
+    pub max_memory: Option<ByteSize>,
 }
 
 /// Output formats of `ep`.
@@ -85,6 +91,9 @@ pub(super) fn run(args: &EpArgs, out: &mut dyn Write) -> Result<u8> {
         }
     }
     let config = RouterConfig::load(&args.router)?;
+    let sizes = CallSizes { batch: args.batch, seq_len: args.seq_len, experts: config.experts, routes: config.k(), hidden: args.hidden, ffn: args.ffn };
+    // The expert-parallel forward, its gathered outputs and the single-device forward.
+    memory::ensure_fits("this forward", sizes.estimate().saturating_mul(3), memory::limit(args.max_memory))?;
     let layer = MoeLayer::seeded(config, args.hidden, args.ffn, args.seed, DType::F32, &Device::Cpu)?;
     let x = match &args.input {
         Some(path) => {

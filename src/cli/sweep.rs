@@ -2,6 +2,8 @@
 
 use super::{io_error, progress_bar};
 use crate::error::Result;
+use crate::memory;
+use bytesize::ByteSize;
 use crate::sweep::{self, Grid};
 use clap::Args;
 use std::io::Write;
@@ -16,6 +18,10 @@ pub struct SweepArgs {
     /// Where sweep.json, sweep.csv, sweep.md and the charts go.
     #[arg(long, value_name = "DIR", default_value = "sweep-results")]
     pub output_dir: PathBuf,
+    /// Refuse to start a sweep whose largest cell is estimated to need more memory (e.g.
+    /// `4GiB`; default: half of physical memory).
+    #[arg(long, value_name = "SIZE")]
+    pub max_memory: Option<ByteSize>,
 }
 
 pub(super) fn run(args: &SweepArgs, out: &mut dyn Write) -> Result<u8> {
@@ -24,7 +30,7 @@ pub(super) fn run(args: &SweepArgs, out: &mut dyn Write) -> Result<u8> {
         None => (Grid::default(), "<default grid>".to_string(), PathBuf::from(".")),
     };
     let bar = progress_bar(sweep::cell_count(&grid, &source, &base)? as u64);
-    let report = sweep::run(&grid, &source, &base, &mut |router| {
+    let report = sweep::run(&grid, &source, &base, memory::limit(args.max_memory), &mut |router| {
         bar.set_message(router.to_string());
         bar.inc(1);
     })?;

@@ -97,10 +97,16 @@ pub struct CellResult {
     pub flips_f16: Option<f64>,
 }
 
-/// Runs every cell (calling `tick` after each) and the heatmap.
-pub fn run(grid: &Grid, source_name: &str, base: &std::path::Path, tick: &mut dyn FnMut(&str)) -> Result<SweepReport> {
+/// Runs every cell (calling `tick` after each) and the heatmap; fails before running any when
+/// a cell's audit is estimated to need more than `max_memory` bytes.
+pub fn run(grid: &Grid, source_name: &str, base: &std::path::Path, max_memory: u64, tick: &mut dyn FnMut(&str)) -> Result<SweepReport> {
     let routers = grid.load_routers(source_name, base)?;
     let (cells, skipped) = grid.cells(&routers);
+    for cell in &cells {
+        let options = AuditOptions { batch: cell.batch, seq_len: cell.seq_len, trials: grid.trials, ..AuditOptions::default() };
+        let what = format!("{source_name}: the cell {} (batch {} x seq_len {}, {} experts)", cell.config.name, cell.batch, cell.seq_len, cell.experts);
+        crate::memory::ensure_fits(&what, options.memory_estimate(cell.experts, cell.config.k(), grid.hidden, grid.ffn), max_memory)?;
+    }
     let mut results = Vec::with_capacity(cells.len());
     let mut heat = None;
     for cell in &cells {

@@ -58,7 +58,7 @@ fn fail_lines(args: &[&str]) -> String {
     err.trim_end().replace(tmp_dir().to_str().unwrap(), "[TMP]")
 }
 
-/// A valid router file; the bad ones below are this with one change.
+/// A valid router file.
 const ROUTER: &str = r#"name = "t"
 kind = "token-choice"
 experts = 8
@@ -69,11 +69,6 @@ score = "softmax-post"
 factor = 1.0
 policy = "probs"
 "#;
-
-fn router_with(name: &str, from: &str, to: &str) -> String {
-    assert!(ROUTER.contains(from), "{from:?} is not in the base router");
-    file(name, &ROUTER.replacen(from, to, 1))
-}
 
 
 // ---------------------------------------------------------------------------------------------
@@ -212,140 +207,7 @@ fn route_accepts_a_router_file() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Bad inputs: exit 2, one line, says what and where
-
-#[test]
-fn unknown_preset() {
-    insta::assert_snapshot!(fail(&["route", "no-such-router"]), @"error: unknown router `no-such-router`: not a preset (mixtral, deepseek-v3, switch, megatron-probs, megatron-position, megatron-probs-pad, deepspeed-top1, deepspeed-top2, deepspeed-topk-probs, expert-choice, aux-loss-free, causal-capacity, sinkhorn, batch-prioritized, expert-choice-tc-serve) and not a file");
-}
-
-const SYNTAX_ERROR: &str = "name = \"t\"\nkind = \"token-choice\"\nexperts = \ntop_k = 2\n";
-
-#[test]
-fn toml_syntax_error_names_file_and_line() {
-    let path = file("syntax.toml", SYNTAX_ERROR);
-    let err = fail_lines(&["route", &path]);
-    assert!(err.starts_with("error: [TMP]/syntax.toml: "), "{err}");
-    assert!(err.contains("line 3, column 11"), "{err}");
-}
-
-#[test]
-fn toml_syntax_error_is_one_line() {
-    let path = file("syntax.toml", SYNTAX_ERROR);
-    let err = fail(&["route", &path]);
-    assert!(!err.contains(": -: "), "{err}");
-}
-
-#[test]
-fn top_k_larger_than_experts() {
-    let path = router_with("top_k_9.toml", "top_k = 2", "top_k = 9");
-    insta::assert_snapshot!(fail(&["route", &path]), @"error: [TMP]/top_k_9.toml: top_k: 9 exceeds experts = 8");
-}
-
-#[test]
-fn capacity_factor_zero() {
-    let path = router_with("factor_0.toml", "factor = 1.0", "factor = 0");
-    insta::assert_snapshot!(fail(&["route", &path]), @"error: [TMP]/factor_0.toml: capacity.factor: must be finite and > 0, got 0");
-    let path = router_with("factor_neg.toml", "factor = 1.0", "factor = -0.5");
-    insta::assert_snapshot!(fail(&["route", &path]), @"error: [TMP]/factor_neg.toml: capacity.factor: must be finite and > 0, got -0.5");
-}
-
-#[test]
-fn zero_experts() {
-    let path = router_with("experts_0.toml", "experts = 8", "experts = 0");
-    insta::assert_snapshot!(fail(&["route", &path]), @"error: [TMP]/experts_0.toml: experts: must be at least 1, got 0");
-}
-
-#[test]
-fn expert_bias_of_wrong_length() {
-    let path = router_with("bias.toml", "top_k = 2\n", "top_k = 2\nexpert_bias = [0.0, 1.0]\n");
-    insta::assert_snapshot!(fail(&["route", &path]), @"error: [TMP]/bias.toml: expert_bias: has 2 entries, expected one per expert (8)");
-}
-
-#[test]
-fn unknown_drop_policy_names_the_field_path() {
-    let path = router_with("fifo.toml", r#"policy = "probs""#, r#"policy = "fifo""#);
-    insta::assert_snapshot!(fail(&["route", &path]), @"error: [TMP]/fifo.toml: capacity.policy: unknown variant `fifo`, expected one of `probs`, `position`, `choice-rank`, `batch-priority`, `causal` (line 9, column 10)");
-}
-
-#[test]
-fn unknown_field() {
-    let path = router_with("colour.toml", "top_k = 2\n", "top_k = 2\ncolour = \"red\"\n");
-    let err = fail(&["route", &path]);
-    assert!(err.starts_with("error: [TMP]/colour.toml: colour: unknown field `colour`, expected one of `name`, "), "{err}");
-    assert!(err.ends_with("(line 5, column 1)"), "{err}");
-}
-
-#[test]
-fn both_factor_and_fixed() {
-    let path = router_with("both.toml", "factor = 1.0\n", "factor = 1.0\nfixed = 4\n");
-    insta::assert_snapshot!(fail(&["route", &path]), @"error: [TMP]/both.toml: capacity: set either `factor` or `fixed`, not both");
-}
-
-#[test]
-fn logits_file_that_is_not_json() {
-    let logits = file("not_json.json", "not json\n");
-    insta::assert_snapshot!(fail(&["route", "megatron-probs", "--logits", &logits]), @"error: [TMP]/not_json.json: expected a JSON array of rows of numbers: expected ident at line 1 column 2");
-}
-
-#[test]
-fn logits_row_of_wrong_length() {
-    let logits = file("short_row.json", "[[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3]]");
-    insta::assert_snapshot!(fail(&["route", "megatron-probs", "--logits", &logits, "--batch", "1"]), @"error: [TMP]/short_row.json: row 1 has 3 values, the router has 8 experts");
-}
-
-#[test]
-fn logits_rows_not_divisible_by_batch() {
-    let logits = file("three_rows.json", "[[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6, 7, 8]]");
-    insta::assert_snapshot!(fail(&["route", "megatron-probs", "--logits", &logits, "--batch", "2"]), @"error: [TMP]/three_rows.json: 3 rows cannot be split into --batch 2 sequences");
-}
-
-#[test]
-fn logits_overflowing_f32_are_rejected_not_routed() {
-    // 1e40 is finite in JSON but overflows f32 to inf: row 2 is batch 1, position 0.
-    let logits = file(
-        "huge.json",
-        "[[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 1e40, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6, 7, 8]]",
-    );
-    insta::assert_snapshot!(fail(&["route", "megatron-probs", "--logits", &logits, "--batch", "2"]), @"error: non-finite score inf at batch 1, position 0, expert 3");
-}
-
-#[test]
-fn batch_zero() {
-    insta::assert_snapshot!(fail(&["route", "megatron-probs", "--batch", "0"]), @"error: --batch must be at least 1");
-    let logits = file("hand.json", HAND_LOGITS);
-    insta::assert_snapshot!(fail(&["route", "megatron-probs", "--logits", &logits, "--batch", "0"]), @"error: --batch must be at least 1");
-}
-
-#[test]
-fn seq_len_zero() {
-    insta::assert_snapshot!(fail(&["route", "megatron-probs", "--seq-len", "0"]), @"error: --seq-len must be at least 1");
-    let logits = file("hand.json", HAND_LOGITS);
-    insta::assert_snapshot!(fail(&["route", "megatron-probs", "--logits", &logits, "--seq-len", "0"]), @"error: [TMP]/hand.json: 4 rows at --batch 2 give seq_len 2, not --seq-len 0");
-}
-
-#[test]
-fn hidden_and_ffn_zero() {
-    insta::assert_snapshot!(fail(&["route", "mixtral", "--hidden", "0"]), @"error: --hidden must be at least 1");
-    insta::assert_snapshot!(fail(&["route", "mixtral", "--ffn", "0"]), @"error: --ffn must be at least 1");
-}
-
-#[test]
-fn nonexistent_logits_file() {
-    let missing = tmp_dir().join("does-not-exist.json");
-    let _ = std::fs::remove_file(&missing);
-    insta::assert_snapshot!(fail(&["route", "megatron-probs", "--logits", missing.to_str().unwrap()]), @"error: [TMP]/does-not-exist.json: cannot read: No such file or directory (os error 2)");
-}
-
-#[test]
-fn unknown_flag_is_a_usage_error() {
-    let err = fail_lines(&["route", "megatron-probs", "--frobnicate"]);
-    insta::assert_snapshot!(err.lines().next().unwrap(), @"error: unexpected argument '--frobnicate' found");
-    let err = fail_lines(&["frobnicate"]);
-    insta::assert_snapshot!(err.lines().next().unwrap(), @"error: unrecognized subcommand 'frobnicate'");
-    let err = fail_lines(&["route", "megatron-probs", "--batch", "two"]);
-    assert!(err.contains("--batch"), "{err}");
-}
+// Bad inputs: the catalogue is tests/bad_input.rs; the cases here need a command's context.
 
 /// Runs `check` (or `zoo`) and returns (exit code, stdout); stderr must be empty (no terminal,
 /// so no progress bar).

@@ -1,0 +1,282 @@
+//! The bad-input catalogue: router configs, sweep grids, CLI flags, logits files, safetensors,
+//! protocol messages, trace directories and witness files. Every case runs through the binary
+//! and must exit 2 with exactly one `error: ` line on stderr that names the problem and where,
+//! nothing on stdout, and no panic. The messages are one inline snapshot, so a change to any of
+//! them is reviewed.
+
+use candle_core::{DType, Device, Tensor};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::process::Command;
+
+const BIN: &str = env!("CARGO_BIN_EXE_moe-audit");
+
+fn tmp_dir() -> PathBuf {
+    let dir = std::env::temp_dir().join("moe-audit-bad-input");
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
+
+/// Writes `text` to `name` in the temp dir (atomically); returns the path.
+fn file(name: &str, text: &str) -> String {
+    let (dir, partial) = (tmp_dir(), tmp_dir().join(format!(".{name}.{}", std::process::id())));
+    std::fs::write(&partial, text).expect("write temp file");
+    std::fs::rename(&partial, dir.join(name)).expect("rename temp file");
+    dir.join(name).to_str().expect("utf-8 path").to_string()
+}
+
+/// A valid router file; the bad ones are this with one change.
+const ROUTER: &str = "name = \"t\"\nkind = \"token-choice\"\nexperts = 8\ntop_k = 2\nscore = \"softmax-post\"\n\n[capacity]\nfactor = 1.0\npolicy = \"probs\"\n";
+
+fn router_with(name: &str, from: &str, to: &str) -> String {
+    assert!(ROUTER.contains(from), "{from:?} is not in the base router");
+    file(name, &ROUTER.replacen(from, to, 1))
+}
+
+fn safetensors(name: &str, tensors: &[(&str, Tensor)]) -> String {
+    let path = tmp_dir().join(name);
+    let map: HashMap<String, Tensor> = tensors.iter().map(|(n, t)| (n.to_string(), t.clone())).collect();
+    candle_core::safetensors::save(&map, &path).expect("write safetensors");
+    path.to_str().unwrap().to_string()
+}
+
+/// A router in sh that sends `handshake`, then answers every request with `answer`.
+fn sh_router(handshake: &str, answer: &str) -> String {
+    format!("printf '%s\\n' '{handshake}'; while read -r line; do printf '%s\\n' '{answer}'; done")
+}
+
+const HANDSHAKE: &str = r#"{"protocol": "moe-audit/1", "name": "sh", "experts": 2, "top_k": 1, "input": "logits"}"#;
+
+/// A valid witness file as JSON, from a real leak.
+fn witness() -> serde_json::Value {
+    let dir = tmp_dir().join("witnesses");
+    let out = Command::new(BIN)
+        .args(["check", "megatron-probs", "--probes", "P", "--seq-len", "8", "--batch", "2", "--witness-dir", dir.to_str().unwrap()])
+        .output()
+        .expect("run moe-audit");
+    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_str(&std::fs::read_to_string(dir.join("megatron-probs-P.json")).unwrap()).unwrap()
+}
+
+fn witness_with(name: &str, change: impl FnOnce(&mut serde_json::Value)) -> String {
+    let mut w = witness();
+    change(&mut w);
+    file(name, &w.to_string())
+}
+
+const ROW: &str = "[1, 2, 3, 4, 5, 6, 7, 8]";
+
+/// (what, arguments) of every bad input.
+fn catalogue() -> Vec<(&'static str, Vec<String>)> {
+    let gate = Tensor::ones((8, 16), DType::F32, &Device::Cpu).unwrap();
+    let weights = safetensors(
+        "weights.safetensors",
+        &[("gate", gate.clone()), ("ids", Tensor::zeros((8, 16), DType::U32, &Device::Cpu).unwrap()), ("wide", Tensor::ones((4, 16), DType::F32, &Device::Cpu).unwrap())],
+    );
+    let nan_gate = safetensors("nan.safetensors", &[("gate", (gate * f64::NAN).unwrap())]);
+    let route = |extra: &[&str]| [&["route"], extra].concat().iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let check = |extra: &[&str]| [&["check"], extra].concat().iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let sweep = |path: String| vec!["sweep".to_string(), path, "--output-dir".into(), tmp_dir().join("sweep").to_str().unwrap().into()];
+    let external = |command: String| check(&["--router-cmd", &command, "--batch", "1", "--seq-len", "1", "--probes", "D", "--timeout", "5"]);
+    let replay = |path: String| check(&["--replay", &path]);
+    vec![
+        // Router configs
+        ("unknown preset", route(&["no-such-router"])),
+        ("TOML syntax", route(&[&file("syntax.toml", "name = \"t\"\nexperts = \n")])),
+        ("top_k > experts", route(&[&router_with("top_k.toml", "top_k = 2", "top_k = 9")])),
+        ("capacity factor 0", route(&[&router_with("factor.toml", "factor = 1.0", "factor = 0")])),
+        ("zero experts", route(&[&router_with("experts.toml", "experts = 8", "experts = 0")])),
+        ("expert_bias length", route(&[&router_with("bias.toml", "top_k = 2\n", "top_k = 2\nexpert_bias = [0.0, 1.0]\n")])),
+        ("expert_bias NaN", route(&[&router_with("bias_nan.toml", "top_k = 2\n", "top_k = 2\nexpert_bias = [0.0, 0.0, 0.0, nan, 0.0, 0.0, 0.0, 0.0]\n")])),
+        ("unknown policy", route(&[&router_with("policy.toml", "policy = \"probs\"", "policy = \"fifo\"")])),
+        ("unknown field", route(&[&router_with("field.toml", "top_k = 2\n", "top_k = 2\ncolor = 1\n")])),
+        ("factor and fixed", route(&[&router_with("both.toml", "factor = 1.0\n", "factor = 1.0\nfixed = 4\n")])),
+        ("group_limit not dividing", route(&[&router_with("groups.toml", "top_k = 2\n", "top_k = 2\ngroup_limit = { groups = 3, top_groups = 1 }\n")])),
+        ("router file is a directory", route(&[tmp_dir().to_str().unwrap()])),
+        // Sweep grids
+        ("sweep: missing file", sweep(tmp_dir().join("no-grid.toml").to_str().unwrap().into())),
+        ("sweep: TOML syntax", sweep(file("g_syntax.toml", "top_k = [1,\n"))),
+        ("sweep: top_k 0", sweep(file("g_topk.toml", "top_k = [1, 0]\n"))),
+        ("sweep: unknown router", sweep(file("g_router.toml", "routers = [\"nope\"]\nheatmap = \"nope\"\n"))),
+        ("sweep: unknown field", sweep(file("g_field.toml", "routerz = 1\n"))),
+        ("sweep: too large", sweep(file("g_large.toml", "seq_len = [1000000000]\n"))),
+        // CLI flags
+        ("--batch 0", route(&["mixtral", "--batch", "0"])),
+        ("--seq-len 0", check(&["mixtral", "--seq-len", "0"])),
+        ("--hidden 0", route(&["mixtral", "--hidden", "0"])),
+        ("unknown probe", check(&["mixtral", "--probes", "P,Q"])),
+        ("--max-memory not a size", check(&["mixtral", "--max-memory", "lots"])),
+        ("over --max-memory", check(&["mixtral", "--max-memory", "1KiB"])),
+        ("--ranks not dividing the batch", check(&["mixtral", "--ranks", "3"])),
+        ("unknown flag", route(&["mixtral", "--frobnicate"])),
+        ("unknown command", vec!["frobnicate".into()]),
+        ("missing router", check(&[])),
+        ("--format unknown", check(&["mixtral", "--format", "yaml"])),
+        // Logits files
+        ("logits: missing file", route(&["megatron-probs", "--logits", tmp_dir().join("none.json").to_str().unwrap()])),
+        ("logits: not JSON", route(&["megatron-probs", "--logits", &file("not.json", "not json")])),
+        ("logits: empty", route(&["megatron-probs", "--logits", &file("empty.json", "[]")])),
+        ("logits: short row", route(&["megatron-probs", "--logits", &file("short.json", &format!("[{ROW}, [1, 2]]")), "--batch", "1"])),
+        ("logits: rows vs batch", route(&["megatron-probs", "--logits", &file("three.json", &format!("[{ROW}, {ROW}, {ROW}]")), "--batch", "2"])),
+        ("logits: overflow to inf", route(&["megatron-probs", "--logits", &file("huge.json", "[[1, 2, 3, 1e40, 5, 6, 7, 8]]"), "--batch", "1"])),
+        ("logits: null", route(&["megatron-probs", "--logits", &file("null.json", "[[1, 2, 3, null, 5, 6, 7, 8]]"), "--batch", "1"])),
+        // Safetensors
+        ("weights: missing file", check(&["mixtral", "--weights", tmp_dir().join("none.safetensors").to_str().unwrap(), "--gate", "gate"])),
+        ("weights: not safetensors", check(&["mixtral", "--weights", &file("garbage.safetensors", "garbage"), "--gate", "gate"])),
+        ("weights: no such tensor", check(&["mixtral", "--weights", &weights, "--gate", "nope"])),
+        ("weights: integer dtype", check(&["mixtral", "--weights", &weights, "--gate", "ids"])),
+        ("weights: wrong expert count", check(&["mixtral", "--weights", &weights, "--gate", "wide"])),
+        ("weights: NaN gate", check(&["mixtral", "--weights", &nan_gate, "--gate", "gate"])),
+        // Protocol messages
+        ("protocol: handshake not JSON", external("echo hello".into())),
+        ("protocol: wrong version", external(format!("echo '{}'", HANDSHAKE.replace("moe-audit/1", "moe-audit/2")))),
+        ("protocol: response not JSON", external(sh_router(HANDSHAKE, "garbage"))),
+        ("protocol: wrong id", external(sh_router(HANDSHAKE, r#"{"id": 9, "tokens": [[{"expert": 0, "weight": 1.0, "kept": true}]], "capacity": null}"#))),
+        ("protocol: expert out of range", external(sh_router(HANDSHAKE, r#"{"id": 1, "tokens": [[{"expert": 5, "weight": 1.0, "kept": true}]], "capacity": null}"#))),
+        ("protocol: unknown field", external(sh_router(HANDSHAKE, r#"{"id": 1, "tokens": [], "capacity": null, "extra": 1}"#))),
+        ("protocol: router crashes", external("exit 3".into())),
+        // Trace directories
+        ("traces: no manifest", check(&["--traces", tmp_dir().join("no-traces").to_str().unwrap()])),
+        // Witness files
+        ("witness: missing file", replay(tmp_dir().join("none-witness.json").to_str().unwrap().into())),
+        ("witness: not JSON", replay(file("w_garbage.json", "{"))),
+        ("witness: wrong format", replay(witness_with("w_format.json", |w| w["format"] = "moe-audit-witness/0".into()))),
+        ("witness: invalid router", replay(witness_with("w_router.json", |w| w["router"]["top_k"] = 99.into()))),
+        ("witness: ragged logits", replay(witness_with("w_rows.json", |w| w["a"]["logits"][0] = serde_json::json!([1.0])))),
+        ("witness: token outside", replay(witness_with("w_token.json", |w| w["token_a"]["pos"] = 999.into()))),
+        ("witness: logit beyond f32", replay(witness_with("w_huge.json", |w| w["b"]["logits"][0][0] = serde_json::json!(1e40)))),
+    ]
+}
+
+#[test]
+fn every_bad_input_exits_2_with_one_line_and_no_panic() {
+    let tmp = tmp_dir().to_str().unwrap().to_string();
+    let mut report = String::new();
+    let cases = catalogue();
+    assert!(cases.len() >= 30, "the catalogue has {} cases", cases.len());
+    for (what, args) in cases {
+        let out = Command::new(BIN).args(&args).env("RUST_BACKTRACE", "1").env("RAYON_NUM_THREADS", "1").output().expect("run moe-audit");
+        let err = String::from_utf8(out.stderr).expect("utf-8 stderr");
+        assert!(!err.contains("panicked") && !err.contains("backtrace"), "{what}: panic:\n{err}");
+        assert_eq!(out.status.code(), Some(2), "{what}: {args:?}: exit {:?}, stderr:\n{err}", out.status);
+        assert!(out.stdout.is_empty(), "{what}: wrote to stdout");
+        assert!(err.starts_with("error: ") && err.lines().count() == 1, "{what}: not one `error: ` line:\n{err}");
+        report.push_str(&format!("{what}\n  {}\n", err.trim_end().replace(&tmp, "[TMP]")));
+    }
+    insta::assert_snapshot!(report, @r##"
+    unknown preset
+      error: unknown router `no-such-router`: not a preset (mixtral, deepseek-v3, switch, megatron-probs, megatron-position, megatron-probs-pad, deepspeed-top1, deepspeed-top2, deepspeed-topk-probs, expert-choice, aux-loss-free, causal-capacity, sinkhorn, batch-prioritized, expert-choice-tc-serve) and not a file
+    TOML syntax
+      error: [TMP]/syntax.toml: line 2, column 11: invalid string expected `"`, `'`
+    top_k > experts
+      error: [TMP]/top_k.toml: top_k: 9 exceeds experts = 8
+    capacity factor 0
+      error: [TMP]/factor.toml: capacity.factor: must be finite and > 0, got 0
+    zero experts
+      error: [TMP]/experts.toml: experts: must be at least 1, got 0
+    expert_bias length
+      error: [TMP]/bias.toml: expert_bias: has 2 entries, expected one per expert (8)
+    expert_bias NaN
+      error: [TMP]/bias_nan.toml: expert_bias: entry 3 is NaN, must be finite
+    unknown policy
+      error: [TMP]/policy.toml: capacity.policy: unknown variant `fifo`, expected one of `probs`, `position`, `choice-rank`, `batch-priority`, `causal` (line 9, column 10)
+    unknown field
+      error: [TMP]/field.toml: color: unknown field `color`, expected one of `name`, `description`, `kind`, `experts`, `top_k`, `score`, `normalize`, `expert_bias`, `group_limit`, `routed_scaling`, `selection`, `bias_update_rate`, `capacity`, `scope`, `padding_mask`, `inference` (line 5, column 1)
+    factor and fixed
+      error: [TMP]/both.toml: capacity: set either `factor` or `fixed`, not both
+    group_limit not dividing
+      error: [TMP]/groups.toml: group_limit.groups: 3 does not divide experts = 8
+    router file is a directory
+      error: unknown router `[TMP]`: not a preset (mixtral, deepseek-v3, switch, megatron-probs, megatron-position, megatron-probs-pad, deepspeed-top1, deepspeed-top2, deepspeed-topk-probs, expert-choice, aux-loss-free, causal-capacity, sinkhorn, batch-prioritized, expert-choice-tc-serve) and not a file
+    sweep: missing file
+      error: [TMP]/no-grid.toml: cannot read: No such file or directory (os error 2)
+    sweep: TOML syntax
+      error: [TMP]/g_syntax.toml: line 2, column 1: invalid array expected `]`
+    sweep: top_k 0
+      error: [TMP]/g_topk.toml: top_k[1]: must be at least 1, got 0
+    sweep: unknown router
+      error: [TMP]/g_router.toml: routers[0]: unknown router `nope`: not a preset (mixtral, deepseek-v3, switch, megatron-probs, megatron-position, megatron-probs-pad, deepspeed-top1, deepspeed-top2, deepspeed-topk-probs, expert-choice, aux-loss-free, causal-capacity, sinkhorn, batch-prioritized, expert-choice-tc-serve) and not a file
+    sweep: unknown field
+      error: [TMP]/g_field.toml: routerz: unknown field `routerz`, expected one of `routers`, `capacity_factor`, `top_k`, `experts`, `seq_len`, `batch`, `trials`, `seed`, `hidden`, `ffn`, `balance_steps`, `numerics`, `heatmap` (line 1, column 1)
+    sweep: too large
+      error: [TMP]/g_large.toml: the cell mixtral (batch 4 x seq_len 1000000000, 8 experts) needs about 3.1 TiB of memory, over the limit of 11.8 GiB (--max-memory; the default is half of physical memory): use smaller sizes or raise the limit
+    --batch 0
+      error: --batch must be at least 1
+    --seq-len 0
+      error: --seq-len must be at least 1
+    --hidden 0
+      error: --hidden must be at least 1
+    unknown probe
+      error: --probes: unknown probe `Q`, expected some of P,F,N,R,D,S,M,L,X
+    --max-memory not a size
+      error: invalid value 'lots' for '--max-memory <SIZE>': couldn't parse "lots" into a ByteSize, cannot parse float from empty string (see --help)
+    over --max-memory
+      error: the audit of `mixtral` needs about 33.7 MiB of memory, over the limit of 1.0 KiB (--max-memory; the default is half of physical memory): use smaller sizes or raise the limit
+    --ranks not dividing the batch
+      error: --ranks 3: the batch of 4 sequences must split evenly over the ranks
+    unknown flag
+      error: unexpected argument '--frobnicate' found (see --help)
+    unknown command
+      error: unrecognized subcommand 'frobnicate' (see --help)
+    missing router
+      error: the following required arguments were not provided: <ROUTERS>... (see --help)
+    --format unknown
+      error: invalid value 'yaml' for '--format <FORMAT>' [possible values: text, json, markdown, junit] (see --help)
+    logits: missing file
+      error: [TMP]/none.json: cannot read: No such file or directory (os error 2)
+    logits: not JSON
+      error: [TMP]/not.json: expected a JSON array of rows of numbers: expected ident at line 1 column 2
+    logits: empty
+      error: [TMP]/empty.json: 0 rows cannot be split into --batch 2 sequences
+    logits: short row
+      error: [TMP]/short.json: row 1 has 2 values, the router has 8 experts
+    logits: rows vs batch
+      error: [TMP]/three.json: 3 rows cannot be split into --batch 2 sequences
+    logits: overflow to inf
+      error: non-finite score inf at batch 0, position 0, expert 3
+    logits: null
+      error: [TMP]/null.json: expected a JSON array of rows of numbers: invalid type: null, expected f64 at line 1 column 15
+    weights: missing file
+      error: [TMP]/none.safetensors: cannot load safetensors: No such file or directory (os error 2)
+    weights: not safetensors
+      error: [TMP]/garbage.safetensors: cannot load safetensors: header too small
+    weights: no such tensor
+      error: [TMP]/weights.safetensors: no tensor `nope`; it has gate, ids, wide
+    weights: integer dtype
+      error: [TMP]/weights.safetensors: tensor `ids` is U32, expected a float dtype (f16, bf16, f32, f64)
+    weights: wrong expert count
+      error: [TMP]/weights.safetensors: tensor `wide` has 4 rows (experts), router `mixtral` has 8 experts
+    weights: NaN gate
+      error: [TMP]/nan.safetensors: tensor `gate` has a non-finite value NaN at flat index 0
+    protocol: handshake not JSON
+      error: router `echo hello`: bad handshake (expected value at line 1 column 1): `hello`
+    protocol: wrong version
+      error: router `echo '{"protocol": "moe-audit/2", "name": "sh", "experts": 2, "top_k": 1, "input": "logits"}'`: bad handshake (handshake: protocol `moe-audit/2`, expected `moe-audit/1`): `{"protocol": "moe-audit/2", "name": "sh", "experts": 2, "top_k": 1, "input": "logits"}`
+    protocol: response not JSON
+      error: router `printf '%s\n' '{"protocol": "moe-audit/1", "name": "sh", "experts": 2, "top_k": 1, "input": "logits"}'; while read -r line; do printf '%s\n' 'garbage'; done`: request 1 (train, batch 1 x seq_len 1): not a response (expected value at line 1 column 1): `garbage`
+    protocol: wrong id
+      error: router `printf '%s\n' '{"protocol": "moe-audit/1", "name": "sh", "experts": 2, "top_k": 1, "input": "logits"}'; while read -r line; do printf '%s\n' '{"id": 9, "tokens": [[{"expert": 0, "weight": 1.0, "kept": true}]], "capacity": null}'; done`: request 1 (train, batch 1 x seq_len 1): response id 9 does not match
+    protocol: expert out of range
+      error: router `printf '%s\n' '{"protocol": "moe-audit/1", "name": "sh", "experts": 2, "top_k": 1, "input": "logits"}'; while read -r line; do printf '%s\n' '{"id": 1, "tokens": [[{"expert": 5, "weight": 1.0, "kept": true}]], "capacity": null}'; done`: request 1 (train, batch 1 x seq_len 1): token 0 (batch 0, position 0): expert 5 is out of range 0..2
+    protocol: unknown field
+      error: router `printf '%s\n' '{"protocol": "moe-audit/1", "name": "sh", "experts": 2, "top_k": 1, "input": "logits"}'; while read -r line; do printf '%s\n' '{"id": 1, "tokens": [], "capacity": null, "extra": 1}'; done`: request 1 (train, batch 1 x seq_len 1): not a response (unknown field `extra`, expected one of `id`, `tokens`, `capacity` at line 1 column 49): `{"id": 1, "tokens": [], "capacity": null, "extra": 1}`
+    protocol: router crashes
+      error: router `exit 3`: the router exited (exit status: 3) before its handshake
+    traces: no manifest
+      error: [TMP]/no-traces/manifest.json: cannot read (write it with `moe-audit plan`): No such file or directory (os error 2)
+    witness: missing file
+      error: [TMP]/none-witness.json: cannot read: No such file or directory (os error 2)
+    witness: not JSON
+      error: [TMP]/w_garbage.json: not a witness: EOF while parsing an object at line 1 column 1
+    witness: wrong format
+      error: [TMP]/w_format.json: format `moe-audit-witness/0` is not `moe-audit-witness/1`
+    witness: invalid router
+      error: [TMP]/w_router.json: router.top_k: 99 exceeds experts = 8
+    witness: ragged logits
+      error: [TMP]/w_rows.json: call `a`: expected 5 rows of equal length
+    witness: token outside
+      error: [TMP]/w_token.json: the witness token lies outside its calls
+    witness: logit beyond f32
+      error: [TMP]/w_huge.json: not a witness: number out of range at line 1 column 698
+    "##);
+}
