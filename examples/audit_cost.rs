@@ -38,7 +38,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     config.experts = EXPERTS;
     let layer = MoeLayer::seeded(config, HIDDEN, FFN, 0, DType::F32, &Device::Cpu)?;
     let x = Seeded::new(0).normal(&[BATCH, SEQ, HIDDEN], &Device::Cpu)?;
-    let options = AuditOptions { batch: BATCH, seq_len: SEQ, ..AuditOptions::default() };
+    let mut options = AuditOptions { batch: BATCH, seq_len: SEQ, ..AuditOptions::default() };
+    if let Some(i) = args.iter().position(|a| a == "--probes") {
+        options.probes = moe_audit::analyze::Probe::parse_list(args.get(i + 1).ok_or("--probes needs a list")?)?;
+    }
     println!(
         "audit vs forward, CPU f32: megatron-probs E={EXPERTS} k=2, T={} (batch {BATCH} x seq {SEQ}), H={HIDDEN}, FFN={FFN}, probes {:?}, {} trials; median of {reps}",
         BATCH * SEQ,
