@@ -21,7 +21,10 @@ pub(crate) fn tmp_dir() -> PathBuf {
 pub(crate) fn file(name: &str, text: &str) -> String {
     let dir = tmp_dir();
     let path = dir.join(name);
-    let partial = dir.join(format!(".{name}.{}", std::process::id()));
+    // Unique per write: tests run as threads of one process and may write the same name.
+    static WRITES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let partial = dir.join(format!(".{name}.{}.{n}", std::process::id()));
     std::fs::write(&partial, text).expect("write temp file");
     std::fs::rename(&partial, &path).expect("rename temp file");
     path.to_str().expect("utf-8 temp path").to_string()
