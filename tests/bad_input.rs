@@ -76,7 +76,8 @@ fn catalogue() -> Vec<(&'static str, Vec<String>)> {
     let nan_gate = safetensors("nan.safetensors", &[("gate", (gate * f64::NAN).unwrap())]);
     let route = |extra: &[&str]| [&["route"], extra].concat().iter().map(|s| s.to_string()).collect::<Vec<_>>();
     let check = |extra: &[&str]| [&["check"], extra].concat().iter().map(|s| s.to_string()).collect::<Vec<_>>();
-    let sweep = |path: String| vec!["sweep".to_string(), path, "--output-dir".into(), tmp_dir().join("sweep").to_str().unwrap().into()];
+    // An explicit --max-memory: the default depends on the machine.
+    let sweep = |path: String| vec!["sweep".to_string(), path, "--max-memory".into(), "8GiB".into(), "--output-dir".into(), tmp_dir().join("sweep").to_str().unwrap().into()];
     let external = |command: String| check(&["--router-cmd", &command, "--batch", "1", "--seq-len", "1", "--probes", "D", "--timeout", "5"]);
     let replay = |path: String| check(&["--replay", &path]);
     vec![
@@ -199,7 +200,7 @@ fn every_bad_input_exits_2_with_one_line_and_no_panic() {
     sweep: unknown field
       error: [TMP]/g_field.toml: routerz: unknown field `routerz`, expected one of `routers`, `capacity_factor`, `top_k`, `experts`, `seq_len`, `batch`, `trials`, `seed`, `hidden`, `ffn`, `balance_steps`, `numerics`, `heatmap` (line 1, column 1)
     sweep: too large
-      error: [TMP]/g_large.toml: the cell mixtral (batch 4 x seq_len 1000000000, 8 experts) needs about 3.1 TiB of memory, over the limit of 11.8 GiB (--max-memory; the default is half of physical memory): use smaller sizes or raise the limit
+      error: [TMP]/g_large.toml: the cell mixtral (batch 4 x seq_len 1000000000, 8 experts) needs about 3.9 TiB of memory, over the limit of 8.0 GiB (--max-memory; the default is half of physical memory): use smaller sizes or raise the limit
     --batch 0
       error: --batch must be at least 1
     --seq-len 0
@@ -211,7 +212,7 @@ fn every_bad_input_exits_2_with_one_line_and_no_panic() {
     --max-memory not a size
       error: invalid value 'lots' for '--max-memory <SIZE>': couldn't parse "lots" into a ByteSize, cannot parse float from empty string (see --help)
     over --max-memory
-      error: the audit of `mixtral` needs about 33.7 MiB of memory, over the limit of 1.0 KiB (--max-memory; the default is half of physical memory): use smaller sizes or raise the limit
+      error: the audit of `mixtral` needs about 42.1 MiB of memory, over the limit of 1.0 KiB (--max-memory; the default is half of physical memory): use smaller sizes or raise the limit
     --ranks not dividing the batch
       error: --ranks 3: the batch of 4 sequences must split evenly over the ranks
     unknown flag
