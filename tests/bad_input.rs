@@ -137,6 +137,7 @@ fn catalogue() -> Vec<(&'static str, Vec<String>)> {
         ("protocol: unknown field", external(sh_router(HANDSHAKE, r#"{"id": 1, "tokens": [], "capacity": null, "extra": 1}"#))),
         ("protocol: router crashes", external("exit 3".into())),
         // Trace directories
+        ("plan: too large", vec!["plan".into(), "--experts".into(), "8".into(), "--seq-len".into(), "100000000".into(), "--max-memory".into(), "8GiB".into(), "--output".into(), tmp_dir().join("plan").to_str().unwrap().into()]),
         ("traces: no manifest", check(&["--traces", tmp_dir().join("no-traces").to_str().unwrap()])),
         // Witness files
         ("witness: missing file", replay(tmp_dir().join("none-witness.json").to_str().unwrap().into())),
@@ -263,6 +264,8 @@ fn every_bad_input_exits_2_with_one_line_and_no_panic() {
       error: router `printf '%s\n' '{"protocol": "moe-audit/1", "name": "sh", "experts": 2, "top_k": 1, "input": "logits"}'; while read -r line; do printf '%s\n' '{"id": 1, "tokens": [], "capacity": null, "extra": 1}'; done`: request 1 (train, batch 1 x seq_len 1): not a response (unknown field `extra`, expected one of `id`, `tokens`, `capacity` at line 1 column 49): `{"id": 1, "tokens": [], "capacity": null, "extra": 1}`
     protocol: router crashes
       error: router `exit 3`: the router exited (exit status: 3) before its handshake
+    plan: too large
+      error: this plan needs about 568.4 PiB of memory, over the limit of 8.0 GiB (--max-memory; the default is half of physical memory): use smaller sizes or raise the limit
     traces: no manifest
       error: [TMP]/no-traces/manifest.json: cannot read (write it with `moe-audit plan`): No such file or directory (os error 2)
     witness: missing file

@@ -1,6 +1,7 @@
 //! The `check` flags for routers outside moe-audit (a subprocess, trace files, a real gate),
 //! and `moe-audit plan`.
 
+use crate::memory::{self, CallSizes};
 use crate::analyze::{audit, AuditOptions, Probe, RouterReport, Subject};
 use crate::config::RouterConfig;
 use crate::error::{Error, Result};
@@ -199,6 +200,10 @@ pub struct PlanArgs {
     /// Seed of the inputs and every random choice.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Refuse to start a plan estimated to need more memory (e.g. `4GiB`; default: half of
+    /// physical memory).
+    #[arg(long, value_name = "SIZE")]
+    pub max_memory: Option<bytesize::ByteSize>,
 }
 
 /// `--input` of `plan`.
@@ -236,6 +241,14 @@ pub(super) fn run_plan(args: &PlanArgs, out: &mut dyn Write) -> Result<u8> {
         seed: args.seed,
         ..AuditOptions::default()
     };
+    router.validate().map_err(Error::Usage)?;
+    // One audit at a time, plus every call it makes, kept until written: P's S prefixes (half
+    // the call on average), F's and N's trials, R's cases at up to twice the size, a few more.
+    let width = router.row_width();
+    let call = CallSizes { batch: args.batch, seq_len: args.seq_len, experts: width, routes: args.top_k.unwrap_or(1), hidden: 0, ffn: 0 };
+    let logged = (args.seq_len / 2 + 2 * args.trials + 2 * (args.trials / 8 + 4) + 8) as u64;
+    let estimate = options.memory_estimate(width, call.routes, 0, 0).saturating_add(call.logits_bytes().saturating_mul(logged));
+    memory::ensure_fits("this plan", estimate, memory::limit(args.max_memory))?;
     let calls = plan(&router, &options, &args.output)?;
     writeln!(
         out,
