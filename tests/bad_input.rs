@@ -131,6 +131,8 @@ fn catalogue() -> Vec<(&'static str, Vec<String>)> {
         // Protocol messages
         ("protocol: handshake not JSON", external("echo hello".into())),
         ("protocol: wrong version", external(format!("echo '{}'", HANDSHAKE.replace("moe-audit/1", "moe-audit/2")))),
+        // Found by fuzzing: rows were allocated from the declared size before it was checked.
+        ("protocol: absurd expert count", external(format!("echo '{}'", HANDSHAKE.replace("\"experts\": 2", "\"experts\": 433333333333333")))),
         ("protocol: response not JSON", external(sh_router(HANDSHAKE, "garbage"))),
         ("protocol: wrong id", external(sh_router(HANDSHAKE, r#"{"id": 9, "tokens": [[{"expert": 0, "weight": 1.0, "kept": true}]], "capacity": null}"#))),
         ("protocol: expert out of range", external(sh_router(HANDSHAKE, r#"{"id": 1, "tokens": [[{"expert": 5, "weight": 1.0, "kept": true}]], "capacity": null}"#))),
@@ -254,6 +256,8 @@ fn every_bad_input_exits_2_with_one_line_and_no_panic() {
       error: router `echo hello`: bad handshake (expected value at line 1 column 1): `hello`
     protocol: wrong version
       error: router `echo '{"protocol": "moe-audit/2", "name": "sh", "experts": 2, "top_k": 1, "input": "logits"}'`: bad handshake (handshake: protocol `moe-audit/2`, expected `moe-audit/1`): `{"protocol": "moe-audit/2", "name": "sh", "experts": 2, "top_k": 1, "input": "logits"}`
+    protocol: absurd expert count
+      error: router `echo '{"protocol": "moe-audit/1", "name": "sh", "experts": 433333333333333, "top_k": 1, "input": "logits"}'`: bad handshake (handshake: experts 433333333333333 is not in 1..=1048576): `{"protocol": "moe-audit/1", "name": "sh", "experts": 433333333333333, "top_k": 1, "input": "logits"}`
     protocol: response not JSON
       error: router `printf '%s\n' '{"protocol": "moe-audit/1", "name": "sh", "experts": 2, "top_k": 1, "input": "logits"}'; while read -r line; do printf '%s\n' 'garbage'; done`: request 1 (train, batch 1 x seq_len 1): not a response (expected value at line 1 column 1): `garbage`
     protocol: wrong id

@@ -193,7 +193,7 @@ fn audit_and_report(args: &CheckArgs, out: &mut dyn Write, comm: Option<&dyn Com
     } else {
         audit_all(configs.clone(), &options, args.hidden, args.ffn, memory::limit(args.max_memory), comm)?
     };
-    report.routers.extend(args.external.audit(configs, &options)?);
+    report.routers.extend(args.external.audit(configs, &options, memory::limit(args.max_memory))?);
     if comm.is_some_and(|c| c.rank() != 0) {
         return Ok(u8::from(report.leaks()));
     }

@@ -2,6 +2,7 @@
 //! and `moe-audit plan`.
 
 use crate::memory::{self, CallSizes};
+use crate::router::Router;
 use crate::analyze::{audit, AuditOptions, Probe, RouterReport, Subject};
 use crate::config::RouterConfig;
 use crate::error::{Error, Result};
@@ -93,8 +94,16 @@ impl ExternalArgs {
         &self,
         configs: Vec<RouterConfig>,
         options: &AuditOptions,
+        max_memory: u64,
     ) -> Result<Vec<RouterReport>> {
         let mut reports = Vec::new();
+        // Routers without a layer; their routes per token are unknown before they answer, so
+        // the estimate counts one.
+        let audit_router = |router: &dyn Router| -> Result<RouterReport> {
+            let estimate = options.memory_estimate(router.row_width(), 1, 0, 0);
+            memory::ensure_fits(&format!("the audit of `{}`", router.name()), estimate, max_memory)?;
+            audit(&Subject { router, layer: None }, options, &mut |_| {})
+        };
         if self.weights.is_some() && configs.is_empty() {
             return Err(Error::Usage(
                 "--weights: name the routers (presets or TOML files) to audit on the gate".into(),
@@ -118,14 +127,7 @@ impl ExternalArgs {
             };
             for config in configs {
                 let router = source.router(config)?;
-                reports.push(audit(
-                    &Subject {
-                        router: &router,
-                        layer: None,
-                    },
-                    options,
-                    &mut |_| {},
-                )?);
+                reports.push(audit_router(&router)?);
             }
         }
         if !(self.timeout.is_finite() && self.timeout > 0.0) {
@@ -140,25 +142,11 @@ impl ExternalArgs {
                 Duration::from_secs_f64(self.timeout),
                 options.seed,
             )?;
-            reports.push(audit(
-                &Subject {
-                    router: &router,
-                    layer: None,
-                },
-                options,
-                &mut |_| {},
-            )?);
+            reports.push(audit_router(&router)?);
         }
         if let Some(dir) = &self.traces {
             let router = TraceRouter::open(dir)?;
-            reports.push(audit(
-                &Subject {
-                    router: &router,
-                    layer: None,
-                },
-                options,
-                &mut |_| {},
-            )?);
+            reports.push(audit_router(&router)?);
         }
         Ok(reports)
     }

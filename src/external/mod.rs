@@ -48,8 +48,13 @@ impl<A: Answers> External<A> {
     /// The router in training mode; for `input: hidden`, asks `source` once to route a seeded
     /// pool and keeps the targeted rows it finds (see [`ExternalRows`]) when `target` is set.
     fn new(source: A, seed: u64, target: bool) -> Result<Self> {
-        let mut rows = ExternalRows::new(source.handshake(), seed);
-        if target && source.handshake().input == InputKind::Hidden {
+        let hs = source.handshake();
+        if hs.input == InputKind::Hidden {
+            let pool = (POOL_PER_EXPERT * hs.experts) as u64 * hs.row_width() as u64 * 4;
+            crate::memory::ensure_fits(&format!("the targeted-row pool of router `{}`", hs.name), pool, crate::memory::limit(None))?;
+        }
+        let mut rows = ExternalRows::new(hs, seed);
+        if target && hs.input == InputKind::Hidden {
             let pool = rows.pool();
             let routing = source.answer(Mode::Train, pool.view())?;
             rows.pick_targets(&pool, &routing);

@@ -38,6 +38,10 @@ pub struct Handshake {
     pub hidden_size: Option<usize>,
 }
 
+/// The largest `experts` and `hidden_size` a handshake may declare (2^20: a million experts, as
+/// in product-key MoE); rows are allocated from them, so absurd values are errors, not crashes.
+pub const MAX_SIZE: usize = 1 << 20;
+
 impl Handshake {
     /// Checks the handshake; the error says which field is wrong.
     pub fn validate(&self) -> Result<(), String> {
@@ -47,8 +51,11 @@ impl Handshake {
                 self.protocol
             ));
         }
-        if self.experts == 0 {
-            return Err("handshake: experts must be at least 1".into());
+        if !(1..=MAX_SIZE).contains(&self.experts) {
+            return Err(format!("handshake: experts {} is not in 1..={MAX_SIZE}", self.experts));
+        }
+        if let Some(h) = self.hidden_size.filter(|&h| h > MAX_SIZE) {
+            return Err(format!("handshake: hidden_size {h} is over {MAX_SIZE}"));
         }
         if let Some(k) = self.top_k {
             if k == 0 || k > self.experts {
