@@ -624,3 +624,23 @@ fn junit_and_github_formats() {
     assert_eq!(annotations.len(), 1, "{text}");
     assert!(annotations[0].starts_with("::error title=moe-audit%3A megatron-probs leaks on P prefix::megatron-probs: P prefix leaks C-length: "), "{text}");
 }
+
+#[test]
+fn junit_report_snapshot() {
+    let out = run(&[
+        "check",
+        "megatron-probs",
+        "--format",
+        "junit",
+        "--batch",
+        "2",
+        "--seq-len",
+        "4",
+        "--trials",
+        "4",
+        "--probes",
+        "P,N,D,M",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    insta::assert_snapshot!(String::from_utf8(out.stdout).unwrap());
+}
