@@ -23,24 +23,103 @@ use crate::layer::Seeded;
 use crate::router::Router;
 use crate::routing::Routing;
 use candle_core::{Device, Tensor};
-use ndarray::Array3;
+use ndarray::{Array3, ArrayView3};
+use std::sync::Arc;
 
 /// Pool rows per expert when looking for targeted hidden rows.
 const POOL_PER_EXPERT: usize = 16;
 
-/// The score stage of an external router: rows pass through, checked for width.
-fn pass_through(router: &dyn Router, hidden: &Tensor) -> Result<Tensor> {
-    let (_, _, w) = hidden.dims3()?;
-    if w != router.row_width() {
-        return Err(Error::shape(
-            &format!("router `{}`", router.name()),
-            format!(
-                "rows of {w} values, the router takes {}",
-                router.row_width()
-            ),
-        ));
+/// Where an external router's answers come from: a process, trace files, or `plan`'s recorder.
+pub trait Answers: Send + Sync {
+    /// Routes `rows` (`[batch, seq_len, width]`, finite, as wide as the handshake says).
+    fn answer(&self, hs: &Handshake, mode: Mode, rows: ArrayView3<f32>) -> Result<Routing>;
+}
+
+/// A router outside moe-audit as the analyzer sees it: its handshake, its rows, the mode it is
+/// asked in, and where the answers come from. Its gate lives on the other side, so the score
+/// stage passes rows through; calls are never concurrent (one conversation, a fixed order).
+pub struct External<A> {
+    hs: Arc<Handshake>,
+    rows: ExternalRows,
+    mode: Mode,
+    answers: Arc<A>,
+}
+
+impl<A> External<A> {
+    fn new(hs: Handshake, seed: u64, answers: A) -> Self {
+        let rows = ExternalRows::new(&hs, seed);
+        External {
+            hs: Arc::new(hs),
+            rows,
+            mode: Mode::Train,
+            answers: Arc::new(answers),
+        }
     }
-    Ok(hidden.clone())
+
+    /// The router's handshake.
+    pub fn handshake(&self) -> &Handshake {
+        &self.hs
+    }
+
+    fn check_width(&self, width: usize) -> Result<()> {
+        if width == self.hs.row_width() {
+            return Ok(());
+        }
+        Err(Error::shape(
+            &format!("router `{}`", self.hs.name),
+            format!(
+                "rows of {width} values, the router takes {}",
+                self.hs.row_width()
+            ),
+        ))
+    }
+}
+
+impl<A: Answers + 'static> Router for External<A> {
+    fn name(&self) -> &str {
+        &self.hs.name
+    }
+
+    fn experts(&self) -> usize {
+        self.hs.experts
+    }
+
+    fn row_width(&self) -> usize {
+        self.hs.row_width()
+    }
+
+    fn targeted_row(&self, e: usize) -> Option<Vec<f32>> {
+        self.rows.targeted(e)
+    }
+
+    fn concurrent(&self) -> bool {
+        false
+    }
+
+    fn scores(&self, hidden: &Tensor) -> Result<Tensor> {
+        self.check_width(hidden.dims3()?.2)?;
+        Ok(hidden.clone())
+    }
+
+    fn assign(&self, rows: ArrayView3<f32>) -> Result<Routing> {
+        self.check_width(rows.dim().2)?;
+        crate::routing::scores::check_finite(&rows)?;
+        self.answers.answer(&self.hs, self.mode, rows)
+    }
+
+    fn inference(&self) -> Result<Option<Box<dyn Router>>> {
+        let (hs, rows, answers) = (
+            Arc::clone(&self.hs),
+            self.rows.clone(),
+            Arc::clone(&self.answers),
+        );
+        Ok(Some(Box::new(External {
+            hs,
+            rows,
+            mode: Mode::Inference,
+            answers,
+        })))
+    }
 }
 
 /// Targeted rows of an `input: hidden` router. Without the gate, the analyzer cannot craft a row

@@ -6,12 +6,11 @@
 //! the router tells the analyzer not to run them concurrently, so request ids and the order a
 //! stateful router sees are the same on every run.
 
-use super::protocol::{parse_response, Handshake, InputKind, Mode, Request, PROTOCOL};
-use super::ExternalRows;
+use super::protocol::{parse_response, Handshake, InputKind, Mode, Request};
+use super::{Answers, External};
 use crate::error::{Error, Result};
 use crate::router::Router;
 use crate::routing::Routing;
-use candle_core::Tensor;
 use ndarray::ArrayView3;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
@@ -32,21 +31,17 @@ struct Conversation {
     failed: Option<String>,
 }
 
-struct Shared {
+/// A router behind a command (`--router-cmd "python3 my_router.py"`).
+pub type ExternalRouter = External<Process>;
+
+/// The conversation with a router process.
+pub struct Process {
     command: String,
     timeout: Duration,
-    handshake: Handshake,
     stderr: Arc<Mutex<Vec<u8>>>,
     /// Disconnects when the stderr reader has seen the end of the pipe.
     stderr_done: Mutex<Receiver<()>>,
     conversation: Mutex<Conversation>,
-}
-
-/// A router behind a command (`--router-cmd "python3 my_router.py"`).
-pub struct ExternalRouter {
-    shared: Arc<Shared>,
-    mode: Mode,
-    rows: ExternalRows,
 }
 
 impl ExternalRouter {
@@ -90,18 +85,9 @@ impl ExternalRouter {
             }
         });
         let stdin = child.stdin.take();
-        let placeholder = Handshake {
-            protocol: PROTOCOL.into(),
-            name: String::new(),
-            experts: 1,
-            top_k: None,
-            input: InputKind::Logits,
-            hidden_size: None,
-        };
-        let mut shared = Shared {
+        let process = Process {
             command: command.to_string(),
             timeout,
-            handshake: placeholder,
             stderr,
             stderr_done: Mutex::new(stderr_done),
             conversation: Mutex::new(Conversation {
@@ -112,43 +98,27 @@ impl ExternalRouter {
                 failed: None,
             }),
         };
-        let line = shared.receive("its handshake")?;
+        let line = process.receive("its handshake")?;
         let handshake: Handshake = serde_json::from_str(&line)
             .map_err(|e| e.to_string())
             .and_then(|h: Handshake| h.validate().map(|()| h))
             .map_err(|e| {
-                shared.fail(format!(
+                process.fail(format!(
                     "bad handshake ({e}): `{}`",
                     line.chars().take(120).collect::<String>()
                 ))
             })?;
-        shared.handshake = handshake;
-        let shared = Arc::new(shared);
-        let rows = ExternalRows::new(&shared.handshake, seed);
-        let mut router = ExternalRouter {
-            shared,
-            mode: Mode::Train,
-            rows,
-        };
-        if router.shared.handshake.input == InputKind::Hidden {
+        let mut router = External::new(handshake, seed, process);
+        if router.hs.input == InputKind::Hidden {
             let pool = router.rows.pool();
-            let routing = router.call(pool.view())?;
+            let routing = router.assign(pool.view())?;
             router.rows.pick_targets(&pool, &routing);
         }
         Ok(router)
     }
-
-    /// The handshake the router sent.
-    pub fn handshake(&self) -> &Handshake {
-        &self.shared.handshake
-    }
-
-    fn call(&self, rows: ArrayView3<f32>) -> Result<Routing> {
-        self.shared.call(self.mode, rows)
-    }
 }
 
-impl Shared {
+impl Process {
     fn error(&self, message: String) -> Error {
         Error::input(format!("router `{}`", self.command), message)
     }
@@ -158,7 +128,11 @@ impl Shared {
         let mut conv = self.conversation.lock().expect("conversation");
         kill(&mut conv.child);
         // The group is dead: its stderr ends at once; read what it said last.
-        let _ = self.stderr_done.lock().expect("stderr reader").recv_timeout(Duration::from_secs(1));
+        let _ = self
+            .stderr_done
+            .lock()
+            .expect("stderr reader")
+            .recv_timeout(Duration::from_secs(1));
         let tail = String::from_utf8_lossy(&self.stderr.lock().expect("stderr buffer"))
             .trim()
             .to_string();
@@ -202,19 +176,8 @@ impl Shared {
         }
     }
 
-    fn call(&self, mode: Mode, rows: ArrayView3<f32>) -> Result<Routing> {
+    fn call(&self, hs: &Handshake, mode: Mode, rows: ArrayView3<f32>) -> Result<Routing> {
         let (batch, seq_len, width) = rows.dim();
-        let hs = &self.handshake;
-        if width != hs.row_width() {
-            return Err(Error::shape(
-                &format!("router `{}`", hs.name),
-                format!(
-                    "rows of {width} values, the router takes {}",
-                    hs.row_width()
-                ),
-            ));
-        }
-        crate::routing::scores::check_finite(&rows)?;
         let rows = rows.as_standard_layout();
         let flat = rows.as_slice().expect("standard layout");
         let id = {
@@ -278,7 +241,7 @@ fn kill(child: &mut Child) {
     let _ = child.wait();
 }
 
-impl Drop for Shared {
+impl Drop for Process {
     fn drop(&mut self) {
         let conv = self.conversation.get_mut().expect("conversation");
         drop(conv.stdin.take());
@@ -286,41 +249,8 @@ impl Drop for Shared {
     }
 }
 
-impl Router for ExternalRouter {
-    fn name(&self) -> &str {
-        &self.shared.handshake.name
-    }
-
-    fn experts(&self) -> usize {
-        self.shared.handshake.experts
-    }
-
-    fn row_width(&self) -> usize {
-        self.shared.handshake.row_width()
-    }
-
-    fn targeted_row(&self, e: usize) -> Option<Vec<f32>> {
-        self.rows.targeted(e)
-    }
-
-    fn concurrent(&self) -> bool {
-        false
-    }
-
-    /// The router's gate lives in the other process: its rows pass through unchanged.
-    fn scores(&self, hidden: &Tensor) -> Result<Tensor> {
-        super::pass_through(self, hidden)
-    }
-
-    fn assign(&self, logits: ArrayView3<f32>) -> Result<Routing> {
-        self.call(logits)
-    }
-
-    fn inference(&self) -> Result<Option<Box<dyn Router>>> {
-        Ok(Some(Box::new(ExternalRouter {
-            shared: Arc::clone(&self.shared),
-            mode: Mode::Inference,
-            rows: self.rows.clone(),
-        })))
+impl Answers for Process {
+    fn answer(&self, hs: &Handshake, mode: Mode, rows: ArrayView3<f32>) -> Result<Routing> {
+        self.call(hs, mode, rows)
     }
 }

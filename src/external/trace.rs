@@ -12,17 +12,16 @@
 //! the real router answers, every call it is asked is in the plan.
 
 use super::protocol::{parse_response, Handshake, InputKind, Mode, Response, RouteOut};
-use super::ExternalRows;
+use super::{Answers, External};
 use crate::analyze::{audit, AuditOptions, Subject};
 use crate::error::{Error, Result};
-use crate::router::Router;
 use crate::routing::Routing;
 use candle_core::{Device, Tensor};
 use ndarray::{Array3, ArrayView3};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 
 /// The manifest format tag.
 pub const FORMAT: &str = "moe-audit-plan/1";
@@ -68,42 +67,19 @@ fn content(rows: ArrayView3<f32>) -> Content {
     (rows.dim(), rows.iter().map(|v| v.to_bits()).collect())
 }
 
-type Log = Arc<Mutex<Vec<(Mode, Array3<f32>)>>>;
-
 /// Records calls and answers each with every token routed to one expert.
 struct Recorder {
-    hs: Arc<Handshake>,
-    rows: ExternalRows,
-    mode: Mode,
     answer: usize,
-    log: Log,
+    log: Mutex<Vec<(Mode, Array3<f32>)>>,
 }
 
-impl Router for Recorder {
-    fn name(&self) -> &str {
-        &self.hs.name
-    }
-    fn experts(&self) -> usize {
-        self.hs.experts
-    }
-    fn row_width(&self) -> usize {
-        self.hs.row_width()
-    }
-    fn targeted_row(&self, e: usize) -> Option<Vec<f32>> {
-        self.rows.targeted(e)
-    }
-    fn concurrent(&self) -> bool {
-        false
-    }
-    fn scores(&self, hidden: &Tensor) -> Result<Tensor> {
-        super::pass_through(self, hidden)
-    }
-    fn assign(&self, rows: ArrayView3<f32>) -> Result<Routing> {
+impl Answers for Recorder {
+    fn answer(&self, hs: &Handshake, mode: Mode, rows: ArrayView3<f32>) -> Result<Routing> {
         let (b, s, _) = rows.dim();
         self.log
             .lock()
             .expect("log")
-            .push((self.mode, rows.as_standard_layout().into_owned()));
+            .push((mode, rows.as_standard_layout().into_owned()));
         let route = RouteOut {
             expert: self.answer as i64,
             weight: 1.0,
@@ -116,25 +92,11 @@ impl Router for Recorder {
         };
         let hs = Handshake {
             top_k: None,
-            ..Handshake::clone(&self.hs)
+            ..hs.clone()
         };
         response
             .into_routing(&hs, (0, b, s), None)
             .map_err(|e| Error::Usage(format!("plan: {e}")))
-    }
-    fn inference(&self) -> Result<Option<Box<dyn Router>>> {
-        let (hs, rows, log) = (
-            Arc::clone(&self.hs),
-            self.rows.clone(),
-            Arc::clone(&self.log),
-        );
-        Ok(Some(Box::new(Recorder {
-            hs,
-            rows,
-            mode: Mode::Inference,
-            answer: self.answer,
-            log,
-        })))
     }
 }
 
@@ -142,22 +104,20 @@ impl Router for Recorder {
 /// number of calls.
 pub fn plan(router: &Handshake, options: &AuditOptions, dir: &Path) -> Result<usize> {
     router.validate().map_err(Error::Usage)?;
-    let hs = Arc::new(router.clone());
-    let rows = ExternalRows::new(router, options.seed);
     let mut calls: Vec<PlannedCall> = Vec::new();
     let mut names: HashMap<Content, String> = HashMap::new();
     let mut tensors: HashMap<String, Tensor> = HashMap::new();
     // How often each (mode, content) is planned: a pass adds only the occurrences the plan lacks.
     let mut planned: HashMap<(Mode, Content), usize> = HashMap::new();
     for answer in 0..router.experts {
-        let log: Log = Arc::default();
-        let recorder = Recorder {
-            hs: Arc::clone(&hs),
-            rows: rows.clone(),
-            mode: Mode::Train,
-            answer,
-            log: Arc::clone(&log),
-        };
+        let recorder = External::new(
+            router.clone(),
+            options.seed,
+            Recorder {
+                answer,
+                log: Mutex::default(),
+            },
+        );
         audit(
             &Subject {
                 router: &recorder,
@@ -166,13 +126,9 @@ pub fn plan(router: &Handshake, options: &AuditOptions, dir: &Path) -> Result<us
             options,
             &mut |_| {},
         )?;
-        drop(recorder);
+        let log = std::mem::take(&mut *recorder.answers.log.lock().expect("log"));
         let mut this_pass: HashMap<(Mode, Content), usize> = HashMap::new();
-        for (mode, data) in Arc::try_unwrap(log)
-            .expect("the audit is over")
-            .into_inner()
-            .expect("log")
-        {
+        for (mode, data) in log {
             let c = content(data.view());
             let k = (mode, c.clone());
             let seen = this_pass.entry(k.clone()).or_default();
@@ -223,15 +179,10 @@ pub fn plan(router: &Handshake, options: &AuditOptions, dir: &Path) -> Result<us
 }
 
 /// A router replaying a harness's answers to a plan.
-pub struct TraceRouter {
-    hs: Arc<Handshake>,
-    mode: Mode,
-    rows: ExternalRows,
-    replay: Arc<Replay>,
-}
+pub type TraceRouter = External<Replay>;
 
 /// The answers by (mode, content), in plan order, and how many of each were used.
-struct Replay {
+pub struct Replay {
     dir: PathBuf,
     options: AuditOptions,
     answers: HashMap<(Mode, Content), Vec<(u64, Routing)>>,
@@ -338,58 +289,34 @@ impl TraceRouter {
                 format!("response id {id} is not a call of {MANIFEST}"),
             ));
         }
-        let rows = ExternalRows::new(&hs, manifest.options.seed);
+        let seed = manifest.options.seed;
         let replay = Replay {
             dir: dir.to_path_buf(),
             options: manifest.options,
             answers,
             used: Mutex::default(),
         };
-        Ok(TraceRouter {
-            hs: Arc::new(hs),
-            mode: Mode::Train,
-            rows,
-            replay: Arc::new(replay),
-        })
+        Ok(External::new(hs, seed, replay))
     }
 
     /// The audit the traces were planned for.
     pub fn options(&self) -> &AuditOptions {
-        &self.replay.options
+        &self.answers.options
     }
 }
 
-impl Router for TraceRouter {
-    fn name(&self) -> &str {
-        &self.hs.name
-    }
-    fn experts(&self) -> usize {
-        self.hs.experts
-    }
-    fn row_width(&self) -> usize {
-        self.hs.row_width()
-    }
-    fn targeted_row(&self, e: usize) -> Option<Vec<f32>> {
-        self.rows.targeted(e)
-    }
-    fn concurrent(&self) -> bool {
-        false
-    }
-    fn scores(&self, hidden: &Tensor) -> Result<Tensor> {
-        super::pass_through(self, hidden)
-    }
-    fn assign(&self, rows: ArrayView3<f32>) -> Result<Routing> {
-        let k = (self.mode, content(rows));
-        let mut used = self.replay.used.lock().expect("replay");
+impl Answers for Replay {
+    fn answer(&self, _: &Handshake, mode: Mode, rows: ArrayView3<f32>) -> Result<Routing> {
+        let k = (mode, content(rows));
+        let mut used = self.used.lock().expect("replay");
         let n = used.entry(k.clone()).or_default();
         let (b, s, _) = rows.dim();
-        let answers = self.replay.answers.get(&k).map_or(&[][..], Vec::as_slice);
+        let answers = self.answers.get(&k).map_or(&[][..], Vec::as_slice);
         let Some((_, routing)) = answers.get(*n) else {
             return Err(Error::input(
-                &self.replay.dir,
+                &self.dir,
                 format!(
-                    "the audit asks a {} call (batch {b} x seq_len {s}) that the plan holds {} time(s), asked {} time(s): plan and audit differ (re-run `moe-audit plan`)",
-                    self.mode,
+                    "the audit asks a {mode} call (batch {b} x seq_len {s}) that the plan holds {} time(s), asked {} time(s): plan and audit differ (re-run `moe-audit plan`)",
                     answers.len(),
                     *n + 1
                 ),
@@ -397,14 +324,5 @@ impl Router for TraceRouter {
         };
         *n += 1;
         Ok(routing.clone())
-    }
-    fn inference(&self) -> Result<Option<Box<dyn Router>>> {
-        let replay = Arc::clone(&self.replay);
-        Ok(Some(Box::new(TraceRouter {
-            hs: Arc::clone(&self.hs),
-            mode: Mode::Inference,
-            rows: self.rows.clone(),
-            replay,
-        })))
     }
 }
