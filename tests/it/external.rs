@@ -205,8 +205,8 @@ fn trace_files_give_the_subprocess_verdicts() {
         "{err}"
     );
     let mut bad = lines.clone();
-    let short = format!("{{\"id\": 1, \"tokens\": [], \"capacity\": null}}");
-    bad[0] = &short;
+    let short = r#"{"id": 1, "tokens": [], "capacity": null}"#;
+    bad[0] = short;
     std::fs::write(dir.join("decisions.jsonl"), bad.join("\n")).unwrap();
     let out = run(&["check", "--traces", dir_s]);
     let err = String::from_utf8_lossy(&out.stderr).to_string();
