@@ -136,7 +136,7 @@ pub struct Response {
     pub id: u64,
     /// Per token (sequence-major), its routes in choice order.
     pub tokens: Vec<Vec<RouteOut>>,
-    /// Slots per expert over the call; `null` when dropless.
+    /// Slots per expert over the call; `null` (or absent) when dropless.
     pub capacity: Option<Vec<usize>>,
 }
 
@@ -257,4 +257,119 @@ pub fn parse_response(line: &str) -> Result<Response, String> {
         let head: String = line.chars().take(80).collect();
         format!("not a response ({e}): `{head}`")
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hs() -> Handshake {
+        Handshake {
+            protocol: PROTOCOL.into(),
+            name: "t".into(),
+            experts: 4,
+            top_k: Some(2),
+            input: InputKind::Logits,
+            hidden_size: None,
+        }
+    }
+
+    fn check(line: &str) -> Result<Routing, String> {
+        parse_response(line)?.into_routing(&hs(), (3, 1, 2), None)
+    }
+
+    #[test]
+    fn a_valid_response_becomes_the_record() {
+        let r = check(r#"{"id": 3, "tokens": [[{"expert": 1, "weight": 0.6, "kept": true}, {"expert": 0, "weight": 0.4, "kept": false}], [{"expert": 1, "weight": 0.5, "kept": true}, {"expert": 3, "weight": 0.5, "kept": true}]], "capacity": [1, 2, 1, 1]}"#).unwrap();
+        assert_eq!(
+            r.token(0, 0).routes[1],
+            Route {
+                expert: 0,
+                weight: 0.4,
+                kept: false,
+                padded: false
+            }
+        );
+        assert_eq!(r.token(0, 1).pos, 1);
+        assert_eq!(
+            r.scope.groups,
+            vec![GroupRecord {
+                tokens: 2,
+                capacity: Some(2)
+            }]
+        );
+        assert_eq!((r.experts_load[1].routed, r.experts_load[0].kept), (2, 0));
+    }
+
+    #[test]
+    fn every_inconsistency_is_named() {
+        let route = |e: i64| format!(r#"{{"expert": {e}, "weight": 0.5, "kept": true}}"#);
+        let two = |a: i64, b: i64| format!("[{}, {}]", route(a), route(b));
+        let cases = [
+            (
+                format!(
+                    r#"{{"id": 3, "tokens": [{}, [{}]], "capacity": null}}"#,
+                    two(0, 1),
+                    route(2)
+                ),
+                "token 1 (batch 0, position 1): 1 routes, the handshake declared top_k 2",
+            ),
+            (
+                format!(
+                    r#"{{"id": 3, "tokens": [{}, {}], "capacity": null}}"#,
+                    two(0, 1),
+                    two(2, 2)
+                ),
+                "token 1 (batch 0, position 1): expert 2 appears twice",
+            ),
+            (
+                format!(
+                    r#"{{"id": 3, "tokens": [{}, {}], "capacity": null}}"#,
+                    two(-1, 1),
+                    two(2, 3)
+                ),
+                "token 0 (batch 0, position 0): expert -1 is out of range 0..4",
+            ),
+            (
+                format!(
+                    r#"{{"id": 3, "tokens": [{}, {}], "capacity": null, "extra": 1}}"#,
+                    two(0, 1),
+                    two(2, 3)
+                ),
+                "not a response (unknown field `extra`",
+            ),
+        ];
+        for (line, want) in cases {
+            let err = check(&line).unwrap_err();
+            assert!(err.starts_with(want), "{err}");
+        }
+    }
+
+    #[test]
+    fn handshakes_are_validated() {
+        assert_eq!(
+            Handshake {
+                input: InputKind::Hidden,
+                ..hs()
+            }
+            .validate(),
+            Err("handshake: input `hidden` needs hidden_size >= 1".into())
+        );
+        assert_eq!(
+            Handshake {
+                protocol: "moe-audit/2".into(),
+                ..hs()
+            }
+            .validate(),
+            Err("handshake: protocol `moe-audit/2`, expected `moe-audit/1`".into())
+        );
+        assert_eq!(
+            Handshake {
+                top_k: None,
+                ..hs()
+            }
+            .validate(),
+            Ok(())
+        );
+    }
 }

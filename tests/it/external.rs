@@ -207,8 +207,8 @@ fn trace_files_give_the_subprocess_verdicts() {
         "{err}"
     );
     let mut bad = lines.clone();
-    let short = format!("{{\"id\": 1, \"tokens\": [], \"capacity\": null}}");
-    bad[0] = &short;
+    let short = r#"{"id": 1, "tokens": [], "capacity": null}"#;
+    bad[0] = short;
     std::fs::write(dir.join("decisions.jsonl"), bad.join("\n")).unwrap();
     let out = run(&["check", "--traces", dir_s]);
     let err = String::from_utf8_lossy(&out.stderr).to_string();
@@ -625,4 +625,24 @@ fn junit_and_github_formats() {
     let annotations: Vec<&str> = text.lines().filter(|l| l.starts_with("::")).collect();
     assert_eq!(annotations.len(), 1, "{text}");
     assert!(annotations[0].starts_with("::error title=moe-audit%3A megatron-probs leaks on P prefix::megatron-probs: P prefix leaks C-length: "), "{text}");
+}
+
+#[test]
+fn junit_report_snapshot() {
+    let out = run(&[
+        "check",
+        "megatron-probs",
+        "--format",
+        "junit",
+        "--batch",
+        "2",
+        "--seq-len",
+        "4",
+        "--trials",
+        "4",
+        "--probes",
+        "P,N,D,M",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    insta::assert_snapshot!(String::from_utf8(out.stdout).unwrap());
 }
