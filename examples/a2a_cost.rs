@@ -75,13 +75,20 @@ fn a2a_vs_memcpy(comm: &dyn Communicator, reps: usize) -> moe_audit::Result<(Dur
 }
 
 /// Median (expert-parallel, single-device) forward times; the outputs are checked equal first.
-fn ep_vs_single(comm: &dyn Communicator, layer: &MoeLayer, x: &Tensor, reps: usize) -> moe_audit::Result<(Duration, Duration)> {
+fn ep_vs_single(
+    comm: &dyn Communicator,
+    layer: &MoeLayer,
+    x: &Tensor,
+    reps: usize,
+) -> moe_audit::Result<(Duration, Duration)> {
     let per = split_batch(BATCH, comm.size())?;
     let mine = x.narrow(0, comm.rank() * per, per)?;
     let ep = ExpertParallel::new(layer);
     let gathered = ep.forward_gathered(comm, x)?;
     let (y, _) = layer.forward(x)?;
-    let bits = |t: &Tensor| t.flatten_all().and_then(|t| t.to_vec1::<f32>()).map(|v| v.into_iter().map(f32::to_bits).collect::<Vec<_>>());
+    let bits = |t: &Tensor| {
+        t.flatten_all().and_then(|t| t.to_vec1::<f32>()).map(|v| v.into_iter().map(f32::to_bits).collect::<Vec<_>>())
+    };
     assert_eq!(bits(&gathered.y)?, bits(&y)?, "expert-parallel output differs from the single-device output");
     let (mut par, mut single) = (Vec::new(), Vec::new());
     for rep in 0..WARMUP + reps {
@@ -108,7 +115,13 @@ fn ep_vs_single(comm: &dyn Communicator, layer: &MoeLayer, x: &Tensor, reps: usi
     Ok((median(par), median(single)))
 }
 
-fn report(comm: &dyn Communicator, layer: &MoeLayer, x: &Tensor, reps: usize, label: &str) -> moe_audit::Result<Option<f64>> {
+fn report(
+    comm: &dyn Communicator,
+    layer: &MoeLayer,
+    x: &Tensor,
+    reps: usize,
+    label: &str,
+) -> moe_audit::Result<Option<f64>> {
     let (a2a, copy) = a2a_vs_memcpy(comm, reps)?;
     let (ep, single) = ep_vs_single(comm, layer, x, reps)?;
     if comm.rank() != 0 {
@@ -136,9 +149,14 @@ fn report(comm: &dyn Communicator, layer: &MoeLayer, x: &Tensor, reps: usize, la
 
 fn main() -> moe_audit::Result<()> {
     let args: Vec<String> = std::env::args().collect();
-    let reps = args.iter().position(|a| a == "--reps").and_then(|i| args.get(i + 1)).map_or(9, |v| v.parse().expect("--reps N"));
+    let reps = args
+        .iter()
+        .position(|a| a == "--reps")
+        .and_then(|i| args.get(i + 1))
+        .map_or(9, |v| v.parse().expect("--reps N"));
     let mpi = args.iter().any(|a| a == "mpi");
-    let layer = MoeLayer::seeded(preset("mixtral").expect("preset").config()?, HIDDEN, FFN, 0, DType::F32, &Device::Cpu)?;
+    let layer =
+        MoeLayer::seeded(preset("mixtral").expect("preset").config()?, HIDDEN, FFN, 0, DType::F32, &Device::Cpu)?;
     let x = Seeded::new(1).normal(&[BATCH, SEQ, HIDDEN], &Device::Cpu)?;
     let mut last = None;
     if mpi {

@@ -72,7 +72,13 @@ impl CallSizes {
     /// hidden states and their output, and the expert and gate weights.
     pub fn estimate(&self) -> u64 {
         let hidden = product(&[self.batch, self.seq_len, self.hidden, 4, 2]);
-        let weights = product(&[self.experts, 3, self.hidden, self.ffn, 4]).saturating_add(product(&[self.experts, self.hidden, 4]));
-        [32 << 20, self.logits_bytes(), self.routing_bytes(), hidden, weights].iter().fold(0u64, |a, &b| a.saturating_add(b))
+        let weights = product(&[self.experts, 3, self.hidden, self.ffn, 4]).saturating_add(product(&[
+            self.experts,
+            self.hidden,
+            4,
+        ]));
+        [32 << 20, self.logits_bytes(), self.routing_bytes(), hidden, weights]
+            .iter()
+            .fold(0u64, |a, &b| a.saturating_add(b))
     }
 }

@@ -51,7 +51,18 @@ const HANDSHAKE: &str = r#"{"protocol": "moe-audit/1", "name": "sh", "experts": 
 fn witness() -> serde_json::Value {
     let dir = tmp_dir().join("witnesses");
     let out = Command::new(BIN)
-        .args(["check", "megatron-probs", "--probes", "P", "--seq-len", "8", "--batch", "2", "--witness-dir", dir.to_str().unwrap()])
+        .args([
+            "check",
+            "megatron-probs",
+            "--probes",
+            "P",
+            "--seq-len",
+            "8",
+            "--batch",
+            "2",
+            "--witness-dir",
+            dir.to_str().unwrap(),
+        ])
         .output()
         .expect("run moe-audit");
     assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
@@ -71,14 +82,29 @@ fn catalogue() -> Vec<(&'static str, Vec<String>)> {
     let gate = Tensor::ones((8, 16), DType::F32, &Device::Cpu).unwrap();
     let weights = safetensors(
         "weights.safetensors",
-        &[("gate", gate.clone()), ("ids", Tensor::zeros((8, 16), DType::U32, &Device::Cpu).unwrap()), ("wide", Tensor::ones((4, 16), DType::F32, &Device::Cpu).unwrap())],
+        &[
+            ("gate", gate.clone()),
+            ("ids", Tensor::zeros((8, 16), DType::U32, &Device::Cpu).unwrap()),
+            ("wide", Tensor::ones((4, 16), DType::F32, &Device::Cpu).unwrap()),
+        ],
     );
     let nan_gate = safetensors("nan.safetensors", &[("gate", (gate * f64::NAN).unwrap())]);
     let route = |extra: &[&str]| [&["route"], extra].concat().iter().map(|s| s.to_string()).collect::<Vec<_>>();
     let check = |extra: &[&str]| [&["check"], extra].concat().iter().map(|s| s.to_string()).collect::<Vec<_>>();
     // An explicit --max-memory: the default depends on the machine.
-    let sweep = |path: String| vec!["sweep".to_string(), path, "--max-memory".into(), "8GiB".into(), "--output-dir".into(), tmp_dir().join("sweep").to_str().unwrap().into()];
-    let external = |command: String| check(&["--router-cmd", &command, "--batch", "1", "--seq-len", "1", "--probes", "D", "--timeout", "5"]);
+    let sweep = |path: String| {
+        vec![
+            "sweep".to_string(),
+            path,
+            "--max-memory".into(),
+            "8GiB".into(),
+            "--output-dir".into(),
+            tmp_dir().join("sweep").to_str().unwrap().into(),
+        ]
+    };
+    let external = |command: String| {
+        check(&["--router-cmd", &command, "--batch", "1", "--seq-len", "1", "--probes", "D", "--timeout", "5"])
+    };
     let replay = |path: String| check(&["--replay", &path]);
     vec![
         // Router configs
@@ -87,12 +113,29 @@ fn catalogue() -> Vec<(&'static str, Vec<String>)> {
         ("top_k > experts", route(&[&router_with("top_k.toml", "top_k = 2", "top_k = 9")])),
         ("capacity factor 0", route(&[&router_with("factor.toml", "factor = 1.0", "factor = 0")])),
         ("zero experts", route(&[&router_with("experts.toml", "experts = 8", "experts = 0")])),
-        ("expert_bias length", route(&[&router_with("bias.toml", "top_k = 2\n", "top_k = 2\nexpert_bias = [0.0, 1.0]\n")])),
-        ("expert_bias NaN", route(&[&router_with("bias_nan.toml", "top_k = 2\n", "top_k = 2\nexpert_bias = [0.0, 0.0, 0.0, nan, 0.0, 0.0, 0.0, 0.0]\n")])),
+        (
+            "expert_bias length",
+            route(&[&router_with("bias.toml", "top_k = 2\n", "top_k = 2\nexpert_bias = [0.0, 1.0]\n")]),
+        ),
+        (
+            "expert_bias NaN",
+            route(&[&router_with(
+                "bias_nan.toml",
+                "top_k = 2\n",
+                "top_k = 2\nexpert_bias = [0.0, 0.0, 0.0, nan, 0.0, 0.0, 0.0, 0.0]\n",
+            )]),
+        ),
         ("unknown policy", route(&[&router_with("policy.toml", "policy = \"probs\"", "policy = \"fifo\"")])),
         ("unknown field", route(&[&router_with("field.toml", "top_k = 2\n", "top_k = 2\ncolor = 1\n")])),
         ("factor and fixed", route(&[&router_with("both.toml", "factor = 1.0\n", "factor = 1.0\nfixed = 4\n")])),
-        ("group_limit not dividing", route(&[&router_with("groups.toml", "top_k = 2\n", "top_k = 2\ngroup_limit = { groups = 3, top_groups = 1 }\n")])),
+        (
+            "group_limit not dividing",
+            route(&[&router_with(
+                "groups.toml",
+                "top_k = 2\n",
+                "top_k = 2\ngroup_limit = { groups = 3, top_groups = 1 }\n",
+            )]),
+        ),
         ("router file is a directory", route(&[tmp_dir().to_str().unwrap()])),
         // Sweep grids
         ("sweep: missing file", sweep(tmp_dir().join("no-grid.toml").to_str().unwrap().into())),
@@ -117,13 +160,37 @@ fn catalogue() -> Vec<(&'static str, Vec<String>)> {
         ("logits: missing file", route(&["megatron-probs", "--logits", tmp_dir().join("none.json").to_str().unwrap()])),
         ("logits: not JSON", route(&["megatron-probs", "--logits", &file("not.json", "not json")])),
         ("logits: empty", route(&["megatron-probs", "--logits", &file("empty.json", "[]")])),
-        ("logits: short row", route(&["megatron-probs", "--logits", &file("short.json", &format!("[{ROW}, [1, 2]]")), "--batch", "1"])),
-        ("logits: rows vs batch", route(&["megatron-probs", "--logits", &file("three.json", &format!("[{ROW}, {ROW}, {ROW}]")), "--batch", "2"])),
-        ("logits: overflow to inf", route(&["megatron-probs", "--logits", &file("huge.json", "[[1, 2, 3, 1e40, 5, 6, 7, 8]]"), "--batch", "1"])),
-        ("logits: null", route(&["megatron-probs", "--logits", &file("null.json", "[[1, 2, 3, null, 5, 6, 7, 8]]"), "--batch", "1"])),
+        (
+            "logits: short row",
+            route(&["megatron-probs", "--logits", &file("short.json", &format!("[{ROW}, [1, 2]]")), "--batch", "1"]),
+        ),
+        (
+            "logits: rows vs batch",
+            route(&[
+                "megatron-probs",
+                "--logits",
+                &file("three.json", &format!("[{ROW}, {ROW}, {ROW}]")),
+                "--batch",
+                "2",
+            ]),
+        ),
+        (
+            "logits: overflow to inf",
+            route(&["megatron-probs", "--logits", &file("huge.json", "[[1, 2, 3, 1e40, 5, 6, 7, 8]]"), "--batch", "1"]),
+        ),
+        (
+            "logits: null",
+            route(&["megatron-probs", "--logits", &file("null.json", "[[1, 2, 3, null, 5, 6, 7, 8]]"), "--batch", "1"]),
+        ),
         // Safetensors
-        ("weights: missing file", check(&["mixtral", "--weights", tmp_dir().join("none.safetensors").to_str().unwrap(), "--gate", "gate"])),
-        ("weights: not safetensors", check(&["mixtral", "--weights", &file("garbage.safetensors", "garbage"), "--gate", "gate"])),
+        (
+            "weights: missing file",
+            check(&["mixtral", "--weights", tmp_dir().join("none.safetensors").to_str().unwrap(), "--gate", "gate"]),
+        ),
+        (
+            "weights: not safetensors",
+            check(&["mixtral", "--weights", &file("garbage.safetensors", "garbage"), "--gate", "gate"]),
+        ),
         ("weights: no such tensor", check(&["mixtral", "--weights", &weights, "--gate", "nope"])),
         ("weights: integer dtype", check(&["mixtral", "--weights", &weights, "--gate", "ids"])),
         ("weights: wrong expert count", check(&["mixtral", "--weights", &weights, "--gate", "wide"])),
@@ -132,23 +199,63 @@ fn catalogue() -> Vec<(&'static str, Vec<String>)> {
         ("protocol: handshake not JSON", external("echo hello".into())),
         ("protocol: wrong version", external(format!("echo '{}'", HANDSHAKE.replace("moe-audit/1", "moe-audit/2")))),
         // Found by fuzzing: rows were allocated from the declared size before it was checked.
-        ("protocol: absurd expert count", external(format!("echo '{}'", HANDSHAKE.replace("\"experts\": 2", "\"experts\": 433333333333333")))),
+        (
+            "protocol: absurd expert count",
+            external(format!("echo '{}'", HANDSHAKE.replace("\"experts\": 2", "\"experts\": 433333333333333"))),
+        ),
         ("protocol: response not JSON", external(sh_router(HANDSHAKE, "garbage"))),
-        ("protocol: wrong id", external(sh_router(HANDSHAKE, r#"{"id": 9, "tokens": [[{"expert": 0, "weight": 1.0, "kept": true}]], "capacity": null}"#))),
-        ("protocol: expert out of range", external(sh_router(HANDSHAKE, r#"{"id": 1, "tokens": [[{"expert": 5, "weight": 1.0, "kept": true}]], "capacity": null}"#))),
-        ("protocol: unknown field", external(sh_router(HANDSHAKE, r#"{"id": 1, "tokens": [], "capacity": null, "extra": 1}"#))),
+        (
+            "protocol: wrong id",
+            external(sh_router(
+                HANDSHAKE,
+                r#"{"id": 9, "tokens": [[{"expert": 0, "weight": 1.0, "kept": true}]], "capacity": null}"#,
+            )),
+        ),
+        (
+            "protocol: expert out of range",
+            external(sh_router(
+                HANDSHAKE,
+                r#"{"id": 1, "tokens": [[{"expert": 5, "weight": 1.0, "kept": true}]], "capacity": null}"#,
+            )),
+        ),
+        (
+            "protocol: unknown field",
+            external(sh_router(HANDSHAKE, r#"{"id": 1, "tokens": [], "capacity": null, "extra": 1}"#)),
+        ),
         ("protocol: router crashes", external("exit 3".into())),
         // Trace directories
-        ("plan: too large", vec!["plan".into(), "--experts".into(), "8".into(), "--seq-len".into(), "100000000".into(), "--max-memory".into(), "8GiB".into(), "--output".into(), tmp_dir().join("plan").to_str().unwrap().into()]),
+        (
+            "plan: too large",
+            vec![
+                "plan".into(),
+                "--experts".into(),
+                "8".into(),
+                "--seq-len".into(),
+                "100000000".into(),
+                "--max-memory".into(),
+                "8GiB".into(),
+                "--output".into(),
+                tmp_dir().join("plan").to_str().unwrap().into(),
+            ],
+        ),
         ("traces: no manifest", check(&["--traces", tmp_dir().join("no-traces").to_str().unwrap()])),
         // Witness files
         ("witness: missing file", replay(tmp_dir().join("none-witness.json").to_str().unwrap().into())),
         ("witness: not JSON", replay(file("w_garbage.json", "{"))),
-        ("witness: wrong format", replay(witness_with("w_format.json", |w| w["format"] = "moe-audit-witness/0".into()))),
+        (
+            "witness: wrong format",
+            replay(witness_with("w_format.json", |w| w["format"] = "moe-audit-witness/0".into())),
+        ),
         ("witness: invalid router", replay(witness_with("w_router.json", |w| w["router"]["top_k"] = 99.into()))),
-        ("witness: ragged logits", replay(witness_with("w_rows.json", |w| w["a"]["logits"][0] = serde_json::json!([1.0])))),
+        (
+            "witness: ragged logits",
+            replay(witness_with("w_rows.json", |w| w["a"]["logits"][0] = serde_json::json!([1.0]))),
+        ),
         ("witness: token outside", replay(witness_with("w_token.json", |w| w["token_a"]["pos"] = 999.into()))),
-        ("witness: logit beyond f32", replay(witness_with("w_huge.json", |w| w["b"]["logits"][0][0] = serde_json::json!(1e40)))),
+        (
+            "witness: logit beyond f32",
+            replay(witness_with("w_huge.json", |w| w["b"]["logits"][0][0] = serde_json::json!(1e40))),
+        ),
     ]
 }
 
@@ -159,7 +266,12 @@ fn every_bad_input_exits_2_with_one_line_and_no_panic() {
     let cases = catalogue();
     assert!(cases.len() >= 30, "the catalogue has {} cases", cases.len());
     for (what, args) in cases {
-        let out = Command::new(BIN).args(&args).env("RUST_BACKTRACE", "1").env("RAYON_NUM_THREADS", "1").output().expect("run moe-audit");
+        let out = Command::new(BIN)
+            .args(&args)
+            .env("RUST_BACKTRACE", "1")
+            .env("RAYON_NUM_THREADS", "1")
+            .output()
+            .expect("run moe-audit");
         let err = String::from_utf8(out.stderr).expect("utf-8 stderr");
         assert!(!err.contains("panicked") && !err.contains("backtrace"), "{what}: panic:\n{err}");
         assert_eq!(out.status.code(), Some(2), "{what}: {args:?}: exit {:?}, stderr:\n{err}", out.status);

@@ -94,7 +94,11 @@ impl LayerCase {
         let mixtral = MixtralBlock::new(experts, &VarBuilder::from_tensors(tensors.clone(), DType::F32, device))?;
         let moe = MoeLayer::from_tensors(config, tensors, DType::F32, device)?;
         let dense_tensors = seeded_weights(LayerDims { hidden: HIDDEN, ffn: TOP_K * FFN, experts: 1 }, 1, device)?;
-        let dense = Expert::new(HIDDEN, TOP_K * FFN, VarBuilder::from_tensors(dense_tensors, DType::F32, device).pp("experts.0"))?;
+        let dense = Expert::new(
+            HIDDEN,
+            TOP_K * FFN,
+            VarBuilder::from_tensors(dense_tensors, DType::F32, device).pp("experts.0"),
+        )?;
         let x = Seeded::new(2).normal(&[BATCH, SEQ, HIDDEN], device)?;
 
         // Same weights, same rule: the outputs agree up to float summation order.
@@ -103,7 +107,10 @@ impl LayerCase {
         let scale = theirs.abs()?.max_all()?.to_scalar::<f32>()?;
         let diff = (&ours - &theirs)?.abs()?.max_all()?.to_scalar::<f32>()?;
         if diff > 1e-4 * scale.max(1e-3) {
-            return Err(format!("E={experts}: MoeLayer and the Mixtral block differ: max |diff| {diff:e}, max |y| {scale:e}").into());
+            return Err(format!(
+                "E={experts}: MoeLayer and the Mixtral block differ: max |diff| {diff:e}, max |y| {scale:e}"
+            )
+            .into());
         }
         Ok(Self { moe, dense, mixtral, x })
     }

@@ -69,5 +69,11 @@ pub fn diff_token(a: &Routing, (ba, pa): (usize, usize), b: &Routing, (bb, pb): 
         let pairs = || ta.routes.iter().filter(|r| !r.padded).zip(tb.routes.iter().filter(|r| !r.padded));
         (pairs().any(|(x, y)| x.kept != y.kept), pairs().any(|(x, y)| (x.weight - y.weight).abs() > WEIGHT_TOLERANCE))
     };
-    TokenDiff { experts, kept, padded: !experts_of(ta, true).eq(experts_of(tb, true)), weight, capacity: capacity_of(a, ta) != capacity_of(b, tb) }
+    TokenDiff {
+        experts,
+        kept,
+        padded: !experts_of(ta, true).eq(experts_of(tb, true)),
+        weight,
+        capacity: capacity_of(a, ta) != capacity_of(b, tb),
+    }
 }

@@ -3,11 +3,11 @@
 //! not (a layer bug) is caught. Output differences within f32 summation noise are drift.
 
 use super::{Finding, Layer, Probe, Verdict};
+use crate::analyze::compare::diff_token;
 use crate::error::Result;
 use crate::layer::Seeded;
 use crate::router::{logits_to_host, Router};
 use crate::routing::{Logits, Routing};
-use crate::analyze::compare::diff_token;
 use candle_core::{Device, Tensor};
 
 /// Relative output tolerance: matmuls of different row counts may block and sum differently.
@@ -28,11 +28,15 @@ pub(super) fn scores_per_token(router: &dyn Router, x: &Tensor, logits: &Logits)
                 let want = logits[[bi, p, e]];
                 let tol = SCORE_TOLERANCE * (1.0 + want.abs());
                 if p < half && (prefix[[bi, p, e]] - want).abs() > tol {
-                    out.push(format!("scores are not per token: truncating the batch changes batch {bi}, position {p}"));
+                    out.push(format!(
+                        "scores are not per token: truncating the batch changes batch {bi}, position {p}"
+                    ));
                     return Ok(out);
                 }
                 if (reversed[[b - 1 - bi, p, e]] - want).abs() > tol {
-                    out.push(format!("scores are not per token: re-ordering the batch changes batch {bi}, position {p}"));
+                    out.push(format!(
+                        "scores are not per token: re-ordering the batch changes batch {bi}, position {p}"
+                    ));
                     return Ok(out);
                 }
             }

@@ -75,7 +75,9 @@ pub(super) fn probe(ctx: &Ctx, plan: &Plan) -> Result<Finding> {
     }
     if notes.is_empty() {
         finding.verdict = Verdict::NotApplicable;
-        finding.note = format!("needs a batch divisible by {r} ranks (2 or more), or a router config whose scope is not per sequence");
+        finding.note = format!(
+            "needs a batch divisible by {r} ranks (2 or more), or a router config whose scope is not per sequence"
+        );
         return Ok(finding);
     }
     tally.finish(&mut finding);
@@ -83,7 +85,10 @@ pub(super) fn probe(ctx: &Ctx, plan: &Plan) -> Result<Finding> {
         finding.witness = witness::build(ctx.router, Probe::L, &case, (hit.batch, hit.pos))?;
     }
     if split && ctx.router.experts() % r != 0 {
-        notes.push(format!("layer not run expert-parallel: {} experts do not split over {r} ranks", ctx.router.experts()));
+        notes.push(format!(
+            "layer not run expert-parallel: {} experts do not split over {r} ranks",
+            ctx.router.experts()
+        ));
     } else if let (true, Some((layer, x))) = (split, plan.layer) {
         // The first positions of every sequence: each rank keeps its sequences, the layer runs
         // twice on a sample rather than the whole call (more than 32 tokens per rank, where
@@ -92,8 +97,15 @@ pub(super) fn probe(ctx: &Ctx, plan: &Plan) -> Result<Finding> {
         let x = x.narrow(1, 0, n)?;
         if let Some(ep) = layer.forward_parallel(&x, r)? {
             let (y, routing) = layer.forward(&x)?;
-            let (leaks, drift) =
-                compare_outputs(&y, &routing, &ep.y, &ep.routing, &(0..b).map(Some).collect::<Vec<_>>(), &vec![n; b], false)?;
+            let (leaks, drift) = compare_outputs(
+                &y,
+                &routing,
+                &ep.y,
+                &ep.routing,
+                &(0..b).map(Some).collect::<Vec<_>>(),
+                &vec![n; b],
+                false,
+            )?;
             finding.output_leaks += leaks;
             finding.output_drift = drift;
             if leaks > 0 {

@@ -25,10 +25,10 @@ use crate::routing::{LoadStats, Routing};
 use candle_core::{Device, Tensor};
 use case::Outcome;
 use probes::Ctx;
-use serde::{Deserialize, Serialize};
 use rayon::prelude::*;
-use std::sync::Arc;
+use serde::{Deserialize, Serialize};
 use std::fmt;
+use std::sync::Arc;
 
 /// A probe: one way of changing the input that must not change a token's routing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -99,7 +99,11 @@ impl Probe {
                 "M" => Probe::M,
                 "L" => Probe::L,
                 "X" => Probe::X,
-                _ => return Err(Error::Usage(format!("--probes: unknown probe `{item}`, expected some of P,F,N,R,D,S,M,L,X"))),
+                _ => {
+                    return Err(Error::Usage(format!(
+                        "--probes: unknown probe `{item}`, expected some of P,F,N,R,D,S,M,L,X"
+                    )))
+                }
             };
             if !probes.contains(&probe) {
                 probes.push(probe);
@@ -191,7 +195,14 @@ fn default_ranks() -> usize {
 
 impl Default for AuditOptions {
     fn default() -> Self {
-        AuditOptions { probes: Probe::ALL.to_vec(), batch: 4, seq_len: 128, trials: 32, seed: 0, ranks: default_ranks() }
+        AuditOptions {
+            probes: Probe::ALL.to_vec(),
+            batch: 4,
+            seq_len: 128,
+            trials: 32,
+            seed: 0,
+            ranks: default_ranks(),
+        }
     }
 }
 
@@ -362,7 +373,8 @@ pub fn audit(subject: &Subject, options: &AuditOptions, tick: &mut dyn FnMut(&st
         Some(x) => logits_to_host(&router.scores(x)?)?,
         None => {
             let t = Seeded::new(options.seed).normal(&[b, s, router.row_width()], &Device::Cpu)?;
-            crate::routing::Logits::from_shape_vec((b, s, router.row_width()), t.flatten_all()?.to_vec1()?).expect("shape")
+            crate::routing::Logits::from_shape_vec((b, s, router.row_width()), t.flatten_all()?.to_vec1()?)
+                .expect("shape")
         }
     };
     let base = Arc::new(Call::new(logits));
@@ -373,7 +385,8 @@ pub fn audit(subject: &Subject, options: &AuditOptions, tick: &mut dyn FnMut(&st
     }
     let pure = router.concurrent() && looks_pure(router, &base, &base_routing)?;
     let layout = layout::Plan { ranks: options.ranks, layer: subject.layer.zip(hidden.as_ref()) };
-    let ctx = Ctx { router, base, base_routing, trials: options.trials, seed: options.seed, pure, hidden: hidden.clone() };
+    let ctx =
+        Ctx { router, base, base_routing, trials: options.trials, seed: options.seed, pure, hidden: hidden.clone() };
     let sample = match (subject.layer, &hidden) {
         (Some(layer), Some(x)) => Some(layer_check::Sample::new(layer, x, options.seed)?),
         _ => None,
@@ -417,7 +430,8 @@ fn run_probe(ctx: &Ctx, probe: Probe) -> Result<Finding> {
     };
     // Cases are independent, so they run in parallel for a router that looks pure; a stateful
     // one sees its calls in case order, so the audit stays deterministic either way.
-    let results: Vec<_> = if ctx.pure { (0..count).into_par_iter().map(run).collect() } else { (0..count).map(run).collect() };
+    let results: Vec<_> =
+        if ctx.pure { (0..count).into_par_iter().map(run).collect() } else { (0..count).map(run).collect() };
     let mut tally = Tally::default();
     let mut first_leak = None;
     for (i, result) in results.into_iter().enumerate() {
@@ -507,7 +521,11 @@ fn repeat_probe(ctx: &Ctx, probe: Probe, mut finding: Finding) -> Result<Finding
         Probe::D => (ctx.base_routing.clone(), ctx.base.route(ctx.router)?, same),
         Probe::S => {
             let mut rng = rand::SeedableRng::seed_from_u64(ctx.seed ^ 0x5);
-            let other = Call::new(ctx.fresh(s.max(2) * b, &mut rng)?.into_shape_with_order((b, s.max(2), ctx.router.row_width())).expect("shape"));
+            let other = Call::new(
+                ctx.fresh(s.max(2) * b, &mut rng)?
+                    .into_shape_with_order((b, s.max(2), ctx.router.row_width()))
+                    .expect("shape"),
+            );
             let first = ctx.base.route(ctx.router)?;
             other.route(ctx.router)?;
             let after = ctx.base.route(ctx.router)?;

@@ -143,8 +143,11 @@ fn low_precision_logits(ctx: &Ctx, dtype: DType) -> Result<Logits> {
         Some(x) => logits_to_host(&round(&ctx.router.scores(&round(x)?)?)?),
         None => {
             let (b, s, e) = ctx.base.logits.dim();
-            let flat =
-                Tensor::from_slice(ctx.base.logits.as_standard_layout().as_slice().expect("contiguous"), (b, s, e), &candle_core::Device::Cpu)?;
+            let flat = Tensor::from_slice(
+                ctx.base.logits.as_standard_layout().as_slice().expect("contiguous"),
+                (b, s, e),
+                &candle_core::Device::Cpu,
+            )?;
             logits_to_host(&round(&flat)?)
         }
     }
@@ -171,9 +174,14 @@ fn compare(logits: &Logits, base: &Routing, low: &Routing, dtype: DType) -> (Pre
             }
         }
     }
-    let mut buckets: Vec<MarginBucket> = MARGIN_BOUNDS.iter().map(|&b| MarginBucket { below: b.is_finite().then_some(b), count: 0 }).collect();
+    let mut buckets: Vec<MarginBucket> =
+        MARGIN_BOUNDS.iter().map(|&b| MarginBucket { below: b.is_finite().then_some(b), count: 0 }).collect();
     for &m in &at_flips {
-        buckets.iter_mut().find(|bucket| bucket.below.is_none_or(|b| m < b)).expect("the last bucket is unbounded").count += 1;
+        buckets
+            .iter_mut()
+            .find(|bucket| bucket.below.is_none_or(|b| m < b))
+            .expect("the last bucket is unbounded")
+            .count += 1;
     }
     let flipped = at_flips.len();
     let flips = PrecisionFlips {

@@ -86,7 +86,12 @@ impl Ctx<'_> {
 }
 
 /// Hidden states `[batch, seq_len, h]` from `seed`: the router's own draw, or standard normal.
-pub(crate) fn hidden_states(router: &dyn Router, (b, s): (usize, usize), h: usize, seed: u64) -> Result<candle_core::Tensor> {
+pub(crate) fn hidden_states(
+    router: &dyn Router,
+    (b, s): (usize, usize),
+    h: usize,
+    seed: u64,
+) -> Result<candle_core::Tensor> {
     match router.draw_hidden((b, s), seed)? {
         Some(x) => Ok(x),
         None => Seeded::new(seed).normal(&[b, s, h], &Device::Cpu),
@@ -156,7 +161,14 @@ pub(crate) fn future(ctx: &Ctx) -> Result<Vec<Case>> {
         compare[seq] = t + 1;
         let mut change_from = vec![None; b];
         change_from[seq] = Some(t + 1);
-        cases.push(Case { a: Arc::clone(&ctx.base), b: changed, seq_map: ctx.identity(), offset: 0, compare, change_from });
+        cases.push(Case {
+            a: Arc::clone(&ctx.base),
+            b: changed,
+            seq_map: ctx.identity(),
+            offset: 0,
+            compare,
+            change_from,
+        });
     }
     Ok(cases)
 }
@@ -183,7 +195,14 @@ pub(crate) fn neighbour(ctx: &Ctx) -> Result<Vec<Case>> {
         changed.logits.slice_mut(s![seq, .., ..]).assign(&rows);
         let mut compare = vec![s; b];
         compare[seq] = 0;
-        cases.push(Case { a: Arc::clone(&ctx.base), b: changed, seq_map: ctx.identity(), offset: 0, compare, change_from: vec![None; b] });
+        cases.push(Case {
+            a: Arc::clone(&ctx.base),
+            b: changed,
+            seq_map: ctx.identity(),
+            offset: 0,
+            compare,
+            change_from: vec![None; b],
+        });
     }
     Ok(cases)
 }
@@ -226,18 +245,27 @@ pub(crate) fn rebatch(ctx: &Ctx) -> Result<Vec<Case>> {
     }
     let mut grown = ctx.base.logits.clone();
     grown.append(Axis(0), ctx.fresh(s, &mut rng)?.insert_axis(Axis(0)).view()).expect("same shape");
-    cases.push(whole(&ctx.base, Call { logits: grown, padding: ctx.base.padding.as_ref().map(|m| pad_rows(m, 1)) }, ctx.identity()));
+    cases.push(whole(
+        &ctx.base,
+        Call { logits: grown, padding: ctx.base.padding.as_ref().map(|m| pad_rows(m, 1)) },
+        ctx.identity(),
+    ));
 
     // Padding: pad tokens have all-zero logits (no preference); masked when the router takes a mask.
     let m = (s / 4).max(1);
     let takes_mask = ctx.router.accepts_padding_mask();
-    let mut appended = Call::new(ndarray::concatenate(Axis(1), &[ctx.base.logits.view(), Array3::zeros((b, m, ctx.width())).view()]).expect("same batch"));
+    let mut appended = Call::new(
+        ndarray::concatenate(Axis(1), &[ctx.base.logits.view(), Array3::zeros((b, m, ctx.width())).view()])
+            .expect("same batch"),
+    );
     if takes_mask {
         appended.padding = Some(Array2::from_shape_fn((b, s + m), |(_, p)| p >= s));
     }
     cases.push(Case { change_from: vec![Some(s); b], ..whole(&ctx.base, appended, ctx.identity()) });
     if takes_mask {
-        let logits = ndarray::concatenate(Axis(1), &[Array3::zeros((b, m, ctx.width())).view(), ctx.base.logits.view()]).expect("same batch");
+        let logits =
+            ndarray::concatenate(Axis(1), &[Array3::zeros((b, m, ctx.width())).view(), ctx.base.logits.view()])
+                .expect("same batch");
         let left = Call { logits, padding: Some(Array2::from_shape_fn((b, s + m), |(_, p)| p < m)) };
         cases.push(Case { offset: m, ..whole(&ctx.base, left, ctx.identity()) });
     }

@@ -47,7 +47,8 @@ pub(crate) fn why(f: &Finding) -> String {
 pub fn render_text(report: &Report, witness_paths: &dyn Fn(&str, Probe) -> Option<String>) -> String {
     let mut out = String::new();
     let o = &report.options;
-    let _ = writeln!(out, "moe-audit check: batch {} x seq {}, {} trials, seed {}", o.batch, o.seq_len, o.trials, o.seed);
+    let _ =
+        writeln!(out, "moe-audit check: batch {} x seq {}, {} trials, seed {}", o.batch, o.seq_len, o.trials, o.seed);
     let _ = writeln!(out, "{:<22} {:<12} {:<7} {:<10} {:>7}  why", "router", "probe", "verdict", "property", "rate");
     for r in &report.routers {
         for f in &r.findings {

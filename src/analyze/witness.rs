@@ -98,7 +98,9 @@ fn route_with(config: &RouterConfig, call: &Call) -> Result<Routing> {
 
 /// Routes both sides as `probe` prescribes and diffs the token.
 fn replay_pair(config: &RouterConfig, probe: Probe, pair: &Pair) -> Result<(Routing, Routing, TokenDiff)> {
-    let Some(tb) = pair.token_b() else { return Err(Error::Usage("witness token has no counterpart in call b".into())) };
+    let Some(tb) = pair.token_b() else {
+        return Err(Error::Usage("witness token has no counterpart in call b".into()));
+    };
     let (ra, rb) = match probe {
         Probe::D => (route_with(config, &pair.a)?, route_with(config, &pair.a)?),
         Probe::S => {
@@ -107,7 +109,9 @@ fn replay_pair(config: &RouterConfig, probe: Probe, pair: &Pair) -> Result<(Rout
             (first, route_with(config, &pair.a)?)
         }
         Probe::M => {
-            let inference = config.inference_config()?.ok_or_else(|| Error::Usage("an M witness needs an [inference] table".into()))?;
+            let inference = config
+                .inference_config()?
+                .ok_or_else(|| Error::Usage("an M witness needs an [inference] table".into()))?;
             (route_with(config, &pair.a)?, route_with(&inference, &pair.a)?)
         }
         _ => (route_with(config, &pair.a)?, route_with(config, &pair.b)?),
@@ -119,7 +123,8 @@ fn replay_pair(config: &RouterConfig, probe: Probe, pair: &Pair) -> Result<(Rout
 /// Builds a shrunk witness for token `token` (in `case.a`), when the router has a config.
 pub(crate) fn build(router: &dyn Router, probe: Probe, case: &Case, token: (usize, usize)) -> Result<Option<Witness>> {
     let Some(config) = router.config() else { return Ok(None) };
-    let pair = Pair { a: Call::clone(&case.a), b: case.b.clone(), seq_map: case.seq_map.clone(), offset: case.offset, token };
+    let pair =
+        Pair { a: Call::clone(&case.a), b: case.b.clone(), seq_map: case.seq_map.clone(), offset: case.offset, token };
     let leaks = |p: &Pair| replay_pair(config, probe, p).map(|(_, _, d)| d.any()).unwrap_or(false);
     if !leaks(&pair) {
         return Ok(None);
@@ -228,7 +233,8 @@ fn drop_sequence(pair: &Pair, k: usize) -> Option<Pair> {
     if keep_b.is_empty() {
         return None;
     }
-    let seq_map = keep_a.iter().map(|&i| pair.seq_map[i].map(|j| keep_b.iter().position(|&x| x == j).expect("kept"))).collect();
+    let seq_map =
+        keep_a.iter().map(|&i| pair.seq_map[i].map(|j| keep_b.iter().position(|&x| x == j).expect("kept"))).collect();
     let token = (if pair.token.0 > k { pair.token.0 - 1 } else { pair.token.0 }, pair.token.1);
     Some(Pair { a: pair.a.select(&keep_a), b: pair.b.select(&keep_b), seq_map, offset: pair.offset, token })
 }
@@ -293,7 +299,13 @@ fn drop_coordinates(pair: &Pair, coords: &[isize]) -> Option<Pair> {
         logits: call.logits.select(Axis(1), idx),
         padding: call.padding.as_ref().map(|m| m.select(Axis(1), idx)),
     };
-    Some(Pair { a: keep(&pair.a, &keep_a), b: keep(&pair.b, &keep_b), seq_map: pair.seq_map.clone(), offset, token: (pair.token.0, token_pos) })
+    Some(Pair {
+        a: keep(&pair.a, &keep_a),
+        b: keep(&pair.b, &keep_b),
+        seq_map: pair.seq_map.clone(),
+        offset,
+        token: (pair.token.0, token_pos),
+    })
 }
 
 fn store(call: &Call) -> StoredCall {
@@ -308,13 +320,20 @@ fn store(call: &Call) -> StoredCall {
 
 fn load(call: &StoredCall, name: &str, path: &Path) -> Result<Call> {
     let experts = call.logits.first().map_or(0, Vec::len);
-    if call.batch * call.seq_len != call.logits.len() || call.logits.iter().any(|r| r.len() != experts) || experts == 0 {
-        return Err(Error::input(path, format!("call `{name}`: expected {} rows of equal length", call.batch * call.seq_len)));
+    if call.batch * call.seq_len != call.logits.len() || call.logits.iter().any(|r| r.len() != experts) || experts == 0
+    {
+        return Err(Error::input(
+            path,
+            format!("call `{name}`: expected {} rows of equal length", call.batch * call.seq_len),
+        ));
     }
     let logits = Logits::from_shape_vec((call.batch, call.seq_len, experts), call.logits.concat()).expect("checked");
     let padding = match &call.padding {
         Some(rows) if rows.len() != call.batch || rows.iter().any(|r| r.len() != call.seq_len) => {
-            return Err(Error::input(path, format!("call `{name}`: padding must be {} rows of {} flags", call.batch, call.seq_len)))
+            return Err(Error::input(
+                path,
+                format!("call `{name}`: padding must be {} rows of {} flags", call.batch, call.seq_len),
+            ))
         }
         Some(rows) => Some(Array2::from_shape_vec((call.batch, call.seq_len), rows.concat()).expect("checked")),
         None => None,
@@ -348,7 +367,9 @@ impl Witness {
         if w.format != FORMAT {
             return Err(Error::input(path, format!("format `{}` is not `{FORMAT}`", w.format)));
         }
-        w.router.validate().map_err(|(field, message)| Error::config(&path.display().to_string(), &format!("router.{field}"), message))?;
+        w.router.validate().map_err(|(field, message)| {
+            Error::config(&path.display().to_string(), &format!("router.{field}"), message)
+        })?;
         Ok(w)
     }
 
@@ -356,17 +377,27 @@ impl Witness {
     pub fn replay(self, path: &Path) -> Result<Replay> {
         let (a, b) = (load(&self.a, "a", path)?, load(&self.b, "b", path)?);
         if a.logits.dim().2 != self.router.experts {
-            return Err(Error::input(path, format!("logits have {} experts, the router {}", a.logits.dim().2, self.router.experts)));
+            return Err(Error::input(
+                path,
+                format!("logits have {} experts, the router {}", a.logits.dim().2, self.router.experts),
+            ));
         }
         let (ta, tb) = ((self.token_a.batch, self.token_a.pos), (self.token_b.batch, self.token_b.pos));
         let (ba, sa) = a.dims();
         let (bb, sb) = b.dims();
-        if ta.0 >= ba || ta.1 >= sa || (!matches!(self.probe, Probe::D | Probe::S | Probe::M) && (tb.0 >= bb || tb.1 >= sb)) {
+        if ta.0 >= ba
+            || ta.1 >= sa
+            || (!matches!(self.probe, Probe::D | Probe::S | Probe::M) && (tb.0 >= bb || tb.1 >= sb))
+        {
             return Err(Error::input(path, "the witness token lies outside its calls".to_string()));
         }
         let mut seq_map = vec![None; ba];
         seq_map[ta.0] = Some(if matches!(self.probe, Probe::D | Probe::S | Probe::M) { ta.0 } else { tb.0 });
-        let offset = if matches!(self.probe, Probe::D | Probe::S | Probe::M) { 0 } else { tb.1.checked_sub(ta.1).ok_or_else(|| Error::input(path, "token_b lies before token_a".to_string()))? };
+        let offset = if matches!(self.probe, Probe::D | Probe::S | Probe::M) {
+            0
+        } else {
+            tb.1.checked_sub(ta.1).ok_or_else(|| Error::input(path, "token_b lies before token_a".to_string()))?
+        };
         let pair = Pair { a, b, seq_map, offset, token: ta };
         let (ra, rb, diff) = replay_pair(&self.router, self.probe, &pair)?;
         let tb = pair.token_b().expect("mapped");

@@ -8,8 +8,8 @@ use crate::config::{presets, RouterConfig};
 use crate::error::{Error, Result};
 use crate::layer::MoeLayer;
 use crate::memory;
-use bytesize::ByteSize;
 use crate::parallel::{split_batch, Communicator, OnComm};
+use bytesize::ByteSize;
 use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};
 use std::io::Write;
@@ -101,23 +101,42 @@ pub enum CheckFormat {
 
 impl CheckArgs {
     fn options(&self) -> Result<AuditOptions> {
-        for (flag, v) in [("--batch", self.batch), ("--seq-len", self.seq_len), ("--hidden", self.hidden), ("--ffn", self.ffn)] {
+        for (flag, v) in
+            [("--batch", self.batch), ("--seq-len", self.seq_len), ("--hidden", self.hidden), ("--ffn", self.ffn)]
+        {
             if v == 0 {
                 return Err(Error::Usage(format!("{flag} must be at least 1")));
             }
         }
         let ranks = self.ranks.unwrap_or(2);
         if self.ranks.is_some() && (ranks == 0 || self.batch % ranks != 0) {
-            return Err(Error::Usage(format!("--ranks {ranks}: the batch of {} sequences must split evenly over the ranks", self.batch)));
+            return Err(Error::Usage(format!(
+                "--ranks {ranks}: the batch of {} sequences must split evenly over the ranks",
+                self.batch
+            )));
         }
-        Ok(AuditOptions { probes: Probe::parse_list(&self.probes)?, batch: self.batch, seq_len: self.seq_len, trials: self.trials, seed: self.seed, ranks })
+        Ok(AuditOptions {
+            probes: Probe::parse_list(&self.probes)?,
+            batch: self.batch,
+            seq_len: self.seq_len,
+            trials: self.trials,
+            seed: self.seed,
+            ranks,
+        })
     }
 }
 
 /// Audits each config with a seeded layer, with a progress bar on a terminal; fails before
 /// allocating anything when an audit is estimated to need more than `max_memory` bytes. With
 /// `comm`, the layout probe runs the layer expert-parallel over it (every rank audits alike).
-pub(crate) fn audit_all(configs: Vec<RouterConfig>, options: &AuditOptions, hidden: usize, ffn: usize, max_memory: u64, comm: Option<&dyn Communicator>) -> Result<Report> {
+pub(crate) fn audit_all(
+    configs: Vec<RouterConfig>,
+    options: &AuditOptions,
+    hidden: usize,
+    ffn: usize,
+    max_memory: u64,
+    comm: Option<&dyn Communicator>,
+) -> Result<Report> {
     for config in &configs {
         let estimate = options.memory_estimate(config.experts, config.k(), hidden, ffn);
         memory::ensure_fits(&format!("the audit of `{}`", config.name), estimate, max_memory)?;
@@ -144,7 +163,8 @@ pub(crate) fn audit_all(configs: Vec<RouterConfig>, options: &AuditOptions, hidd
 }
 
 fn witness_file(dir: &Path, router: &str, probe: Probe) -> PathBuf {
-    let safe: String = router.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect();
+    let safe: String =
+        router.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect();
     dir.join(format!("{safe}-{probe}.json"))
 }
 
@@ -165,7 +185,9 @@ fn run_mpi(args: &CheckArgs, out: &mut dyn Write) -> Result<u8> {
     let comm = crate::parallel::mpi::MpiComm::init()?;
     let size = comm.size();
     let result = match args.ranks {
-        Some(r) if r != size => Err(Error::Usage(format!("--ranks {r} differs from the MPI world size {size} (mpirun -np)"))),
+        Some(r) if r != size => {
+            Err(Error::Usage(format!("--ranks {r} differs from the MPI world size {size} (mpirun -np)")))
+        }
         _ => audit_and_report(args, out, Some(&comm)),
     };
     result.or_else(|e| comm.abort(&e))
@@ -208,7 +230,12 @@ fn audit_and_report(args: &CheckArgs, out: &mut dyn Write, comm: Option<&dyn Com
         }
     }
     let has_witness = |router: &str, probe: Probe| {
-        report.routers.iter().find(|r| r.router == router).and_then(|r| r.finding(probe)).is_some_and(|f| f.witness.is_some())
+        report
+            .routers
+            .iter()
+            .find(|r| r.router == router)
+            .and_then(|r| r.finding(probe))
+            .is_some_and(|f| f.witness.is_some())
     };
     let text = match args.format {
         CheckFormat::Text => render_text(&report, &|router, probe| {

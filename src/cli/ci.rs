@@ -8,12 +8,7 @@ use std::fmt::Write;
 
 /// One line on a leak: the witness's token and what changed, or the rate and where.
 fn summary(f: &Finding) -> String {
-    let rate = format!(
-        "{} of {} tokens changed ({:.1}%)",
-        f.affected,
-        f.compared,
-        f.rate * 100.0
-    );
+    let rate = format!("{} of {} tokens changed ({:.1}%)", f.affected, f.compared, f.rate * 100.0);
     match &f.witness {
         Some(w) => format!(
             "{} {} leaks {}: {rate}; witness: token batch {}, position {} routes differently ({}): before {} after {}",
@@ -46,36 +41,18 @@ fn routes(routes: &[Route]) -> String {
             }
         )
     };
-    format!(
-        "[{}]",
-        routes.iter().map(one).collect::<Vec<_>>().join(", ")
-    )
+    format!("[{}]", routes.iter().map(one).collect::<Vec<_>>().join(", "))
 }
 
 fn xml(s: &str) -> String {
-    s.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
-        .replace('"', "&quot;")
-        .replace('\'', "&apos;")
+    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;").replace('\'', "&apos;")
 }
 
 /// JUnit XML: a test suite per router, a test case per probe (leak = failure, not applicable =
 /// skipped) and one for the invariants.
 pub(super) fn render_junit(report: &Report) -> String {
-    let count = |v: Verdict| {
-        report
-            .routers
-            .iter()
-            .flat_map(|r| &r.findings)
-            .filter(|f| f.verdict == v)
-            .count()
-    };
-    let broken = report
-        .routers
-        .iter()
-        .filter(|r| !r.invariants.is_empty())
-        .count();
+    let count = |v: Verdict| report.routers.iter().flat_map(|r| &r.findings).filter(|f| f.verdict == v).count();
+    let broken = report.routers.iter().filter(|r| !r.invariants.is_empty()).count();
     let tests: usize = report.routers.iter().map(|r| r.findings.len() + 1).sum();
     let mut out = String::from("<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n");
     let _ = writeln!(
@@ -85,33 +62,22 @@ pub(super) fn render_junit(report: &Report) -> String {
         count(Verdict::NotApplicable)
     );
     for r in &report.routers {
-        let failures = r
-            .findings
-            .iter()
-            .filter(|f| f.verdict == Verdict::Leak)
-            .count()
-            + usize::from(!r.invariants.is_empty());
-        let skipped = r
-            .findings
-            .iter()
-            .filter(|f| f.verdict == Verdict::NotApplicable)
-            .count();
+        let failures =
+            r.findings.iter().filter(|f| f.verdict == Verdict::Leak).count() + usize::from(!r.invariants.is_empty());
+        let skipped = r.findings.iter().filter(|f| f.verdict == Verdict::NotApplicable).count();
         let name = xml(&r.router);
-        let _ = writeln!(out, "  <testsuite name=\"{name}\" tests=\"{}\" failures=\"{failures}\" skipped=\"{skipped}\">", r.findings.len() + 1);
+        let _ = writeln!(
+            out,
+            "  <testsuite name=\"{name}\" tests=\"{}\" failures=\"{failures}\" skipped=\"{skipped}\">",
+            r.findings.len() + 1
+        );
         for f in &r.findings {
             let case = xml(&format!("{} {} ({})", f.probe, f.probe.name(), f.property));
-            let _ = write!(
-                out,
-                "    <testcase classname=\"moe-audit.{name}\" name=\"{case}\""
-            );
+            let _ = write!(out, "    <testcase classname=\"moe-audit.{name}\" name=\"{case}\"");
             match f.verdict {
                 Verdict::Pass => out.push_str("/>\n"),
                 Verdict::NotApplicable => {
-                    let _ = writeln!(
-                        out,
-                        ">\n      <skipped message=\"{}\"/>\n    </testcase>",
-                        xml(&f.note)
-                    );
+                    let _ = writeln!(out, ">\n      <skipped message=\"{}\"/>\n    </testcase>", xml(&f.note));
                 }
                 Verdict::Leak => {
                     let _ = writeln!(
@@ -123,10 +89,7 @@ pub(super) fn render_junit(report: &Report) -> String {
                 }
             }
         }
-        let _ = write!(
-            out,
-            "    <testcase classname=\"moe-audit.{name}\" name=\"invariants\""
-        );
+        let _ = write!(out, "    <testcase classname=\"moe-audit.{name}\" name=\"invariants\"");
         if r.invariants.is_empty() {
             out.push_str("/>\n");
         } else {
@@ -145,10 +108,7 @@ pub(super) fn render_junit(report: &Report) -> String {
 
 /// GitHub's escaping of a workflow command's message (`%`, CR, LF) and properties (also `:`, `,`).
 fn escape(s: &str, property: bool) -> String {
-    let s = s
-        .replace('%', "%25")
-        .replace('\r', "%0D")
-        .replace('\n', "%0A");
+    let s = s.replace('%', "%25").replace('\r', "%0D").replace('\n', "%0A");
     if property {
         s.replace(':', "%3A").replace(',', "%2C")
     } else {
@@ -161,12 +121,7 @@ pub(super) fn render_github(report: &Report) -> String {
     let mut out = String::new();
     for r in &report.routers {
         for f in r.findings.iter().filter(|f| f.verdict == Verdict::Leak) {
-            let title = format!(
-                "moe-audit: {} leaks on {} {}",
-                r.router,
-                f.probe,
-                f.probe.name()
-            );
+            let title = format!("moe-audit: {} leaks on {} {}", r.router, f.probe, f.probe.name());
             let _ = writeln!(
                 out,
                 "::error title={}::{}",

@@ -1,16 +1,16 @@
 //! `moe-audit ep`: one expert-parallel forward of a seeded layer, with each rank's traffic
 //! beside DOMAIN.md §5's formula and the output checked against the single-device layer.
 
-use crate::memory::{self, CallSizes};
-use bytesize::ByteSize;
 use super::check::CommKind;
 use super::io_error;
 use super::route::read_logits;
 use crate::config::RouterConfig;
 use crate::error::{Error, Result};
 use crate::layer::{MoeLayer, Seeded};
+use crate::memory::{self, CallSizes};
 use crate::parallel::{run_ranks, split_batch, Communicator, ExpertParallel, RankTraffic};
 use crate::router::Router;
+use bytesize::ByteSize;
 use candle_core::{DType, Device, Tensor};
 use clap::{Args, ValueEnum};
 use serde::Serialize;
@@ -85,13 +85,22 @@ struct EpReport {
 }
 
 pub(super) fn run(args: &EpArgs, out: &mut dyn Write) -> Result<u8> {
-    for (flag, v) in [("--batch", args.batch), ("--seq-len", args.seq_len), ("--hidden", args.hidden), ("--ffn", args.ffn)] {
+    for (flag, v) in
+        [("--batch", args.batch), ("--seq-len", args.seq_len), ("--hidden", args.hidden), ("--ffn", args.ffn)]
+    {
         if v == 0 {
             return Err(Error::Usage(format!("{flag} must be at least 1")));
         }
     }
     let config = RouterConfig::load(&args.router)?;
-    let sizes = CallSizes { batch: args.batch, seq_len: args.seq_len, experts: config.experts, routes: config.k(), hidden: args.hidden, ffn: args.ffn };
+    let sizes = CallSizes {
+        batch: args.batch,
+        seq_len: args.seq_len,
+        experts: config.experts,
+        routes: config.k(),
+        hidden: args.hidden,
+        ffn: args.ffn,
+    };
     // The expert-parallel forward, its gathered outputs and the single-device forward.
     memory::ensure_fits("this forward", sizes.estimate().saturating_mul(3), memory::limit(args.max_memory))?;
     let layer = MoeLayer::seeded(config, args.hidden, args.ffn, args.seed, DType::F32, &Device::Cpu)?;
@@ -134,16 +143,21 @@ pub(super) fn run(args: &EpArgs, out: &mut dyn Write) -> Result<u8> {
 }
 
 /// Runs `work` on every rank; returns rank 0's result (`None` on the other MPI ranks).
-fn on_ranks<T: Send>(kind: CommKind, ranks: Option<usize>, work: impl Fn(&dyn Communicator) -> Result<T> + Sync) -> Result<Option<T>> {
+fn on_ranks<T: Send>(
+    kind: CommKind,
+    ranks: Option<usize>,
+    work: impl Fn(&dyn Communicator) -> Result<T> + Sync,
+) -> Result<Option<T>> {
     match kind {
         CommKind::InProcess => Ok(run_ranks(ranks.unwrap_or(2), |comm| work(comm))?.into_iter().next()),
         #[cfg(feature = "mpi")]
         CommKind::Mpi => {
             let comm = crate::parallel::mpi::MpiComm::init()?;
             let result = match ranks {
-                Some(r) if r != comm.size() => {
-                    Err(Error::Usage(format!("--ranks {r} differs from the MPI world size {} (mpirun -np)", comm.size())))
-                }
+                Some(r) if r != comm.size() => Err(Error::Usage(format!(
+                    "--ranks {r} differs from the MPI world size {} (mpirun -np)",
+                    comm.size()
+                ))),
                 _ => work(&comm),
             };
             let value = result.unwrap_or_else(|e| comm.abort(&e));

@@ -1,13 +1,13 @@
 //! The `check` flags for routers outside moe-audit (a subprocess, trace files, a real gate),
 //! and `moe-audit plan`.
 
-use crate::memory::{self, CallSizes};
-use crate::router::Router;
 use crate::analyze::{audit, AuditOptions, Probe, RouterReport, Subject};
 use crate::config::RouterConfig;
 use crate::error::{Error, Result};
 use crate::external::gate::GateSource;
 use crate::external::{plan, ExternalRouter, Handshake, InputKind, TraceRouter};
+use crate::memory::{self, CallSizes};
+use crate::router::Router;
 use clap::Args;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -21,51 +21,26 @@ pub struct ExternalArgs {
     #[arg(long, value_name = "COMMAND", help_heading = "External routers")]
     pub router_cmd: Vec<String>,
     /// Seconds to wait for a router's handshake and for each answer.
-    #[arg(
-        long,
-        default_value_t = 60.0,
-        value_name = "SECS",
-        help_heading = "External routers"
-    )]
+    #[arg(long, default_value_t = 60.0, value_name = "SECS", help_heading = "External routers")]
     pub timeout: f64,
     /// A trace directory (`moe-audit plan`, answered by your harness); the audit runs with the
     /// plan's probes and sizes.
     #[arg(long, value_name = "DIR", help_heading = "External routers")]
     pub traces: Option<PathBuf>,
     /// A safetensors checkpoint holding the gate of the routers named on the command line.
-    #[arg(
-        long,
-        value_name = "FILE.safetensors",
-        requires = "gate",
-        help_heading = "External routers"
-    )]
+    #[arg(long, value_name = "FILE.safetensors", requires = "gate", help_heading = "External routers")]
     pub weights: Option<PathBuf>,
     /// The gate matrix `[experts, hidden]` in --weights.
-    #[arg(
-        long,
-        value_name = "TENSOR",
-        requires = "weights",
-        help_heading = "External routers"
-    )]
+    #[arg(long, value_name = "TENSOR", requires = "weights", help_heading = "External routers")]
     pub gate: Option<String>,
     /// A selection-only expert bias `[experts]` in --weights (DeepSeek-V3
     /// `e_score_correction_bias`); replaces the config's `expert_bias`.
-    #[arg(
-        long,
-        value_name = "TENSOR",
-        requires = "gate",
-        help_heading = "External routers"
-    )]
+    #[arg(long, value_name = "TENSOR", requires = "gate", help_heading = "External routers")]
     pub bias: Option<String>,
     /// Real hidden states `[..., hidden]` to sample the audit's tokens from, with --weights
     /// (`FILE.safetensors` holding one tensor, or `FILE.safetensors:TENSOR`); default: seeded
     /// standard normal.
-    #[arg(
-        long,
-        value_name = "FILE[:TENSOR]",
-        requires = "gate",
-        help_heading = "External routers"
-    )]
+    #[arg(long, value_name = "FILE[:TENSOR]", requires = "gate", help_heading = "External routers")]
     pub hidden_states: Option<String>,
 }
 
@@ -79,8 +54,7 @@ impl ExternalArgs {
     pub(super) fn options(&self, options: AuditOptions) -> Result<AuditOptions> {
         if self.traces.is_some() && !self.router_cmd.is_empty() {
             return Err(Error::Usage(
-                "--traces replays one planned audit; audit --router-cmd routers in another run"
-                    .into(),
+                "--traces replays one planned audit; audit --router-cmd routers in another run".into(),
             ));
         }
         match &self.traces {
@@ -110,38 +84,21 @@ impl ExternalArgs {
             ));
         }
         if let (Some(weights), Some(gate)) = (&self.weights, &self.gate) {
-            let hidden_states =
-                self.hidden_states
-                    .as_deref()
-                    .map(|spec| match spec.rsplit_once(':') {
-                        Some((file, tensor)) if !Path::new(spec).is_file() => {
-                            (Path::new(file), Some(tensor))
-                        }
-                        _ => (Path::new(spec), None),
-                    });
-            let source = GateSource {
-                weights,
-                gate,
-                bias: self.bias.as_deref(),
-                hidden_states,
-            };
+            let hidden_states = self.hidden_states.as_deref().map(|spec| match spec.rsplit_once(':') {
+                Some((file, tensor)) if !Path::new(spec).is_file() => (Path::new(file), Some(tensor)),
+                _ => (Path::new(spec), None),
+            });
+            let source = GateSource { weights, gate, bias: self.bias.as_deref(), hidden_states };
             for config in configs {
                 let router = source.router(config)?;
                 reports.push(audit_router(&router)?);
             }
         }
         if !(self.timeout.is_finite() && self.timeout > 0.0) {
-            return Err(Error::Usage(format!(
-                "--timeout must be a positive number of seconds, got {}",
-                self.timeout
-            )));
+            return Err(Error::Usage(format!("--timeout must be a positive number of seconds, got {}", self.timeout)));
         }
         for command in &self.router_cmd {
-            let router = ExternalRouter::spawn(
-                command,
-                Duration::from_secs_f64(self.timeout),
-                options.seed,
-            )?;
+            let router = ExternalRouter::spawn(command, Duration::from_secs_f64(self.timeout), options.seed)?;
             reports.push(audit_router(&router)?);
         }
         if let Some(dir) = &self.traces {
@@ -217,9 +174,7 @@ pub(super) fn run_plan(args: &PlanArgs, out: &mut dyn Write) -> Result<u8> {
         hidden_size: args.hidden_size,
     };
     if args.batch == 0 || args.seq_len == 0 {
-        return Err(Error::Usage(
-            "--batch and --seq-len must be at least 1".into(),
-        ));
+        return Err(Error::Usage("--batch and --seq-len must be at least 1".into()));
     }
     let options = AuditOptions {
         probes: Probe::parse_list(&args.probes)?,
@@ -233,9 +188,17 @@ pub(super) fn run_plan(args: &PlanArgs, out: &mut dyn Write) -> Result<u8> {
     // One audit at a time, plus every call it makes, kept until written: P's S prefixes (half
     // the call on average), F's and N's trials, R's cases at up to twice the size, a few more.
     let width = router.row_width();
-    let call = CallSizes { batch: args.batch, seq_len: args.seq_len, experts: width, routes: args.top_k.unwrap_or(1), hidden: 0, ffn: 0 };
+    let call = CallSizes {
+        batch: args.batch,
+        seq_len: args.seq_len,
+        experts: width,
+        routes: args.top_k.unwrap_or(1),
+        hidden: 0,
+        ffn: 0,
+    };
     let logged = (args.seq_len / 2 + 2 * args.trials + 2 * (args.trials / 8 + 4) + 8) as u64;
-    let estimate = options.memory_estimate(width, call.routes, 0, 0).saturating_add(call.logits_bytes().saturating_mul(logged));
+    let estimate =
+        options.memory_estimate(width, call.routes, 0, 0).saturating_add(call.logits_bytes().saturating_mul(logged));
     memory::ensure_fits("this plan", estimate, memory::limit(args.max_memory))?;
     let calls = plan(&router, &options, &args.output)?;
     writeln!(

@@ -2,8 +2,8 @@
 
 mod check;
 mod ci;
-mod external;
 mod ep;
+mod external;
 mod route;
 mod sweep;
 
@@ -70,7 +70,11 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<u8> {
 pub(crate) fn progress_bar(len: u64) -> indicatif::ProgressBar {
     use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
     use std::io::IsTerminal;
-    let bar = if std::io::stderr().is_terminal() { ProgressBar::with_draw_target(Some(len), ProgressDrawTarget::stderr()) } else { ProgressBar::hidden() };
+    let bar = if std::io::stderr().is_terminal() {
+        ProgressBar::with_draw_target(Some(len), ProgressDrawTarget::stderr())
+    } else {
+        ProgressBar::hidden()
+    };
     bar.set_style(ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").expect("valid template"));
     bar
 }

@@ -5,8 +5,8 @@ use crate::config::RouterConfig;
 use crate::error::{Error, Result};
 use crate::layer::{MoeLayer, Seeded};
 use crate::memory::{self, CallSizes};
-use bytesize::ByteSize;
 use crate::routing::{assign, render_table, Logits};
+use bytesize::ByteSize;
 use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};
 use std::io::Write;
@@ -57,21 +57,41 @@ pub enum RouteFormat {
 pub(super) fn run(args: &RouteArgs, out: &mut dyn Write) -> Result<u8> {
     let config = RouterConfig::load(&args.router)?;
     let routing = match &args.logits {
-        Some(path) => assign(&config, read_logits(path, args.batch, args.seq_len, config.experts, &format!("the router has {} experts", config.experts))?.view())?,
+        Some(path) => assign(
+            &config,
+            read_logits(
+                path,
+                args.batch,
+                args.seq_len,
+                config.experts,
+                &format!("the router has {} experts", config.experts),
+            )?
+            .view(),
+        )?,
         None => {
             let seq_len = args.seq_len.unwrap_or(8);
-            for (flag, v) in [("--batch", args.batch), ("--seq-len", seq_len), ("--hidden", args.hidden), ("--ffn", args.ffn)] {
+            for (flag, v) in
+                [("--batch", args.batch), ("--seq-len", seq_len), ("--hidden", args.hidden), ("--ffn", args.ffn)]
+            {
                 if v == 0 {
                     return Err(Error::Usage(format!("{flag} must be at least 1")));
                 }
             }
-            let sizes = CallSizes { batch: args.batch, seq_len, experts: config.experts, routes: config.k(), hidden: args.hidden, ffn: args.ffn };
+            let sizes = CallSizes {
+                batch: args.batch,
+                seq_len,
+                experts: config.experts,
+                routes: config.k(),
+                hidden: args.hidden,
+                ffn: args.ffn,
+            };
             memory::ensure_fits("this call", sizes.estimate(), memory::limit(args.max_memory))?;
             let device = Device::Cpu;
             let layer = MoeLayer::seeded(config, args.hidden, args.ffn, args.seed, DType::F32, &device)?;
             // Hidden states from a stream of their own, so changing the weights' seed and the
             // input's seed are independent choices.
-            let x = Seeded::new(args.seed ^ 0x9e37_79b9_7f4a_7c15).normal(&[args.batch, seq_len, args.hidden], &device)?;
+            let x =
+                Seeded::new(args.seed ^ 0x9e37_79b9_7f4a_7c15).normal(&[args.batch, seq_len, args.hidden], &device)?;
             layer.forward(&x)?.1
         }
     };
@@ -85,7 +105,13 @@ pub(super) fn run(args: &RouteArgs, out: &mut dyn Write) -> Result<u8> {
 
 /// Reads a logits file: a JSON array of rows, each `experts` numbers (`expected` says why, for
 /// errors). Hidden states are read the same way.
-pub(crate) fn read_logits(path: &Path, batch: usize, seq_len: Option<usize>, experts: usize, expected: &str) -> Result<Logits> {
+pub(crate) fn read_logits(
+    path: &Path,
+    batch: usize,
+    seq_len: Option<usize>,
+    experts: usize,
+    expected: &str,
+) -> Result<Logits> {
     let text = std::fs::read_to_string(path).map_err(|e| Error::input(path, format!("cannot read: {e}")))?;
     // Read as f64 and narrow: a value beyond f32 becomes inf, which routing rejects naming the
     // batch, position and expert (more useful than a parse error).
@@ -99,7 +125,10 @@ pub(crate) fn read_logits(path: &Path, batch: usize, seq_len: Option<usize>, exp
     }
     let s = rows.len() / batch;
     if let Some(want) = seq_len.filter(|&want| want != s) {
-        return Err(Error::input(path, format!("{} rows at --batch {batch} give seq_len {s}, not --seq-len {want}", rows.len())));
+        return Err(Error::input(
+            path,
+            format!("{} rows at --batch {batch} give seq_len {s}, not --seq-len {want}", rows.len()),
+        ));
     }
     if let Some((i, row)) = rows.iter().enumerate().find(|(_, r)| r.len() != experts) {
         return Err(Error::input(path, format!("row {i} has {} values, {expected}", row.len())));

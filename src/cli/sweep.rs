@@ -3,8 +3,8 @@
 use super::{io_error, progress_bar};
 use crate::error::Result;
 use crate::memory;
-use bytesize::ByteSize;
 use crate::sweep::{self, Grid};
+use bytesize::ByteSize;
 use clap::Args;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -26,7 +26,9 @@ pub struct SweepArgs {
 
 pub(super) fn run(args: &SweepArgs, out: &mut dyn Write) -> Result<u8> {
     let (grid, source, base) = match &args.grid {
-        Some(path) => (Grid::from_file(path)?, path.display().to_string(), path.parent().unwrap_or(Path::new(".")).to_path_buf()),
+        Some(path) => {
+            (Grid::from_file(path)?, path.display().to_string(), path.parent().unwrap_or(Path::new(".")).to_path_buf())
+        }
         None => (Grid::default(), "<default grid>".to_string(), PathBuf::from(".")),
     };
     let bar = progress_bar(sweep::cell_count(&grid, &source, &base)? as u64);

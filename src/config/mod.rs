@@ -234,7 +234,9 @@ impl TryFrom<String> for ScopeGroup {
             "sequence" => Ok(ScopeGroup::Sequence),
             other => match other.strip_prefix("tokens:").map(str::parse::<usize>) {
                 Some(Ok(n)) if n > 0 => Ok(ScopeGroup::Tokens(n)),
-                _ => Err(format!("unknown scope group `{other}`, expected `batch`, `sequence` or `tokens:N` with N > 0")),
+                _ => {
+                    Err(format!("unknown scope group `{other}`, expected `batch`, `sequence` or `tokens:N` with N > 0"))
+                }
             },
         }
     }
@@ -299,14 +301,22 @@ impl RouterConfig {
             match dropless {
                 toml::Value::Boolean(true) => base.capacity = None,
                 toml::Value::Boolean(false) => {}
-                other => return Err(Error::config(source_name, "inference.dropless", format!("must be true or false, got {other}"))),
+                other => {
+                    return Err(Error::config(
+                        source_name,
+                        "inference.dropless",
+                        format!("must be true or false, got {other}"),
+                    ))
+                }
             }
         }
         let mut table = toml::Table::try_from(&base).expect("a config always serialises to TOML");
         merge(&mut table, overrides);
         let text = toml::to_string(&table).expect("a TOML table always serialises");
         let inference = RouterConfig::from_toml(&text, source_name).map_err(|e| match e {
-            Error::Config { source_name, field, message } => Error::Config { source_name, field: format!("inference.{field}"), message },
+            Error::Config { source_name, field, message } => {
+                Error::Config { source_name, field: format!("inference.{field}"), message }
+            }
             other => other,
         })?;
         if inference.inference.is_some() {

@@ -29,31 +29,46 @@ impl RouterConfig {
                 ensure(k <= e, "top_k", || format!("{k} exceeds experts = {e}"))?;
             }
             RouterKind::ExpertChoice => {
-                ensure(self.top_k.is_none(), "top_k", || "does not apply to an expert-choice router (each expert picks tokens)".into())?;
+                ensure(self.top_k.is_none(), "top_k", || {
+                    "does not apply to an expert-choice router (each expert picks tokens)".into()
+                })?;
                 ensure(self.score != ScoreFn::SoftmaxPost, "score", || {
                     "softmax-post needs a per-token top-k; use softmax-pre or sigmoid for expert choice".into()
                 })?;
                 ensure(self.expert_bias.is_none(), "expert_bias", || "applies to token-choice routers only".into())?;
                 ensure(self.group_limit.is_none(), "group_limit", || "applies to token-choice routers only".into())?;
-                ensure(self.selection == Selection::TopK, "selection", || "applies to token-choice routers only".into())?;
-                ensure(self.bias_update_rate.is_none(), "bias_update_rate", || "applies to token-choice routers only".into())?;
-                let cap = self.capacity.as_ref().ok_or(("capacity", "is required for an expert-choice router".to_string()))?;
+                ensure(self.selection == Selection::TopK, "selection", || {
+                    "applies to token-choice routers only".into()
+                })?;
+                ensure(self.bias_update_rate.is_none(), "bias_update_rate", || {
+                    "applies to token-choice routers only".into()
+                })?;
+                let cap = self
+                    .capacity
+                    .as_ref()
+                    .ok_or(("capacity", "is required for an expert-choice router".to_string()))?;
                 ensure(!cap.pad && !cap.renormalize_after_drop, "capacity", || {
                     "pad and renormalize_after_drop apply to token-choice routers only".into()
                 })?;
             }
         }
         if self.score == ScoreFn::SoftmaxPost {
-            ensure(self.normalize != Some(false), "normalize", || "softmax-post is normalised by construction; remove `normalize = false`".into())?;
+            ensure(self.normalize != Some(false), "normalize", || {
+                "softmax-post is normalised by construction; remove `normalize = false`".into()
+            })?;
         }
         if let Some(bias) = &self.expert_bias {
-            ensure(bias.len() == e, "expert_bias", || format!("has {} entries, expected one per expert ({e})", bias.len()))?;
+            ensure(bias.len() == e, "expert_bias", || {
+                format!("has {} entries, expected one per expert ({e})", bias.len())
+            })?;
             if let Some((i, b)) = bias.iter().enumerate().find(|(_, b)| !b.is_finite()) {
                 return Err(("expert_bias", format!("entry {i} is {b}, must be finite")));
             }
         }
         if let Some(g) = &self.group_limit {
-            ensure(g.groups > 0 && e % g.groups == 0, "group_limit.groups", || format!("{} does not divide experts = {e}", g.groups))?;
+            ensure(g.groups > 0 && e % g.groups == 0, "group_limit.groups", || {
+                format!("{} does not divide experts = {e}", g.groups)
+            })?;
             ensure(g.top_groups >= 1 && g.top_groups <= g.groups, "group_limit.top_groups", || {
                 format!("{} must be between 1 and groups = {}", g.top_groups, g.groups)
             })?;
@@ -66,25 +81,38 @@ impl RouterConfig {
             })?;
         }
         if self.selection == Selection::Sinkhorn {
-            ensure(self.expert_bias.is_none() && self.group_limit.is_none() && self.bias_update_rate.is_none(), "selection", || {
-                "sinkhorn balances the selection itself; remove expert_bias, group_limit and bias_update_rate".into()
-            })?;
+            ensure(
+                self.expert_bias.is_none() && self.group_limit.is_none() && self.bias_update_rate.is_none(),
+                "selection",
+                || {
+                    "sinkhorn balances the selection itself; remove expert_bias, group_limit and bias_update_rate"
+                        .into()
+                },
+            )?;
         }
         if let Some(rate) = self.bias_update_rate {
-            ensure(rate.is_finite() && rate > 0.0, "bias_update_rate", || format!("must be finite and > 0, got {rate}"))?;
+            ensure(rate.is_finite() && rate > 0.0, "bias_update_rate", || {
+                format!("must be finite and > 0, got {rate}")
+            })?;
         }
         if let Some(cap) = &self.capacity {
             if cap.policy == DropPolicy::Causal {
                 ensure(self.scope.group == ScopeGroup::Sequence, "capacity.policy", || {
                     format!("causal counts earlier tokens of the same sequence; needs scope.group = \"sequence\", got \"{}\"", self.scope.group)
                 })?;
-                ensure(!cap.pad, "capacity.pad", || "pad-to-capacity needs the final capacity, which a causal capacity never knows in advance".into())?;
+                ensure(!cap.pad, "capacity.pad", || {
+                    "pad-to-capacity needs the final capacity, which a causal capacity never knows in advance".into()
+                })?;
             }
             match (cap.factor, cap.fixed) {
-                (Some(f), None) => ensure(f.is_finite() && f > 0.0, "capacity.factor", || format!("must be finite and > 0, got {f}"))?,
+                (Some(f), None) => {
+                    ensure(f.is_finite() && f > 0.0, "capacity.factor", || format!("must be finite and > 0, got {f}"))?
+                }
                 (None, Some(_)) => {}
                 (Some(_), Some(_)) => return Err(("capacity", "set either `factor` or `fixed`, not both".into())),
-                (None, None) => return Err(("capacity", "needs `factor` (derived capacity) or `fixed` (constant capacity)".into())),
+                (None, None) => {
+                    return Err(("capacity", "needs `factor` (derived capacity) or `fixed` (constant capacity)".into()))
+                }
             }
         }
         Ok(())

@@ -38,9 +38,7 @@ impl GateSource<'_> {
                 let tensors = crate::layer::load_safetensors(path, &Device::Cpu)?;
                 let name = match name {
                     Some(name) => name.to_string(),
-                    None if tensors.len() == 1 => {
-                        tensors.keys().next().expect("one tensor").clone()
-                    }
+                    None if tensors.len() == 1 => tensors.keys().next().expect("one tensor").clone(),
                     None => {
                         return Err(Error::input(
                             path,
@@ -52,15 +50,18 @@ impl GateSource<'_> {
                 let hidden = router.hidden_size().expect("a gate has a hidden size");
                 let rows = t.elem_count() / hidden.max(1);
                 if t.dims().last() != Some(&hidden) || rows == 0 {
-                    return Err(Error::input(path, format!("tensor `{name}` has shape {:?}, expected [..., {hidden}] (the gate's hidden size)", t.dims())));
+                    return Err(Error::input(
+                        path,
+                        format!(
+                            "tensor `{name}` has shape {:?}, expected [..., {hidden}] (the gate's hidden size)",
+                            t.dims()
+                        ),
+                    ));
                 }
                 Some(t.reshape((rows, hidden))?)
             }
         };
-        Ok(GateRouter {
-            inner: router,
-            states,
-        })
+        Ok(GateRouter { inner: router, states })
     }
 
     fn config_router(&self, mut config: RouterConfig) -> Result<ConfigRouter> {
@@ -70,11 +71,7 @@ impl GateSource<'_> {
         let (experts, hidden) = gate.dims2().map_err(|_| {
             Error::input(
                 path,
-                format!(
-                    "tensor `{}` has shape {:?}, expected [experts, hidden]",
-                    self.gate,
-                    gate.dims()
-                ),
+                format!("tensor `{}` has shape {:?}, expected [experts, hidden]", self.gate, gate.dims()),
             )
         })?;
         if experts != config.experts {
@@ -91,22 +88,15 @@ impl GateSource<'_> {
             if bias.dims() != [experts] {
                 return Err(Error::input(
                     path,
-                    format!(
-                        "tensor `{name}` has shape {:?}, expected [{experts}]",
-                        bias.dims()
-                    ),
+                    format!("tensor `{name}` has shape {:?}, expected [{experts}]", bias.dims()),
                 ));
             }
             config.expert_bias = Some(bias.to_vec1()?);
-            config.validate().map_err(|(field, message)| {
-                Error::config(&format!("{}:{name}", path.display()), field, message)
-            })?;
+            config
+                .validate()
+                .map_err(|(field, message)| Error::config(&format!("{}:{name}", path.display()), field, message))?;
         }
-        let vb = VarBuilder::from_tensors(
-            HashMap::from([("weight".to_string(), gate)]),
-            DType::F32,
-            &Device::Cpu,
-        );
+        let vb = VarBuilder::from_tensors(HashMap::from([("weight".to_string(), gate)]), DType::F32, &Device::Cpu);
         ConfigRouter::new(config, hidden, vb)
     }
 }
@@ -138,13 +128,9 @@ impl Router for GateRouter {
         };
         let (rows, hidden) = states.dims2()?;
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        let picks: Vec<u32> = (0..b * s)
-            .map(|_| rng.random_range(0..rows) as u32)
-            .collect();
+        let picks: Vec<u32> = (0..b * s).map(|_| rng.random_range(0..rows) as u32).collect();
         let picks = Tensor::from_vec(picks, b * s, &Device::Cpu)?;
-        Ok(Some(
-            states.index_select(&picks, 0)?.reshape((b, s, hidden))?,
-        ))
+        Ok(Some(states.index_select(&picks, 0)?.reshape((b, s, hidden))?))
     }
     fn scores(&self, hidden: &Tensor) -> Result<Tensor> {
         self.inner.scores(hidden)
@@ -169,23 +155,13 @@ fn float_tensor(tensors: &HashMap<String, Tensor>, path: &Path, name: &str) -> R
         let mut names: Vec<&str> = tensors.keys().map(String::as_str).collect();
         names.sort_unstable();
         let shown = names.iter().take(8).copied().collect::<Vec<_>>().join(", ");
-        let more = if names.len() > 8 {
-            format!(", ... ({} tensors)", names.len())
-        } else {
-            String::new()
-        };
+        let more = if names.len() > 8 { format!(", ... ({} tensors)", names.len()) } else { String::new() };
         Error::input(path, format!("no tensor `{name}`; it has {shown}{more}"))
     })?;
-    if !matches!(
-        t.dtype(),
-        DType::F16 | DType::BF16 | DType::F32 | DType::F64
-    ) {
+    if !matches!(t.dtype(), DType::F16 | DType::BF16 | DType::F32 | DType::F64) {
         return Err(Error::input(
             path,
-            format!(
-                "tensor `{name}` is {:?}, expected a float dtype (f16, bf16, f32, f64)",
-                t.dtype()
-            ),
+            format!("tensor `{name}` is {:?}, expected a float dtype (f16, bf16, f32, f64)", t.dtype()),
         ));
     }
     let t = t.to_dtype(DType::F32)?;
@@ -193,10 +169,7 @@ fn float_tensor(tensors: &HashMap<String, Tensor>, path: &Path, name: &str) -> R
     if let Some(i) = values.iter().position(|v| !v.is_finite()) {
         return Err(Error::input(
             path,
-            format!(
-                "tensor `{name}` has a non-finite value {} at flat index {i}",
-                values[i]
-            ),
+            format!("tensor `{name}` has a non-finite value {} at flat index {i}", values[i]),
         ));
     }
     Ok(t)

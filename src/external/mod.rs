@@ -51,7 +51,11 @@ impl<A: Answers> External<A> {
         let hs = source.handshake();
         if hs.input == InputKind::Hidden {
             let pool = (POOL_PER_EXPERT * hs.experts) as u64 * hs.row_width() as u64 * 4;
-            crate::memory::ensure_fits(&format!("the targeted-row pool of router `{}`", hs.name), pool, crate::memory::limit(None))?;
+            crate::memory::ensure_fits(
+                &format!("the targeted-row pool of router `{}`", hs.name),
+                pool,
+                crate::memory::limit(None),
+            )?;
         }
         let mut rows = ExternalRows::new(hs, seed);
         if target && hs.input == InputKind::Hidden {
@@ -119,10 +123,7 @@ fn pass_through(router: &dyn Router, hidden: &Tensor) -> Result<Tensor> {
     if w != router.row_width() {
         return Err(Error::shape(
             &format!("router `{}`", router.name()),
-            format!(
-                "rows of {w} values, the router takes {}",
-                router.row_width()
-            ),
+            format!("rows of {w} values, the router takes {}", router.row_width()),
         ));
     }
     Ok(hidden.clone())
@@ -143,19 +144,11 @@ struct ExternalRows {
 
 impl ExternalRows {
     fn new(hs: &Handshake, seed: u64) -> Self {
-        let mut rows = ExternalRows {
-            seed,
-            experts: hs.experts,
-            width: hs.row_width(),
-            targets: None,
-        };
+        let mut rows = ExternalRows { seed, experts: hs.experts, width: hs.row_width(), targets: None };
         if hs.input == InputKind::Hidden {
             let pool = rows.pool();
-            rows.targets = Some(
-                (0..hs.experts)
-                    .map(|e| pool.slice(ndarray::s![0, e % pool.dim().1, ..]).to_vec())
-                    .collect(),
-            );
+            rows.targets =
+                Some((0..hs.experts).map(|e| pool.slice(ndarray::s![0, e % pool.dim().1, ..]).to_vec()).collect());
         }
         rows
     }
@@ -163,16 +156,9 @@ impl ExternalRows {
     /// `[1, POOL_PER_EXPERT * E, H]` standard-normal rows from the audit seed.
     fn pool(&self) -> Array3<f32> {
         let n = POOL_PER_EXPERT * self.experts;
-        let t = Seeded::new(self.seed ^ 0x9001)
-            .normal(&[1, n, self.width], &Device::Cpu)
-            .expect("host tensor");
-        Array3::from_shape_vec(
-            (1, n, self.width),
-            t.flatten_all()
-                .and_then(|t| t.to_vec1())
-                .expect("host tensor"),
-        )
-        .expect("shape")
+        let t = Seeded::new(self.seed ^ 0x9001).normal(&[1, n, self.width], &Device::Cpu).expect("host tensor");
+        Array3::from_shape_vec((1, n, self.width), t.flatten_all().and_then(|t| t.to_vec1()).expect("host tensor"))
+            .expect("shape")
     }
 
     fn pick_targets(&mut self, pool: &Array3<f32>, routing: &Routing) {
@@ -180,14 +166,11 @@ impl ExternalRows {
             return;
         };
         for (e, target) in targets.iter_mut().enumerate() {
-            let first_choice = |t: &crate::routing::TokenRouting| {
-                t.routes.first().filter(|r| r.expert == e).map(|r| r.weight)
-            };
-            let any_choice = |t: &crate::routing::TokenRouting| {
-                t.routes.iter().find(|r| r.expert == e).map(|r| r.weight)
-            };
-            let best =
-                best_token(routing, first_choice).or_else(|| best_token(routing, any_choice));
+            let first_choice =
+                |t: &crate::routing::TokenRouting| t.routes.first().filter(|r| r.expert == e).map(|r| r.weight);
+            let any_choice =
+                |t: &crate::routing::TokenRouting| t.routes.iter().find(|r| r.expert == e).map(|r| r.weight);
+            let best = best_token(routing, first_choice).or_else(|| best_token(routing, any_choice));
             if let Some(i) = best {
                 *target = pool.slice(ndarray::s![0, i, ..]).to_vec();
             }
@@ -200,10 +183,7 @@ impl ExternalRows {
 }
 
 /// The token with the largest weight under `weight` (ties to the lowest index).
-fn best_token(
-    routing: &Routing,
-    weight: impl Fn(&crate::routing::TokenRouting) -> Option<f32>,
-) -> Option<usize> {
+fn best_token(routing: &Routing, weight: impl Fn(&crate::routing::TokenRouting) -> Option<f32>) -> Option<usize> {
     let mut best: Option<(usize, f32)> = None;
     for (i, t) in routing.tokens.iter().enumerate() {
         if let Some(w) = weight(t) {

@@ -58,9 +58,7 @@ impl ExternalRouter {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
-            .map_err(|e| {
-                Error::input(format!("router `{command}`"), format!("cannot start: {e}"))
-            })?;
+            .map_err(|e| Error::input(format!("router `{command}`"), format!("cannot start: {e}")))?;
         let stdout = child.stdout.take().expect("piped");
         let (tx, lines) = mpsc::channel();
         std::thread::spawn(move || {
@@ -99,23 +97,14 @@ impl ExternalRouter {
             handshake: placeholder,
             stderr,
             stderr_done: Mutex::new(stderr_done),
-            conversation: Mutex::new(Conversation {
-                child,
-                stdin,
-                lines,
-                next_id: 1,
-                failed: None,
-            }),
+            conversation: Mutex::new(Conversation { child, stdin, lines, next_id: 1, failed: None }),
         };
         let line = shared.receive("its handshake")?;
         let handshake: Handshake = serde_json::from_str(&line)
             .map_err(|e| e.to_string())
             .and_then(|h: Handshake| h.validate().map(|()| h))
             .map_err(|e| {
-                shared.fail(format!(
-                    "bad handshake ({e}): `{}`",
-                    line.chars().take(120).collect::<String>()
-                ))
+                shared.fail(format!("bad handshake ({e}): `{}`", line.chars().take(120).collect::<String>()))
             })?;
         shared.handshake = handshake;
         External::new(shared, seed, true)
@@ -133,9 +122,7 @@ impl Subprocess {
         kill(&mut conv.child);
         // The group is dead: its stderr ends at once; read what it said last.
         let _ = self.stderr_done.lock().expect("stderr reader").recv_timeout(Duration::from_secs(1));
-        let tail = String::from_utf8_lossy(&self.stderr.lock().expect("stderr buffer"))
-            .trim()
-            .to_string();
+        let tail = String::from_utf8_lossy(&self.stderr.lock().expect("stderr buffer")).trim().to_string();
         let message = match tail.lines().last() {
             Some(last) if !last.is_empty() => format!("{message}; its stderr ends: {last}"),
             _ => message,
@@ -150,12 +137,7 @@ impl Subprocess {
             true => (format!("the answer to {what}"), format!("answering {what}")),
             false => (what.to_string(), what.to_string()),
         };
-        let got = self
-            .conversation
-            .lock()
-            .expect("conversation")
-            .lines
-            .recv_timeout(self.timeout);
+        let got = self.conversation.lock().expect("conversation").lines.recv_timeout(self.timeout);
         match got {
             Ok(Ok(line)) => Ok(line),
             Ok(Err(e)) => Err(self.fail(format!("reading {what}: {e}"))),
@@ -166,10 +148,7 @@ impl Subprocess {
             Err(RecvTimeoutError::Disconnected) => {
                 let status = {
                     let mut conv = self.conversation.lock().expect("conversation");
-                    conv.child
-                        .wait()
-                        .map(|s| s.to_string())
-                        .unwrap_or_else(|e| e.to_string())
+                    conv.child.wait().map(|s| s.to_string()).unwrap_or_else(|e| e.to_string())
                 };
                 Err(self.fail(format!("the router exited ({status}) before {before}")))
             }
@@ -182,10 +161,7 @@ impl Subprocess {
         if width != hs.row_width() {
             return Err(Error::shape(
                 &format!("router `{}`", hs.name),
-                format!(
-                    "rows of {width} values, the router takes {}",
-                    hs.row_width()
-                ),
+                format!("rows of {width} values, the router takes {}", hs.row_width()),
             ));
         }
         crate::routing::scores::check_finite(&rows)?;
@@ -198,19 +174,10 @@ impl Subprocess {
             }
             let id = conv.next_id;
             conv.next_id += 1;
-            let request = Request {
-                id,
-                mode,
-                batch,
-                seq_len,
-                data: flat.chunks(width).collect(),
-            };
+            let request = Request { id, mode, batch, seq_len, data: flat.chunks(width).collect() };
             let mut line = serde_json::to_vec(&request).expect("a request always serialises");
             line.push(b'\n');
-            let sent = conv
-                .stdin
-                .as_mut()
-                .map(|pipe| pipe.write_all(&line).and_then(|()| pipe.flush()));
+            let sent = conv.stdin.as_mut().map(|pipe| pipe.write_all(&line).and_then(|()| pipe.flush()));
             if let Some(Err(e)) = sent {
                 let what = format!("request {id} ({mode}, batch {batch} x seq_len {seq_len})");
                 let message = match exit_status(&mut conv.child) {

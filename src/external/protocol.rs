@@ -46,10 +46,7 @@ impl Handshake {
     /// Checks the handshake; the error says which field is wrong.
     pub fn validate(&self) -> Result<(), String> {
         if self.protocol != PROTOCOL {
-            return Err(format!(
-                "handshake: protocol `{}`, expected `{PROTOCOL}`",
-                self.protocol
-            ));
+            return Err(format!("handshake: protocol `{}`, expected `{PROTOCOL}`", self.protocol));
         }
         if !(1..=MAX_SIZE).contains(&self.experts) {
             return Err(format!("handshake: experts {} is not in 1..={MAX_SIZE}", self.experts));
@@ -59,16 +56,11 @@ impl Handshake {
         }
         if let Some(k) = self.top_k {
             if k == 0 || k > self.experts {
-                return Err(format!(
-                    "handshake: top_k {k} is not in 1..={}",
-                    self.experts
-                ));
+                return Err(format!("handshake: top_k {k} is not in 1..={}", self.experts));
             }
         }
         match (self.input, self.hidden_size) {
-            (InputKind::Hidden, None | Some(0)) => {
-                Err("handshake: input `hidden` needs hidden_size >= 1".into())
-            }
+            (InputKind::Hidden, None | Some(0)) => Err("handshake: input `hidden` needs hidden_size >= 1".into()),
             _ => Ok(()),
         }
     }
@@ -154,72 +146,37 @@ impl Response {
         }
         let n = batch * seq_len;
         if self.tokens.len() != n {
-            return Err(format!(
-                "{} tokens, expected batch {batch} x seq_len {seq_len} = {n}",
-                self.tokens.len()
-            ));
+            return Err(format!("{} tokens, expected batch {batch} x seq_len {seq_len} = {n}", self.tokens.len()));
         }
         let e = hs.experts;
         let mut tokens = Vec::with_capacity(n);
         for (i, routes) in self.tokens.into_iter().enumerate() {
-            let at = || {
-                format!(
-                    "token {i} (batch {}, position {})",
-                    i / seq_len,
-                    i % seq_len
-                )
-            };
+            let at = || format!("token {i} (batch {}, position {})", i / seq_len, i % seq_len);
             let mut seen = vec![false; e];
             let mut out = Vec::with_capacity(routes.len());
             for r in routes {
                 let expert = usize::try_from(r.expert).ok().filter(|&x| x < e);
                 let Some(expert) = expert else {
-                    return Err(format!(
-                        "{}: expert {} is out of range 0..{e}",
-                        at(),
-                        r.expert
-                    ));
+                    return Err(format!("{}: expert {} is out of range 0..{e}", at(), r.expert));
                 };
                 if std::mem::replace(&mut seen[expert], true) {
                     return Err(format!("{}: expert {expert} appears twice", at()));
                 }
                 if !r.weight.is_finite() {
-                    return Err(format!(
-                        "{}: weight {} of expert {expert} is not finite",
-                        at(),
-                        r.weight
-                    ));
+                    return Err(format!("{}: weight {} of expert {expert} is not finite", at(), r.weight));
                 }
-                out.push(Route {
-                    expert,
-                    weight: r.weight,
-                    kept: r.kept,
-                    padded: false,
-                });
+                out.push(Route { expert, weight: r.weight, kept: r.kept, padded: false });
             }
             if let Some(k) = hs.top_k {
                 if out.len() != k {
-                    return Err(format!(
-                        "{}: {} routes, the handshake declared top_k {k}",
-                        at(),
-                        out.len()
-                    ));
+                    return Err(format!("{}: {} routes, the handshake declared top_k {k}", at(), out.len()));
                 }
             }
-            tokens.push(TokenRouting {
-                batch: i / seq_len,
-                pos: i % seq_len,
-                group: 0,
-                routes: out,
-                capacity: None,
-            });
+            tokens.push(TokenRouting { batch: i / seq_len, pos: i % seq_len, group: 0, routes: out, capacity: None });
         }
         if let Some(c) = &self.capacity {
             if c.len() != e {
-                return Err(format!(
-                    "capacity has {} entries, expected one per expert ({e})",
-                    c.len()
-                ));
+                return Err(format!("capacity has {} entries, expected one per expert ({e})", c.len()));
             }
         }
         // One routing group: the whole call. Unequal capacities count by their largest.
@@ -239,10 +196,7 @@ impl Response {
             scope: ScopeRecord {
                 group: ScopeGroup::Batch,
                 flatten: Flatten::SequenceMajor,
-                groups: vec![GroupRecord {
-                    tokens: n,
-                    capacity: group_capacity,
-                }],
+                groups: vec![GroupRecord { tokens: n, capacity: group_capacity }],
             },
             tokens,
             experts_load,
@@ -281,23 +235,9 @@ mod tests {
     #[test]
     fn a_valid_response_becomes_the_record() {
         let r = check(r#"{"id": 3, "tokens": [[{"expert": 1, "weight": 0.6, "kept": true}, {"expert": 0, "weight": 0.4, "kept": false}], [{"expert": 1, "weight": 0.5, "kept": true}, {"expert": 3, "weight": 0.5, "kept": true}]], "capacity": [1, 2, 1, 1]}"#).unwrap();
-        assert_eq!(
-            r.token(0, 0).routes[1],
-            Route {
-                expert: 0,
-                weight: 0.4,
-                kept: false,
-                padded: false
-            }
-        );
+        assert_eq!(r.token(0, 0).routes[1], Route { expert: 0, weight: 0.4, kept: false, padded: false });
         assert_eq!(r.token(0, 1).pos, 1);
-        assert_eq!(
-            r.scope.groups,
-            vec![GroupRecord {
-                tokens: 2,
-                capacity: Some(2)
-            }]
-        );
+        assert_eq!(r.scope.groups, vec![GroupRecord { tokens: 2, capacity: Some(2) }]);
         assert_eq!((r.experts_load[1].routed, r.experts_load[0].kept), (2, 0));
     }
 
@@ -307,35 +247,19 @@ mod tests {
         let two = |a: i64, b: i64| format!("[{}, {}]", route(a), route(b));
         let cases = [
             (
-                format!(
-                    r#"{{"id": 3, "tokens": [{}, [{}]], "capacity": null}}"#,
-                    two(0, 1),
-                    route(2)
-                ),
+                format!(r#"{{"id": 3, "tokens": [{}, [{}]], "capacity": null}}"#, two(0, 1), route(2)),
                 "token 1 (batch 0, position 1): 1 routes, the handshake declared top_k 2",
             ),
             (
-                format!(
-                    r#"{{"id": 3, "tokens": [{}, {}], "capacity": null}}"#,
-                    two(0, 1),
-                    two(2, 2)
-                ),
+                format!(r#"{{"id": 3, "tokens": [{}, {}], "capacity": null}}"#, two(0, 1), two(2, 2)),
                 "token 1 (batch 0, position 1): expert 2 appears twice",
             ),
             (
-                format!(
-                    r#"{{"id": 3, "tokens": [{}, {}], "capacity": null}}"#,
-                    two(-1, 1),
-                    two(2, 3)
-                ),
+                format!(r#"{{"id": 3, "tokens": [{}, {}], "capacity": null}}"#, two(-1, 1), two(2, 3)),
                 "token 0 (batch 0, position 0): expert -1 is out of range 0..4",
             ),
             (
-                format!(
-                    r#"{{"id": 3, "tokens": [{}, {}], "capacity": null, "extra": 1}}"#,
-                    two(0, 1),
-                    two(2, 3)
-                ),
+                format!(r#"{{"id": 3, "tokens": [{}, {}], "capacity": null, "extra": 1}}"#, two(0, 1), two(2, 3)),
                 "not a response (unknown field `extra`",
             ),
         ];
@@ -348,28 +272,13 @@ mod tests {
     #[test]
     fn handshakes_are_validated() {
         assert_eq!(
-            Handshake {
-                input: InputKind::Hidden,
-                ..hs()
-            }
-            .validate(),
+            Handshake { input: InputKind::Hidden, ..hs() }.validate(),
             Err("handshake: input `hidden` needs hidden_size >= 1".into())
         );
         assert_eq!(
-            Handshake {
-                protocol: "moe-audit/2".into(),
-                ..hs()
-            }
-            .validate(),
+            Handshake { protocol: "moe-audit/2".into(), ..hs() }.validate(),
             Err("handshake: protocol `moe-audit/2`, expected `moe-audit/1`".into())
         );
-        assert_eq!(
-            Handshake {
-                top_k: None,
-                ..hs()
-            }
-            .validate(),
-            Ok(())
-        );
+        assert_eq!(Handshake { top_k: None, ..hs() }.validate(), Ok(()));
     }
 }

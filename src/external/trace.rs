@@ -102,22 +102,12 @@ pub fn plan(router: &Handshake, options: &AuditOptions, dir: &Path) -> Result<us
     let mut planned: HashMap<(Mode, Content), usize> = HashMap::new();
     for answer in 0..router.experts {
         let log: Log = Arc::default();
-        let recorder = External::new(Recorder { hs: router.clone(), answer, log: Arc::clone(&log) }, options.seed, false)?;
-        audit(
-            &Subject {
-                router: &recorder,
-                layer: None,
-            },
-            options,
-            &mut |_| {},
-        )?;
+        let recorder =
+            External::new(Recorder { hs: router.clone(), answer, log: Arc::clone(&log) }, options.seed, false)?;
+        audit(&Subject { router: &recorder, layer: None }, options, &mut |_| {})?;
         drop(recorder);
         let mut this_pass: HashMap<(Mode, Content), usize> = HashMap::new();
-        for (mode, data) in Arc::try_unwrap(log)
-            .expect("the audit is over")
-            .into_inner()
-            .expect("log")
-        {
+        for (mode, data) in Arc::try_unwrap(log).expect("the audit is over").into_inner().expect("log") {
             let c = content(data.view());
             let k = (mode, c.clone());
             let seen = this_pass.entry(k.clone()).or_default();
@@ -128,41 +118,22 @@ pub fn plan(router: &Handshake, options: &AuditOptions, dir: &Path) -> Result<us
             }
             *have += 1;
             let n = names.len();
-            let name = names
-                .entry(c)
-                .or_insert_with(|| format!("call.{n}"))
-                .clone();
+            let name = names.entry(c).or_insert_with(|| format!("call.{n}")).clone();
             if !tensors.contains_key(&name) {
-                let t = Tensor::from_slice(
-                    data.as_slice().expect("owned standard layout"),
-                    data.dim(),
-                    &Device::Cpu,
-                )?;
+                let t = Tensor::from_slice(data.as_slice().expect("owned standard layout"), data.dim(), &Device::Cpu)?;
                 tensors.insert(name.clone(), t);
             }
             let (batch, seq_len, _) = data.dim();
-            calls.push(PlannedCall {
-                id: calls.len() as u64 + 1,
-                mode,
-                batch,
-                seq_len,
-                tensor: name,
-            });
+            calls.push(PlannedCall { id: calls.len() as u64 + 1, mode, batch, seq_len, tensor: name });
         }
     }
     std::fs::create_dir_all(dir).map_err(|e| Error::input(dir, format!("cannot create: {e}")))?;
     let inputs = dir.join(INPUTS);
     candle_core::safetensors::save(&tensors, &inputs)
         .map_err(|e| Error::input(&inputs, format!("cannot write: {e}")))?;
-    let manifest = Manifest {
-        format: FORMAT.into(),
-        router: router.clone(),
-        options: options.clone(),
-        calls,
-    };
+    let manifest = Manifest { format: FORMAT.into(), router: router.clone(), options: options.clone(), calls };
     let path = dir.join(MANIFEST);
-    let json =
-        serde_json::to_string_pretty(&manifest).expect("a manifest always serialises") + "\n";
+    let json = serde_json::to_string_pretty(&manifest).expect("a manifest always serialises") + "\n";
     std::fs::write(&path, json).map_err(|e| Error::input(&path, format!("cannot write: {e}")))?;
     Ok(manifest.calls.len())
 }
@@ -184,36 +155,26 @@ impl TraceRouter {
     /// each other before anything is analyzed.
     pub fn open(dir: &Path) -> Result<Self> {
         let path = dir.join(MANIFEST);
-        let text = std::fs::read_to_string(&path).map_err(|e| {
-            Error::input(
-                &path,
-                format!("cannot read (write it with `moe-audit plan`): {e}"),
-            )
-        })?;
-        let manifest: Manifest = serde_json::from_str(&text)
-            .map_err(|e| Error::input(&path, format!("not a plan manifest: {e}")))?;
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| Error::input(&path, format!("cannot read (write it with `moe-audit plan`): {e}")))?;
+        let manifest: Manifest =
+            serde_json::from_str(&text).map_err(|e| Error::input(&path, format!("not a plan manifest: {e}")))?;
         if manifest.format != FORMAT {
-            return Err(Error::input(
-                &path,
-                format!("format `{}`, expected `{FORMAT}`", manifest.format),
-            ));
+            return Err(Error::input(&path, format!("format `{}`, expected `{FORMAT}`", manifest.format)));
         }
-        manifest
-            .router
-            .validate()
-            .map_err(|e| Error::input(&path, e))?;
+        manifest.router.validate().map_err(|e| Error::input(&path, e))?;
         let hs = manifest.router;
         let inputs_path = dir.join(INPUTS);
         let inputs = crate::layer::load_safetensors(&inputs_path, &Device::Cpu)?;
         let decisions_path = dir.join(DECISIONS);
-        let decisions = std::fs::read_to_string(&decisions_path)
-            .map_err(|e| Error::input(&decisions_path, format!("cannot read (your harness writes one response line per call of {MANIFEST}): {e}")))?;
+        let decisions = std::fs::read_to_string(&decisions_path).map_err(|e| {
+            Error::input(
+                &decisions_path,
+                format!("cannot read (your harness writes one response line per call of {MANIFEST}): {e}"),
+            )
+        })?;
         let mut responses = HashMap::new();
-        for (n, line) in decisions
-            .lines()
-            .enumerate()
-            .filter(|(_, l)| !l.trim().is_empty())
-        {
+        for (n, line) in decisions.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
             let at = |m: String| Error::input(&decisions_path, format!("line {}: {m}", n + 1));
             let r = parse_response(line).map_err(at)?;
             if responses.insert(r.id, r).is_some() {
@@ -222,62 +183,38 @@ impl TraceRouter {
         }
         let mut answers: HashMap<(Mode, Content), Vec<(u64, Routing)>> = HashMap::new();
         for call in &manifest.calls {
-            let t = inputs.get(&call.tensor).ok_or_else(|| {
-                Error::input(
-                    &inputs_path,
-                    format!("no tensor `{}` (call {})", call.tensor, call.id),
-                )
-            })?;
+            let t = inputs
+                .get(&call.tensor)
+                .ok_or_else(|| Error::input(&inputs_path, format!("no tensor `{}` (call {})", call.tensor, call.id)))?;
             let dims = (call.batch, call.seq_len, hs.row_width());
-            let data = t.dims3().ok().filter(|&d| d == dims).and_then(|_| {
-                t.to_dtype(candle_core::DType::F32)
-                    .and_then(|t| t.flatten_all()?.to_vec1::<f32>())
-                    .ok()
-            });
+            let data =
+                t.dims3().ok().filter(|&d| d == dims).and_then(|_| {
+                    t.to_dtype(candle_core::DType::F32).and_then(|t| t.flatten_all()?.to_vec1::<f32>()).ok()
+                });
             let Some(data) = data else {
                 return Err(Error::input(
                     &inputs_path,
-                    format!(
-                        "tensor `{}` is {:?}, call {} needs {dims:?}",
-                        call.tensor,
-                        t.dims(),
-                        call.id
-                    ),
+                    format!("tensor `{}` is {:?}, call {} needs {dims:?}", call.tensor, t.dims(), call.id),
                 ));
             };
             let rows = Array3::from_shape_vec(dims, data).expect("shape checked");
             let response = responses.remove(&call.id).ok_or_else(|| {
                 Error::input(
                     &decisions_path,
-                    format!(
-                        "no response for call {} ({}, tensor `{}`)",
-                        call.id, call.mode, call.tensor
-                    ),
+                    format!("no response for call {} ({}, tensor `{}`)", call.id, call.mode, call.tensor),
                 )
             })?;
-            let logits =
-                (hs.input == InputKind::Logits).then(|| rows.as_slice().expect("standard layout"));
-            let routing = response
-                .into_routing(&hs, (call.id, call.batch, call.seq_len), logits)
-                .map_err(|e| {
-                    Error::input(
-                        &decisions_path,
-                        format!(
-                            "call {} ({}, batch {} x seq_len {}): {e}",
-                            call.id, call.mode, call.batch, call.seq_len
-                        ),
-                    )
-                })?;
-            answers
-                .entry((call.mode, content(rows.view())))
-                .or_default()
-                .push((call.id, routing));
+            let logits = (hs.input == InputKind::Logits).then(|| rows.as_slice().expect("standard layout"));
+            let routing = response.into_routing(&hs, (call.id, call.batch, call.seq_len), logits).map_err(|e| {
+                Error::input(
+                    &decisions_path,
+                    format!("call {} ({}, batch {} x seq_len {}): {e}", call.id, call.mode, call.batch, call.seq_len),
+                )
+            })?;
+            answers.entry((call.mode, content(rows.view()))).or_default().push((call.id, routing));
         }
         if let Some(id) = responses.keys().min() {
-            return Err(Error::input(
-                &decisions_path,
-                format!("response id {id} is not a call of {MANIFEST}"),
-            ));
+            return Err(Error::input(&decisions_path, format!("response id {id} is not a call of {MANIFEST}")));
         }
         let seed = manifest.options.seed;
         let replay = Replay { hs, dir: dir.to_path_buf(), options: manifest.options, answers, used: Mutex::default() };

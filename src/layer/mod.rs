@@ -40,7 +40,12 @@ impl MoeLayer {
     }
 
     /// Builds the layer from named tensors, cast to `dtype`.
-    pub fn from_tensors(config: RouterConfig, tensors: HashMap<String, Tensor>, dtype: DType, device: &Device) -> Result<Self> {
+    pub fn from_tensors(
+        config: RouterConfig,
+        tensors: HashMap<String, Tensor>,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
         let dims = infer_dims(&tensors, &format!("weights of router `{}`", config.name))?;
         if dims.experts != config.experts {
             return Err(Error::shape(
@@ -53,7 +58,14 @@ impl MoeLayer {
     }
 
     /// Seeded weights (see [`seeded_weights`]); the same seed gives the same layer on every run.
-    pub fn seeded(config: RouterConfig, hidden: usize, ffn: usize, seed: u64, dtype: DType, device: &Device) -> Result<Self> {
+    pub fn seeded(
+        config: RouterConfig,
+        hidden: usize,
+        ffn: usize,
+        seed: u64,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
         let tensors = seeded_weights(LayerDims { hidden, ffn, experts: config.experts }, seed, device)?;
         Self::from_tensors(config, tensors, dtype, device)
     }

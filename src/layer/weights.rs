@@ -75,14 +75,17 @@ pub fn seeded_weights(dims: LayerDims, seed: u64, device: &Device) -> Result<Has
 
 /// Reads a safetensors file into named tensors.
 pub fn load_safetensors(path: &Path, device: &Device) -> Result<HashMap<String, Tensor>> {
-    candle_core::safetensors::load(path, device).map_err(|e| Error::input(path, format!("cannot load safetensors: {e}")))
+    candle_core::safetensors::load(path, device)
+        .map_err(|e| Error::input(path, format!("cannot load safetensors: {e}")))
 }
 
 /// Infers [`LayerDims`] from Mixtral-style tensors.
 pub fn infer_dims(tensors: &HashMap<String, Tensor>, source: &str) -> Result<LayerDims> {
     let get = |name: &str| {
         tensors.get(name).ok_or_else(|| Error::shape(source, format!("missing tensor `{name}`"))).and_then(|t| {
-            t.dims2().map_err(|_| Error::shape(source, format!("tensor `{name}` has shape {:?}, expected 2 dimensions", t.dims())))
+            t.dims2().map_err(|_| {
+                Error::shape(source, format!("tensor `{name}` has shape {:?}, expected 2 dimensions", t.dims()))
+            })
         })
     };
     let (experts, hidden) = get("gate.weight")?;

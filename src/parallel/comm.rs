@@ -21,7 +21,13 @@ pub trait Communicator {
     /// Variable-count all-to-all of rows of `width` values: `send` holds the rows for rank 0,
     /// then rank 1, ...; `send_rows[d]` rows go to rank d and `recv_rows[s]` rows come from rank
     /// s (known from a count exchange). Returns the received rows, source rank order.
-    fn all_to_all_rows(&self, send: Vec<f32>, width: usize, send_rows: &[usize], recv_rows: &[usize]) -> Result<Vec<f32>>;
+    fn all_to_all_rows(
+        &self,
+        send: Vec<f32>,
+        width: usize,
+        send_rows: &[usize],
+        recv_rows: &[usize],
+    ) -> Result<Vec<f32>>;
     /// Every rank's bytes, on every rank, in rank order.
     fn all_gather_bytes(&self, bytes: Vec<u8>) -> Result<Vec<Vec<u8>>>;
     /// Waits until every rank gets here.
@@ -39,7 +45,10 @@ pub trait Communicator {
 /// Checks a per-destination count slice (rsmpi does not: a short slice reads past its end).
 pub(crate) fn check_counts(context: &str, counts: &[usize], per_rank: usize, size: usize) -> Result<()> {
     if counts.len() != per_rank * size {
-        return Err(Error::shape(context, format!("{} counts for {size} ranks × {per_rank}, expected {}", counts.len(), per_rank * size)));
+        return Err(Error::shape(
+            context,
+            format!("{} counts for {size} ranks × {per_rank}, expected {}", counts.len(), per_rank * size),
+        ));
     }
     Ok(())
 }
@@ -48,7 +57,10 @@ pub(crate) fn check_counts(context: &str, counts: &[usize], per_rank: usize, siz
 pub(crate) fn check_rows(context: &str, rows: &[usize], width: usize, len: usize) -> Result<()> {
     let total: usize = rows.iter().sum();
     if total * width != len {
-        return Err(Error::shape(context, format!("{total} rows of {width} values, but the buffer holds {len} values")));
+        return Err(Error::shape(
+            context,
+            format!("{total} rows of {width} values, but the buffer holds {len} values"),
+        ));
     }
     Ok(())
 }
@@ -128,7 +140,8 @@ impl InProcess {
             if let Some(f) = &state.failure {
                 return Err(failed(f));
             }
-            if let Some(src) = (0..shared.size).find(|&src| state.mail[self.rank][src].is_none() && state.finished[src]) {
+            if let Some(src) = (0..shared.size).find(|&src| state.mail[self.rank][src].is_none() && state.finished[src])
+            {
                 return Err(gone(src));
             }
             if state.mail[self.rank].iter().all(Option::is_some) {
@@ -142,7 +155,10 @@ impl InProcess {
 }
 
 fn gone(rank: usize) -> Error {
-    Error::shape("in-process all-to-all", format!("rank {rank} returned while another rank waits for it in a collective"))
+    Error::shape(
+        "in-process all-to-all",
+        format!("rank {rank} returned while another rank waits for it in a collective"),
+    )
 }
 
 fn mismatch(what: &str) -> Error {
@@ -166,7 +182,10 @@ impl Communicator for InProcess {
             match m {
                 Message::Counts(c) if c.len() == per_rank => out.extend(c),
                 Message::Counts(c) => {
-                    return Err(Error::shape("count exchange", format!("a rank sent {} counts, expected {per_rank}", c.len())))
+                    return Err(Error::shape(
+                        "count exchange",
+                        format!("a rank sent {} counts, expected {per_rank}", c.len()),
+                    ))
                 }
                 _ => return Err(mismatch("a count exchange")),
             }
@@ -174,11 +193,18 @@ impl Communicator for InProcess {
         Ok(out)
     }
 
-    fn all_to_all_rows(&self, send: Vec<f32>, width: usize, send_rows: &[usize], recv_rows: &[usize]) -> Result<Vec<f32>> {
+    fn all_to_all_rows(
+        &self,
+        send: Vec<f32>,
+        width: usize,
+        send_rows: &[usize],
+        recv_rows: &[usize],
+    ) -> Result<Vec<f32>> {
         check_counts("all-to-all send counts", send_rows, 1, self.size())?;
         check_counts("all-to-all receive counts", recv_rows, 1, self.size())?;
         check_rows("all-to-all send buffer", send_rows, width, send.len())?;
-        let starts: Vec<usize> = send_rows.iter().scan(0, |acc, &n| Some(std::mem::replace(acc, *acc + n * width))).collect();
+        let starts: Vec<usize> =
+            send_rows.iter().scan(0, |acc, &n| Some(std::mem::replace(acc, *acc + n * width))).collect();
         let send = Arc::new(send);
         let got = self.exchange(|dst| Message::Rows(Arc::clone(&send), starts[dst], send_rows[dst] * width))?;
         drop(send);
@@ -199,7 +225,9 @@ impl Communicator for InProcess {
     fn all_gather_bytes(&self, bytes: Vec<u8>) -> Result<Vec<Vec<u8>>> {
         let bytes = Arc::new(bytes);
         let got = self.exchange(|_| Message::Bytes(Arc::clone(&bytes)))?;
-        got.into_iter().map(|m| if let Message::Bytes(b) = m { Ok(b.to_vec()) } else { Err(mismatch("an all-gather")) }).collect()
+        got.into_iter()
+            .map(|m| if let Message::Bytes(b) = m { Ok(b.to_vec()) } else { Err(mismatch("an all-gather")) })
+            .collect()
     }
 
     fn barrier(&self) -> Result<()> {
@@ -303,8 +331,14 @@ mod tests {
     #[test]
     fn ranks_failing_alike_report_the_lowest() {
         for _ in 0..20 {
-            let err = run_ranks(4, |c| if c.rank() >= 1 { Err::<(), _>(Error::Usage(format!("bad {}", c.rank()))) } else { c.barrier() })
-                .unwrap_err();
+            let err = run_ranks(4, |c| {
+                if c.rank() >= 1 {
+                    Err::<(), _>(Error::Usage(format!("bad {}", c.rank())))
+                } else {
+                    c.barrier()
+                }
+            })
+            .unwrap_err();
             assert_eq!(err.to_string(), "rank 1 failed: bad 1");
         }
     }

@@ -124,7 +124,11 @@ impl<'a> ExpertParallel<'a> {
         if h != self.layer.dims().hidden || x.dtype() != DType::F32 || !x.device().is_cpu() {
             return Err(Error::shape(
                 &format!("expert-parallel layer on rank {rank}"),
-                format!("input [{b}, {s}, {h}] {:?}, expected hidden {} in f32 on the CPU", x.dtype(), self.layer.dims().hidden),
+                format!(
+                    "input [{b}, {s}, {h}] {:?}, expected hidden {} in f32 on the CPU",
+                    x.dtype(),
+                    self.layer.dims().hidden
+                ),
             ));
         }
         let router = self.layer.router();
@@ -146,7 +150,8 @@ impl<'a> ExpertParallel<'a> {
 
         // Local experts, each on its rows from rank 0, then rank 1, ... (as one block).
         let segment = |src: usize, j: usize| {
-            let start = recv_rows[..src].iter().sum::<usize>() + from_expert[src * m..src * m + j].iter().sum::<usize>();
+            let start =
+                recv_rows[..src].iter().sum::<usize>() + from_expert[src * m..src * m + j].iter().sum::<usize>();
             start * h..(start + from_expert[src * m + j]) * h
         };
         let run = |j: usize| -> Result<Vec<f32>> {
@@ -197,10 +202,17 @@ impl<'a> ExpertParallel<'a> {
         let first = comm.rank() * per_rank;
         // Errors name the sequence in the whole batch, not in the rank's block.
         let out = self.forward(comm, &x.narrow(0, first, per_rank)?).map_err(|e| match e {
-            Error::NonFiniteScore { batch, pos, expert, value } => Error::NonFiniteScore { batch: batch + first, pos, expert, value },
+            Error::NonFiniteScore { batch, pos, expert, value } => {
+                Error::NonFiniteScore { batch: batch + first, pos, expert, value }
+            }
             e => e,
         })?;
-        let mine = RankResult { y: out.y.flatten_all()?.to_vec1()?, routing: out.routing, logits: out.logits, traffic: out.traffic };
+        let mine = RankResult {
+            y: out.y.flatten_all()?.to_vec1()?,
+            routing: out.routing,
+            logits: out.logits,
+            traffic: out.traffic,
+        };
         let all = comm.all_gather_bytes(serde_json::to_vec(&mine).expect("a rank result always serialises"))?;
         let parts = (all.iter().enumerate())
             .map(|(r, bytes)| {

@@ -52,7 +52,10 @@ impl crate::analyze::Layer for OnComm<'_> {
 
     fn forward_parallel(&self, x: &Tensor, ranks: usize) -> Result<Option<Gathered>> {
         if ranks != self.comm.size() {
-            return Err(crate::Error::Usage(format!("{ranks} ranks asked for, the communicator has {}", self.comm.size())));
+            return Err(crate::Error::Usage(format!(
+                "{ranks} ranks asked for, the communicator has {}",
+                self.comm.size()
+            )));
         }
         ExpertParallel::new(self.layer).forward_gathered(self.comm, x).map(Some)
     }

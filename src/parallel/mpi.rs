@@ -19,7 +19,8 @@ pub struct MpiComm {
 impl MpiComm {
     /// Initialises MPI (once per process).
     pub fn init() -> Result<Self> {
-        let universe = mpi::initialize().ok_or_else(|| Error::Usage("MPI is already initialised in this process".into()))?;
+        let universe =
+            mpi::initialize().ok_or_else(|| Error::Usage("MPI is already initialised in this process".into()))?;
         Ok(MpiComm { world: universe.world(), _universe: universe })
     }
 
@@ -63,7 +64,13 @@ impl Communicator for MpiComm {
         Ok(recv.into_iter().map(|c| c as usize).collect())
     }
 
-    fn all_to_all_rows(&self, send: Vec<f32>, width: usize, send_rows: &[usize], recv_rows: &[usize]) -> Result<Vec<f32>> {
+    fn all_to_all_rows(
+        &self,
+        send: Vec<f32>,
+        width: usize,
+        send_rows: &[usize],
+        recv_rows: &[usize],
+    ) -> Result<Vec<f32>> {
         check_counts("all-to-all send counts", send_rows, 1, self.size())?;
         check_counts("all-to-all receive counts", recv_rows, 1, self.size())?;
         check_rows("all-to-all send buffer", send_rows, width, send.len())?;

@@ -24,10 +24,17 @@ impl RouterConfig {
     /// `bias_update_rate` to `expert_bias` (zero when absent), given the loads of the batch.
     pub fn balance_step(&mut self, loads: &[ExpertLoad]) -> Result<()> {
         let Some(rate) = self.bias_update_rate else {
-            return Err(Error::config(&self.name, "bias_update_rate", "is not set: the router does no aux-loss-free balancing"));
+            return Err(Error::config(
+                &self.name,
+                "bias_update_rate",
+                "is not set: the router does no aux-loss-free balancing",
+            ));
         };
         if loads.len() != self.experts {
-            return Err(Error::shape(&format!("router `{}`", self.name), format!("{} expert loads for {} experts", loads.len(), self.experts)));
+            return Err(Error::shape(
+                &format!("router `{}`", self.name),
+                format!("{} expert loads for {} experts", loads.len(), self.experts),
+            ));
         }
         update_bias(self.expert_bias.get_or_insert_with(|| vec![0.0; self.experts]), loads, rate);
         Ok(())

@@ -47,11 +47,18 @@ pub fn assign(config: &RouterConfig, logits: ArrayView3<f32>) -> Result<Routing>
 ///
 /// # Shapes
 /// `logits`: `[batch, seq_len, experts]`; `padding`: `[batch, seq_len]`.
-pub fn assign_masked(config: &RouterConfig, logits: ArrayView3<f32>, padding: Option<ArrayView2<bool>>) -> Result<Routing> {
+pub fn assign_masked(
+    config: &RouterConfig,
+    logits: ArrayView3<f32>,
+    padding: Option<ArrayView2<bool>>,
+) -> Result<Routing> {
     let (batch, seq_len, experts) = logits.dim();
     if let Some(mask) = &padding {
         if config.padding_mask.is_none() {
-            return Err(Error::shape(&format!("router `{}`", config.name), "the router takes no padding mask (set `padding_mask`)".to_string()));
+            return Err(Error::shape(
+                &format!("router `{}`", config.name),
+                "the router takes no padding mask (set `padding_mask`)".to_string(),
+            ));
         }
         if mask.dim() != (batch, seq_len) {
             return Err(Error::shape(
@@ -61,7 +68,8 @@ pub fn assign_masked(config: &RouterConfig, logits: ArrayView3<f32>, padding: Op
         }
     }
     let excluded = |i: usize| {
-        config.padding_mask == Some(PaddingMask::Exclude) && padding.as_ref().is_some_and(|m| m[[i / seq_len, i % seq_len]])
+        config.padding_mask == Some(PaddingMask::Exclude)
+            && padding.as_ref().is_some_and(|m| m[[i / seq_len, i % seq_len]])
     };
     if experts != config.experts {
         return Err(Error::shape(
@@ -70,7 +78,10 @@ pub fn assign_masked(config: &RouterConfig, logits: ArrayView3<f32>, padding: Op
         ));
     }
     if batch == 0 || seq_len == 0 {
-        return Err(Error::shape(&format!("router `{}`", config.name), format!("empty input: batch {batch}, seq_len {seq_len}")));
+        return Err(Error::shape(
+            &format!("router `{}`", config.name),
+            format!("empty input: batch {batch}, seq_len {seq_len}"),
+        ));
     }
     scores::check_finite(&logits)?;
     let logits = logits.as_standard_layout();

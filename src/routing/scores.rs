@@ -102,10 +102,8 @@ fn choose_from(config: &RouterConfig, logits: &[f32], select_on: Option<&[f32]>)
     }
     if let Some(g) = &config.group_limit {
         let per_group = config.experts / g.groups;
-        let group_scores: Vec<f32> = select
-            .chunks(per_group)
-            .map(|chunk| top_k(chunk, g.score_top).iter().map(|&i| chunk[i]).sum())
-            .collect();
+        let group_scores: Vec<f32> =
+            select.chunks(per_group).map(|chunk| top_k(chunk, g.score_top).iter().map(|&i| chunk[i]).sum()).collect();
         let chosen = top_k(&group_scores, g.top_groups);
         for (e, s) in select.to_mut().iter_mut().enumerate() {
             if !chosen.contains(&(e / per_group)) {

@@ -16,7 +16,8 @@ const EPS: f64 = 1e-8;
 pub(crate) fn sinkhorn(rows: &[&[f32]]) -> Vec<Vec<f32>> {
     let (t, e) = (rows.len(), rows.first().map_or(0, |r| r.len()));
     let max = rows.iter().flat_map(|r| r.iter()).fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    let cost: Vec<Vec<f64>> = rows.iter().map(|r| r.iter().map(|&v| (f64::from(v) - f64::from(max)).exp()).collect()).collect();
+    let cost: Vec<Vec<f64>> =
+        rows.iter().map(|r| r.iter().map(|&v| (f64::from(v) - f64::from(max)).exp()).collect()).collect();
     let mut d0 = vec![1.0f64; t];
     let mut d1 = vec![1.0f64; e];
     for _ in 0..MAX_ITERATIONS {

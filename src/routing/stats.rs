@@ -5,7 +5,8 @@ use super::scores::softmax_into;
 
 /// Routes per expert before and after dropping.
 pub(crate) fn loads(experts: usize, tokens: &[TokenRouting]) -> Vec<ExpertLoad> {
-    let mut loads: Vec<ExpertLoad> = (0..experts).map(|expert| ExpertLoad { expert, routed: 0, kept: 0, padded: 0 }).collect();
+    let mut loads: Vec<ExpertLoad> =
+        (0..experts).map(|expert| ExpertLoad { expert, routed: 0, kept: 0, padded: 0 }).collect();
     for r in tokens.iter().flat_map(|t| &t.routes) {
         let l = &mut loads[r.expert];
         if r.padded {
@@ -45,5 +46,10 @@ pub(crate) fn load_stats<'a>(loads: &[ExpertLoad], rows: impl Iterator<Item = &'
     } else {
         0.0
     };
-    LoadStats { max_over_mean_load, load_cv, drop_rate: if total > 0.0 { (total - kept) / total } else { 0.0 }, aux_loss }
+    LoadStats {
+        max_over_mean_load,
+        load_cv,
+        drop_rate: if total > 0.0 { (total - kept) / total } else { 0.0 },
+        aux_loss,
+    }
 }

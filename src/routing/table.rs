@@ -12,7 +12,9 @@ pub fn render_table(r: &Routing) -> String {
     let cap = match groups.first().and_then(|g| g.capacity) {
         None => "dropless".to_string(),
         Some(c) if groups.iter().all(|g| g.capacity == Some(c)) => format!("capacity {c} per expert per group"),
-        Some(_) => format!("capacity per group {:?}", groups.iter().map(|g| g.capacity.unwrap_or(0)).collect::<Vec<_>>()),
+        Some(_) => {
+            format!("capacity per group {:?}", groups.iter().map(|g| g.capacity.unwrap_or(0)).collect::<Vec<_>>())
+        }
     };
     let _ = writeln!(
         out,
@@ -32,7 +34,13 @@ pub fn render_table(r: &Routing) -> String {
             out.push_str(" -");
         }
         for route in &t.routes {
-            let mark = if route.padded { "p" } else if route.kept { " " } else { "x" };
+            let mark = if route.padded {
+                "p"
+            } else if route.kept {
+                " "
+            } else {
+                "x"
+            };
             let _ = write!(out, " e{:<3} {:.4}{mark}", route.expert, route.weight);
         }
         out.truncate(out.trim_end().len());

@@ -12,7 +12,9 @@ use crate::routing::Route;
 pub(crate) fn route_group(config: &RouterConfig, rows: &[&[f32]]) -> GroupRouting {
     let choices: Vec<_> = match config.selection {
         Selection::TopK => rows.iter().map(|row| choose(config, row)).collect(),
-        Selection::Sinkhorn => rows.iter().zip(sinkhorn(rows)).map(|(row, balanced)| choose_on(config, row, &balanced)).collect(),
+        Selection::Sinkhorn => {
+            rows.iter().zip(sinkhorn(rows)).map(|(row, balanced)| choose_on(config, row, &balanced)).collect()
+        }
     };
     let scale = config.routed_scaling;
     let Some(cap) = &config.capacity else {

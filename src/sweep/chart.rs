@@ -16,8 +16,12 @@ const SCALE_WIDTH: u32 = 110;
 fn register_font() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
-        plotters::style::register_font(FONT, FontStyle::Normal, include_bytes!("../../assets/fonts/DejaVuSansMono.ttf"))
-            .unwrap_or_else(|_| panic!("the bundled font is a valid TrueType file"));
+        plotters::style::register_font(
+            FONT,
+            FontStyle::Normal,
+            include_bytes!("../../assets/fonts/DejaVuSansMono.ttf"),
+        )
+        .unwrap_or_else(|_| panic!("the bundled font is a valid TrueType file"));
     });
 }
 
@@ -48,7 +52,9 @@ pub(super) fn leak_vs_imbalance(cells: &[CellResult], dir: &Path) -> Result<Vec<
 /// increasing imbalance.
 pub fn pareto(points: &[(f64, f64)]) -> Vec<usize> {
     let mut order: Vec<usize> = (0..points.len()).collect();
-    order.sort_by(|&a, &b| points[a].0.total_cmp(&points[b].0).then(points[a].1.total_cmp(&points[b].1)).then(a.cmp(&b)));
+    order.sort_by(|&a, &b| {
+        points[a].0.total_cmp(&points[b].0).then(points[a].1.total_cmp(&points[b].1)).then(a.cmp(&b))
+    });
     let mut best = f64::INFINITY;
     order
         .into_iter()
@@ -130,8 +136,12 @@ fn heat<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, h: &Heatmap) -> Drawn<
         h.batch,
         h.seq_len,
     );
-    let mut chart =
-        ChartBuilder::on(&plot).caption(caption, (FONT, 16)).margin(16).x_label_area_size(48).y_label_area_size(64).build_cartesian_2d(0..s, 1..s)?;
+    let mut chart = ChartBuilder::on(&plot)
+        .caption(caption, (FONT, 16))
+        .margin(16)
+        .x_label_area_size(48)
+        .y_label_area_size(64)
+        .build_cartesian_2d(0..s, 1..s)?;
     chart
         .configure_mesh()
         .disable_mesh()
@@ -148,9 +158,15 @@ fn heat<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, h: &Heatmap) -> Drawn<
     chart.draw_series(cells)?;
     // Colour scale: ten steps from 0 to the maximum share.
     let steps = 10;
-    let mut bar =
-        ChartBuilder::on(&scale).margin_top(60).margin_bottom(64).margin_right(48).y_label_area_size(0).build_cartesian_2d(0..1, 0..steps)?;
-    bar.draw_series((0..steps).map(|i| Rectangle::new([(0, i), (1, i + 1)], shade(max * f64::from(i + 1) / f64::from(steps), max).filled())))?;
+    let mut bar = ChartBuilder::on(&scale)
+        .margin_top(60)
+        .margin_bottom(64)
+        .margin_right(48)
+        .y_label_area_size(0)
+        .build_cartesian_2d(0..1, 0..steps)?;
+    bar.draw_series((0..steps).map(|i| {
+        Rectangle::new([(0, i), (1, i + 1)], shade(max * f64::from(i + 1) / f64::from(steps), max).filled())
+    }))?;
     bar.draw_series((0..steps).map(|i| Rectangle::new([(0, i), (1, i + 1)], BLACK.stroke_width(1))))?;
     // Labels beside the bar, in the scale area's pixels (the bar spans its top 60 to bottom 64).
     let right = SCALE_WIDTH as i32 - 44;

@@ -147,7 +147,8 @@ impl Grid {
     }
 
     fn validate(&self) -> std::result::Result<(), (String, String)> {
-        let lists: [(&str, &[usize]); 4] = [("top_k", &self.top_k), ("experts", &self.experts), ("seq_len", &self.seq_len), ("batch", &self.batch)];
+        let lists: [(&str, &[usize]); 4] =
+            [("top_k", &self.top_k), ("experts", &self.experts), ("seq_len", &self.seq_len), ("batch", &self.batch)];
         for (field, values) in lists {
             if values.is_empty() {
                 return Err((field.into(), "must list at least one value".into()));
@@ -181,7 +182,11 @@ impl Grid {
         (self.routers.iter().enumerate())
             .map(|(i, name)| {
                 let path = base.join(name);
-                let resolved = if crate::config::preset(name).is_none() && path.is_file() { path.display().to_string() } else { name.clone() };
+                let resolved = if crate::config::preset(name).is_none() && path.is_file() {
+                    path.display().to_string()
+                } else {
+                    name.clone()
+                };
                 RouterConfig::load(&resolved).map_err(|e| match e {
                     Error::UnknownRouter { .. } => Error::config(source_name, &format!("routers[{i}]"), e.to_string()),
                     other => other,
@@ -216,7 +221,10 @@ impl Grid {
                             *bias = vec![0.0; experts];
                         }
                         let text = toml::to_string(&c).expect("a config always serialises");
-                        let what = format!("{} with experts = {experts}, top_k = {top_k:?}, capacity factor {capacity_factor:?}", base.name);
+                        let what = format!(
+                            "{} with experts = {experts}, top_k = {top_k:?}, capacity factor {capacity_factor:?}",
+                            base.name
+                        );
                         let config = match RouterConfig::from_toml(&text, &what) {
                             Ok(config) => config,
                             Err(e) => {
@@ -226,7 +234,14 @@ impl Grid {
                         };
                         for &seq_len in &self.seq_len {
                             for &batch in &self.batch {
-                                cells.push(Cell { config: config.clone(), capacity_factor, top_k, experts, seq_len, batch });
+                                cells.push(Cell {
+                                    config: config.clone(),
+                                    capacity_factor,
+                                    top_k,
+                                    experts,
+                                    seq_len,
+                                    batch,
+                                });
                             }
                         }
                     }
@@ -256,7 +271,13 @@ mod tests {
 
     #[test]
     fn k_above_e_is_skipped_with_the_validation_message() {
-        let grid = Grid { routers: vec!["mixtral".into()], top_k: vec![4], experts: vec![2], heatmap: "mixtral".into(), ..Grid::default() };
+        let grid = Grid {
+            routers: vec!["mixtral".into()],
+            top_k: vec![4],
+            experts: vec![2],
+            heatmap: "mixtral".into(),
+            ..Grid::default()
+        };
         let routers = grid.load_routers("g", Path::new(".")).unwrap();
         let (cells, skipped) = grid.cells(&routers);
         assert!(cells.is_empty());

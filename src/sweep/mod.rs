@@ -99,13 +99,27 @@ pub struct CellResult {
 
 /// Runs every cell (calling `tick` after each) and the heatmap; fails before running any when
 /// a cell's audit is estimated to need more than `max_memory` bytes.
-pub fn run(grid: &Grid, source_name: &str, base: &std::path::Path, max_memory: u64, tick: &mut dyn FnMut(&str)) -> Result<SweepReport> {
+pub fn run(
+    grid: &Grid,
+    source_name: &str,
+    base: &std::path::Path,
+    max_memory: u64,
+    tick: &mut dyn FnMut(&str),
+) -> Result<SweepReport> {
     let routers = grid.load_routers(source_name, base)?;
     let (cells, skipped) = grid.cells(&routers);
     for cell in &cells {
-        let options = AuditOptions { batch: cell.batch, seq_len: cell.seq_len, trials: grid.trials, ..AuditOptions::default() };
-        let what = format!("{source_name}: the cell {} (batch {} x seq_len {}, {} experts)", cell.config.name, cell.batch, cell.seq_len, cell.experts);
-        crate::memory::ensure_fits(&what, options.memory_estimate(cell.experts, cell.config.k(), grid.hidden, grid.ffn), max_memory)?;
+        let options =
+            AuditOptions { batch: cell.batch, seq_len: cell.seq_len, trials: grid.trials, ..AuditOptions::default() };
+        let what = format!(
+            "{source_name}: the cell {} (batch {} x seq_len {}, {} experts)",
+            cell.config.name, cell.batch, cell.seq_len, cell.experts
+        );
+        crate::memory::ensure_fits(
+            &what,
+            options.memory_estimate(cell.experts, cell.config.k(), grid.hidden, grid.ffn),
+            max_memory,
+        )?;
     }
     let mut results = Vec::with_capacity(cells.len());
     let mut heat = None;
@@ -117,8 +131,16 @@ pub fn run(grid: &Grid, source_name: &str, base: &std::path::Path, max_memory: u
             heat = Some(heatmap::heatmap(layer.router(), &base_call(grid, cell, &layer)?.0, cell, grid.seed)?);
         }
     }
-    let heatmap = heat.ok_or_else(|| crate::Error::config(source_name, "heatmap", format!("router `{}` has no runnable cell", grid.heatmap)))?;
-    Ok(SweepReport { grid: grid.clone(), cells: results, skipped, heatmap, swamping: grid.numerics.then(|| swamping(grid.seed)) })
+    let heatmap = heat.ok_or_else(|| {
+        crate::Error::config(source_name, "heatmap", format!("router `{}` has no runnable cell", grid.heatmap))
+    })?;
+    Ok(SweepReport {
+        grid: grid.clone(),
+        cells: results,
+        skipped,
+        heatmap,
+        swamping: grid.numerics.then(|| swamping(grid.seed)),
+    })
 }
 
 /// Number of cells the grid runs (for a progress bar).
@@ -131,7 +153,8 @@ fn trained_layer(grid: &Grid, cell: &Cell) -> Result<MoeLayer> {
     let mut layer = MoeLayer::seeded(cell.config.clone(), grid.hidden, grid.ffn, grid.seed, DType::F32, &Device::Cpu)?;
     if cell.config.bias_update_rate.is_some() {
         for step in 0..grid.balance_steps as u64 {
-            let x = Seeded::new(grid.seed ^ (0xba1a_0000 + step)).normal(&[cell.batch, cell.seq_len, grid.hidden], &Device::Cpu)?;
+            let x = Seeded::new(grid.seed ^ (0xba1a_0000 + step))
+                .normal(&[cell.batch, cell.seq_len, grid.hidden], &Device::Cpu)?;
             let (_, routing) = layer.forward(&x)?;
             layer.balance_step(&routing.experts_load)?;
         }
@@ -158,7 +181,14 @@ fn run_cell(grid: &Grid, cell: &Cell, layer: &MoeLayer) -> Result<CellResult> {
     if grid.numerics {
         probes.push(Probe::X);
     }
-    let options = AuditOptions { probes, batch: cell.batch, seq_len: cell.seq_len, trials: grid.trials, seed: grid.seed, ..AuditOptions::default() };
+    let options = AuditOptions {
+        probes,
+        batch: cell.batch,
+        seq_len: cell.seq_len,
+        trials: grid.trials,
+        seed: grid.seed,
+        ..AuditOptions::default()
+    };
     let report = audit(&Subject::layer(layer), &options, &mut |_| {})?;
     let rate = |p: Probe| report.finding(p).filter(|f| f.verdict != Verdict::NotApplicable).map(|f| f.rate);
     let (_, x) = base_call(grid, cell, layer)?;
@@ -196,7 +226,8 @@ fn run_cell(grid: &Grid, cell: &Cell, layer: &MoeLayer) -> Result<CellResult> {
 }
 
 fn leaking(report: &RouterReport) -> String {
-    let probes: Vec<String> = report.findings.iter().filter(|f| f.verdict == Verdict::Leak).map(|f| f.probe.to_string()).collect();
+    let probes: Vec<String> =
+        report.findings.iter().filter(|f| f.verdict == Verdict::Leak).map(|f| f.probe.to_string()).collect();
     probes.join(" ")
 }
 
@@ -213,7 +244,13 @@ fn kept_imbalance(r: &Routing) -> f64 {
 
 /// Replaces the second half of every sequence and measures the first half's outputs: mean
 /// relative L2 change over all those tokens, and over those whose routing changed.
-fn output_change(grid: &Grid, layer: &MoeLayer, x: &Tensor, y: &Tensor, routing: &Routing) -> Result<(Option<f64>, Option<f64>)> {
+fn output_change(
+    grid: &Grid,
+    layer: &MoeLayer,
+    x: &Tensor,
+    y: &Tensor,
+    routing: &Routing,
+) -> Result<(Option<f64>, Option<f64>)> {
     let (b, s, h) = x.dims3()?;
     let half = s / 2;
     if half == 0 {
@@ -230,7 +267,11 @@ fn output_change(grid: &Grid, layer: &MoeLayer, x: &Tensor, y: &Tensor, routing:
             // Relative to the larger output: expert choice may leave a token with no expert (0).
             let norm = |v: &[f32]| v.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
             let scale = norm(a).max(norm(c));
-            let diff = if scale > 0.0 { a.iter().zip(c).map(|(u, v)| f64::from(u - v).powi(2)).sum::<f64>().sqrt() / scale } else { 0.0 };
+            let diff = if scale > 0.0 {
+                a.iter().zip(c).map(|(u, v)| f64::from(u - v).powi(2)).sum::<f64>().sqrt() / scale
+            } else {
+                0.0
+            };
             all += diff;
             if diff_token(routing, (bi, p), &r2, (bi, p)).decision() {
                 affected += diff;

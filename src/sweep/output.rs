@@ -114,8 +114,11 @@ pub fn markdown(report: &SweepReport) -> String {
         out.push_str("\nAccumulator swamping (probe X): relative error of summing n terms of about 1.\n\n");
         out.push_str("| terms | f16 | bf16 | f32 | f16 pairwise | bf16 pairwise |\n|---|---|---|---|---|---|\n");
         for r in rows {
-            let _ =
-                writeln!(out, "| {} | {:.2e} | {:.2e} | {:.2e} | {:.2e} | {:.2e} |", r.terms, r.f16, r.bf16, r.f32, r.f16_pairwise, r.bf16_pairwise);
+            let _ = writeln!(
+                out,
+                "| {} | {:.2e} | {:.2e} | {:.2e} | {:.2e} | {:.2e} |",
+                r.terms, r.f16, r.bf16, r.f32, r.f16_pairwise, r.bf16_pairwise
+            );
         }
     }
     out

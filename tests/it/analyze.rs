@@ -120,9 +120,13 @@ fn scenario_04_renormalisation_after_drop_changes_weights_not_ids() {
     let w = r.finding(F).unwrap().witness.as_ref().unwrap();
     let ids = |t: &moe_audit::routing::TokenRouting| t.routes.iter().map(|x| x.expert).collect::<Vec<_>>();
     assert_eq!(ids(&w.before), ids(&w.after), "same experts");
-    let kept_weight = |t: &moe_audit::routing::TokenRouting| t.routes.iter().filter(|x| x.kept).map(|x| x.weight).collect::<Vec<_>>();
+    let kept_weight =
+        |t: &moe_audit::routing::TokenRouting| t.routes.iter().filter(|x| x.kept).map(|x| x.weight).collect::<Vec<_>>();
     assert_ne!(kept_weight(&w.before), kept_weight(&w.after));
-    assert!(w.after.routes.iter().any(|x| x.kept && (x.weight - 1.0).abs() < 1e-6), "the survivor takes all the weight: {w:?}");
+    assert!(
+        w.after.routes.iter().any(|x| x.kept && (x.weight - 1.0).abs() < 1e-6),
+        "the survivor takes all the weight: {w:?}"
+    );
 }
 
 #[test]
@@ -131,7 +135,10 @@ fn scenario_05_choice_rank_priority_loses_the_second_choice() {
     let w = r.finding(F).unwrap().witness.as_ref().unwrap();
     // Later tokens' 1st choices outrank token t's 2nd choice: changing them takes it (or gives it
     // back), while t's 1st choice is kept either way.
-    assert!(w.before.routes[0].kept && w.after.routes[0].kept, "1st choices are never displaced by later tokens: {w:?}");
+    assert!(
+        w.before.routes[0].kept && w.after.routes[0].kept,
+        "1st choices are never displaced by later tokens: {w:?}"
+    );
     assert_ne!(w.before.routes[1].kept, w.after.routes[1].kept, "{w:?}");
 }
 
@@ -326,7 +333,8 @@ impl Layer for BatchMeanLeak {
 #[test]
 fn summation_order_noise_is_drift_not_a_leak() {
     let layer = SummationOrderNoise(layer_of(config("mixtral")));
-    let r = audit(&Subject { router: layer.0.router(), layer: Some(&layer) }, &options(&[P, N, R]), &mut |_| {}).unwrap();
+    let r =
+        audit(&Subject { router: layer.0.router(), layer: Some(&layer) }, &options(&[P, N, R]), &mut |_| {}).unwrap();
     assert_eq!(verdicts(&r), [Pass, Pass, Pass]);
     assert!(r.finding(P).unwrap().output_drift.is_some_and(|d| d > 0.0), "the drift is measured and reported");
 }
@@ -347,7 +355,13 @@ fn every_witness_replays_from_its_file_alone() {
         let r = audit_preset(name, &[P, F, N, R]);
         for f in &r.findings {
             let w = f.witness.as_ref().unwrap();
-            assert!(w.a.batch * w.a.seq_len <= 16, "{name} {}: witness not minimal: {}x{}", f.probe, w.a.batch, w.a.seq_len);
+            assert!(
+                w.a.batch * w.a.seq_len <= 16,
+                "{name} {}: witness not minimal: {}x{}",
+                f.probe,
+                w.a.batch,
+                w.a.seq_len
+            );
             let path = dir.join(format!("{name}-{}.json", f.probe));
             std::fs::write(&path, serde_json::to_string(w).unwrap()).unwrap();
             let replay = Witness::read(&path).unwrap().replay(&path).unwrap();

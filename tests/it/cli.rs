@@ -57,7 +57,10 @@ fn fail_lines(args: &[&str]) -> String {
     assert_eq!(out.status.code(), Some(2), "moe-audit {args:?}: exit status {:?}, stderr:\n{err}", out.status);
     assert!(out.stdout.is_empty(), "moe-audit {args:?}: wrote to stdout on error");
     assert!(err.starts_with("error: "), "moe-audit {args:?}: stderr does not start with `error: `:\n{err}");
-    assert!(!err.contains("panicked") && !err.contains("stack backtrace") && !err.contains("RUST_BACKTRACE"), "panic:\n{err}");
+    assert!(
+        !err.contains("panicked") && !err.contains("stack backtrace") && !err.contains("RUST_BACKTRACE"),
+        "panic:\n{err}"
+    );
     err.trim_end().replace(tmp_dir().to_str().unwrap(), "[TMP]")
 }
 
@@ -72,7 +75,6 @@ score = "softmax-post"
 factor = 1.0
 policy = "probs"
 "#;
-
 
 // ---------------------------------------------------------------------------------------------
 // Commands that work
@@ -262,7 +264,8 @@ fn json_is_byte_identical_across_thread_counts() {
 fn check_markdown_and_output_file() {
     let out = tmp_dir().join("report.md");
     let out = out.to_str().unwrap();
-    let (code, text) = check(&[&["check", "megatron-position", "--format", "markdown", "--output", out], &SMALL[..]].concat());
+    let (code, text) =
+        check(&[&["check", "megatron-position", "--format", "markdown", "--output", out], &SMALL[..]].concat());
     assert_eq!((code, text.as_str()), (1, ""), "the report goes to the file only");
     let md = std::fs::read_to_string(out).unwrap();
     assert!(md.starts_with("## moe-audit\n"), "{md}");
@@ -275,13 +278,17 @@ fn witnesses_are_written_and_replay_with_exit_1() {
     let dir = tmp_dir().join("witnesses");
     let _ = std::fs::remove_dir_all(&dir);
     let dir_s = dir.to_str().unwrap();
-    let (code, text) = check(&[&["check", "megatron-probs", "--probes", "F,N", "--witness-dir", dir_s], &SMALL[..]].concat());
+    let (code, text) =
+        check(&[&["check", "megatron-probs", "--probes", "F,N", "--witness-dir", dir_s], &SMALL[..]].concat());
     assert_eq!(code, 1);
     let witness = dir.join("megatron-probs-F.json");
     assert!(text.contains(&format!("[witness {}]", witness.display())), "{text}");
     let (code, text) = check(&["check", "--replay", witness.to_str().unwrap()]);
     assert_eq!(code, 1, "{text}");
-    assert!(text.starts_with("LEAK reproduced: router megatron-probs, probe F (future), property C-content: token "), "{text}");
+    assert!(
+        text.starts_with("LEAK reproduced: router megatron-probs, probe F (future), property C-content: token "),
+        "{text}"
+    );
     assert!(dir.join("megatron-probs-N.json").is_file());
 }
 
@@ -303,7 +310,10 @@ fn check_rejects_bad_probes_and_sizes() {
 fn zoo_prints_every_preset_with_verdicts_and_load() {
     let (code, text) = check(&["zoo"]);
     assert_eq!(code, 0, "{text}");
-    assert!(text.starts_with("router                 P     F     N     R     D     S     M     L     max/mean   drop\n"), "{text}");
+    assert!(
+        text.starts_with("router                 P     F     N     R     D     S     M     L     max/mean   drop\n"),
+        "{text}"
+    );
     for p in moe_audit::config::presets() {
         assert!(text.lines().any(|l| l.starts_with(&format!("{:<22} ", p.name))), "{} missing:\n{text}", p.name);
     }

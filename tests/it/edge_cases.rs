@@ -2,11 +2,11 @@
 //! a capacity of 0, sequences of one token. Each is an exact decision, a clear error, or a
 //! report; never a panic.
 
+use candle_core::{DType, Device};
 use moe_audit::analyze::{audit, AuditOptions, Probe, Subject, Verdict};
 use moe_audit::config::{preset, presets, RouterConfig, RouterKind};
 use moe_audit::layer::MoeLayer;
 use moe_audit::{assign, Logits, Routing};
-use candle_core::{DType, Device};
 
 fn config(name: &str) -> RouterConfig {
     preset(name).unwrap().config().unwrap()

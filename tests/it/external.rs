@@ -20,9 +20,7 @@ fn repo() -> &'static Path {
 }
 
 fn tmp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir()
-        .join(format!("moe-audit-it-external-{}", std::process::id()))
-        .join(name);
+    let dir = std::env::temp_dir().join(format!("moe-audit-it-external-{}", std::process::id())).join(name);
     std::fs::create_dir_all(&dir).expect("temp dir");
     dir
 }
@@ -30,9 +28,7 @@ fn tmp(name: &str) -> PathBuf {
 /// A command run from the repository root that leaves no Python bytecode in it.
 fn python(program: &str) -> Command {
     let mut command = Command::new(program);
-    command
-        .current_dir(repo())
-        .env("PYTHONDONTWRITEBYTECODE", "1");
+    command.current_dir(repo()).env("PYTHONDONTWRITEBYTECODE", "1");
     command
 }
 
@@ -42,53 +38,31 @@ fn run(args: &[&str]) -> Output {
 
 /// Whether python3 with numpy is here; without it, a notice (or a failure under CI).
 fn numpy() -> bool {
-    let ok = Command::new("python3")
-        .args(["-c", "import numpy"])
-        .output()
-        .is_ok_and(|o| o.status.success());
+    let ok = Command::new("python3").args(["-c", "import numpy"]).output().is_ok_and(|o| o.status.success());
     if !ok {
         assert!(
             std::env::var_os("CI").is_none(),
             "python3 with numpy is required under CI: python3 -m pip install numpy"
         );
-        eprintln!("NOTICE: python3 with numpy not found; skipping the Python router tests (python3 -m pip install numpy)");
+        eprintln!(
+            "NOTICE: python3 with numpy not found; skipping the Python router tests (python3 -m pip install numpy)"
+        );
     }
     ok
 }
 
 /// Runs `check --format json` and returns the exit code and the report.
 fn check_json(args: &[&str]) -> (i32, Report) {
-    let mut all = vec![
-        "check",
-        "--format",
-        "json",
-        "--batch",
-        "2",
-        "--seq-len",
-        "32",
-        "--trials",
-        "8",
-    ];
+    let mut all = vec!["check", "--format", "json", "--batch", "2", "--seq-len", "32", "--trials", "8"];
     all.extend_from_slice(args);
     let out = run(&all);
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        matches!(out.status.code(), Some(0 | 1)),
-        "moe-audit {all:?}: {:?}\n{err}",
-        out.status
-    );
-    (
-        out.status.code().unwrap(),
-        serde_json::from_slice(&out.stdout).expect("a JSON report"),
-    )
+    assert!(matches!(out.status.code(), Some(0 | 1)), "moe-audit {all:?}: {:?}\n{err}", out.status);
+    (out.status.code().unwrap(), serde_json::from_slice(&out.stdout).expect("a JSON report"))
 }
 
 fn verdicts(report: &Report) -> Vec<(Probe, Verdict)> {
-    report
-        .routers
-        .iter()
-        .flat_map(moe_audit::cli::verdicts)
-        .collect()
+    report.routers.iter().flat_map(moe_audit::cli::verdicts).collect()
 }
 
 const MEGATRON_VERDICTS: [(Probe, Verdict); 8] = [
@@ -111,13 +85,7 @@ fn mixtral_style_python_router_passes_every_probe() {
     let (code, report) = check_json(&["--router-cmd", MIXTRAL]);
     assert_eq!(code, 0);
     assert_eq!(report.routers[0].router, "mixtral-py");
-    assert_eq!(
-        verdicts(&report),
-        Probe::ALL
-            .iter()
-            .map(|&p| (p, Verdict::Pass))
-            .collect::<Vec<_>>()
-    );
+    assert_eq!(verdicts(&report), Probe::ALL.iter().map(|&p| (p, Verdict::Pass)).collect::<Vec<_>>());
     assert!(report.routers[0].invariants.is_empty());
 }
 
@@ -130,12 +98,7 @@ fn megatron_probs_style_python_router_leaks_on_p_f_n_r() {
     assert_eq!(code, 1);
     assert_eq!(verdicts(&report), MEGATRON_VERDICTS);
     // Capacity ceil(T*k/E) with T the tokens of the call: the prefix has a smaller one.
-    assert!(
-        report.routers[0]
-            .finding(Probe::P)
-            .unwrap()
-            .capacity_changed
-    );
+    assert!(report.routers[0].finding(Probe::P).unwrap().capacity_changed);
 }
 
 #[test]
@@ -162,30 +125,13 @@ fn trace_files_give_the_subprocess_verdicts() {
         "--trials",
         "8",
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     // Before the harness ran: a clear error, not a verdict.
     let err = String::from_utf8_lossy(&run(&["check", "--traces", dir_s]).stderr).to_string();
-    assert!(
-        err.starts_with("error: ") && err.contains("decisions.jsonl: cannot read"),
-        "{err}"
-    );
-    let harness = python("python3")
-        .args([
-            "python/examples/megatron_probs_router.py",
-            "--answer-plan",
-            dir_s,
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        harness.status.success(),
-        "{}",
-        String::from_utf8_lossy(&harness.stderr)
-    );
+    assert!(err.starts_with("error: ") && err.contains("decisions.jsonl: cannot read"), "{err}");
+    let harness =
+        python("python3").args(["python/examples/megatron_probs_router.py", "--answer-plan", dir_s]).output().unwrap();
+    assert!(harness.status.success(), "{}", String::from_utf8_lossy(&harness.stderr));
     let (code, traced) = check_json(&["--traces", dir_s]);
     let (_, live) = check_json(&["--router-cmd", MEGATRON]);
     assert_eq!(code, 1);
@@ -196,16 +142,9 @@ fn trace_files_give_the_subprocess_verdicts() {
     // A decision missing, then one with a wrong shape: clear errors naming the call.
     let decisions = std::fs::read_to_string(dir.join("decisions.jsonl")).unwrap();
     let lines: Vec<&str> = decisions.lines().collect();
-    std::fs::write(
-        dir.join("decisions.jsonl"),
-        lines[..lines.len() - 1].join("\n"),
-    )
-    .unwrap();
+    std::fs::write(dir.join("decisions.jsonl"), lines[..lines.len() - 1].join("\n")).unwrap();
     let err = String::from_utf8_lossy(&run(&["check", "--traces", dir_s]).stderr).to_string();
-    assert!(
-        err.contains(&format!("no response for call {}", lines.len())),
-        "{err}"
-    );
+    assert!(err.contains(&format!("no response for call {}", lines.len())), "{err}");
     let mut bad = lines.clone();
     let short = r#"{"id": 1, "tokens": [], "capacity": null}"#;
     bad[0] = short;
@@ -214,9 +153,7 @@ fn trace_files_give_the_subprocess_verdicts() {
     let err = String::from_utf8_lossy(&out.stderr).to_string();
     assert_eq!(out.status.code(), Some(2));
     assert!(
-        err.contains(
-            "call 1 (train, batch 2 x seq_len 32): 0 tokens, expected batch 2 x seq_len 32 = 64"
-        ),
+        err.contains("call 1 (train, batch 2 x seq_len 32): 0 tokens, expected batch 2 x seq_len 32 = 64"),
         "{err}"
     );
 }
@@ -243,52 +180,25 @@ fn trace_plan_covers_hidden_input_routers() {
         "--hidden-size",
         "32",
     ];
-    let out = run(&[
-        &args[..],
-        &["--batch", "2", "--seq-len", "32", "--trials", "8"],
-    ]
-    .concat());
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let harness = python("python3")
-        .args(["python/examples/mixtral_router.py", "--answer-plan", dir_s])
-        .output()
-        .unwrap();
-    assert!(
-        harness.status.success(),
-        "{}",
-        String::from_utf8_lossy(&harness.stderr)
-    );
+    let out = run(&[&args[..], &["--batch", "2", "--seq-len", "32", "--trials", "8"]].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let harness =
+        python("python3").args(["python/examples/mixtral_router.py", "--answer-plan", dir_s]).output().unwrap();
+    assert!(harness.status.success(), "{}", String::from_utf8_lossy(&harness.stderr));
     let (code, report) = check_json(&["--traces", dir_s]);
     assert_eq!(code, 0);
-    assert_eq!(
-        verdicts(&report),
-        Probe::ALL
-            .iter()
-            .map(|&p| (p, Verdict::Pass))
-            .collect::<Vec<_>>()
-    );
+    assert_eq!(verdicts(&report), Probe::ALL.iter().map(|&p| (p, Verdict::Pass)).collect::<Vec<_>>());
 }
 
 #[test]
 fn the_pytorch_recipe_compiles() {
     let out = python("python3")
-        .args([
-            "-c",
-            "import ast; ast.parse(open('python/examples/torch_router.py').read())",
-        ])
+        .args(["-c", "import ast; ast.parse(open('python/examples/torch_router.py').read())"])
         .output();
     let Ok(out) = out else {
         return eprintln!("NOTICE: no python3; skipping");
     };
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
 /// A router written in sh: the handshake, then `answer` for every request line.
@@ -296,37 +206,19 @@ fn sh_router(handshake: &str, answer: &str) -> String {
     format!("printf '%s\\n' '{handshake}'; while read -r line; do {answer}; done")
 }
 
-const HS: &str =
-    r#"{"protocol": "moe-audit/1", "name": "sh", "experts": 2, "top_k": 1, "input": "logits"}"#;
+const HS: &str = r#"{"protocol": "moe-audit/1", "name": "sh", "experts": 2, "top_k": 1, "input": "logits"}"#;
 
 /// `check` on a 1 x 1 batch with a misbehaving router: exit 2, one error line.
 fn protocol_error(command: &str, extra: &[&str]) -> String {
-    let mut args = vec![
-        "check",
-        "--router-cmd",
-        command,
-        "--batch",
-        "1",
-        "--seq-len",
-        "1",
-        "--probes",
-        "D",
-    ];
+    let mut args = vec!["check", "--router-cmd", command, "--batch", "1", "--seq-len", "1", "--probes", "D"];
     args.extend_from_slice(extra);
     let started = std::time::Instant::now();
     let out = run(&args);
     let err = String::from_utf8(out.stderr).unwrap();
     assert_eq!(out.status.code(), Some(2), "{command}: {err}");
     assert!(out.stdout.is_empty());
-    assert!(
-        err.starts_with("error: ") && err.trim_end().lines().count() == 1,
-        "{err}"
-    );
-    assert!(
-        started.elapsed().as_secs() < 10,
-        "took {:?}",
-        started.elapsed()
-    );
+    assert!(err.starts_with("error: ") && err.trim_end().lines().count() == 1, "{err}");
+    assert!(started.elapsed().as_secs() < 10, "took {:?}", started.elapsed());
     err.trim_end().to_string()
 }
 
@@ -360,10 +252,7 @@ fn misbehaving_routers_are_clear_errors() {
     ];
     for (command, want) in cases {
         let err = protocol_error(&command, &[]);
-        assert!(
-            err.contains(want),
-            "{command}\n  got:  {err}\n  want: {want}"
-        );
+        assert!(err.contains(want), "{command}\n  got:  {err}\n  want: {want}");
         assert!(err.starts_with("error: router `"), "{err}");
     }
 }
@@ -371,30 +260,18 @@ fn misbehaving_routers_are_clear_errors() {
 #[test]
 fn a_hanging_router_times_out_and_is_killed() {
     let pid_file = tmp("hang").join("pid");
-    let command = format!(
-        "echo $$ > {}; {}",
-        pid_file.display(),
-        sh_router(HS, "sleep 30")
-    );
+    let command = format!("echo $$ > {}; {}", pid_file.display(), sh_router(HS, "sleep 30"));
     let err = protocol_error(&command, &["--timeout", "0.5"]);
     assert!(err.contains("timed out after 0.5 s (--timeout) waiting for the answer to request 1 (train, batch 1 x seq_len 1); the router was killed"), "{err}");
     let pid = std::fs::read_to_string(&pid_file).unwrap();
-    let alive = Command::new("kill")
-        .args(["-0", pid.trim()])
-        .output()
-        .unwrap()
-        .status
-        .success();
+    let alive = Command::new("kill").args(["-0", pid.trim()]).output().unwrap().status.success();
     assert!(!alive, "the router process {pid} is still running");
 }
 
 /// A safetensors file with a gate `[experts, hidden]` (and a bias) under real-looking names.
 fn checkpoint(name: &str, tensors: &[(&str, Tensor)]) -> String {
     let path = tmp("weights").join(name);
-    let map: HashMap<String, Tensor> = tensors
-        .iter()
-        .map(|(n, t)| (n.to_string(), t.clone()))
-        .collect();
+    let map: HashMap<String, Tensor> = tensors.iter().map(|(n, t)| (n.to_string(), t.clone())).collect();
     candle_core::safetensors::save(&map, &path).unwrap();
     path.to_str().unwrap().to_string()
 }
@@ -407,10 +284,7 @@ fn gate(experts: usize, hidden: usize) -> Tensor {
 #[test]
 fn real_gate_weights_are_audited() {
     const MIXTRAL_GATE: &str = "model.layers.3.block_sparse_moe.gate.weight";
-    let file = checkpoint(
-        "mixtral.safetensors",
-        &[(MIXTRAL_GATE, gate(8, 16).to_dtype(DType::BF16).unwrap())],
-    );
+    let file = checkpoint("mixtral.safetensors", &[(MIXTRAL_GATE, gate(8, 16).to_dtype(DType::BF16).unwrap())]);
     let (code, report) = check_json(&[
         "mixtral",
         "megatron-probs",
@@ -422,94 +296,35 @@ fn real_gate_weights_are_audited() {
         "P,F,N,R,D,S",
     ]);
     assert_eq!(code, 1);
-    let v: Vec<Verdict> = report
-        .routers
-        .iter()
-        .flat_map(|r| r.findings.iter().map(|f| f.verdict))
-        .collect();
+    let v: Vec<Verdict> = report.routers.iter().flat_map(|r| r.findings.iter().map(|f| f.verdict)).collect();
     use Verdict::{Leak, Pass};
-    assert_eq!(
-        v,
-        [Pass, Pass, Pass, Pass, Pass, Pass, Leak, Leak, Leak, Leak, Pass, Pass]
-    );
+    assert_eq!(v, [Pass, Pass, Pass, Pass, Pass, Pass, Leak, Leak, Leak, Leak, Pass, Pass]);
 
     // Real hidden states: tokens sampled (seeded) from the file's rows; same bytes every run.
-    let states = checkpoint(
-        "states.safetensors",
-        &[("h", gate(40, 16).reshape((4, 10, 16)).unwrap())],
-    );
-    let sampled = [
-        "mixtral",
-        "--weights",
-        &file,
-        "--gate",
-        MIXTRAL_GATE,
-        "--hidden-states",
-        &states,
-        "--probes",
-        "P,F",
-    ];
+    let states = checkpoint("states.safetensors", &[("h", gate(40, 16).reshape((4, 10, 16)).unwrap())]);
+    let sampled =
+        ["mixtral", "--weights", &file, "--gate", MIXTRAL_GATE, "--hidden-states", &states, "--probes", "P,F"];
     let (code, report) = check_json(&sampled);
-    assert_eq!(
-        (code, verdicts(&report)),
-        (0, vec![(Probe::P, Pass), (Probe::F, Pass)])
-    );
-    let (_, seeded) = check_json(&[
-        "mixtral",
-        "--weights",
-        &file,
-        "--gate",
-        MIXTRAL_GATE,
-        "--probes",
-        "P,F",
-    ]);
-    assert_ne!(
-        report.routers[0].load, seeded.routers[0].load,
-        "the states file is used"
-    );
+    assert_eq!((code, verdicts(&report)), (0, vec![(Probe::P, Pass), (Probe::F, Pass)]));
+    let (_, seeded) = check_json(&["mixtral", "--weights", &file, "--gate", MIXTRAL_GATE, "--probes", "P,F"]);
+    assert_ne!(report.routers[0].load, seeded.routers[0].load, "the states file is used");
     let twice = |args: &[&str]| run(&[&["check", "--format", "json"], args].concat()).stdout;
     assert_eq!(twice(&sampled), twice(&sampled));
-    let bad = checkpoint(
-        "bad-states.safetensors",
-        &[("a", gate(3, 5)), ("b", gate(3, 16))],
-    );
+    let bad = checkpoint("bad-states.safetensors", &[("a", gate(3, 5)), ("b", gate(3, 16))]);
     for (spec, want) in [
-        (
-            bad.clone(),
-            "holds 2 tensors: name one as FILE:TENSOR".to_string(),
-        ),
-        (
-            format!("{bad}:a"),
-            "tensor `a` has shape [3, 5], expected [..., 16] (the gate's hidden size)".to_string(),
-        ),
+        (bad.clone(), "holds 2 tensors: name one as FILE:TENSOR".to_string()),
+        (format!("{bad}:a"), "tensor `a` has shape [3, 5], expected [..., 16] (the gate's hidden size)".to_string()),
     ] {
-        let out = run(&[
-            "check",
-            "mixtral",
-            "--weights",
-            &file,
-            "--gate",
-            MIXTRAL_GATE,
-            "--hidden-states",
-            &spec,
-        ]);
-        assert_eq!(
-            String::from_utf8(out.stderr).unwrap().trim_end(),
-            format!("error: {bad}: {want}")
-        );
+        let out = run(&["check", "mixtral", "--weights", &file, "--gate", MIXTRAL_GATE, "--hidden-states", &spec]);
+        assert_eq!(String::from_utf8(out.stderr).unwrap().trim_end(), format!("error: {bad}: {want}"));
     }
 
     // DeepSeek-V3: a gate with 256 experts would do; the preset's expert count is what matters.
-    let experts = moe_audit::RouterConfig::load("deepseek-v3")
-        .unwrap()
-        .experts;
+    let experts = moe_audit::RouterConfig::load("deepseek-v3").unwrap().experts;
     let bias = Tensor::arange(0f32, experts as f32, &Device::Cpu).unwrap();
     let file = checkpoint(
         "deepseek.safetensors",
-        &[
-            ("mlp.gate.weight", gate(experts, 16)),
-            ("mlp.gate.e_score_correction_bias", bias),
-        ],
+        &[("mlp.gate.weight", gate(experts, 16)), ("mlp.gate.e_score_correction_bias", bias)],
     );
     let (code, report) = check_json(&[
         "deepseek-v3",
@@ -522,10 +337,7 @@ fn real_gate_weights_are_audited() {
         "--probes",
         "P,F",
     ]);
-    assert_eq!(
-        (code, verdicts(&report)),
-        (0, vec![(Probe::P, Pass), (Probe::F, Pass)])
-    );
+    assert_eq!((code, verdicts(&report)), (0, vec![(Probe::P, Pass), (Probe::F, Pass)]));
 }
 
 #[test]
@@ -536,34 +348,16 @@ fn bad_gate_weights_are_clear_errors() {
         &[
             ("gate", good.clone()),
             ("short", gate(7, 16)),
-            (
-                "ids",
-                Tensor::zeros((8, 16), DType::U32, &Device::Cpu).unwrap(),
-            ),
+            ("ids", Tensor::zeros((8, 16), DType::U32, &Device::Cpu).unwrap()),
             ("bias3", Tensor::zeros(3, DType::F32, &Device::Cpu).unwrap()),
         ],
     );
     let cases: [(&[&str], &str); 5] = [
-        (
-            &["--gate", "nope"],
-            "no tensor `nope`; it has bias3, gate, ids, short",
-        ),
-        (
-            &["--gate", "short"],
-            "tensor `short` has 7 rows (experts), router `mixtral` has 8 experts",
-        ),
-        (
-            &["--gate", "ids"],
-            "tensor `ids` is U32, expected a float dtype (f16, bf16, f32, f64)",
-        ),
-        (
-            &["--gate", "bias3"],
-            "tensor `bias3` has shape [3], expected [experts, hidden]",
-        ),
-        (
-            &["--gate", "gate", "--bias", "bias3"],
-            "tensor `bias3` has shape [3], expected [8]",
-        ),
+        (&["--gate", "nope"], "no tensor `nope`; it has bias3, gate, ids, short"),
+        (&["--gate", "short"], "tensor `short` has 7 rows (experts), router `mixtral` has 8 experts"),
+        (&["--gate", "ids"], "tensor `ids` is U32, expected a float dtype (f16, bf16, f32, f64)"),
+        (&["--gate", "bias3"], "tensor `bias3` has shape [3], expected [experts, hidden]"),
+        (&["--gate", "gate", "--bias", "bias3"], "tensor `bias3` has shape [3], expected [8]"),
     ];
     for (extra, want) in cases {
         let args = [&["check", "mixtral", "--weights", file.as_str()], extra].concat();
@@ -594,37 +388,22 @@ fn junit_and_github_formats() {
     let text = String::from_utf8(out.stdout).unwrap();
     assert!(text.starts_with("<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<testsuites name=\"moe-audit\" tests=\"6\" failures=\"1\" skipped=\"2\">"), "{text}");
     assert!(text.contains("<testcase classname=\"moe-audit.megatron-probs\" name=\"P prefix (C-length)\">\n      <failure type=\"leak\" message=\"P prefix leaks C-length: "), "{text}");
-    assert!(
-        text.contains("witness: token batch 0, position 0 routes differently (kept): before [e"),
-        "{text}"
-    );
-    assert!(
-        text.contains("<testcase classname=\"moe-audit.mixtral\" name=\"P prefix (C-length)\"/>"),
-        "{text}"
-    );
+    assert!(text.contains("witness: token batch 0, position 0 routes differently (kept): before [e"), "{text}");
+    assert!(text.contains("<testcase classname=\"moe-audit.mixtral\" name=\"P prefix (C-length)\"/>"), "{text}");
     let md = String::from_utf8(
-        run(&[
-            "check",
-            "megatron-probs",
-            "--format",
-            "markdown",
-            "--batch",
-            "2",
-            "--seq-len",
-            "16",
-            "--probes",
-            "P",
-        ])
-        .stdout,
+        run(&["check", "megatron-probs", "--format", "markdown", "--batch", "2", "--seq-len", "16", "--probes", "P"])
+            .stdout,
     )
     .unwrap();
-    assert!(
-        md.ends_with("\n❌ 1 of 1 router(s) leak: `megatron-probs`\n"),
-        "{md}"
-    );
+    assert!(md.ends_with("\n❌ 1 of 1 router(s) leak: `megatron-probs`\n"), "{md}");
     let annotations: Vec<&str> = text.lines().filter(|l| l.starts_with("::")).collect();
     assert_eq!(annotations.len(), 1, "{text}");
-    assert!(annotations[0].starts_with("::error title=moe-audit%3A megatron-probs leaks on P prefix::megatron-probs: P prefix leaks C-length: "), "{text}");
+    assert!(
+        annotations[0].starts_with(
+            "::error title=moe-audit%3A megatron-probs leaks on P prefix::megatron-probs: P prefix leaks C-length: "
+        ),
+        "{text}"
+    );
 }
 
 #[test]

@@ -1,6 +1,8 @@
 //! Cases computed by hand from DOMAIN.md §4: each pins one published rule.
 
-use moe_audit::config::{preset, Arithmetic, CapacityConfig, DropPolicy, Flatten, RouterConfig, ScoreFn, ScopeConfig, ScopeGroup};
+use moe_audit::config::{
+    preset, Arithmetic, CapacityConfig, DropPolicy, Flatten, RouterConfig, ScopeConfig, ScopeGroup, ScoreFn,
+};
 use moe_audit::routing::Route;
 use moe_audit::{assign, Logits, Routing};
 
@@ -15,7 +17,15 @@ fn token_choice(experts: usize, k: usize, score: ScoreFn, capacity: Option<Capac
 }
 
 fn cap(factor: f64, policy: DropPolicy, arithmetic: Arithmetic) -> CapacityConfig {
-    CapacityConfig { factor: Some(factor), fixed: None, policy, arithmetic, min: 0, pad: false, renormalize_after_drop: false }
+    CapacityConfig {
+        factor: Some(factor),
+        fixed: None,
+        policy,
+        arithmetic,
+        min: 0,
+        pad: false,
+        renormalize_after_drop: false,
+    }
 }
 
 fn route(config: &RouterConfig, batch: usize, rows: &[&[f32]]) -> Routing {
@@ -179,7 +189,8 @@ fn expert_choice_each_expert_takes_its_top_c_tokens() {
 
 #[test]
 fn tokens_groups_split_the_flattened_order() {
-    let mut config = token_choice(2, 1, ScoreFn::SoftmaxPre, Some(cap(1.0, DropPolicy::Position, Arithmetic::Megatron)));
+    let mut config =
+        token_choice(2, 1, ScoreFn::SoftmaxPre, Some(cap(1.0, DropPolicy::Position, Arithmetic::Megatron)));
     config.scope = ScopeConfig { group: ScopeGroup::Tokens(3), flatten: Flatten::SequenceMajor };
     let rows: [&[f32]; 4] = [&[1.0, 0.0]; 4];
     let r = route(&config, 1, &rows);

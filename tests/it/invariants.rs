@@ -13,8 +13,8 @@
 //! overridable with `PROPTEST_CASES`, and no regression files are written.
 
 use moe_audit::config::{
-    preset, presets, Arithmetic, CapacityConfig, DropPolicy, Flatten, GroupLimit, RouterConfig, RouterKind, ScopeConfig,
-    ScopeGroup, ScoreFn, Selection,
+    preset, presets, Arithmetic, CapacityConfig, DropPolicy, Flatten, GroupLimit, RouterConfig, RouterKind,
+    ScopeConfig, ScopeGroup, ScoreFn, Selection,
 };
 use moe_audit::routing::capacity::capacity;
 use moe_audit::{assign, Routing};
@@ -129,11 +129,16 @@ struct Choice {
 fn reference_sinkhorn(rows: &[Vec<f32>]) -> Vec<Vec<f32>> {
     let (t, e) = (rows.len(), rows[0].len());
     let max = rows.iter().flatten().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    let cost: Vec<Vec<f64>> = rows.iter().map(|r| r.iter().map(|&v| (f64::from(v) - f64::from(max)).exp()).collect()).collect();
+    let cost: Vec<Vec<f64>> =
+        rows.iter().map(|r| r.iter().map(|&v| (f64::from(v) - f64::from(max)).exp()).collect()).collect();
     let (mut rs, mut cs) = (vec![1.0f64; t], vec![1.0f64; e]);
     for _ in 0..200 {
-        rs = cost.iter().map(|r| 1.0 / (t as f64 * (r.iter().zip(&cs).map(|(c, b)| c * b).sum::<f64>() + 1e-8))).collect();
-        let next: Vec<f64> = (0..e).map(|j| 1.0 / (e as f64 * ((0..t).map(|i| cost[i][j] * rs[i]).sum::<f64>() + 1e-8))).collect();
+        rs = cost
+            .iter()
+            .map(|r| 1.0 / (t as f64 * (r.iter().zip(&cs).map(|(c, b)| c * b).sum::<f64>() + 1e-8)))
+            .collect();
+        let next: Vec<f64> =
+            (0..e).map(|j| 1.0 / (e as f64 * ((0..t).map(|i| cost[i][j] * rs[i]).sum::<f64>() + 1e-8))).collect();
         let change: f64 = next.iter().zip(&cs).map(|(n, o)| (n - o).abs() / n.abs().max(1e-8)).sum::<f64>() / e as f64;
         cs = next;
         if change < 1e-4 {
@@ -167,10 +172,8 @@ fn reference_choice(c: &RouterConfig, row: &[f32], select_on: Option<Vec<f32>>) 
     }
     if let Some(GroupLimit { groups, top_groups, score_top }) = c.group_limit.clone() {
         let per = c.experts / groups;
-        let group_score: Vec<f32> = select
-            .chunks(per)
-            .map(|chunk| top_k(chunk, score_top).iter().map(|&i| chunk[i]).sum())
-            .collect();
+        let group_score: Vec<f32> =
+            select.chunks(per).map(|chunk| top_k(chunk, score_top).iter().map(|&i| chunk[i]).sum()).collect();
         let chosen = top_k(&group_score, top_groups);
         for (e, s) in select.iter_mut().enumerate() {
             if !chosen.contains(&(e / per)) {
@@ -230,7 +233,10 @@ fn check_all(c: &RouterConfig, x: &Array3<f32>, extreme: bool) -> Check {
     let near = |a: f64, b: f64| (a - b).abs() <= 4.0 * f64::EPSILON * a.abs().max(b.abs());
     let (s, t) = (&back.stats, &r.stats);
     prop_assert!(
-        near(s.max_over_mean_load, t.max_over_mean_load) && near(s.load_cv, t.load_cv) && near(s.drop_rate, t.drop_rate) && near(s.aux_loss, t.aux_loss),
+        near(s.max_over_mean_load, t.max_over_mean_load)
+            && near(s.load_cv, t.load_cv)
+            && near(s.drop_rate, t.drop_rate)
+            && near(s.aux_loss, t.aux_loss),
         "JSON round trip changed the stats: {:?} -> {:?}",
         t,
         s
@@ -290,7 +296,11 @@ fn check_record(c: &RouterConfig, x: &Array3<f32>, r: &Routing) -> Check {
         prop_assert_eq!(rec.capacity, want, "capacity of group {} ({} tokens)", g, members.len());
     }
     let total: usize = r.scope.groups.iter().filter_map(|g| g.capacity).sum();
-    prop_assert_eq!(&r.capacity, &c.capacity.as_ref().map(|_| vec![total; e]), "record capacity is the sum over groups");
+    prop_assert_eq!(
+        &r.capacity,
+        &c.capacity.as_ref().map(|_| vec![total; e]),
+        "record capacity is the sum over groups"
+    );
     for t in &r.tokens {
         for route in &t.routes {
             prop_assert!(route.expert < e);
@@ -309,7 +319,14 @@ fn check_record(c: &RouterConfig, x: &Array3<f32>, r: &Routing) -> Check {
         let mut ids: Vec<usize> = t.routes.iter().map(|r| r.expert).collect();
         ids.sort_unstable();
         ids.dedup();
-        prop_assert_eq!(ids.len(), t.routes.len(), "token ({}, {}) has an expert twice: {:?}", t.batch, t.pos, t.routes);
+        prop_assert_eq!(
+            ids.len(),
+            t.routes.len(),
+            "token ({}, {}) has an expert twice: {:?}",
+            t.batch,
+            t.pos,
+            t.routes
+        );
     }
     Ok(())
 }
@@ -355,27 +372,60 @@ fn check_token_choice(c: &RouterConfig, x: &Array3<f32>, r: &Routing, extreme: b
         prop_assert!(pads.windows(2).all(|w| w[0].expert < w[1].expert), "padding slots not by expert id");
         let ids: Vec<usize> = real.iter().map(|r| r.expert).collect();
         let ch = &choices[i];
-        prop_assert_eq!(&ids, &ch.experts, "token ({}, {}) logits {:?}: experts / choice order", t.batch, t.pos, row(x, i));
+        prop_assert_eq!(
+            &ids,
+            &ch.experts,
+            "token ({}, {}) logits {:?}: experts / choice order",
+            t.batch,
+            t.pos,
+            row(x, i)
+        );
         if c.capacity.is_none() {
-            prop_assert!(t.routes.iter().all(|r| r.kept && !r.padded), "dropless router dropped or padded: {:?}", t.routes);
+            prop_assert!(
+                t.routes.iter().all(|r| r.kept && !r.padded),
+                "dropless router dropped or padded: {:?}",
+                t.routes
+            );
         }
         // Gates: before dropping fixed by the score function; after dropping only DeepSpeed-style
         // routers renormalise the survivors (with the denominator clamped at f32 eps).
         let survivors: f32 = real.iter().zip(&ch.gates).filter(|(r, _)| r.kept).map(|(_, g)| g).sum();
         for (route, &g) in real.iter().zip(&ch.gates) {
             let want = if renorm && route.kept { g / survivors.max(f32::EPSILON) * scale } else { g * scale };
-            prop_assert!(close(route.weight, want), "token ({}, {}) expert {}: weight {} want {}", t.batch, t.pos, route.expert, route.weight, want);
+            prop_assert!(
+                close(route.weight, want),
+                "token ({}, {}) expert {}: weight {} want {}",
+                t.batch,
+                t.pos,
+                route.expert,
+                route.weight,
+                want
+            );
         }
         let kept_sum: f32 = real.iter().filter(|r| r.kept).map(|r| r.weight).sum();
         let all_sum: f32 = real.iter().map(|r| r.weight).sum();
         let gate_sum: f32 = ch.gates.iter().sum();
         if renorm {
             if survivors >= 2.0 * f32::EPSILON {
-                prop_assert!(close(kept_sum, scale), "token ({}, {}): kept weights sum to {}, want {}", t.batch, t.pos, kept_sum, scale);
+                prop_assert!(
+                    close(kept_sum, scale),
+                    "token ({}, {}): kept weights sum to {}, want {}",
+                    t.batch,
+                    t.pos,
+                    kept_sum,
+                    scale
+                );
             }
         } else if c.normalizes() && (!extreme || gate_sum > 0.5) {
             // Normalised gates sum to 1 before dropping; dropped routes keep their gate.
-            prop_assert!(close(all_sum, scale), "token ({}, {}): gates sum to {}, want {}", t.batch, t.pos, all_sum, scale);
+            prop_assert!(
+                close(all_sum, scale),
+                "token ({}, {}): gates sum to {}, want {}",
+                t.batch,
+                t.pos,
+                all_sum,
+                scale
+            );
         }
     }
 
@@ -454,12 +504,18 @@ fn check_dropping(
             DropPolicy::Position => {
                 let first_dropped = routes.iter().filter(|r| !r.3).map(|r| r.0).min();
                 if let Some(d) = first_dropped {
-                    prop_assert!(routes.iter().all(|r| !r.3 || r.0 < d), "position: a later route kept after an earlier drop");
+                    prop_assert!(
+                        routes.iter().all(|r| !r.3 || r.0 < d),
+                        "position: a later route kept after an earlier drop"
+                    );
                 }
             }
             DropPolicy::ChoiceRank | DropPolicy::BatchPriority => {
                 if routes.iter().any(|r| r.1 > 0 && r.3) {
-                    prop_assert!(routes.iter().all(|r| r.1 > 0 || r.3), "choice-rank: a 2nd choice kept while a 1st choice dropped");
+                    prop_assert!(
+                        routes.iter().all(|r| r.1 > 0 || r.3),
+                        "choice-rank: a 2nd choice kept while a 1st choice dropped"
+                    );
                 }
             }
             DropPolicy::Probs | DropPolicy::Causal => {}
@@ -493,7 +549,16 @@ fn check_causal(c: &RouterConfig, cap: &CapacityConfig, members: &[usize], r: &R
         prop_assert_eq!(t.capacity, Some(limit), "token ({}, {}): capacity in force", t.batch, t.pos);
         for route in &t.routes {
             prop_assert!(!route.padded, "causal capacity never pads");
-            prop_assert_eq!(route.kept, kept_before[route.expert] < limit, "token ({}, {}) expert {}: {} earlier kept, C = {}", t.batch, t.pos, route.expert, kept_before[route.expert], limit);
+            prop_assert_eq!(
+                route.kept,
+                kept_before[route.expert] < limit,
+                "token ({}, {}) expert {}: {} earlier kept, C = {}",
+                t.batch,
+                t.pos,
+                route.expert,
+                kept_before[route.expert],
+                limit
+            );
         }
         t.routes.iter().filter(|x| x.kept).for_each(|x| kept_before[x.expert] += 1);
     }
@@ -506,7 +571,10 @@ fn check_expert_choice(c: &RouterConfig, x: &Array3<f32>, r: &Routing) -> Check 
     let aff: Vec<Vec<f32>> = (0..b * s).map(|i| affinity(c.score, &row(x, i))).collect();
     for t in &r.tokens {
         prop_assert!(t.routes.iter().all(|r| r.kept && !r.padded), "expert choice drops or pads nothing");
-        let sorted = t.routes.windows(2).all(|w| desc(w[0].weight, w[1].weight).then(w[0].expert.cmp(&w[1].expert)) == Ordering::Less);
+        let sorted = t
+            .routes
+            .windows(2)
+            .all(|w| desc(w[0].weight, w[1].weight).then(w[0].expert.cmp(&w[1].expert)) == Ordering::Less);
         prop_assert!(sorted, "token ({}, {}): routes not by weight desc, expert asc: {:?}", t.batch, t.pos, t.routes);
     }
     for (g, members) in reference_groups(&c.scope, b, s).iter().enumerate() {
@@ -523,7 +591,13 @@ fn check_expert_choice(c: &RouterConfig, x: &Array3<f32>, r: &Routing) -> Check 
                 .collect::<std::collections::BTreeSet<_>>()
                 .into_iter()
                 .collect();
-            prop_assert_eq!(got.len(), cap_g.min(members.len()), "group {} expert {}: not exactly min(C, T) tokens", g, expert);
+            prop_assert_eq!(
+                got.len(),
+                cap_g.min(members.len()),
+                "group {} expert {}: not exactly min(C, T) tokens",
+                g,
+                expert
+            );
             prop_assert_eq!(&got, &want, "group {} expert {} (capacity {}): chosen tokens", g, expert, cap_g);
             for &i in &got {
                 let w = r.tokens[i].routes.iter().find(|x| x.expert == expert).unwrap().weight;

@@ -27,7 +27,8 @@ fn reference(layer: &MoeLayer, x: &Tensor, routing: &moe_audit::Routing) -> Vec<
             let row = x.narrow(0, i, 1).unwrap();
             let mut acc = vec![0.0f32; H];
             for r in t.routes.iter().filter(|r| r.kept) {
-                let out = layer.experts()[r.expert].forward(&row).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                let out =
+                    layer.experts()[r.expert].forward(&row).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
                 acc.iter_mut().zip(out).for_each(|(a, o)| *a += r.weight * o);
             }
             acc
@@ -94,7 +95,11 @@ fn half_precision_inputs_run_and_stay_close_to_f32() {
         assert_eq!(routing.tokens.len(), 16);
         // Near-ties may route differently in half precision; most tokens must agree closely.
         let y = y.to_dtype(DType::F32).unwrap().flatten_to(1).unwrap().to_vec2::<f32>().unwrap();
-        let close = y.iter().zip(&y32).filter(|(a, b)| a.iter().zip(b.iter()).all(|(p, q)| (p - q).abs() < 0.05 * (1.0 + q.abs()))).count();
+        let close = y
+            .iter()
+            .zip(&y32)
+            .filter(|(a, b)| a.iter().zip(b.iter()).all(|(p, q)| (p - q).abs() < 0.05 * (1.0 + q.abs())))
+            .count();
         assert!(close >= 12, "{dtype:?}: only {close} of 16 tokens close to f32");
     }
 }

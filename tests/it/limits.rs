@@ -18,7 +18,9 @@ fn run(args: &[&str]) -> (Option<i32>, String, Duration) {
 
 #[test]
 fn a_sequence_of_a_billion_tokens_fails_before_allocating() {
-    for args in [&["check", "megatron-probs", "--seq-len", "1000000000"][..], &["route", "mixtral", "--seq-len", "1000000000"]] {
+    for args in
+        [&["check", "megatron-probs", "--seq-len", "1000000000"][..], &["route", "mixtral", "--seq-len", "1000000000"]]
+    {
         let (code, err, took) = run(args);
         assert_eq!(code, Some(2), "{args:?}: {err}");
         assert!(err.starts_with("error: ") && err.contains("TiB of memory, over the limit of"), "{args:?}: {err}");

@@ -8,10 +8,10 @@ mod hand_computed;
 mod invariants;
 mod layer;
 mod limits;
-mod routers;
 #[cfg(feature = "mpi")]
 mod mpi;
 mod parallel;
+mod routers;
 mod snapshots;
-mod user_snapshot;
 mod sweep;
+mod user_snapshot;

@@ -44,7 +44,8 @@ fn mpi_check_prints_the_in_process_report() {
 #[test]
 fn a_failing_mpi_rank_stops_every_rank_with_exit_2() {
     // Sequence 2 (rank 2's) holds a value beyond f32: its scores are infinite, the others' fine.
-    let mut rows: Vec<Vec<f64>> = (0..4 * 64).map(|i| (0..16).map(|j| ((i * 16 + j) as f64 * 0.37).sin()).collect()).collect();
+    let mut rows: Vec<Vec<f64>> =
+        (0..4 * 64).map(|i| (0..16).map(|j| ((i * 16 + j) as f64 * 0.37).sin()).collect()).collect();
     rows[2 * 64 + 5][3] = 1e39;
     let path = std::env::temp_dir().join("moe-audit-mpi-bad-input.json");
     std::fs::write(&path, serde_json::to_string(&rows).unwrap()).unwrap();
@@ -55,5 +56,8 @@ fn a_failing_mpi_rank_stops_every_rank_with_exit_2() {
     assert!(err.contains("error: rank 2 failed: non-finite score -inf at batch 2, position 5, expert 0"), "{err}");
     let out = Command::new(env!("CARGO_BIN_EXE_moe-audit")).args(args).args(["--ranks", "4"]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
-    assert_eq!(String::from_utf8(out.stderr).unwrap(), "error: rank 2 failed: non-finite score -inf at batch 2, position 5, expert 0\n");
+    assert_eq!(
+        String::from_utf8(out.stderr).unwrap(),
+        "error: rank 2 failed: non-finite score -inf at batch 2, position 5, expert 0\n"
+    );
 }

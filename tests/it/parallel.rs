@@ -61,7 +61,8 @@ fn expert_parallel_equals_single_device_bit_for_bit() {
         }
     }
     // The capacity presets really drop at these sizes, so the comparison covers dropping.
-    let layer = layer(config("megatron-probs", ScopeConfig { group: ScopeGroup::Tokens(S), flatten: Flatten::SequenceMajor }));
+    let layer =
+        layer(config("megatron-probs", ScopeConfig { group: ScopeGroup::Tokens(S), flatten: Flatten::SequenceMajor }));
     assert!(layer.forward(&x).unwrap().1.stats.drop_rate > 0.0);
 }
 
@@ -135,7 +136,9 @@ fn a_failing_rank_stops_every_rank() {
     })
     .unwrap_err();
     assert!(err.to_string().starts_with("rank 2 failed: non-finite score NaN at batch 0, position 0"), "{err}");
-    let err = run_ranks(2, |comm| ep.forward(comm, &x.narrow(2, 0, if comm.rank() == 0 { H } else { H - 1 })?.contiguous()?)).unwrap_err();
+    let err =
+        run_ranks(2, |comm| ep.forward(comm, &x.narrow(2, 0, if comm.rank() == 0 { H } else { H - 1 })?.contiguous()?))
+            .unwrap_err();
     assert!(err.to_string().starts_with("rank 1 failed: shape mismatch in expert-parallel layer on rank 1"), "{err}");
 }
 
@@ -183,12 +186,18 @@ fn cli_ranks_and_comm() {
     let (code, out, _) = cli(&["check", "megatron-probs", "--probes", "L", "--ranks", "4", "--seq-len", "32"]);
     assert_eq!(code, Some(1), "{out}");
     let (code, _, err) = cli(&["check", "mixtral", "--ranks", "3"]);
-    assert_eq!((code, err.as_str()), (Some(2), "error: --ranks 3: the batch of 4 sequences must split evenly over the ranks\n"));
+    assert_eq!(
+        (code, err.as_str()),
+        (Some(2), "error: --ranks 3: the batch of 4 sequences must split evenly over the ranks\n")
+    );
     let (code, _, err) = cli(&["ep", "mixtral", "--ranks", "3", "--batch", "3"]);
     assert_eq!((code, err.as_str()), (Some(2), "error: rank 0 failed: 8 experts do not split evenly over 3 ranks\n"));
     let (code, out, _) = cli(&["ep", "megatron-probs", "--ranks", "4", "--seq-len", "64"]);
     assert_eq!(code, Some(0));
-    assert!(out.starts_with("router megatron-probs | 4 ranks | batch 4 x seq 64, hidden 64 | 8 experts, 2 per rank\n"), "{out}");
+    assert!(
+        out.starts_with("router megatron-probs | 4 ranks | batch 4 x seq 64, hidden 64 | 8 experts, 2 per rank\n"),
+        "{out}"
+    );
     assert!(out.contains("equal to the single-device layer on the ranks' routing, bit for bit: yes"), "{out}");
     #[cfg(not(feature = "mpi"))]
     {

@@ -124,7 +124,11 @@ fn mismatch(layer: &MoeLayer) -> f64 {
     let logits = logits_to_host(&layer.router().scores(&x).unwrap()).unwrap();
     let train = layer.router().assign(logits.view()).unwrap();
     let serve = layer.router().inference().unwrap().unwrap().assign(logits.view()).unwrap();
-    let differ = train.tokens.iter().filter(|t| diff_token(&train, (t.batch, t.pos), &serve, (t.batch, t.pos)).decision()).count();
+    let differ = train
+        .tokens
+        .iter()
+        .filter(|t| diff_token(&train, (t.batch, t.pos), &serve, (t.batch, t.pos)).decision())
+        .count();
     differ as f64 / train.tokens.len() as f64
 }
 

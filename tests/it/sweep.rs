@@ -2,7 +2,8 @@
 
 use super::cli::{fail, file, stdout, tmp_dir};
 
-const SMALL: &str = "routers = [\"causal-capacity\", \"batch-prioritized\", \"sinkhorn\"]\ncapacity_factor = [1.0]\ntop_k = [1, 2]\n\
+const SMALL: &str =
+    "routers = [\"causal-capacity\", \"batch-prioritized\", \"sinkhorn\"]\ncapacity_factor = [1.0]\ntop_k = [1, 2]\n\
                      experts = [4]\nseq_len = [16]\nbatch = [2]\ntrials = 2\nheatmap = \"batch-prioritized\"\n";
 
 fn sweep(name: &str) -> (String, std::path::PathBuf) {
@@ -33,7 +34,8 @@ fn a_small_grid_writes_every_output_byte_identically() {
     assert!(std::fs::read(a.join("leak-vs-imbalance.png")).unwrap().starts_with(b"\x89PNG"));
     assert!(std::fs::read_to_string(a.join("leak-vs-imbalance.svg")).unwrap().starts_with("<svg"));
 
-    let report: moe_audit::sweep::SweepReport = serde_json::from_str(&std::fs::read_to_string(a.join("sweep.json")).unwrap()).unwrap();
+    let report: moe_audit::sweep::SweepReport =
+        serde_json::from_str(&std::fs::read_to_string(a.join("sweep.json")).unwrap()).unwrap();
     // 3 routers × k {1, 2}; one capacity factor.
     assert_eq!(report.cells.len(), 6);
     let csv = std::fs::read_to_string(a.join("sweep.csv")).unwrap();
@@ -99,7 +101,10 @@ fn check_runs_probe_x_only_when_asked() {
         .unwrap();
     let text = String::from_utf8(out.stdout).unwrap();
     assert_eq!(out.status.code(), Some(1), "a bf16 flip is a T/I leak: {text}");
-    assert!(text.contains("X numerics   LEAK    T/I") && text.contains("routing flips: bf16 0.59%, f16 0.10% of tokens"), "{text}");
+    assert!(
+        text.contains("X numerics   LEAK    T/I") && text.contains("routing flips: bf16 0.59%, f16 0.10% of tokens"),
+        "{text}"
+    );
     let default = stdout(&["check", "mixtral", "--seq-len", "8", "--trials", "2"]);
     assert!(!default.contains("numerics"), "X is opt-in: {default}");
 }

@@ -7,15 +7,8 @@ use ndarray::Array3;
 
 /// Fixed logits that make experts compete: tokens 2 and 3 want the same expert as token 0.
 fn logits() -> Array3<f32> {
-    let rows = [
-        [2.0, 1.0, 0.0, 0.0],
-        [0.0, 2.0, 1.0, 0.0],
-        [3.0, 0.0, 0.0, 1.0],
-        [4.0, 0.0, 1.0, 0.0],
-    ];
-    Array3::from_shape_fn((1, 4, 8), |(_, t, e)| {
-        rows[t].get(e).copied().unwrap_or(-1.0)
-    })
+    let rows = [[2.0, 1.0, 0.0, 0.0], [0.0, 2.0, 1.0, 0.0], [3.0, 0.0, 0.0, 1.0], [4.0, 0.0, 1.0, 0.0]];
+    Array3::from_shape_fn((1, 4, 8), |(_, t, e)| rows[t].get(e).copied().unwrap_or(-1.0))
 }
 
 #[test]
