@@ -13,12 +13,16 @@
 //! `cargo build --release --features mpi --example a2a_cost &&
 //!  mpirun -np 4 --oversubscribe target/release/examples/a2a_cost --comm mpi` (rank 0 prints).
 
+#[path = "common/timing.rs"]
+mod timing;
+
 use candle_core::{DType, Device, Tensor};
 use moe_audit::config::preset;
 use moe_audit::layer::{MoeLayer, Seeded};
 use moe_audit::parallel::{run_ranks, split_batch, Communicator, ExpertParallel};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
+use timing::{median, ms};
 
 /// Bytes each rank sends per all-to-all: 2048 tokens × k 2 × H 512 × 4 bytes (8 MiB).
 const PAYLOAD: usize = 2048 * 2 * 512 * 4;
@@ -27,15 +31,6 @@ const BATCH: usize = 4;
 const SEQ: usize = 512;
 const HIDDEN: usize = 512;
 const FFN: usize = 1024;
-
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v[v.len() / 2]
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
-}
 
 /// Median (all-to-all, memcpy) times on this communicator; memcpy runs on rank 0 while the
 /// others wait at a barrier, over all the bytes the all-to-all moves.
@@ -148,13 +143,8 @@ fn report(
 }
 
 fn main() -> moe_audit::Result<()> {
-    let args: Vec<String> = std::env::args().collect();
-    let reps = args
-        .iter()
-        .position(|a| a == "--reps")
-        .and_then(|i| args.get(i + 1))
-        .map_or(9, |v| v.parse().expect("--reps N"));
-    let mpi = args.iter().any(|a| a == "mpi");
+    let reps = timing::reps(9).map_err(moe_audit::Error::Usage)?;
+    let mpi = timing::flag("--comm").map_err(moe_audit::Error::Usage)?.as_deref() == Some("mpi");
     let layer =
         MoeLayer::seeded(preset("mixtral").expect("preset").config()?, HIDDEN, FFN, 0, DType::F32, &Device::Cpu)?;
     let x = Seeded::new(1).normal(&[BATCH, SEQ, HIDDEN], &Device::Cpu)?;

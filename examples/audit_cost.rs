@@ -12,10 +12,14 @@
 //!
 //! Run: `cargo run --release --example audit_cost [-- --reps N]`.
 
+#[path = "common/timing.rs"]
+mod timing;
+
 use candle_core::{DType, Device};
 use moe_audit::analyze::{audit, AuditOptions, Subject};
 use moe_audit::layer::{MoeLayer, Seeded};
-use std::time::{Duration, Instant};
+use std::time::Instant;
+use timing::median;
 
 const BATCH: usize = 4;
 const SEQ: usize = 512;
@@ -23,24 +27,15 @@ const HIDDEN: usize = 512;
 const FFN: usize = 1024;
 const EXPERTS: usize = 64;
 
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v[v.len() / 2]
-}
-
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let reps = match args.iter().position(|a| a == "--reps") {
-        Some(i) => args.get(i + 1).ok_or("--reps needs a number")?.parse()?,
-        None => 5,
-    };
+    let reps = timing::reps(5)?;
     let mut config = moe_audit::config::preset("megatron-probs").ok_or("no megatron-probs preset")?.config()?;
     config.experts = EXPERTS;
     let layer = MoeLayer::seeded(config, HIDDEN, FFN, 0, DType::F32, &Device::Cpu)?;
     let x = Seeded::new(0).normal(&[BATCH, SEQ, HIDDEN], &Device::Cpu)?;
     let mut options = AuditOptions { batch: BATCH, seq_len: SEQ, ..AuditOptions::default() };
-    if let Some(i) = args.iter().position(|a| a == "--probes") {
-        options.probes = moe_audit::analyze::Probe::parse_list(args.get(i + 1).ok_or("--probes needs a list")?)?;
+    if let Some(list) = timing::flag("--probes")? {
+        options.probes = moe_audit::analyze::Probe::parse_list(&list)?;
     }
     println!(
         "audit vs forward, CPU f32: megatron-probs E={EXPERTS} k=2, T={} (batch {BATCH} x seq {SEQ}), H={HIDDEN}, FFN={FFN}, probes {:?}, {} trials; median of {reps}",

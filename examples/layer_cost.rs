@@ -9,21 +9,15 @@
 
 #[path = "../benches/common/layer_case.rs"]
 mod layer_case;
+#[path = "common/timing.rs"]
+mod timing;
 
 use candle_core::Device;
 use layer_case::{LayerCase, BATCH, FFN, HIDDEN, SEQ, SIZES, TOP_K};
 use std::time::{Duration, Instant};
+use timing::{median, ms};
 
 const WARMUP: usize = 3;
-
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v[v.len() / 2]
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
-}
 
 /// Median times of (moe, dense, mixtral).
 fn measure(case: &LayerCase, reps: usize) -> candle_core::Result<[Duration; 3]> {
@@ -48,11 +42,7 @@ fn measure(case: &LayerCase, reps: usize) -> candle_core::Result<[Duration; 3]> 
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let reps = match args.iter().position(|a| a == "--reps") {
-        Some(i) => args.get(i + 1).ok_or("--reps needs a number")?.parse()?,
-        None => 15,
-    };
+    let reps = timing::reps(15)?;
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!(
         "MoE layer forward, CPU f32, {threads} threads: T={} (batch {BATCH} x seq {SEQ}), H={HIDDEN}, FFN={FFN}, k={TOP_K}, dense FFN={}; median of {reps} after {WARMUP} warm-up",

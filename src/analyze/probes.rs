@@ -57,14 +57,14 @@ impl Ctx<'_> {
         Ok(logits.index_axis_move(Axis(0), 0))
     }
 
-    /// A crafted token row that wants expert `e` above all others.
-    fn targeted_row(&self, e: usize) -> Vec<f32> {
-        if let Some(row) = self.router.targeted_row(e) {
-            return row;
-        }
-        let mut row = vec![0.0; self.width()];
-        row[e] = TARGET_LOGIT;
-        row
+    /// `n` copies of a crafted token row that wants expert `e` above all others.
+    fn targeted_rows(&self, n: usize, e: usize) -> Array2<f32> {
+        let row = self.router.targeted_row(e).unwrap_or_else(|| {
+            let mut row = vec![0.0; self.width()];
+            row[e] = TARGET_LOGIT;
+            row
+        });
+        Array2::from_shape_fn((n, self.width()), |(_, j)| row[j])
     }
 
     /// The expert a token is pushed toward in trial `trial`: its routes in turn (1st choice, 2nd
@@ -153,8 +153,7 @@ pub(crate) fn future(ctx: &Ctx) -> Result<Vec<Case>> {
         let rows = if trial % 2 == 0 {
             ctx.fresh(later, &mut rng)?
         } else {
-            let row = ctx.targeted_row(ctx.target_of(seq, t, trial / 2));
-            Array2::from_shape_fn((later, ctx.width()), |(_, e)| row[e])
+            ctx.targeted_rows(later, ctx.target_of(seq, t, trial / 2))
         };
         changed.logits.slice_mut(s![seq, t + 1.., ..]).assign(&rows);
         let mut compare = vec![0; b];
@@ -189,8 +188,7 @@ pub(crate) fn neighbour(ctx: &Ctx) -> Result<Vec<Case>> {
             ctx.fresh(s, &mut rng)?
         } else {
             let victim = (seq + 1 + rng.random_range(0..b - 1)) % b;
-            let row = ctx.targeted_row(ctx.target_of(victim, rng.random_range(0..s), trial / 2));
-            Array2::from_shape_fn((s, ctx.width()), |(_, e)| row[e])
+            ctx.targeted_rows(s, ctx.target_of(victim, rng.random_range(0..s), trial / 2))
         };
         changed.logits.slice_mut(s![seq, .., ..]).assign(&rows);
         let mut compare = vec![s; b];

@@ -6,7 +6,7 @@ use crate::config::RouterConfig;
 use crate::error::{Error, Result};
 use crate::external::gate::GateSource;
 use crate::external::{plan, ExternalRouter, Handshake, InputKind, TraceRouter};
-use crate::memory::{self, CallSizes};
+use crate::memory;
 use crate::router::Router;
 use clap::Args;
 use std::io::Write;
@@ -184,23 +184,7 @@ pub(super) fn run_plan(args: &PlanArgs, out: &mut dyn Write) -> Result<u8> {
         seed: args.seed,
         ..AuditOptions::default()
     };
-    router.validate().map_err(Error::Usage)?;
-    // One audit at a time, plus every call it makes, kept until written: P's S prefixes (half
-    // the call on average), F's and N's trials, R's cases at up to twice the size, a few more.
-    let width = router.row_width();
-    let call = CallSizes {
-        batch: args.batch,
-        seq_len: args.seq_len,
-        experts: width,
-        routes: args.top_k.unwrap_or(1),
-        hidden: 0,
-        ffn: 0,
-    };
-    let logged = (args.seq_len / 2 + 2 * args.trials + 2 * (args.trials / 8 + 4) + 8) as u64;
-    let estimate =
-        options.memory_estimate(width, call.routes, 0, 0).saturating_add(call.logits_bytes().saturating_mul(logged));
-    memory::ensure_fits("this plan", estimate, memory::limit(args.max_memory))?;
-    let calls = plan(&router, &options, &args.output)?;
+    let calls = plan(&router, &options, &args.output, memory::limit(args.max_memory))?;
     writeln!(
         out,
         "planned {calls} calls in {}: answer each call of manifest.json, in order, with one response line in decisions.jsonl, then run `moe-audit check --traces {}`",

@@ -15,6 +15,7 @@ use super::protocol::{parse_response, Handshake, InputKind, Mode, Response, Rout
 use super::{Answers, External};
 use crate::analyze::{audit, AuditOptions, Subject};
 use crate::error::{Error, Result};
+use crate::memory::CallSizes;
 use crate::routing::Routing;
 use candle_core::{Device, Tensor};
 use ndarray::{Array3, ArrayView3};
@@ -92,9 +93,17 @@ impl Answers for Recorder {
 }
 
 /// Writes the plan of `options` for a router described by `router` into `dir`; returns the
-/// number of calls.
-pub fn plan(router: &Handshake, options: &AuditOptions, dir: &Path) -> Result<usize> {
+/// number of calls. Fails first when it is estimated to need more than `max_memory` bytes.
+pub fn plan(router: &Handshake, options: &AuditOptions, dir: &Path, max_memory: u64) -> Result<usize> {
     router.validate().map_err(Error::Usage)?;
+    // One audit at a time, plus every call it makes, kept until written: P's S prefixes (half
+    // the call on average), F's and N's trials, R's cases at up to twice the size, a few more.
+    let (width, routes) = (router.row_width(), router.top_k.unwrap_or(1));
+    let call = CallSizes { batch: options.batch, seq_len: options.seq_len, experts: width, routes, hidden: 0, ffn: 0 };
+    let logged = (options.seq_len / 2 + 2 * options.trials + 2 * (options.trials / 8 + 4) + 8) as u64;
+    let estimate =
+        options.memory_estimate(width, routes, 0, 0).saturating_add(call.logits_bytes().saturating_mul(logged));
+    crate::memory::ensure_fits("this plan", estimate, max_memory)?;
     let mut calls: Vec<PlannedCall> = Vec::new();
     let mut names: HashMap<Content, String> = HashMap::new();
     let mut tensors: HashMap<String, Tensor> = HashMap::new();

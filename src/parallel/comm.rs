@@ -17,7 +17,10 @@ pub trait Communicator {
     fn size(&self) -> usize;
     /// Fixed-count all-to-all of counts: `send` holds `per_rank` counts for each destination in
     /// rank order; returns `per_rank` counts from each source in rank order.
-    fn all_to_all_counts(&self, send: &[usize], per_rank: usize) -> Result<Vec<usize>>;
+    fn all_to_all_counts(&self, send: &[usize], per_rank: usize) -> Result<Vec<usize>> {
+        check_counts("count exchange", send, per_rank, self.size())?;
+        self.exchange_counts(send, per_rank)
+    }
     /// Variable-count all-to-all of rows of `width` values: `send` holds the rows for rank 0,
     /// then rank 1, ...; `send_rows[d]` rows go to rank d and `recv_rows[s]` rows come from rank
     /// s (known from a count exchange). Returns the received rows, source rank order.
@@ -27,7 +30,18 @@ pub trait Communicator {
         width: usize,
         send_rows: &[usize],
         recv_rows: &[usize],
-    ) -> Result<Vec<f32>>;
+    ) -> Result<Vec<f32>> {
+        check_counts("all-to-all send counts", send_rows, 1, self.size())?;
+        check_counts("all-to-all receive counts", recv_rows, 1, self.size())?;
+        check_rows("all-to-all send buffer", send_rows, width, send.len())?;
+        self.exchange_rows(send, width, send_rows, recv_rows)
+    }
+    /// [`Communicator::all_to_all_counts`] on arguments already checked (one count slice per
+    /// rank: rsmpi, for one, reads past the end of a short one).
+    fn exchange_counts(&self, send: &[usize], per_rank: usize) -> Result<Vec<usize>>;
+    /// [`Communicator::all_to_all_rows`] on arguments already checked.
+    fn exchange_rows(&self, send: Vec<f32>, width: usize, send_rows: &[usize], recv_rows: &[usize])
+        -> Result<Vec<f32>>;
     /// Every rank's bytes, on every rank, in rank order.
     fn all_gather_bytes(&self, bytes: Vec<u8>) -> Result<Vec<Vec<u8>>>;
     /// Waits until every rank gets here.
@@ -43,7 +57,7 @@ pub trait Communicator {
 }
 
 /// Checks a per-destination count slice (rsmpi does not: a short slice reads past its end).
-pub(crate) fn check_counts(context: &str, counts: &[usize], per_rank: usize, size: usize) -> Result<()> {
+fn check_counts(context: &str, counts: &[usize], per_rank: usize, size: usize) -> Result<()> {
     if counts.len() != per_rank * size {
         return Err(Error::shape(
             context,
@@ -54,7 +68,7 @@ pub(crate) fn check_counts(context: &str, counts: &[usize], per_rank: usize, siz
 }
 
 /// Checks that `rows` rows of `width` values fill `len` values.
-pub(crate) fn check_rows(context: &str, rows: &[usize], width: usize, len: usize) -> Result<()> {
+fn check_rows(context: &str, rows: &[usize], width: usize, len: usize) -> Result<()> {
     let total: usize = rows.iter().sum();
     if total * width != len {
         return Err(Error::shape(
@@ -174,8 +188,7 @@ impl Communicator for InProcess {
         self.shared.size
     }
 
-    fn all_to_all_counts(&self, send: &[usize], per_rank: usize) -> Result<Vec<usize>> {
-        check_counts("count exchange", send, per_rank, self.size())?;
+    fn exchange_counts(&self, send: &[usize], per_rank: usize) -> Result<Vec<usize>> {
         let got = self.exchange(|dst| Message::Counts(send[dst * per_rank..(dst + 1) * per_rank].to_vec()))?;
         let mut out = Vec::with_capacity(send.len());
         for m in got {
@@ -193,16 +206,13 @@ impl Communicator for InProcess {
         Ok(out)
     }
 
-    fn all_to_all_rows(
+    fn exchange_rows(
         &self,
         send: Vec<f32>,
         width: usize,
         send_rows: &[usize],
         recv_rows: &[usize],
     ) -> Result<Vec<f32>> {
-        check_counts("all-to-all send counts", send_rows, 1, self.size())?;
-        check_counts("all-to-all receive counts", recv_rows, 1, self.size())?;
-        check_rows("all-to-all send buffer", send_rows, width, send.len())?;
         let starts: Vec<usize> =
             send_rows.iter().scan(0, |acc, &n| Some(std::mem::replace(acc, *acc + n * width))).collect();
         let send = Arc::new(send);

@@ -1,9 +1,10 @@
 //! MPI ranks through rsmpi (`mpi` 0.8): one rank per process, launched by `mpirun`.
 //!
 //! MPI is initialised once per process ([`MpiComm::init`]); rsmpi does not check that a counts
-//! slice has one entry per rank (a short one reads past its end), so every call validates it.
+//! slice has one entry per rank (a short one reads past its end): the trait's collectives check
+//! their arguments before they get here.
 
-use super::comm::{check_counts, check_rows, Communicator};
+use super::comm::Communicator;
 use crate::error::{Error, Result};
 use mpi::datatype::{Partition, PartitionMut};
 use mpi::topology::SimpleCommunicator;
@@ -56,24 +57,20 @@ impl Communicator for MpiComm {
         self.world.size() as usize
     }
 
-    fn all_to_all_counts(&self, send: &[usize], per_rank: usize) -> Result<Vec<usize>> {
-        check_counts("count exchange", send, per_rank, self.size())?;
+    fn exchange_counts(&self, send: &[usize], _per_rank: usize) -> Result<Vec<usize>> {
         let send: Vec<u64> = send.iter().map(|&c| c as u64).collect();
         let mut recv = vec![0u64; send.len()];
         self.world.all_to_all_into(&send[..], &mut recv[..]);
         Ok(recv.into_iter().map(|c| c as usize).collect())
     }
 
-    fn all_to_all_rows(
+    fn exchange_rows(
         &self,
         send: Vec<f32>,
         width: usize,
         send_rows: &[usize],
         recv_rows: &[usize],
     ) -> Result<Vec<f32>> {
-        check_counts("all-to-all send counts", send_rows, 1, self.size())?;
-        check_counts("all-to-all receive counts", recv_rows, 1, self.size())?;
-        check_rows("all-to-all send buffer", send_rows, width, send.len())?;
         let (sc, sd) = counts("all-to-all", send_rows, width)?;
         let (rc, rd) = counts("all-to-all", recv_rows, width)?;
         let mut recv = vec![0f32; recv_rows.iter().sum::<usize>() * width];
