@@ -1,7 +1,8 @@
 //! One SwiGLU expert: `w2(silu(w1 x) * w3 x)`, Mixtral's expert MLP.
 
+use super::cpu::{self, with_cpu_f32};
 use crate::error::Result;
-use candle_core::{Module, Tensor, D};
+use candle_core::{Device, Module, Tensor, D};
 use candle_nn::VarBuilder;
 
 /// A SwiGLU feed-forward expert. `w1` and `w3` are stored fused (`[2*ffn, hidden]`) so one
@@ -25,6 +26,28 @@ impl Expert {
         let w3 = vb.get((ffn, hidden), "w3.weight")?;
         let w2 = vb.get((hidden, ffn), "w2.weight")?;
         Ok(Self { w13: Tensor::cat(&[&w1, &w3], 0)?, w2: w2.contiguous()?, ffn })
+    }
+
+    /// [`Module::forward`] on the calling thread, bit for bit: for callers that already run
+    /// experts as parallel tasks. CPU f32 takes the host path of `cpu.rs`; anything else
+    /// goes through candle.
+    ///
+    /// # Shapes
+    /// `x`: `[tokens, hidden]` → `[tokens, hidden]`.
+    pub fn forward_on_this_thread(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let (tokens, hidden) = x.dims2()?;
+        if hidden == self.w2.dim(0)? {
+            if let Some(y) = with_cpu_f32(x, |x| self.forward_host(x, tokens)).flatten() {
+                return Tensor::from_vec(y, (tokens, hidden), &Device::Cpu);
+            }
+        }
+        self.forward(x)
+    }
+
+    /// The expert on `tokens` host rows (`[tokens, hidden]`, row-major) on the calling thread;
+    /// `None` unless the weights are f32 on the CPU.
+    pub(super) fn forward_host(&self, x: &[f32], tokens: usize) -> Option<Vec<f32>> {
+        with_cpu_f32(&self.w13, |w13| with_cpu_f32(&self.w2, |w2| cpu::swiglu(x, tokens, w13, w2, self.ffn))).flatten()
     }
 }
 

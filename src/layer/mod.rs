@@ -4,6 +4,7 @@
 //! combine adds the weighted outputs back with one `index_add` in ascending expert order, so
 //! each token's sum has a fixed order (deterministic, and reproducible by expert-parallel code).
 
+mod cpu;
 mod expert;
 mod weights;
 
@@ -16,7 +17,6 @@ use crate::router::{ConfigRouter, Router};
 use crate::routing::Routing;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::VarBuilder;
-use rayon::prelude::*;
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -128,6 +128,9 @@ impl MoeLayer {
         if index.is_empty() {
             return Ok(x.zeros_like()?.reshape((b, s, h))?);
         }
+        if let Some(y) = cpu::with_cpu_f32(&x, |x| cpu::apply(&self.experts, x, h, &rows)).flatten() {
+            return Ok(Tensor::from_vec(y, (b, s, h), x.device())?);
+        }
         let device = x.device();
         let index = Tensor::new(index.as_slice(), device)?;
         let weight = Tensor::new(weight.as_slice(), device)?.to_dtype(x.dtype())?.unsqueeze(1)?;
@@ -139,15 +142,10 @@ impl MoeLayer {
             slices.push((e, start, rows.len()));
             start += rows.len();
         }
-        let run = |&(e, start, len): &(usize, usize, usize)| self.experts[e].forward(&gathered.narrow(0, start, len)?);
-        // On the CPU, experts run as parallel tasks (each matmul may split further): many
-        // small matmuls keep the cores busier side by side than one after another. Each
-        // expert's arithmetic is the same either way, so the output is too, bit for bit.
-        let outputs: Vec<Tensor> = if device.is_cpu() {
-            slices.par_iter().map(run).collect::<candle_core::Result<_>>()?
-        } else {
-            slices.iter().map(run).collect::<candle_core::Result<_>>()?
-        };
+        let outputs = slices
+            .iter()
+            .map(|&(e, start, len)| self.experts[e].forward(&gathered.narrow(0, start, len)?))
+            .collect::<candle_core::Result<Vec<_>>>()?;
         let weighted = Tensor::cat(&outputs, 0)?.broadcast_mul(&weight)?;
         Ok(x.zeros_like()?.index_add(&index, &weighted, 0)?.reshape((b, s, h))?)
     }

@@ -17,7 +17,7 @@ use crate::error::{Error, Result};
 use crate::layer::MoeLayer;
 use crate::router::{logits_to_host, Router};
 use crate::routing::{stats, Routing};
-use candle_core::{DType, Module, Tensor};
+use candle_core::{DType, Tensor};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
@@ -160,7 +160,8 @@ impl<'a> ExpertParallel<'a> {
                 return Ok(Vec::new());
             }
             let block: Vec<f32> = (0..ranks).flat_map(|src| arrived[segment(src, j)].iter().copied()).collect();
-            let out = self.layer.experts()[rank * m + j].forward(&Tensor::from_vec(block, (n, h), device)?)?;
+            let out =
+                self.layer.experts()[rank * m + j].forward_on_this_thread(&Tensor::from_vec(block, (n, h), device)?)?;
             Ok(out.flatten_all()?.to_vec1()?)
         };
         let outputs = (0..m).into_par_iter().map(run).collect::<Result<Vec<_>>>()?;

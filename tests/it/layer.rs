@@ -56,6 +56,37 @@ fn output_is_the_weighted_sum_of_kept_routes() {
     }
 }
 
+/// The layer's CPU f32 path (host kernels, one thread per expert) gives the same bits as the
+/// device-generic path it replaces: candle ops on each expert's rows, scaled, `index_add`ed in
+/// ascending expert order. Sizes large enough that candle splits its matmuls over threads.
+#[test]
+fn cpu_path_equals_the_candle_ops_bit_for_bit() {
+    let (h, f) = (64, 128);
+    for name in ["mixtral", "megatron-probs", "expert-choice"] {
+        let config = preset(name).unwrap().config().unwrap();
+        let layer = MoeLayer::seeded(config, h, f, 3, DType::F32, &Device::Cpu).unwrap();
+        let x = Seeded::new(5).normal(&[4, 96, h], &Device::Cpu).unwrap();
+        let (y, routing) = layer.forward(&x).unwrap();
+        let xs = x.flatten_to(1).unwrap();
+        let mut want = xs.zeros_like().unwrap();
+        for (e, rows) in routing.expert_rows().iter().enumerate().filter(|(_, r)| !r.is_empty()) {
+            let (index, weight): (Vec<u32>, Vec<f32>) = rows.iter().map(|&(t, w)| (t as u32, w)).unzip();
+            let index = Tensor::new(index.as_slice(), &Device::Cpu).unwrap();
+            let weight = Tensor::new(weight.as_slice(), &Device::Cpu).unwrap().unsqueeze(1).unwrap();
+            let expert = &layer.experts()[e];
+            let input = xs.index_select(&index, 0).unwrap();
+            let out = expert.forward(&input).unwrap();
+            assert_eq!(
+                expert.forward_on_this_thread(&input).unwrap().to_vec2::<f32>().unwrap(),
+                out.to_vec2::<f32>().unwrap(),
+                "{name}: expert {e}"
+            );
+            want = want.index_add(&index, &out.broadcast_mul(&weight).unwrap(), 0).unwrap();
+        }
+        assert_eq!(y.flatten_to(1).unwrap().to_vec2::<f32>().unwrap(), want.to_vec2::<f32>().unwrap(), "{name}");
+    }
+}
+
 #[test]
 fn dropped_routes_contribute_nothing() {
     let layer = layer("megatron-probs", DType::F32);
