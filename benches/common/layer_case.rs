@@ -2,8 +2,10 @@
 //! its two references on the same weights and input.
 //!
 //! * `moe`: our [`MoeLayer`] with the Mixtral preset (softmax, top-2, renormalised, dropless);
-//! * `dense`: the ceiling, one dense SwiGLU FFN of size k × FFN on every token (the same active
-//!   FLOPs), built as our own [`Expert`] so it runs the same kernels;
+//! * `dense`: one dense SwiGLU FFN of size k × FFN on every token (the same active FLOPs),
+//!   through candle's ops (`Expert`'s `Module::forward`): the FFN a candle model runs;
+//! * `dense_host`: the same FFN on the host kernel of our CPU path, its rows split into one block
+//!   per thread: the stronger ceiling, the same kernel as `moe`;
 //! * `mixtral`: the algorithm of candle-transformers 0.11's Mixtral `SparseMoeBlock` (the common
 //!   Rust baseline). That type and its config fields are private upstream, so it is written out
 //!   here: softmax on the device, top-2 per row on the host by sorting, then per expert an
@@ -15,6 +17,7 @@
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Linear, VarBuilder};
 use moe_audit::layer::{seeded_weights, Expert, LayerDims, MoeLayer, Seeded};
+use rayon::prelude::*;
 
 pub const BATCH: usize = 1;
 pub const SEQ: usize = 2048;
@@ -123,6 +126,20 @@ impl LayerCase {
     pub fn dense(&self) -> candle_core::Result<Tensor> {
         let (b, s, h) = self.x.dims3()?;
         self.dense.forward(&self.x.reshape((b * s, h))?)?.reshape((b, s, h))
+    }
+
+    /// The dense FFN on our host kernel (`Expert::forward_on_this_thread`), one row block per thread.
+    pub fn dense_host(&self) -> candle_core::Result<Tensor> {
+        let (b, s, h) = self.x.dims3()?;
+        let x = self.x.reshape((b * s, h))?;
+        let block = (b * s).div_ceil(rayon::current_num_threads());
+        let outputs = (0..b * s)
+            .step_by(block)
+            .collect::<Vec<_>>()
+            .into_par_iter()
+            .map(|start| self.dense.forward_on_this_thread(&x.narrow(0, start, block.min(b * s - start))?))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Tensor::cat(&outputs, 0)?.reshape((b, s, h))
     }
 
     pub fn mixtral(&self) -> candle_core::Result<Tensor> {
