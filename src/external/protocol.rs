@@ -2,7 +2,7 @@
 //! [`Routing`] only when every field fits the request, so no verdict is ever drawn from bad data.
 
 use crate::config::{Flatten, ScopeGroup};
-use crate::routing::{stats, GroupRecord, Route, Routing, ScopeRecord, TokenRouting};
+use crate::routing::{scores, stats, GroupRecord, Route, Routing, ScopeRecord, TokenRouting};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
@@ -182,10 +182,8 @@ impl Response {
         // One routing group: the whole call. Unequal capacities count by their largest.
         let group_capacity = self.capacity.as_ref().and_then(|c| c.iter().copied().max());
         let experts_load = stats::loads(e, &tokens);
-        let stats = match rows {
-            Some(flat) => stats::load_stats(&experts_load, flat.chunks(e)),
-            None => stats::load_stats(&experts_load, std::iter::empty()),
-        };
+        let probs = rows.map(|flat| scores::softmax_rows(flat, e)).unwrap_or_default();
+        let stats = stats::load_stats(&experts_load, probs.chunks_exact(e));
         Ok(Routing {
             router: hs.name.clone(),
             batch,

@@ -16,7 +16,7 @@ use super::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::layer::MoeLayer;
 use crate::router::{logits_to_host, Router};
-use crate::routing::{stats, Routing};
+use crate::routing::{scores, stats, Routing};
 use candle_core::{DType, Tensor};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
@@ -286,6 +286,7 @@ fn concat(parts: Vec<(Routing, Vec<f32>)>) -> Routing {
         logits.extend(l);
     }
     all.experts_load = stats::loads(all.experts, &all.tokens);
-    all.stats = stats::load_stats(&all.experts_load, logits.chunks(all.experts));
+    let probs = scores::softmax_rows(&logits, all.experts);
+    all.stats = stats::load_stats(&all.experts_load, probs.chunks_exact(all.experts));
     all
 }

@@ -3,15 +3,15 @@
 //! token is taken depends on how strongly later tokens want the same expert.
 
 use super::capacity::capacity;
-use super::scores::{affinities, desc};
+use super::scores::{affinities, desc, Row};
 use super::GroupRouting;
 use crate::config::RouterConfig;
 use crate::routing::Route;
 
 /// Routes one group; `rows` are the group's logits in priority order.
-pub(crate) fn route_group(config: &RouterConfig, rows: &[&[f32]]) -> GroupRouting {
+pub(crate) fn route_group(config: &RouterConfig, rows: &[Row]) -> GroupRouting {
     let cap = config.capacity.as_ref().expect("validated: expert choice has a capacity");
-    let scores: Vec<_> = rows.iter().map(|row| affinities(config.score, row)).collect();
+    let scores: Vec<_> = rows.iter().map(|&row| affinities(config.score, row)).collect();
     let c = capacity(cap, rows.len(), 1, config.experts);
     let mut routes: Vec<Vec<Route>> = vec![Vec::new(); rows.len()];
     let mut order: Vec<usize> = (0..rows.len()).collect();

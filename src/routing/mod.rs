@@ -86,7 +86,11 @@ pub fn assign_masked(
     scores::check_finite(&logits)?;
     let logits = logits.as_standard_layout();
     let flat = logits.as_slice().expect("standard layout is contiguous");
-    let row = |i: usize| &flat[i * experts..(i + 1) * experts];
+    let softmax = scores::softmax_rows(flat, experts);
+    let row = |i: usize| scores::Row {
+        logits: &flat[i * experts..(i + 1) * experts],
+        softmax: &softmax[i * experts..(i + 1) * experts],
+    };
 
     let mut tokens: Vec<TokenRouting> = (0..batch * seq_len)
         .map(|i| TokenRouting { batch: i / seq_len, pos: i % seq_len, group: 0, routes: Vec::new(), capacity: None })
@@ -94,7 +98,7 @@ pub fn assign_masked(
     let mut groups = Vec::new();
     for (g, mut members) in scope::groups(&config.scope, batch, seq_len).into_iter().enumerate() {
         members.retain(|&i| !excluded(i));
-        let rows: Vec<&[f32]> = members.iter().map(|&i| row(i)).collect();
+        let rows: Vec<scores::Row> = members.iter().map(|&i| row(i)).collect();
         let routed = match config.kind {
             RouterKind::TokenChoice => token_choice::route_group(config, &rows),
             RouterKind::ExpertChoice => expert_choice::route_group(config, &rows),
@@ -108,7 +112,7 @@ pub fn assign_masked(
     }
 
     let experts_load = stats::loads(experts, &tokens);
-    let stats = stats::load_stats(&experts_load, (0..batch * seq_len).map(row));
+    let stats = stats::load_stats(&experts_load, softmax.chunks_exact(experts));
     let capacity = config.capacity.as_ref().map(|_| {
         let total: usize = groups.iter().filter_map(|g| g.capacity).sum();
         vec![total; experts]

@@ -30,13 +30,28 @@ pub(crate) fn softmax(logits: &[f32]) -> Vec<f32> {
     out
 }
 
-/// [`softmax`] into a reused buffer (the load statistics take one per token of every call).
-pub(crate) fn softmax_into(logits: &[f32], out: &mut Vec<f32>) {
+/// [`softmax`] appended to `out`.
+fn softmax_into(logits: &[f32], out: &mut Vec<f32>) {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    out.clear();
+    let start = out.len();
     out.extend(logits.iter().map(|&l| (l - max).exp()));
-    let sum: f32 = out.iter().sum();
-    out.iter_mut().for_each(|e| *e /= sum);
+    let sum: f32 = out[start..].iter().sum();
+    out[start..].iter_mut().for_each(|e| *e /= sum);
+}
+
+/// The softmax of every `width`-wide row of `flat`, rows concatenated.
+pub(crate) fn softmax_rows(flat: &[f32], width: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(flat.len());
+    flat.chunks_exact(width).for_each(|row| softmax_into(row, &mut out));
+    out
+}
+
+/// One token's scores: its logits and their softmax. A call computes every row's softmax once:
+/// softmax-pre affinities and the load statistics' mean probabilities both read it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Row<'a> {
+    pub logits: &'a [f32],
+    pub softmax: &'a [f32],
 }
 
 fn sigmoid(x: f32) -> f32 {
@@ -45,11 +60,11 @@ fn sigmoid(x: f32) -> f32 {
 
 /// Per-expert affinity before selection: the softmax probability or the sigmoid. `softmax-post`
 /// selects on raw logits.
-pub(crate) fn affinities(score: ScoreFn, logits: &[f32]) -> Cow<'_, [f32]> {
+pub(crate) fn affinities(score: ScoreFn, row: Row<'_>) -> Cow<'_, [f32]> {
     match score {
-        ScoreFn::SoftmaxPre => Cow::Owned(softmax(logits)),
-        ScoreFn::SoftmaxPost => Cow::Borrowed(logits),
-        ScoreFn::Sigmoid => Cow::Owned(logits.iter().map(|&l| sigmoid(l)).collect()),
+        ScoreFn::SoftmaxPre => Cow::Borrowed(row.softmax),
+        ScoreFn::SoftmaxPost => Cow::Borrowed(row.logits),
+        ScoreFn::Sigmoid => Cow::Owned(row.logits.iter().map(|&l| sigmoid(l)).collect()),
     }
 }
 
@@ -83,19 +98,19 @@ pub(crate) struct Choice {
 }
 
 /// A token-choice router's selection for one token.
-pub(crate) fn choose(config: &RouterConfig, logits: &[f32]) -> Choice {
-    choose_from(config, logits, None)
+pub(crate) fn choose(config: &RouterConfig, row: Row<'_>) -> Choice {
+    choose_from(config, row, None)
 }
 
 /// [`choose`] selecting on `select` (a Sinkhorn-balanced row) instead of the affinities; the
 /// gates still come from the token's own scores.
-pub(crate) fn choose_on(config: &RouterConfig, logits: &[f32], select: &[f32]) -> Choice {
-    choose_from(config, logits, Some(select))
+pub(crate) fn choose_on(config: &RouterConfig, row: Row<'_>, select: &[f32]) -> Choice {
+    choose_from(config, row, Some(select))
 }
 
-fn choose_from(config: &RouterConfig, logits: &[f32], select_on: Option<&[f32]>) -> Choice {
+fn choose_from(config: &RouterConfig, row: Row<'_>, select_on: Option<&[f32]>) -> Choice {
     let k = config.k();
-    let aff = affinities(config.score, logits);
+    let aff = affinities(config.score, row);
     let mut select = Cow::Borrowed(select_on.unwrap_or(aff.as_ref()));
     if let Some(bias) = &config.expert_bias {
         select.to_mut().iter_mut().zip(bias).for_each(|(s, b)| *s += b);
@@ -113,7 +128,7 @@ fn choose_from(config: &RouterConfig, logits: &[f32], select_on: Option<&[f32]>)
     }
     let experts = top_k(&select, k);
     let mut gates: Vec<f32> = match config.score {
-        ScoreFn::SoftmaxPost => softmax(&experts.iter().map(|&e| logits[e]).collect::<Vec<_>>()),
+        ScoreFn::SoftmaxPost => softmax(&experts.iter().map(|&e| row.logits[e]).collect::<Vec<_>>()),
         _ => experts.iter().map(|&e| aff[e]).collect(),
     };
     if config.normalizes() && config.score != ScoreFn::SoftmaxPost {
@@ -160,7 +175,7 @@ mod tests {
     fn mixtral_renormalises_the_two_softmax_probabilities() {
         let config = preset("mixtral").unwrap().config().unwrap();
         let logits = [0.0, 2.0, 1.0, -1.0, 0.5, 0.0, 0.0, 0.0];
-        let c = choose(&config, &logits);
+        let c = choose(&config, Row { logits: &logits, softmax: &softmax(&logits) });
         assert_eq!(c.experts, vec![1, 2]);
         let p = softmax(&logits);
         assert_eq!(c.gates, vec![p[1] / (p[1] + p[2]), p[2] / (p[1] + p[2])]);
@@ -169,7 +184,13 @@ mod tests {
     #[test]
     fn softmax_post_is_the_softmax_of_the_chosen_logits() {
         let config = preset("megatron-probs").unwrap().config().unwrap();
-        let c = choose(&config, &[0.0, 2.0, 1.0, -1.0, 0.5, 0.0, 0.0, 0.0]);
+        let c = choose(
+            &config,
+            Row {
+                logits: &[0.0, 2.0, 1.0, -1.0, 0.5, 0.0, 0.0, 0.0],
+                softmax: &softmax(&[0.0, 2.0, 1.0, -1.0, 0.5, 0.0, 0.0, 0.0]),
+            },
+        );
         assert_eq!(c.experts, vec![1, 2]);
         assert_eq!(c.gates, softmax(&[2.0, 1.0]));
     }
@@ -184,7 +205,7 @@ mod tests {
         bias[7] = 10.0;
         config.expert_bias = Some(bias);
         let logits = [3.0, 2.0, 0.0, 0.0, 0.0, 0.0, 0.0, -3.0];
-        let c = choose(&config, &logits);
+        let c = choose(&config, Row { logits: &logits, softmax: &softmax(&logits) });
         assert_eq!(c.experts, vec![7, 0]);
         let (s7, s0) = (sigmoid(-3.0), sigmoid(3.0));
         assert_eq!(c.gates, vec![s7 / (s7 + s0 + 1e-20), s0 / (s7 + s0 + 1e-20)]);
@@ -197,7 +218,13 @@ mod tests {
         config.top_k = Some(2);
         config.group_limit = Some(crate::config::GroupLimit { groups: 4, top_groups: 1, score_top: 2 });
         // Group 0 = {0,1}: best single expert (5.0) but weak partner; group 2 = {4,5}: 4.0 + 4.0.
-        let c = choose(&config, &[5.0, -5.0, 0.0, 0.0, 4.0, 4.0, 0.0, 0.0]);
+        let c = choose(
+            &config,
+            Row {
+                logits: &[5.0, -5.0, 0.0, 0.0, 4.0, 4.0, 0.0, 0.0],
+                softmax: &softmax(&[5.0, -5.0, 0.0, 0.0, 4.0, 4.0, 0.0, 0.0]),
+            },
+        );
         assert_eq!(c.experts, vec![4, 5]);
     }
 }

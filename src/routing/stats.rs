@@ -1,7 +1,6 @@
 //! Load-balance figures of a routing: what users trade against causality.
 
 use super::record::{ExpertLoad, LoadStats, TokenRouting};
-use super::scores::softmax_into;
 
 /// Routes per expert before and after dropping.
 pub(crate) fn loads(experts: usize, tokens: &[TokenRouting]) -> Vec<ExpertLoad> {
@@ -19,8 +18,9 @@ pub(crate) fn loads(experts: usize, tokens: &[TokenRouting]) -> Vec<ExpertLoad> 
     loads
 }
 
-/// Balance of the routed load, drop rate and the Switch auxiliary loss on the softmax of `rows`.
-pub(crate) fn load_stats<'a>(loads: &[ExpertLoad], rows: impl Iterator<Item = &'a [f32]>) -> LoadStats {
+/// Balance of the routed load, drop rate and the Switch auxiliary loss on `probs`, the rows of
+/// softmax probabilities (one per token; none: aux loss 0).
+pub(crate) fn load_stats<'a>(loads: &[ExpertLoad], probs: impl Iterator<Item = &'a [f32]>) -> LoadStats {
     let e = loads.len() as f64;
     let routed: Vec<f64> = loads.iter().map(|l| l.routed as f64).collect();
     let total: f64 = routed.iter().sum();
@@ -35,11 +35,9 @@ pub(crate) fn load_stats<'a>(loads: &[ExpertLoad], rows: impl Iterator<Item = &'
     };
     let mut mean_prob = vec![0.0f64; loads.len()];
     let mut n = 0usize;
-    let mut probs = Vec::with_capacity(loads.len());
-    for row in rows {
+    for row in probs {
         n += 1;
-        softmax_into(row, &mut probs);
-        probs.iter().zip(&mut mean_prob).for_each(|(p, m)| *m += f64::from(*p));
+        row.iter().zip(&mut mean_prob).for_each(|(p, m)| *m += f64::from(*p));
     }
     let aux_loss = if total > 0.0 && n > 0 {
         e * routed.iter().zip(&mean_prob).map(|(r, p)| (r / total) * (p / n as f64)).sum::<f64>()

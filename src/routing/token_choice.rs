@@ -2,18 +2,19 @@
 //! group-wide, and gates may be renormalised over the survivors.
 
 use super::capacity::{capacity, drop_causal, drop_routes};
-use super::scores::{choose, choose_on};
+use super::scores::{choose, choose_on, Row};
 use super::sinkhorn::sinkhorn;
 use super::GroupRouting;
 use crate::config::{DropPolicy, RouterConfig, Selection};
 use crate::routing::Route;
 
-/// Routes one group; `rows` are the group's logits in priority order.
-pub(crate) fn route_group(config: &RouterConfig, rows: &[&[f32]]) -> GroupRouting {
+/// Routes one group; `rows` are the group's tokens in priority order.
+pub(crate) fn route_group(config: &RouterConfig, rows: &[Row]) -> GroupRouting {
     let choices: Vec<_> = match config.selection {
-        Selection::TopK => rows.iter().map(|row| choose(config, row)).collect(),
+        Selection::TopK => rows.iter().map(|&row| choose(config, row)).collect(),
         Selection::Sinkhorn => {
-            rows.iter().zip(sinkhorn(rows)).map(|(row, balanced)| choose_on(config, row, &balanced)).collect()
+            let logits: Vec<&[f32]> = rows.iter().map(|r| r.logits).collect();
+            rows.iter().zip(sinkhorn(&logits)).map(|(&row, balanced)| choose_on(config, row, &balanced)).collect()
         }
     };
     let scale = config.routed_scaling;
