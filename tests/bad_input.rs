@@ -203,6 +203,21 @@ fn catalogue() -> Vec<(&'static str, Vec<String>)> {
             "protocol: absurd expert count",
             external(format!("echo '{}'", HANDSHAKE.replace("\"experts\": 2", "\"experts\": 433333333333333"))),
         ),
+        (
+            // 64 experts x 16 pool rows x 4096 hidden values: 16 MiB of pool, checked against the flag.
+            "protocol: hidden-row pool over --max-memory",
+            [
+                external(format!(
+                    "echo '{}'",
+                    HANDSHAKE.replace("\"experts\": 2", "\"experts\": 64").replace(
+                        "\"input\": \"logits\"",
+                        "\"input\": \"hidden\", \"hidden_size\": 4096"
+                    )
+                )),
+                vec!["--max-memory".into(), "1MiB".into()],
+            ]
+            .concat(),
+        ),
         ("protocol: response not JSON", external(sh_router(HANDSHAKE, "garbage"))),
         (
             "protocol: wrong id",
@@ -370,6 +385,8 @@ fn every_bad_input_exits_2_with_one_line_and_no_panic() {
       error: router `echo '{"protocol": "moe-audit/2", "name": "sh", "experts": 2, "top_k": 1, "input": "logits"}'`: bad handshake (handshake: protocol `moe-audit/2`, expected `moe-audit/1`): `{"protocol": "moe-audit/2", "name": "sh", "experts": 2, "top_k": 1, "input": "logits"}`
     protocol: absurd expert count
       error: router `echo '{"protocol": "moe-audit/1", "name": "sh", "experts": 433333333333333, "top_k": 1, "input": "logits"}'`: bad handshake (handshake: experts 433333333333333 is not in 1..=1048576): `{"protocol": "moe-audit/1", "name": "sh", "experts": 433333333333333, "top_k": 1, "input": "logits"}`
+    protocol: hidden-row pool over --max-memory
+      error: the targeted-row pool of router `sh` needs about 16.0 MiB of memory, over the limit of 1.0 MiB (--max-memory; the default is half of physical memory): use smaller sizes or raise the limit
     protocol: response not JSON
       error: router `printf '%s\n' '{"protocol": "moe-audit/1", "name": "sh", "experts": 2, "top_k": 1, "input": "logits"}'; while read -r line; do printf '%s\n' 'garbage'; done`: request 1 (train, batch 1 x seq_len 1): not a response (expected value at line 1 column 1): `garbage`
     protocol: wrong id

@@ -204,7 +204,8 @@ pub(super) fn no_mpi() -> Error {
 }
 
 fn audit_and_report(args: &CheckArgs, out: &mut dyn Write, comm: Option<&dyn Communicator>) -> Result<u8> {
-    let mut options = args.external.options(args.options()?)?;
+    let max_memory = memory::limit(args.max_memory);
+    let mut options = args.external.options(args.options()?, max_memory)?;
     if let Some(comm) = comm {
         options.ranks = comm.size();
         split_batch(options.batch, comm.size())?;
@@ -213,9 +214,9 @@ fn audit_and_report(args: &CheckArgs, out: &mut dyn Write, comm: Option<&dyn Com
     let mut report = if args.external.real_gate() {
         Report { options: options.clone(), routers: Vec::new() }
     } else {
-        audit_all(configs.clone(), &options, args.hidden, args.ffn, memory::limit(args.max_memory), comm)?
+        audit_all(configs.clone(), &options, args.hidden, args.ffn, max_memory, comm)?
     };
-    report.routers.extend(args.external.audit(configs, &options, memory::limit(args.max_memory))?);
+    report.routers.extend(args.external.audit(configs, &options, max_memory)?);
     if comm.is_some_and(|c| c.rank() != 0) {
         return Ok(u8::from(report.leaks()));
     }

@@ -51,14 +51,14 @@ impl ExternalArgs {
     }
 
     /// The audit options: the plan's when auditing traces.
-    pub(super) fn options(&self, options: AuditOptions) -> Result<AuditOptions> {
+    pub(super) fn options(&self, options: AuditOptions, max_memory: u64) -> Result<AuditOptions> {
         if self.traces.is_some() && !self.router_cmd.is_empty() {
             return Err(Error::Usage(
                 "--traces replays one planned audit; audit --router-cmd routers in another run".into(),
             ));
         }
         match &self.traces {
-            Some(dir) => Ok(TraceRouter::open(dir)?.options().clone()),
+            Some(dir) => Ok(TraceRouter::open(dir, max_memory)?.options().clone()),
             None => Ok(options),
         }
     }
@@ -98,11 +98,12 @@ impl ExternalArgs {
             return Err(Error::Usage(format!("--timeout must be a positive number of seconds, got {}", self.timeout)));
         }
         for command in &self.router_cmd {
-            let router = ExternalRouter::spawn(command, Duration::from_secs_f64(self.timeout), options.seed)?;
+            let timeout = Duration::from_secs_f64(self.timeout);
+            let router = ExternalRouter::spawn(command, timeout, options.seed, max_memory)?;
             reports.push(audit_router(&router)?);
         }
         if let Some(dir) = &self.traces {
-            let router = TraceRouter::open(dir)?;
+            let router = TraceRouter::open(dir, max_memory)?;
             reports.push(audit_router(&router)?);
         }
         Ok(reports)

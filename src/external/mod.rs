@@ -47,15 +47,12 @@ pub struct External<A> {
 impl<A: Answers> External<A> {
     /// The router in training mode; for `input: hidden`, asks `source` once to route a seeded
     /// pool and keeps the targeted rows it finds (see [`ExternalRows`]) when `target` is set.
-    fn new(source: A, seed: u64, target: bool) -> Result<Self> {
+    /// Fails first when that pool would take more than `max_memory` bytes.
+    fn new(source: A, seed: u64, target: bool, max_memory: u64) -> Result<Self> {
         let hs = source.handshake();
         if hs.input == InputKind::Hidden {
             let pool = (POOL_PER_EXPERT * hs.experts) as u64 * hs.row_width() as u64 * 4;
-            crate::memory::ensure_fits(
-                &format!("the targeted-row pool of router `{}`", hs.name),
-                pool,
-                crate::memory::limit(None),
-            )?;
+            crate::memory::ensure_fits(&format!("the targeted-row pool of router `{}`", hs.name), pool, max_memory)?;
         }
         let mut rows = ExternalRows::new(hs, seed);
         if target && hs.input == InputKind::Hidden {

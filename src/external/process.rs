@@ -46,8 +46,9 @@ pub type ExternalRouter = External<Subprocess>;
 
 impl ExternalRouter {
     /// Spawns `command` with `sh -c`, reads its handshake, and (for `input: hidden`) finds the
-    /// targeted rows from a seeded pool. `timeout` bounds the handshake and every request.
-    pub fn spawn(command: &str, timeout: Duration, seed: u64) -> Result<Self> {
+    /// targeted rows from a seeded pool (at most `max_memory` bytes). `timeout` bounds the
+    /// handshake and every request.
+    pub fn spawn(command: &str, timeout: Duration, seed: u64, max_memory: u64) -> Result<Self> {
         let mut child = Command::new("sh");
         // Its own process group, so killing it also kills what `sh -c` started.
         #[cfg(unix)]
@@ -107,7 +108,7 @@ impl ExternalRouter {
                 shared.fail(format!("bad handshake ({e}): `{}`", line.chars().take(120).collect::<String>()))
             })?;
         shared.handshake = handshake;
-        External::new(shared, seed, true)
+        External::new(shared, seed, true, max_memory)
     }
 }
 

@@ -111,8 +111,12 @@ pub fn plan(router: &Handshake, options: &AuditOptions, dir: &Path, max_memory: 
     let mut planned: HashMap<(Mode, Content), usize> = HashMap::new();
     for answer in 0..router.experts {
         let log: Log = Arc::default();
-        let recorder =
-            External::new(Recorder { hs: router.clone(), answer, log: Arc::clone(&log) }, options.seed, false)?;
+        let recorder = External::new(
+            Recorder { hs: router.clone(), answer, log: Arc::clone(&log) },
+            options.seed,
+            false,
+            max_memory,
+        )?;
         audit(&Subject { router: &recorder, layer: None }, options, &mut |_| {})?;
         drop(recorder);
         let mut this_pass: HashMap<(Mode, Content), usize> = HashMap::new();
@@ -161,8 +165,9 @@ pub struct Replay {
 
 impl TraceRouter {
     /// Opens a trace directory: the manifest, the inputs and the decisions, all checked against
-    /// each other before anything is analyzed.
-    pub fn open(dir: &Path) -> Result<Self> {
+    /// each other before anything is analyzed. Its hidden-row pool (for `input: hidden`) may
+    /// take at most `max_memory` bytes.
+    pub fn open(dir: &Path, max_memory: u64) -> Result<Self> {
         let path = dir.join(MANIFEST);
         let text = std::fs::read_to_string(&path)
             .map_err(|e| Error::input(&path, format!("cannot read (write it with `moe-audit plan`): {e}")))?;
@@ -228,7 +233,7 @@ impl TraceRouter {
         let seed = manifest.options.seed;
         let replay = Replay { hs, dir: dir.to_path_buf(), options: manifest.options, answers, used: Mutex::default() };
         // The plan's targeted rows are untargeted pool rows (no answers existed when planning).
-        External::new(replay, seed, false)
+        External::new(replay, seed, false, max_memory)
     }
 
     /// The audit the traces were planned for.
