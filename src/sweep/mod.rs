@@ -79,6 +79,10 @@ pub struct CellResult {
     pub leak_d: f64,
     /// See `leak_d`.
     pub leak_s: f64,
+    /// L: share of tokens routed differently when each of 2 expert-parallel ranks routes its own
+    /// sequences, or under the other flattening order (`None`: neither applies, e.g. an odd batch
+    /// and a scope per sequence).
+    pub leak_l: Option<f64>,
     /// The largest of P, F, N, R: the chart's leak rate.
     pub leak_rate: f64,
     /// Probes with a leak verdict, e.g. `P F N R`.
@@ -177,7 +181,7 @@ fn base_call(grid: &Grid, cell: &Cell, layer: &MoeLayer) -> Result<(crate::routi
 }
 
 fn run_cell(grid: &Grid, cell: &Cell, layer: &MoeLayer) -> Result<CellResult> {
-    let mut probes = vec![Probe::P, Probe::F, Probe::N, Probe::R, Probe::D, Probe::S, Probe::M];
+    let mut probes = vec![Probe::P, Probe::F, Probe::N, Probe::R, Probe::D, Probe::S, Probe::M, Probe::L];
     if grid.numerics {
         probes.push(Probe::X);
     }
@@ -215,6 +219,7 @@ fn run_cell(grid: &Grid, cell: &Cell, layer: &MoeLayer) -> Result<CellResult> {
         leak_r: causal[3],
         leak_d: rate(Probe::D).unwrap_or(0.0),
         leak_s: rate(Probe::S).unwrap_or(0.0),
+        leak_l: rate(Probe::L),
         leak_rate: causal.iter().copied().fold(0.0, f64::max),
         leaking: leaking(&report),
         mismatch: rate(Probe::M),

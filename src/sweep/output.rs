@@ -32,7 +32,7 @@ fn opt<T: ToString>(v: Option<T>) -> String {
 pub fn csv(cells: &[CellResult]) -> String {
     let mut out = String::from(
         "router,capacity_factor,top_k,experts,seq_len,batch,balance_steps,max_over_mean_load,load_cv,drop_rate,aux_loss,\
-         max_over_mean_kept,leak_p,leak_f,leak_n,leak_r,leak_d,leak_s,leak_rate,leaking,mismatch,output_change,\
+         max_over_mean_kept,leak_p,leak_f,leak_n,leak_r,leak_d,leak_s,leak_l,leak_rate,leaking,mismatch,output_change,\
          output_change_affected,flips_bf16,flips_f16\n",
     );
     for c in cells {
@@ -55,6 +55,7 @@ pub fn csv(cells: &[CellResult]) -> String {
             c.leak_r.to_string(),
             c.leak_d.to_string(),
             c.leak_s.to_string(),
+            opt(c.leak_l),
             c.leak_rate.to_string(),
             c.leaking.clone(),
             opt(c.mismatch),
@@ -80,13 +81,13 @@ fn opt_pct(v: Option<f64>) -> String {
 /// The cells as a markdown table (percentages), then skipped combinations and swamping.
 pub fn markdown(report: &SweepReport) -> String {
     let mut out = String::from(
-        "| router | cf | k | E | B×S | max/mean routed | CV | drop % | aux | max/mean kept | P % | F % | N % | R % | M % | Δout % | bf16 flips % |\n\
-         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| router | cf | k | E | B×S | max/mean routed | CV | drop % | aux | max/mean kept | P % | F % | N % | R % | L % | M % | Δout % | bf16 flips % |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for c in &report.cells {
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {}×{} | {:.3} | {:.3} | {} | {:.3} | {:.3} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {}×{} | {:.3} | {:.3} | {} | {:.3} | {:.3} | {} | {} | {} | {} | {} | {} | {} | {} |",
             c.router,
             c.capacity_factor.map_or("–".into(), |f| f.to_string()),
             c.top_k.map_or("–".into(), |k| k.to_string()),
@@ -102,6 +103,7 @@ pub fn markdown(report: &SweepReport) -> String {
             pct(c.leak_f),
             pct(c.leak_n),
             pct(c.leak_r),
+            opt_pct(c.leak_l),
             opt_pct(c.mismatch),
             opt_pct(c.output_change),
             opt_pct(c.flips_bf16),

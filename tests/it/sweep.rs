@@ -46,9 +46,13 @@ fn a_small_grid_writes_every_output_byte_identically() {
                 assert_eq!(c.leak_rate, 0.0, "{c:?}");
                 assert!(c.leaking.split(' ').all(|p| p == "X" || p.is_empty()), "only precision flips may show: {c:?}");
                 assert!(c.drop_rate > 0.0 && c.output_change == Some(0.0), "capacity binds, outputs stay: {c:?}");
+                assert_eq!(c.leak_l, Some(0.0), "per-token capacity does not depend on the rank split: {c:?}");
             }
             "batch-prioritized" => assert!(c.leak_rate > 0.0 && c.mismatch.is_none(), "{c:?}"),
-            _ => assert!(c.mismatch.is_some_and(|m| m > 0.0) && c.leak_rate > 0.0, "sinkhorn: M measured: {c:?}"),
+            _ => {
+                assert!(c.mismatch.is_some_and(|m| m > 0.0) && c.leak_rate > 0.0, "sinkhorn: M measured: {c:?}");
+                assert!(c.leak_l.is_some_and(|l| l > 0.0), "sinkhorn balances over the batch it sees: {c:?}");
+            }
         }
         assert!(c.flips_bf16.is_some() && c.max_over_mean_kept >= 1.0);
     }
