@@ -5,7 +5,7 @@
 
 use crate::config::RouterConfig;
 use crate::error::{Error, Result};
-use crate::routing::{assign, assign_masked, Logits, Routing};
+use crate::routing::{assign, assign_masked, assign_routes, Logits, Routing};
 use candle_core::{DType, Module, Tensor};
 use candle_nn::{Linear, VarBuilder};
 use ndarray::{ArrayView2, ArrayView3};
@@ -67,6 +67,15 @@ pub trait Router: Send + Sync {
     fn assign_masked(&self, logits: ArrayView3<f32>, padding: ArrayView2<bool>) -> Result<Routing> {
         let _ = (logits, padding);
         Err(Error::shape(&format!("router `{}`", self.name()), "the router takes no padding mask"))
+    }
+    /// Stage 2 when only the routes matter (the analyzer's comparisons): the routes of
+    /// [`Router::assign`] (with a mask, [`Router::assign_masked`]); `stats` may be left at zero.
+    /// The default computes everything; built-in routers skip the load statistics.
+    fn assign_routes(&self, logits: ArrayView3<f32>, padding: Option<ArrayView2<bool>>) -> Result<Routing> {
+        match padding {
+            Some(mask) => self.assign_masked(logits, mask),
+            None => self.assign(logits),
+        }
     }
     /// The router used when serving, if it differs from this one (`[inference]`).
     fn inference(&self) -> Result<Option<Box<dyn Router>>> {
@@ -164,6 +173,10 @@ impl Router for ConfigRouter {
 
     fn assign_masked(&self, logits: ArrayView3<f32>, padding: ArrayView2<bool>) -> Result<Routing> {
         assign_masked(&self.config, logits, Some(padding))
+    }
+
+    fn assign_routes(&self, logits: ArrayView3<f32>, padding: Option<ArrayView2<bool>>) -> Result<Routing> {
+        assign_routes(&self.config, logits, padding)
     }
 
     fn inference(&self) -> Result<Option<Box<dyn Router>>> {

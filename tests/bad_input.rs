@@ -209,10 +209,9 @@ fn catalogue() -> Vec<(&'static str, Vec<String>)> {
             [
                 external(format!(
                     "echo '{}'",
-                    HANDSHAKE.replace("\"experts\": 2", "\"experts\": 64").replace(
-                        "\"input\": \"logits\"",
-                        "\"input\": \"hidden\", \"hidden_size\": 4096"
-                    )
+                    HANDSHAKE
+                        .replace("\"experts\": 2", "\"experts\": 64")
+                        .replace("\"input\": \"logits\"", "\"input\": \"hidden\", \"hidden_size\": 4096")
                 )),
                 vec!["--max-memory".into(), "1MiB".into()],
             ]

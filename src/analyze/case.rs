@@ -37,6 +37,12 @@ impl Call {
         }
     }
 
+    /// Routes the call for a comparison of routes ([`Router::assign_routes`]: load statistics
+    /// may be left out).
+    pub fn routes(&self, router: &dyn Router) -> Result<Routing> {
+        router.assign_routes(self.logits.view(), self.padding.as_ref().map(|m| m.view()))
+    }
+
     /// Keeps positions `< len` of every sequence.
     pub fn truncate(&self, len: usize) -> Call {
         Call {

@@ -12,7 +12,7 @@ use super::{pick_witness_token, witness, Finding, Layer, Probe, Tally, Verdict};
 use crate::config::{Flatten, RouterConfig, ScopeGroup};
 use crate::error::Result;
 use crate::parallel::RankTraffic;
-use crate::routing::assign_masked;
+use crate::routing::assign_routes;
 use candle_core::Tensor;
 use std::sync::Arc;
 
@@ -49,7 +49,7 @@ pub(super) fn probe(ctx: &Ctx, plan: &Plan) -> Result<Finding> {
                 compare: (0..b).map(|i| if seqs.contains(&i) { s } else { 0 }).collect(),
                 change_from: vec![None; b],
             };
-            let outcome = case.compare(&ctx.base_routing, &case.b.route(ctx.router)?);
+            let outcome = case.compare(&ctx.base_routing, &case.b.routes(ctx.router)?);
             tally.merge(&Tally::of(&outcome));
             if first_leak.is_none() {
                 first_leak = pick_witness_token(&outcome).map(|hit| (case, hit));
@@ -59,7 +59,7 @@ pub(super) fn probe(ctx: &Ctx, plan: &Plan) -> Result<Finding> {
     }
     if let Some(flipped) = ctx.router.config().and_then(flipped_flatten) {
         let base = &ctx.base;
-        let routing = assign_masked(&flipped, base.logits.view(), base.padding.as_ref().map(|m| m.view()))?;
+        let routing = assign_routes(&flipped, base.logits.view(), base.padding.as_ref().map(|m| m.view()))?;
         let same = Case {
             a: Arc::clone(base),
             b: base.as_ref().clone(),

@@ -425,7 +425,7 @@ fn run_probe(ctx: &Ctx, probe: Probe) -> Result<Finding> {
     }
     let run = |i: usize| -> Result<(Tally, Option<case::Affected>)> {
         let case = cases.get(i);
-        let outcome = case.compare(&ctx.base_routing, &case.b.route(ctx.router)?);
+        let outcome = case.compare(&ctx.base_routing, &case.b.routes(ctx.router)?);
         Ok((Tally::of(&outcome), pick_witness_token(&outcome)))
     };
     // Cases are independent, so they run in parallel for a router that looks pure; a stateful
@@ -518,7 +518,7 @@ fn repeat_probe(ctx: &Ctx, probe: Probe, mut finding: Finding) -> Result<Finding
         change_from: vec![None; b],
     };
     let (reference, again, case) = match probe {
-        Probe::D => (ctx.base_routing.clone(), ctx.base.route(ctx.router)?, same),
+        Probe::D => (ctx.base_routing.clone(), ctx.base.routes(ctx.router)?, same),
         Probe::S => {
             let mut rng = rand::SeedableRng::seed_from_u64(ctx.seed ^ 0x5);
             let other = Call::new(
@@ -526,9 +526,9 @@ fn repeat_probe(ctx: &Ctx, probe: Probe, mut finding: Finding) -> Result<Finding
                     .into_shape_with_order((b, s.max(2), ctx.router.row_width()))
                     .expect("shape"),
             );
-            let first = ctx.base.route(ctx.router)?;
-            other.route(ctx.router)?;
-            let after = ctx.base.route(ctx.router)?;
+            let first = ctx.base.routes(ctx.router)?;
+            other.routes(ctx.router)?;
+            let after = ctx.base.routes(ctx.router)?;
             (first, after, Case { b: other, ..same })
         }
         _ => match ctx.router.inference()? {
@@ -537,7 +537,7 @@ fn repeat_probe(ctx: &Ctx, probe: Probe, mut finding: Finding) -> Result<Finding
                 finding.note = "no [inference] table: training and serving use one rule".into();
                 return Ok(finding);
             }
-            Some(inference) => (ctx.base_routing.clone(), ctx.base.route(inference.as_ref())?, same),
+            Some(inference) => (ctx.base_routing.clone(), ctx.base.routes(inference.as_ref())?, same),
         },
     };
     let outcome = case.compare(&reference, &again);

@@ -94,7 +94,7 @@ pub(super) fn probe(ctx: &Ctx, mut finding: Finding) -> Result<Finding> {
     let mut first = None;
     for dtype in [DType::BF16, DType::F16] {
         let low = Call::new(low_precision_logits(ctx, dtype)?);
-        let routing = low.route(ctx.router)?;
+        let routing = low.routes(ctx.router)?;
         let (f, token) = compare(&ctx.base.logits, &ctx.base_routing, &routing, dtype);
         if first.is_none() {
             first = token.map(|t| (low, t));

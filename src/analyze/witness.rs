@@ -11,7 +11,7 @@ use super::{Probe, Property};
 use crate::config::RouterConfig;
 use crate::error::{Error, Result};
 use crate::router::Router;
-use crate::routing::{assign, assign_masked, Logits, Routing, TokenRouting};
+use crate::routing::{assign_routes, Logits, Routing, TokenRouting};
 use ndarray::{s, Array2, Axis};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -90,10 +90,7 @@ impl Pair {
 }
 
 fn route_with(config: &RouterConfig, call: &Call) -> Result<Routing> {
-    match &call.padding {
-        Some(mask) => assign_masked(config, call.logits.view(), Some(mask.view())),
-        None => assign(config, call.logits.view()),
-    }
+    assign_routes(config, call.logits.view(), call.padding.as_ref().map(|m| m.view()))
 }
 
 /// Routes both sides as `probe` prescribes and diffs the token.

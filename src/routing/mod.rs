@@ -18,7 +18,7 @@ mod token_choice;
 pub use record::{ExpertLoad, GroupRecord, LoadStats, Route, Routing, ScopeRecord, TokenRouting};
 pub use table::render_table;
 
-use crate::config::{PaddingMask, RouterConfig, RouterKind};
+use crate::config::{PaddingMask, RouterConfig, RouterKind, ScoreFn};
 use crate::error::{Error, Result};
 use ndarray::{ArrayView2, ArrayView3};
 
@@ -51,6 +51,27 @@ pub fn assign_masked(
     config: &RouterConfig,
     logits: ArrayView3<f32>,
     padding: Option<ArrayView2<bool>>,
+) -> Result<Routing> {
+    assign_with(config, logits, padding, true)
+}
+
+/// [`assign_masked`] for comparing routes only: the same record with `stats` left at zero. The
+/// load statistics take every row's softmax (for a softmax-post or sigmoid router the only one)
+/// and are about a third of an assignment; the analyzer's probes compare routes and never read
+/// them.
+pub fn assign_routes(
+    config: &RouterConfig,
+    logits: ArrayView3<f32>,
+    padding: Option<ArrayView2<bool>>,
+) -> Result<Routing> {
+    assign_with(config, logits, padding, false)
+}
+
+fn assign_with(
+    config: &RouterConfig,
+    logits: ArrayView3<f32>,
+    padding: Option<ArrayView2<bool>>,
+    with_stats: bool,
 ) -> Result<Routing> {
     let (batch, seq_len, experts) = logits.dim();
     if let Some(mask) = &padding {
@@ -86,10 +107,14 @@ pub fn assign_masked(
     scores::check_finite(&logits)?;
     let logits = logits.as_standard_layout();
     let flat = logits.as_slice().expect("standard layout is contiguous");
-    let softmax = scores::softmax_rows(flat, experts);
+    let softmax = if with_stats || config.score == ScoreFn::SoftmaxPre {
+        scores::softmax_rows(flat, experts)
+    } else {
+        Vec::new()
+    };
     let row = |i: usize| scores::Row {
         logits: &flat[i * experts..(i + 1) * experts],
-        softmax: &softmax[i * experts..(i + 1) * experts],
+        softmax: softmax.get(i * experts..(i + 1) * experts).unwrap_or_default(),
     };
 
     let mut tokens: Vec<TokenRouting> = (0..batch * seq_len)
@@ -112,7 +137,8 @@ pub fn assign_masked(
     }
 
     let experts_load = stats::loads(experts, &tokens);
-    let stats = stats::load_stats(&experts_load, softmax.chunks_exact(experts));
+    let stats =
+        if with_stats { stats::load_stats(&experts_load, softmax.chunks_exact(experts)) } else { LoadStats::default() };
     let capacity = config.capacity.as_ref().map(|_| {
         let total: usize = groups.iter().filter_map(|g| g.capacity).sum();
         vec![total; experts]

@@ -95,7 +95,7 @@ pub struct ExpertLoad {
 }
 
 /// Load-balance figures of one call.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct LoadStats {
     /// max over experts of routes before dropping, over their mean.
     pub max_over_mean_load: f64,

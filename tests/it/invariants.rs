@@ -17,6 +17,7 @@ use moe_audit::config::{
     ScopeConfig, ScopeGroup, ScoreFn, Selection,
 };
 use moe_audit::routing::capacity::capacity;
+use moe_audit::routing::LoadStats;
 use moe_audit::{assign, Routing};
 use ndarray::Array3;
 use proptest::prelude::*;
@@ -252,6 +253,27 @@ fn check_round_trip(c: &RouterConfig, x: &Array3<f32>) -> Check {
     let back: Routing = serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
     prop_assert_eq!(back, r);
     Ok(())
+}
+
+/// `assign_routes` (what the analyzer compares) is `assign` with the load statistics left out.
+fn check_routes_only(c: &RouterConfig, x: &Array3<f32>) -> Check {
+    let full = assign(c, x.view()).expect("finite logits route");
+    let routes = moe_audit::routing::assign_routes(c, x.view(), None).expect("finite logits route");
+    prop_assert_eq!(routes.stats, LoadStats::default());
+    prop_assert_eq!(Routing { stats: full.stats, ..routes }, full);
+    Ok(())
+}
+
+#[test]
+fn routes_only_assignment_equals_the_full_one_but_for_stats() {
+    for p in presets() {
+        let c = p.config().unwrap();
+        let cases = if c.experts > 16 { 8 } else { 32 };
+        let result = runner(cases).run(&logits(c.experts), |x| check_routes_only(&c, &x));
+        if let Err(e) = result {
+            panic!("router `{}`: {e}", c.name);
+        }
+    }
 }
 
 #[test]
