@@ -55,7 +55,10 @@ pub(super) fn apply(experts: &[Expert], x: &[f32], hidden: usize, rows: &[Vec<(u
 /// `x`: `[tokens, hidden]`, `w13`: `[2*ffn, hidden]`, `w2`: `[hidden, ffn]`, all row-major.
 pub(super) fn swiglu(x: &[f32], tokens: usize, w13: &[f32], w2: &[f32], ffn: usize) -> Vec<f32> {
     let hidden = w2.len() / ffn;
-    assert!(x.len() == tokens * hidden && w13.len() == 2 * ffn * hidden, "SwiGLU operand sizes");
+    assert!(
+        x.len() == tokens * hidden && w13.len() == 2 * ffn * hidden && w2.len() == hidden * ffn,
+        "SwiGLU operand sizes"
+    );
     // h = x · w13ᵀ, [tokens, 2*ffn]: gate in the first ffn columns, up in the rest.
     let mut h = vec![0f32; tokens * 2 * ffn];
     // SAFETY: every pointer covers the rows × columns its strides address (asserted above).

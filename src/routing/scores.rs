@@ -47,7 +47,8 @@ pub(crate) fn softmax_rows(flat: &[f32], width: usize) -> Vec<f32> {
 }
 
 /// One token's scores: its logits and their softmax. A call computes every row's softmax once:
-/// softmax-pre affinities and the load statistics' mean probabilities both read it.
+/// softmax-pre affinities and the load statistics' mean probabilities both read it. When neither
+/// does (a routes-only assignment of a softmax-post or sigmoid router), `softmax` is empty.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Row<'a> {
     pub logits: &'a [f32],
