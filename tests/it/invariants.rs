@@ -264,28 +264,25 @@ fn check_routes_only(c: &RouterConfig, x: &Array3<f32>) -> Check {
     Ok(())
 }
 
-#[test]
-fn routes_only_assignment_equals_the_full_one_but_for_stats() {
+/// `check` on arbitrary logits for every preset (fewer cases for the wide ones).
+fn every_preset(check: fn(&RouterConfig, &Array3<f32>) -> Check) {
     for p in presets() {
         let c = p.config().unwrap();
         let cases = if c.experts > 16 { 8 } else { 32 };
-        let result = runner(cases).run(&logits(c.experts), |x| check_routes_only(&c, &x));
-        if let Err(e) = result {
+        if let Err(e) = runner(cases).run(&logits(c.experts), |x| check(&c, &x)) {
             panic!("router `{}`: {e}", c.name);
         }
     }
 }
 
 #[test]
+fn routes_only_assignment_equals_the_full_one_but_for_stats() {
+    every_preset(check_routes_only);
+}
+
+#[test]
 fn json_round_trip_is_exact() {
-    for p in presets() {
-        let c = p.config().unwrap();
-        let cases = if c.experts > 16 { 8 } else { 32 };
-        let result = runner(cases).run(&logits(c.experts), |x| check_round_trip(&c, &x));
-        if let Err(e) = result {
-            panic!("router `{}`: {e}", c.name);
-        }
-    }
+    every_preset(check_round_trip);
 }
 
 fn row(x: &Array3<f32>, flat: usize) -> Vec<f32> {
