@@ -3,6 +3,7 @@
 //! Dispatch gathers every expert's kept rows (padding slots included) in one `index_select`;
 //! combine adds the weighted outputs back with one `index_add` in ascending expert order, so
 //! each token's sum has a fixed order (deterministic, and reproducible by expert-parallel code).
+//! f32 on the CPU takes the same steps on host memory (`cpu.rs`), with the same bits.
 
 mod cpu;
 mod expert;
@@ -17,6 +18,7 @@ use crate::router::{ConfigRouter, Router};
 use crate::routing::Routing;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::VarBuilder;
+use rayon::prelude::*;
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -142,10 +144,13 @@ impl MoeLayer {
             slices.push((e, start, rows.len()));
             start += rows.len();
         }
-        let outputs = slices
-            .iter()
-            .map(|&(e, start, len)| self.experts[e].forward(&gathered.narrow(0, start, len)?))
-            .collect::<candle_core::Result<Vec<_>>>()?;
+        let run = |&(e, start, len): &(usize, usize, usize)| self.experts[e].forward(&gathered.narrow(0, start, len)?);
+        // Other dtypes on the CPU (f32 took the host path): experts side by side as parallel tasks.
+        let outputs: Vec<Tensor> = if device.is_cpu() {
+            slices.par_iter().map(run).collect::<candle_core::Result<_>>()?
+        } else {
+            slices.iter().map(run).collect::<candle_core::Result<_>>()?
+        };
         let weighted = Tensor::cat(&outputs, 0)?.broadcast_mul(&weight)?;
         Ok(x.zeros_like()?.index_add(&index, &weighted, 0)?.reshape((b, s, h))?)
     }
