@@ -1,5 +1,6 @@
 //! Assignment on arbitrary score matrices (NaN, ±inf, subnormals, huge values) for every preset:
-//! an error or a routing whose invariants hold, never a panic.
+//! an error or a routing whose invariants hold, never a panic; the routes-only assignment the
+//! analyzer uses gives the same routes.
 #![no_main]
 
 #[path = "common.rs"]
@@ -7,7 +8,8 @@ mod common;
 
 use libfuzzer_sys::fuzz_target;
 use moe_audit::config::presets;
-use moe_audit::{assign, Logits};
+use moe_audit::routing::assign_routes;
+use moe_audit::{assign, Logits, Routing};
 
 fuzz_target!(|data: &[u8]| {
     let [which, batch, seq, rest @ ..] = data else { return };
@@ -20,8 +22,13 @@ fuzz_target!(|data: &[u8]| {
         return;
     }
     let logits = Logits::from_shape_fn((b, s, e), |(i, j, k)| values[(i * s * e + j * e + k) % values.len()]);
-    if let Ok(routing) = assign(&config, logits.view()) {
-        assert!(logits.iter().all(|v| v.is_finite()), "non-finite scores must be rejected");
-        common::check_routing(&routing);
+    let routes = assign_routes(&config, logits.view(), None);
+    match assign(&config, logits.view()) {
+        Ok(routing) => {
+            assert!(logits.iter().all(|v| v.is_finite()), "non-finite scores must be rejected");
+            common::check_routing(&routing);
+            assert_eq!(Routing { stats: routing.stats, ..routes.expect("assign succeeded") }, routing);
+        }
+        Err(e) => assert_eq!(routes.expect_err("assign failed").to_string(), e.to_string()),
     }
 });
