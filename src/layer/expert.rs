@@ -28,9 +28,9 @@ impl Expert {
         Ok(Self { w13: Tensor::cat(&[&w1, &w3], 0)?, w2: w2.contiguous()?, ffn })
     }
 
-    /// [`Module::forward`] on the calling thread, bit for bit: for callers that already run
-    /// experts as parallel tasks. CPU f32 takes the host path of `cpu.rs`; anything else
-    /// goes through candle.
+    /// [`Module::forward`], bit for bit, for callers that already run experts as parallel
+    /// tasks: in f32 on the CPU it runs on the calling thread (the host path of `cpu.rs`);
+    /// anything else goes through candle's ops.
     ///
     /// # Shapes
     /// `x`: `[tokens, hidden]` → `[tokens, hidden]`.
