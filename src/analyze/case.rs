@@ -102,6 +102,19 @@ pub struct Outcome {
 }
 
 impl Case {
+    /// `b` against the reference `a`, sequence `i` of `a` being `seq_map[i]` of `b`: every
+    /// position of every mapped sequence compared, no change to measure influence from.
+    pub fn whole(a: &Arc<Call>, b: Call, seq_map: Vec<Option<usize>>) -> Case {
+        let (n, s) = a.dims();
+        Case { a: Arc::clone(a), b, seq_map, offset: 0, compare: vec![s; n], change_from: vec![None; n] }
+    }
+
+    /// [`Case::whole`] with every sequence at its own index in `b`.
+    pub fn aligned(a: &Arc<Call>, b: Call) -> Case {
+        let n = a.dims().0;
+        Case::whole(a, b, (0..n).map(Some).collect())
+    }
+
     /// Compares aligned tokens of two routings of this case.
     pub fn compare(&self, ra: &Routing, rb: &Routing) -> Outcome {
         let mut out = Outcome::default();

@@ -14,7 +14,6 @@ use crate::error::Result;
 use crate::parallel::RankTraffic;
 use crate::routing::assign_routes;
 use candle_core::Tensor;
-use std::sync::Arc;
 
 /// Positions per sequence of the expert-parallel layer run.
 const SAMPLE_POSITIONS: usize = 32;
@@ -41,14 +40,9 @@ pub(super) fn probe(ctx: &Ctx, plan: &Plan) -> Result<Finding> {
         let per = b / r;
         for rank in 0..r {
             let seqs: Vec<usize> = (rank * per..(rank + 1) * per).collect();
-            let case = Case {
-                a: Arc::clone(&ctx.base),
-                b: ctx.base.select(&seqs),
-                seq_map: (0..b).map(|i| seqs.contains(&i).then(|| i - rank * per)).collect(),
-                offset: 0,
-                compare: (0..b).map(|i| if seqs.contains(&i) { s } else { 0 }).collect(),
-                change_from: vec![None; b],
-            };
+            // Sequences on other ranks have no counterpart: not compared.
+            let seq_map = (0..b).map(|i| seqs.contains(&i).then(|| i - rank * per)).collect();
+            let case = Case::whole(&ctx.base, ctx.base.select(&seqs), seq_map);
             let outcome = case.compare(&ctx.base_routing, &case.b.routes(ctx.router)?);
             tally.merge(&Tally::of(&outcome));
             if first_leak.is_none() {
@@ -60,14 +54,7 @@ pub(super) fn probe(ctx: &Ctx, plan: &Plan) -> Result<Finding> {
     if let Some(flipped) = ctx.router.config().and_then(flipped_flatten) {
         let base = &ctx.base;
         let routing = assign_routes(&flipped, base.logits.view(), base.padding.as_ref().map(|m| m.view()))?;
-        let same = Case {
-            a: Arc::clone(base),
-            b: base.as_ref().clone(),
-            seq_map: (0..b).map(Some).collect(),
-            offset: 0,
-            compare: vec![s; b],
-            change_from: vec![None; b],
-        };
+        let same = Case::aligned(base, base.as_ref().clone());
         let outcome = same.compare(&ctx.base_routing, &routing);
         let affected = Tally::of(&outcome).affected;
         tally.merge(&Tally::of(&outcome));

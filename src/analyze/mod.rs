@@ -509,14 +509,7 @@ impl Tally {
 /// D (the same call twice), S (the same call after another) and M (train vs inference config).
 fn repeat_probe(ctx: &Ctx, probe: Probe, mut finding: Finding) -> Result<Finding> {
     let (b, s) = ctx.base.dims();
-    let same = Case {
-        a: Arc::clone(&ctx.base),
-        b: Call::clone(&ctx.base),
-        seq_map: (0..b).map(Some).collect(),
-        offset: 0,
-        compare: vec![s; b],
-        change_from: vec![None; b],
-    };
+    let same = Case::aligned(&ctx.base, Call::clone(&ctx.base));
     let (reference, again, case) = match probe {
         Probe::D => (ctx.base_routing.clone(), ctx.base.routes(ctx.router)?, same),
         Probe::S => {

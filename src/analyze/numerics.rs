@@ -25,7 +25,6 @@ use half::{bf16, f16};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
-use std::sync::Arc;
 
 /// Everything probe X measured on one router.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -120,15 +119,7 @@ pub(super) fn probe(ctx: &Ctx, mut finding: Finding) -> Result<Finding> {
         most.f16_pairwise
     );
     if let Some((low, token)) = first {
-        let (b, s) = ctx.base.dims();
-        let case = Case {
-            a: Arc::clone(&ctx.base),
-            b: low,
-            seq_map: (0..b).map(Some).collect(),
-            offset: 0,
-            compare: vec![s; b],
-            change_from: vec![None; b],
-        };
+        let case = Case::aligned(&ctx.base, low);
         finding.witness = witness::build(ctx.router, super::Probe::X, &case, token)?;
     }
     finding.numerics = Some(Numerics { flips, swamping });

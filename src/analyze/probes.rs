@@ -79,10 +79,6 @@ impl Ctx<'_> {
             real[trial % real.len()]
         }
     }
-
-    fn identity(&self) -> Vec<Option<usize>> {
-        (0..self.base.dims().0).map(Some).collect()
-    }
 }
 
 /// Hidden states `[batch, seq_len, h]` from `seed`: the router's own draw, or standard normal.
@@ -127,12 +123,9 @@ impl Cases<'_> {
 fn prefix_case(ctx: &Ctx, t: usize) -> Case {
     let b = ctx.base.dims().0;
     Case {
-        a: Arc::clone(&ctx.base),
-        b: ctx.base.truncate(t + 1),
-        seq_map: ctx.identity(),
-        offset: 0,
         compare: vec![t + 1; b],
         change_from: vec![Some(t + 1); b],
+        ..Case::aligned(&ctx.base, ctx.base.truncate(t + 1))
     }
 }
 
@@ -160,14 +153,7 @@ pub(crate) fn future(ctx: &Ctx) -> Result<Vec<Case>> {
         compare[seq] = t + 1;
         let mut change_from = vec![None; b];
         change_from[seq] = Some(t + 1);
-        cases.push(Case {
-            a: Arc::clone(&ctx.base),
-            b: changed,
-            seq_map: ctx.identity(),
-            offset: 0,
-            compare,
-            change_from,
-        });
+        cases.push(Case { compare, change_from, ..Case::aligned(&ctx.base, changed) });
     }
     Ok(cases)
 }
@@ -193,14 +179,7 @@ pub(crate) fn neighbour(ctx: &Ctx) -> Result<Vec<Case>> {
         changed.logits.slice_mut(s![seq, .., ..]).assign(&rows);
         let mut compare = vec![s; b];
         compare[seq] = 0;
-        cases.push(Case {
-            a: Arc::clone(&ctx.base),
-            b: changed,
-            seq_map: ctx.identity(),
-            offset: 0,
-            compare,
-            change_from: vec![None; b],
-        });
+        cases.push(Case { compare, ..Case::aligned(&ctx.base, changed) });
     }
     Ok(cases)
 }
@@ -211,14 +190,6 @@ pub(crate) fn rebatch(ctx: &Ctx) -> Result<Vec<Case>> {
     let (b, s) = ctx.base.dims();
     let mut rng = ctx.rng(Probe::R);
     let mut cases = Vec::new();
-    let whole = |a: &Arc<Call>, b_call: Call, seq_map: Vec<Option<usize>>| Case {
-        compare: vec![s; a.dims().0],
-        change_from: vec![None; a.dims().0],
-        a: Arc::clone(a),
-        b: b_call,
-        seq_map,
-        offset: 0,
-    };
     // Permutations: the reverse, then random shuffles.
     let mut orders: Vec<Vec<usize>> = if b > 1 { vec![(0..b).rev().collect()] } else { Vec::new() };
     for _ in 0..ctx.trials / 8 {
@@ -233,20 +204,19 @@ pub(crate) fn rebatch(ctx: &Ctx) -> Result<Vec<Case>> {
     for order in orders {
         let mut seq_map = vec![None; b];
         order.iter().enumerate().for_each(|(k, &i)| seq_map[i] = Some(k));
-        cases.push(whole(&ctx.base, ctx.base.select(&order), seq_map));
+        cases.push(Case::whole(&ctx.base, ctx.base.select(&order), seq_map));
     }
     if b > 1 {
         let kept: Vec<usize> = (0..b - 1).collect();
         let mut seq_map: Vec<Option<usize>> = kept.iter().map(|&i| Some(i)).collect();
         seq_map.push(None);
-        cases.push(whole(&ctx.base, ctx.base.select(&kept), seq_map));
+        cases.push(Case::whole(&ctx.base, ctx.base.select(&kept), seq_map));
     }
     let mut grown = ctx.base.logits.clone();
     grown.append(Axis(0), ctx.fresh(s, &mut rng)?.insert_axis(Axis(0)).view()).expect("same shape");
-    cases.push(whole(
+    cases.push(Case::aligned(
         &ctx.base,
         Call { logits: grown, padding: ctx.base.padding.as_ref().map(|m| pad_rows(m, 1)) },
-        ctx.identity(),
     ));
 
     // Padding: pad tokens have all-zero logits (no preference); masked when the router takes a mask.
@@ -259,13 +229,13 @@ pub(crate) fn rebatch(ctx: &Ctx) -> Result<Vec<Case>> {
     if takes_mask {
         appended.padding = Some(Array2::from_shape_fn((b, s + m), |(_, p)| p >= s));
     }
-    cases.push(Case { change_from: vec![Some(s); b], ..whole(&ctx.base, appended, ctx.identity()) });
+    cases.push(Case { change_from: vec![Some(s); b], ..Case::aligned(&ctx.base, appended) });
     if takes_mask {
         let logits =
             ndarray::concatenate(Axis(1), &[Array3::zeros((b, m, ctx.width())).view(), ctx.base.logits.view()])
                 .expect("same batch");
         let left = Call { logits, padding: Some(Array2::from_shape_fn((b, s + m), |(_, p)| p < m)) };
-        cases.push(Case { offset: m, ..whole(&ctx.base, left, ctx.identity()) });
+        cases.push(Case { offset: m, ..Case::aligned(&ctx.base, left) });
     }
     Ok(cases)
 }

@@ -205,7 +205,7 @@ pub(super) fn no_mpi() -> Error {
 
 fn audit_and_report(args: &CheckArgs, out: &mut dyn Write, comm: Option<&dyn Communicator>) -> Result<u8> {
     let max_memory = memory::limit(args.max_memory);
-    let mut options = args.external.options(args.options()?, max_memory)?;
+    let mut options = args.external.options(args.options()?)?;
     if let Some(comm) = comm {
         options.ranks = comm.size();
         split_batch(options.batch, comm.size())?;

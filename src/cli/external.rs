@@ -5,7 +5,7 @@ use crate::analyze::{audit, AuditOptions, Probe, RouterReport, Subject};
 use crate::config::RouterConfig;
 use crate::error::{Error, Result};
 use crate::external::gate::GateSource;
-use crate::external::{plan, ExternalRouter, Handshake, InputKind, TraceRouter};
+use crate::external::{plan, planned_options, ExternalRouter, Handshake, InputKind, TraceRouter};
 use crate::memory;
 use crate::router::Router;
 use clap::Args;
@@ -50,15 +50,16 @@ impl ExternalArgs {
         self.weights.is_some()
     }
 
-    /// The audit options: the plan's when auditing traces.
-    pub(super) fn options(&self, options: AuditOptions, max_memory: u64) -> Result<AuditOptions> {
+    /// The audit options: the plan's when auditing traces (from its manifest; the traces
+    /// themselves are read once, by the audit).
+    pub(super) fn options(&self, options: AuditOptions) -> Result<AuditOptions> {
         if self.traces.is_some() && !self.router_cmd.is_empty() {
             return Err(Error::Usage(
                 "--traces replays one planned audit; audit --router-cmd routers in another run".into(),
             ));
         }
         match &self.traces {
-            Some(dir) => Ok(TraceRouter::open(dir, max_memory)?.options().clone()),
+            Some(dir) => planned_options(dir),
             None => Ok(options),
         }
     }

@@ -16,7 +16,7 @@ pub mod trace;
 
 pub use process::{ExternalRouter, Subprocess};
 pub use protocol::{Handshake, InputKind, Mode};
-pub use trace::{plan, Replay, TraceRouter};
+pub use trace::{plan, planned_options, Replay, TraceRouter};
 
 use crate::error::{Error, Result};
 use crate::layer::Seeded;

@@ -154,6 +154,26 @@ pub fn plan(router: &Handshake, options: &AuditOptions, dir: &Path, max_memory: 
 /// A router replaying a harness's answers to a plan.
 pub type TraceRouter = External<Replay>;
 
+/// The audit a trace directory was planned for, from its manifest alone (the inputs and the
+/// decisions are read by [`TraceRouter::open`]).
+pub fn planned_options(dir: &Path) -> Result<AuditOptions> {
+    Ok(read_manifest(dir)?.options)
+}
+
+/// Reads and checks `manifest.json`: its format and the router it describes.
+fn read_manifest(dir: &Path) -> Result<Manifest> {
+    let path = dir.join(MANIFEST);
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| Error::input(&path, format!("cannot read (write it with `moe-audit plan`): {e}")))?;
+    let manifest: Manifest =
+        serde_json::from_str(&text).map_err(|e| Error::input(&path, format!("not a plan manifest: {e}")))?;
+    if manifest.format != FORMAT {
+        return Err(Error::input(&path, format!("format `{}`, expected `{FORMAT}`", manifest.format)));
+    }
+    manifest.router.validate().map_err(|e| Error::input(&path, e))?;
+    Ok(manifest)
+}
+
 /// A harness's answers by (mode, content), in plan order, and how many of each were used.
 pub struct Replay {
     hs: Handshake,
@@ -168,15 +188,7 @@ impl TraceRouter {
     /// each other before anything is analyzed. Its hidden-row pool (for `input: hidden`) may
     /// take at most `max_memory` bytes.
     pub fn open(dir: &Path, max_memory: u64) -> Result<Self> {
-        let path = dir.join(MANIFEST);
-        let text = std::fs::read_to_string(&path)
-            .map_err(|e| Error::input(&path, format!("cannot read (write it with `moe-audit plan`): {e}")))?;
-        let manifest: Manifest =
-            serde_json::from_str(&text).map_err(|e| Error::input(&path, format!("not a plan manifest: {e}")))?;
-        if manifest.format != FORMAT {
-            return Err(Error::input(&path, format!("format `{}`, expected `{FORMAT}`", manifest.format)));
-        }
-        manifest.router.validate().map_err(|e| Error::input(&path, e))?;
+        let manifest = read_manifest(dir)?;
         let hs = manifest.router;
         let inputs_path = dir.join(INPUTS);
         let inputs = crate::layer::load_safetensors(&inputs_path, &Device::Cpu)?;

@@ -19,25 +19,27 @@ fn in_process(args: &[&str]) -> (i32, String) {
     (out.status.code().unwrap_or(-1), String::from_utf8(out.stdout).unwrap())
 }
 
+/// `args` under `mpirun -np 4 ... --comm mpi` and on 4 in-process ranks: both exit with `code`
+/// and print the same; returns what they printed.
+fn same_as_in_process(args: &[&str], code: i32) -> String {
+    let (mpi_code, mpi, err) = mpirun(&[args, &["--comm", "mpi"]].concat());
+    assert_eq!(mpi_code, code, "{err}");
+    let (local_code, local) = in_process(&[args, &["--ranks", "4"]].concat());
+    assert_eq!(local_code, code);
+    assert_eq!(mpi, local);
+    mpi
+}
+
 #[test]
 fn mpi_forward_equals_in_process_forward_exactly() {
-    let common = ["ep", "megatron-probs", "--seq-len", "64", "--format", "json"];
-    let (code, mpi, err) = mpirun(&[&common[..], &["--comm", "mpi"]].concat());
-    assert_eq!(code, 0, "{err}");
-    let (code, local) = in_process(&[&common[..], &["--ranks", "4"]].concat());
-    assert_eq!(code, 0);
-    assert_eq!(mpi, local);
+    let mpi = same_as_in_process(&["ep", "megatron-probs", "--seq-len", "64", "--format", "json"], 0);
     assert!(mpi.contains("\"equals_single_device\": true"), "{mpi}");
 }
 
 #[test]
 fn mpi_check_prints_the_in_process_report() {
-    let common = ["check", "megatron-probs", "mixtral", "--probes", "N,L", "--seq-len", "32", "--format", "json"];
-    let (code, mpi, err) = mpirun(&[&common[..], &["--comm", "mpi"]].concat());
-    assert_eq!(code, 1, "{err}");
-    let (code, local) = in_process(&[&common[..], &["--ranks", "4"]].concat());
-    assert_eq!(code, 1);
-    assert_eq!(mpi, local);
+    let args = ["check", "megatron-probs", "mixtral", "--probes", "N,L", "--seq-len", "32", "--format", "json"];
+    let mpi = same_as_in_process(&args, 1);
     assert!(mpi.contains("expert-parallel layer on 4 ranks"), "{mpi}");
 }
 
