@@ -137,6 +137,26 @@ impl SnapshotArgs {
                     .into(),
             ));
         }
+        let unused = match () {
+            _ if self.traces.is_some() => [
+                ("--batch", self.batch.is_some()),
+                ("--seq-len", self.seq_len.is_some()),
+                ("--seed", self.seed.is_some()),
+                ("--hidden", self.hidden.is_some()),
+                ("--logits", self.logits.is_some()),
+                ("--hidden-states", self.hidden_states.is_some()),
+            ]
+            .iter()
+            .find(|(_, given)| *given)
+            .map(|(flag, _)| (*flag, "--traces snapshots the plan's own inputs")),
+            _ if self.hidden.is_some() && (self.router_cmd.is_some() || self.weights.is_some()) => {
+                Some(("--hidden", "the router's hidden size is its own"))
+            }
+            _ => None,
+        };
+        if let Some((flag, why)) = unused {
+            return Err(Error::Usage(format!("{why}: drop {flag}")));
+        }
         if let Some(command) = &self.router_cmd {
             return Ok(RouterSource::Command { command: command.clone(), timeout: self.timeout });
         }

@@ -316,6 +316,44 @@ fn the_python_helper_tests_pass() {
 }
 
 #[test]
+fn a_real_gate_and_hidden_states_files_snapshot_and_check() {
+    use candle_core::{Device, Tensor};
+    let dir = tmp("gate");
+    let gate: Vec<f32> = (0..8 * 16).map(|i| ((i * 37 % 23) as f32 - 11.0) / 10.0).collect();
+    let save = |scale: f32| {
+        let t = Tensor::from_vec(gate.iter().map(|v| v * scale).collect::<Vec<f32>>(), (8, 16), &Device::Cpu).unwrap();
+        candle_core::safetensors::save(
+            &std::collections::HashMap::from([("g".to_string(), t)]),
+            dir.join("w.safetensors"),
+        )
+        .unwrap();
+    };
+    save(1.0);
+    let rows: Vec<Vec<f32>> =
+        (0..8).map(|t| (0..16).map(|h| (((t * 16 + h) * 29 % 17) as f32 - 8.0) / 4.0).collect()).collect();
+    std::fs::write(dir.join("h.json"), serde_json::to_string(&rows).unwrap()).unwrap();
+    let make = ["snapshot", "megatron-probs", "--weights", "w.safetensors", "--gate", "g"];
+    expect(&dir, &[&make[..], &["--hidden-states", "h.json", "--output", "g.snap"]].concat(), 0);
+    let text = std::fs::read_to_string(dir.join("g.snap")).unwrap();
+    assert!(
+        text.contains("source = \"gate\"\nrouter = \"megatron-probs\"\nweights = \"w.safetensors\"\ngate = \"g\""),
+        "{text}"
+    );
+    assert!(text.contains("batch = 2\nseq_len = 4\nrows = \"hidden-states\""), "{text}");
+    expect(&dir, &["snapshot", "--check", "g.snap"], 0);
+    // A retrained gate: the file's hash is noted, the routing compared.
+    save(1.0 + 1e-7);
+    let out = run_in(&dir, &["snapshot", "--check", "g.snap"]);
+    assert!(stdout(&out).contains("note: the router's file changed since the snapshot"), "{}", stdout(&out));
+    save(-1.0);
+    let diff = expect(&dir, &["snapshot", "--check", "g.snap"], 1);
+    assert!(diff.contains("train: 8 of 8 tokens moved"), "{diff}");
+    // A TOML router's seeded gate on given hidden states; --hidden is their width.
+    expect(&dir, &["snapshot", "mixtral", "--hidden-states", "h.json", "--hidden", "16", "--output", "m.snap"], 0);
+    expect(&dir, &["snapshot", "--check", "m.snap"], 0);
+}
+
+#[test]
 fn bad_snapshots_and_flags_exit_2_with_one_line() {
     let dir = tmp("bad");
     logits(&dir);
@@ -323,7 +361,15 @@ fn bad_snapshots_and_flags_exit_2_with_one_line() {
     std::fs::write(dir.join("garbage.snap"), "hello\n").unwrap();
     let good = std::fs::read_to_string(dir.join("l.snap")).unwrap();
     std::fs::write(dir.join("broken.snap"), good.replace("  0    1  e", "  0    1  q")).unwrap();
-    let cases: [(&[&str], &str); 7] = [
+    let cases: [(&[&str], &str); 9] = [
+        (
+            &["snapshot", "--traces", "t", "--batch", "2"],
+            "error: --traces snapshots the plan's own inputs: drop --batch",
+        ),
+        (
+            &["snapshot", "mixtral", "--hidden-states", "logits.json"],
+            "error: logits.json: row 0 has 8 values, the router's hidden size is 64",
+        ),
         (&["snapshot", "--check", "missing.snap"], "error: missing.snap: cannot read"),
         (&["snapshot", "--check", "garbage.snap"], "error: garbage.snap: not a moe-audit snapshot header"),
         (&["snapshot", "--check", "broken.snap"], "error: broken.snap: section `train`: line 4 of the routing text"),
