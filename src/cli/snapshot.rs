@@ -261,6 +261,9 @@ pub(super) fn run(args: &SnapshotArgs, out: &mut dyn Write) -> Result<u8> {
     let bytes = made.render();
     match &args.output {
         Some(path) => {
+            if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+                std::fs::create_dir_all(dir).map_err(|e| Error::input(dir, format!("cannot create: {e}")))?;
+            }
             write_atomic(path, bytes.as_bytes())?;
             let tokens = made.header.input.batch * made.header.input.seq_len;
             writeln!(out, "wrote {} ({} modes x {tokens} tokens)", path.display(), made.sections.len())

@@ -129,12 +129,22 @@ fn config_routings(
     gate: Option<&GateSource>,
     max_memory: u64,
 ) -> Result<Routed> {
+    if input.rows == Rows::Traces {
+        let name = &config.name;
+        return Err(Error::Usage(format!("[input] rows = \"traces\": router `{name}` is not a trace directory")));
+    }
     let experts = config.experts;
     let logits = input.rows == Rows::Logits;
     let router: Box<dyn Router> = match gate {
         Some(source) => Box::new(source.router(config)?),
         None => {
-            let hidden = if logits { 1 } else { input.hidden.ok_or_else(|| Error::Usage("no hidden size".into()))? };
+            let hidden = if logits {
+                1
+            } else {
+                input
+                    .hidden
+                    .ok_or_else(|| Error::Usage("[input] hidden: the seeded gate needs a hidden size".into()))?
+            };
             if hidden == 0 {
                 return Err(Error::Usage("--hidden must be at least 1".into()));
             }
@@ -190,9 +200,14 @@ fn rows(input: &mut InputSpec, hs: &Handshake, max_memory: u64) -> Result<Array3
         }
         Rows::Logits => InputKind::Logits,
         Rows::HiddenStates => InputKind::Hidden,
-        Rows::Traces => unreachable!("trace rows come from the trace directory"),
+        Rows::Traces => {
+            return Err(Error::Usage(format!(
+                "[input] rows = \"traces\": router `{}` is not a trace directory",
+                hs.name
+            )))
+        }
     };
-    let file = input.file.as_deref().ok_or_else(|| Error::Usage("no input file".into()))?;
+    let file = input.file.as_deref().ok_or_else(|| Error::Usage("[input] file: the rows file is missing".into()))?;
     if want != hs.input {
         let (given, takes) = match want {
             InputKind::Logits => ("--logits", "hidden states (--hidden-states)"),

@@ -116,8 +116,15 @@ fn cli_python_helper_and_library_give_the_same_bytes() {
     expect(&dir, &["snapshot", "mixtral", "--logits", "logits.json", "--batch", "2", "--output", "cli.snap"], 0);
     let cli = std::fs::read_to_string(dir.join("cli.snap")).unwrap();
     assert_eq!(sections(&cli), [("train".to_string(), text.clone()), ("inference".to_string(), text.clone())]);
-    // The same command writes the same bytes, and leaves no temporary file.
+    // The same command writes the same bytes, whatever the thread count, and leaves no temporary file.
     assert_eq!(expect(&dir, &["snapshot", "mixtral", "--logits", "logits.json", "--batch", "2"], 0), cli);
+    let one_thread = Command::new(BIN)
+        .args(["snapshot", "mixtral", "--logits", "logits.json", "--batch", "2"])
+        .current_dir(&dir)
+        .env("RAYON_NUM_THREADS", "1")
+        .output()
+        .unwrap();
+    assert_eq!(stdout(&one_thread), cli);
     let mut names: Vec<String> =
         std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     names.sort();
@@ -378,7 +385,7 @@ fn bad_snapshots_and_flags_exit_2_with_one_line() {
             "error: --check makes the snapshot its header describes: drop --batch",
         ),
         (&["snapshot", "mixtral", "--router-cmd", "true"], "error: snapshot one router"),
-        (&["snapshot", "mixtral", "--output", "no/such/dir/x.snap"], "error: no/such/dir/x.snap: cannot write"),
+        (&["snapshot", "mixtral", "--output", "logits.json/x.snap"], "error: logits.json: cannot create"),
         (
             &["snapshot", "mixtral", "--logits", "logits.json", "--batch", "5"],
             "error: logits.json: 12 rows cannot be split",
@@ -399,5 +406,12 @@ fn bad_snapshots_and_flags_exit_2_with_one_line() {
     let out = run_in(&dir, &["snapshot", "--check", "l.snap"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(stderr(&out).contains("l.snap: the inputs are not those the snapshot was made from"), "{}", stderr(&out));
-    assert!(!dir.join("no").exists());
+    // A hand-edited header that cannot be made: an error naming the field.
+    std::fs::write(dir.join("edited.snap"), good.replace("rows = \"logits\"", "rows = \"traces\"")).unwrap();
+    let out = run_in(&dir, &["snapshot", "--check", "edited.snap"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(stderr(&out), "error: [input] rows = \"traces\": router `mixtral` is not a trace directory\n");
+    // A missing directory is made, as insta does.
+    expect(&dir, &["snapshot", "mixtral", "--output", "snapshots/new/m.snap"], 0);
+    assert!(dir.join("snapshots/new/m.snap").is_file());
 }
