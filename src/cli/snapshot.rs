@@ -198,6 +198,10 @@ pub(super) fn run(args: &SnapshotArgs, out: &mut dyn Write) -> Result<u8> {
                 "{flag} makes the snapshot its header describes: drop {f} (only --traces DIR and --max-memory go with it)"
             )));
         }
+        // The file, its parsed copy and the fresh one stay in memory together.
+        if let Ok(meta) = std::fs::metadata(path) {
+            memory::ensure_fits(&format!("reading {}", path.display()), meta.len().saturating_mul(4), max_memory)?;
+        }
         let stored = SnapshotFile::read(path);
         if args.update.is_some() {
             // The header says how to remake it; the sections may be anything.

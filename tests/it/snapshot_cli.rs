@@ -368,7 +368,8 @@ fn bad_snapshots_and_flags_exit_2_with_one_line() {
     std::fs::write(dir.join("garbage.snap"), "hello\n").unwrap();
     let good = std::fs::read_to_string(dir.join("l.snap")).unwrap();
     std::fs::write(dir.join("broken.snap"), good.replace("  0    1  e", "  0    1  q")).unwrap();
-    let cases: [(&[&str], &str); 9] = [
+    let cases: [(&[&str], &str); 10] = [
+        (&["snapshot", "--check", "l.snap", "--max-memory", "100B"], "error: reading l.snap needs about"),
         (
             &["snapshot", "--traces", "t", "--batch", "2"],
             "error: --traces snapshots the plan's own inputs: drop --batch",
