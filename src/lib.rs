@@ -16,7 +16,7 @@ pub mod memory;
 pub mod parallel;
 pub mod router;
 pub mod routing;
-mod snapshot;
+pub mod snapshot;
 pub mod sweep;
 
 pub use config::RouterConfig;

@@ -5,6 +5,7 @@ mod ci;
 mod ep;
 mod external;
 mod route;
+mod snapshot;
 mod sweep;
 
 use crate::config::presets;
@@ -15,7 +16,9 @@ use std::io::Write;
 pub use check::{verdicts, CheckArgs, CommKind, ZooArgs};
 pub use ep::{EpArgs, EpFormat};
 pub use external::{ExternalArgs, PlanArgs};
+pub(crate) use route::read_logits as read_rows;
 pub use route::RouteArgs;
+pub use snapshot::SnapshotArgs;
 pub use sweep::SweepArgs;
 
 /// Audit Mixture-of-Experts routers for train/inference causality leaks.
@@ -45,6 +48,9 @@ pub enum Command {
     Ep(EpArgs),
     /// Load balance against causality over a grid of routers and sizes: CSV, JSON, charts.
     Sweep(SweepArgs),
+    /// Snapshot a router's decisions on fixed inputs (train and inference) to a `.snap` file, or
+    /// check one (exit 0 unchanged, 1 changed, 2 error).
+    Snapshot(SnapshotArgs),
 }
 
 /// Runs a parsed command, writing its output to `out`. Returns the process exit code.
@@ -63,6 +69,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<u8> {
         Command::Plan(args) => external::run_plan(&args, out),
         Command::Ep(args) => ep::run(&args, out),
         Command::Sweep(args) => sweep::run(&args, out),
+        Command::Snapshot(args) => snapshot::run(&args, out),
     }
 }
 

@@ -12,6 +12,7 @@ mod limits;
 mod mpi;
 mod parallel;
 mod routers;
+mod snapshot_cli;
 mod snapshots;
 mod sweep;
 mod user_snapshot;

@@ -1,0 +1,312 @@
+//! Making a snapshot from its header: build the router, make the inputs, route them in every
+//! mode. `snapshot` runs this once to write a file and `snapshot --check` again to compare.
+
+use super::file::{file_sha256, sha256, write_atomic, Header, InputSpec, RouterSource, Rows, SnapshotFile};
+use super::file::{FORMAT, WEIGHT_DECIMALS};
+use crate::analyze::{AuditOptions, Probe};
+use crate::config::RouterConfig;
+use crate::error::{Error, Result};
+use crate::external::gate::GateSource;
+use crate::external::protocol::PROTOCOL;
+use crate::external::trace::{Manifest, PlannedCall, DECISIONS, INPUTS, MANIFEST};
+use crate::external::{ExternalRouter, Handshake, InputKind, Mode, TraceRouter};
+use crate::layer::{MoeLayer, Seeded};
+use crate::memory::{self, CallSizes};
+use crate::router::Router;
+use candle_core::{DType, Device, Tensor};
+use ndarray::Array3;
+use std::collections::HashMap;
+use std::path::Path;
+use std::time::Duration;
+
+/// The recipe a `snapshot --plan` directory carries, so the snapshot of its answers records the
+/// router and inputs rather than a temporary directory.
+pub const PLAN_RECIPE: &str = "snapshot.toml";
+
+/// The seeded inputs' own stream (the `route` command's): changing the gate's seed and the
+/// input's seed are independent choices.
+const INPUT_STREAM: u64 = 0x9e37_79b9_7f4a_7c15;
+
+/// A plan directory's recipe.
+#[derive(serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PlanRecipe {
+    router: RouterSource,
+    input: InputSpec,
+}
+
+/// Routes what `router` and `input` describe in every mode and returns the snapshot, its hashes
+/// those of now. `traces` answers a `traces` or `harness` router instead of the recorded
+/// directory; `max_memory` bounds the inputs.
+pub fn make(router: &RouterSource, input: &InputSpec, traces: Option<&Path>, max_memory: u64) -> Result<SnapshotFile> {
+    let mut router = router.clone();
+    let mut input = input.clone();
+    if input.batch == 0 || input.seq_len == 0 {
+        return Err(Error::Usage("--batch and --seq-len must be at least 1".into()));
+    }
+    let routed: Vec<(Mode, Array3<f32>, crate::routing::Routing)> = match &mut router {
+        RouterSource::Preset { name } => config_routings(RouterConfig::load(name)?, &mut input, None, max_memory)?,
+        RouterSource::Config { path, sha256 } => {
+            *sha256 = file_sha256(Path::new(path))?;
+            config_routings(RouterConfig::from_file(Path::new(path))?, &mut input, None, max_memory)?
+        }
+        RouterSource::Gate { router, weights, gate, bias, sha256 } => {
+            *sha256 = file_sha256(Path::new(weights))?;
+            let source = GateSource { weights: Path::new(weights), gate, bias: bias.as_deref(), hidden_states: None };
+            let config = RouterConfig::load(router)?;
+            input.hidden = None;
+            config_routings(config, &mut input, Some(&source), max_memory)?
+        }
+        RouterSource::Command { command, timeout } => {
+            if !(timeout.is_finite() && *timeout > 0.0) {
+                return Err(Error::Usage(format!("--timeout must be a positive number of seconds, got {timeout}")));
+            }
+            let r = ExternalRouter::spawn(command, Duration::from_secs_f64(*timeout), input.seed, max_memory)?;
+            input.hidden = None;
+            let rows = rows(&mut input, r.handshake(), max_memory)?;
+            let inference = r.inference()?.expect("an external router has an inference mode");
+            vec![
+                (Mode::Train, rows.clone(), r.assign(rows.view())?),
+                (Mode::Inference, rows.clone(), inference.assign(rows.view())?),
+            ]
+        }
+        RouterSource::Traces { dir, sha256 } => {
+            let dir = traces.unwrap_or(Path::new(dir.as_str())).to_path_buf();
+            if is_snapshot_plan(&dir) {
+                harness(&dir, &mut router, &mut input, max_memory)?
+            } else {
+                *sha256 = file_sha256(&dir.join(DECISIONS))?;
+                input = InputSpec { rows: Rows::Traces, hidden: None, file: None, ..input };
+                trace_routings(&dir, &mut input, max_memory)?
+            }
+        }
+        RouterSource::Harness { .. } => {
+            let Some(dir) = traces else {
+                return Err(Error::Usage(
+                    "this snapshot was answered by a harness (the Python helper): re-run its test, or pass --traces DIR answered by the router".into(),
+                ));
+            };
+            harness(dir, &mut router, &mut input, max_memory)?
+        }
+    };
+    let mut hasher = Vec::new();
+    for (_, rows, _) in &routed {
+        hasher.extend(rows.iter().flat_map(|v| v.to_le_bytes()));
+    }
+    input.sha256 = sha256(&hasher);
+    Ok(SnapshotFile {
+        header: Header {
+            format: FORMAT.into(),
+            moe_audit: env!("CARGO_PKG_VERSION").into(),
+            weight_decimals: WEIGHT_DECIMALS,
+            modes: routed.iter().map(|(m, _, _)| *m).collect(),
+            router,
+            input,
+        },
+        sections: routed.into_iter().map(|(m, _, r)| (m, super::snapshot(&r))).collect(),
+    })
+}
+
+type Routed = Vec<(Mode, Array3<f32>, crate::routing::Routing)>;
+
+/// A `snapshot --plan` directory answered by a harness: the router and inputs its recipe
+/// records, routed by the answers.
+fn harness(dir: &Path, router: &mut RouterSource, input: &mut InputSpec, max_memory: u64) -> Result<Routed> {
+    let recipe = read_recipe(dir)?.ok_or_else(|| {
+        Error::input(dir, format!("no {PLAN_RECIPE}: not a directory written by `moe-audit snapshot --plan`"))
+    })?;
+    (*router, *input) = (recipe.router, recipe.input);
+    let mut found = input.clone();
+    trace_routings(dir, &mut found, max_memory)
+}
+
+/// A preset or TOML router on a seeded gate (or `gate`): seeded or given hidden states through
+/// the gate, or given logits straight to assignment; the `[inference]` router, when there is
+/// one, for the inference mode.
+fn config_routings(
+    config: RouterConfig,
+    input: &mut InputSpec,
+    gate: Option<&GateSource>,
+    max_memory: u64,
+) -> Result<Routed> {
+    if input.rows == Rows::Traces {
+        let name = &config.name;
+        return Err(Error::Usage(format!("[input] rows = \"traces\": router `{name}` is not a trace directory")));
+    }
+    let experts = config.experts;
+    let logits = input.rows == Rows::Logits;
+    let router: Box<dyn Router> = match gate {
+        Some(source) => Box::new(source.router(config)?),
+        None => {
+            let hidden = if logits {
+                1
+            } else {
+                input
+                    .hidden
+                    .ok_or_else(|| Error::Usage("[input] hidden: the seeded gate needs a hidden size".into()))?
+            };
+            if hidden == 0 {
+                return Err(Error::Usage("--hidden must be at least 1".into()));
+            }
+            // The gate is the layer's first seeded tensor, so the expert sizes do not change it:
+            // the same gate as `moe-audit route --seed S --hidden H`.
+            let layer = MoeLayer::seeded(config, hidden, 1, input.seed, DType::F32, &Device::Cpu)?;
+            Box::new(layer.router().clone())
+        }
+    };
+    if logits {
+        input.hidden = None;
+    }
+    let hs = Handshake {
+        protocol: PROTOCOL.into(),
+        name: router.name().into(),
+        experts,
+        top_k: router.config().and_then(|c| c.top_k),
+        input: if logits { InputKind::Logits } else { InputKind::Hidden },
+        hidden_size: router.hidden_size(),
+    };
+    let rows = rows(input, &hs, max_memory)?;
+    let inference = router.inference()?;
+    let serve = inference.as_deref().unwrap_or(router.as_ref());
+    let route = |r: &dyn Router| -> Result<crate::routing::Routing> {
+        if logits {
+            r.assign(rows.view())
+        } else {
+            let x = Tensor::from_slice(rows.as_slice().expect("standard layout"), rows.dim(), &Device::Cpu)?;
+            r.route(&x)
+        }
+    };
+    Ok(vec![(Mode::Train, rows.clone(), route(router.as_ref())?), (Mode::Inference, rows.clone(), route(serve)?)])
+}
+
+/// The rows `input` describes for a router taking `hs.input` rows of `hs.row_width()`; fills in
+/// `seq_len` from a file.
+fn rows(input: &mut InputSpec, hs: &Handshake, max_memory: u64) -> Result<Array3<f32>> {
+    let width = hs.row_width();
+    let sizes = CallSizes {
+        batch: input.batch,
+        seq_len: input.seq_len,
+        experts: hs.experts,
+        routes: hs.top_k.unwrap_or(1),
+        hidden: width,
+        ffn: 0,
+    };
+    memory::ensure_fits("this snapshot", sizes.estimate(), max_memory)?;
+    let want = match input.rows {
+        Rows::Seeded => {
+            let (b, s) = (input.batch, input.seq_len);
+            let t = Seeded::new(input.seed ^ INPUT_STREAM).normal(&[b, s, width], &Device::Cpu)?;
+            return Ok(Array3::from_shape_vec((b, s, width), t.flatten_all()?.to_vec1()?).expect("shape"));
+        }
+        Rows::Logits => InputKind::Logits,
+        Rows::HiddenStates => InputKind::Hidden,
+        Rows::Traces => {
+            return Err(Error::Usage(format!(
+                "[input] rows = \"traces\": router `{}` is not a trace directory",
+                hs.name
+            )))
+        }
+    };
+    let file = input.file.as_deref().ok_or_else(|| Error::Usage("[input] file: the rows file is missing".into()))?;
+    if want != hs.input {
+        let (given, takes) = match want {
+            InputKind::Logits => ("--logits", "hidden states (--hidden-states)"),
+            InputKind::Hidden => ("--hidden-states", "logits (--logits)"),
+        };
+        return Err(Error::Usage(format!("{given} {file}: router `{}` takes {takes}", hs.name)));
+    }
+    let what = match want {
+        InputKind::Logits => format!("the router has {} experts", hs.experts),
+        InputKind::Hidden => format!("the router's hidden size is {width}"),
+    };
+    let rows = crate::cli::read_rows(Path::new(file), input.batch, None, width, &what)?;
+    input.seq_len = rows.dim().1;
+    Ok(rows)
+}
+
+/// The first call of each mode of a trace directory, routed by its answers.
+fn trace_routings(dir: &Path, input: &mut InputSpec, max_memory: u64) -> Result<Routed> {
+    let path = dir.join(MANIFEST);
+    let text = std::fs::read_to_string(&path).map_err(|e| Error::input(&path, format!("cannot read: {e}")))?;
+    let manifest: Manifest =
+        serde_json::from_str(&text).map_err(|e| Error::input(&path, format!("not a plan manifest: {e}")))?;
+    let router = TraceRouter::open(dir, max_memory)?;
+    let inputs_path = dir.join(INPUTS);
+    let inputs = crate::layer::load_safetensors(&inputs_path, &Device::Cpu)?;
+    let width = router.row_width();
+    let mut out = Vec::new();
+    for mode in [Mode::Train, Mode::Inference] {
+        let Some(call) = manifest.calls.iter().find(|c| c.mode == mode) else { continue };
+        // TraceRouter::open checked every call's tensor and shape.
+        let t = &inputs[&call.tensor];
+        let rows = Array3::from_shape_vec((call.batch, call.seq_len, width), t.flatten_all()?.to_vec1()?)
+            .expect("checked when opened");
+        let routing = match mode {
+            Mode::Train => router.assign(rows.view())?,
+            Mode::Inference => router.inference()?.expect("external").assign(rows.view())?,
+        };
+        (input.batch, input.seq_len) = (call.batch, call.seq_len);
+        out.push((mode, rows, routing));
+    }
+    if out.is_empty() {
+        return Err(Error::input(&path, "plans no call"));
+    }
+    Ok(out)
+}
+
+fn read_recipe(dir: &Path) -> Result<Option<PlanRecipe>> {
+    let path = dir.join(PLAN_RECIPE);
+    if !path.is_file() {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(&path).map_err(|e| Error::input(&path, format!("cannot read: {e}")))?;
+    toml::from_str(&text)
+        .map(Some)
+        .map_err(|e| Error::input(&path, format!("not a snapshot recipe: {}", e.to_string().replace('\n', " "))))
+}
+
+/// Whether `dir` was written by [`write_plan`] (its snapshot then records the router, not the
+/// directory).
+pub fn is_snapshot_plan(dir: &Path) -> bool {
+    dir.join(PLAN_RECIPE).is_file()
+}
+
+/// Writes the inputs of a snapshot of the router `hs` describes into `dir`, for a harness to
+/// answer (`manifest.json` with one train and one inference call, `inputs.safetensors`) with the
+/// recipe of the snapshot beside them; `moe-audit snapshot --traces DIR` then makes the snapshot.
+pub fn write_plan(dir: &Path, hs: &Handshake, input: &InputSpec, max_memory: u64) -> Result<()> {
+    hs.validate().map_err(Error::Usage)?;
+    let mut input = InputSpec { hidden: None, ..input.clone() };
+    let rows = rows(&mut input, hs, max_memory)?;
+    let bytes: Vec<u8> = rows.iter().flat_map(|v| v.to_le_bytes()).collect();
+    input.sha256 = sha256(&[bytes.as_slice(), bytes.as_slice()].concat());
+    let (batch, seq_len, _) = rows.dim();
+    let options = AuditOptions { probes: vec![Probe::M], batch, seq_len, trials: 0, seed: input.seed, ranks: 1 };
+    let calls = [Mode::Train, Mode::Inference]
+        .iter()
+        .enumerate()
+        .map(|(i, &mode)| PlannedCall { id: i as u64 + 1, mode, batch, seq_len, tensor: "rows".into() })
+        .collect();
+    let manifest = Manifest { format: crate::external::trace::FORMAT.into(), router: hs.clone(), options, calls };
+    std::fs::create_dir_all(dir).map_err(|e| Error::input(dir, format!("cannot create: {e}")))?;
+    let t = Tensor::from_slice(rows.as_slice().expect("standard layout"), rows.dim(), &Device::Cpu)?;
+    let inputs = dir.join(INPUTS);
+    let tmp = dir.join(format!(".{INPUTS}.tmp-{}", std::process::id()));
+    candle_core::safetensors::save(&HashMap::from([("rows".to_string(), t)]), &tmp)
+        .and_then(|()| std::fs::rename(&tmp, &inputs).map_err(candle_core::Error::from))
+        .map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            Error::input(&inputs, format!("cannot write: {e}"))
+        })?;
+    let router = RouterSource::Harness {
+        name: hs.name.clone(),
+        experts: hs.experts,
+        top_k: hs.top_k,
+        input: hs.input,
+        hidden_size: hs.hidden_size,
+    };
+    let recipe = toml::to_string(&PlanRecipe { router, input }).expect("a recipe always serialises");
+    write_atomic(&dir.join(PLAN_RECIPE), recipe.as_bytes())?;
+    let manifest = serde_json::to_string_pretty(&manifest).expect("a manifest always serialises") + "\n";
+    write_atomic(&dir.join(MANIFEST), manifest.as_bytes())
+}
