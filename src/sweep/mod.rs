@@ -99,6 +99,9 @@ pub struct CellResult {
     pub flips_bf16: Option<f64>,
     /// X: the same in f16.
     pub flips_f16: Option<f64>,
+    /// The router's design family (the chart's marker shape; not written to JSON or CSV).
+    #[serde(skip)]
+    pub family: chart::Family,
 }
 
 /// Runs every cell (calling `tick` after each) and the heatmap; fails before running any when
@@ -227,6 +230,7 @@ fn run_cell(grid: &Grid, cell: &Cell, layer: &MoeLayer) -> Result<CellResult> {
         output_change_affected,
         flips_bf16: flips(0),
         flips_f16: flips(1),
+        family: chart::Family::of(&cell.config),
     })
 }
 

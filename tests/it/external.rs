@@ -37,7 +37,7 @@ fn run(args: &[&str]) -> Output {
 }
 
 /// Whether python3 with numpy is here; without it, a notice (or a failure under CI).
-fn numpy() -> bool {
+pub(crate) fn numpy() -> bool {
     let ok = Command::new("python3").args(["-c", "import numpy"]).output().is_ok_and(|o| o.status.success());
     if !ok {
         assert!(

@@ -11,6 +11,7 @@ mod limits;
 #[cfg(feature = "mpi")]
 mod mpi;
 mod parallel;
+mod readme;
 mod routers;
 mod snapshot_cli;
 mod snapshots;

@@ -1,0 +1,103 @@
+//! README claims, checked: every `moe-audit` command in a shell block that states its exit code
+//! (`# exit 1: P F N R L leak`) exits so and leaks exactly there, and the CI workflow the README
+//! shows is the file it names.
+
+use std::path::Path;
+use std::process::Command;
+
+const BIN: &str = env!("CARGO_BIN_EXE_moe-audit");
+
+fn readme() -> String {
+    std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md")).expect("README.md")
+}
+
+/// The lines of the README's fenced blocks of `language`.
+fn blocks(text: &str, language: &str) -> Vec<Vec<String>> {
+    let fence = format!("```{language}");
+    let mut blocks = Vec::new();
+    let mut current: Option<Vec<String>> = None;
+    for line in text.lines() {
+        match current.take() {
+            None if line.trim_start() == fence => current = Some(Vec::new()),
+            None => {}
+            Some(lines) if line.trim_start() == "```" => blocks.push(lines),
+            Some(mut lines) => {
+                lines.push(line.to_string());
+                current = Some(lines);
+            }
+        }
+    }
+    blocks
+}
+
+/// A command the README states the outcome of.
+struct Claim {
+    command: String,
+    exit: i32,
+    /// The probes the comment says leak (`None`: it names none).
+    leaking: Option<Vec<String>>,
+}
+
+fn claims(text: &str) -> Vec<Claim> {
+    let mut claims = Vec::new();
+    for line in blocks(text, "sh").concat() {
+        let Some((command, comment)) = line.split_once("# exit ") else { continue };
+        let Some(command) = command.trim().strip_prefix("moe-audit ") else { continue };
+        let (code, rest) = comment.split_once(':').unwrap_or((comment, ""));
+        let exit = code.trim().parse().unwrap_or_else(|_| panic!("README: cannot read the exit code of `{line}`"));
+        let leaking = rest.trim().strip_suffix("leak").map(|p| p.split_whitespace().map(String::from).collect());
+        claims.push(Claim { command: command.trim().to_string(), exit, leaking });
+    }
+    claims
+}
+
+#[test]
+fn readme_commands_exit_and_leak_as_their_comments_say() {
+    let claims = claims(&readme());
+    assert!(!claims.is_empty(), "the README states no command's exit code");
+    for claim in claims {
+        if claim.command.contains("python") && !crate::external::numpy() {
+            continue;
+        }
+        let out = Command::new("sh")
+            .arg("-c")
+            .arg(format!("\"{BIN}\" {} --format json", claim.command))
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .output()
+            .expect("run moe-audit");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(claim.exit), "`moe-audit {}`: {stderr}", claim.command);
+        if let Some(expected) = claim.leaking {
+            let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON report");
+            let leaking: Vec<String> = report["routers"][0]["findings"]
+                .as_array()
+                .expect("findings")
+                .iter()
+                .filter(|f| f["verdict"] == "leak")
+                .map(|f| f["probe"].as_str().expect("probe").to_string())
+                .collect();
+            assert_eq!(leaking, expected, "`moe-audit {}`: the README's comment names other probes", claim.command);
+        }
+    }
+}
+
+#[test]
+fn the_readme_workflow_is_the_file_it_names() {
+    let text = readme();
+    assert!(text.contains("(`.github/workflows/moe-audit.yml`)"), "README no longer names the workflow file");
+    let file = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(".github/workflows/moe-audit.yml"))
+        .expect(".github/workflows/moe-audit.yml");
+    let body: Vec<&str> = file.lines().skip_while(|l| l.starts_with('#')).collect();
+    let shown = blocks(&text, "yaml").into_iter().find(|b| b.first().is_some_and(|l| l.starts_with("name: moe-audit")));
+    assert_eq!(shown.expect("README shows the workflow"), body, "README's workflow differs from the file");
+}
+
+#[test]
+fn the_readme_zoo_table_is_what_zoo_prints() {
+    let out = Command::new(BIN).arg("zoo").output().expect("run moe-audit zoo");
+    assert_eq!(out.status.code(), Some(0));
+    let printed = String::from_utf8(out.stdout).expect("utf-8");
+    let table: String = printed.lines().take_while(|l| !l.is_empty()).map(|l| format!("{l}\n")).collect();
+    assert!(readme().contains(&table), "README's zoo table is stale: `cargo run -- zoo` prints\n{table}");
+}
