@@ -2,6 +2,7 @@
 
 mod check;
 mod ci;
+mod collectives;
 mod ep;
 mod external;
 mod route;
@@ -13,6 +14,7 @@ use clap::{Parser, Subcommand};
 use std::io::Write;
 
 pub use check::{verdicts, CheckArgs, CommKind, ZooArgs};
+pub use collectives::{CollectivesArgs, CollectivesFormat};
 pub use ep::{EpArgs, EpFormat};
 pub use external::{ExternalArgs, PlanArgs};
 pub use route::RouteArgs;
@@ -45,6 +47,9 @@ pub enum Command {
     Ep(EpArgs),
     /// Load balance against causality over a grid of routers and sizes: CSV, JSON, charts.
     Sweep(SweepArgs),
+    /// Gradient-like payloads all-reduced with every algorithm × wire × accumulator precision
+    /// against the exact sum: error, swamping, bias, traffic (exit 1 when a bias exceeds --max-bias).
+    Collectives(CollectivesArgs),
 }
 
 /// Runs a parsed command, writing its output to `out`. Returns the process exit code.
@@ -63,6 +68,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<u8> {
         Command::Plan(args) => external::run_plan(&args, out),
         Command::Ep(args) => ep::run(&args, out),
         Command::Sweep(args) => sweep::run(&args, out),
+        Command::Collectives(args) => collectives::run(&args, out),
     }
 }
 
