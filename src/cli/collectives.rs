@@ -152,6 +152,7 @@ pub(super) fn run(args: &CollectivesArgs, out: &mut dyn Write) -> Result<u8> {
 
 #[cfg(feature = "mpi")]
 fn on_mpi(args: &CollectivesArgs, payload: &Payload, plan: &AuditPlan) -> Result<Option<Vec<Figures>>> {
+    use crate::parallel::Communicator as _;
     let comm = crate::parallel::mpi::MpiComm::init()?;
     let result = if args.ranks.len() != 1 || args.ranks[0] != comm.size() {
         Err(Error::Usage(format!("--ranks must be the MPI world size {} under --comm mpi (mpirun -np)", comm.size())))

@@ -267,3 +267,30 @@ fn bad_collectives_input_is_one_line_and_exit_2() {
         assert!(err.starts_with(message), "{args:?}: {err}");
     }
 }
+
+#[test]
+fn ep_combine_in_low_precision_is_measured_against_the_f32_combine() {
+    let ep = |extra: &[&str]| {
+        let out = Command::new(BIN)
+            .args(["ep", "mixtral", "--seq-len", "32", "--ranks", "2", "--format", "json"])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let f32 = ep(&[]);
+    assert_eq!(f32["equals_single_device"], true);
+    assert!(f32.get("low_precision_combine").is_none());
+    let error = |v: &serde_json::Value| v["low_precision_combine"]["relative_error"].as_f64().unwrap();
+    let bf16 = ep(&["--combine-wire", "bf16", "--combine-accumulate", "bf16"]);
+    let f16 = ep(&["--combine-wire", "f16", "--combine-accumulate", "f32"]);
+    assert_eq!(bf16["equals_single_device"], false);
+    // bf16 keeps 8 significand bits, f16 11: errors near 2^-9 and 2^-12 of the values.
+    assert!(error(&bf16) > 5e-4 && error(&bf16) < 1e-2, "{bf16}");
+    assert!(error(&f16) > 5e-5 && error(&f16) < error(&bf16) / 4.0, "{f16}");
+    // The combine's bytes on the wire halve; the dispatch's stay f32.
+    let (t32, t16) = (&f32["traffic"][0], &f16["traffic"][0]);
+    assert_eq!(t16["combine"]["bytes_sent"].as_u64().unwrap() * 2, t32["combine"]["bytes_sent"].as_u64().unwrap());
+    assert_eq!(t16["dispatch"], t32["dispatch"]);
+}
