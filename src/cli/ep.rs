@@ -8,6 +8,8 @@ use crate::config::RouterConfig;
 use crate::error::{Error, Result};
 use crate::layer::{MoeLayer, Seeded};
 use crate::memory::{self, CallSizes};
+use crate::parallel::reduce::Precision;
+use crate::parallel::swamping::compare;
 use crate::parallel::{run_ranks, split_batch, Communicator, ExpertParallel, RankTraffic};
 use crate::router::Router;
 use bytesize::ByteSize;
@@ -54,6 +56,26 @@ pub struct EpArgs {
     /// physical memory).
     #[arg(long, value_name = "SIZE")]
     pub max_memory: Option<ByteSize>,
+    /// Precision of the expert outputs on their way back (the combine's wire); with a
+    /// low-precision combine the report compares the output with the f32 combine's.
+    #[arg(long, value_enum, default_value_t = Precision::F32)]
+    pub combine_wire: Precision,
+    /// Precision of the combine's sum of each token's weighted expert outputs.
+    #[arg(long, value_enum, default_value_t = Precision::F32)]
+    pub combine_accumulate: Precision,
+}
+
+/// A low-precision combine against the f32 combine, with `collectives`' figures.
+#[derive(Debug, Serialize)]
+struct CombineFigures {
+    wire: Precision,
+    accumulate: Precision,
+    /// ‖y − y_f32‖₂ / ‖y_f32‖₂.
+    relative_error: f64,
+    /// Share of output values off by more than 1% of the f32 combine's.
+    swamped_share: f64,
+    /// Mean signed error over mean |y_f32|.
+    bias: f64,
 }
 
 /// Output formats of `ep`.
@@ -82,6 +104,9 @@ struct EpReport {
     /// routing scope: 0 unless capacity or expert choice depends on which tokens share a rank).
     tokens_routed_differently: usize,
     traffic: Vec<RankTraffic>,
+    /// Present with a low-precision combine.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    low_precision_combine: Option<CombineFigures>,
 }
 
 pub(super) fn run(args: &EpArgs, out: &mut dyn Write) -> Result<u8> {
@@ -115,10 +140,25 @@ pub(super) fn run(args: &EpArgs, out: &mut dyn Write) -> Result<u8> {
     let seq_len = x.dims3()?.1;
     let work = |comm: &dyn Communicator| -> Result<EpReport> {
         split_batch(args.batch, comm.size())?;
-        let ep = ExpertParallel::new(&layer);
+        let ep = ExpertParallel::new(&layer).with_combine(args.combine_wire, args.combine_accumulate);
         ep.local_experts(comm.size())?;
         let g = ep.forward_gathered(comm, &x)?;
         let (_, whole) = layer.forward(&x)?;
+        let low = (args.combine_wire, args.combine_accumulate) != (Precision::F32, Precision::F32);
+        let low_precision_combine = if low {
+            let reference: Vec<f64> =
+                layer.apply(&x, &g.routing)?.flatten_all()?.to_vec1::<f32>()?.into_iter().map(f64::from).collect();
+            let f = compare(&g.y.flatten_all()?.to_vec1::<f32>()?, &reference, 0.01);
+            Some(CombineFigures {
+                wire: args.combine_wire,
+                accumulate: args.combine_accumulate,
+                relative_error: f.relative_error,
+                swamped_share: f.swamped_share,
+                bias: f.bias,
+            })
+        } else {
+            None
+        };
         let differ = (whole.tokens.iter().zip(&g.routing.tokens)).filter(|(a, b)| a.routes != b.routes).count();
         Ok(EpReport {
             router: layer.router().name().to_string(),
@@ -131,6 +171,7 @@ pub(super) fn run(args: &EpArgs, out: &mut dyn Write) -> Result<u8> {
             equals_single_device: checksum(&g.y)? == checksum(&layer.apply(&x, &g.routing)?)?,
             tokens_routed_differently: differ,
             traffic: g.traffic,
+            low_precision_combine,
         })
     };
     let Some(report) = on_ranks(args.comm, args.ranks, work)? else { return Ok(0) };
@@ -209,5 +250,15 @@ fn render(r: &EpReport) -> String {
         if r.equals_single_device { "yes" } else { "NO" },
         r.tokens_routed_differently
     );
+    if let Some(c) = &r.low_precision_combine {
+        s += &format!(
+            "combine in {} on the wire, {} accumulator, against the f32 combine: relative error {:.2e} | {:.2}% of values off by > 1% | bias {:.2e}\n",
+            c.wire.name(),
+            c.accumulate.name(),
+            c.relative_error,
+            c.swamped_share * 100.0,
+            c.bias
+        );
+    }
     s
 }

@@ -2,6 +2,7 @@
 
 mod check;
 mod ci;
+mod collectives;
 mod ep;
 mod external;
 mod route;
@@ -14,6 +15,7 @@ use clap::{Parser, Subcommand};
 use std::io::Write;
 
 pub use check::{verdicts, CheckArgs, CommKind, ZooArgs};
+pub use collectives::{CollectivesArgs, CollectivesFormat};
 pub use ep::{EpArgs, EpFormat};
 pub use external::{ExternalArgs, PlanArgs};
 pub(crate) use route::read_logits as read_rows;
@@ -51,6 +53,9 @@ pub enum Command {
     /// Snapshot a router's decisions on fixed inputs (train and inference) to a `.snap` file, or
     /// check one (exit 0 unchanged, 1 changed, 2 error).
     Snapshot(SnapshotArgs),
+    /// Gradient-like payloads all-reduced with every algorithm × wire × accumulator precision
+    /// against the exact sum: error, swamping, bias, traffic (exit 1 when a bias exceeds --max-bias).
+    Collectives(CollectivesArgs),
 }
 
 /// Runs a parsed command, writing its output to `out`. Returns the process exit code.
@@ -70,6 +75,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<u8> {
         Command::Ep(args) => ep::run(&args, out),
         Command::Sweep(args) => sweep::run(&args, out),
         Command::Snapshot(args) => snapshot::run(&args, out),
+        Command::Collectives(args) => collectives::run(&args, out),
     }
 }
 

@@ -46,6 +46,18 @@ pub trait Communicator {
     fn all_gather_bytes(&self, bytes: Vec<u8>) -> Result<Vec<Vec<u8>>>;
     /// Waits until every rank gets here.
     fn barrier(&self) -> Result<()>;
+    /// Sends `send` to rank `to` and receives `recv_len` bytes from rank `from` in one step (MPI
+    /// `Sendrecv`): the point-to-point exchange the reductions are built of. Every rank of the
+    /// step calls it, so that each message sent is received.
+    fn send_recv(&self, send: &[u8], to: usize, from: usize, recv_len: usize) -> Result<Vec<u8>> {
+        let size = self.size();
+        if to >= size || from >= size {
+            return Err(Error::shape("send-receive", format!("ranks {to} and {from} asked for, {size} ranks")));
+        }
+        self.exchange_pair(send, to, from, recv_len)
+    }
+    /// [`Communicator::send_recv`] on ranks already checked.
+    fn exchange_pair(&self, send: &[u8], to: usize, from: usize, recv_len: usize) -> Result<Vec<u8>>;
 
     /// Variable-count all-to-all with the count exchange inside: returns the rows received
     /// (source rank order) and how many came from each rank.
@@ -85,6 +97,8 @@ enum Message {
     /// A segment `[start, start + len)` of the sender's buffer (shared: the receiver copies it).
     Rows(Arc<Vec<f32>>, usize, usize),
     Bytes(Arc<Vec<u8>>),
+    /// A point-to-point message (one sender, one receiver).
+    Point(Vec<u8>),
     Barrier,
 }
 
@@ -102,6 +116,9 @@ struct Shared {
     size: usize,
     state: Mutex<State>,
     wake: Condvar,
+    /// One per rank, for send-receive: a point-to-point step wakes only the two ranks it
+    /// concerns (a ring step waking every rank costs R² wake-ups).
+    inbox: Vec<Condvar>,
 }
 
 impl Shared {
@@ -117,7 +134,13 @@ impl Shared {
         if state.failure.as_ref().is_none_or(|(r, _)| rank < *r) {
             state.failure = Some((rank, message));
         }
+        self.wake_everyone();
+    }
+
+    /// Wakes every waiting rank, in a collective or a send-receive.
+    fn wake_everyone(&self) {
         self.wake.notify_all();
+        self.inbox.iter().for_each(Condvar::notify_all);
     }
 }
 
@@ -149,7 +172,7 @@ impl InProcess {
             }
             state.mail[dst][self.rank] = Some(make(dst));
         }
-        shared.wake.notify_all();
+        shared.wake_everyone();
         loop {
             if let Some(f) = &state.failure {
                 return Err(failed(f));
@@ -160,10 +183,47 @@ impl InProcess {
             }
             if state.mail[self.rank].iter().all(Option::is_some) {
                 let got = state.mail[self.rank].iter_mut().map(|m| m.take().expect("all present")).collect();
-                shared.wake.notify_all();
+                shared.wake_everyone();
                 return Ok(got);
             }
             state = shared.wake.wait(state).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
+impl InProcess {
+    /// Posts `message` for `to`, then waits for the one `from` posted for this rank.
+    fn pair(&self, message: Message, to: usize, from: usize) -> Result<Message> {
+        let shared = &self.shared;
+        let mut state = shared.lock();
+        // `to` may not have collected our previous message yet.
+        while state.mail[to][self.rank].is_some() {
+            if let Some(f) = &state.failure {
+                return Err(failed(f));
+            }
+            if state.finished[to] {
+                return Err(gone(to));
+            }
+            state = shared.inbox[self.rank].wait(state).unwrap_or_else(|e| e.into_inner());
+        }
+        state.mail[to][self.rank] = Some(message);
+        // `to` may wait in a send-receive, or (ranks out of step) in a collective.
+        shared.inbox[to].notify_all();
+        shared.wake.notify_all();
+        loop {
+            if let Some(f) = &state.failure {
+                return Err(failed(f));
+            }
+            if let Some(m) = state.mail[self.rank][from].take() {
+                // `from` may wait for this slot to post its next message.
+                shared.inbox[from].notify_all();
+                shared.wake.notify_all();
+                return Ok(m);
+            }
+            if state.finished[from] {
+                return Err(gone(from));
+            }
+            state = shared.inbox[self.rank].wait(state).unwrap_or_else(|e| e.into_inner());
         }
     }
 }
@@ -240,6 +300,16 @@ impl Communicator for InProcess {
             .collect()
     }
 
+    fn exchange_pair(&self, send: &[u8], to: usize, from: usize, recv_len: usize) -> Result<Vec<u8>> {
+        match self.pair(Message::Point(send.to_vec()), to, from)? {
+            Message::Point(got) if got.len() == recv_len => Ok(got),
+            Message::Point(got) => {
+                Err(Error::shape("send-receive", format!("rank {from} sent {} bytes, {recv_len} expected", got.len())))
+            }
+            _ => Err(mismatch("a send-receive")),
+        }
+    }
+
     fn barrier(&self) -> Result<()> {
         for m in self.exchange(|_| Message::Barrier)? {
             if !matches!(m, Message::Barrier) {
@@ -265,6 +335,7 @@ pub fn run_ranks<T: Send>(size: usize, work: impl Fn(&InProcess) -> Result<T> + 
             finished: vec![false; size],
         }),
         wake: Condvar::new(),
+        inbox: (0..size).map(|_| Condvar::new()).collect(),
     });
     let results: Vec<Option<T>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..size)
@@ -275,7 +346,7 @@ pub fn run_ranks<T: Send>(size: usize, work: impl Fn(&InProcess) -> Result<T> + 
                     Ok(Ok(value)) => {
                         let mut state = comm.shared.lock();
                         state.finished[rank] = true;
-                        comm.shared.wake.notify_all();
+                        comm.shared.wake_everyone();
                         Some(value)
                     }
                     // A peer's failure, already recorded.

@@ -13,6 +13,7 @@
 //! logits that differ from the whole batch's (as a single-device call of ≤ 32 tokens does).
 
 use super::comm::Communicator;
+use super::reduce::Precision;
 use crate::error::{Error, Result};
 use crate::layer::MoeLayer;
 use crate::router::{logits_to_host, Router};
@@ -96,12 +97,21 @@ pub struct Gathered {
 #[derive(Debug, Clone, Copy)]
 pub struct ExpertParallel<'a> {
     layer: &'a MoeLayer,
+    /// Precision of the expert outputs on their way back, and of the combine's sum.
+    combine: (Precision, Precision),
 }
 
 impl<'a> ExpertParallel<'a> {
-    /// Wraps a layer.
+    /// Wraps a layer (f32 combine: the single-device layer's bits).
     pub fn new(layer: &'a MoeLayer) -> Self {
-        ExpertParallel { layer }
+        ExpertParallel { layer, combine: (Precision::F32, Precision::F32) }
+    }
+
+    /// The combine in low precision: expert outputs return rounded to `wire`, each weighted
+    /// output is rounded to `accumulate` and added to its token's sum in `accumulate`, in the
+    /// same order (ascending expert) as the f32 combine.
+    pub fn with_combine(self, wire: Precision, accumulate: Precision) -> Self {
+        ExpertParallel { combine: (wire, accumulate), ..self }
     }
 
     /// Experts per rank, or an error when E does not split over `ranks`.
@@ -144,6 +154,7 @@ impl<'a> ExpertParallel<'a> {
         let recv_rows: Vec<usize> = from_expert.chunks(m).map(|c| c.iter().sum()).collect();
         let x = x.reshape((b * s, h))?;
         let device = x.device();
+        let token_of_row = index.clone();
         let index = Tensor::new(index.as_slice(), device)?;
         let send = if weight.is_empty() { Vec::new() } else { x.index_select(&index, 0)?.flatten_all()?.to_vec1()? };
         let arrived = comm.all_to_all_rows(send, h, &send_rows, &recv_rows)?;
@@ -176,10 +187,23 @@ impl<'a> ExpertParallel<'a> {
                 taken[j] += len;
             }
         }
+        let (wire, accumulate) = self.combine;
+        if wire != Precision::F32 {
+            back.iter_mut().for_each(|v| *v = wire.round(*v));
+        }
         let returned = comm.all_to_all_rows(back, h, &recv_rows, &send_rows)?;
 
         // Combine: the single-device layer's ops on the same rows in the same order.
-        let y = if weight.is_empty() {
+        let y = if self.combine != (Precision::F32, Precision::F32) {
+            let mut y = vec![0f32; b * s * h];
+            for (row, (&t, &w)) in token_of_row.iter().zip(&weight).enumerate() {
+                let sum = &mut y[t as usize * h..(t as usize + 1) * h];
+                for (acc, &v) in sum.iter_mut().zip(&returned[row * h..(row + 1) * h]) {
+                    *acc = accumulate.round(*acc + accumulate.round(v * w));
+                }
+            }
+            Tensor::from_vec(y, (b * s, h), device)?
+        } else if weight.is_empty() {
             x.zeros_like()?
         } else {
             let n = weight.len();
@@ -187,7 +211,7 @@ impl<'a> ExpertParallel<'a> {
             let weighted = Tensor::from_vec(returned, (n, h), device)?.broadcast_mul(&weight)?;
             x.zeros_like()?.index_add(&index, &weighted, 0)?
         };
-        let traffic = account(rank, ranks, h, &send_rows, &recv_rows);
+        let traffic = account(rank, ranks, h, wire.bytes(), &send_rows, &recv_rows);
         let logits = logits.into_raw_vec_and_offset().0;
         Ok(RankOutput { y: y.reshape((b, s, h))?, routing, logits, traffic })
     }
@@ -245,10 +269,18 @@ struct RankResult {
     traffic: RankTraffic,
 }
 
-fn account(rank: usize, ranks: usize, h: usize, send_rows: &[usize], recv_rows: &[usize]) -> RankTraffic {
+/// `combine_value_bytes`: bytes per value of the expert outputs on their way back.
+fn account(
+    rank: usize,
+    ranks: usize,
+    h: usize,
+    combine_value_bytes: usize,
+    send_rows: &[usize],
+    recv_rows: &[usize],
+) -> RankTraffic {
     let bytes = h * VALUE_BYTES;
     let off = |rows: &[usize]| rows.iter().enumerate().filter(|&(r, _)| r != rank).map(|(_, n)| n).sum::<usize>();
-    let exchange = |out: &[usize], inn: &[usize]| Traffic {
+    let exchange = |out: &[usize], inn: &[usize], bytes: usize| Traffic {
         rows_sent: off(out),
         bytes_sent: off(out) * bytes,
         rows_received: off(inn),
@@ -259,8 +291,8 @@ fn account(rank: usize, ranks: usize, h: usize, send_rows: &[usize], recv_rows: 
     RankTraffic {
         rank,
         ranks,
-        dispatch: exchange(send_rows, recv_rows),
-        combine: exchange(recv_rows, send_rows),
+        dispatch: exchange(send_rows, recv_rows, bytes),
+        combine: exchange(recv_rows, send_rows, h * combine_value_bytes),
         payload_bytes,
         uniform_bytes_sent: payload_bytes as f64 * (ranks - 1) as f64 / ranks as f64,
     }

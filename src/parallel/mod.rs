@@ -4,12 +4,15 @@
 //! [`Communicator`] is what the layer needs from a distributed engine; [`run_ranks`] gives
 //! in-process ranks (threads, always built, the oracle), and with the cargo feature `mpi`,
 //! [`mpi::MpiComm`] gives one rank per MPI process. [`ExpertParallel`] is the layer, with its
-//! per-rank traffic accounting ([`RankTraffic`]).
+//! per-rank traffic accounting ([`RankTraffic`]). [`reduce`] has the reductions (all-reduce,
+//! reduce-scatter, all-gather in f32/bf16/f16) built on the communicator's send-receive.
 
 mod comm;
 mod ep;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+pub mod reduce;
+pub mod swamping;
 
 pub use comm::{run_ranks, Communicator, InProcess};
 pub use ep::{split_batch, ExpertParallel, Gathered, RankOutput, RankTraffic, Traffic};

@@ -8,7 +8,7 @@ use super::comm::Communicator;
 use crate::error::{Error, Result};
 use mpi::datatype::{Partition, PartitionMut};
 use mpi::topology::SimpleCommunicator;
-use mpi::traits::{Communicator as _, CommunicatorCollectives as _};
+use mpi::traits::{Communicator as _, CommunicatorCollectives as _, Equivalence as _};
 use mpi::Count;
 
 /// The MPI world as a [`Communicator`]. Dropping it finalises MPI.
@@ -95,6 +95,24 @@ impl Communicator for MpiComm {
             at += l;
         }
         Ok(out)
+    }
+
+    fn exchange_pair(&self, send: &[u8], to: usize, from: usize, recv_len: usize) -> Result<Vec<u8>> {
+        if Count::try_from(send.len().max(recv_len)).is_err() {
+            return Err(Error::shape("send-receive", format!("more than {} bytes in one message", Count::MAX)));
+        }
+        let mut recv = vec![0u8; recv_len];
+        let status = mpi::point_to_point::send_receive_into(
+            send,
+            &self.world.process_at_rank(to as mpi::Rank),
+            &mut recv[..],
+            &self.world.process_at_rank(from as mpi::Rank),
+        );
+        let got = status.count(u8::equivalent_datatype());
+        if usize::try_from(got).ok() != Some(recv_len) {
+            return Err(Error::shape("send-receive", format!("rank {from} sent {got} bytes, {recv_len} expected")));
+        }
+        Ok(recv)
     }
 
     fn barrier(&self) -> Result<()> {

@@ -2,6 +2,7 @@
 
 mod analyze;
 mod cli;
+mod collectives;
 mod edge_cases;
 mod external;
 mod hand_computed;

@@ -63,3 +63,15 @@ fn a_failing_mpi_rank_stops_every_rank_with_exit_2() {
         "error: rank 2 failed: non-finite score -inf at batch 2, position 5, expert 0\n"
     );
 }
+
+#[test]
+fn mpi_reductions_give_the_in_process_bits() {
+    // Every algorithm × wire × accumulator: the JSON carries each result's checksum.
+    let args = ["collectives", "--elements", "1000", "--ranges", "10,10000", "--format", "json"];
+    let (code, mpi, err) = mpirun(&[&args[..], &["--ranks", "4", "--comm", "mpi"]].concat());
+    assert_eq!(code, 0, "{err}");
+    let (local_code, local) = in_process(&[&args[..], &["--ranks", "4"]].concat());
+    assert_eq!(local_code, 0);
+    assert_eq!(mpi, local);
+    assert_eq!(mpi.matches("\"checksum\"").count(), 2 * 4 * 3 * 3, "{mpi}");
+}

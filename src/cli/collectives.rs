@@ -1,0 +1,450 @@
+//! `moe-audit collectives`: gradient-like payloads all-reduced with every algorithm × wire ×
+//! accumulator over a range of rank counts, against the exact sum (the GPT-4 failure, DOMAIN.md
+//! §1). Exit 1 when a configuration's bias exceeds `--max-bias`.
+
+use super::check::CommKind;
+use super::io_error;
+use crate::error::{Error, Result};
+use crate::memory;
+use crate::parallel::reduce::{Algorithm, Precision, ReducePlan};
+use crate::parallel::run_ranks;
+use crate::parallel::swamping::{audit, AuditPlan, Figures, Payload};
+use bytesize::ByteSize;
+use candle_core::{DType, Device};
+use clap::{Args, ValueEnum};
+use plotters::coord::Shift;
+use plotters::prelude::*;
+use serde::Serialize;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// Most in-process ranks (one thread each).
+const MAX_RANKS: usize = 1024;
+
+/// Arguments of `moe-audit collectives`.
+#[derive(Debug, Args)]
+pub struct CollectivesArgs {
+    /// Rank counts to reduce over (in-process; with --comm mpi, the MPI world size only).
+    #[arg(long, value_delimiter = ',', default_value = "4,8,16,32,64")]
+    pub ranks: Vec<usize>,
+    /// How the ranks communicate (mpi: run under `mpirun -np R`; rank 0 prints).
+    #[arg(long, value_enum, default_value_t = CommKind::InProcess)]
+    pub comm: CommKind,
+    /// Elements per buffer [default: 4096, or every value of --gradients].
+    #[arg(long)]
+    pub elements: Option<usize>,
+    /// Dynamic ranges of the seeded payload: outliers are this many times the typical value.
+    #[arg(long, value_delimiter = ',', default_value = "10,100,1000,10000")]
+    pub ranges: Vec<f64>,
+    /// Probability that a rank's value of an element is an outlier (seeded payload).
+    #[arg(long, default_value_t = 0.01)]
+    pub outliers: f64,
+    /// Seed of the payload.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Real gradients instead of the seeded payload: a safetensors file whose tensors all have
+    /// the ranks as first dimension (row r of every tensor, in name order, is rank r's buffer).
+    #[arg(long, value_name = "FILE")]
+    pub gradients: Option<PathBuf>,
+    /// Algorithms compared.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "ring,halving,hierarchical,direct")]
+    pub algorithms: Vec<Algorithm>,
+    /// Wire precisions compared.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "f32,bf16,f16")]
+    pub wire: Vec<Precision>,
+    /// Accumulator precisions compared.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "f32,bf16,f16")]
+    pub accumulate: Vec<Precision>,
+    /// Ranks per domain of the hierarchical algorithm (must divide every rank count).
+    #[arg(long, default_value_t = 4)]
+    pub domain: usize,
+    /// An element is swamped when its error exceeds this share of its exact sum.
+    #[arg(long, default_value_t = 0.01)]
+    pub tolerance: f64,
+    /// Exit 1 when a configuration's |bias| (mean signed error over mean |exact|) exceeds this.
+    #[arg(long)]
+    pub max_bias: Option<f64>,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = CollectivesFormat::Text)]
+    pub format: CollectivesFormat,
+    /// Also draw relative error against ranks, one line per configuration and one chart per
+    /// range, into this directory (SVG and PNG).
+    #[arg(long, value_name = "DIR")]
+    pub chart: Option<PathBuf>,
+    /// Refuse to start a run estimated to need more memory (e.g. `4GiB`; default: half of
+    /// physical memory).
+    #[arg(long, value_name = "SIZE")]
+    pub max_memory: Option<ByteSize>,
+}
+
+/// Output formats of `collectives`.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum CollectivesFormat {
+    /// One table per dynamic range.
+    Text,
+    /// Every figure.
+    Json,
+}
+
+/// What `collectives` reports (the JSON contract).
+#[derive(Debug, Serialize)]
+struct CollectivesReport {
+    /// `seeded` or the gradients file.
+    payload: String,
+    elements: usize,
+    tolerance: f64,
+    max_bias: Option<f64>,
+    /// One entry per range × rank count × configuration.
+    results: Vec<Figures>,
+    /// Configurations whose |bias| exceeds --max-bias (at any rank count or range).
+    over_max_bias: Vec<String>,
+}
+
+pub(super) fn run(args: &CollectivesArgs, out: &mut dyn Write) -> Result<u8> {
+    let (payload, plan) = validate(args)?;
+    let mut results = Vec::new();
+    match args.comm {
+        CommKind::InProcess => {
+            for &r in &args.ranks {
+                let got = run_ranks(r, |comm| audit(comm, &payload, &plan))?;
+                results.extend(got.into_iter().next().flatten().unwrap_or_default());
+            }
+        }
+        CommKind::Mpi => match on_mpi(args, &payload, &plan)? {
+            Some(r) => results = r,
+            None => return Ok(0),
+        },
+    }
+    // Range, then configuration, then ranks: the order the tables and charts read.
+    let key = |f: &Figures| (plan.ranges.iter().position(|&r| r == f.range), config_index(&plan, f), f.ranks);
+    results.sort_by_key(key);
+    // A NaN bias (an overflowed sum) counts as over.
+    let mut over: Vec<String> = Vec::new();
+    if let Some(max) = args.max_bias {
+        for f in results.iter().filter(|f| f.bias.is_nan() || f.bias.abs() > max) {
+            let name = config_name(f);
+            if !over.contains(&name) {
+                over.push(name);
+            }
+        }
+    }
+    let report = CollectivesReport {
+        payload: args.gradients.as_ref().map_or("seeded".into(), |p| p.display().to_string()),
+        elements: plan.elements,
+        tolerance: plan.tolerance,
+        max_bias: args.max_bias,
+        results,
+        over_max_bias: over,
+    };
+    if let Some(dir) = &args.chart {
+        std::fs::create_dir_all(dir).map_err(|e| Error::input(dir, format!("cannot create: {e}")))?;
+        for &range in &plan.ranges {
+            chart(&report, &plan, range, dir)?;
+        }
+    }
+    let text = match args.format {
+        CollectivesFormat::Json => serde_json::to_string_pretty(&report).expect("serialises") + "\n",
+        CollectivesFormat::Text => render(&report, args, &plan),
+    };
+    out.write_all(text.as_bytes()).map_err(io_error)?;
+    Ok(u8::from(!report.over_max_bias.is_empty()))
+}
+
+#[cfg(feature = "mpi")]
+fn on_mpi(args: &CollectivesArgs, payload: &Payload, plan: &AuditPlan) -> Result<Option<Vec<Figures>>> {
+    use crate::parallel::Communicator as _;
+    let comm = crate::parallel::mpi::MpiComm::init()?;
+    let result = if args.ranks.len() != 1 || args.ranks[0] != comm.size() {
+        Err(Error::Usage(format!("--ranks must be the MPI world size {} under --comm mpi (mpirun -np)", comm.size())))
+    } else {
+        audit(&comm, payload, plan)
+    };
+    Ok(result.unwrap_or_else(|e| comm.abort(&e)))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn on_mpi(_: &CollectivesArgs, _: &Payload, _: &AuditPlan) -> Result<Option<Vec<Figures>>> {
+    Err(super::check::no_mpi())
+}
+
+/// Every rule on the flags in one place; reads the gradients file.
+fn validate(args: &CollectivesArgs) -> Result<(Payload, AuditPlan)> {
+    let usage = |m: String| Err(Error::Usage(m));
+    if args.ranks.is_empty() {
+        return usage("--ranks is empty".into());
+    }
+    if let Some(&r) = args.ranks.iter().find(|&&r| r == 0 || r > MAX_RANKS) {
+        return usage(format!("--ranks must be between 1 and {MAX_RANKS}, got {r}"));
+    }
+    if args.algorithms.contains(&Algorithm::Hierarchical) {
+        if args.domain == 0 {
+            return usage("--domain must be at least 1".into());
+        }
+        if let Some(&r) = args.ranks.iter().find(|&&r| r % args.domain != 0) {
+            return usage(format!("--domain {} does not divide {r} ranks (hierarchical reduction)", args.domain));
+        }
+    }
+    if !(args.tolerance > 0.0 && args.tolerance.is_finite()) {
+        return usage(format!("--tolerance must be a positive number, got {}", args.tolerance));
+    }
+    if let Some(m) = args.max_bias.filter(|m| !(*m >= 0.0 && m.is_finite())) {
+        return usage(format!("--max-bias must be a number ≥ 0, got {m}"));
+    }
+    for (flag, empty) in [
+        ("--algorithms", args.algorithms.is_empty()),
+        ("--wire", args.wire.is_empty()),
+        ("--accumulate", args.accumulate.is_empty()),
+    ] {
+        if empty {
+            return usage(format!("{flag} is empty"));
+        }
+    }
+    let max_ranks = *args.ranks.iter().max().expect("not empty");
+    let limit = memory::limit(args.max_memory);
+    let (payload, elements, ranges) = match &args.gradients {
+        Some(path) => {
+            // The file's own size bounds what reading it allocates.
+            let size = std::fs::metadata(path).map_err(|e| Error::input(path, format!("cannot read: {e}")))?.len();
+            memory::ensure_fits("reading the gradients", size.saturating_mul(3), limit)?;
+            let rows = read_gradients(path)?;
+            if let Some(&r) = args.ranks.iter().find(|&&r| r > rows.len()) {
+                return usage(format!("--ranks {r}: {} holds gradients of {} ranks", path.display(), rows.len()));
+            }
+            let n = rows[0].len();
+            let elements = args.elements.unwrap_or(n);
+            if elements > n {
+                return usage(format!("--elements {elements}: {} holds {n} values per rank", path.display()));
+            }
+            (Payload::Rows(rows), elements, vec![1.0])
+        }
+        None => {
+            if !(0.0..=1.0).contains(&args.outliers) {
+                return usage(format!("--outliers must be a probability in [0, 1], got {}", args.outliers));
+            }
+            if let Some(r) = args.ranges.iter().find(|r| !(**r >= 1.0 && r.is_finite())) {
+                return usage(format!("--ranges must be finite numbers ≥ 1, got {r}"));
+            }
+            if args.ranges.is_empty() {
+                return usage("--ranges is empty".into());
+            }
+            let payload = Payload::Seeded { seed: args.seed, outliers: args.outliers };
+            (payload, args.elements.unwrap_or(4096), args.ranges.clone())
+        }
+    };
+    if elements == 0 {
+        return usage("--elements must be at least 1".into());
+    }
+    // Per rank: its payload, the buffer, a rounded copy, the message and what arrives (5 × 4
+    // bytes per element); rank 0 also holds every rank's payload and the exact sums.
+    let per_element = (max_ranks as u64).saturating_mul(20 + 4).saturating_add(8);
+    memory::ensure_fits(
+        "this reduction",
+        (elements as u64).saturating_mul(per_element).saturating_add(32 << 20),
+        limit,
+    )?;
+    let mut plans = Vec::new();
+    for &algorithm in &args.algorithms {
+        for &wire in &args.wire {
+            for &accumulate in &args.accumulate {
+                plans.push(ReducePlan { algorithm, wire, accumulate, domain: args.domain });
+            }
+        }
+    }
+    Ok((payload, AuditPlan { elements, ranges, plans, tolerance: args.tolerance }))
+}
+
+/// Row r of every tensor of a safetensors file, in name order, concatenated: rank r's gradients.
+fn read_gradients(path: &Path) -> Result<Vec<Vec<f32>>> {
+    let bad = |m: String| Error::input(path, m);
+    let tensors =
+        candle_core::safetensors::load(path, &Device::Cpu).map_err(|e| bad(format!("not a safetensors file: {e}")))?;
+    let mut names: Vec<&String> = tensors.keys().collect();
+    names.sort();
+    let Some(first) = names.first() else { return Err(bad("holds no tensors".into())) };
+    let ranks = tensors[*first].dims().first().copied().unwrap_or(0);
+    if ranks == 0 {
+        return Err(bad(format!("tensor `{first}` has no rank dimension (shape {:?})", tensors[*first].dims())));
+    }
+    let mut rows = vec![Vec::new(); ranks];
+    for name in names {
+        let t = &tensors[name];
+        if t.dims().first() != Some(&ranks) {
+            return Err(bad(format!(
+                "tensor `{name}` has shape {:?}, expected {ranks} ranks as its first dimension",
+                t.dims()
+            )));
+        }
+        let values = t.to_dtype(DType::F32).and_then(|t| t.reshape((ranks, ())))?.to_vec2::<f32>()?;
+        for (r, v) in values.into_iter().enumerate() {
+            if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+                return Err(bad(format!("tensor `{name}` holds a non-finite value at rank {r}, element {i}")));
+            }
+            rows[r].extend(v);
+        }
+    }
+    if rows[0].is_empty() {
+        return Err(bad("holds no values".into()));
+    }
+    Ok(rows)
+}
+
+fn config_index(plan: &AuditPlan, f: &Figures) -> usize {
+    plan.plans
+        .iter()
+        .position(|p| (p.algorithm, p.wire, p.accumulate) == (f.algorithm, f.wire, f.accumulate))
+        .unwrap_or(usize::MAX)
+}
+
+fn config_name(f: &Figures) -> String {
+    format!("{} wire {} accumulate {}", f.algorithm.name(), f.wire.name(), f.accumulate.name())
+}
+
+fn render(r: &CollectivesReport, args: &CollectivesArgs, plan: &AuditPlan) -> String {
+    let ranks = &args.ranks;
+    let last = *ranks.last().expect("not empty");
+    let mut s = format!(
+        "collectives: {} payload, {} elements, ranks {}; error against the exact sum of the wire inputs; swamped = |error| > {} × |exact|\n",
+        r.payload,
+        r.elements,
+        ranks.iter().map(usize::to_string).collect::<Vec<_>>().join(","),
+        r.tolerance
+    );
+    for &range in &plan.ranges {
+        if args.gradients.is_none() {
+            s += &format!("\ndynamic range {range}\n");
+        }
+        s += &format!(
+            "{:<13}{:<5}{:<5}| {:>40} | {:>7} | {:>9} | {:>10} | {:>10}\n",
+            "algorithm",
+            "wire",
+            "acc",
+            format!("relative error at R = {}", ranks.iter().map(usize::to_string).collect::<Vec<_>>().join(",")),
+            "growth",
+            format!("swamped@{last}"),
+            format!("bias@{last}"),
+            "bytes/2B(R-1)/R"
+        );
+        for p in &plan.plans {
+            let mine: Vec<&Figures> = r
+                .results
+                .iter()
+                .filter(|f| {
+                    f.range == range && (f.algorithm, f.wire, f.accumulate) == (p.algorithm, p.wire, p.accumulate)
+                })
+                .collect();
+            let (Some(first), Some(end)) = (mine.first(), mine.last()) else { continue };
+            let errors: Vec<String> = mine.iter().map(|f| format!("{:.1e}", f.relative_error)).collect();
+            let growth = if first.relative_error > 0.0 {
+                format!("{:.1}x", end.relative_error / first.relative_error)
+            } else {
+                "-".into()
+            };
+            s += &format!(
+                "{:<13}{:<5}{:<5}| {:>40} | {:>7} | {:>8.2}% | {:>10.1e} | {:>10.3}\n",
+                p.algorithm.name(),
+                p.wire.name(),
+                p.accumulate.name(),
+                errors.join(" "),
+                growth,
+                end.swamped_share * 100.0,
+                end.bias,
+                end.max_bytes_sent as f64 / end.formula_bytes.max(1.0)
+            );
+        }
+    }
+    if let Some(max) = r.max_bias {
+        if r.over_max_bias.is_empty() {
+            s += &format!("\nevery configuration's |bias| is within --max-bias {max}\n");
+        } else {
+            s += &format!("\n|bias| over --max-bias {max}: {}\n", r.over_max_bias.join("; "));
+        }
+    }
+    s
+}
+
+/// Relative error against ranks (log-log), one line per configuration, for one range.
+fn chart(r: &CollectivesReport, plan: &AuditPlan, range: f64, dir: &Path) -> Result<()> {
+    register_font();
+    let stem = format!("collectives-range-{range}");
+    let svg = dir.join(format!("{stem}.svg"));
+    draw(SVGBackend::new(&svg, SIZE).into_drawing_area(), r, plan, range).map_err(|e| draw_error(&svg, e))?;
+    let png = dir.join(format!("{stem}.png"));
+    draw(BitMapBackend::new(&png, SIZE).into_drawing_area(), r, plan, range).map_err(|e| draw_error(&png, e))?;
+    Ok(())
+}
+
+const SIZE: (u32, u32) = (1200, 760);
+const FONT: &str = "sans-serif";
+/// Errors below this (exact sums) are drawn at it: a log axis has no zero.
+const FLOOR: f64 = 1e-9;
+
+// The same bundled font as `sweep`'s charts (no system font libraries).
+fn register_font() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        plotters::style::register_font(
+            FONT,
+            FontStyle::Normal,
+            include_bytes!("../../assets/fonts/DejaVuSansMono.ttf"),
+        )
+        .unwrap_or_else(|_| panic!("the bundled font is a valid TrueType file"));
+    });
+}
+
+fn draw_error(path: &Path, e: impl std::fmt::Debug) -> Error {
+    Error::input(path, format!("cannot draw: {e:?}"))
+}
+
+type Drawn<DB> = std::result::Result<(), DrawingAreaErrorKind<<DB as DrawingBackend>::ErrorType>>;
+
+fn draw<DB: DrawingBackend>(
+    root: DrawingArea<DB, Shift>,
+    r: &CollectivesReport,
+    plan: &AuditPlan,
+    range: f64,
+) -> Drawn<DB> {
+    root.fill(&WHITE)?;
+    let mine: Vec<&Figures> = r.results.iter().filter(|f| f.range == range).collect();
+    let err = |f: &Figures| if f.relative_error.is_finite() { f.relative_error.max(FLOOR) } else { 1.0 };
+    let x_min = mine.iter().map(|f| f.ranks as f64).fold(f64::INFINITY, f64::min).min(1e9);
+    let x_max = mine.iter().map(|f| f.ranks as f64).fold(1.0, f64::max);
+    let y_max = mine.iter().map(|f| err(f)).fold(FLOOR * 10.0, f64::max) * 3.0;
+    let caption = format!("All-reduce relative error vs ranks (dynamic range {range}, {} elements)", r.elements);
+    let mut chart = ChartBuilder::on(&root)
+        .caption(caption, (FONT, 20))
+        .margin(16)
+        .x_label_area_size(48)
+        .y_label_area_size(80)
+        .right_y_label_area_size(0)
+        .build_cartesian_2d((x_min * 0.9..x_max * 1.1).log_scale(), (FLOOR * 0.5..y_max).log_scale())?;
+    chart
+        .configure_mesh()
+        .x_desc("ranks R")
+        .y_desc("relative error ||result - exact|| / ||exact||")
+        .y_label_formatter(&|v| format!("{v:.0e}"))
+        .label_style((FONT, 13))
+        .draw()?;
+    for (i, p) in plan.plans.iter().enumerate() {
+        let points: Vec<(f64, f64)> = mine
+            .iter()
+            .filter(|f| (f.algorithm, f.wire, f.accumulate) == (p.algorithm, p.wire, p.accumulate))
+            .map(|f| (f.ranks as f64, err(f)))
+            .collect();
+        let color = Palette99::pick(i).to_rgba();
+        let style = if p.wire == Precision::F32 { color.stroke_width(1) } else { color.stroke_width(2) };
+        let name = format!("{} {}/{}", p.algorithm.name(), p.wire.name(), p.accumulate.name());
+        chart
+            .draw_series(LineSeries::new(points.iter().copied(), style))?
+            .label(name)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2)));
+        chart.draw_series(points.iter().map(|&q| Circle::new(q, 3, color.filled())))?;
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .label_font((FONT, 11))
+        .draw()?;
+    root.present()
+}
