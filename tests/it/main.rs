@@ -12,6 +12,7 @@ mod limits;
 mod mpi;
 mod parallel;
 mod routers;
+mod search;
 mod snapshots;
 mod sweep;
 mod user_snapshot;
