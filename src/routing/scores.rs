@@ -97,7 +97,7 @@ pub(crate) fn top_k(values: &[f32], k: usize) -> Vec<usize> {
     for (i, &v) in values.iter().enumerate() {
         if len == k {
             // Full: only a value strictly above the k-th enters, and the k-th leaves.
-            if !(v > best[k - 1].0) {
+            if v.partial_cmp(&best[k - 1].0) != Some(Ordering::Greater) {
                 continue;
             }
             len -= 1;

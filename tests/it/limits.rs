@@ -51,7 +51,8 @@ fn the_default_limit_is_half_of_physical_memory_and_estimates_grow_with_size() {
 }
 
 /// Runs the binary on one worker thread and returns (exit code, peak resident bytes), the peak
-/// read from the kernel's accounting of that one child (`wait4`).
+/// read from the kernel's accounting of that one child (`wait4`, which also reaps it).
+#[allow(clippy::zombie_processes)]
 fn peak_of(args: &[&str]) -> (i32, u64) {
     let child = Command::new(BIN)
         .args(args)
