@@ -77,6 +77,14 @@ pub trait Router: Send + Sync {
             None => self.assign(logits),
         }
     }
+    /// Whether routing the first `t + 1` positions of each of `batch` sequences (no padding
+    /// mask) gives exactly this router's routing of the whole call restricted to them, for
+    /// every t. The prefix probe routes a few prefixes of such a router and derives the others
+    /// ([`crate::routing::prefix_stable`]); `false`, the default, has every prefix routed.
+    fn prefix_stable(&self, batch: usize) -> bool {
+        let _ = batch;
+        false
+    }
     /// The router used when serving, if it differs from this one (`[inference]`).
     fn inference(&self) -> Result<Option<Box<dyn Router>>> {
         Ok(None)
@@ -177,6 +185,10 @@ impl Router for ConfigRouter {
 
     fn assign_routes(&self, logits: ArrayView3<f32>, padding: Option<ArrayView2<bool>>) -> Result<Routing> {
         assign_routes(&self.config, logits, padding)
+    }
+
+    fn prefix_stable(&self, batch: usize) -> bool {
+        crate::routing::prefix_stable(&self.config, batch)
     }
 
     fn inference(&self) -> Result<Option<Box<dyn Router>>> {

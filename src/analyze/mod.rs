@@ -11,6 +11,7 @@ pub mod compare;
 mod layer_check;
 mod layout;
 pub mod numerics;
+mod prefix;
 mod probes;
 pub mod report;
 pub mod witness;
@@ -187,6 +188,10 @@ pub struct AuditOptions {
     /// Expert-parallel ranks the layout probe (L) compares with one.
     #[serde(default = "default_ranks")]
     pub ranks: usize,
+    /// Route every prefix in P (quadratic in `seq_len`) instead of searching them (see README,
+    /// "What is searched").
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub exhaustive: bool,
 }
 
 fn default_ranks() -> usize {
@@ -202,6 +207,7 @@ impl Default for AuditOptions {
             trials: 32,
             seed: 0,
             ranks: default_ranks(),
+            exhaustive: false,
         }
     }
 }
@@ -394,7 +400,8 @@ pub fn audit(subject: &Subject, options: &AuditOptions, tick: &mut dyn FnMut(&st
     let mut findings = Vec::new();
     for &probe in &options.probes {
         tick(&format!("{} {}", router.name(), probe.name()));
-        let mut finding = if probe == Probe::L { layout::probe(&ctx, &layout)? } else { run_probe(&ctx, probe)? };
+        let mut finding =
+            if probe == Probe::L { layout::probe(&ctx, &layout)? } else { run_probe(&ctx, probe, options.exhaustive)? };
         if let Some(sample) = &sample {
             sample.check(probe, &mut finding)?;
         }
@@ -403,7 +410,7 @@ pub fn audit(subject: &Subject, options: &AuditOptions, tick: &mut dyn FnMut(&st
     Ok(RouterReport { router: router.name().to_string(), load: ctx.base_routing.stats, invariants, findings })
 }
 
-fn run_probe(ctx: &Ctx, probe: Probe) -> Result<Finding> {
+fn run_probe(ctx: &Ctx, probe: Probe, exhaustive: bool) -> Result<Finding> {
     let mut finding = Finding::empty(probe);
     let cases = match probe {
         Probe::P => probes::Cases::Prefix(ctx),
@@ -422,6 +429,9 @@ fn run_probe(ctx: &Ctx, probe: Probe) -> Result<Finding> {
             _ => "needs a sequence of 2 or more tokens".into(),
         };
         return Ok(finding);
+    }
+    if probe == Probe::P && ctx.pure && !exhaustive {
+        return prefix::probe(ctx, finding);
     }
     let run = |i: usize| -> Result<(Tally, Option<case::Affected>)> {
         let case = cases.get(i);

@@ -12,6 +12,7 @@ use candle_core::Device;
 use ndarray::{s, Array2, Array3, Axis};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
 use std::borrow::Cow;
 use std::sync::Arc;
 
@@ -45,7 +46,12 @@ impl Ctx<'_> {
     /// `n` fresh token rows from the same distribution as the base call: seeded hidden states
     /// through the router's score stage, or standard-normal logits for a logits-only router.
     pub fn fresh(&self, n: usize, rng: &mut ChaCha8Rng) -> Result<Array2<f32>> {
-        let seed = rng.random();
+        self.fresh_from(n, rng.random())
+    }
+
+    /// [`Ctx::fresh`] from the seed it draws, so that trials can draw their seeds in order and
+    /// their rows in parallel (at H = 512 the seeded normals are most of what F and N build).
+    fn fresh_from(&self, n: usize, seed: u64) -> Result<Array2<f32>> {
         let mut seeded = Seeded::new(seed);
         let logits = match self.router.hidden_size() {
             Some(h) => logits_to_host(&self.router.scores(&hidden_states(self.router, (1, n), h, seed)?)?)?,
@@ -137,25 +143,48 @@ pub(crate) fn future(ctx: &Ctx) -> Result<Vec<Case>> {
         return Ok(Vec::new());
     }
     let mut rng = ctx.rng(Probe::F);
-    let mut cases = Vec::with_capacity(ctx.trials);
-    for trial in 0..ctx.trials {
-        let seq = rng.random_range(0..b);
-        let t = rng.random_range(0..s - 1);
+    let plans: Vec<_> = (0..ctx.trials)
+        .map(|trial| {
+            let seq = rng.random_range(0..b);
+            let t = rng.random_range(0..s - 1);
+            (seq, t, if trial % 2 == 0 { Rows::Fresh(rng.random()) } else { Rows::Toward(seq, t) })
+        })
+        .collect();
+    build(ctx, plans, |trial, (seq, t, rows)| {
         let mut changed = Call::clone(&ctx.base);
-        let later = s - t - 1;
-        let rows = if trial % 2 == 0 {
-            ctx.fresh(later, &mut rng)?
-        } else {
-            ctx.targeted_rows(later, ctx.target_of(seq, t, trial / 2))
-        };
-        changed.logits.slice_mut(s![seq, t + 1.., ..]).assign(&rows);
+        changed.logits.slice_mut(s![seq, t + 1.., ..]).assign(&rows.make(ctx, s - t - 1, trial)?);
         let mut compare = vec![0; b];
         compare[seq] = t + 1;
         let mut change_from = vec![None; b];
         change_from[seq] = Some(t + 1);
-        cases.push(Case { compare, change_from, ..Case::aligned(&ctx.base, changed) });
+        Ok(Case { compare, change_from, ..Case::aligned(&ctx.base, changed) })
+    })
+}
+
+/// A trial's new rows: fresh from a seed, or targeted at the experts of token (batch, pos).
+#[derive(Clone, Copy)]
+enum Rows {
+    Fresh(u64),
+    Toward(usize, usize),
+}
+
+impl Rows {
+    fn make(self, ctx: &Ctx, n: usize, trial: usize) -> Result<Array2<f32>> {
+        match self {
+            Rows::Fresh(seed) => ctx.fresh_from(n, seed),
+            Rows::Toward(batch, pos) => Ok(ctx.targeted_rows(n, ctx.target_of(batch, pos, trial / 2))),
+        }
     }
-    Ok(cases)
+}
+
+/// The case of each trial's plan (its random choices drawn in trial order beforehand), built
+/// in parallel for a router whose calls may run concurrently (the score stage makes rows).
+fn build<P: Send>(ctx: &Ctx, plans: Vec<P>, case: impl Fn(usize, P) -> Result<Case> + Sync) -> Result<Vec<Case>> {
+    if ctx.pure {
+        plans.into_par_iter().enumerate().map(|(i, p)| case(i, p)).collect()
+    } else {
+        plans.into_iter().enumerate().map(|(i, p)| case(i, p)).collect()
+    }
 }
 
 /// N: change one other sequence of the batch (random, or every token pushed toward the experts
@@ -166,22 +195,25 @@ pub(crate) fn neighbour(ctx: &Ctx) -> Result<Vec<Case>> {
         return Ok(Vec::new());
     }
     let mut rng = ctx.rng(Probe::N);
-    let mut cases = Vec::with_capacity(ctx.trials);
-    for trial in 0..ctx.trials {
-        let seq = rng.random_range(0..b);
+    let plans: Vec<_> = (0..ctx.trials)
+        .map(|trial| {
+            let seq = rng.random_range(0..b);
+            let rows = if trial % 2 == 0 {
+                Rows::Fresh(rng.random())
+            } else {
+                let victim = (seq + 1 + rng.random_range(0..b - 1)) % b;
+                Rows::Toward(victim, rng.random_range(0..s))
+            };
+            (seq, rows)
+        })
+        .collect();
+    build(ctx, plans, |trial, (seq, rows)| {
         let mut changed = Call::clone(&ctx.base);
-        let rows = if trial % 2 == 0 {
-            ctx.fresh(s, &mut rng)?
-        } else {
-            let victim = (seq + 1 + rng.random_range(0..b - 1)) % b;
-            ctx.targeted_rows(s, ctx.target_of(victim, rng.random_range(0..s), trial / 2))
-        };
-        changed.logits.slice_mut(s![seq, .., ..]).assign(&rows);
+        changed.logits.slice_mut(s![seq, .., ..]).assign(&rows.make(ctx, s, trial)?);
         let mut compare = vec![s; b];
         compare[seq] = 0;
-        cases.push(Case { compare, ..Case::aligned(&ctx.base, changed) });
-    }
-    Ok(cases)
+        Ok(Case { compare, ..Case::aligned(&ctx.base, changed) })
+    })
 }
 
 /// R: permute the sequences, drop one, add one, append padding, and (for routers that take a

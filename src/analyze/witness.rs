@@ -21,6 +21,12 @@ pub const FORMAT: &str = "moe-audit-witness/1";
 
 /// Caps the shrinking work on large inputs.
 const MAX_SHRINK_STEPS: usize = 4000;
+/// Caps the tokens routed over all shrinking attempts: this many times the starting pair's, and
+/// at least [`MIN_SHRINK_TOKENS`]. Each attempt routes the pair, so 4000 attempts on a long pair
+/// made shrinking the audit's largest cost (F at 4 × 8192: 20 s); small pairs never reach it.
+const SHRINK_WORK: usize = 64;
+/// The floor of the shrinking budget in routed tokens.
+const MIN_SHRINK_TOKENS: usize = 1 << 22;
 
 /// One call as stored in a witness.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -145,16 +151,19 @@ pub(crate) fn build(router: &dyn Router, probe: Probe, case: &Case, token: (usiz
 }
 
 fn shrink(mut pair: Pair, probe: Probe, leaks: &dyn Fn(&Pair) -> bool) -> Pair {
-    let steps = std::cell::Cell::new(0usize);
+    let tokens = |p: &Pair| p.a.dims().0 * p.a.dims().1 + p.b.dims().0 * p.b.dims().1;
+    let budget = (SHRINK_WORK * tokens(&pair)).max(MIN_SHRINK_TOKENS);
+    let (steps, work) = (std::cell::Cell::new(0usize), std::cell::Cell::new(0usize));
+    let spent = || steps.get() >= MAX_SHRINK_STEPS || work.get() > budget;
     let attempt = |candidate: Option<Pair>, pair: &mut Pair| -> bool {
         steps.set(steps.get() + 1);
-        match candidate {
-            Some(c) if steps.get() < MAX_SHRINK_STEPS && leaks(&c) => {
-                *pair = c;
-                true
-            }
-            _ => false,
+        let Some(c) = candidate.filter(|_| !spent()) else { return false };
+        work.set(work.get() + tokens(&c));
+        let kept = leaks(&c);
+        if kept {
+            *pair = c;
         }
+        kept
     };
     loop {
         let mut progress = false;
@@ -177,23 +186,25 @@ fn shrink(mut pair: Pair, probe: Probe, leaks: &dyn Fn(&Pair) -> bool) -> Pair {
         }
         // Positions, then changes undone (rows of b back to their aligned row of a), each in
         // halving chunks: big inputs shrink in a few tries.
-        progress |= ddmin(&mut pair, &coordinates, &drop_coordinates, &attempt);
+        progress |= ddmin(&mut pair, &coordinates, &drop_coordinates, &attempt, &spent);
         if !matches!(probe, Probe::D | Probe::S | Probe::M) {
-            progress |= ddmin(&mut pair, &changed_rows, &|p, rows| Some(revert_rows(p, rows)), &attempt);
+            progress |= ddmin(&mut pair, &changed_rows, &|p, rows| Some(revert_rows(p, rows)), &attempt, &spent);
         }
-        if !progress || steps.get() >= MAX_SHRINK_STEPS {
+        if !progress || spent() {
             return pair;
         }
     }
 }
 
 /// Delta debugging over the items `items(pair)` lists: tries removing chunks of half the items,
-/// then quarters, ... down to single items, keeping every removal after which the leak remains.
+/// then quarters, ... down to single items, keeping every removal after which the leak remains;
+/// it stops once the budget is `spent` (every further attempt would fail unseen).
 fn ddmin<T: Clone>(
     pair: &mut Pair,
     items: &dyn Fn(&Pair) -> Vec<T>,
     remove: &dyn Fn(&Pair, &[T]) -> Option<Pair>,
     attempt: &dyn Fn(Option<Pair>, &mut Pair) -> bool,
+    spent: &dyn Fn() -> bool,
 ) -> bool {
     let mut progress = false;
     let mut chunk = items(pair).len().div_ceil(2);
@@ -201,7 +212,7 @@ fn ddmin<T: Clone>(
         let mut start = 0;
         loop {
             let all = items(pair);
-            if start >= all.len() {
+            if start >= all.len() || spent() {
                 break;
             }
             let part: Vec<T> = all.into_iter().skip(start).take(chunk).collect();
@@ -284,8 +295,10 @@ fn coordinates(pair: &Pair) -> Vec<isize> {
 fn drop_coordinates(pair: &Pair, coords: &[isize]) -> Option<Pair> {
     let (_, sa) = pair.a.dims();
     let (_, sb) = pair.b.dims();
-    let keep_a: Vec<usize> = (0..sa).filter(|&p| !coords.contains(&(p as isize))).collect();
-    let keep_b: Vec<usize> = (0..sb).filter(|&q| !coords.contains(&(q as isize - pair.offset as isize))).collect();
+    // `coords` is a run of the ascending `coordinates`: a binary search keeps this O(S log S).
+    let dropped = |c: isize| coords.binary_search(&c).is_ok();
+    let keep_a: Vec<usize> = (0..sa).filter(|&p| !dropped(p as isize)).collect();
+    let keep_b: Vec<usize> = (0..sb).filter(|&q| !dropped(q as isize - pair.offset as isize)).collect();
     if keep_a.is_empty() || keep_b.is_empty() {
         return None;
     }

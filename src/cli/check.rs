@@ -41,6 +41,10 @@ pub struct CheckArgs {
     /// Seed of the layer, the inputs and every random choice.
     #[arg(long, default_value_t = 0, help_heading = "Audit")]
     pub seed: u64,
+    /// Route every prefix in P (time quadratic in --seq-len) instead of searching them; the
+    /// verdicts and witnesses are the same, the counts cover every prefix.
+    #[arg(long, help_heading = "Audit")]
+    pub exhaustive: bool,
     /// Hidden size of the seeded layer.
     #[arg(long, default_value_t = 64, help_heading = "Audit")]
     pub hidden: usize,
@@ -122,6 +126,7 @@ impl CheckArgs {
             trials: self.trials,
             seed: self.seed,
             ranks,
+            exhaustive: self.exhaustive,
         })
     }
 }

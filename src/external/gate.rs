@@ -144,6 +144,9 @@ impl Router for GateRouter {
     fn assign_masked(&self, logits: ArrayView3<f32>, padding: ArrayView2<bool>) -> Result<Routing> {
         self.inner.assign_masked(logits, padding)
     }
+    fn prefix_stable(&self, batch: usize) -> bool {
+        self.inner.prefix_stable(batch)
+    }
     fn inference(&self) -> Result<Option<Box<dyn Router>>> {
         self.inner.inference()
     }

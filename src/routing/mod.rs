@@ -7,6 +7,7 @@
 pub mod balance;
 pub mod capacity;
 mod expert_choice;
+mod prefix;
 mod record;
 pub(crate) mod scope;
 pub(crate) mod scores;
@@ -15,6 +16,7 @@ pub(crate) mod stats;
 mod table;
 mod token_choice;
 
+pub use prefix::prefix_stable;
 pub use record::{ExpertLoad, GroupRecord, LoadStats, Route, Routing, ScopeRecord, TokenRouting};
 pub use table::render_table;
 

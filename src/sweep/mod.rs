@@ -194,6 +194,8 @@ fn run_cell(grid: &Grid, cell: &Cell, layer: &MoeLayer) -> Result<CellResult> {
         seq_len: cell.seq_len,
         trials: grid.trials,
         seed: grid.seed,
+        // The sweep compares leak rates: P's must cover every prefix, not the searched ones.
+        exhaustive: true,
         ..AuditOptions::default()
     };
     let report = audit(&Subject::layer(layer), &options, &mut |_| {})?;

@@ -14,7 +14,7 @@ use Probe::*;
 use Verdict::{Leak, NotApplicable, Pass};
 
 fn options(probes: &[Probe]) -> AuditOptions {
-    AuditOptions { probes: probes.to_vec(), batch: 4, seq_len: 32, trials: 16, seed: 0, ranks: 2 }
+    AuditOptions { probes: probes.to_vec(), batch: 4, seq_len: 32, trials: 16, seed: 0, ranks: 2, exhaustive: false }
 }
 
 fn layer_of(config: RouterConfig) -> MoeLayer {
@@ -401,7 +401,15 @@ fn rounded(v: serde_json::Value) -> serde_json::Value {
 #[test]
 fn json_reports() {
     // Small enough to read: 2 sequences of 8 tokens, 4 trials. The report has no timings.
-    let options = AuditOptions { probes: Probe::ALL.to_vec(), batch: 2, seq_len: 8, trials: 4, seed: 0, ranks: 2 };
+    let options = AuditOptions {
+        probes: Probe::ALL.to_vec(),
+        batch: 2,
+        seq_len: 8,
+        trials: 4,
+        seed: 0,
+        ranks: 2,
+        exhaustive: false,
+    };
     for name in ["mixtral", "megatron-probs", "expert-choice"] {
         let layer = layer_of(config(name));
         let report = audit(&Subject::layer(&layer), &options, &mut |_| {}).unwrap();

@@ -49,3 +49,36 @@ fn the_default_limit_is_half_of_physical_memory_and_estimates_grow_with_size() {
     assert!(small < 64 << 20, "default audit estimate {small}");
     assert!(long > 1000 * small / 8 && long > 4 << 30, "{long}");
 }
+
+/// Runs the binary on one worker thread and returns (exit code, peak resident bytes), the peak
+/// read from the kernel's accounting of that one child (`wait4`, which also reaps it).
+#[allow(clippy::zombie_processes)]
+fn peak_of(args: &[&str]) -> (i32, u64) {
+    let child = Command::new(BIN)
+        .args(args)
+        .env("RAYON_NUM_THREADS", "1")
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("run moe-audit");
+    let (mut status, mut usage) = (0, unsafe { std::mem::zeroed::<libc::rusage>() });
+    // SAFETY: waits for our own child by pid, writing into the two locals.
+    let pid = unsafe { libc::wait4(child.id() as libc::pid_t, &mut status, 0, &mut usage) };
+    assert_eq!(pid, child.id() as libc::pid_t, "wait4");
+    (libc::WEXITSTATUS(status), usage.ru_maxrss as u64 * 1024)
+}
+
+#[test]
+fn the_estimate_holds_at_the_largest_shape_ci_affords() {
+    // 4 × 2048 tokens at E = 256, k = 8: DeepSeek-V3's routing dropless, and under Megatron
+    // capacity (every probe leaks, so witnesses are shrunk too). The peak grows with T·E, and
+    // stays under the estimate `check` refuses to exceed.
+    let capacity = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/routers/megatron-probs-e256.toml");
+    for (router, leaks) in [("deepseek-v3", 0), (capacity, 1)] {
+        let (code, peak) = peak_of(&["check", router, "--batch", "4", "--seq-len", "2048"]);
+        assert_eq!(code, leaks, "{router}");
+        let estimate =
+            AuditOptions { batch: 4, seq_len: 2048, ..AuditOptions::default() }.memory_estimate(256, 8, 64, 128);
+        assert!(peak <= estimate, "{router}: peak {peak} over the estimate {estimate}");
+        assert!(peak > estimate / 4, "{router}: peak {peak}, estimate {estimate}: the estimate is no bound if far off");
+    }
+}

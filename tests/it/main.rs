@@ -14,6 +14,7 @@ mod mpi;
 mod parallel;
 mod readme;
 mod routers;
+mod search;
 mod snapshot_cli;
 mod snapshots;
 mod sweep;

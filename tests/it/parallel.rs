@@ -144,7 +144,8 @@ fn a_failing_rank_stops_every_rank() {
 
 fn layout(name: &str, ranks: usize) -> moe_audit::analyze::Finding {
     let layer = layer(preset(name).unwrap().config().unwrap());
-    let options = AuditOptions { probes: vec![Probe::L], batch: B, seq_len: 32, trials: 4, seed: 0, ranks };
+    let options =
+        AuditOptions { probes: vec![Probe::L], batch: B, seq_len: 32, trials: 4, seed: 0, ranks, exhaustive: false };
     let report = audit(&Subject::layer(&layer), &options, &mut |_| {}).unwrap();
     report.finding(Probe::L).unwrap().clone()
 }

@@ -17,7 +17,7 @@ use Verdict::{Leak, Pass};
 const HIDDEN: usize = 32;
 
 fn options(probes: &[Probe]) -> AuditOptions {
-    AuditOptions { probes: probes.to_vec(), batch: 4, seq_len: 32, trials: 8, seed: 0, ranks: 2 }
+    AuditOptions { probes: probes.to_vec(), batch: 4, seq_len: 32, trials: 8, seed: 0, ranks: 2, exhaustive: false }
 }
 
 fn config(name: &str) -> RouterConfig {
@@ -147,7 +147,7 @@ fn m_reports_how_often_training_and_serving_disagree() {
 #[test]
 fn scenario_15_bf16_flips_sit_at_near_ties() {
     let layer = layer_of(config("mixtral"));
-    let o = AuditOptions { probes: vec![X], batch: 4, seq_len: 256, trials: 1, seed: 0, ranks: 2 };
+    let o = AuditOptions { probes: vec![X], batch: 4, seq_len: 256, trials: 1, seed: 0, ranks: 2, exhaustive: false };
     let f = audit(&Subject::layer(&layer), &o, &mut |_| {}).unwrap().findings.remove(0);
     let n = f.numerics.as_ref().unwrap();
     let bf16 = &n.flips[0];
