@@ -281,7 +281,15 @@ pub fn write_plan(dir: &Path, hs: &Handshake, input: &InputSpec, max_memory: u64
     let bytes: Vec<u8> = rows.iter().flat_map(|v| v.to_le_bytes()).collect();
     input.sha256 = sha256(&[bytes.as_slice(), bytes.as_slice()].concat());
     let (batch, seq_len, _) = rows.dim();
-    let options = AuditOptions { probes: vec![Probe::M], batch, seq_len, trials: 0, seed: input.seed, ranks: 1 };
+    let options = AuditOptions {
+        probes: vec![Probe::M],
+        batch,
+        seq_len,
+        trials: 0,
+        seed: input.seed,
+        ranks: 1,
+        exhaustive: false,
+    };
     let calls = [Mode::Train, Mode::Inference]
         .iter()
         .enumerate()
