@@ -11,11 +11,13 @@ pub mod cli;
 pub mod config;
 pub mod error;
 pub mod external;
+pub mod files;
 pub mod layer;
 pub mod memory;
 pub mod parallel;
 pub mod router;
 pub mod routing;
+pub mod runtime;
 mod snapshot;
 pub mod sweep;
 
