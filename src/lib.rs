@@ -14,6 +14,7 @@ pub mod external;
 pub mod files;
 pub mod layer;
 pub mod memory;
+pub mod names;
 pub mod parallel;
 pub mod router;
 pub mod routing;

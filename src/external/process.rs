@@ -38,7 +38,7 @@ const MAX_TIMEOUT_SECS: f64 = 86_400.0;
 pub fn timeout(secs: f64) -> Result<Duration> {
     if !(secs.is_finite() && secs > 0.0 && secs <= MAX_TIMEOUT_SECS) {
         return Err(Error::Usage(format!(
-            "--timeout must be a number of seconds in (0, {MAX_TIMEOUT_SECS}], got {secs}"
+            "--timeout must be a number of seconds in (0, {MAX_TIMEOUT_SECS}], got {secs:?}"
         )));
     }
     Ok(Duration::from_secs_f64(secs))
