@@ -112,7 +112,7 @@ impl RouterConfig {
                     ensure(f.is_finite() && f > 0.0, "capacity.factor", || format!("must be finite and > 0, got {f}"))?;
                     // Beyond this the capacity is past every route anyway; far beyond, past usize.
                     ensure(f <= MAX_CAPACITY_FACTOR, "capacity.factor", || {
-                        format!("{f} is over {MAX_CAPACITY_FACTOR}: no token is dropped long before; use a fixed capacity or a smaller factor")
+                        format!("{f:?} is over {MAX_CAPACITY_FACTOR:?}: no token is dropped long before; use a fixed capacity or a smaller factor")
                     })?
                 }
                 (None, Some(_)) => {}

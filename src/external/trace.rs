@@ -172,9 +172,8 @@ pub fn planned_options(dir: &Path, max_memory: u64) -> Result<AuditOptions> {
 /// Reads and checks `manifest.json`: its format and the router it describes.
 fn read_manifest(dir: &Path, max_memory: u64) -> Result<Manifest> {
     let path = dir.join(MANIFEST);
-    if !path.exists() {
-        return Err(Error::input(&path, "cannot read (write it with `moe-audit plan`): No such file or directory"));
-    }
+    std::fs::metadata(&path)
+        .map_err(|e| Error::input(&path, format!("cannot read (write it with `moe-audit plan`): {e}")))?;
     let text = crate::files::read_text(&path, max_memory / 4, "a quarter of --max-memory")?;
     let manifest: Manifest =
         serde_json::from_str(&text).map_err(|e| Error::input(&path, format!("not a plan manifest: {e}")))?;
@@ -205,12 +204,12 @@ impl TraceRouter {
         let inputs_path = dir.join(INPUTS);
         let inputs = crate::layer::load_safetensors(&inputs_path, &Device::Cpu, max_memory / 2)?;
         let decisions_path = dir.join(DECISIONS);
-        if !decisions_path.exists() {
-            return Err(Error::input(
+        std::fs::metadata(&decisions_path).map_err(|e| {
+            Error::input(
                 &decisions_path,
-                format!("cannot read (your harness writes one response line per call of {MANIFEST}): No such file or directory"),
-            ));
-        }
+                format!("cannot read (your harness writes one response line per call of {MANIFEST}): {e}"),
+            )
+        })?;
         let decisions = crate::files::read_text(&decisions_path, max_memory / 4, "a quarter of --max-memory")?;
         let mut responses = HashMap::new();
         for (n, line) in decisions.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {

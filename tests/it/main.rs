@@ -4,6 +4,7 @@ mod analyze;
 mod cli;
 mod edge_cases;
 mod external;
+mod faults;
 mod hand_computed;
 mod invariants;
 mod layer;
