@@ -55,7 +55,8 @@ fn survivors_after_a_moment(marker: &str) -> Vec<String> {
 fn check(router: &str, extra: &[&str]) -> (Output, Duration) {
     let start = Instant::now();
     let out = Command::new(BIN)
-        .args(["check", "--router-cmd", router, "--probes", "D"])
+        .args(["check", "--router-cmd", router])
+        .args(if extra.contains(&"--probes") { &[][..] } else { &["--probes", "D"][..] })
         .args(extra)
         .env("RAYON_NUM_THREADS", "1")
         .output()
@@ -214,12 +215,15 @@ fn an_expert_choice_router_may_leave_a_token_unrouted() {
 
 /// An expert-choice router in Python: expert 0 takes every other token, the rest stay unrouted.
 fn n_tokens_router() -> String {
-    let script = "import json,sys\n\
-print(json.dumps({'protocol':'moe-audit/1','name':'ec','experts':4,'top_k':None,'input':'hidden','hidden_size':8}),flush=True)\n\
-for line in sys.stdin:\n\
-    r=json.loads(line); n=r['batch']*r['seq_len']\n\
-    t=[[{'expert':0,'weight':1.0,'kept':True}] if i%2==0 else [] for i in range(n)]\n\
-    print(json.dumps({'id':r['id'],'tokens':t,'capacity':None}),flush=True)\n";
+    let script = [
+        "import json,sys",
+        "print(json.dumps({'protocol':'moe-audit/1','name':'ec','experts':4,'top_k':None,'input':'hidden','hidden_size':8}),flush=True)",
+        "for line in sys.stdin:",
+        "    r=json.loads(line); n=r['batch']*r['seq_len']",
+        "    t=[[{'expert':0,'weight':1.0,'kept':True}] if i%2==0 else [] for i in range(n)]",
+        "    print(json.dumps({'id':r['id'],'tokens':t,'capacity':None}),flush=True)",
+    ]
+    .join("\n");
     let path = dir("ec").join("ec.py");
     std::fs::write(&path, script).unwrap();
     format!("python3 {}", path.display())
