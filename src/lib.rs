@@ -11,11 +11,14 @@ pub mod cli;
 pub mod config;
 pub mod error;
 pub mod external;
+pub mod files;
 pub mod layer;
 pub mod memory;
+pub mod names;
 pub mod parallel;
 pub mod router;
 pub mod routing;
+pub mod runtime;
 pub mod snapshot;
 pub mod sweep;
 

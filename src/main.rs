@@ -2,9 +2,28 @@
 
 use clap::Parser;
 use moe_audit::cli::{run, Cli};
+use moe_audit::runtime::{self, one_line};
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
+    // The last line of defence: a panic anywhere is one line and exit 2, routers killed and no
+    // temporary output left.
+    std::panic::set_hook(Box::new(|info| {
+        let what = info
+            .payload()
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| info.payload().downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        let at = info.location().map_or(String::new(), |l| format!(" at {}:{}", l.file(), l.line()));
+        runtime::clean_up();
+        eprintln!("error: internal error (a bug, please report it): {}{at}", one_line(&what));
+        std::process::exit(2);
+    }));
+    if let Err(e) = runtime::init() {
+        eprintln!("error: {}", one_line(&e.to_string()));
+        return ExitCode::from(2);
+    }
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         // --help and --version print and succeed.
@@ -17,14 +36,18 @@ fn main() -> ExitCode {
         Err(e) => {
             let text = e.render().to_string();
             let first: Vec<&str> = text.lines().map(str::trim).take_while(|l| !l.is_empty()).collect();
-            eprintln!("{} (see --help)", first.join(" "));
+            eprintln!("{} (see --help)", one_line(&first.join(" ")));
             return ExitCode::from(2);
         }
     };
     match run(cli, &mut std::io::stdout().lock()) {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            eprintln!("error: {e}");
+            // The signal thread is ending the process with its own message.
+            while runtime::interrupted_by_signal() {
+                std::thread::park();
+            }
+            eprintln!("error: {}", one_line(&e.to_string()));
             ExitCode::from(2)
         }
     }

@@ -23,6 +23,17 @@ pub fn limit(requested: Option<ByteSize>) -> u64 {
     requested.map_or_else(|| physical_memory().unwrap_or(FALLBACK_PHYSICAL) / DEFAULT_SHARE, |b| b.as_u64())
 }
 
+/// Parses `--max-memory` (`512MiB`, `4GiB`, `2000000000`): a positive size, said clearly when not.
+pub fn parse_size(text: &str) -> std::result::Result<ByteSize, String> {
+    let size: ByteSize = text.trim().parse().ok().filter(|_| !text.trim_start().starts_with('-')).ok_or_else(|| {
+        format!("`{text}` is not a size: use a positive number of bytes with a unit, e.g. 512MiB or 4GiB")
+    })?;
+    if size.as_u64() == 0 {
+        return Err("a limit of 0 bytes lets nothing run: use a positive size, e.g. 512MiB".into());
+    }
+    Ok(size)
+}
+
 /// Fails with the estimate when `estimate` bytes exceed `limit`.
 pub fn ensure_fits(what: &str, estimate: u64, limit: u64) -> Result<()> {
     if estimate <= limit {

@@ -1,5 +1,6 @@
-//! The bad-input catalogue: router configs, sweep grids, CLI flags, logits files, safetensors,
-//! protocol messages, trace directories and witness files. Every case runs through the binary
+//! The bad-input catalogue: router configs, sweep grids, CLI flags, the environment, logits
+//! files, safetensors, protocol messages, trace directories and witness files, including files
+//! that never end (`/dev/zero`), sizes that overflow, names that would break a report. Every case runs through the binary
 //! and must exit 2 with exactly one `error: ` line on stderr that names the problem and where,
 //! nothing on stdout, and no panic. The messages are one inline snapshot, so a change to any of
 //! them is reviewed.
@@ -75,6 +76,60 @@ fn witness_with(name: &str, change: impl FnOnce(&mut serde_json::Value)) -> Stri
     file(name, &w.to_string())
 }
 
+/// `plan` of a tiny audit into the temp dir; `extra` flags replace the defaults they name.
+fn plan(extra: &[&str]) -> Vec<String> {
+    let defaults = [
+        ("--experts", "2"),
+        ("--top-k", "1"),
+        ("--batch", "1"),
+        ("--seq-len", "2"),
+        ("--trials", "1"),
+        ("--probes", "D"),
+    ];
+    let mut args = vec!["plan".to_string(), "--output".into(), tmp_dir().join("plan").to_str().unwrap().into()];
+    for (flag, value) in defaults.iter().filter(|(f, _)| !extra.contains(f)) {
+        args.extend([flag.to_string(), value.to_string()]);
+    }
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
+/// A planned trace directory whose manifest `change` edits; returns its path.
+fn traces_with(name: &str, change: impl FnOnce(&mut serde_json::Value)) -> String {
+    let dir = tmp_dir().join(name);
+    let out = Command::new(BIN)
+        .args([
+            "plan",
+            "--experts",
+            "2",
+            "--top-k",
+            "1",
+            "--batch",
+            "1",
+            "--seq-len",
+            "2",
+            "--trials",
+            "1",
+            "--probes",
+            "D",
+        ])
+        .arg("--output")
+        .arg(&dir)
+        .output()
+        .expect("run moe-audit");
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let path = dir.join("manifest.json");
+    let mut manifest: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    change(&mut manifest);
+    std::fs::write(&path, manifest.to_string()).unwrap();
+    dir.to_str().unwrap().to_string()
+}
+
+/// A router that answers its handshake, then a line of 20 MB.
+fn sh_line_router() -> String {
+    format!("printf '%s\\n' '{HANDSHAKE}'; read -r line; head -c 20000000 /dev/zero | tr '\\0' x; echo")
+}
+
 const ROW: &str = "[1, 2, 3, 4, 5, 6, 7, 8]";
 
 /// (what, arguments) of every bad input.
@@ -88,7 +143,10 @@ fn catalogue() -> Vec<(&'static str, Vec<String>)> {
             ("wide", Tensor::ones((4, 16), DType::F32, &Device::Cpu).unwrap()),
         ],
     );
-    let nan_gate = safetensors("nan.safetensors", &[("gate", (gate * f64::NAN).unwrap())]);
+    let nan_gate = safetensors("nan.safetensors", &[("gate", (gate.clone() * f64::NAN).unwrap())]);
+    let big_gate = safetensors("big.safetensors", &[("gate", (gate * 1e5).unwrap())]);
+    let empty_gate =
+        safetensors("empty.safetensors", &[("gate", Tensor::zeros((8, 0), DType::F32, &Device::Cpu).unwrap())]);
     let route = |extra: &[&str]| [&["route"], extra].concat().iter().map(|s| s.to_string()).collect::<Vec<_>>();
     let check = |extra: &[&str]| [&["check"], extra].concat().iter().map(|s| s.to_string()).collect::<Vec<_>>();
     // An explicit --max-memory: the default depends on the machine.
@@ -106,6 +164,7 @@ fn catalogue() -> Vec<(&'static str, Vec<String>)> {
         check(&["--router-cmd", &command, "--batch", "1", "--seq-len", "1", "--probes", "D", "--timeout", "5"])
     };
     let replay = |path: String| check(&["--replay", &path]);
+    let external_timeout = |t: &str| check(&["--router-cmd", "true", "--timeout", t]);
     vec![
         // Router configs
         ("unknown preset", route(&["no-such-router"])),
@@ -270,7 +329,154 @@ fn catalogue() -> Vec<(&'static str, Vec<String>)> {
             "witness: logit beyond f32",
             replay(witness_with("w_huge.json", |w| w["b"]["logits"][0][0] = serde_json::json!(1e40))),
         ),
+        // Reliability II. Flags
+        ("--trials 0", check(&["mixtral", "--trials", "0"])),
+        ("plan --trials 0", plan(&["--trials", "0"])),
+        (
+            "plan --experts 0",
+            vec![
+                "plan".into(),
+                "--experts".into(),
+                "0".into(),
+                "--output".into(),
+                tmp_dir().join("plan0").to_str().unwrap().into(),
+            ],
+        ),
+        ("plan --top-k over --experts", plan(&["--top-k", "3"])),
+        ("plan --name with a newline", plan(&["--name", "a\nb"])),
+        ("--timeout NaN", external_timeout("NaN")),
+        ("--timeout negative", external_timeout("-1")),
+        ("--timeout 1e300", external_timeout("1e300")),
+        ("--max-memory negative", check(&["mixtral", "--max-memory", "-1GiB"])),
+        ("--max-memory 0", check(&["mixtral", "--max-memory", "0"])),
+        ("an argument with a newline", route(&["no\nsuch"])),
+        // Names
+        ("router name with a newline", route(&[&router_with("name_nl.toml", "name = \"t\"", "name = \"a\\nb\"")])),
+        (
+            "router name too long",
+            route(&[&router_with("name_long.toml", "name = \"t\"", &format!("name = \"{}\"", "n".repeat(201)))]),
+        ),
+        ("two routers named alike", check(&[&file("twin_a.toml", ROUTER), &file("twin_b.toml", ROUTER)])),
+        ("the same preset twice", check(&["mixtral", "mixtral"])),
+        (
+            "protocol: handshake name with a control character",
+            external(format!("echo '{}'", HANDSHAKE.replace("\"sh\"", "\"a\\u0007b\""))),
+        ),
+        // Reads bounded by the memory limit
+        ("logits: /dev/zero", route(&["megatron-probs", "--logits", "/dev/zero", "--max-memory", "1MiB"])),
+        (
+            "logits: over --max-memory once parsed",
+            route(&[
+                "megatron-probs",
+                "--logits",
+                &file("many.json", &format!("[{}{ROW}]", format!("{ROW},").repeat(20000))),
+                "--batch",
+                "1",
+                "--max-memory",
+                "1MiB",
+            ]),
+        ),
+        (
+            "ep --input: the file's sizes over --max-memory",
+            vec![
+                "ep".into(),
+                "mixtral".into(),
+                "--hidden".into(),
+                "4".into(),
+                "--ffn".into(),
+                "4".into(),
+                "--batch".into(),
+                "2".into(),
+                "--input".into(),
+                file("hidden.json", &format!("[{}[1, 2, 3, 4]]", "[1, 2, 3, 4],".repeat(199_999))),
+                "--max-memory".into(),
+                "100MiB".into(),
+            ],
+        ),
+        ("witness: /dev/zero", check(&["--replay", "/dev/zero", "--max-memory", "64MiB"])),
+        ("sweep: grid is /dev/zero", sweep("/dev/zero".into())),
+        (
+            "weights: /dev/zero",
+            check(&["mixtral", "--weights", "/dev/zero", "--gate", "gate", "--max-memory", "64MiB"]),
+        ),
+        (
+            "plan: targeted calls over the E passes",
+            [
+                "plan",
+                "--experts",
+                "128",
+                "--max-memory",
+                "1GiB",
+                "--output",
+                tmp_dir().join("plan128").to_str().unwrap(),
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect(),
+        ),
+        (
+            "protocol: a line over a quarter of --max-memory",
+            [external(sh_line_router()), vec!["--max-memory".into(), "48MiB".into()]].concat(),
+        ),
+        // Sizes from files, checked
+        (
+            "witness: batch x seq_len overflows",
+            replay(witness_with("w_overflow.json", |w| {
+                w["a"]["batch"] = (u64::MAX / 2).into();
+                w["a"]["seq_len"] = 4.into();
+            })),
+        ),
+        // Accepted silently before
+        (
+            "traces: no probes",
+            check(&["--traces", &traces_with("t_probes", |m| m["options"]["probes"] = serde_json::json!([]))]),
+        ),
+        ("traces: batch 0", check(&["--traces", &traces_with("t_batch", |m| m["options"]["batch"] = 0.into())])),
+        ("weights: gate of shape [8, 0]", check(&["mixtral", "--weights", &empty_gate, "--gate", "gate"])),
+        (
+            "witness: stored routing on an expert out of range",
+            replay(witness_with("w_stored.json", |w| w["after"]["routes"][0]["expert"] = 99.into())),
+        ),
+        ("capacity factor 1e308", route(&[&router_with("factor_huge.toml", "factor = 1.0", "factor = 1e308")])),
+        // Unclear before
+        (
+            "X: f16 overflows a finite gate",
+            check(&[
+                "mixtral",
+                "--weights",
+                &big_gate,
+                "--gate",
+                "gate",
+                "--probes",
+                "X",
+                "--batch",
+                "1",
+                "--seq-len",
+                "4",
+            ]),
+        ),
     ]
+}
+
+/// The environment is input too: a thread count that is not a number is an error, an absurd one
+/// is capped (the run finishes, quickly, with the same output).
+#[test]
+fn the_environment_is_checked() {
+    let run = |threads: &str| {
+        Command::new(BIN).args(["route", "mixtral"]).env("RAYON_NUM_THREADS", threads).output().expect("run moe-audit")
+    };
+    for bad in ["lots", "-1", "1.5"] {
+        let out = run(bad);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{bad}: {err}");
+        assert!(
+            err.starts_with("error: RAYON_NUM_THREADS must be a whole number") && err.lines().count() == 1,
+            "{err}"
+        );
+    }
+    let (one, huge) = (run("1"), run("1000000"));
+    assert_eq!(huge.status.code(), Some(0), "{}", String::from_utf8_lossy(&huge.stderr));
+    assert_eq!(one.stdout, huge.stdout);
 }
 
 #[test]
@@ -339,7 +545,7 @@ fn every_bad_input_exits_2_with_one_line_and_no_panic() {
     unknown probe
       error: --probes: unknown probe `Q`, expected some of P,F,N,R,D,S,M,L,X
     --max-memory not a size
-      error: invalid value 'lots' for '--max-memory <SIZE>': couldn't parse "lots" into a ByteSize, cannot parse float from empty string (see --help)
+      error: invalid value 'lots' for '--max-memory <SIZE>': `lots` is not a size: use a positive number of bytes with a unit, e.g. 512MiB or 4GiB (see --help)
     over --max-memory
       error: the audit of `mixtral` needs about 42.1 MiB of memory, over the limit of 1.0 KiB (--max-memory; the default is half of physical memory): use smaller sizes or raise the limit
     --ranks not dividing the batch
@@ -367,7 +573,7 @@ fn every_bad_input_exits_2_with_one_line_and_no_panic() {
     logits: null
       error: [TMP]/null.json: expected a JSON array of rows of numbers: invalid type: null, expected f64 at line 1 column 15
     weights: missing file
-      error: [TMP]/none.safetensors: cannot load safetensors: No such file or directory (os error 2)
+      error: [TMP]/none.safetensors: cannot read: No such file or directory (os error 2)
     weights: not safetensors
       error: [TMP]/garbage.safetensors: cannot load safetensors: header too small
     weights: no such tensor
@@ -397,7 +603,7 @@ fn every_bad_input_exits_2_with_one_line_and_no_panic() {
     protocol: router crashes
       error: router `exit 3`: the router exited (exit status: 3) before its handshake
     plan: too large
-      error: this plan needs about 568.4 PiB of memory, over the limit of 8.0 GiB (--max-memory; the default is half of physical memory): use smaller sizes or raise the limit
+      error: this plan needs about 2.8 EiB of memory, over the limit of 8.0 GiB (--max-memory; the default is half of physical memory): use smaller sizes or raise the limit
     traces: no manifest
       error: [TMP]/no-traces/manifest.json: cannot read (write it with `moe-audit plan`): No such file or directory (os error 2)
     witness: missing file
@@ -414,5 +620,67 @@ fn every_bad_input_exits_2_with_one_line_and_no_panic() {
       error: [TMP]/w_token.json: the witness token lies outside its calls
     witness: logit beyond f32
       error: [TMP]/w_huge.json: not a witness: number out of range at line 1 column 698
+    --trials 0
+      error: --trials must be at least 1
+    plan --trials 0
+      error: --trials must be at least 1
+    plan --experts 0
+      error: --experts must be in 1..=1048576, got 0
+    plan --top-k over --experts
+      error: --top-k must be in 1..=2 (--experts), got 3
+    plan --name with a newline
+      error: --name holds the control character '\n': names appear in one-line reports
+    --timeout NaN
+      error: --timeout must be a number of seconds in (0, 86400], got NaN
+    --timeout negative
+      error: --timeout must be a number of seconds in (0, 86400], got -1.0
+    --timeout 1e300
+      error: --timeout must be a number of seconds in (0, 86400], got 1e300
+    --max-memory negative
+      error: invalid value '-1GiB' for '--max-memory <SIZE>': `-1GiB` is not a size: use a positive number of bytes with a unit, e.g. 512MiB or 4GiB (see --help)
+    --max-memory 0
+      error: invalid value '0' for '--max-memory <SIZE>': a limit of 0 bytes lets nothing run: use a positive size, e.g. 512MiB (see --help)
+    an argument with a newline
+      error: unknown router `no\nsuch`: not a preset (mixtral, deepseek-v3, switch, megatron-probs, megatron-position, megatron-probs-pad, deepspeed-top1, deepspeed-top2, deepspeed-topk-probs, expert-choice, aux-loss-free, causal-capacity, sinkhorn, batch-prioritized, expert-choice-tc-serve) and not a file
+    router name with a newline
+      error: [TMP]/name_nl.toml: name: holds the control character '\n': names appear in one-line reports
+    router name too long
+      error: [TMP]/name_long.toml: name: has 201 characters, at most 200 are allowed
+    two routers named alike
+      error: two routers are named `t`: give each router of a run its own name
+    the same preset twice
+      error: two routers are named `mixtral`: give each router of a run its own name
+    protocol: handshake name with a control character
+      error: router `echo '{"protocol": "moe-audit/1", "name": "a\u0007b", "experts": 2, "top_k": 1, "input": "logits"}'`: bad handshake (handshake: name holds the control character '\u{7}': names appear in one-line reports): `{"protocol": "moe-audit/1", "name": "a\u0007b", "experts": 2, "top_k": 1, "input": "logits"}`
+    logits: /dev/zero
+      error: /dev/zero: larger than 1.0 MiB (--max-memory); it may never end
+    logits: over --max-memory once parsed
+      error: reading [TMP]/many.json needs about 4.4 MiB of memory, over the limit of 1.0 MiB (--max-memory; the default is half of physical memory): use smaller sizes or raise the limit
+    ep --input: the file's sizes over --max-memory
+      error: this forward needs about 187.6 MiB of memory, over the limit of 100.0 MiB (--max-memory; the default is half of physical memory): use smaller sizes or raise the limit
+    witness: /dev/zero
+      error: /dev/zero: larger than 16.0 MiB (a quarter of --max-memory); it may never end
+    sweep: grid is /dev/zero
+      error: /dev/zero: larger than 16.0 MiB (the most a sweep grid may hold); it may never end
+    weights: /dev/zero
+      error: /dev/zero: larger than 32.0 MiB (half of --max-memory); it may never end
+    plan: targeted calls over the E passes
+      error: this plan needs about 5.2 GiB of memory, over the limit of 1.0 GiB (--max-memory; the default is half of physical memory): use smaller sizes or raise the limit
+    protocol: a line over a quarter of --max-memory
+      error: router `printf '%s\n' '{"protocol": "moe-audit/1", "name": "sh", "experts": 2, "top_k": 1, "input": "logits"}'; read -r line; head -c 20000000 /dev/zero | tr '\0' x; echo`: reading the answer to request 1 (train, batch 1 x seq_len 1): a line longer than 12.0 MiB (--max-memory)
+    witness: batch x seq_len overflows
+      error: [TMP]/w_overflow.json: call `a`: batch 9223372036854775807 x seq_len 4 overflows
+    traces: no probes
+      error: [TMP]/t_probes/manifest.json: options.probes: is empty: an audit that runs no probe cannot pass
+    traces: batch 0
+      error: [TMP]/t_batch/manifest.json: options.batch: must be at least 1, got 0
+    weights: gate of shape [8, 0]
+      error: [TMP]/empty.safetensors: tensor `gate` has shape [8, 0]: a gate needs a hidden size of at least 1
+    witness: stored routing on an expert out of range
+      error: [TMP]/w_stored.json: `after` routes to expert 99 twice or out of range 0..8
+    capacity factor 1e308
+      error: [TMP]/factor_huge.toml: capacity.factor: 1e308 is over 1000000.0: no token is dropped long before; use a fixed capacity or a smaller factor
+    X: f16 overflows a finite gate
+      error: probe X: f16 overflows at batch 0, position 0, expert 0: the logit 621724.3 (f32) becomes inf in f16 (largest finite 65504); scale the gate down or leave X out
     "##);
 }

@@ -212,6 +212,24 @@ impl Default for AuditOptions {
     }
 }
 
+impl AuditOptions {
+    /// Checks options read from a file (a trace manifest): an audit that runs no probe, or on
+    /// no token, must not pass. The error names the field.
+    pub fn check(&self) -> std::result::Result<(), (String, String)> {
+        if self.probes.is_empty() {
+            return Err(("probes".into(), "is empty: an audit that runs no probe cannot pass".into()));
+        }
+        for (field, v) in
+            [("batch", self.batch), ("seq_len", self.seq_len), ("trials", self.trials), ("ranks", self.ranks)]
+        {
+            if v == 0 {
+                return Err((field.into(), "must be at least 1, got 0".into()));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Counts of how far after a token the change that affected it was: bucket `[from, to]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct InfluenceBucket {

@@ -93,6 +93,7 @@ pub(super) fn probe(ctx: &Ctx, mut finding: Finding) -> Result<Finding> {
     let mut first = None;
     for dtype in [DType::BF16, DType::F16] {
         let low = Call::new(low_precision_logits(ctx, dtype)?);
+        overflow(&ctx.base.logits, &low.logits, dtype)?;
         let routing = low.routes(ctx.router)?;
         let (f, token) = compare(&ctx.base.logits, &ctx.base_routing, &routing, dtype);
         if first.is_none() {
@@ -140,6 +141,24 @@ fn low_precision_logits(ctx: &Ctx, dtype: DType) -> Result<Logits> {
                 &candle_core::Device::Cpu,
             )?;
             logits_to_host(&round(&flat)?)
+        }
+    }
+}
+
+/// Fails naming the first logit that is finite in f32 but not once computed in `dtype` (a gate
+/// whose logits or hidden states exceed f16's 65504): routing could only call it non-finite.
+fn overflow(base: &Logits, low: &Logits, dtype: DType) -> Result<()> {
+    let at = ndarray::Zip::indexed(base).and(low).fold(None, |found, (b, p, e), &x, &y| {
+        found.or_else(|| (x.is_finite() && !y.is_finite()).then_some((b, p, e, x, y)))
+    });
+    match at {
+        None => Ok(()),
+        Some((b, p, e, x, y)) => {
+            let (name, max) = if dtype == DType::F16 { ("f16", "65504") } else { ("bf16", "3.39e38") };
+            Err(crate::Error::Usage(format!(
+                "probe X: {name} overflows at batch {b}, position {p}, expert {e}: the logit {x} (f32) becomes {y} \
+                 in {name} (largest finite {max}); scale the gate down or leave X out"
+            )))
         }
     }
 }

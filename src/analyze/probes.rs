@@ -74,11 +74,15 @@ impl Ctx<'_> {
     }
 
     /// The expert a token is pushed toward in trial `trial`: its routes in turn (1st choice, 2nd
-    /// choice, ...), or its strongest logit when it has no route (expert choice).
+    /// choice, ...), or its strongest logit when it has no route (expert choice); for a router
+    /// fed hidden rows (no logits to read), the experts in turn.
     fn target_of(&self, batch: usize, pos: usize, trial: usize) -> usize {
         let routes = &self.base_routing.token(batch, pos).routes;
         let real: Vec<usize> = routes.iter().filter(|r| !r.padded).map(|r| r.expert).collect();
-        if real.is_empty() {
+        let experts = self.router.experts();
+        if real.is_empty() && self.width() != experts {
+            (pos + trial) % experts.max(1)
+        } else if real.is_empty() {
             let row = self.base.logits.slice(s![batch, pos, ..]);
             crate::routing::scores::top_k(row.as_slice().expect("contiguous row"), 1)[0]
         } else {

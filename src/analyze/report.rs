@@ -95,7 +95,7 @@ pub fn render_markdown(report: &Report) -> String {
             let _ = writeln!(
                 out,
                 "| `{}` | {} {} | {verdict} | {} | {} | {} |",
-                r.router,
+                crate::names::markdown(&r.router),
                 f.probe,
                 f.probe.name(),
                 f.property,
@@ -104,7 +104,12 @@ pub fn render_markdown(report: &Report) -> String {
             );
         }
         for v in &r.invariants {
-            let _ = writeln!(out, "| `{}` | invariant | ❌ fail | – | – | {} |", r.router, v.replace('|', "\\|"));
+            let _ = writeln!(
+                out,
+                "| `{}` | invariant | ❌ fail | – | – | {} |",
+                crate::names::markdown(&r.router),
+                v.replace('|', "\\|")
+            );
         }
     }
     // The verdict in one line, for a reader of the step summary who skips the table.

@@ -330,12 +330,14 @@ fn store(call: &Call) -> StoredCall {
 
 fn load(call: &StoredCall, name: &str, path: &Path) -> Result<Call> {
     let experts = call.logits.first().map_or(0, Vec::len);
-    if call.batch * call.seq_len != call.logits.len() || call.logits.iter().any(|r| r.len() != experts) || experts == 0
-    {
+    let Some(rows) = call.batch.checked_mul(call.seq_len) else {
         return Err(Error::input(
             path,
-            format!("call `{name}`: expected {} rows of equal length", call.batch * call.seq_len),
+            format!("call `{name}`: batch {} x seq_len {} overflows", call.batch, call.seq_len),
         ));
+    };
+    if rows != call.logits.len() || call.logits.iter().any(|r| r.len() != experts) || experts == 0 {
+        return Err(Error::input(path, format!("call `{name}`: expected {rows} rows of equal length")));
     }
     let logits = Logits::from_shape_vec((call.batch, call.seq_len, experts), call.logits.concat()).expect("checked");
     let padding = match &call.padding {
@@ -365,9 +367,15 @@ pub struct Replay {
 }
 
 impl Witness {
-    /// Reads a witness file.
+    /// Reads a witness file (at most a quarter of the default memory limit).
     pub fn read(path: &Path) -> Result<Witness> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::input(path, format!("cannot read: {e}")))?;
+        Self::read_within(path, crate::memory::limit(None))
+    }
+
+    /// Reads a witness file under the memory limit `max_memory`: the text, and the values parsed
+    /// from it (about four times the text), must fit.
+    pub fn read_within(path: &Path, max_memory: u64) -> Result<Witness> {
+        let text = crate::files::read_text(path, max_memory / 4, "a quarter of --max-memory")?;
         Self::parse(&text, path)
     }
 
@@ -380,7 +388,31 @@ impl Witness {
         w.router.validate().map_err(|(field, message)| {
             Error::config(&path.display().to_string(), &format!("router.{field}"), message)
         })?;
+        w.check_stored_routings().map_err(|m| Error::input(path, m))?;
         Ok(w)
+    }
+
+    /// The stored routings are what the witness claims: on valid experts, and different (a
+    /// capacity difference aside, which lives in the group, not the token).
+    fn check_stored_routings(&self) -> std::result::Result<(), String> {
+        for (name, t) in [("before", &self.before), ("after", &self.after)] {
+            let mut seen = vec![false; self.router.experts];
+            for r in &t.routes {
+                if r.expert >= self.router.experts || std::mem::replace(&mut seen[r.expert], true) {
+                    return Err(format!(
+                        "`{name}` routes to expert {} twice or out of range 0..{}",
+                        r.expert, self.router.experts
+                    ));
+                }
+            }
+        }
+        if self.before.routes == self.after.routes && !self.differs.contains("capacity") {
+            return Err(format!(
+                "`before` and `after` route alike, yet the witness says `{}` differ: not a leak (was it edited?)",
+                self.differs
+            ));
+        }
+        Ok(())
     }
 
     /// Replays the witness from its own contents.

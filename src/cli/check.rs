@@ -62,7 +62,7 @@ pub struct CheckArgs {
     pub witness_dir: Option<PathBuf>,
     /// Refuse to start an audit estimated to need more memory (e.g. `4GiB`; default: half of
     /// physical memory).
-    #[arg(long, value_name = "SIZE", help_heading = "Audit")]
+    #[arg(long, value_name = "SIZE", value_parser = crate::memory::parse_size, allow_hyphen_values = true, help_heading = "Audit")]
     pub max_memory: Option<ByteSize>,
     /// Also print GitHub Actions `::error::` annotations, one per leak, on stdout.
     #[arg(long, help_heading = "Output")]
@@ -105,9 +105,13 @@ pub enum CheckFormat {
 
 impl CheckArgs {
     fn options(&self) -> Result<AuditOptions> {
-        for (flag, v) in
-            [("--batch", self.batch), ("--seq-len", self.seq_len), ("--hidden", self.hidden), ("--ffn", self.ffn)]
-        {
+        for (flag, v) in [
+            ("--batch", self.batch),
+            ("--seq-len", self.seq_len),
+            ("--trials", self.trials),
+            ("--hidden", self.hidden),
+            ("--ffn", self.ffn),
+        ] {
             if v == 0 {
                 return Err(Error::Usage(format!("{flag} must be at least 1")));
             }
@@ -168,14 +172,12 @@ pub(crate) fn audit_all(
 }
 
 fn witness_file(dir: &Path, router: &str, probe: Probe) -> PathBuf {
-    let safe: String =
-        router.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect();
-    dir.join(format!("{safe}-{probe}.json"))
+    dir.join(format!("{}-{probe}.json", crate::names::file_stem(router)))
 }
 
 pub(super) fn run(args: &CheckArgs, out: &mut dyn Write) -> Result<u8> {
     if let Some(path) = &args.replay {
-        return replay(path, out);
+        return replay(path, memory::limit(args.max_memory), out);
     }
     match args.comm {
         CommKind::InProcess => audit_and_report(args, out, None),
@@ -210,28 +212,33 @@ pub(super) fn no_mpi() -> Error {
 
 fn audit_and_report(args: &CheckArgs, out: &mut dyn Write, comm: Option<&dyn Communicator>) -> Result<u8> {
     let max_memory = memory::limit(args.max_memory);
-    let mut options = args.external.options(args.options()?)?;
+    let mut options = args.external.options(args.options()?, max_memory)?;
     if let Some(comm) = comm {
         options.ranks = comm.size();
         split_batch(options.batch, comm.size())?;
     }
     let configs = args.routers.iter().map(|r| RouterConfig::load(r)).collect::<Result<Vec<_>>>()?;
+    crate::names::check_unique(configs.iter().map(|c| c.name.as_str())).map_err(Error::Usage)?;
     let mut report = if args.external.real_gate() {
         Report { options: options.clone(), routers: Vec::new() }
     } else {
         audit_all(configs.clone(), &options, args.hidden, args.ffn, max_memory, comm)?
     };
     report.routers.extend(args.external.audit(configs, &options, max_memory)?);
+    // Routers named in their handshake or manifest too, before any file is written.
+    crate::names::check_unique(report.routers.iter().map(|r| r.router.as_str())).map_err(Error::Usage)?;
     if comm.is_some_and(|c| c.rank() != 0) {
         return Ok(u8::from(report.leaks()));
     }
+    // The witnesses and the report file are one set, renamed into place together.
+    let mut staged = crate::files::Staged::new();
     if let Some(dir) = &args.witness_dir {
-        std::fs::create_dir_all(dir).map_err(|e| Error::input(dir, format!("cannot create: {e}")))?;
+        crate::files::create_dir(dir)?;
         for r in &report.routers {
             for f in r.findings.iter().filter(|f| f.witness.is_some()) {
                 let path = witness_file(dir, &r.router, f.probe);
                 let json = serde_json::to_string_pretty(&f.witness).expect("a witness always serialises");
-                std::fs::write(&path, json + "\n").map_err(|e| Error::input(&path, format!("cannot write: {e}")))?;
+                staged.write(&path, (json + "\n").as_bytes())?;
             }
         }
     }
@@ -253,17 +260,18 @@ fn audit_and_report(args: &CheckArgs, out: &mut dyn Write, comm: Option<&dyn Com
         CheckFormat::Junit => super::ci::render_junit(&report),
     };
     match &args.output {
-        Some(path) => std::fs::write(path, text).map_err(|e| Error::input(path, format!("cannot write: {e}")))?,
+        Some(path) => staged.write(path, text.as_bytes())?,
         None => out.write_all(text.as_bytes()).map_err(io_error)?,
     }
+    staged.commit()?;
     if args.github {
         out.write_all(super::ci::render_github(&report).as_bytes()).map_err(io_error)?;
     }
     Ok(u8::from(report.leaks()))
 }
 
-fn replay(path: &Path, out: &mut dyn Write) -> Result<u8> {
-    let replay = Witness::read(path)?.replay(path)?;
+fn replay(path: &Path, max_memory: u64, out: &mut dyn Write) -> Result<u8> {
+    let replay = Witness::read_within(path, max_memory)?.replay(path)?;
     let w = &replay.witness;
     let token = format!("batch {}, position {}", w.token_a.batch, w.token_a.pos);
     let text = if replay.diff.any() {

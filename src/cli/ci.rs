@@ -44,9 +44,7 @@ fn routes(routes: &[Route]) -> String {
     format!("[{}]", routes.iter().map(one).collect::<Vec<_>>().join(", "))
 }
 
-fn xml(s: &str) -> String {
-    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;").replace('\'', "&apos;")
-}
+use crate::names::xml;
 
 /// JUnit XML: a test suite per router, a test case per probe (leak = failure, not applicable =
 /// skipped) and one for the invariants.

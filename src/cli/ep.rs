@@ -54,7 +54,7 @@ pub struct EpArgs {
     pub format: EpFormat,
     /// Refuse to start a forward estimated to need more memory (e.g. `4GiB`; default: half of
     /// physical memory).
-    #[arg(long, value_name = "SIZE")]
+    #[arg(long, value_name = "SIZE", value_parser = crate::memory::parse_size, allow_hyphen_values = true)]
     pub max_memory: Option<ByteSize>,
     /// Precision of the expert outputs on their way back (the combine's wire); with a
     /// low-precision combine the report compares the output with the f32 combine's.
@@ -126,12 +126,21 @@ pub(super) fn run(args: &EpArgs, out: &mut dyn Write) -> Result<u8> {
         hidden: args.hidden,
         ffn: args.ffn,
     };
-    // The expert-parallel forward, its gathered outputs and the single-device forward.
-    memory::ensure_fits("this forward", sizes.estimate().saturating_mul(3), memory::limit(args.max_memory))?;
-    let layer = MoeLayer::seeded(config, args.hidden, args.ffn, args.seed, DType::F32, &Device::Cpu)?;
-    let x = match &args.input {
+    let max_memory = memory::limit(args.max_memory);
+    // The input's real sizes (a file's, not --seq-len) decide the estimate.
+    let input = match &args.input {
         Some(path) => {
-            let rows = read_logits(path, args.batch, None, args.hidden, &format!("--hidden is {}", args.hidden))?;
+            let expected = format!("--hidden is {}", args.hidden);
+            Some(read_logits(path, args.batch, None, args.hidden, &expected, max_memory)?)
+        }
+        None => None,
+    };
+    let sizes = CallSizes { seq_len: input.as_ref().map_or(sizes.seq_len, |rows| rows.dim().1), ..sizes };
+    // The expert-parallel forward, its gathered outputs and the single-device forward.
+    memory::ensure_fits("this forward", sizes.estimate().saturating_mul(3), max_memory)?;
+    let layer = MoeLayer::seeded(config, args.hidden, args.ffn, args.seed, DType::F32, &Device::Cpu)?;
+    let x = match input {
+        Some(rows) => {
             let dims = rows.dim();
             Tensor::from_vec(rows.into_raw_vec_and_offset().0, dims, &Device::Cpu)?
         }

@@ -11,7 +11,6 @@ use crate::router::Router;
 use clap::Args;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 /// Routers that live outside moe-audit.
 #[derive(Debug, Args)]
@@ -21,7 +20,13 @@ pub struct ExternalArgs {
     #[arg(long, value_name = "COMMAND", help_heading = "External routers")]
     pub router_cmd: Vec<String>,
     /// Seconds to wait for a router's handshake and for each answer.
-    #[arg(long, default_value_t = 60.0, value_name = "SECS", help_heading = "External routers")]
+    #[arg(
+        long,
+        default_value_t = 60.0,
+        value_name = "SECS",
+        allow_hyphen_values = true,
+        help_heading = "External routers"
+    )]
     pub timeout: f64,
     /// A trace directory (`moe-audit plan`, answered by your harness); the audit runs with the
     /// plan's probes and sizes.
@@ -52,14 +57,15 @@ impl ExternalArgs {
 
     /// The audit options: the plan's when auditing traces (from its manifest; the traces
     /// themselves are read once, by the audit).
-    pub(super) fn options(&self, options: AuditOptions) -> Result<AuditOptions> {
+    pub(super) fn options(&self, options: AuditOptions, max_memory: u64) -> Result<AuditOptions> {
+        crate::external::process::timeout(self.timeout)?;
         if self.traces.is_some() && !self.router_cmd.is_empty() {
             return Err(Error::Usage(
                 "--traces replays one planned audit; audit --router-cmd routers in another run".into(),
             ));
         }
         match &self.traces {
-            Some(dir) => planned_options(dir),
+            Some(dir) => planned_options(dir, max_memory),
             None => Ok(options),
         }
     }
@@ -89,17 +95,14 @@ impl ExternalArgs {
                 Some((file, tensor)) if !Path::new(spec).is_file() => (Path::new(file), Some(tensor)),
                 _ => (Path::new(spec), None),
             });
-            let source = GateSource { weights, gate, bias: self.bias.as_deref(), hidden_states };
+            let source = GateSource { weights, gate, bias: self.bias.as_deref(), hidden_states, max_memory };
             for config in configs {
                 let router = source.router(config)?;
                 reports.push(audit_router(&router)?);
             }
         }
-        if !(self.timeout.is_finite() && self.timeout > 0.0) {
-            return Err(Error::Usage(format!("--timeout must be a positive number of seconds, got {}", self.timeout)));
-        }
         for command in &self.router_cmd {
-            let timeout = Duration::from_secs_f64(self.timeout);
+            let timeout = crate::external::process::timeout(self.timeout)?;
             let router = ExternalRouter::spawn(command, timeout, options.seed, max_memory)?;
             reports.push(audit_router(&router)?);
         }
@@ -149,7 +152,7 @@ pub struct PlanArgs {
     pub seed: u64,
     /// Refuse to start a plan estimated to need more memory (e.g. `4GiB`; default: half of
     /// physical memory).
-    #[arg(long, value_name = "SIZE")]
+    #[arg(long, value_name = "SIZE", value_parser = crate::memory::parse_size, allow_hyphen_values = true)]
     pub max_memory: Option<bytesize::ByteSize>,
 }
 
@@ -175,9 +178,26 @@ pub(super) fn run_plan(args: &PlanArgs, out: &mut dyn Write) -> Result<u8> {
         input,
         hidden_size: args.hidden_size,
     };
-    if args.batch == 0 || args.seq_len == 0 {
-        return Err(Error::Usage("--batch and --seq-len must be at least 1".into()));
+    // Each flag named in its own words (the handshake's checks would blame the handshake).
+    for (flag, v) in [("--batch", args.batch), ("--seq-len", args.seq_len), ("--trials", args.trials)] {
+        if v == 0 {
+            return Err(Error::Usage(format!("{flag} must be at least 1")));
+        }
     }
+    let max = crate::external::protocol::MAX_SIZE;
+    if !(1..=max).contains(&args.experts) {
+        return Err(Error::Usage(format!("--experts must be in 1..={max}, got {}", args.experts)));
+    }
+    if let Some(k) = args.top_k.filter(|&k| k == 0 || k > args.experts) {
+        return Err(Error::Usage(format!("--top-k must be in 1..={} (--experts), got {k}", args.experts)));
+    }
+    match (input, args.hidden_size) {
+        (InputKind::Hidden, h) if !(1..=max).contains(&h.unwrap_or(0)) => {
+            return Err(Error::Usage(format!("--input hidden needs --hidden-size in 1..={max}")));
+        }
+        _ => {}
+    }
+    crate::names::check(&args.name).map_err(|m| Error::Usage(format!("--name {m}")))?;
     let options = AuditOptions {
         probes: Probe::parse_list(&args.probes)?,
         batch: args.batch,

@@ -41,7 +41,7 @@ pub struct RouteArgs {
     pub format: RouteFormat,
     /// Refuse to start a call estimated to need more memory (e.g. `4GiB`; default: half of
     /// physical memory).
-    #[arg(long, value_name = "SIZE", help_heading = "Sizes")]
+    #[arg(long, value_name = "SIZE", value_parser = crate::memory::parse_size, allow_hyphen_values = true, help_heading = "Sizes")]
     pub max_memory: Option<ByteSize>,
 }
 
@@ -56,18 +56,16 @@ pub enum RouteFormat {
 
 pub(super) fn run(args: &RouteArgs, out: &mut dyn Write) -> Result<u8> {
     let config = RouterConfig::load(&args.router)?;
+    let max_memory = memory::limit(args.max_memory);
     let routing = match &args.logits {
-        Some(path) => assign(
-            &config,
-            read_logits(
-                path,
-                args.batch,
-                args.seq_len,
-                config.experts,
-                &format!("the router has {} experts", config.experts),
-            )?
-            .view(),
-        )?,
+        Some(path) => {
+            let expected = format!("the router has {} experts", config.experts);
+            let logits = read_logits(path, args.batch, args.seq_len, config.experts, &expected, max_memory)?;
+            let (batch, seq_len, _) = logits.dim();
+            let sizes = CallSizes { batch, seq_len, experts: config.experts, routes: config.k(), hidden: 0, ffn: 0 };
+            memory::ensure_fits("this call", sizes.estimate(), max_memory)?;
+            assign(&config, logits.view())?
+        }
         None => {
             let seq_len = args.seq_len.unwrap_or(8);
             for (flag, v) in
@@ -85,7 +83,7 @@ pub(super) fn run(args: &RouteArgs, out: &mut dyn Write) -> Result<u8> {
                 hidden: args.hidden,
                 ffn: args.ffn,
             };
-            memory::ensure_fits("this call", sizes.estimate(), memory::limit(args.max_memory))?;
+            memory::ensure_fits("this call", sizes.estimate(), max_memory)?;
             let device = Device::Cpu;
             let layer = MoeLayer::seeded(config, args.hidden, args.ffn, args.seed, DType::F32, &device)?;
             // Hidden states from a stream of their own, so changing the weights' seed and the
@@ -104,15 +102,23 @@ pub(super) fn run(args: &RouteArgs, out: &mut dyn Write) -> Result<u8> {
 }
 
 /// Reads a logits file: a JSON array of rows, each `experts` numbers (`expected` says why, for
-/// errors). Hidden states are read the same way.
+/// errors). Hidden states are read the same way. The file and what parsing it takes must fit
+/// in `max_memory` bytes, checked before parsing.
 pub(crate) fn read_logits(
     path: &Path,
     batch: usize,
     seq_len: Option<usize>,
     experts: usize,
     expected: &str,
+    max_memory: u64,
 ) -> Result<Logits> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::input(path, format!("cannot read: {e}")))?;
+    let text = crate::files::read_text(path, max_memory, "--max-memory")?;
+    // Parsed, every value is an f64 in a row vector (twice over while they grow) and every row
+    // a vector: count them in the text before allocating them.
+    let values = text.bytes().filter(|&b| b == b',').count() as u64 + 1;
+    let rows = text.bytes().filter(|&b| b == b'[').count() as u64;
+    let parsed = (text.len() as u64).saturating_add(values.saturating_mul(20)).saturating_add(rows.saturating_mul(48));
+    memory::ensure_fits(&format!("reading {}", path.display()), parsed, max_memory)?;
     // Read as f64 and narrow: a value beyond f32 becomes inf, which routing rejects naming the
     // batch, position and expert (more useful than a parse error).
     let rows: Vec<Vec<f64>> = serde_json::from_str(&text)

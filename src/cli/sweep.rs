@@ -20,7 +20,7 @@ pub struct SweepArgs {
     pub output_dir: PathBuf,
     /// Refuse to start a sweep whose largest cell is estimated to need more memory (e.g.
     /// `4GiB`; default: half of physical memory).
-    #[arg(long, value_name = "SIZE")]
+    #[arg(long, value_name = "SIZE", value_parser = crate::memory::parse_size, allow_hyphen_values = true)]
     pub max_memory: Option<ByteSize>,
 }
 

@@ -327,7 +327,7 @@ impl RouterConfig {
 
     /// Reads, parses and validates a TOML file.
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::input(path, format!("cannot read: {e}")))?;
+        let text = crate::files::read_text(path, crate::files::TEXT_LIMIT, "the most a router config may hold")?;
         Self::from_toml(&text, &path.display().to_string())
     }
 

@@ -5,6 +5,9 @@ use super::{DropPolicy, RouterConfig, RouterKind, ScopeGroup, ScoreFn, Selection
 
 type Check = Result<(), (&'static str, String)>;
 
+/// The largest capacity factor accepted.
+const MAX_CAPACITY_FACTOR: f64 = 1e6;
+
 fn ensure(ok: bool, field: &'static str, message: impl FnOnce() -> String) -> Check {
     if ok {
         Ok(())
@@ -17,7 +20,7 @@ impl RouterConfig {
     /// Checks the rules the schema cannot express. Errors are `(field, message)`.
     pub(crate) fn validate(&self) -> Check {
         let e = self.experts;
-        ensure(!self.name.trim().is_empty(), "name", || "must not be empty".into())?;
+        crate::names::check(&self.name).map_err(|m| ("name", m))?;
         ensure(e > 0, "experts", || format!("must be at least 1, got {e}"))?;
         ensure(self.routed_scaling.is_finite() && self.routed_scaling > 0.0, "routed_scaling", || {
             format!("must be finite and > 0, got {}", self.routed_scaling)
@@ -106,7 +109,11 @@ impl RouterConfig {
             }
             match (cap.factor, cap.fixed) {
                 (Some(f), None) => {
-                    ensure(f.is_finite() && f > 0.0, "capacity.factor", || format!("must be finite and > 0, got {f}"))?
+                    ensure(f.is_finite() && f > 0.0, "capacity.factor", || format!("must be finite and > 0, got {f}"))?;
+                    // Beyond this the capacity is past every route anyway; far beyond, past usize.
+                    ensure(f <= MAX_CAPACITY_FACTOR, "capacity.factor", || {
+                        format!("{f:?} is over {MAX_CAPACITY_FACTOR:?}: no token is dropped long before; use a fixed capacity or a smaller factor")
+                    })?
                 }
                 (None, Some(_)) => {}
                 (Some(_), Some(_)) => return Err(("capacity", "set either `factor` or `fixed`, not both".into())),

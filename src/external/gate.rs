@@ -26,6 +26,8 @@ pub struct GateSource<'a> {
     /// Hidden states `[..., hidden]` to sample the audit's tokens from (a safetensors file and
     /// the tensor, which may be left out when the file holds one); standard normal without.
     pub hidden_states: Option<(&'a Path, Option<&'a str>)>,
+    /// The memory limit (`--max-memory`): the files are read whole, within half of it.
+    pub max_memory: u64,
 }
 
 impl GateSource<'_> {
@@ -35,7 +37,7 @@ impl GateSource<'_> {
         let states = match self.hidden_states {
             None => None,
             Some((path, name)) => {
-                let tensors = crate::layer::load_safetensors(path, &Device::Cpu)?;
+                let tensors = crate::layer::load_safetensors(path, &Device::Cpu, self.max_memory / 2)?;
                 let name = match name {
                     Some(name) => name.to_string(),
                     None if tensors.len() == 1 => tensors.keys().next().expect("one tensor").clone(),
@@ -66,7 +68,7 @@ impl GateSource<'_> {
 
     fn config_router(&self, mut config: RouterConfig) -> Result<ConfigRouter> {
         let path = self.weights;
-        let tensors = crate::layer::load_safetensors(path, &Device::Cpu)?;
+        let tensors = crate::layer::load_safetensors(path, &Device::Cpu, self.max_memory / 2)?;
         let gate = float_tensor(&tensors, path, self.gate)?;
         let (experts, hidden) = gate.dims2().map_err(|_| {
             Error::input(
@@ -74,6 +76,12 @@ impl GateSource<'_> {
                 format!("tensor `{}` has shape {:?}, expected [experts, hidden]", self.gate, gate.dims()),
             )
         })?;
+        if hidden == 0 {
+            return Err(Error::input(
+                path,
+                format!("tensor `{}` has shape [{experts}, 0]: a gate needs a hidden size of at least 1", self.gate),
+            ));
+        }
         if experts != config.experts {
             return Err(Error::input(
                 path,

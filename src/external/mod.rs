@@ -175,7 +175,7 @@ impl ExternalRows {
     }
 
     fn targeted(&self, e: usize) -> Option<Vec<f32>> {
-        self.targets.as_ref().map(|t| t[e].clone())
+        self.targets.as_ref().and_then(|t| t.get(e).cloned())
     }
 }
 

@@ -1,39 +1,80 @@
 //! A router in another process, spoken to over `moe-audit/1` on its stdin and stdout.
 //!
-//! One reader thread turns the child's stdout into lines on a channel, so every wait has a
-//! timeout: a router that hangs, crashes or answers garbage ends the audit with an error naming
-//! the request, and the child is killed. Calls are serialised (one child, one conversation) and
-//! the router tells the analyzer not to run them concurrently, so request ids and the order a
-//! stateful router sees are the same on every run.
+//! Nothing the router does can hang or bloat the audit. A writer thread feeds its stdin and a
+//! reader thread turns its stdout into lines of bounded length (the memory limit), so every
+//! write and every read waits at most `--timeout`; a router that hangs, crashes, stops reading,
+//! never ends a line or answers garbage ends the audit with an error naming the request. Its
+//! whole process tree is killed then, on drop, and on SIGINT/SIGTERM ([`kill_all`]): the process
+//! group `sh -c` leads, every descendant found through `/proc`, and every process carrying the
+//! router's environment tag (a grandchild that left with `setsid` and was orphaned keeps it).
+//! Calls are serialised (one child, one conversation) and the router tells the analyzer not to
+//! run them concurrently, so request ids and the order a stateful router sees are the same on
+//! every run.
 
 use super::protocol::{parse_response, Handshake, InputKind, Mode, Request, PROTOCOL};
 use super::{Answers, External};
 use crate::error::{Error, Result};
 use crate::routing::Routing;
 use ndarray::ArrayView3;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::io::{BufReader, Read, Write};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// How much of the child's stderr is kept for error messages.
 const STDERR_TAIL: usize = 2000;
 
+/// The environment variable tagging a router's process tree.
+const TAG_VAR: &str = "MOE_AUDIT_ROUTER_TAG";
+
+/// How long a router that exited may still deliver lines already in its pipe.
+const EXIT_GRACE: Duration = Duration::from_millis(300);
+
+/// The longest `--timeout` (a day): longer is a typo, and `Duration` has limits.
+const MAX_TIMEOUT_SECS: f64 = 86_400.0;
+
+/// `--timeout` in seconds as a duration: finite, positive, at most a day.
+pub fn timeout(secs: f64) -> Result<Duration> {
+    if !(secs.is_finite() && secs > 0.0 && secs <= MAX_TIMEOUT_SECS) {
+        return Err(Error::Usage(format!(
+            "--timeout must be a number of seconds in (0, {MAX_TIMEOUT_SECS}], got {secs:?}"
+        )));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+/// Routers alive in this process: (process group, tag), for [`kill_all`].
+static LIVE: Mutex<Vec<(i32, String)>> = Mutex::new(Vec::new());
+
+/// Kills every router tree this process started (a signal ends the run).
+pub fn kill_all() {
+    let live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
+    for (pid, tag) in live.iter() {
+        kill_tree(*pid, tag);
+    }
+}
+
 /// The live conversation.
 struct Conversation {
     child: Child,
-    stdin: Option<ChildStdin>,
+    /// Lines to write to the router's stdin; dropping it closes the pipe.
+    requests: Option<SyncSender<Vec<u8>>>,
+    /// The writer's result per line.
+    written: Receiver<std::io::Result<()>>,
     lines: Receiver<std::io::Result<String>>,
     next_id: u64,
     /// Set once an error stopped the child: later calls fail with it.
     failed: Option<String>,
+    /// The tree was killed and the child reaped (its pid may belong to another process now).
+    stopped: bool,
 }
 
 /// A router process and the conversation with it.
 pub struct Subprocess {
     command: String,
     timeout: Duration,
+    tag: String,
     handshake: Handshake,
     stderr: Arc<Mutex<Vec<u8>>>,
     /// Disconnects when the stderr reader has seen the end of the pipe.
@@ -46,25 +87,52 @@ pub type ExternalRouter = External<Subprocess>;
 
 impl ExternalRouter {
     /// Spawns `command` with `sh -c`, reads its handshake, and (for `input: hidden`) finds the
-    /// targeted rows from a seeded pool (at most `max_memory` bytes). `timeout` bounds the
-    /// handshake and every request.
+    /// targeted rows from a seeded pool (at most `max_memory` bytes, which also bounds a line the
+    /// router sends). `timeout` bounds the handshake and every write and read.
     pub fn spawn(command: &str, timeout: Duration, seed: u64, max_memory: u64) -> Result<Self> {
+        let tag = tag();
         let mut child = Command::new("sh");
         // Its own process group, so killing it also kills what `sh -c` started.
         #[cfg(unix)]
         std::os::unix::process::CommandExt::process_group(&mut child, 0);
-        let mut child = child
-            .args(["-c", command])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|e| Error::input(format!("router `{command}`"), format!("cannot start: {e}")))?;
+        let mut child = {
+            // Registered under the lock, so a signal arriving now still finds the child.
+            let mut live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
+            let child = child
+                .args(["-c", command])
+                .env(TAG_VAR, &tag)
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .map_err(|e| Error::input(format!("router `{command}`"), format!("cannot start: {e}")))?;
+            live.push((child.id() as i32, tag.clone()));
+            child
+        };
+        let line_limit = usize::try_from(max_memory / 4).unwrap_or(usize::MAX).max(1 << 16);
         let stdout = child.stdout.take().expect("piped");
-        let (tx, lines) = mpsc::channel();
+        // One line ahead at most: a router that floods lines cannot grow the queue.
+        let (tx, lines) = mpsc::sync_channel(1);
         std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                if tx.send(line).is_err() {
+            let mut reader = BufReader::new(stdout);
+            loop {
+                let line = crate::files::read_line_bounded(&mut reader, line_limit).transpose();
+                let Some(line) = line else { break };
+                let stop = line.is_err();
+                if tx.send(line).is_err() || stop {
+                    break;
+                }
+            }
+        });
+        let mut stdin = child.stdin.take().expect("piped");
+        // One line in flight: calls wait for each write before the next.
+        let (requests, to_write) = mpsc::sync_channel::<Vec<u8>>(1);
+        let (wrote, written) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in to_write {
+                let result = stdin.write_all(&line).and_then(|()| stdin.flush());
+                let stop = result.is_err();
+                if wrote.send(result).is_err() || stop {
                     break;
                 }
             }
@@ -77,13 +145,12 @@ impl ExternalRouter {
             let _done = done;
             let mut buf = [0u8; 4096];
             while let Ok(n @ 1..) = err_pipe.read(&mut buf) {
-                let mut tail = sink.lock().expect("stderr buffer");
+                let mut tail = sink.lock().unwrap_or_else(|e| e.into_inner());
                 tail.extend_from_slice(&buf[..n]);
                 let excess = tail.len().saturating_sub(STDERR_TAIL);
                 tail.drain(..excess);
             }
         });
-        let stdin = child.stdin.take();
         let placeholder = Handshake {
             protocol: PROTOCOL.into(),
             name: String::new(),
@@ -92,13 +159,16 @@ impl ExternalRouter {
             input: InputKind::Logits,
             hidden_size: None,
         };
+        let conversation =
+            Conversation { child, requests: Some(requests), written, lines, next_id: 1, failed: None, stopped: false };
         let mut shared = Subprocess {
             command: command.to_string(),
             timeout,
+            tag,
             handshake: placeholder,
             stderr,
             stderr_done: Mutex::new(stderr_done),
-            conversation: Mutex::new(Conversation { child, stdin, lines, next_id: 1, failed: None }),
+            conversation: Mutex::new(conversation),
         };
         let line = shared.receive("its handshake")?;
         let handshake: Handshake = serde_json::from_str(&line)
@@ -112,18 +182,30 @@ impl ExternalRouter {
     }
 }
 
+/// A tag no other router (of this or another moe-audit) carries.
+fn tag() -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    format!("{}-{}-{nanos}", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
+}
+
 impl Subprocess {
     fn error(&self, message: String) -> Error {
         Error::input(format!("router `{}`", self.command), message)
     }
 
-    /// Kills the child and returns the error (with the tail of its stderr, if any).
+    fn conversation(&self) -> std::sync::MutexGuard<'_, Conversation> {
+        self.conversation.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Kills the router's tree and returns the error (with the tail of its stderr, if any).
     fn fail(&self, message: String) -> Error {
-        let mut conv = self.conversation.lock().expect("conversation");
-        kill(&mut conv.child);
-        // The group is dead: its stderr ends at once; read what it said last.
-        let _ = self.stderr_done.lock().expect("stderr reader").recv_timeout(Duration::from_secs(1));
-        let tail = String::from_utf8_lossy(&self.stderr.lock().expect("stderr buffer")).trim().to_string();
+        let mut conv = self.conversation();
+        stop(&mut conv, &self.tag);
+        // The tree is dead: its stderr ends at once; read what it said last.
+        let _ = self.stderr_done.lock().unwrap_or_else(|e| e.into_inner()).recv_timeout(Duration::from_secs(1));
+        let tail = String::from_utf8_lossy(&self.stderr.lock().unwrap_or_else(|e| e.into_inner())).trim().to_string();
         let message = match tail.lines().last() {
             Some(last) if !last.is_empty() => format!("{message}; its stderr ends: {last}"),
             _ => message,
@@ -132,28 +214,87 @@ impl Subprocess {
         self.error(message)
     }
 
-    /// The next line; `what` is `its handshake` or `request N (...)`.
+    /// The next line; `what` is `its handshake` or `request N (...)`. Waits at most the
+    /// timeout, and less when the router exits without answering (even if a background child
+    /// of it still holds its stdout).
     fn receive(&self, what: &str) -> Result<String> {
         let (waiting_for, before) = match what.starts_with("request") {
             true => (format!("the answer to {what}"), format!("answering {what}")),
             false => (what.to_string(), what.to_string()),
         };
-        let got = self.conversation.lock().expect("conversation").lines.recv_timeout(self.timeout);
-        match got {
-            Ok(Ok(line)) => Ok(line),
-            Ok(Err(e)) => Err(self.fail(format!("reading {what}: {e}"))),
-            Err(RecvTimeoutError::Timeout) => Err(self.fail(format!(
-                "timed out after {} s (--timeout) waiting for {waiting_for}; the router was killed",
-                self.timeout.as_secs_f64()
-            ))),
-            Err(RecvTimeoutError::Disconnected) => {
-                let status = {
-                    let mut conv = self.conversation.lock().expect("conversation");
-                    conv.child.wait().map(|s| s.to_string()).unwrap_or_else(|e| e.to_string())
-                };
-                Err(self.fail(format!("the router exited ({status}) before {before}")))
+        let deadline = Instant::now() + self.timeout;
+        let mut exited: Option<(Instant, String)> = None;
+        loop {
+            let now = Instant::now();
+            let slice = deadline.saturating_duration_since(now).min(Duration::from_millis(50));
+            let got = self.conversation().lines.recv_timeout(slice);
+            match got {
+                Ok(Ok(line)) => return Ok(line),
+                Ok(Err(e)) => return Err(self.fail(format!("reading {waiting_for}: {e}"))),
+                Err(RecvTimeoutError::Disconnected) => {
+                    let status = {
+                        let mut conv = self.conversation();
+                        match exited.take() {
+                            Some((_, status)) => status,
+                            None => wait_briefly(&mut conv.child),
+                        }
+                    };
+                    return Err(self.fail(format!("the router exited ({status}) before {before}")));
+                }
+                Err(RecvTimeoutError::Timeout) => {}
+            }
+            let now = Instant::now();
+            if let Some((at, status)) = &exited {
+                if now >= *at + EXIT_GRACE {
+                    return Err(self.fail(format!("the router exited ({status}) before {before}")));
+                }
+            } else if let Ok(Some(status)) = self.conversation().child.try_wait() {
+                exited = Some((now, status.to_string()));
+            }
+            if now >= deadline {
+                return Err(self.fail(format!(
+                    "timed out after {} s (--timeout) waiting for {waiting_for}; the router was killed",
+                    self.timeout.as_secs_f64()
+                )));
             }
         }
+    }
+
+    /// Writes one line to the router within the timeout.
+    fn send(&self, line: Vec<u8>, what: &str) -> Result<()> {
+        let deadline = Instant::now() + self.timeout;
+        let result = {
+            let conv = self.conversation();
+            match &conv.requests {
+                Some(requests) => match requests.try_send(line) {
+                    Ok(()) => {
+                        conv.written.recv_timeout(deadline.saturating_duration_since(Instant::now())).map_err(|e| {
+                            match e {
+                                RecvTimeoutError::Timeout => None,
+                                RecvTimeoutError::Disconnected => Some("its stdin is closed".to_string()),
+                            }
+                        })
+                    }
+                    Err(mpsc::TrySendError::Full(_)) => Err(None),
+                    Err(mpsc::TrySendError::Disconnected(_)) => Err(Some("its stdin is closed".to_string())),
+                },
+                None => Err(Some("its stdin is closed".to_string())),
+            }
+        };
+        let message = match result {
+            Ok(Ok(())) => return Ok(()),
+            Ok(Err(e)) => Some(e.to_string()),
+            Err(e) => e,
+        };
+        let message = match (message, exit_status(&mut self.conversation().child)) {
+            (_, Some(status)) => format!("the router exited ({status}) before answering {what}"),
+            (Some(e), None) => format!("{what}: cannot send: {e}"),
+            (None, None) => format!(
+                "timed out after {} s (--timeout) sending {what}: the router stopped reading its stdin; the router was killed",
+                self.timeout.as_secs_f64()
+            ),
+        };
+        Err(self.fail(message))
     }
 
     fn call(&self, mode: Mode, rows: ArrayView3<f32>) -> Result<Routing> {
@@ -168,35 +309,31 @@ impl Subprocess {
         crate::routing::scores::check_finite(&rows)?;
         let rows = rows.as_standard_layout();
         let flat = rows.as_slice().expect("standard layout");
-        let id = {
-            let mut conv = self.conversation.lock().expect("conversation");
+        let (id, line) = {
+            let mut conv = self.conversation();
             if let Some(failed) = &conv.failed {
                 return Err(self.error(format!("stopped after an earlier error: {failed}")));
             }
             let id = conv.next_id;
             conv.next_id += 1;
-            let request = Request { id, mode, batch, seq_len, data: flat.chunks(width).collect() };
+            let request = Request { id, mode, batch, seq_len, data: flat.chunks(width.max(1)).collect() };
             let mut line = serde_json::to_vec(&request).expect("a request always serialises");
             line.push(b'\n');
-            let sent = conv.stdin.as_mut().map(|pipe| pipe.write_all(&line).and_then(|()| pipe.flush()));
-            if let Some(Err(e)) = sent {
-                let what = format!("request {id} ({mode}, batch {batch} x seq_len {seq_len})");
-                let message = match exit_status(&mut conv.child) {
-                    Some(status) => format!("the router exited ({status}) before answering {what}"),
-                    None => format!("{what}: cannot send: {e}"),
-                };
-                drop(conv);
-                return Err(self.fail(message));
-            }
-            id
+            (id, line)
         };
         let what = format!("request {id} ({mode}, batch {batch} x seq_len {seq_len})");
+        self.send(line, &what)?;
         let line = self.receive(&what)?;
         let logits = (hs.input == InputKind::Logits).then_some(flat);
         parse_response(&line)
             .and_then(|r| r.into_routing(hs, (id, batch, seq_len), logits))
             .map_err(|e| self.fail(format!("{what}: {e}")))
     }
+}
+
+/// The child's status once it exits within a moment, else that it is still running.
+fn wait_briefly(child: &mut Child) -> String {
+    exit_status(child).map_or_else(|| "still running".to_string(), |s| s.to_string())
 }
 
 /// The child's exit status, if it exits within a moment (it closed its stdin).
@@ -210,21 +347,94 @@ fn exit_status(child: &mut Child) -> Option<std::process::ExitStatus> {
     None
 }
 
-fn kill(child: &mut Child) {
-    #[cfg(unix)]
-    if let Ok(pid) = i32::try_from(child.id()) {
-        // SAFETY: kill(2) on the child's own process group; no memory is touched.
-        unsafe { libc::kill(-pid, libc::SIGKILL) };
+/// Closes the router's stdin, kills its tree and reaps it (unregistered first: once reaped,
+/// its pid may be reused).
+fn stop(conv: &mut Conversation, tag: &str) {
+    drop(conv.requests.take());
+    if std::mem::replace(&mut conv.stopped, true) {
+        return;
     }
-    let _ = child.kill();
-    let _ = child.wait();
+    let pid = conv.child.id() as i32;
+    kill_tree(pid, tag);
+    LIVE.lock().unwrap_or_else(|e| e.into_inner()).retain(|(p, _)| *p != pid);
+    let _ = conv.child.kill();
+    let _ = conv.child.wait();
+}
+
+/// SIGKILLs the process group `pid` leads, every descendant of `pid`, and every process tagged
+/// `tag`, until none is left (a process forking while it is killed is caught on the next
+/// round). Linux reads descendants and tags from `/proc`; elsewhere only the group is killed.
+fn kill_tree(pid: i32, tag: &str) {
+    let me = std::process::id() as i32;
+    for _ in 0..100 {
+        // SAFETY: kill(2) on the router's own process group; no memory is touched.
+        unsafe { libc::kill(-pid, libc::SIGKILL) };
+        let victims: Vec<i32> = tree(pid, tag).into_iter().filter(|&p| p != me).collect();
+        if victims.is_empty() {
+            return;
+        }
+        for &p in &victims {
+            // SAFETY: kill(2) on a process of the router's tree; no memory is touched.
+            unsafe { libc::kill(p, libc::SIGKILL) };
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// Live processes in `root`'s group, below it, or carrying `tag` (zombies are already dead).
+fn tree(root: i32, tag: &str) -> Vec<i32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let needle = format!("{TAG_VAR}={tag}");
+    let mut parent = std::collections::HashMap::new();
+    let mut out = Vec::new();
+    for entry in entries.flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        // `pid (comm) state ppid pgrp ...`: comm may hold spaces and parentheses, so split
+        // after the last `)`.
+        let rest: Vec<&str> = stat.rsplit_once(')').map_or(Vec::new(), |(_, r)| r.split_whitespace().take(3).collect());
+        let [state, ppid, pgrp] = rest[..] else { continue };
+        if state == "Z" || state == "X" {
+            continue;
+        }
+        if let Ok(ppid) = ppid.parse::<i32>() {
+            parent.insert(pid, ppid);
+        }
+        if pgrp.parse::<i32>() == Ok(root) {
+            out.push(pid);
+        } else if pid != root {
+            let environ = std::fs::read(entry.path().join("environ")).unwrap_or_default();
+            if environ.split(|&b| b == 0).any(|v| v == needle.as_bytes()) {
+                out.push(pid);
+            }
+        }
+    }
+    let below = |mut p: i32| {
+        for _ in 0..parent.len() {
+            match parent.get(&p) {
+                Some(&pp) if pp == root => return true,
+                Some(&pp) if pp > 1 => p = pp,
+                _ => return false,
+            }
+        }
+        false
+    };
+    out.extend(parent.keys().copied().filter(|&p| p == root || below(p)));
+    out.sort_unstable();
+    out.dedup();
+    out
 }
 
 impl Drop for Subprocess {
     fn drop(&mut self) {
-        let conv = self.conversation.get_mut().expect("conversation");
-        drop(conv.stdin.take());
-        kill(&mut conv.child);
+        let conv = self.conversation.get_mut().unwrap_or_else(|e| e.into_inner());
+        stop(conv, &self.tag);
     }
 }
 
@@ -235,5 +445,19 @@ impl Answers for Subprocess {
 
     fn answer(&self, mode: Mode, rows: ArrayView3<f32>) -> Result<Routing> {
         self.call(mode, rows)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timeouts_are_checked() {
+        assert_eq!(timeout(1.5).unwrap(), Duration::from_millis(1500));
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY, 1e300] {
+            let e = timeout(bad).unwrap_err().to_string();
+            assert!(e.starts_with("--timeout must be"), "{e}");
+        }
     }
 }

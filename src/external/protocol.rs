@@ -48,6 +48,9 @@ impl Handshake {
         if self.protocol != PROTOCOL {
             return Err(format!("handshake: protocol `{}`, expected `{PROTOCOL}`", self.protocol));
         }
+        if let Err(e) = crate::names::check(&self.name) {
+            return Err(format!("handshake: name {e}"));
+        }
         if !(1..=MAX_SIZE).contains(&self.experts) {
             return Err(format!("handshake: experts {} is not in 1..={MAX_SIZE}", self.experts));
         }

@@ -100,9 +100,16 @@ pub fn plan(router: &Handshake, options: &AuditOptions, dir: &Path, max_memory: 
     // the call on average), F's and N's trials, R's cases at up to twice the size, a few more.
     let (width, routes) = (router.row_width(), router.top_k.unwrap_or(1));
     let call = CallSizes { batch: options.batch, seq_len: options.seq_len, experts: width, routes, hidden: 0, ffn: 0 };
-    let logged = (options.seq_len / 2 + 2 * options.trials + 2 * (options.trials / 8 + 4) + 8) as u64;
-    let estimate =
-        options.memory_estimate(width, routes, 0, 0).saturating_add(call.logits_bytes().saturating_mul(logged));
+    let trials = options.trials as u64;
+    let logged = (options.seq_len as u64 / 2).saturating_add(2 * trials + 2 * (trials / 8 + 4) + 8);
+    // What the plan keeps across the E passes: every distinct call once as a tensor and twice as
+    // a content key, and once more while the tensors are written. The targeted trials (half of
+    // F's and N's, a few more) differ in every pass: they accumulate E times.
+    let distinct = logged.saturating_add((trials + 8).saturating_mul(router.experts as u64));
+    let estimate = options
+        .memory_estimate(width, routes, 0, 0)
+        .saturating_add(call.logits_bytes().saturating_mul(logged))
+        .saturating_add(call.logits_bytes().saturating_mul(distinct).saturating_mul(4));
     crate::memory::ensure_fits("this plan", estimate, max_memory)?;
     let mut calls: Vec<PlannedCall> = Vec::new();
     let mut names: HashMap<Content, String> = HashMap::new();
@@ -140,14 +147,16 @@ pub fn plan(router: &Handshake, options: &AuditOptions, dir: &Path, max_memory: 
             calls.push(PlannedCall { id: calls.len() as u64 + 1, mode, batch, seq_len, tensor: name });
         }
     }
-    std::fs::create_dir_all(dir).map_err(|e| Error::input(dir, format!("cannot create: {e}")))?;
+    // The inputs and the manifest are one set, renamed into place together.
+    crate::files::create_dir(dir)?;
+    let mut staged = crate::files::Staged::new();
     let inputs = dir.join(INPUTS);
-    candle_core::safetensors::save(&tensors, &inputs)
+    candle_core::safetensors::save(&tensors, staged.path_for(&inputs))
         .map_err(|e| Error::input(&inputs, format!("cannot write: {e}")))?;
     let manifest = Manifest { format: FORMAT.into(), router: router.clone(), options: options.clone(), calls };
-    let path = dir.join(MANIFEST);
     let json = serde_json::to_string_pretty(&manifest).expect("a manifest always serialises") + "\n";
-    std::fs::write(&path, json).map_err(|e| Error::input(&path, format!("cannot write: {e}")))?;
+    staged.write(&dir.join(MANIFEST), json.as_bytes())?;
+    staged.commit()?;
     Ok(manifest.calls.len())
 }
 
@@ -156,21 +165,23 @@ pub type TraceRouter = External<Replay>;
 
 /// The audit a trace directory was planned for, from its manifest alone (the inputs and the
 /// decisions are read by [`TraceRouter::open`]).
-pub fn planned_options(dir: &Path) -> Result<AuditOptions> {
-    Ok(read_manifest(dir)?.options)
+pub fn planned_options(dir: &Path, max_memory: u64) -> Result<AuditOptions> {
+    Ok(read_manifest(dir, max_memory)?.options)
 }
 
 /// Reads and checks `manifest.json`: its format and the router it describes.
-fn read_manifest(dir: &Path) -> Result<Manifest> {
+fn read_manifest(dir: &Path, max_memory: u64) -> Result<Manifest> {
     let path = dir.join(MANIFEST);
-    let text = std::fs::read_to_string(&path)
+    std::fs::metadata(&path)
         .map_err(|e| Error::input(&path, format!("cannot read (write it with `moe-audit plan`): {e}")))?;
+    let text = crate::files::read_text(&path, max_memory / 4, "a quarter of --max-memory")?;
     let manifest: Manifest =
         serde_json::from_str(&text).map_err(|e| Error::input(&path, format!("not a plan manifest: {e}")))?;
     if manifest.format != FORMAT {
         return Err(Error::input(&path, format!("format `{}`, expected `{FORMAT}`", manifest.format)));
     }
     manifest.router.validate().map_err(|e| Error::input(&path, e))?;
+    manifest.options.check().map_err(|(field, m)| Error::input(&path, format!("options.{field}: {m}")))?;
     Ok(manifest)
 }
 
@@ -188,17 +199,18 @@ impl TraceRouter {
     /// each other before anything is analyzed. Its hidden-row pool (for `input: hidden`) may
     /// take at most `max_memory` bytes.
     pub fn open(dir: &Path, max_memory: u64) -> Result<Self> {
-        let manifest = read_manifest(dir)?;
+        let manifest = read_manifest(dir, max_memory)?;
         let hs = manifest.router;
         let inputs_path = dir.join(INPUTS);
-        let inputs = crate::layer::load_safetensors(&inputs_path, &Device::Cpu)?;
+        let inputs = crate::layer::load_safetensors(&inputs_path, &Device::Cpu, max_memory / 2)?;
         let decisions_path = dir.join(DECISIONS);
-        let decisions = std::fs::read_to_string(&decisions_path).map_err(|e| {
+        std::fs::metadata(&decisions_path).map_err(|e| {
             Error::input(
                 &decisions_path,
                 format!("cannot read (your harness writes one response line per call of {MANIFEST}): {e}"),
             )
         })?;
+        let decisions = crate::files::read_text(&decisions_path, max_memory / 4, "a quarter of --max-memory")?;
         let mut responses = HashMap::new();
         for (n, line) in decisions.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
             let at = |m: String| Error::input(&decisions_path, format!("line {}: {m}", n + 1));

@@ -74,7 +74,7 @@ impl MoeLayer {
 
     /// Loads Mixtral-style weights from a safetensors file.
     pub fn from_safetensors(config: RouterConfig, path: &Path, dtype: DType, device: &Device) -> Result<Self> {
-        let tensors = load_safetensors(path, device)?;
+        let tensors = load_safetensors(path, device, crate::memory::limit(None) / 2)?;
         Self::from_tensors(config, tensors, dtype, device).map_err(|e| Error::input(path, e.to_string()))
     }
 

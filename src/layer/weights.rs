@@ -74,8 +74,11 @@ pub fn seeded_weights(dims: LayerDims, seed: u64, device: &Device) -> Result<Has
 }
 
 /// Reads a safetensors file into named tensors.
-pub fn load_safetensors(path: &Path, device: &Device) -> Result<HashMap<String, Tensor>> {
-    candle_core::safetensors::load(path, device)
+/// The file is read whole first, so it may hold at most `max_bytes` (half the memory limit:
+/// the tensors are a second copy).
+pub fn load_safetensors(path: &Path, device: &Device, max_bytes: u64) -> Result<HashMap<String, Tensor>> {
+    let bytes = crate::files::read_bounded(path, max_bytes, "half of --max-memory")?;
+    candle_core::safetensors::load_buffer(&bytes, device)
         .map_err(|e| Error::input(path, format!("cannot load safetensors: {e}")))
 }
 

@@ -52,7 +52,13 @@ pub fn make(router: &RouterSource, input: &InputSpec, traces: Option<&Path>, max
         }
         RouterSource::Gate { router, weights, gate, bias, sha256 } => {
             *sha256 = file_sha256(Path::new(weights))?;
-            let source = GateSource { weights: Path::new(weights), gate, bias: bias.as_deref(), hidden_states: None };
+            let source = GateSource {
+                weights: Path::new(weights),
+                gate,
+                bias: bias.as_deref(),
+                hidden_states: None,
+                max_memory,
+            };
             let config = RouterConfig::load(router)?;
             input.hidden = None;
             config_routings(config, &mut input, Some(&source), max_memory)?
@@ -219,7 +225,7 @@ fn rows(input: &mut InputSpec, hs: &Handshake, max_memory: u64) -> Result<Array3
         InputKind::Logits => format!("the router has {} experts", hs.experts),
         InputKind::Hidden => format!("the router's hidden size is {width}"),
     };
-    let rows = crate::cli::read_rows(Path::new(file), input.batch, None, width, &what)?;
+    let rows = crate::cli::read_rows(Path::new(file), input.batch, None, width, &what, max_memory)?;
     input.seq_len = rows.dim().1;
     Ok(rows)
 }
@@ -232,7 +238,7 @@ fn trace_routings(dir: &Path, input: &mut InputSpec, max_memory: u64) -> Result<
         serde_json::from_str(&text).map_err(|e| Error::input(&path, format!("not a plan manifest: {e}")))?;
     let router = TraceRouter::open(dir, max_memory)?;
     let inputs_path = dir.join(INPUTS);
-    let inputs = crate::layer::load_safetensors(&inputs_path, &Device::Cpu)?;
+    let inputs = crate::layer::load_safetensors(&inputs_path, &Device::Cpu, max_memory / 2)?;
     let width = router.row_width();
     let mut out = Vec::new();
     for mode in [Mode::Train, Mode::Inference] {
@@ -285,7 +291,7 @@ pub fn write_plan(dir: &Path, hs: &Handshake, input: &InputSpec, max_memory: u64
         probes: vec![Probe::M],
         batch,
         seq_len,
-        trials: 0,
+        trials: 1, // M makes no random trial; the manifest wants at least one
         seed: input.seed,
         ranks: 1,
         exhaustive: false,

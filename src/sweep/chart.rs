@@ -4,6 +4,7 @@
 use super::{CellResult, Heatmap};
 use crate::config::{DropPolicy, RouterConfig, RouterKind, ScopeGroup, Selection};
 use crate::error::{Error, Result};
+use crate::files::Staged;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use std::path::{Path, PathBuf};
@@ -29,14 +30,17 @@ fn register_font() {
     });
 }
 
-/// Draws `draw` into `<dir>/<stem>.svg` and `<dir>/<stem>.png`; returns both paths.
+/// Draws `draw` into `<dir>/<stem>.svg` and `<dir>/<stem>.png` (staged: temporary files until
+/// the set is committed); returns both paths.
 macro_rules! both {
-    ($dir:expr, $stem:expr, $size:expr, $draw:ident, $($arg:expr),*) => {{
+    ($dir:expr, $staged:expr, $stem:expr, $size:expr, $draw:ident, $($arg:expr),*) => {{
         register_font();
         let svg = $dir.join(format!("{}.svg", $stem));
-        $draw(SVGBackend::new(&svg, $size).into_drawing_area(), $($arg),*).map_err(|e| draw_error(&svg, e))?;
+        let tmp = $staged.path_for(&svg);
+        $draw(SVGBackend::new(&tmp, $size).into_drawing_area(), $($arg),*).map_err(|e| draw_error(&svg, e))?;
         let png = $dir.join(format!("{}.png", $stem));
-        $draw(BitMapBackend::new(&png, $size).into_drawing_area(), $($arg),*).map_err(|e| draw_error(&png, e))?;
+        let tmp = $staged.path_for(&png);
+        $draw(BitMapBackend::new(&tmp, $size).into_drawing_area(), $($arg),*).map_err(|e| draw_error(&png, e))?;
         Ok(vec![svg, png])
     }};
 }
@@ -48,8 +52,8 @@ fn draw_error(path: &Path, e: impl std::fmt::Debug) -> Error {
 type Drawn<DB> = std::result::Result<(), DrawingAreaErrorKind<<DB as DrawingBackend>::ErrorType>>;
 
 /// Leak rate against compute imbalance, one point per cell, the Pareto frontier marked.
-pub(super) fn leak_vs_imbalance(cells: &[CellResult], dir: &Path) -> Result<Vec<PathBuf>> {
-    both!(dir, "leak-vs-imbalance", SCATTER_SIZE, scatter, cells)
+pub(super) fn leak_vs_imbalance(cells: &[CellResult], dir: &Path, staged: &mut Staged) -> Result<Vec<PathBuf>> {
+    both!(dir, staged, "leak-vs-imbalance", SCATTER_SIZE, scatter, cells)
 }
 
 /// The cells no other cell beats on both axes (lower imbalance and lower leak rate), by
@@ -275,8 +279,8 @@ fn draw_legend<DB: DrawingBackend>(
 
 /// The heatmap of the chosen router: position × distance, colour = share of changes that
 /// affected the position.
-pub(super) fn heatmap(h: &Heatmap, dir: &Path) -> Result<Vec<PathBuf>> {
-    both!(dir, format!("heatmap-{}", h.router), SIZE, heat, h)
+pub(super) fn heatmap(h: &Heatmap, dir: &Path, staged: &mut Staged) -> Result<Vec<PathBuf>> {
+    both!(dir, staged, format!("heatmap-{}", crate::names::file_stem(&h.router)), SIZE, heat, h)
 }
 
 /// Square root so that rare effects stay visible; white = never, full red = the maximum.

@@ -142,7 +142,7 @@ impl Grid {
 
     /// Reads a grid file.
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::input(path, format!("cannot read: {e}")))?;
+        let text = crate::files::read_text(path, crate::files::TEXT_LIMIT, "the most a sweep grid may hold")?;
         Self::from_toml(&text, &path.display().to_string())
     }
 

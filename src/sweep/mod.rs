@@ -114,7 +114,19 @@ pub fn run(
     tick: &mut dyn FnMut(&str),
 ) -> Result<SweepReport> {
     let routers = grid.load_routers(source_name, base)?;
+    crate::names::check_unique(routers.iter().map(|r| r.name.as_str()))
+        .map_err(|m| crate::Error::config(source_name, "routers", m))?;
+    // `heatmap` names an entry of `routers` (a preset or a file); its cells carry the config's
+    // name. Checked here, before any cell runs.
+    let heat_name = grid.routers.iter().position(|r| *r == grid.heatmap).map(|i| routers[i].name.clone());
     let (cells, skipped) = grid.cells(&routers);
+    if !cells.iter().any(|c| Some(&c.config.name) == heat_name.as_ref()) {
+        return Err(crate::Error::config(
+            source_name,
+            "heatmap",
+            format!("router `{}` has no runnable cell", grid.heatmap),
+        ));
+    }
     for cell in &cells {
         let options =
             AuditOptions { batch: cell.batch, seq_len: cell.seq_len, trials: grid.trials, ..AuditOptions::default() };
@@ -134,7 +146,7 @@ pub fn run(
         tick(&cell.config.name);
         let layer = trained_layer(grid, cell)?;
         results.push(run_cell(grid, cell, &layer)?);
-        if heat.is_none() && cell.config.name == grid.heatmap {
+        if heat.is_none() && Some(&cell.config.name) == heat_name.as_ref() {
             heat = Some(heatmap::heatmap(layer.router(), &base_call(grid, cell, &layer)?.0, cell, grid.seed)?);
         }
     }

@@ -2,25 +2,29 @@
 //! `sweep.md` (the table the README shows) and the charts.
 
 use super::{chart, CellResult, SweepReport};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use std::fmt::Write;
 use std::path::{Path, PathBuf};
 
 /// Writes every output into `dir` (created if needed); returns the paths written.
+/// The files are one set: written under temporary names and renamed together, so the folder
+/// holds the previous run's set or this one's, never a mix or a torn file.
 pub fn write_all(report: &SweepReport, dir: &Path) -> Result<Vec<PathBuf>> {
-    std::fs::create_dir_all(dir).map_err(|e| Error::input(dir, format!("cannot create: {e}")))?;
+    crate::files::create_dir(dir)?;
+    let mut staged = crate::files::Staged::new();
     let mut written = Vec::new();
     let mut write = |name: &str, text: String| -> Result<()> {
         let path = dir.join(name);
-        std::fs::write(&path, text).map_err(|e| Error::input(&path, format!("cannot write: {e}")))?;
+        staged.write(&path, text.as_bytes())?;
         written.push(path);
         Ok(())
     };
     write("sweep.json", serde_json::to_string_pretty(report).expect("a report always serialises") + "\n")?;
     write("sweep.csv", csv(&report.cells))?;
     write("sweep.md", markdown(report))?;
-    written.extend(chart::leak_vs_imbalance(&report.cells, dir)?);
-    written.extend(chart::heatmap(&report.heatmap, dir)?);
+    written.extend(chart::leak_vs_imbalance(&report.cells, dir, &mut staged)?);
+    written.extend(chart::heatmap(&report.heatmap, dir, &mut staged)?);
+    staged.commit()?;
     Ok(written)
 }
 
@@ -28,13 +32,14 @@ fn opt<T: ToString>(v: Option<T>) -> String {
     v.map_or(String::new(), |v| v.to_string())
 }
 
-/// One header line and one line per cell; empty fields where a value does not apply.
+/// One header line and one line per cell; empty fields where a value does not apply. Fields
+/// are quoted by the `csv` crate where they need it (a router name with a comma or a quote).
 pub fn csv(cells: &[CellResult]) -> String {
-    let mut out = String::from(
-        "router,capacity_factor,top_k,experts,seq_len,batch,balance_steps,max_over_mean_load,load_cv,drop_rate,aux_loss,\
+    let mut out = csv::Writer::from_writer(Vec::new());
+    let header = "router,capacity_factor,top_k,experts,seq_len,batch,balance_steps,max_over_mean_load,load_cv,drop_rate,aux_loss,\
          max_over_mean_kept,leak_p,leak_f,leak_n,leak_r,leak_d,leak_s,leak_l,leak_rate,leaking,mismatch,output_change,\
-         output_change_affected,flips_bf16,flips_f16\n",
-    );
+         output_change_affected,flips_bf16,flips_f16";
+    out.write_record(header.split(',')).expect("writing to memory");
     for c in cells {
         let fields = [
             c.router.clone(),
@@ -64,10 +69,9 @@ pub fn csv(cells: &[CellResult]) -> String {
             opt(c.flips_bf16),
             opt(c.flips_f16),
         ];
-        out.push_str(&fields.join(","));
-        out.push('\n');
+        out.write_record(&fields).expect("writing to memory");
     }
-    out
+    String::from_utf8(out.into_inner().expect("writing to memory")).expect("UTF-8 fields")
 }
 
 fn pct(v: f64) -> String {
@@ -88,7 +92,7 @@ pub fn markdown(report: &SweepReport) -> String {
         let _ = writeln!(
             out,
             "| {} | {} | {} | {} | {}×{} | {:.3} | {:.3} | {} | {:.3} | {:.3} | {} | {} | {} | {} | {} | {} | {} | {} |",
-            c.router,
+            crate::names::markdown(&c.router),
             c.capacity_factor.map_or("–".into(), |f| f.to_string()),
             c.top_k.map_or("–".into(), |k| k.to_string()),
             c.experts,

@@ -5,6 +5,7 @@ mod cli;
 mod collectives;
 mod edge_cases;
 mod external;
+mod faults;
 mod hand_computed;
 mod invariants;
 mod layer;
