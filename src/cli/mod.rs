@@ -3,6 +3,7 @@
 mod check;
 mod ci;
 mod ep;
+mod exploit;
 mod external;
 mod route;
 mod sweep;
@@ -14,6 +15,7 @@ use std::io::Write;
 
 pub use check::{verdicts, CheckArgs, CommKind, ZooArgs};
 pub use ep::{EpArgs, EpFormat};
+pub use exploit::{ExploitArgs, ExploitFormat};
 pub use external::{ExternalArgs, PlanArgs};
 pub use route::RouteArgs;
 pub use sweep::SweepArgs;
@@ -45,6 +47,9 @@ pub enum Command {
     Ep(EpArgs),
     /// Load balance against causality over a grid of routers and sizes: CSV, JSON, charts.
     Sweep(SweepArgs),
+    /// Train a tiny decoder through each router on i.i.d. tokens: does its training-mode loss go
+    /// below the causal floor ln V? (exit 0 no, 1 yes, 2 error)
+    Exploit(ExploitArgs),
 }
 
 /// Runs a parsed command, writing its output to `out`. Returns the process exit code.
@@ -63,6 +68,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<u8> {
         Command::Plan(args) => external::run_plan(&args, out),
         Command::Ep(args) => ep::run(&args, out),
         Command::Sweep(args) => sweep::run(&args, out),
+        Command::Exploit(args) => exploit::run(&args, out),
     }
 }
 

@@ -9,11 +9,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Once;
 
 const SIZE: (u32, u32) = (1000, 640);
-const FONT: &str = "sans-serif";
+pub(crate) const FONT: &str = "sans-serif";
 /// Width of the heatmap's colour scale, right of the plot.
 const SCALE_WIDTH: u32 = 110;
 
-fn register_font() {
+pub(crate) fn register_font() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
         plotters::style::register_font(
