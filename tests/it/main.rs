@@ -3,6 +3,7 @@
 mod analyze;
 mod cli;
 mod edge_cases;
+mod exploit;
 mod external;
 mod hand_computed;
 mod invariants;
