@@ -10,6 +10,7 @@ pub mod analyze;
 pub mod cli;
 pub mod config;
 pub mod error;
+pub mod exploit;
 pub mod external;
 pub mod files;
 pub mod layer;

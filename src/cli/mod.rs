@@ -4,6 +4,7 @@ mod check;
 mod ci;
 mod collectives;
 mod ep;
+mod exploit;
 mod external;
 mod route;
 mod snapshot;
@@ -17,6 +18,7 @@ use std::io::Write;
 pub use check::{verdicts, CheckArgs, CommKind, ZooArgs};
 pub use collectives::{CollectivesArgs, CollectivesFormat};
 pub use ep::{EpArgs, EpFormat};
+pub use exploit::{ExploitArgs, ExploitFormat};
 pub use external::{ExternalArgs, PlanArgs};
 pub(crate) use route::read_logits as read_rows;
 pub use route::RouteArgs;
@@ -56,6 +58,9 @@ pub enum Command {
     /// Gradient-like payloads all-reduced with every algorithm × wire × accumulator precision
     /// against the exact sum: error, swamping, bias, traffic (exit 1 when a bias exceeds --max-bias).
     Collectives(CollectivesArgs),
+    /// Train a tiny decoder through each router on i.i.d. tokens: does its training-mode loss go
+    /// below the causal floor ln V? (exit 0 no, 1 yes, 2 error)
+    Exploit(ExploitArgs),
 }
 
 /// Runs a parsed command, writing its output to `out`. Returns the process exit code.
@@ -76,6 +81,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<u8> {
         Command::Sweep(args) => sweep::run(&args, out),
         Command::Snapshot(args) => snapshot::run(&args, out),
         Command::Collectives(args) => collectives::run(&args, out),
+        Command::Exploit(args) => exploit::run(&args, out),
     }
 }
 

@@ -14,11 +14,11 @@ const SIZE: (u32, u32) = (1000, 640);
 /// The scatter chart is wider: its legend has a panel of its own.
 const SCATTER_SIZE: (u32, u32) = (1240, 700);
 const LEGEND_WIDTH: u32 = 240;
-const FONT: &str = "sans-serif";
+pub(crate) const FONT: &str = "sans-serif";
 /// Width of the heatmap's colour scale, right of the plot.
 const SCALE_WIDTH: u32 = 110;
 
-fn register_font() {
+pub(crate) fn register_font() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
         plotters::style::register_font(

@@ -6,7 +6,7 @@
 //! one router's position × distance heatmap. Everything is seeded: the same grid gives the same
 //! bytes.
 
-mod chart;
+pub(crate) mod chart;
 mod grid;
 mod heatmap;
 pub mod output;

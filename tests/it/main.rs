@@ -4,6 +4,7 @@ mod analyze;
 mod cli;
 mod collectives;
 mod edge_cases;
+mod exploit;
 mod external;
 mod faults;
 mod hand_computed;
