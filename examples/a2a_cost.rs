@@ -2,7 +2,7 @@
 //! order so that noise hits both sides alike):
 //!
 //! 1. all-to-all throughput: every rank sends `PAYLOAD` bytes split evenly over the ranks (the
-//!    uniform-routing dispatch of DOMAIN.md §5), against one plain memcpy of all those bytes;
+//!    uniform-routing dispatch of docs/ROUTING.md, expert parallelism), against one plain memcpy of all those bytes;
 //! 2. the expert-parallel layer forward against the single-device `MoeLayer::forward` (T = 2048
 //!    tokens, H 512, FFN 1024, E 8, k 2: the `mixtral` preset), checked equal first.
 //!

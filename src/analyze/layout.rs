@@ -1,7 +1,7 @@
 //! The layout probe (L): the same batch under 1 versus R expert-parallel ranks (each rank routes
 //! its own block of sequences, as Megatron-LM and DeepSpeed do), and under [S,B] versus [B,S]
 //! flattening. Capacity computed per rank makes a token's routing depend on which tokens share
-//! its rank (DOMAIN.md §6, scenario 10). With a layer, the layer itself runs expert-parallel on
+//! its rank (docs/SCENARIOS.md, scenario 10). With a layer, the layer itself runs expert-parallel on
 //! R ranks on the first positions of every sequence and its outputs are checked against the
 //! single-device layer.
 
@@ -119,7 +119,7 @@ fn flipped_flatten(config: &RouterConfig) -> Option<RouterConfig> {
     Some(flipped)
 }
 
-/// The dispatch traffic of the expert-parallel run against DOMAIN.md §5's uniform formula.
+/// The dispatch traffic of the expert-parallel run against the uniform all-to-all formula of docs/ROUTING.md.
 fn traffic_note(traffic: &[RankTraffic]) -> String {
     let sent: usize = traffic.iter().map(|t| t.dispatch.bytes_sent).sum();
     let payload: usize = traffic.iter().map(|t| t.payload_bytes).sum();

@@ -124,7 +124,7 @@ impl fmt::Display for Probe {
     }
 }
 
-/// The properties of DOMAIN.md §2.
+/// The properties of docs/PROPERTIES.md.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Property {
     /// Causal in content.

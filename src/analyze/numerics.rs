@@ -1,4 +1,4 @@
-//! Probe X, numerics (DOMAIN.md §1, third failure mode; scenario 15): the same router in bf16 or
+//! Probe X, numerics (docs/PROPERTIES.md, third failure mode; scenario 15): the same router in bf16 or
 //! f16 against f32, and sums of many small terms in low-precision accumulators.
 //!
 //! **Precision flips.** A low-precision engine feeds the gate bf16/f16 activations and gets

@@ -1,5 +1,5 @@
 //! `moe-audit collectives`: gradient-like payloads all-reduced with every algorithm × wire ×
-//! accumulator over a range of rank counts, against the exact sum (the GPT-4 failure, DOMAIN.md
+//! accumulator over a range of rank counts, against the exact sum (the GPT-4 failure, README
 //! §1). Exit 1 when a configuration's bias exceeds `--max-bias`.
 
 use super::check::CommKind;

@@ -1,5 +1,5 @@
 //! `moe-audit ep`: one expert-parallel forward of a seeded layer, with each rank's traffic
-//! beside DOMAIN.md §5's formula and the output checked against the single-device layer.
+//! beside the all-to-all formula of docs/ROUTING.md and the output checked against the single-device layer.
 
 use super::check::CommKind;
 use super::io_error;

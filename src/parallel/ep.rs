@@ -40,7 +40,7 @@ pub struct Traffic {
     pub rows_local: usize,
 }
 
-/// One rank's accounting of one forward, beside DOMAIN.md §5's formula.
+/// One rank's accounting of one forward, beside the all-to-all formula of docs/ROUTING.md.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct RankTraffic {
     /// The rank.

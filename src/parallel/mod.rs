@@ -1,5 +1,5 @@
 //! Expert parallelism: E experts sharded over R ranks, tokens moved to their experts and back by
-//! all-to-all (DOMAIN.md §5).
+//! all-to-all (docs/ROUTING.md, expert parallelism).
 //!
 //! [`Communicator`] is what the layer needs from a distributed engine; [`run_ranks`] gives
 //! in-process ranks (threads, always built, the oracle), and with the cargo feature `mpi`,

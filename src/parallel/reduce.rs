@@ -1,6 +1,6 @@
 //! Reductions on a [`Communicator`]: all-reduce, reduce-scatter and all-gather of f32/bf16/f16
 //! buffers with the algorithms real libraries use, the accumulation precision separate from the
-//! wire precision (DOMAIN.md §1: the GPT-4 failure).
+//! wire precision (README: the GPT-4 failure).
 //!
 //! Every byte moves through [`Communicator::send_recv`] and every addition happens here, in an
 //! order fixed by the algorithm alone: in-process ranks and MPI give the same bits. Values are

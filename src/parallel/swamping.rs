@@ -1,5 +1,5 @@
 //! The collectives audit: gradient-like payloads reduced with every algorithm × wire precision ×
-//! accumulator, each result compared with the exact sum (DOMAIN.md §1, the GPT-4 failure).
+//! accumulator, each result compared with the exact sum (README: the GPT-4 failure).
 //!
 //! Every rank runs the same sequence of all-reduces on its own payload; rank 0 regenerates (or
 //! holds) every rank's payload, so it computes the exact sums without any extra communication.

@@ -1,5 +1,5 @@
 //! The analyzer: expected verdicts of the presets, one test per applicable scenario of
-//! DOMAIN.md §6, false positives, witnesses that replay.
+//! docs/SCENARIOS.md, false positives, witnesses that replay.
 
 use candle_core::{DType, Device, Tensor};
 use moe_audit::analyze::{audit, AuditOptions, Layer, Probe, RouterReport, Subject, Verdict, Witness};

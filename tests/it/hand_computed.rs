@@ -1,4 +1,4 @@
-//! Cases computed by hand from DOMAIN.md §4: each pins one published rule.
+//! Cases computed by hand from docs/ROUTING.md: each pins one published rule.
 
 use moe_audit::config::{
     preset, Arithmetic, CapacityConfig, DropPolicy, Flatten, RouterConfig, ScopeConfig, ScopeGroup, ScoreFn,

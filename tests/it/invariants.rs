@@ -1,4 +1,4 @@
-//! Property tests: the invariants DOMAIN.md §4 states for every router, checked on arbitrary
+//! Property tests: the invariants docs/ROUTING.md states for every router, checked on arbitrary
 //! finite logits (with many exact ties) for every preset and for scaled-down variants in which
 //! capacity actually binds.
 //!
@@ -6,7 +6,7 @@
 //! selection (top-k with ties to the lowest expert id, selection-only bias, group-limited top-k),
 //! the group's priority order (flattening and scope), the capacity (`capacity()` per group) and
 //! the set each expert keeps (a prefix of the policy's order). Selection scores are recomputed in
-//! `f32` the way DOMAIN.md describes them (max-shifted softmax, `1 / (1 + exp(-x))`), so exact
+//! `f32` the way docs/ROUTING.md describes them (max-shifted softmax, `1 / (1 + exp(-x))`), so exact
 //! ties in the logits are exact ties here too.
 //!
 //! Runs are reproducible: a fixed proptest seed unless `PROPTEST_RNG_SEED` is set, case counts
@@ -90,7 +90,7 @@ fn cfg(name: &str) -> RouterConfig {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The rules, re-derived (DOMAIN.md §4)
+// The rules, re-derived (docs/ROUTING.md)
 
 fn desc(a: f32, b: f32) -> Ordering {
     b.partial_cmp(&a).unwrap_or(Ordering::Equal)
@@ -868,7 +868,7 @@ fn modified_configs_hold_the_invariants() {
 
 #[test]
 fn capacity_binds_in_the_scaled_down_configs() {
-    // Otherwise the dropping checks above pass vacuously (DOMAIN.md §3, "force overflow").
+    // Otherwise the dropping checks above pass vacuously (docs/PROPERTIES.md, "targeted rows").
     let mut rng = TestRunner::new(Config { rng_seed: RngSeed::Fixed(7), ..Config::default() });
     for c in modified_configs().iter().filter(|c| c.capacity.is_some() && c.kind == RouterKind::TokenChoice) {
         let mut dropped = 0;

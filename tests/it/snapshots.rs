@@ -1,5 +1,5 @@
 //! Snapshots of routing tables on small seeded inputs: one per preset, and scaled-down variants
-//! (E = 4) in which capacity binds. Each snapshot is a claim about DOMAIN.md §4; the comment
+//! (E = 4) in which capacity binds. Each snapshot is a claim about docs/ROUTING.md; the comment
 //! above each call says what a reader can check in it. The logits are in each snapshot's
 //! header (`description`), so every claim can be checked by hand.
 //!
