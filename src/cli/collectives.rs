@@ -9,6 +9,7 @@ use crate::memory;
 use crate::parallel::reduce::{Algorithm, Precision, ReducePlan};
 use crate::parallel::run_ranks;
 use crate::parallel::swamping::{audit, AuditPlan, Figures, Payload};
+use crate::sweep::chart::{register_font, FONT};
 use bytesize::ByteSize;
 use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};
@@ -374,22 +375,8 @@ fn chart(r: &CollectivesReport, plan: &AuditPlan, range: f64, dir: &Path) -> Res
 }
 
 const SIZE: (u32, u32) = (1200, 760);
-const FONT: &str = "sans-serif";
 /// Errors below this (exact sums) are drawn at it: a log axis has no zero.
 const FLOOR: f64 = 1e-9;
-
-// The same bundled font as `sweep`'s charts (no system font libraries).
-fn register_font() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        plotters::style::register_font(
-            FONT,
-            FontStyle::Normal,
-            include_bytes!("../../assets/fonts/DejaVuSansMono.ttf"),
-        )
-        .unwrap_or_else(|_| panic!("the bundled font is a valid TrueType file"));
-    });
-}
 
 fn draw_error(path: &Path, e: impl std::fmt::Debug) -> Error {
     Error::input(path, format!("cannot draw: {e:?}"))
