@@ -17,6 +17,7 @@ pub mod layer;
 pub mod memory;
 pub mod names;
 pub mod parallel;
+pub mod render;
 pub mod router;
 pub mod routing;
 pub mod runtime;

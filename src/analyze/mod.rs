@@ -13,7 +13,6 @@ mod layout;
 pub mod numerics;
 mod prefix;
 mod probes;
-pub mod report;
 pub mod witness;
 
 pub use case::{Call, Case};

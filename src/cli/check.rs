@@ -2,13 +2,16 @@
 
 use super::external::ExternalArgs;
 use super::io_error;
-use crate::analyze::report::{render_markdown, render_text, render_zoo};
 use crate::analyze::{audit, AuditOptions, Probe, Report, RouterReport, Subject, Verdict, Witness};
 use crate::config::{presets, RouterConfig};
 use crate::error::{Error, Result};
 use crate::layer::MoeLayer;
 use crate::memory;
 use crate::parallel::{split_batch, Communicator, OnComm};
+use crate::render::{
+    json, render_github, render_junit, render_markdown, render_replay, render_text, render_zoo, witness_path,
+    write_witnesses,
+};
 use bytesize::ByteSize;
 use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};
@@ -171,10 +174,6 @@ pub(crate) fn audit_all(
     Ok(Report { options: options.clone(), routers })
 }
 
-fn witness_file(dir: &Path, router: &str, probe: Probe) -> PathBuf {
-    dir.join(format!("{}-{probe}.json", crate::names::file_stem(router)))
-}
-
 pub(super) fn run(args: &CheckArgs, out: &mut dyn Write) -> Result<u8> {
     if let Some(path) = &args.replay {
         return replay(path, memory::limit(args.max_memory), out);
@@ -233,14 +232,7 @@ fn audit_and_report(args: &CheckArgs, out: &mut dyn Write, comm: Option<&dyn Com
     // The witnesses and the report file are one set, renamed into place together.
     let mut staged = crate::files::Staged::new();
     if let Some(dir) = &args.witness_dir {
-        crate::files::create_dir(dir)?;
-        for r in &report.routers {
-            for f in r.findings.iter().filter(|f| f.witness.is_some()) {
-                let path = witness_file(dir, &r.router, f.probe);
-                let json = serde_json::to_string_pretty(&f.witness).expect("a witness always serialises");
-                staged.write(&path, (json + "\n").as_bytes())?;
-            }
-        }
+        write_witnesses(&report, dir, &mut staged)?;
     }
     let has_witness = |router: &str, probe: Probe| {
         report
@@ -253,11 +245,11 @@ fn audit_and_report(args: &CheckArgs, out: &mut dyn Write, comm: Option<&dyn Com
     let text = match args.format {
         CheckFormat::Text => render_text(&report, &|router, probe| {
             let dir = args.witness_dir.as_ref()?;
-            has_witness(router, probe).then(|| witness_file(dir, router, probe).display().to_string())
+            has_witness(router, probe).then(|| witness_path(dir, router, probe).display().to_string())
         }),
-        CheckFormat::Json => serde_json::to_string_pretty(&report).expect("a report always serialises") + "\n",
+        CheckFormat::Json => json(&report),
         CheckFormat::Markdown => render_markdown(&report),
-        CheckFormat::Junit => super::ci::render_junit(&report),
+        CheckFormat::Junit => render_junit(&report),
     };
     match &args.output {
         Some(path) => staged.write(path, text.as_bytes())?,
@@ -265,29 +257,14 @@ fn audit_and_report(args: &CheckArgs, out: &mut dyn Write, comm: Option<&dyn Com
     }
     staged.commit()?;
     if args.github {
-        out.write_all(super::ci::render_github(&report).as_bytes()).map_err(io_error)?;
+        out.write_all(render_github(&report).as_bytes()).map_err(io_error)?;
     }
     Ok(u8::from(report.leaks()))
 }
 
 fn replay(path: &Path, max_memory: u64, out: &mut dyn Write) -> Result<u8> {
     let replay = Witness::read_within(path, max_memory)?.replay(path)?;
-    let w = &replay.witness;
-    let token = format!("batch {}, position {}", w.token_a.batch, w.token_a.pos);
-    let text = if replay.diff.any() {
-        format!(
-            "LEAK reproduced: router {}, probe {} ({}), property {}: token {token} routes differently ({})\n  before: {}\n  after:  {}\n",
-            w.router.name,
-            w.probe,
-            w.probe.name(),
-            w.property,
-            replay.diff.describe(),
-            serde_json::to_string(&replay.before.routes).expect("serialises"),
-            serde_json::to_string(&replay.after.routes).expect("serialises"),
-        )
-    } else {
-        format!("no leak: router {} now routes token {token} alike in both calls\n", w.router.name)
-    };
+    let text = render_replay(&replay);
     out.write_all(text.as_bytes()).map_err(io_error)?;
     Ok(u8::from(replay.diff.any()))
 }
@@ -304,13 +281,7 @@ pub(super) fn zoo(args: &ZooArgs, out: &mut dyn Write) -> Result<u8> {
     let options = AuditOptions { seed: args.seed, ..AuditOptions::default() };
     let configs = presets().iter().map(|p| p.config()).collect::<Result<Vec<_>>>()?;
     let report = audit_all(configs, &options, 64, 128, memory::limit(None), None)?;
-    let mut text = render_zoo(&report.routers, &options.probes);
-    let leaking = report.routers.iter().filter(|r| r.findings.iter().any(|f| f.verdict == Verdict::Leak)).count();
-    text.push_str(&format!(
-        "\n{leaking} of {} presets leak. LEAK = the probe changed some token's routing; see `moe-audit check <preset>` for rates and witnesses.\n",
-        report.routers.len()
-    ));
-    out.write_all(text.as_bytes()).map_err(io_error)?;
+    out.write_all(render_zoo(&report).as_bytes()).map_err(io_error)?;
     Ok(0)
 }
 

@@ -10,12 +10,12 @@ use crate::layer::{MoeLayer, Seeded};
 use crate::memory::{self, CallSizes};
 use crate::parallel::reduce::Precision;
 use crate::parallel::swamping::compare;
-use crate::parallel::{run_ranks, split_batch, Communicator, ExpertParallel, RankTraffic};
+use crate::parallel::{run_ranks, split_batch, Communicator, ExpertParallel};
+use crate::render::{json, render_ep, CombineFigures, EpReport};
 use crate::router::Router;
 use bytesize::ByteSize;
 use candle_core::{DType, Device, Tensor};
 use clap::{Args, ValueEnum};
-use serde::Serialize;
 use std::io::Write;
 use std::path::PathBuf;
 
@@ -65,19 +65,6 @@ pub struct EpArgs {
     pub combine_accumulate: Precision,
 }
 
-/// A low-precision combine against the f32 combine, with `collectives`' figures.
-#[derive(Debug, Serialize)]
-struct CombineFigures {
-    wire: Precision,
-    accumulate: Precision,
-    /// ‖y − y_f32‖₂ / ‖y_f32‖₂.
-    relative_error: f64,
-    /// Share of output values off by more than 1% of the f32 combine's.
-    swamped_share: f64,
-    /// Mean signed error over mean |y_f32|.
-    bias: f64,
-}
-
 /// Output formats of `ep`.
 #[derive(Debug, Clone, Copy, ValueEnum)]
 pub enum EpFormat {
@@ -85,28 +72,6 @@ pub enum EpFormat {
     Text,
     /// The whole result.
     Json,
-}
-
-/// What `ep` reports (the JSON contract).
-#[derive(Debug, Serialize)]
-struct EpReport {
-    router: String,
-    ranks: usize,
-    batch: usize,
-    seq_len: usize,
-    hidden: usize,
-    experts: usize,
-    /// FNV-1a 64 of the output's f32 bits, sequence-major: equal outputs, equal checksums.
-    output_checksum: String,
-    /// The output equals the single-device layer's on the ranks' routing, bit for bit.
-    equals_single_device: bool,
-    /// Tokens whose routing differs from the single-device layer's on the whole batch (per-rank
-    /// routing scope: 0 unless capacity or expert choice depends on which tokens share a rank).
-    tokens_routed_differently: usize,
-    traffic: Vec<RankTraffic>,
-    /// Present with a low-precision combine.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    low_precision_combine: Option<CombineFigures>,
 }
 
 pub(super) fn run(args: &EpArgs, out: &mut dyn Write) -> Result<u8> {
@@ -185,8 +150,8 @@ pub(super) fn run(args: &EpArgs, out: &mut dyn Write) -> Result<u8> {
     };
     let Some(report) = on_ranks(args.comm, args.ranks, work)? else { return Ok(0) };
     let text = match args.format {
-        EpFormat::Json => serde_json::to_string_pretty(&report).expect("serialises") + "\n",
-        EpFormat::Text => render(&report),
+        EpFormat::Json => json(&report),
+        EpFormat::Text => render_ep(&report),
     };
     out.write_all(text.as_bytes()).map_err(io_error)?;
     Ok(0)
@@ -224,50 +189,4 @@ fn checksum(y: &Tensor) -> Result<u64> {
         .iter()
         .flat_map(|v| v.to_bits().to_le_bytes())
         .fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)))
-}
-
-fn render(r: &EpReport) -> String {
-    let mut s = format!(
-        "router {} | {} ranks | batch {} x seq {}, hidden {} | {} experts, {} per rank\n",
-        r.router,
-        r.ranks,
-        r.batch,
-        r.seq_len,
-        r.hidden,
-        r.experts,
-        r.experts / r.ranks
-    );
-    s += "rank  dispatch: sent rows  bytes  recv rows  local | combine: sent rows  recv rows | payload B  uniform B(N-1)/N  sent/uniform\n";
-    for t in &r.traffic {
-        s += &format!(
-            "{:>4}  {:>18}  {:>5}  {:>9}  {:>5} | {:>17}  {:>9} | {:>9}  {:>16.0}  {:>12.3}\n",
-            t.rank,
-            t.dispatch.rows_sent,
-            t.dispatch.bytes_sent,
-            t.dispatch.rows_received,
-            t.dispatch.rows_local,
-            t.combine.rows_sent,
-            t.combine.rows_received,
-            t.payload_bytes,
-            t.uniform_bytes_sent,
-            t.vs_uniform()
-        );
-    }
-    s += &format!(
-        "output checksum {} | equal to the single-device layer on the ranks' routing, bit for bit: {} | tokens routed differently than on one device: {}\n",
-        r.output_checksum,
-        if r.equals_single_device { "yes" } else { "NO" },
-        r.tokens_routed_differently
-    );
-    if let Some(c) = &r.low_precision_combine {
-        s += &format!(
-            "combine in {} on the wire, {} accumulator, against the f32 combine: relative error {:.2e} | {:.2}% of values off by > 1% | bias {:.2e}\n",
-            c.wire.name(),
-            c.accumulate.name(),
-            c.relative_error,
-            c.swamped_share * 100.0,
-            c.bias
-        );
-    }
-    s
 }

@@ -1,7 +1,6 @@
 //! The command line: clap structs (dumb), one function per command, output formats.
 
 mod check;
-mod ci;
 mod collectives;
 mod ep;
 mod exploit;

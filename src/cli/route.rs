@@ -5,7 +5,8 @@ use crate::config::RouterConfig;
 use crate::error::{Error, Result};
 use crate::layer::{MoeLayer, Seeded};
 use crate::memory::{self, CallSizes};
-use crate::routing::{assign, render_table, Logits};
+use crate::render::{json, render_table};
+use crate::routing::{assign, Logits};
 use bytesize::ByteSize;
 use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};
@@ -95,7 +96,7 @@ pub(super) fn run(args: &RouteArgs, out: &mut dyn Write) -> Result<u8> {
     };
     let text = match args.format {
         RouteFormat::Table => render_table(&routing),
-        RouteFormat::Json => serde_json::to_string_pretty(&routing).expect("a routing record always serialises") + "\n",
+        RouteFormat::Json => json(&routing),
     };
     out.write_all(text.as_bytes()).map_err(io_error)?;
     Ok(0)

@@ -38,7 +38,7 @@ pub(super) fn run(args: &SweepArgs, out: &mut dyn Write) -> Result<u8> {
     })?;
     bar.finish_and_clear();
     let written = sweep::write_all(&report, &args.output_dir)?;
-    let mut text = sweep::output::markdown(&report);
+    let mut text = crate::render::sweep_markdown(&report);
     text.push('\n');
     for path in written {
         text.push_str(&format!("wrote {}\n", path.display()));

@@ -1,7 +1,7 @@
 //! CI report formats: JUnit XML (one test case per router × probe, a leak's witness summary as
 //! the failure message) and GitHub Actions `::error::` annotations, one per leak.
 
-use crate::analyze::report::{verdict_word, why};
+use super::text::{verdict_word, why};
 use crate::analyze::{Finding, Report, Verdict};
 use crate::routing::Route;
 use std::fmt::Write;
@@ -48,7 +48,7 @@ use crate::names::xml;
 
 /// JUnit XML: a test suite per router, a test case per probe (leak = failure, not applicable =
 /// skipped) and one for the invariants.
-pub(super) fn render_junit(report: &Report) -> String {
+pub fn render_junit(report: &Report) -> String {
     let count = |v: Verdict| report.routers.iter().flat_map(|r| &r.findings).filter(|f| f.verdict == v).count();
     let broken = report.routers.iter().filter(|r| !r.invariants.is_empty()).count();
     let tests: usize = report.routers.iter().map(|r| r.findings.len() + 1).sum();
@@ -115,7 +115,7 @@ fn escape(s: &str, property: bool) -> String {
 }
 
 /// `::error title=...::message` per leak and per invariant failure.
-pub(super) fn render_github(report: &Report) -> String {
+pub fn render_github(report: &Report) -> String {
     let mut out = String::new();
     for r in &report.routers {
         for f in r.findings.iter().filter(|f| f.verdict == Verdict::Leak) {

@@ -1,32 +1,8 @@
-//! Writing a sweep: `sweep.json` (the whole report), `sweep.csv` (one row per cell),
-//! `sweep.md` (the table the README shows) and the charts.
+//! A sweep's text outputs: `sweep.csv` (one row per cell) and `sweep.md` (the table the README
+//! shows). `sweep.json` is the serde form of [`SweepReport`]; the charts are drawn by the sweep.
 
-use super::{chart, CellResult, SweepReport};
-use crate::error::Result;
+use crate::sweep::{CellResult, SweepReport};
 use std::fmt::Write;
-use std::path::{Path, PathBuf};
-
-/// Writes every output into `dir` (created if needed); returns the paths written.
-/// The files are one set: written under temporary names and renamed together, so the folder
-/// holds the previous run's set or this one's, never a mix or a torn file.
-pub fn write_all(report: &SweepReport, dir: &Path) -> Result<Vec<PathBuf>> {
-    crate::files::create_dir(dir)?;
-    let mut staged = crate::files::Staged::new();
-    let mut written = Vec::new();
-    let mut write = |name: &str, text: String| -> Result<()> {
-        let path = dir.join(name);
-        staged.write(&path, text.as_bytes())?;
-        written.push(path);
-        Ok(())
-    };
-    write("sweep.json", serde_json::to_string_pretty(report).expect("a report always serialises") + "\n")?;
-    write("sweep.csv", csv(&report.cells))?;
-    write("sweep.md", markdown(report))?;
-    written.extend(chart::leak_vs_imbalance(&report.cells, dir, &mut staged)?);
-    written.extend(chart::heatmap(&report.heatmap, dir, &mut staged)?);
-    staged.commit()?;
-    Ok(written)
-}
 
 fn opt<T: ToString>(v: Option<T>) -> String {
     v.map_or(String::new(), |v| v.to_string())

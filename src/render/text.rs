@@ -1,8 +1,9 @@
 //! Rendering reports: a terminal table (which routers leak, how often, why), markdown for a CI
-//! summary, and the zoo's verdict table beside load balance. JSON is the serde form of
-//! [`Report`].
+//! summary, the zoo's verdict table beside load balance, and a witness replay. JSON is the serde
+//! form of [`Report`].
 
-use super::{Finding, Probe, Report, RouterReport, Verdict};
+use crate::analyze::witness::Replay;
+use crate::analyze::{Finding, Probe, Report, Verdict};
 use std::fmt::Write;
 
 pub(crate) fn verdict_word(v: Verdict) -> &'static str {
@@ -122,8 +123,10 @@ pub fn render_markdown(report: &Report) -> String {
     out
 }
 
-/// The zoo: one row per router, a verdict column per probe, beside its load balance.
-pub fn render_zoo(routers: &[RouterReport], probes: &[Probe]) -> String {
+/// The zoo: one row per router, a verdict column per probe, beside its load balance, then how
+/// many leak (a broken invariant counts, as in [`Report::leaks`]).
+pub fn render_zoo(report: &Report) -> String {
+    let (routers, probes) = (&report.routers, &report.options.probes);
     let mut out = String::new();
     let _ = write!(out, "{:<22}", "router");
     for p in probes {
@@ -138,5 +141,57 @@ pub fn render_zoo(routers: &[RouterReport], probes: &[Probe]) -> String {
         }
         let _ = writeln!(out, " {:>8.3} {:>6}", r.load.max_over_mean_load, percent(r.load.drop_rate));
     }
+    let leaking = routers.iter().filter(|r| r.leaks()).count();
+    let _ = writeln!(
+        out,
+        "\n{leaking} of {} presets leak. LEAK = the probe changed some token's routing; see `moe-audit check <preset>` for rates and witnesses.",
+        routers.len()
+    );
     out
+}
+
+/// The outcome of `check --replay`: the leak reproduced (before and after routes) or gone.
+pub fn render_replay(replay: &Replay) -> String {
+    let w = &replay.witness;
+    let token = format!("batch {}, position {}", w.token_a.batch, w.token_a.pos);
+    if replay.diff.any() {
+        format!(
+            "LEAK reproduced: router {}, probe {} ({}), property {}: token {token} routes differently ({})\n  before: {}\n  after:  {}\n",
+            w.router.name,
+            w.probe,
+            w.probe.name(),
+            w.property,
+            replay.diff.describe(),
+            serde_json::to_string(&replay.before.routes).expect("serialises"),
+            serde_json::to_string(&replay.after.routes).expect("serialises"),
+        )
+    } else {
+        format!("no leak: router {} now routes token {token} alike in both calls\n", w.router.name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::analyze::{AuditOptions, RouterReport};
+    use crate::routing::LoadStats;
+
+    #[test]
+    fn the_zoo_counts_a_broken_invariant_as_a_leak() {
+        // No probe leaks, but an invariant fails: the router leaks (`RouterReport::leaks`), so
+        // the zoo's count must say so too.
+        let router = |name: &str, invariants: Vec<String>| RouterReport {
+            router: name.into(),
+            load: LoadStats::default(),
+            invariants,
+            findings: Vec::new(),
+        };
+        let report = Report {
+            options: AuditOptions { probes: Vec::new(), ..AuditOptions::default() },
+            routers: vec![router("ok", Vec::new()), router("broken", vec!["group 0: capacity".into()])],
+        };
+        assert!(report.routers[1].leaks());
+        let zoo = render_zoo(&report);
+        assert!(zoo.contains("\n1 of 2 presets leak."), "{zoo}");
+    }
 }

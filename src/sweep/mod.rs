@@ -9,11 +9,9 @@
 pub(crate) mod chart;
 mod grid;
 mod heatmap;
-pub mod output;
 
 pub use grid::{Cell, Grid, Skipped};
 pub use heatmap::Heatmap;
-pub use output::write_all;
 
 use crate::analyze::compare::diff_token;
 use crate::analyze::numerics::{swamping, Swamping};
@@ -160,6 +158,28 @@ pub fn run(
         heatmap,
         swamping: grid.numerics.then(|| swamping(grid.seed)),
     })
+}
+
+/// Writes every output into `dir` (created if needed); returns the paths written.
+/// The files are one set: written under temporary names and renamed together, so the folder
+/// holds the previous run's set or this one's, never a mix or a torn file.
+pub fn write_all(report: &SweepReport, dir: &std::path::Path) -> Result<Vec<std::path::PathBuf>> {
+    crate::files::create_dir(dir)?;
+    let mut staged = crate::files::Staged::new();
+    let mut written = Vec::new();
+    let mut write = |name: &str, text: String| -> Result<()> {
+        let path = dir.join(name);
+        staged.write(&path, text.as_bytes())?;
+        written.push(path);
+        Ok(())
+    };
+    write("sweep.json", crate::render::json(report))?;
+    write("sweep.csv", crate::render::sweep_csv(&report.cells))?;
+    write("sweep.md", crate::render::sweep_markdown(report))?;
+    written.extend(chart::leak_vs_imbalance(&report.cells, dir, &mut staged)?);
+    written.extend(chart::heatmap(&report.heatmap, dir, &mut staged)?);
+    staged.commit()?;
+    Ok(written)
 }
 
 /// Number of cells the grid runs (for a progress bar).
