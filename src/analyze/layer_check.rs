@@ -70,47 +70,17 @@ impl<'a> Sample<'a> {
         Ok(Sample { layer, x, y, routing, seed })
     }
 
-    /// Runs the layer on the sample changed as `probe` prescribes and folds the result into
-    /// `finding`.
+    /// Runs the layer on the sample changed as `probe` prescribes (its rule's
+    /// [`sample`](super::probe::Rule::sample)) and folds the result into `finding`.
     pub(super) fn check(&self, probe: Probe, finding: &mut Finding) -> Result<()> {
-        if finding.verdict == Verdict::NotApplicable || matches!(probe, Probe::M | Probe::L | Probe::X) {
+        if finding.verdict == Verdict::NotApplicable {
             return Ok(());
         }
-        let x = &self.x;
-        let (b, s, h) = x.dims3()?;
-        let fresh = |n: usize, salt: u64| Seeded::new(self.seed ^ salt).normal(&[1, n, h], &Device::Cpu);
-        let all = || (0..b).map(Some).collect::<Vec<_>>();
-        // (changed input, for each sequence of x its index there, positions compared per sequence)
-        let (xb, seq_map, compare): (Tensor, Vec<Option<usize>>, Vec<usize>) = match probe {
-            Probe::P => (x.narrow(1, 0, s.div_ceil(2))?, all(), vec![s.div_ceil(2); b]),
-            Probe::F => {
-                let t = s / 2;
-                let mut v = x.flatten_all()?.to_vec1::<f32>()?;
-                let later = fresh(s - t - 1, 0xf)?.flatten_all()?.to_vec1::<f32>()?;
-                v[(t + 1) * h..s * h].copy_from_slice(&later);
-                let mut compare = vec![0; b];
-                compare[0] = t + 1;
-                (Tensor::from_vec(v, (b, s, h), x.device())?, all(), compare)
-            }
-            Probe::N if b < 2 => return Ok(()),
-            Probe::N => {
-                let replaced = Tensor::cat(&[&x.narrow(0, 0, b - 1)?, &fresh(s, 0xa)?], 0)?;
-                let mut compare = vec![s; b];
-                compare[b - 1] = 0;
-                (replaced, all(), compare)
-            }
-            Probe::R => (x.flip(&[0])?, (0..b).map(|i| Some(b - 1 - i)).collect(), vec![s; b]),
-            Probe::D | Probe::S => {
-                if probe == Probe::S {
-                    self.layer.forward(&fresh(s, 0x5)?.broadcast_as((b, s, h))?.contiguous()?)?;
-                }
-                (x.clone(), all(), vec![s; b])
-            }
-            Probe::M | Probe::L | Probe::X => unreachable!("returned above"),
-        };
-        let (yb, rb) = self.layer.forward(&xb.contiguous()?)?;
-        let exact = probe == Probe::D || probe == Probe::S;
-        let (leaks, drift) = compare_outputs(&self.y, &self.routing, &yb, &rb, &seq_map, &compare, exact)?;
+        let input = SampleInput { layer: self.layer, x: &self.x, seed: self.seed };
+        let Some(change) = probe.rule().sample(&input)? else { return Ok(()) };
+        let (yb, rb) = self.layer.forward(&change.x.contiguous()?)?;
+        let (leaks, drift) =
+            compare_outputs(&self.y, &self.routing, &yb, &rb, &change.seq_map, &change.compare, change.exact)?;
         finding.output_leaks += leaks;
         finding.output_drift = drift;
         if leaks > 0 {
@@ -120,9 +90,50 @@ impl<'a> Sample<'a> {
     }
 }
 
+/// What a probe changes the layer sample from.
+pub(crate) struct SampleInput<'a> {
+    /// The layer (a probe may run it first, as S does).
+    pub layer: &'a dyn Layer,
+    /// The sample's hidden states `[b, s, h]`.
+    pub x: &'a Tensor,
+    /// The audit's seed.
+    pub seed: u64,
+}
+
+impl SampleInput<'_> {
+    /// `n` fresh hidden rows `[1, n, h]` from the audit's seed and `salt`.
+    pub fn fresh(&self, n: usize, salt: u64) -> Result<Tensor> {
+        let h = self.x.dims3()?.2;
+        Seeded::new(self.seed ^ salt).normal(&[1, n, h], &Device::Cpu)
+    }
+
+    /// Every sequence at its own index.
+    pub fn all(&self) -> Vec<Option<usize>> {
+        (0..self.x.dims3().map_or(0, |d| d.0)).map(Some).collect()
+    }
+
+    /// The sample itself again, every token compared bit for bit (D, S).
+    pub fn again(&self) -> Result<SampleCase> {
+        let (b, s, _) = self.x.dims3()?;
+        Ok(SampleCase { x: self.x.clone(), seq_map: self.all(), compare: vec![s; b], exact: true })
+    }
+}
+
+/// The layer sample as a probe changed it.
+pub(crate) struct SampleCase {
+    /// The changed input.
+    pub x: Tensor,
+    /// For each sequence of the sample, its index in `x`.
+    pub seq_map: Vec<Option<usize>>,
+    /// Positions compared per sequence.
+    pub compare: Vec<usize>,
+    /// Outputs must be equal bit for bit (else within the f32 tolerance).
+    pub exact: bool,
+}
+
 /// Tokens with identical routing must have equal outputs: bit for bit when `exact`, else within
 /// the f32 tolerance. Returns (tokens over tolerance, largest relative difference within it).
-pub(super) fn compare_outputs(
+pub(crate) fn compare_outputs(
     ya: &Tensor,
     ra: &Routing,
     yb: &Tensor,

@@ -9,13 +9,12 @@ mod budget;
 mod case;
 pub mod compare;
 mod layer_check;
-mod layout;
-pub mod numerics;
-mod prefix;
-mod probes;
+mod probe;
+mod tally;
 pub mod witness;
 
 pub use case::{Call, Case};
+pub use probe::{numerics, Probe};
 pub use witness::Witness;
 
 use crate::error::{Error, Result};
@@ -23,105 +22,10 @@ use crate::layer::{MoeLayer, Seeded};
 use crate::router::{logits_to_host, Router};
 use crate::routing::{LoadStats, Routing};
 use candle_core::{Device, Tensor};
-use case::Outcome;
-use probes::Ctx;
-use rayon::prelude::*;
+use probe::Ctx;
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::sync::Arc;
-
-/// A probe: one way of changing the input that must not change a token's routing.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-pub enum Probe {
-    /// Prefix: truncate after t.
-    P,
-    /// Future: change tokens after t.
-    F,
-    /// Neighbour: change another sequence.
-    N,
-    /// Re-batch: permute, resize, pad.
-    R,
-    /// Repeat: the same call twice.
-    D,
-    /// Replay: the same call after a different call.
-    S,
-    /// Mode: training versus inference configuration.
-    M,
-    /// Layout: 1 versus R expert-parallel ranks, [S,B] versus [B,S] flattening.
-    L,
-    /// Numerics: routing in bf16/f16 versus f32, and low-precision accumulation (off by default).
-    X,
-}
-
-impl Probe {
-    /// The default probes, in report order (X, numerics, is opt-in).
-    pub const ALL: [Probe; 8] = [Probe::P, Probe::F, Probe::N, Probe::R, Probe::D, Probe::S, Probe::M, Probe::L];
-
-    /// The property the probe tests.
-    pub fn property(self) -> Property {
-        match self {
-            Probe::P => Property::CLength,
-            Probe::F => Property::CContent,
-            Probe::N | Probe::R => Property::B,
-            Probe::D => Property::D,
-            Probe::S => Property::S,
-            Probe::M | Probe::X => Property::TI,
-            Probe::L => Property::L,
-        }
-    }
-
-    /// Its long name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Probe::P => "prefix",
-            Probe::F => "future",
-            Probe::N => "neighbour",
-            Probe::R => "re-batch",
-            Probe::D => "repeat",
-            Probe::S => "replay",
-            Probe::M => "mode",
-            Probe::L => "layout",
-            Probe::X => "numerics",
-        }
-    }
-
-    /// Parses a comma-separated list such as `P,F,N`.
-    pub fn parse_list(list: &str) -> Result<Vec<Probe>> {
-        let mut probes = Vec::new();
-        for item in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-            let probe = match item.to_ascii_uppercase().as_str() {
-                "P" => Probe::P,
-                "F" => Probe::F,
-                "N" => Probe::N,
-                "R" => Probe::R,
-                "D" => Probe::D,
-                "S" => Probe::S,
-                "M" => Probe::M,
-                "L" => Probe::L,
-                "X" => Probe::X,
-                _ => {
-                    return Err(Error::Usage(format!(
-                        "--probes: unknown probe `{item}`, expected some of P,F,N,R,D,S,M,L,X"
-                    )))
-                }
-            };
-            if !probes.contains(&probe) {
-                probes.push(probe);
-            }
-        }
-        if probes.is_empty() {
-            return Err(Error::Usage("--probes: no probe given".into()));
-        }
-        probes.sort();
-        Ok(probes)
-    }
-}
-
-impl fmt::Display for Probe {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{self:?}")
-    }
-}
 
 /// The properties of docs/PROPERTIES.md.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -277,7 +181,7 @@ pub struct Finding {
 
 impl Finding {
     /// A passing finding of `probe` with nothing compared yet.
-    fn empty(probe: Probe) -> Finding {
+    pub(crate) fn empty(probe: Probe) -> Finding {
         Finding {
             probe,
             verdict: Verdict::Pass,
@@ -389,7 +293,7 @@ pub fn audit(subject: &Subject, options: &AuditOptions, tick: &mut dyn FnMut(&st
     }
     let router = subject.router;
     let hidden = match router.hidden_size() {
-        Some(h) => Some(probes::hidden_states(router, (b, s), h, options.seed)?),
+        Some(h) => Some(probe::hidden_states(router, (b, s), h, options.seed)?),
         None => None,
     };
     let logits = match &hidden {
@@ -407,9 +311,17 @@ pub fn audit(subject: &Subject, options: &AuditOptions, tick: &mut dyn FnMut(&st
         invariants.extend(layer_check::scores_per_token(router, x, &base.logits)?);
     }
     let pure = router.concurrent() && looks_pure(router, &base, &base_routing)?;
-    let layout = layout::Plan { ranks: options.ranks, layer: subject.layer.zip(hidden.as_ref()) };
-    let ctx =
-        Ctx { router, base, base_routing, trials: options.trials, seed: options.seed, pure, hidden: hidden.clone() };
+    let ctx = Ctx {
+        router,
+        base,
+        base_routing,
+        trials: options.trials,
+        seed: options.seed,
+        pure,
+        hidden: hidden.clone(),
+        ranks: options.ranks,
+        exhaustive: options.exhaustive,
+    };
     let sample = match (subject.layer, &hidden) {
         (Some(layer), Some(x)) => Some(layer_check::Sample::new(layer, x, options.seed)?),
         _ => None,
@@ -417,160 +329,13 @@ pub fn audit(subject: &Subject, options: &AuditOptions, tick: &mut dyn FnMut(&st
     let mut findings = Vec::new();
     for &probe in &options.probes {
         tick(&format!("{} {}", router.name(), probe.name()));
-        let mut finding =
-            if probe == Probe::L { layout::probe(&ctx, &layout)? } else { run_probe(&ctx, probe, options.exhaustive)? };
+        let mut finding = probe.rule().run(&ctx, subject.layer)?;
         if let Some(sample) = &sample {
             sample.check(probe, &mut finding)?;
         }
         findings.push(finding);
     }
     Ok(RouterReport { router: router.name().to_string(), load: ctx.base_routing.stats, invariants, findings })
-}
-
-fn run_probe(ctx: &Ctx, probe: Probe, exhaustive: bool) -> Result<Finding> {
-    let mut finding = Finding::empty(probe);
-    let cases = match probe {
-        Probe::P => probes::Cases::Prefix(ctx),
-        Probe::F => probes::Cases::Built(probes::future(ctx)?),
-        Probe::N => probes::Cases::Built(probes::neighbour(ctx)?),
-        Probe::R => probes::Cases::Built(probes::rebatch(ctx)?),
-        Probe::D | Probe::S | Probe::M => return repeat_probe(ctx, probe, finding),
-        Probe::X => return numerics::probe(ctx, finding),
-        Probe::L => unreachable!("the layout probe runs in layout.rs"),
-    };
-    let count = cases.len();
-    if count == 0 {
-        finding.verdict = Verdict::NotApplicable;
-        finding.note = match probe {
-            Probe::N => "needs a batch of 2 or more".into(),
-            _ => "needs a sequence of 2 or more tokens".into(),
-        };
-        return Ok(finding);
-    }
-    if probe == Probe::P && ctx.pure && !exhaustive {
-        return prefix::probe(ctx, finding);
-    }
-    let run = |i: usize| -> Result<(Tally, Option<case::Affected>)> {
-        let case = cases.get(i);
-        let outcome = case.compare(&ctx.base_routing, &case.b.routes(ctx.router)?);
-        Ok((Tally::of(&outcome), pick_witness_token(&outcome)))
-    };
-    // Cases are independent, so they run in parallel for a router that looks pure; a stateful
-    // one sees its calls in case order, so the audit stays deterministic either way.
-    let results: Vec<_> =
-        if ctx.pure { (0..count).into_par_iter().map(run).collect() } else { (0..count).map(run).collect() };
-    let mut tally = Tally::default();
-    let mut first_leak = None;
-    for (i, result) in results.into_iter().enumerate() {
-        let (t, hit) = result?;
-        tally.merge(&t);
-        if first_leak.is_none() {
-            first_leak = hit.map(|hit| (i, hit));
-        }
-    }
-    finding.note = format!("{count} cases");
-    tally.finish(&mut finding);
-    if let Some((i, hit)) = first_leak {
-        finding.witness = witness::build(ctx.router, probe, &cases.get(i), (hit.batch, hit.pos))?;
-    }
-    Ok(finding)
-}
-
-/// Prefers a token whose decision changed over one whose capacity alone changed.
-fn pick_witness_token(outcome: &Outcome) -> Option<case::Affected> {
-    outcome.affected.iter().find(|a| a.diff.decision()).or(outcome.affected.first()).copied()
-}
-
-/// What a probe saw, summed over its cases: O(1) per case whatever the number of affected tokens.
-#[derive(Default)]
-struct Tally {
-    compared: usize,
-    affected: usize,
-    capacity_changed: bool,
-    first_position: Option<usize>,
-    /// Affected tokens by distance to the change, bucket i holding [2^i, 2^(i+1)) (the last
-    /// bucket everything beyond).
-    influence: [usize; 32],
-}
-
-impl Tally {
-    fn of(outcome: &Outcome) -> Tally {
-        let mut t = Tally { compared: outcome.compared, ..Tally::default() };
-        for a in &outcome.affected {
-            t.capacity_changed |= a.diff.capacity;
-            if a.diff.decision() {
-                t.affected += 1;
-                if let Some(d) = a.distance {
-                    t.influence[(d.max(1).ilog2() as usize).min(31)] += 1;
-                }
-            }
-            t.first_position = Some(t.first_position.map_or(a.pos, |p| p.min(a.pos)));
-        }
-        t
-    }
-
-    fn merge(&mut self, other: &Tally) {
-        self.compared += other.compared;
-        self.affected += other.affected;
-        self.capacity_changed |= other.capacity_changed;
-        self.first_position = self.first_position.into_iter().chain(other.first_position).min();
-        self.influence.iter_mut().zip(other.influence).for_each(|(a, b)| *a += b);
-    }
-
-    fn finish(&self, finding: &mut Finding) {
-        finding.compared = self.compared;
-        finding.affected = self.affected;
-        finding.capacity_changed = self.capacity_changed;
-        finding.first_position = self.first_position;
-        finding.rate = if self.compared > 0 { self.affected as f64 / self.compared as f64 } else { 0.0 };
-        if self.affected > 0 || self.capacity_changed {
-            finding.verdict = Verdict::Leak;
-        }
-        finding.influence = (self.influence.iter().enumerate())
-            .filter(|(_, &count)| count > 0)
-            .map(|(i, &count)| InfluenceBucket { from: 1 << i, to: (2 << i) - 1, count })
-            .collect();
-    }
-}
-
-/// D (the same call twice), S (the same call after another) and M (train vs inference config).
-fn repeat_probe(ctx: &Ctx, probe: Probe, mut finding: Finding) -> Result<Finding> {
-    let (b, s) = ctx.base.dims();
-    let same = Case::aligned(&ctx.base, Call::clone(&ctx.base));
-    let (reference, again, case) = match probe {
-        Probe::D => (ctx.base_routing.clone(), ctx.base.routes(ctx.router)?, same),
-        Probe::S => {
-            let mut rng = rand::SeedableRng::seed_from_u64(ctx.seed ^ 0x5);
-            let other = Call::new(
-                ctx.fresh(s.max(2) * b, &mut rng)?
-                    .into_shape_with_order((b, s.max(2), ctx.router.row_width()))
-                    .expect("shape"),
-            );
-            let first = ctx.base.routes(ctx.router)?;
-            other.routes(ctx.router)?;
-            let after = ctx.base.routes(ctx.router)?;
-            (first, after, Case { b: other, ..same })
-        }
-        _ => match ctx.router.inference()? {
-            None => {
-                finding.verdict = Verdict::NotApplicable;
-                finding.note = "no [inference] table: training and serving use one rule".into();
-                return Ok(finding);
-            }
-            Some(inference) => (ctx.base_routing.clone(), ctx.base.routes(inference.as_ref())?, same),
-        },
-    };
-    let outcome = case.compare(&reference, &again);
-    Tally::of(&outcome).finish(&mut finding);
-    finding.note = match probe {
-        Probe::D => "the same call twice".into(),
-        Probe::S => "the same call before and after another call".into(),
-        _ => "training versus [inference] configuration on the same input".into(),
-    };
-    if let Some(hit) = pick_witness_token(&outcome) {
-        finding.witness = witness::build(ctx.router, probe, &case, (hit.batch, hit.pos))?;
-    }
-    Ok(finding)
 }
 
 /// Whether the router routes the base call alike twice in a row and after another call: then

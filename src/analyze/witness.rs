@@ -95,7 +95,8 @@ impl Pair {
     }
 }
 
-fn route_with(config: &RouterConfig, call: &Call) -> Result<Routing> {
+/// Routes `call` under `config` for a comparison (routes only).
+pub(crate) fn route_with(config: &RouterConfig, call: &Call) -> Result<Routing> {
     assign_routes(config, call.logits.view(), call.padding.as_ref().map(|m| m.view()))
 }
 
@@ -104,21 +105,7 @@ fn replay_pair(config: &RouterConfig, probe: Probe, pair: &Pair) -> Result<(Rout
     let Some(tb) = pair.token_b() else {
         return Err(Error::Usage("witness token has no counterpart in call b".into()));
     };
-    let (ra, rb) = match probe {
-        Probe::D => (route_with(config, &pair.a)?, route_with(config, &pair.a)?),
-        Probe::S => {
-            let first = route_with(config, &pair.a)?;
-            route_with(config, &pair.b)?;
-            (first, route_with(config, &pair.a)?)
-        }
-        Probe::M => {
-            let inference = config
-                .inference_config()?
-                .ok_or_else(|| Error::Usage("an M witness needs an [inference] table".into()))?;
-            (route_with(config, &pair.a)?, route_with(&inference, &pair.a)?)
-        }
-        _ => (route_with(config, &pair.a)?, route_with(config, &pair.b)?),
-    };
+    let (ra, rb) = probe.rule().replay(config, &pair.a, &pair.b)?;
     let diff = diff_token(&ra, pair.token, &rb, tb);
     Ok((ra, rb, diff))
 }
@@ -187,7 +174,7 @@ fn shrink(mut pair: Pair, probe: Probe, leaks: &dyn Fn(&Pair) -> bool) -> Pair {
         // Positions, then changes undone (rows of b back to their aligned row of a), each in
         // halving chunks: big inputs shrink in a few tries.
         progress |= ddmin(&mut pair, &coordinates, &drop_coordinates, &attempt, &spent);
-        if !matches!(probe, Probe::D | Probe::S | Probe::M) {
+        if probe.rule().changes_input() {
             progress |= ddmin(&mut pair, &changed_rows, &|p, rows| Some(revert_rows(p, rows)), &attempt, &spent);
         }
         if !progress || spent() {
@@ -427,18 +414,16 @@ impl Witness {
         let (ta, tb) = ((self.token_a.batch, self.token_a.pos), (self.token_b.batch, self.token_b.pos));
         let (ba, sa) = a.dims();
         let (bb, sb) = b.dims();
-        if ta.0 >= ba
-            || ta.1 >= sa
-            || (!matches!(self.probe, Probe::D | Probe::S | Probe::M) && (tb.0 >= bb || tb.1 >= sb))
-        {
+        let changes_input = self.probe.rule().changes_input();
+        if ta.0 >= ba || ta.1 >= sa || (changes_input && (tb.0 >= bb || tb.1 >= sb)) {
             return Err(Error::input(path, "the witness token lies outside its calls".to_string()));
         }
         let mut seq_map = vec![None; ba];
-        seq_map[ta.0] = Some(if matches!(self.probe, Probe::D | Probe::S | Probe::M) { ta.0 } else { tb.0 });
-        let offset = if matches!(self.probe, Probe::D | Probe::S | Probe::M) {
-            0
-        } else {
+        seq_map[ta.0] = Some(if changes_input { tb.0 } else { ta.0 });
+        let offset = if changes_input {
             tb.1.checked_sub(ta.1).ok_or_else(|| Error::input(path, "token_b lies before token_a".to_string()))?
+        } else {
+            0
         };
         let pair = Pair { a, b, seq_map, offset, token: ta };
         let (ra, rb, diff) = replay_pair(&self.router, self.probe, &pair)?;

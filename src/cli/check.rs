@@ -30,7 +30,7 @@ pub struct CheckArgs {
     /// Probes to run, comma separated: P prefix, F future, N neighbour, R re-batch, D repeat,
     /// S replay, M mode, L layout; X numerics (bf16/f16 routing flips, accumulator swamping) is
     /// opt-in.
-    #[arg(long, default_value = "P,F,N,R,D,S,M,L", help_heading = "Audit")]
+    #[arg(long, default_value_t = Probe::default_list(), help_heading = "Audit")]
     pub probes: String,
     /// Sequences per call.
     #[arg(long, default_value_t = 4, help_heading = "Audit")]

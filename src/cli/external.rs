@@ -136,7 +136,7 @@ pub struct PlanArgs {
     #[arg(long)]
     pub hidden_size: Option<usize>,
     /// Probes to plan, comma separated.
-    #[arg(long, default_value = "P,F,N,R,D,S,M,L")]
+    #[arg(long, default_value_t = Probe::default_list())]
     pub probes: String,
     /// Sequences per call.
     #[arg(long, default_value_t = 4)]

@@ -216,7 +216,7 @@ fn base_call(grid: &Grid, cell: &Cell, layer: &MoeLayer) -> Result<(crate::routi
 }
 
 fn run_cell(grid: &Grid, cell: &Cell, layer: &MoeLayer) -> Result<CellResult> {
-    let mut probes = vec![Probe::P, Probe::F, Probe::N, Probe::R, Probe::D, Probe::S, Probe::M, Probe::L];
+    let mut probes = Probe::ALL.to_vec();
     if grid.numerics {
         probes.push(Probe::X);
     }

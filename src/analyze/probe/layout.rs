@@ -5,33 +5,42 @@
 //! R ranks on the first positions of every sequence and its outputs are checked against the
 //! single-device layer.
 
-use super::case::Case;
-use super::layer_check::compare_outputs;
-use super::probes::Ctx;
-use super::{pick_witness_token, witness, Finding, Layer, Probe, Tally, Verdict};
+use super::{Ctx, Rule};
+use crate::analyze::case::Case;
+use crate::analyze::layer_check::compare_outputs;
+use crate::analyze::tally::{pick_witness_token, Tally};
+use crate::analyze::{witness, Finding, Layer, Probe, Property, Verdict};
 use crate::config::{Flatten, RouterConfig, ScopeGroup};
 use crate::error::Result;
 use crate::parallel::RankTraffic;
 use crate::routing::assign_routes;
-use candle_core::Tensor;
 
 /// Positions per sequence of the expert-parallel layer run.
 const SAMPLE_POSITIONS: usize = 32;
 
-/// What the layout probe runs on besides the router.
-pub(super) struct Plan<'a> {
-    /// Ranks compared with one.
-    pub ranks: usize,
-    /// The layer and the audit's hidden states, when a layer is audited.
-    pub layer: Option<(&'a dyn Layer, &'a Tensor)>,
+/// Probe L.
+pub(crate) struct Layout;
+
+impl Rule for Layout {
+    fn name(&self) -> &'static str {
+        "layout"
+    }
+
+    fn property(&self) -> Property {
+        Property::L
+    }
+
+    fn run(&self, ctx: &Ctx, layer: Option<&dyn Layer>) -> Result<Finding> {
+        probe(ctx, layer)
+    }
 }
 
 /// Runs L: one case per rank (its sequences routed alone versus within the whole batch), one
 /// case with the flattening order flipped, and the expert-parallel layer run.
-pub(super) fn probe(ctx: &Ctx, plan: &Plan) -> Result<Finding> {
+fn probe(ctx: &Ctx, layer: Option<&dyn Layer>) -> Result<Finding> {
     let mut finding = Finding::empty(Probe::L);
     let (b, s) = ctx.base.dims();
-    let r = plan.ranks;
+    let r = ctx.ranks;
     let split = r >= 2 && b % r == 0;
     let mut notes = Vec::new();
     let mut tally = Tally::default();
@@ -76,7 +85,7 @@ pub(super) fn probe(ctx: &Ctx, plan: &Plan) -> Result<Finding> {
             "layer not run expert-parallel: {} experts do not split over {r} ranks",
             ctx.router.experts()
         ));
-    } else if let (true, Some((layer, x))) = (split, plan.layer) {
+    } else if let (true, Some((layer, x))) = (split, layer.zip(ctx.hidden.as_ref())) {
         // The first positions of every sequence: each rank keeps its sequences, the layer runs
         // twice on a sample rather than the whole call (more than 32 tokens per rank, where
         // candle's CPU gate matmul takes the same kernel as for the whole batch).

@@ -1,26 +1,171 @@
-//! The probes: each builds cases (pairs of calls whose aligned tokens must route alike).
+//! The probes (DOMAIN.md §3). Each file owns one probe's rule ([`Rule`]): the cases it builds
+//! on logits, how it changes the layer sample, and how its witness replays. The `probes!` table
+//! below is the registry: adding a probe is its file plus one entry there.
+//!
 //! Random changes rarely make a capacity bind, so every probe that can also makes *targeted*
 //! changes: later or neighbouring tokens pushed hard toward the experts a token uses.
 
-use super::case::{Call, Case};
-use super::Probe;
-use crate::error::Result;
+use super::case::{Affected, Call, Case};
+use super::layer_check::{SampleCase, SampleInput};
+use super::tally::{pick_witness_token, Tally};
+use super::witness::{self, route_with};
+use super::{Finding, Layer, Property, Verdict};
+use crate::config::RouterConfig;
+use crate::error::{Error, Result};
 use crate::layer::Seeded;
 use crate::router::{logits_to_host, Router};
 use crate::routing::Routing;
-use candle_core::Device;
+use candle_core::{Device, Tensor};
 use ndarray::{s, Array2, Array3, Axis};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
-use std::borrow::Cow;
+use serde::{Deserialize, Serialize};
+use std::fmt;
 use std::sync::Arc;
+
+/// The registry: the [`Probe`] enum (report order, serde names), each probe's [`Rule`], and the
+/// default set. Entry order is the report order and seeds the probes' random streams, so new
+/// entries go last in their group.
+macro_rules! probes {
+    (
+        default { $( $(#[doc = $doc:literal])* $letter:ident => $module:ident::$rule:ident, )* }
+        opt_in { $( $(#[doc = $odoc:literal])* $oletter:ident => $omodule:ident::$orule:ident, )* }
+    ) => {
+        $( mod $module; )*
+        $( pub mod $omodule; )*
+
+        /// A probe: one way of changing the input that must not change a token's routing.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+        pub enum Probe {
+            $( $(#[doc = $doc])* $letter, )*
+            $( $(#[doc = $odoc])* $oletter, )*
+        }
+
+        impl Probe {
+            /// The default probes, in report order (the opt-in ones are left out).
+            pub const ALL: &'static [Probe] = &[$(Probe::$letter),*];
+            /// Every probe, in report order.
+            pub const KNOWN: &'static [Probe] = &[$(Probe::$letter,)* $(Probe::$oletter),*];
+
+            /// What the probe does, in its own file.
+            pub(crate) fn rule(self) -> &'static dyn Rule {
+                match self {
+                    $( Probe::$letter => &$module::$rule, )*
+                    $( Probe::$oletter => &$omodule::$orule, )*
+                }
+            }
+        }
+    };
+}
+
+probes! {
+    default {
+        /// Prefix: truncate after t.
+        P => prefix::Prefix,
+        /// Future: change tokens after t.
+        F => future::Future,
+        /// Neighbour: change another sequence.
+        N => neighbour::Neighbour,
+        /// Re-batch: permute, resize, pad.
+        R => rebatch::Rebatch,
+        /// Repeat: the same call twice.
+        D => repeat::Repeat,
+        /// Replay: the same call after a different call.
+        S => replay::Replay,
+        /// Mode: training versus inference configuration.
+        M => mode::Mode,
+        /// Layout: 1 versus R expert-parallel ranks, [S,B] versus [B,S] flattening.
+        L => layout::Layout,
+    }
+    opt_in {
+        /// Numerics: routing in bf16/f16 versus f32, and low-precision accumulation (off by default).
+        X => numerics::NumericsProbe,
+    }
+}
+
+/// One probe's rule: what it changes, on logits and in the layer sample, and how its witness
+/// replays.
+pub(crate) trait Rule: Sync {
+    /// The long name (`prefix`).
+    fn name(&self) -> &'static str;
+
+    /// The property the probe tests.
+    fn property(&self) -> Property;
+
+    /// Runs the probe on the audit's base call: its finding, with a witness when it leaks.
+    /// `layer` is the layer around the router, when one is audited (the layout probe runs it
+    /// expert-parallel); it stays out of [`Ctx`], which cases share across threads.
+    fn run(&self, ctx: &Ctx, layer: Option<&dyn Layer>) -> Result<Finding>;
+
+    /// The layer sample changed as the probe prescribes; `None`: the layer is not sampled.
+    fn sample(&self, input: &SampleInput) -> Result<Option<SampleCase>> {
+        let _ = input;
+        Ok(None)
+    }
+
+    /// Whether a case's call `b` is a changed copy of call `a` (its tokens aligned with a's, its
+    /// changed rows revertible); `false` when `b` is only another call (D, S, M).
+    fn changes_input(&self) -> bool {
+        true
+    }
+
+    /// The two routings a witness compares, from the witness's own router config.
+    fn replay(&self, config: &RouterConfig, a: &Call, b: &Call) -> Result<(Routing, Routing)> {
+        Ok((route_with(config, a)?, route_with(config, b)?))
+    }
+}
+
+impl Probe {
+    /// The property the probe tests.
+    pub fn property(self) -> Property {
+        self.rule().property()
+    }
+
+    /// Its long name.
+    pub fn name(self) -> &'static str {
+        self.rule().name()
+    }
+
+    /// The default probes as a comma-separated list (`P,F,N,R,D,S,M,L`): the probe flags'
+    /// default.
+    pub fn default_list() -> String {
+        Probe::ALL.iter().map(Probe::to_string).collect::<Vec<_>>().join(",")
+    }
+
+    /// Parses a comma-separated list such as `P,F,N`: sorted, without repeats.
+    pub fn parse_list(list: &str) -> Result<Vec<Probe>> {
+        let mut probes = Vec::new();
+        for item in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let probe = Probe::KNOWN.iter().copied().find(|p| p.to_string().eq_ignore_ascii_case(item));
+            let Some(probe) = probe else {
+                let known = Probe::KNOWN.iter().map(Probe::to_string).collect::<Vec<_>>().join(",");
+                return Err(Error::Usage(format!("--probes: unknown probe `{item}`, expected some of {known}")));
+            };
+            if !probes.contains(&probe) {
+                probes.push(probe);
+            }
+        }
+        if probes.is_empty() {
+            return Err(Error::Usage("--probes: no probe given".into()));
+        }
+        probes.sort();
+        Ok(probes)
+    }
+}
+
+impl fmt::Display for Probe {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{self:?}")
+    }
+}
 
 /// Logit given to the targeted expert of a crafted token (the others get 0): strong enough to win
 /// every gate comparison (softmax gate ≈ 0.999 over 8 experts).
 const TARGET_LOGIT: f32 = 8.0;
 
-/// What the probes share: the router, the base call and its routing, and seeded randomness.
+/// What the probes share: the router, the base call and its routing, seeded randomness, and
+/// what the layout probe runs on.
 pub(crate) struct Ctx<'a> {
     pub router: &'a dyn Router,
     pub base: Arc<Call>,
@@ -30,16 +175,21 @@ pub(crate) struct Ctx<'a> {
     /// Whether cases may run in parallel (see `looks_pure`).
     pub pure: bool,
     /// The hidden states behind `base`, for a router with a score stage.
-    pub hidden: Option<candle_core::Tensor>,
+    pub hidden: Option<Tensor>,
+    /// Expert-parallel ranks the layout probe compares with one.
+    pub ranks: usize,
+    /// Whether P routes every prefix instead of searching them (`AuditOptions::exhaustive`).
+    pub exhaustive: bool,
 }
 
 impl Ctx<'_> {
-    fn rng(&self, probe: Probe) -> ChaCha8Rng {
+    /// The random stream of `probe`.
+    pub fn rng(&self, probe: Probe) -> ChaCha8Rng {
         ChaCha8Rng::seed_from_u64(self.seed ^ (0x5eed_0000 + probe as u64))
     }
 
     /// Width of an input row: E logits, or H hidden values (see [`Router::row_width`]).
-    fn width(&self) -> usize {
+    pub fn width(&self) -> usize {
         self.router.row_width()
     }
 
@@ -64,7 +214,7 @@ impl Ctx<'_> {
     }
 
     /// `n` copies of a crafted token row that wants expert `e` above all others.
-    fn targeted_rows(&self, n: usize, e: usize) -> Array2<f32> {
+    pub fn targeted_rows(&self, n: usize, e: usize) -> Array2<f32> {
         let row = self.router.targeted_row(e).unwrap_or_else(|| {
             let mut row = vec![0.0; self.width()];
             row[e] = TARGET_LOGIT;
@@ -76,7 +226,7 @@ impl Ctx<'_> {
     /// The expert a token is pushed toward in trial `trial`: its routes in turn (1st choice, 2nd
     /// choice, ...), or its strongest logit when it has no route (expert choice); for a router
     /// fed hidden rows (no logits to read), the experts in turn.
-    fn target_of(&self, batch: usize, pos: usize, trial: usize) -> usize {
+    pub fn target_of(&self, batch: usize, pos: usize, trial: usize) -> usize {
         let routes = &self.base_routing.token(batch, pos).routes;
         let real: Vec<usize> = routes.iter().filter(|r| !r.padded).map(|r| r.expert).collect();
         let experts = self.router.experts();
@@ -91,81 +241,8 @@ impl Ctx<'_> {
     }
 }
 
-/// Hidden states `[batch, seq_len, h]` from `seed`: the router's own draw, or standard normal.
-pub(crate) fn hidden_states(
-    router: &dyn Router,
-    (b, s): (usize, usize),
-    h: usize,
-    seed: u64,
-) -> Result<candle_core::Tensor> {
-    match router.draw_hidden((b, s), seed)? {
-        Some(x) => Ok(x),
-        None => Seeded::new(seed).normal(&[b, s, h], &Device::Cpu),
-    }
-}
-
-/// A probe's cases: P makes its case for position t on demand (one per position, so memory
-/// stays O(T·E)); the other probes build theirs up front.
-pub(crate) enum Cases<'a> {
-    /// P over the base call of this context.
-    Prefix(&'a Ctx<'a>),
-    /// Cases built by F, N or R.
-    Built(Vec<Case>),
-}
-
-impl Cases<'_> {
-    pub fn len(&self) -> usize {
-        match self {
-            Cases::Prefix(ctx) => ctx.base.dims().1.saturating_sub(1),
-            Cases::Built(cases) => cases.len(),
-        }
-    }
-
-    pub fn get(&self, i: usize) -> Cow<'_, Case> {
-        match self {
-            Cases::Prefix(ctx) => Cow::Owned(prefix_case(ctx, i)),
-            Cases::Built(cases) => Cow::Borrowed(&cases[i]),
-        }
-    }
-}
-
-/// P at position t: every sequence truncated after t; positions ≤ t compared.
-fn prefix_case(ctx: &Ctx, t: usize) -> Case {
-    let b = ctx.base.dims().0;
-    Case {
-        compare: vec![t + 1; b],
-        change_from: vec![Some(t + 1); b],
-        ..Case::aligned(&ctx.base, ctx.base.truncate(t + 1))
-    }
-}
-
-/// F: same length, change only the tokens after t of one sequence; half the trials random,
-/// half targeted at the experts token t uses.
-pub(crate) fn future(ctx: &Ctx) -> Result<Vec<Case>> {
-    let (b, s) = ctx.base.dims();
-    if s < 2 {
-        return Ok(Vec::new());
-    }
-    let mut rng = ctx.rng(Probe::F);
-    let plans: Vec<_> = (0..ctx.trials)
-        .map(|trial| {
-            let seq = rng.random_range(0..b);
-            let t = rng.random_range(0..s - 1);
-            (seq, t, if trial % 2 == 0 { Rows::Fresh(rng.random()) } else { Rows::Toward(seq, t) })
-        })
-        .collect();
-    build(ctx, plans, |trial, (seq, t, rows)| {
-        let mut changed = Call::clone(&ctx.base);
-        changed.logits.slice_mut(s![seq, t + 1.., ..]).assign(&rows.make(ctx, s - t - 1, trial)?);
-        let mut compare = vec![0; b];
-        compare[seq] = t + 1;
-        let mut change_from = vec![None; b];
-        change_from[seq] = Some(t + 1);
-        Ok(Case { compare, change_from, ..Case::aligned(&ctx.base, changed) })
-    })
-}
-
-/// A trial's new rows: fresh from a seed, or targeted at the experts of token (batch, pos).
+/// A trial's new rows (F and N): fresh from a seed, or targeted at the experts of token
+/// (batch, pos).
 #[derive(Clone, Copy)]
 enum Rows {
     Fresh(u64),
@@ -191,92 +268,91 @@ fn build<P: Send>(ctx: &Ctx, plans: Vec<P>, case: impl Fn(usize, P) -> Result<Ca
     }
 }
 
-/// N: change one other sequence of the batch (random, or every token pushed toward the experts
-/// of a token of another sequence); compare the untouched sequences.
-pub(crate) fn neighbour(ctx: &Ctx) -> Result<Vec<Case>> {
-    let (b, s) = ctx.base.dims();
-    if b < 2 {
-        return Ok(Vec::new());
+/// Hidden states `[batch, seq_len, h]` from `seed`: the router's own draw, or standard normal.
+pub(crate) fn hidden_states(router: &dyn Router, (b, s): (usize, usize), h: usize, seed: u64) -> Result<Tensor> {
+    match router.draw_hidden((b, s), seed)? {
+        Some(x) => Ok(x),
+        None => Seeded::new(seed).normal(&[b, s, h], &Device::Cpu),
     }
-    let mut rng = ctx.rng(Probe::N);
-    let plans: Vec<_> = (0..ctx.trials)
-        .map(|trial| {
-            let seq = rng.random_range(0..b);
-            let rows = if trial % 2 == 0 {
-                Rows::Fresh(rng.random())
-            } else {
-                let victim = (seq + 1 + rng.random_range(0..b - 1)) % b;
-                Rows::Toward(victim, rng.random_range(0..s))
-            };
-            (seq, rows)
-        })
-        .collect();
-    build(ctx, plans, |trial, (seq, rows)| {
-        let mut changed = Call::clone(&ctx.base);
-        changed.logits.slice_mut(s![seq, .., ..]).assign(&rows.make(ctx, s, trial)?);
-        let mut compare = vec![s; b];
-        compare[seq] = 0;
-        Ok(Case { compare, ..Case::aligned(&ctx.base, changed) })
-    })
 }
 
-/// R: permute the sequences, drop one, add one, append padding, and (for routers that take a
-/// padding mask) pad on the left.
-pub(crate) fn rebatch(ctx: &Ctx) -> Result<Vec<Case>> {
-    let (b, s) = ctx.base.dims();
-    let mut rng = ctx.rng(Probe::R);
-    let mut cases = Vec::new();
-    // Permutations: the reverse, then random shuffles.
-    let mut orders: Vec<Vec<usize>> = if b > 1 { vec![(0..b).rev().collect()] } else { Vec::new() };
-    for _ in 0..ctx.trials / 8 {
-        let mut order: Vec<usize> = (0..b).collect();
-        for i in (1..b).rev() {
-            order.swap(i, rng.random_range(0..=i));
-        }
-        if order.iter().enumerate().any(|(i, &o)| i != o) {
-            orders.push(order);
-        }
-    }
-    for order in orders {
-        let mut seq_map = vec![None; b];
-        order.iter().enumerate().for_each(|(k, &i)| seq_map[i] = Some(k));
-        cases.push(Case::whole(&ctx.base, ctx.base.select(&order), seq_map));
-    }
-    if b > 1 {
-        let kept: Vec<usize> = (0..b - 1).collect();
-        let mut seq_map: Vec<Option<usize>> = kept.iter().map(|&i| Some(i)).collect();
-        seq_map.push(None);
-        cases.push(Case::whole(&ctx.base, ctx.base.select(&kept), seq_map));
-    }
-    let mut grown = ctx.base.logits.clone();
-    grown.append(Axis(0), ctx.fresh(s, &mut rng)?.insert_axis(Axis(0)).view()).expect("same shape");
-    cases.push(Case::aligned(
-        &ctx.base,
-        Call { logits: grown, padding: ctx.base.padding.as_ref().map(|m| pad_rows(m, 1)) },
-    ));
-
-    // Padding: pad tokens have all-zero logits (no preference); masked when the router takes a mask.
-    let m = (s / 4).max(1);
-    let takes_mask = ctx.router.accepts_padding_mask();
-    let mut appended = Call::new(
-        ndarray::concatenate(Axis(1), &[ctx.base.logits.view(), Array3::zeros((b, m, ctx.width())).view()])
-            .expect("same batch"),
-    );
-    if takes_mask {
-        appended.padding = Some(Array2::from_shape_fn((b, s + m), |(_, p)| p >= s));
-    }
-    cases.push(Case { change_from: vec![Some(s); b], ..Case::aligned(&ctx.base, appended) });
-    if takes_mask {
-        let logits =
-            ndarray::concatenate(Axis(1), &[Array3::zeros((b, m, ctx.width())).view(), ctx.base.logits.view()])
-                .expect("same batch");
-        let left = Call { logits, padding: Some(Array2::from_shape_fn((b, s + m), |(_, p)| p < m)) };
-        cases.push(Case { offset: m, ..Case::aligned(&ctx.base, left) });
-    }
-    Ok(cases)
+/// A probe's cases: built up front, or made on demand one index at a time (P: one per position,
+/// so memory stays O(T·E)).
+pub(crate) enum Cases<'a> {
+    /// `count` cases, case `i` made by the function when needed.
+    OnDemand(usize, &'a (dyn Fn(usize) -> Case + Sync)),
+    /// Cases built up front.
+    Built(Vec<Case>),
 }
 
-fn pad_rows(mask: &Array2<bool>, extra: usize) -> Array2<bool> {
-    let (b, s) = mask.dim();
-    Array2::from_shape_fn((b + extra, s), |(i, p)| i < b && mask[[i, p]])
+impl Cases<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Cases::OnDemand(count, _) => *count,
+            Cases::Built(cases) => cases.len(),
+        }
+    }
+
+    fn get(&self, i: usize) -> std::borrow::Cow<'_, Case> {
+        match self {
+            Cases::OnDemand(_, make) => std::borrow::Cow::Owned(make(i)),
+            Cases::Built(cases) => std::borrow::Cow::Borrowed(&cases[i]),
+        }
+    }
+}
+
+/// Runs every case of `probe` and folds them into its finding; `not_applicable` is the note
+/// when there are none. Cases are independent, so they run in parallel for a router that looks
+/// pure; a stateful one sees its calls in case order, so the audit stays deterministic either way.
+fn run_cases(ctx: &Ctx, probe: Probe, cases: Cases, not_applicable: &str) -> Result<Finding> {
+    let mut finding = Finding::empty(probe);
+    let count = cases.len();
+    if count == 0 {
+        finding.verdict = Verdict::NotApplicable;
+        finding.note = not_applicable.into();
+        return Ok(finding);
+    }
+    let (router, base_routing) = (ctx.router, &ctx.base_routing);
+    let run = |i: usize| -> Result<(Tally, Option<Affected>)> {
+        let case = cases.get(i);
+        let outcome = case.compare(base_routing, &case.b.routes(router)?);
+        Ok((Tally::of(&outcome), pick_witness_token(&outcome)))
+    };
+    let results: Vec<_> =
+        if ctx.pure { (0..count).into_par_iter().map(run).collect() } else { (0..count).map(run).collect() };
+    let mut tally = Tally::default();
+    let mut first_leak = None;
+    for (i, result) in results.into_iter().enumerate() {
+        let (t, hit) = result?;
+        tally.merge(&t);
+        if first_leak.is_none() {
+            first_leak = hit.map(|hit| (i, hit));
+        }
+    }
+    finding.note = format!("{count} cases");
+    tally.finish(&mut finding);
+    if let Some((i, hit)) = first_leak {
+        finding.witness = witness::build(ctx.router, probe, &cases.get(i), (hit.batch, hit.pos))?;
+    }
+    Ok(finding)
+}
+
+/// D, S and M: one case, the base call routed twice (`reference` and `again`); its `b` is the
+/// call a witness stores beside the base call.
+fn run_repeat(
+    ctx: &Ctx,
+    probe: Probe,
+    case: &Case,
+    reference: &Routing,
+    again: &Routing,
+    note: &str,
+) -> Result<Finding> {
+    let mut finding = Finding::empty(probe);
+    let outcome = case.compare(reference, again);
+    Tally::of(&outcome).finish(&mut finding);
+    finding.note = note.into();
+    if let Some(hit) = pick_witness_token(&outcome) {
+        finding.witness = witness::build(ctx.router, probe, case, (hit.batch, hit.pos))?;
+    }
+    Ok(finding)
 }

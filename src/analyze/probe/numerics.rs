@@ -13,10 +13,10 @@
 //! bf16 and f32 and pairwise in f16 and bf16, against the exact sum (f64 is exact here), for a
 //! growing number of terms: the combine of many experts, a reduction across many ranks.
 
-use super::case::{Call, Case};
-use super::compare::diff_token;
-use super::probes::Ctx;
-use super::{witness, Finding, Verdict};
+use super::{Ctx, Rule};
+use crate::analyze::case::{Call, Case};
+use crate::analyze::compare::diff_token;
+use crate::analyze::{witness, Finding, Layer, Probe, Property, Verdict};
 use crate::error::Result;
 use crate::router::logits_to_host;
 use crate::routing::{Logits, Routing};
@@ -87,8 +87,25 @@ const MARGIN_BOUNDS: [f64; 5] = [1e-4, 1e-3, 1e-2, 1e-1, f64::INFINITY];
 /// (The sum stays below f16's largest finite value, 65504.)
 pub const SWAMPING_TERMS: [usize; 7] = [16, 128, 1024, 2048, 4096, 8192, 32_768];
 
+/// Probe X.
+pub(crate) struct NumericsProbe;
+
+impl Rule for NumericsProbe {
+    fn name(&self) -> &'static str {
+        "numerics"
+    }
+
+    fn property(&self) -> Property {
+        Property::TI
+    }
+
+    fn run(&self, ctx: &Ctx, _layer: Option<&dyn Layer>) -> Result<Finding> {
+        probe(ctx, Finding::empty(Probe::X))
+    }
+}
+
 /// Runs probe X: flips in bf16 and f16, then swamping; the first flip gets a witness.
-pub(super) fn probe(ctx: &Ctx, mut finding: Finding) -> Result<Finding> {
+fn probe(ctx: &Ctx, mut finding: Finding) -> Result<Finding> {
     let mut flips = Vec::new();
     let mut first = None;
     for dtype in [DType::BF16, DType::F16] {
@@ -121,7 +138,7 @@ pub(super) fn probe(ctx: &Ctx, mut finding: Finding) -> Result<Finding> {
     );
     if let Some((low, token)) = first {
         let case = Case::aligned(&ctx.base, low);
-        finding.witness = witness::build(ctx.router, super::Probe::X, &case, token)?;
+        finding.witness = witness::build(ctx.router, Probe::X, &case, token)?;
     }
     finding.numerics = Some(Numerics { flips, swamping });
     Ok(finding)

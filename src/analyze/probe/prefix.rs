@@ -1,4 +1,7 @@
-//! The prefix probe (P) searched instead of exhausted: routing all S - 1 prefixes of up to S
+//! P, prefix (C-length): every sequence truncated after t, positions ≤ t compared. One case per
+//! position, made on demand so memory stays O(T·E).
+//!
+//! Searched instead of exhausted by default: routing all S - 1 prefixes of up to S
 //! tokens is quadratic in the sequence length, minutes at production shapes.
 //!
 //! What is routed: every prefix of the first [`DENSE`] lengths, then [`PER_OCTAVE`] lengths per
@@ -18,12 +21,50 @@
 //!
 //! [`Router::prefix_stable`]: crate::router::Router::prefix_stable
 
-use super::case::Affected;
-use super::probes::{Cases, Ctx};
-use super::{witness, Finding, Probe, Tally};
+
+use super::{run_cases, Cases, Ctx, Rule};
+use crate::analyze::case::{Affected, Call, Case};
+use crate::analyze::tally::{pick_witness_token, Tally};
+use crate::analyze::witness;
+use crate::analyze::layer_check::{SampleCase, SampleInput};
+use crate::analyze::{Finding, Layer, Probe, Property};
 use crate::error::Result;
 use rayon::prelude::*;
 use std::collections::BTreeMap;
+use std::sync::Arc;
+
+/// Probe P.
+pub(crate) struct Prefix;
+
+impl Rule for Prefix {
+    fn name(&self) -> &'static str {
+        "prefix"
+    }
+
+    fn property(&self) -> Property {
+        Property::CLength
+    }
+
+    fn run(&self, ctx: &Ctx, _layer: Option<&dyn Layer>) -> Result<Finding> {
+        let (base, count) = (&ctx.base, ctx.base.dims().1.saturating_sub(1));
+        let cases = Cases::OnDemand(count, &|t| case(base, t));
+        if count > 0 && ctx.pure && !ctx.exhaustive {
+            return search(ctx, &cases);
+        }
+        run_cases(ctx, Probe::P, cases, "needs a sequence of 2 or more tokens")
+    }
+
+    /// The sample's first half.
+    fn sample(&self, input: &SampleInput) -> Result<Option<SampleCase>> {
+        let (b, s, _) = input.x.dims3()?;
+        Ok(Some(SampleCase {
+            x: input.x.narrow(1, 0, s.div_ceil(2))?,
+            seq_map: input.all(),
+            compare: vec![s.div_ceil(2); b],
+            exact: false,
+        }))
+    }
+}
 
 /// Every prefix of up to this many tokens is routed.
 const DENSE: usize = 32;
@@ -37,7 +78,7 @@ type Seen = (Tally, Option<Affected>);
 
 /// The prefix cases (t = prefix length - 1) routed first, ascending: all t < [`DENSE`], then
 /// lengths `DENSE * 2^(j / PER_OCTAVE)`, then the longest.
-pub(super) fn planned(count: usize) -> Vec<usize> {
+fn planned(count: usize) -> Vec<usize> {
     let mut t: Vec<usize> = (0..count.min(DENSE)).collect();
     for j in 1.. {
         let len = (DENSE as f64 * 2f64.powi(j).powf(1.0 / PER_OCTAVE as f64)).round() as usize;
@@ -51,12 +92,12 @@ pub(super) fn planned(count: usize) -> Vec<usize> {
     t
 }
 
-/// Runs P on `ctx` (with at least one case) searched as the module says; `finding` comes back
-/// tallied, with its note and witness.
-pub(super) fn probe(ctx: &Ctx, mut finding: Finding) -> Result<Finding> {
-    let cases = Cases::Prefix(ctx);
+/// P on `ctx` (with at least one case) searched as the module says: its tallied finding, with
+/// its note and witness.
+fn search(ctx: &Ctx, cases: &Cases) -> Result<Finding> {
+    let mut finding = Finding::empty(Probe::P);
     let count = cases.len();
-    let mut seen = route(ctx, &cases, &planned(count))?;
+    let mut seen = route(ctx, cases, &planned(count))?;
     let first_leak = |seen: &BTreeMap<usize, Seen>| seen.iter().find(|(_, (_, hit))| hit.is_some()).map(|(&t, _)| t);
     let unrouted = |seen: &BTreeMap<usize, Seen>, below: usize| -> Vec<usize> {
         (0..below).filter(|t| !seen.contains_key(t)).collect()
@@ -67,7 +108,7 @@ pub(super) fn probe(ctx: &Ctx, mut finding: Finding) -> Result<Finding> {
         (Some(first), false) => {
             // The exhaustive probe's first leak is at or below `first`: route upward until found.
             for chunk in unrouted(&seen, first).chunks(SCAN_CHUNK) {
-                seen.extend(route(ctx, &cases, chunk)?);
+                seen.extend(route(ctx, cases, chunk)?);
                 if chunk.iter().any(|t| seen[t].1.is_some()) {
                     break;
                 }
@@ -76,7 +117,7 @@ pub(super) fn probe(ctx: &Ctx, mut finding: Finding) -> Result<Finding> {
         }
         _ => {
             let rest = unrouted(&seen, count);
-            seen.extend(route(ctx, &cases, &rest)?);
+            seen.extend(route(ctx, cases, &rest)?);
             Vec::new()
         }
     };
@@ -85,7 +126,7 @@ pub(super) fn probe(ctx: &Ctx, mut finding: Finding) -> Result<Finding> {
     seen.values().for_each(|(t, _)| tally.merge(t));
     // A derived prefix compares its b sequences' first t + 1 tokens and finds them alike.
     let b = ctx.base.dims().0;
-    tally.merge(&Tally { compared: derived.iter().map(|t| b * (t + 1)).sum(), ..Tally::default() });
+    tally.merge(&Tally::unaffected(derived.iter().map(|t| b * (t + 1)).sum()));
     tally.finish(&mut finding);
     let routed = seen.len();
     finding.note = if routed == count {
@@ -109,9 +150,19 @@ fn route(ctx: &Ctx, cases: &Cases, ts: &[usize]) -> Result<BTreeMap<usize, Seen>
         .map(|&t| {
             let case = cases.get(t);
             let outcome = case.compare(&ctx.base_routing, &case.b.routes(ctx.router)?);
-            Ok((t, (Tally::of(&outcome), super::pick_witness_token(&outcome))))
+            Ok((t, (Tally::of(&outcome), pick_witness_token(&outcome))))
         })
         .collect()
+}
+
+/// P at position t: every sequence truncated after t; positions ≤ t compared.
+fn case(base: &Arc<Call>, t: usize) -> Case {
+    let b = base.dims().0;
+    Case {
+        compare: vec![t + 1; b],
+        change_from: vec![Some(t + 1); b],
+        ..Case::aligned(base, base.truncate(t + 1))
+    }
 }
 
 #[cfg(test)]

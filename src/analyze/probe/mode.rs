@@ -1,0 +1,46 @@
+//! M, mode (T/I): the training configuration against the `[inference]` one on the same input.
+
+use super::{run_repeat, Ctx, Rule};
+use crate::analyze::case::{Call, Case};
+use crate::analyze::witness::route_with;
+use crate::analyze::{Finding, Layer, Probe, Property, Verdict};
+use crate::config::RouterConfig;
+use crate::error::{Error, Result};
+use crate::routing::Routing;
+
+/// Probe M.
+pub(crate) struct Mode;
+
+impl Rule for Mode {
+    fn name(&self) -> &'static str {
+        "mode"
+    }
+
+    fn property(&self) -> Property {
+        Property::TI
+    }
+
+    fn run(&self, ctx: &Ctx, _layer: Option<&dyn Layer>) -> Result<Finding> {
+        let Some(inference) = ctx.router.inference()? else {
+            let mut finding = Finding::empty(Probe::M);
+            finding.verdict = Verdict::NotApplicable;
+            finding.note = "no [inference] table: training and serving use one rule".into();
+            return Ok(finding);
+        };
+        let case = Case::aligned(&ctx.base, Call::clone(&ctx.base));
+        let served = ctx.base.routes(inference.as_ref())?;
+        let note = "training versus [inference] configuration on the same input";
+        run_repeat(ctx, Probe::M, &case, &ctx.base_routing, &served, note)
+    }
+
+    fn changes_input(&self) -> bool {
+        false
+    }
+
+    fn replay(&self, config: &RouterConfig, a: &Call, _: &Call) -> Result<(Routing, Routing)> {
+        let inference = config
+            .inference_config()?
+            .ok_or_else(|| Error::Usage("an M witness needs an [inference] table".into()))?;
+        Ok((route_with(config, a)?, route_with(&inference, a)?))
+    }
+}

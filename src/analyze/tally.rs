@@ -1,0 +1,66 @@
+//! What a probe saw, summed over its cases, and the token its witness is built for.
+
+use super::case::{Affected, Outcome};
+use super::{Finding, InfluenceBucket, Verdict};
+
+/// Prefers a token whose decision changed over one whose capacity alone changed.
+pub(crate) fn pick_witness_token(outcome: &Outcome) -> Option<Affected> {
+    outcome.affected.iter().find(|a| a.diff.decision()).or(outcome.affected.first()).copied()
+}
+
+/// What a probe saw, summed over its cases: O(1) per case whatever the number of affected tokens.
+#[derive(Default)]
+pub(crate) struct Tally {
+    compared: usize,
+    pub(crate) affected: usize,
+    capacity_changed: bool,
+    first_position: Option<usize>,
+    /// Affected tokens by distance to the change, bucket i holding [2^i, 2^(i+1)) (the last
+    /// bucket everything beyond).
+    influence: [usize; 32],
+}
+
+impl Tally {
+    /// `compared` tokens that all routed alike.
+    pub(crate) fn unaffected(compared: usize) -> Tally {
+        Tally { compared, ..Tally::default() }
+    }
+
+    pub(crate) fn of(outcome: &Outcome) -> Tally {
+        let mut t = Tally { compared: outcome.compared, ..Tally::default() };
+        for a in &outcome.affected {
+            t.capacity_changed |= a.diff.capacity;
+            if a.diff.decision() {
+                t.affected += 1;
+                if let Some(d) = a.distance {
+                    t.influence[(d.max(1).ilog2() as usize).min(31)] += 1;
+                }
+            }
+            t.first_position = Some(t.first_position.map_or(a.pos, |p| p.min(a.pos)));
+        }
+        t
+    }
+
+    pub(crate) fn merge(&mut self, other: &Tally) {
+        self.compared += other.compared;
+        self.affected += other.affected;
+        self.capacity_changed |= other.capacity_changed;
+        self.first_position = self.first_position.into_iter().chain(other.first_position).min();
+        self.influence.iter_mut().zip(other.influence).for_each(|(a, b)| *a += b);
+    }
+
+    pub(crate) fn finish(&self, finding: &mut Finding) {
+        finding.compared = self.compared;
+        finding.affected = self.affected;
+        finding.capacity_changed = self.capacity_changed;
+        finding.first_position = self.first_position;
+        finding.rate = if self.compared > 0 { self.affected as f64 / self.compared as f64 } else { 0.0 };
+        if self.affected > 0 || self.capacity_changed {
+            finding.verdict = Verdict::Leak;
+        }
+        finding.influence = (self.influence.iter().enumerate())
+            .filter(|(_, &count)| count > 0)
+            .map(|(i, &count)| InfluenceBucket { from: 1 << i, to: (2 << i) - 1, count })
+            .collect();
+    }
+}
