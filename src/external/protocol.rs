@@ -2,7 +2,7 @@
 //! [`Routing`] only when every field fits the request, so no verdict is ever drawn from bad data.
 
 use crate::config::{Flatten, ScopeGroup};
-use crate::routing::{scores, stats, GroupRecord, Route, Routing, ScopeRecord, TokenRouting};
+use crate::routing::{scores, Decisions, GroupRecord, Route, Routing, ScopeRecord, TokenRouting};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
@@ -184,10 +184,8 @@ impl Response {
         }
         // One routing group: the whole call. Unequal capacities count by their largest.
         let group_capacity = self.capacity.as_ref().and_then(|c| c.iter().copied().max());
-        let experts_load = stats::loads(e, &tokens);
-        let probs = rows.map(|flat| scores::softmax_rows(flat, e)).unwrap_or_default();
-        let stats = stats::load_stats(&experts_load, probs.chunks_exact(e));
-        Ok(Routing {
+        let softmax = rows.map(|flat| scores::softmax_rows(flat, e)).unwrap_or_default();
+        let decisions = Decisions {
             router: hs.name.clone(),
             batch,
             seq_len,
@@ -200,9 +198,8 @@ impl Response {
                 groups: vec![GroupRecord { tokens: n, capacity: group_capacity }],
             },
             tokens,
-            experts_load,
-            stats,
-        })
+        };
+        Ok(Routing::assemble(decisions, Some(&softmax)))
     }
 }
 

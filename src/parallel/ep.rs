@@ -17,7 +17,7 @@ use super::reduce::Precision;
 use crate::error::{Error, Result};
 use crate::layer::MoeLayer;
 use crate::router::{logits_to_host, Router};
-use crate::routing::{scores, stats, Routing};
+use crate::routing::{scores, Decisions, Routing};
 use candle_core::{DType, Tensor};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
@@ -299,10 +299,20 @@ fn account(
 }
 
 /// The ranks' records as one record of the whole batch: sequences and groups renumbered,
-/// capacities and loads summed, load stats over all tokens.
+/// capacities summed, loads and load stats over all tokens.
 fn concat(parts: Vec<(Routing, Vec<f32>)>) -> Routing {
     let mut parts = parts.into_iter();
-    let (mut all, mut logits) = parts.next().expect("at least one rank");
+    let (first, mut logits) = parts.next().expect("at least one rank");
+    let mut all = Decisions {
+        router: first.router,
+        batch: first.batch,
+        seq_len: first.seq_len,
+        experts: first.experts,
+        top_k: first.top_k,
+        capacity: first.capacity,
+        scope: first.scope,
+        tokens: first.tokens,
+    };
     for (r, l) in parts {
         let (batch, groups) = (all.batch, all.scope.groups.len());
         all.tokens.extend(r.tokens.into_iter().map(|mut t| {
@@ -317,8 +327,6 @@ fn concat(parts: Vec<(Routing, Vec<f32>)>) -> Routing {
         all.batch += r.batch;
         logits.extend(l);
     }
-    all.experts_load = stats::loads(all.experts, &all.tokens);
-    let probs = scores::softmax_rows(&logits, all.experts);
-    all.stats = stats::load_stats(&all.experts_load, probs.chunks_exact(all.experts));
-    all
+    let softmax = scores::softmax_rows(&logits, all.experts);
+    Routing::assemble(all, Some(&softmax))
 }

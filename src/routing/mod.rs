@@ -17,6 +17,7 @@ mod token_choice;
 
 pub use crate::render::render_table;
 pub use prefix::prefix_stable;
+pub(crate) use record::Decisions;
 pub use record::{ExpertLoad, GroupRecord, LoadStats, Route, Routing, ScopeRecord, TokenRouting};
 
 use crate::config::{PaddingMask, RouterConfig, RouterKind, ScoreFn};
@@ -137,14 +138,11 @@ fn assign_with(
         groups.push(GroupRecord { tokens: members.len(), capacity: routed.capacity });
     }
 
-    let experts_load = stats::loads(experts, &tokens);
-    let stats =
-        if with_stats { stats::load_stats(&experts_load, softmax.chunks_exact(experts)) } else { LoadStats::default() };
     let capacity = config.capacity.as_ref().map(|_| {
         let total: usize = groups.iter().filter_map(|g| g.capacity).sum();
         vec![total; experts]
     });
-    Ok(Routing {
+    let decisions = Decisions {
         router: config.name.clone(),
         batch,
         seq_len,
@@ -156,7 +154,6 @@ fn assign_with(
         capacity,
         scope: ScopeRecord { group: config.scope.group, flatten: config.scope.flatten, groups },
         tokens,
-        experts_load,
-        stats,
-    })
+    };
+    Ok(Routing::assemble(decisions, with_stats.then_some(softmax.as_slice())))
 }

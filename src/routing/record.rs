@@ -3,6 +3,7 @@
 //! Field names are a public JSON contract (README, "The routing record"); probes compare these
 //! records token by token, so nothing that decides an output may be left out.
 
+use super::stats;
 use crate::config::{Flatten, ScopeGroup};
 use serde::{Deserialize, Serialize};
 
@@ -107,7 +108,43 @@ pub struct LoadStats {
     pub aux_loss: f64,
 }
 
+/// What a router decided for one call: a record's fields before its load figures.
+pub(crate) struct Decisions {
+    pub router: String,
+    pub batch: usize,
+    pub seq_len: usize,
+    pub experts: usize,
+    pub top_k: Option<usize>,
+    pub capacity: Option<Vec<usize>>,
+    pub scope: ScopeRecord,
+    pub tokens: Vec<TokenRouting>,
+}
+
 impl Routing {
+    /// The one builder of a record (built-in routing, the external protocol, the expert-parallel
+    /// gather): the expert loads counted from the tokens and, given `softmax` (every token's
+    /// softmax row, concatenated; empty: no probabilities, aux loss 0), the load statistics.
+    /// Without it they stay zero, for records only compared route by route.
+    pub(crate) fn assemble(d: Decisions, softmax: Option<&[f32]>) -> Routing {
+        let experts_load = stats::loads(d.experts, &d.tokens);
+        let stats = match softmax {
+            Some(rows) => stats::load_stats(&experts_load, rows.chunks_exact(d.experts)),
+            None => LoadStats::default(),
+        };
+        Routing {
+            router: d.router,
+            batch: d.batch,
+            seq_len: d.seq_len,
+            experts: d.experts,
+            top_k: d.top_k,
+            capacity: d.capacity,
+            scope: d.scope,
+            tokens: d.tokens,
+            experts_load,
+            stats,
+        }
+    }
+
     /// The routes of token `pos` of sequence `batch`.
     pub fn token(&self, batch: usize, pos: usize) -> &TokenRouting {
         &self.tokens[batch * self.seq_len + pos]
