@@ -433,7 +433,9 @@ fn tree(root: i32, tag: &str) -> Vec<i32> {
 
 impl Drop for Subprocess {
     fn drop(&mut self) {
-        let conv = self.conversation.get_mut().unwrap_or_else(|e| e.into_inner());
+        // A panic mid-call poisons the lock; the child must still be killed, and a panic in
+        // drop during unwinding would abort.
+        let conv = self.conversation.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
         stop(conv, &self.tag);
     }
 }
@@ -459,5 +461,28 @@ mod tests {
             let e = timeout(bad).unwrap_err().to_string();
             assert!(e.starts_with("--timeout must be"), "{e}");
         }
+    }
+
+    #[test]
+    fn dropping_after_a_panic_mid_call_kills_the_child() {
+        let hello = r#"{"protocol":"moe-audit/1","name":"t","experts":2,"top_k":1,"input":"logits"}"#;
+        let router =
+            ExternalRouter::spawn(&format!("echo '{hello}'; exec sleep 60"), Duration::from_secs(10), 0, u64::MAX)
+                .expect("handshake");
+        let source = router.source();
+        let pid = source.conversation.lock().expect("fresh lock").child.id();
+        // A panic while holding the conversation poisons its lock.
+        let panicked = std::thread::scope(|s| {
+            s.spawn(|| {
+                let _held = source.conversation.lock();
+                panic!("a call panicked");
+            })
+            .join()
+        });
+        assert!(panicked.is_err() && source.conversation.is_poisoned());
+        drop(router);
+        // The child was killed and reaped: its pid is gone (or at least no longer a sleeper).
+        let alive = std::fs::read_to_string(format!("/proc/{pid}/status")).is_ok_and(|s| !s.contains("(zombie)"));
+        assert!(!alive, "child {pid} survived the drop");
     }
 }

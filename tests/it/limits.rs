@@ -41,9 +41,17 @@ fn max_memory_is_honoured_both_ways() {
 
 #[test]
 fn the_default_limit_is_half_of_physical_memory_and_estimates_grow_with_size() {
+    // What the binary enforces without --max-memory, read from its refusal: half of the
+    // physical memory /proc/meminfo reports (not the library's own arithmetic restated).
     if let Some(total) = physical_memory() {
-        assert_eq!(limit(None), total / 2);
+        assert!(total > 1 << 20, "{total} bytes of physical memory");
+        let (code, err, _) = run(&["route", "mixtral", "--seq-len", "1000000000"]);
+        assert_eq!(code, Some(2), "{err}");
+        let half = bytesize::ByteSize(total / 2).display().iec().to_string();
+        assert!(err.contains(&format!("over the limit of {half} (")), "half of {total} bytes is {half}: {err}");
     }
+    // An explicit limit is taken as given.
+    assert_eq!(limit(Some(bytesize::ByteSize::mib(3))), 3 << 20);
     let small = AuditOptions::default().memory_estimate(8, 2, 64, 128);
     let long = AuditOptions { seq_len: 1 << 20, ..AuditOptions::default() }.memory_estimate(8, 2, 64, 128);
     assert!(small < 64 << 20, "default audit estimate {small}");

@@ -264,9 +264,10 @@ pub fn swamping(seed: u64) -> Vec<Swamping> {
         .collect()
 }
 
-/// Tree summation: error grows with log n instead of n.
-pub fn pairwise<T: Copy + std::ops::Add<Output = T>>(v: &[T]) -> T {
+/// Tree summation: error grows with log n instead of n. The sum of nothing is zero.
+pub fn pairwise<T: Copy + Default + std::ops::Add<Output = T>>(v: &[T]) -> T {
     match v {
+        [] => T::default(),
         [x] => *x,
         _ => {
             let (a, b) = v.split_at(v.len() / 2);
@@ -293,6 +294,14 @@ mod tests {
         let ones = vec![one; 4096];
         assert_eq!(ones.iter().fold(f16::ZERO, |a, &x| a + x).to_f32(), 2048.0);
         assert_eq!(pairwise(&ones).to_f32(), 4096.0, "pairwise sums of powers of two stay exact");
+    }
+
+    #[test]
+    fn pairwise_sums_of_nothing_and_of_odd_lengths() {
+        // An empty slice used to split into two empty halves forever.
+        assert_eq!(pairwise::<f32>(&[]), 0.0);
+        assert_eq!(pairwise(&[f16::ZERO; 0]).to_f32(), 0.0);
+        assert_eq!(pairwise(&[1.0f32, 2.0, 3.0]), 6.0);
     }
 
     #[test]
