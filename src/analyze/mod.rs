@@ -13,6 +13,7 @@ mod probe;
 mod tally;
 pub mod witness;
 
+pub use crate::parallel::Layer;
 pub use case::{Call, Case};
 pub use probe::{numerics, Probe};
 pub use witness::Witness;
@@ -21,7 +22,7 @@ use crate::error::{Error, Result};
 use crate::layer::{MoeLayer, Seeded};
 use crate::router::{logits_to_host, Router};
 use crate::routing::{LoadStats, Routing};
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 use probe::Ctx;
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -240,33 +241,6 @@ impl Report {
     /// Whether any router leaks.
     pub fn leaks(&self) -> bool {
         self.routers.iter().any(RouterReport::leaks)
-    }
-}
-
-/// A layer the analyzer can run: hidden states in, outputs and routing out.
-pub trait Layer {
-    /// # Shapes
-    /// `x`: `[batch, seq_len, hidden]` → `[batch, seq_len, hidden]`.
-    fn forward(&self, x: &Tensor) -> Result<(Tensor, Routing)>;
-
-    /// The layer expert-parallel on `ranks` ranks, each routing its own block of sequences,
-    /// gathered; `None` for a layer that cannot run expert-parallel.
-    ///
-    /// # Shapes
-    /// `x`: `[batch, seq_len, hidden]`, `batch` divisible by `ranks`.
-    fn forward_parallel(&self, x: &Tensor, ranks: usize) -> Result<Option<crate::parallel::Gathered>> {
-        let _ = (x, ranks);
-        Ok(None)
-    }
-}
-
-impl Layer for MoeLayer {
-    fn forward(&self, x: &Tensor) -> Result<(Tensor, Routing)> {
-        MoeLayer::forward(self, x)
-    }
-
-    fn forward_parallel(&self, x: &Tensor, ranks: usize) -> Result<Option<crate::parallel::Gathered>> {
-        crate::parallel::forward_in_process(self, x, ranks).map(Some)
     }
 }
 

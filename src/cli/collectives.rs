@@ -9,7 +9,7 @@ use crate::memory;
 use crate::parallel::reduce::{Algorithm, Precision, ReducePlan};
 use crate::parallel::run_ranks;
 use crate::parallel::swamping::{audit, AuditPlan, Figures, Payload};
-use crate::sweep::chart::{register_font, FONT};
+use crate::render::chart::{register_font, FONT};
 use bytesize::ByteSize;
 use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};

@@ -4,8 +4,8 @@
 use crate::analyze::{audit, AuditOptions, Probe, RouterReport, Subject};
 use crate::config::RouterConfig;
 use crate::error::{Error, Result};
-use crate::external::gate::GateSource;
 use crate::external::{plan, planned_options, ExternalRouter, Handshake, InputKind, TraceRouter};
+use crate::layer::gate::GateSource;
 use crate::memory;
 use crate::router::Router;
 use clap::Args;

@@ -37,7 +37,7 @@ pub(super) fn run(args: &SweepArgs, out: &mut dyn Write) -> Result<u8> {
         bar.inc(1);
     })?;
     bar.finish_and_clear();
-    let written = sweep::write_all(&report, &args.output_dir)?;
+    let written = crate::render::write_sweep(&report, &args.output_dir)?;
     let mut text = crate::render::sweep_markdown(&report);
     text.push('\n');
     for path in written {

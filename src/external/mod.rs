@@ -9,7 +9,6 @@
 //! H hidden values (`input: hidden`, the router applies its own gate). The analyzer's score stage
 //! is then the identity, and its rows are as wide as [`Router::row_width`] says.
 
-pub mod gate;
 pub mod process;
 pub mod protocol;
 pub mod trace;

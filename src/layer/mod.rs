@@ -7,6 +7,7 @@
 
 mod cpu;
 mod expert;
+pub mod gate;
 mod weights;
 
 pub use expert::Expert;

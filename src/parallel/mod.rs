@@ -9,6 +9,7 @@
 
 mod comm;
 mod ep;
+mod layer;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 pub mod reduce;
@@ -16,6 +17,7 @@ pub mod swamping;
 
 pub use comm::{run_ranks, Communicator, InProcess};
 pub use ep::{split_batch, ExpertParallel, Gathered, RankOutput, RankTraffic, Traffic};
+pub use layer::{Layer, OnComm};
 
 use crate::error::Result;
 use crate::layer::MoeLayer;
@@ -32,34 +34,4 @@ pub fn forward_in_process(layer: &MoeLayer, x: &Tensor, ranks: usize) -> Result<
     split_batch(x.dims3()?.0, ranks)?;
     let mut all = run_ranks(ranks, |comm| ep.forward_gathered(comm, x))?;
     Ok(all.swap_remove(0))
-}
-
-/// A layer whose expert-parallel forward runs over a given communicator (MPI, say): what the
-/// audit's layout probe uses when the ranks are not this process's threads.
-pub struct OnComm<'a> {
-    layer: &'a MoeLayer,
-    comm: &'a dyn Communicator,
-}
-
-impl<'a> OnComm<'a> {
-    /// `layer` over `comm`.
-    pub fn new(layer: &'a MoeLayer, comm: &'a dyn Communicator) -> Self {
-        OnComm { layer, comm }
-    }
-}
-
-impl crate::analyze::Layer for OnComm<'_> {
-    fn forward(&self, x: &Tensor) -> Result<(Tensor, crate::routing::Routing)> {
-        self.layer.forward(x)
-    }
-
-    fn forward_parallel(&self, x: &Tensor, ranks: usize) -> Result<Option<Gathered>> {
-        if ranks != self.comm.size() {
-            return Err(crate::Error::Usage(format!(
-                "{ranks} ranks asked for, the communicator has {}",
-                self.comm.size()
-            )));
-        }
-        ExpertParallel::new(self.layer).forward_gathered(self.comm, x).map(Some)
-    }
 }

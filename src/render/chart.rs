@@ -1,10 +1,9 @@
 //! The two charts, each as SVG and PNG through plotters (pure Rust: text is drawn with ab_glyph
 //! from a bundled DejaVu Sans Mono, so no system font libraries are needed).
 
-use super::{CellResult, Heatmap};
-use crate::config::{DropPolicy, RouterConfig, RouterKind, ScopeGroup, Selection};
 use crate::error::{Error, Result};
 use crate::files::Staged;
+use crate::sweep::{CellResult, Family, Heatmap};
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use std::path::{Path, PathBuf};
@@ -72,47 +71,6 @@ pub fn pareto(points: &[(f64, f64)]) -> Vec<usize> {
             better
         })
         .collect()
-}
-
-/// A router's design family: the scatter chart gives each its own marker shape.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Family {
-    /// Token choice, nothing dropped.
-    #[default]
-    Dropless,
-    /// Capacity per sequence, kept by position (Switch, causal capacity).
-    SequenceCapacity,
-    /// Capacity over the batch or a rank (Megatron, DeepSpeed, BPR).
-    BatchCapacity,
-    /// Balanced assignment over the batch (Sinkhorn).
-    Balanced,
-    /// Experts choose their tokens.
-    ExpertChoice,
-}
-
-impl Family {
-    /// The family of a router configuration.
-    pub fn of(config: &RouterConfig) -> Family {
-        match &config.capacity {
-            _ if config.kind == RouterKind::ExpertChoice => Family::ExpertChoice,
-            _ if config.selection == Selection::Sinkhorn => Family::Balanced,
-            None => Family::Dropless,
-            Some(c) if c.policy == DropPolicy::Causal || config.scope.group == ScopeGroup::Sequence => {
-                Family::SequenceCapacity
-            }
-            Some(_) => Family::BatchCapacity,
-        }
-    }
-
-    fn label(self) -> &'static str {
-        match self {
-            Family::Dropless => "dropless token choice",
-            Family::SequenceCapacity => "capacity per sequence",
-            Family::BatchCapacity => "capacity over the batch",
-            Family::Balanced => "balanced assignment",
-            Family::ExpertChoice => "expert choice",
-        }
-    }
 }
 
 /// Colours far enough apart to tell routers of one family apart (Tableau 10, then darker hues).

@@ -1,8 +1,31 @@
-//! A sweep's text outputs: `sweep.csv` (one row per cell) and `sweep.md` (the table the README
-//! shows). `sweep.json` is the serde form of [`SweepReport`]; the charts are drawn by the sweep.
+//! A sweep's outputs: `sweep.json` (the whole report), `sweep.csv` (one row per cell), `sweep.md`
+//! (the table the README shows) and the charts.
 
+use crate::error::Result;
 use crate::sweep::{CellResult, SweepReport};
 use std::fmt::Write;
+
+/// Writes every output of a sweep into `dir` (created if needed); returns the paths written.
+/// The files are one set: written under temporary names and renamed together, so the folder
+/// holds the previous run's set or this one's, never a mix or a torn file.
+pub fn write_sweep(report: &SweepReport, dir: &std::path::Path) -> Result<Vec<std::path::PathBuf>> {
+    crate::files::create_dir(dir)?;
+    let mut staged = crate::files::Staged::new();
+    let mut written = Vec::new();
+    let mut write = |name: &str, text: String| -> Result<()> {
+        let path = dir.join(name);
+        staged.write(&path, text.as_bytes())?;
+        written.push(path);
+        Ok(())
+    };
+    write("sweep.json", super::json(report))?;
+    write("sweep.csv", csv(&report.cells))?;
+    write("sweep.md", markdown(report))?;
+    written.extend(super::chart::leak_vs_imbalance(&report.cells, dir, &mut staged)?);
+    written.extend(super::chart::heatmap(&report.heatmap, dir, &mut staged)?);
+    staged.commit()?;
+    Ok(written)
+}
 
 fn opt<T: ToString>(v: Option<T>) -> String {
     v.map_or(String::new(), |v| v.to_string())

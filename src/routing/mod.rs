@@ -13,12 +13,13 @@ pub(crate) mod scope;
 pub(crate) mod scores;
 mod sinkhorn;
 pub(crate) mod stats;
+mod table;
 mod token_choice;
 
-pub use crate::render::render_table;
 pub use prefix::prefix_stable;
 pub(crate) use record::Decisions;
 pub use record::{ExpertLoad, GroupRecord, LoadStats, Route, Routing, ScopeRecord, TokenRouting};
+pub use table::render_table;
 
 use crate::config::{PaddingMask, RouterConfig, RouterKind, ScoreFn};
 use crate::error::{Error, Result};

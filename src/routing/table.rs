@@ -1,7 +1,7 @@
 //! A compact, stable text rendering of a [`Routing`], for terminals and snapshot tests.
 //! Weights are printed with 4 decimals so float noise far below that cannot churn snapshots.
 
-use crate::routing::Routing;
+use super::Routing;
 use std::fmt::Write;
 
 /// Renders the record: a header, one row per token, then the expert loads and the stats.

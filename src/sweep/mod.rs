@@ -6,10 +6,11 @@
 //! one router's position × distance heatmap. Everything is seeded: the same grid gives the same
 //! bytes.
 
-pub(crate) mod chart;
+mod family;
 mod grid;
 mod heatmap;
 
+pub use family::Family;
 pub use grid::{Cell, Grid, Skipped};
 pub use heatmap::Heatmap;
 
@@ -99,7 +100,7 @@ pub struct CellResult {
     pub flips_f16: Option<f64>,
     /// The router's design family (the chart's marker shape; not written to JSON or CSV).
     #[serde(skip)]
-    pub family: chart::Family,
+    pub family: Family,
 }
 
 /// Runs every cell (calling `tick` after each) and the heatmap; fails before running any when
@@ -158,28 +159,6 @@ pub fn run(
         heatmap,
         swamping: grid.numerics.then(|| swamping(grid.seed)),
     })
-}
-
-/// Writes every output into `dir` (created if needed); returns the paths written.
-/// The files are one set: written under temporary names and renamed together, so the folder
-/// holds the previous run's set or this one's, never a mix or a torn file.
-pub fn write_all(report: &SweepReport, dir: &std::path::Path) -> Result<Vec<std::path::PathBuf>> {
-    crate::files::create_dir(dir)?;
-    let mut staged = crate::files::Staged::new();
-    let mut written = Vec::new();
-    let mut write = |name: &str, text: String| -> Result<()> {
-        let path = dir.join(name);
-        staged.write(&path, text.as_bytes())?;
-        written.push(path);
-        Ok(())
-    };
-    write("sweep.json", crate::render::json(report))?;
-    write("sweep.csv", crate::render::sweep_csv(&report.cells))?;
-    write("sweep.md", crate::render::sweep_markdown(report))?;
-    written.extend(chart::leak_vs_imbalance(&report.cells, dir, &mut staged)?);
-    written.extend(chart::heatmap(&report.heatmap, dir, &mut staged)?);
-    staged.commit()?;
-    Ok(written)
 }
 
 /// Number of cells the grid runs (for a progress bar).
@@ -264,7 +243,7 @@ fn run_cell(grid: &Grid, cell: &Cell, layer: &MoeLayer) -> Result<CellResult> {
         output_change_affected,
         flips_bf16: flips(0),
         flips_f16: flips(1),
-        family: chart::Family::of(&cell.config),
+        family: Family::of(&cell.config),
     })
 }
 

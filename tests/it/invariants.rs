@@ -598,6 +598,7 @@ fn check_expert_choice(c: &RouterConfig, x: &Array3<f32>, r: &Routing) -> Check 
     }
     for (g, members) in reference_groups(&c.scope, b, s).iter().enumerate() {
         let cap_g = capacity(cap, members.len(), 1, e);
+        #[allow(clippy::needless_range_loop)] // `expert` is a column of every row of `aff`
         for expert in 0..e {
             let mut order: Vec<usize> = (0..members.len()).collect();
             order.sort_by(|&p, &q| desc(aff[members[p]][expert], aff[members[q]][expert]).then(p.cmp(&q)));
