@@ -222,8 +222,21 @@ impl<'a> ExpertParallel<'a> {
     /// # Shapes
     /// `x`: `[batch, seq_len, hidden]` with `batch` divisible by the number of ranks.
     pub fn forward_gathered(&self, comm: &dyn Communicator, x: &Tensor) -> Result<Gathered> {
-        let (b, s, h) = x.dims3()?;
-        let per_rank = split_batch(b, comm.size())?;
+        let mine = self.forward_block(comm, x)?;
+        let all = comm.all_gather_bytes(serde_json::to_vec(&mine).expect("a rank result always serialises"))?;
+        let parts = (all.iter().enumerate())
+            .map(|(r, bytes)| {
+                serde_json::from_slice::<RankResult>(bytes)
+                    .map_err(|e| Error::shape("gather", format!("rank {r} sent an unreadable result: {e}")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        gather(parts, x)
+    }
+
+    /// This rank's block of `x` (the r-th of `batch / R` sequences) through
+    /// [`ExpertParallel::forward`], as it travels to the other ranks.
+    fn forward_block(&self, comm: &dyn Communicator, x: &Tensor) -> Result<RankResult> {
+        let per_rank = split_batch(x.dims3()?.0, comm.size())?;
         let first = comm.rank() * per_rank;
         // Errors name the sequence in the whole batch, not in the rank's block.
         let out = self.forward(comm, &x.narrow(0, first, per_rank)?).map_err(|e| match e {
@@ -232,24 +245,33 @@ impl<'a> ExpertParallel<'a> {
             }
             e => e,
         })?;
-        let mine = RankResult {
+        Ok(RankResult {
             y: out.y.flatten_all()?.to_vec1()?,
             routing: out.routing,
             logits: out.logits,
             traffic: out.traffic,
-        };
-        let all = comm.all_gather_bytes(serde_json::to_vec(&mine).expect("a rank result always serialises"))?;
-        let parts = (all.iter().enumerate())
-            .map(|(r, bytes)| {
-                serde_json::from_slice::<RankResult>(bytes)
-                    .map_err(|e| Error::shape("gather", format!("rank {r} sent an unreadable result: {e}")))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let y: Vec<f32> = parts.iter().flat_map(|p| p.y.iter().copied()).collect();
-        let traffic = parts.iter().map(|p| p.traffic).collect();
-        let routing = concat(parts.into_iter().map(|p| (p.routing, p.logits)).collect());
-        Ok(Gathered { y: Tensor::from_vec(y, (b, s, h), x.device())?, routing, traffic })
+        })
     }
+
+    /// [`ExpertParallel::forward_gathered`] on `ranks` in-process ranks: every rank's result
+    /// comes back to the caller as a value (threads share memory, so nothing is serialised).
+    ///
+    /// # Shapes
+    /// `x`: `[batch, seq_len, hidden]` with `batch` divisible by `ranks`.
+    pub fn forward_in_process(&self, x: &Tensor, ranks: usize) -> Result<Gathered> {
+        self.local_experts(ranks)?;
+        split_batch(x.dims3()?.0, ranks)?;
+        gather(super::run_ranks(ranks, |comm| self.forward_block(comm, x))?, x)
+    }
+}
+
+/// The ranks' results, in rank order, as the whole batch's.
+fn gather(parts: Vec<RankResult>, x: &Tensor) -> Result<Gathered> {
+    let (b, s, h) = x.dims3()?;
+    let y: Vec<f32> = parts.iter().flat_map(|p| p.y.iter().copied()).collect();
+    let traffic = parts.iter().map(|p| p.traffic).collect();
+    let routing = concat(parts.into_iter().map(|p| (p.routing, p.logits)).collect());
+    Ok(Gathered { y: Tensor::from_vec(y, (b, s, h), x.device())?, routing, traffic })
 }
 
 /// Sequences per rank, or an error when the batch does not split evenly.
@@ -260,7 +282,8 @@ pub fn split_batch(batch: usize, ranks: usize) -> Result<usize> {
     Ok(batch / ranks)
 }
 
-/// One rank's share of [`Gathered`], as it travels.
+/// One rank's share of [`Gathered`], as it travels (JSON bytes between processes; a plain value
+/// between threads).
 #[derive(Serialize, Deserialize)]
 struct RankResult {
     y: Vec<f32>,

@@ -3,7 +3,7 @@
 //!
 //! [`Communicator`] is what the layer needs from a distributed engine; [`run_ranks`] gives
 //! in-process ranks (threads, always built, the oracle), and with the cargo feature `mpi`,
-//! [`mpi::MpiComm`] gives one rank per MPI process. [`ExpertParallel`] is the layer, with its
+//! `mpi::MpiComm` gives one rank per MPI process. [`ExpertParallel`] is the layer, with its
 //! per-rank traffic accounting ([`RankTraffic`]). [`reduce`] has the reductions (all-reduce,
 //! reduce-scatter, all-gather in f32/bf16/f16) built on the communicator's send-receive.
 
@@ -29,9 +29,5 @@ use candle_core::Tensor;
 /// # Shapes
 /// `x`: `[batch, seq_len, hidden]`, `batch` divisible by `ranks`.
 pub fn forward_in_process(layer: &MoeLayer, x: &Tensor, ranks: usize) -> Result<Gathered> {
-    let ep = ExpertParallel::new(layer);
-    ep.local_experts(ranks)?;
-    split_batch(x.dims3()?.0, ranks)?;
-    let mut all = run_ranks(ranks, |comm| ep.forward_gathered(comm, x))?;
-    Ok(all.swap_remove(0))
+    ExpertParallel::new(layer).forward_in_process(x, ranks)
 }

@@ -1,7 +1,7 @@
 //! Routing: from a `[batch, seq_len, experts]` score matrix to a [`Routing`] record.
 //!
 //! The assignment stage is pure host code over `f32` logits: exact, deterministic and the same
-//! on every device. Scopes split the call into groups ([`scope`]); each group is routed by token
+//! on every device. Scopes split the call into groups (`scope.rs`); each group is routed by token
 //! choice or expert choice; capacity and dropping live in [`capacity`].
 
 pub mod balance;

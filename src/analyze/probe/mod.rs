@@ -75,7 +75,7 @@ probes! {
         S => replay::Replay,
         /// Mode: training versus inference configuration.
         M => mode::Mode,
-        /// Layout: 1 versus R expert-parallel ranks, [S,B] versus [B,S] flattening.
+        /// Layout: 1 versus R expert-parallel ranks, `[S,B]` versus `[B,S]` flattening.
         L => layout::Layout,
     }
     opt_in {
