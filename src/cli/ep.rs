@@ -10,7 +10,7 @@ use crate::layer::{MoeLayer, Seeded};
 use crate::memory::{self, CallSizes};
 use crate::parallel::reduce::Precision;
 use crate::parallel::swamping::compare;
-use crate::parallel::{run_ranks, split_batch, Communicator, ExpertParallel};
+use crate::parallel::{split_batch, Communicator, ExpertParallel, Gathered};
 use crate::render::{json, render_ep, CombineFigures, EpReport};
 use crate::router::Router;
 use bytesize::ByteSize;
@@ -112,11 +112,8 @@ pub(super) fn run(args: &EpArgs, out: &mut dyn Write) -> Result<u8> {
         None => Seeded::new(args.seed ^ 0xe9).normal(&[args.batch, args.seq_len, args.hidden], &Device::Cpu)?,
     };
     let seq_len = x.dims3()?.1;
-    let work = |comm: &dyn Communicator| -> Result<EpReport> {
-        split_batch(args.batch, comm.size())?;
-        let ep = ExpertParallel::new(&layer).with_combine(args.combine_wire, args.combine_accumulate);
-        ep.local_experts(comm.size())?;
-        let g = ep.forward_gathered(comm, &x)?;
+    let ep = ExpertParallel::new(&layer).with_combine(args.combine_wire, args.combine_accumulate);
+    let report = |g: Gathered, ranks: usize| -> Result<EpReport> {
         let (_, whole) = layer.forward(&x)?;
         let low = (args.combine_wire, args.combine_accumulate) != (Precision::F32, Precision::F32);
         let low_precision_combine = if low {
@@ -136,7 +133,7 @@ pub(super) fn run(args: &EpArgs, out: &mut dyn Write) -> Result<u8> {
         let differ = (whole.tokens.iter().zip(&g.routing.tokens)).filter(|(a, b)| a.routes != b.routes).count();
         Ok(EpReport {
             router: layer.router().name().to_string(),
-            ranks: comm.size(),
+            ranks,
             batch: args.batch,
             seq_len,
             hidden: args.hidden,
@@ -148,7 +145,29 @@ pub(super) fn run(args: &EpArgs, out: &mut dyn Write) -> Result<u8> {
             low_precision_combine,
         })
     };
-    let Some(report) = on_ranks(args.comm, args.ranks, work)? else { return Ok(0) };
+    let report = match args.comm {
+        // Threads of this process: every rank's result comes back as a value, reported once.
+        CommKind::InProcess => {
+            let ranks = args.ranks.unwrap_or(2);
+            if ranks == 0 {
+                return Err(Error::Usage("--ranks must be at least 1".into()));
+            }
+            // Every rank checks its split alike; the report names rank 0, as a rank's error does.
+            let as_rank_0 = |e: Error| Error::Rank { rank: 0, message: e.to_string() };
+            split_batch(args.batch, ranks).map_err(as_rank_0)?;
+            ep.local_experts(ranks).map_err(as_rank_0)?;
+            report(ep.forward_in_process(&x, ranks)?, ranks)?
+        }
+        CommKind::Mpi => {
+            let work = |comm: &dyn Communicator| -> Result<EpReport> {
+                split_batch(args.batch, comm.size())?;
+                ep.local_experts(comm.size())?;
+                report(ep.forward_gathered(comm, &x)?, comm.size())
+            };
+            let Some(report) = on_mpi(args.ranks, work)? else { return Ok(0) };
+            report
+        }
+    };
     let text = match args.format {
         EpFormat::Json => json(&report),
         EpFormat::Text => render_ep(&report),
@@ -157,30 +176,23 @@ pub(super) fn run(args: &EpArgs, out: &mut dyn Write) -> Result<u8> {
     Ok(0)
 }
 
-/// Runs `work` on every rank; returns rank 0's result (`None` on the other MPI ranks).
-fn on_ranks<T: Send>(
-    kind: CommKind,
-    ranks: Option<usize>,
-    work: impl Fn(&dyn Communicator) -> Result<T> + Sync,
-) -> Result<Option<T>> {
-    match kind {
-        CommKind::InProcess => Ok(run_ranks(ranks.unwrap_or(2), |comm| work(comm))?.into_iter().next()),
-        #[cfg(feature = "mpi")]
-        CommKind::Mpi => {
-            let comm = crate::parallel::mpi::MpiComm::init()?;
-            let result = match ranks {
-                Some(r) if r != comm.size() => Err(Error::Usage(format!(
-                    "--ranks {r} differs from the MPI world size {} (mpirun -np)",
-                    comm.size()
-                ))),
-                _ => work(&comm),
-            };
-            let value = result.unwrap_or_else(|e| comm.abort(&e));
-            Ok((comm.rank() == 0).then_some(value))
+/// Runs `work` on every MPI rank; returns rank 0's result (`None` on the other ranks).
+#[cfg(feature = "mpi")]
+fn on_mpi<T>(ranks: Option<usize>, work: impl Fn(&dyn Communicator) -> Result<T>) -> Result<Option<T>> {
+    let comm = crate::parallel::mpi::MpiComm::init()?;
+    let result = match ranks {
+        Some(r) if r != comm.size() => {
+            Err(Error::Usage(format!("--ranks {r} differs from the MPI world size {} (mpirun -np)", comm.size())))
         }
-        #[cfg(not(feature = "mpi"))]
-        CommKind::Mpi => Err(super::check::no_mpi()),
-    }
+        _ => work(&comm),
+    };
+    let value = result.unwrap_or_else(|e| comm.abort(&e));
+    Ok((comm.rank() == 0).then_some(value))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn on_mpi<T>(_: Option<usize>, _: impl Fn(&dyn Communicator) -> Result<T>) -> Result<Option<T>> {
+    Err(super::check::no_mpi())
 }
 
 fn checksum(y: &Tensor) -> Result<u64> {
