@@ -1,5 +1,6 @@
 //! The library's one error type: every variant says what is wrong and where.
 
+use std::fmt;
 use std::path::PathBuf;
 
 /// Result alias used across the crate.
@@ -54,7 +55,8 @@ pub enum Error {
         /// What is wrong with it.
         message: String,
     },
-    /// A command-line value that cannot be used.
+    /// A setting (a size, a limit, a list) that cannot be used; settings are named as
+    /// [`Setting`]s, so that the command line can write them as its flags.
     #[error("{0}")]
     Usage(String),
     /// An expert-parallel rank failed; every rank stops with this error.
@@ -81,5 +83,94 @@ impl Error {
 
     pub(crate) fn input(path: impl Into<PathBuf>, message: impl Into<String>) -> Self {
         Error::Input { path: path.into(), message: message.into() }
+    }
+}
+
+/// A setting of a run that a message may name. The library writes it as `` `name` `` (the
+/// field or parameter it sets); the command line writes its flag instead, so no library message
+/// names a flag.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Setting {
+    /// Sequences per call.
+    Batch,
+    /// Tokens per sequence.
+    SeqLen,
+    /// Hidden size.
+    Hidden,
+    /// Expert FFN size.
+    Ffn,
+    /// Random cases per probe.
+    Trials,
+    /// Expert-parallel ranks.
+    Ranks,
+    /// The probes an audit runs.
+    Probes,
+    /// How long an external router may take to answer.
+    Timeout,
+    /// The memory limit.
+    MaxMemory,
+    /// Rewriting a snapshot in place.
+    Update,
+    /// Trace files answered by a harness.
+    Traces,
+    /// Writing a harness's inputs instead of a snapshot.
+    Plan,
+    /// A file of logit rows.
+    Logits,
+    /// A file of hidden-state rows.
+    HiddenStates,
+}
+
+impl Setting {
+    /// Every setting.
+    pub const ALL: [Setting; 14] = [
+        Setting::Batch,
+        Setting::SeqLen,
+        Setting::Hidden,
+        Setting::Ffn,
+        Setting::Trials,
+        Setting::Ranks,
+        Setting::Probes,
+        Setting::Timeout,
+        Setting::MaxMemory,
+        Setting::Update,
+        Setting::Traces,
+        Setting::Plan,
+        Setting::Logits,
+        Setting::HiddenStates,
+    ];
+
+    /// The library's name for it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Setting::Batch => "batch",
+            Setting::SeqLen => "seq_len",
+            Setting::Hidden => "hidden",
+            Setting::Ffn => "ffn",
+            Setting::Trials => "trials",
+            Setting::Ranks => "ranks",
+            Setting::Probes => "probes",
+            Setting::Timeout => "timeout",
+            Setting::MaxMemory => "max_memory",
+            Setting::Update => "update",
+            Setting::Traces => "traces",
+            Setting::Plan => "plan",
+            Setting::Logits => "logits",
+            Setting::HiddenStates => "hidden_states",
+        }
+    }
+}
+
+impl fmt::Display for Setting {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "`{}`", self.name())
+    }
+}
+
+/// The sizes that must be at least 1, checked in one place: the first that is 0 is named.
+pub fn ensure_positive(sizes: &[(Setting, usize)]) -> Result<()> {
+    match sizes.iter().find(|(_, v)| *v == 0) {
+        Some((setting, _)) => Err(Error::Usage(format!("{setting} must be at least 1"))),
+        None => Ok(()),
     }
 }

@@ -63,7 +63,11 @@ pub fn read_line_bounded(reader: &mut impl BufRead, limit: usize) -> std::io::Re
         if line.len() + take > limit.saturating_add(1) {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::InvalidData,
-                format!("a line longer than {} (--max-memory)", ByteSize(limit as u64).display().iec()),
+                format!(
+                    "a line longer than {} ({})",
+                    ByteSize(limit as u64).display().iec(),
+                    crate::error::Setting::MaxMemory
+                ),
             ));
         }
         line.extend_from_slice(&buf[..take]);

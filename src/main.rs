@@ -1,7 +1,7 @@
 //! The `moe-audit` binary: parse, run, map errors to exit codes (0 ok, 1 leak, 2 error).
 
 use clap::Parser;
-use moe_audit::cli::{run, Cli};
+use moe_audit::cli::{message, run, Cli};
 use moe_audit::runtime::{self, one_line};
 use std::process::ExitCode;
 
@@ -21,7 +21,7 @@ fn main() -> ExitCode {
         std::process::exit(2);
     }));
     if let Err(e) = runtime::init() {
-        eprintln!("error: {}", one_line(&e.to_string()));
+        eprintln!("error: {}", one_line(&message(&e)));
         return ExitCode::from(2);
     }
     let cli = match Cli::try_parse() {
@@ -47,7 +47,7 @@ fn main() -> ExitCode {
             while runtime::interrupted_by_signal() {
                 std::thread::park();
             }
-            eprintln!("error: {}", one_line(&e.to_string()));
+            eprintln!("error: {}", one_line(&message(&e)));
             ExitCode::from(2)
         }
     }

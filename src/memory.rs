@@ -40,9 +40,10 @@ pub fn ensure_fits(what: &str, estimate: u64, limit: u64) -> Result<()> {
         return Ok(());
     }
     Err(Error::Usage(format!(
-        "{what} needs about {} of memory, over the limit of {} (--max-memory; the default is half of physical memory): use smaller sizes or raise the limit",
+        "{what} needs about {} of memory, over the limit of {} ({}; the default is half of physical memory): use smaller sizes or raise the limit",
         ByteSize(estimate).display().iec(),
-        ByteSize(limit).display().iec()
+        ByteSize(limit).display().iec(),
+        crate::error::Setting::MaxMemory
     )))
 }
 

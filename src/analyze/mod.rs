@@ -18,7 +18,7 @@ pub use case::{Call, Case};
 pub use probe::{numerics, Probe};
 pub use witness::Witness;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, Setting};
 use crate::layer::{MoeLayer, Seeded};
 use crate::router::{logits_to_host, Router};
 use crate::routing::{LoadStats, Routing};
@@ -263,7 +263,11 @@ impl<'a> Subject<'a> {
 pub fn audit(subject: &Subject, options: &AuditOptions, tick: &mut dyn FnMut(&str)) -> Result<RouterReport> {
     let (b, s) = (options.batch, options.seq_len);
     if b == 0 || s == 0 {
-        return Err(Error::Usage(format!("--batch and --seq-len must be at least 1, got {b} and {s}")));
+        return Err(Error::Usage(format!(
+            "{} and {} must be at least 1, got {b} and {s}",
+            Setting::Batch,
+            Setting::SeqLen
+        )));
     }
     let router = subject.router;
     let hidden = match router.hidden_size() {

@@ -362,7 +362,11 @@ impl Witness {
     /// Reads a witness file under the memory limit `max_memory`: the text, and the values parsed
     /// from it (about four times the text), must fit.
     pub fn read_within(path: &Path, max_memory: u64) -> Result<Witness> {
-        let text = crate::files::read_text(path, max_memory / 4, "a quarter of --max-memory")?;
+        let text = crate::files::read_text(
+            path,
+            max_memory / 4,
+            &format!("a quarter of {}", crate::error::Setting::MaxMemory),
+        )?;
         Self::parse(&text, path)
     }
 

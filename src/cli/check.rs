@@ -4,7 +4,7 @@ use super::external::ExternalArgs;
 use super::io_error;
 use crate::analyze::{audit, AuditOptions, Probe, Report, RouterReport, Subject, Verdict, Witness};
 use crate::config::{presets, RouterConfig};
-use crate::error::{Error, Result};
+use crate::error::{ensure_positive, Error, Result, Setting};
 use crate::layer::MoeLayer;
 use crate::memory;
 use crate::parallel::{split_batch, Communicator, OnComm};
@@ -108,17 +108,13 @@ pub enum CheckFormat {
 
 impl CheckArgs {
     fn options(&self) -> Result<AuditOptions> {
-        for (flag, v) in [
-            ("--batch", self.batch),
-            ("--seq-len", self.seq_len),
-            ("--trials", self.trials),
-            ("--hidden", self.hidden),
-            ("--ffn", self.ffn),
-        ] {
-            if v == 0 {
-                return Err(Error::Usage(format!("{flag} must be at least 1")));
-            }
-        }
+        ensure_positive(&[
+            (Setting::Batch, self.batch),
+            (Setting::SeqLen, self.seq_len),
+            (Setting::Trials, self.trials),
+            (Setting::Hidden, self.hidden),
+            (Setting::Ffn, self.ffn),
+        ])?;
         let ranks = self.ranks.unwrap_or(2);
         if self.ranks.is_some() && (ranks == 0 || self.batch % ranks != 0) {
             return Err(Error::Usage(format!(

@@ -5,7 +5,7 @@ use super::check::CommKind;
 use super::io_error;
 use super::route::read_logits;
 use crate::config::RouterConfig;
-use crate::error::{Error, Result};
+use crate::error::{ensure_positive, Result, Setting};
 use crate::layer::{MoeLayer, Seeded};
 use crate::memory::{self, CallSizes};
 use crate::parallel::reduce::Precision;
@@ -75,13 +75,12 @@ pub enum EpFormat {
 }
 
 pub(super) fn run(args: &EpArgs, out: &mut dyn Write) -> Result<u8> {
-    for (flag, v) in
-        [("--batch", args.batch), ("--seq-len", args.seq_len), ("--hidden", args.hidden), ("--ffn", args.ffn)]
-    {
-        if v == 0 {
-            return Err(Error::Usage(format!("{flag} must be at least 1")));
-        }
-    }
+    ensure_positive(&[
+        (Setting::Batch, args.batch),
+        (Setting::SeqLen, args.seq_len),
+        (Setting::Hidden, args.hidden),
+        (Setting::Ffn, args.ffn),
+    ])?;
     let config = RouterConfig::load(&args.router)?;
     let sizes = CallSizes {
         batch: args.batch,
@@ -149,13 +148,9 @@ pub(super) fn run(args: &EpArgs, out: &mut dyn Write) -> Result<u8> {
         // Threads of this process: every rank's result comes back as a value, reported once.
         CommKind::InProcess => {
             let ranks = args.ranks.unwrap_or(2);
-            if ranks == 0 {
-                return Err(Error::Usage("--ranks must be at least 1".into()));
-            }
-            // Every rank checks its split alike; the report names rank 0, as a rank's error does.
-            let as_rank_0 = |e: Error| Error::Rank { rank: 0, message: e.to_string() };
-            split_batch(args.batch, ranks).map_err(as_rank_0)?;
-            ep.local_experts(ranks).map_err(as_rank_0)?;
+            ensure_positive(&[(Setting::Ranks, ranks)])?;
+            split_batch(args.batch, ranks)?;
+            ep.local_experts(ranks)?;
             report(ep.forward_in_process(&x, ranks)?, ranks)?
         }
         CommKind::Mpi => {
@@ -181,9 +176,10 @@ pub(super) fn run(args: &EpArgs, out: &mut dyn Write) -> Result<u8> {
 fn on_mpi<T>(ranks: Option<usize>, work: impl Fn(&dyn Communicator) -> Result<T>) -> Result<Option<T>> {
     let comm = crate::parallel::mpi::MpiComm::init()?;
     let result = match ranks {
-        Some(r) if r != comm.size() => {
-            Err(Error::Usage(format!("--ranks {r} differs from the MPI world size {} (mpirun -np)", comm.size())))
-        }
+        Some(r) if r != comm.size() => Err(crate::Error::Usage(format!(
+            "--ranks {r} differs from the MPI world size {} (mpirun -np)",
+            comm.size()
+        ))),
         _ => work(&comm),
     };
     let value = result.unwrap_or_else(|e| comm.abort(&e));

@@ -3,7 +3,7 @@
 
 use crate::analyze::{audit, AuditOptions, Probe, RouterReport, Subject};
 use crate::config::RouterConfig;
-use crate::error::{Error, Result};
+use crate::error::{ensure_positive, Error, Result, Setting};
 use crate::external::{plan, planned_options, ExternalRouter, Handshake, InputKind, TraceRouter};
 use crate::layer::gate::GateSource;
 use crate::memory;
@@ -179,11 +179,7 @@ pub(super) fn run_plan(args: &PlanArgs, out: &mut dyn Write) -> Result<u8> {
         hidden_size: args.hidden_size,
     };
     // Each flag named in its own words (the handshake's checks would blame the handshake).
-    for (flag, v) in [("--batch", args.batch), ("--seq-len", args.seq_len), ("--trials", args.trials)] {
-        if v == 0 {
-            return Err(Error::Usage(format!("{flag} must be at least 1")));
-        }
-    }
+    ensure_positive(&[(Setting::Batch, args.batch), (Setting::SeqLen, args.seq_len), (Setting::Trials, args.trials)])?;
     let max = crate::external::protocol::MAX_SIZE;
     if !(1..=max).contains(&args.experts) {
         return Err(Error::Usage(format!("--experts must be in 1..={max}, got {}", args.experts)));

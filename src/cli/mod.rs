@@ -10,7 +10,7 @@ mod snapshot;
 mod sweep;
 
 use crate::config::presets;
-use crate::error::Result;
+use crate::error::{Result, Setting};
 use clap::{Parser, Subcommand};
 use std::io::Write;
 
@@ -95,6 +95,32 @@ pub(crate) fn progress_bar(len: u64) -> indicatif::ProgressBar {
     };
     bar.set_style(ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").expect("valid template"));
     bar
+}
+
+/// An error as the command line says it: each setting the library names (`` `max_memory` ``)
+/// written as its flag (`--max-memory`).
+pub fn message(e: &crate::Error) -> String {
+    Setting::ALL.iter().fold(e.to_string(), |text, &s| text.replace(&s.to_string(), flag(s)))
+}
+
+/// The flag that sets `setting`.
+fn flag(setting: Setting) -> &'static str {
+    match setting {
+        Setting::Batch => "--batch",
+        Setting::SeqLen => "--seq-len",
+        Setting::Hidden => "--hidden",
+        Setting::Ffn => "--ffn",
+        Setting::Trials => "--trials",
+        Setting::Ranks => "--ranks",
+        Setting::Probes => "--probes",
+        Setting::Timeout => "--timeout",
+        Setting::MaxMemory => "--max-memory",
+        Setting::Update => "--update",
+        Setting::Traces => "--traces",
+        Setting::Plan => "--plan",
+        Setting::Logits => "--logits",
+        Setting::HiddenStates => "--hidden-states",
+    }
 }
 
 pub(crate) fn io_error(e: std::io::Error) -> crate::Error {

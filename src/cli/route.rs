@@ -2,7 +2,7 @@
 
 use super::io_error;
 use crate::config::RouterConfig;
-use crate::error::{Error, Result};
+use crate::error::{ensure_positive, Error, Result, Setting};
 use crate::layer::{MoeLayer, Seeded};
 use crate::memory::{self, CallSizes};
 use crate::render::json;
@@ -69,13 +69,12 @@ pub(super) fn run(args: &RouteArgs, out: &mut dyn Write) -> Result<u8> {
         }
         None => {
             let seq_len = args.seq_len.unwrap_or(8);
-            for (flag, v) in
-                [("--batch", args.batch), ("--seq-len", seq_len), ("--hidden", args.hidden), ("--ffn", args.ffn)]
-            {
-                if v == 0 {
-                    return Err(Error::Usage(format!("{flag} must be at least 1")));
-                }
-            }
+            ensure_positive(&[
+                (Setting::Batch, args.batch),
+                (Setting::SeqLen, seq_len),
+                (Setting::Hidden, args.hidden),
+                (Setting::Ffn, args.ffn),
+            ])?;
             let sizes = CallSizes {
                 batch: args.batch,
                 seq_len,
@@ -124,9 +123,7 @@ pub(crate) fn read_logits(
     // batch, position and expert (more useful than a parse error).
     let rows: Vec<Vec<f64>> = serde_json::from_str(&text)
         .map_err(|e| Error::input(path, format!("expected a JSON array of rows of numbers: {e}")))?;
-    if batch == 0 {
-        return Err(Error::Usage("--batch must be at least 1".into()));
-    }
+    ensure_positive(&[(Setting::Batch, batch)])?;
     if rows.is_empty() || rows.len() % batch != 0 {
         return Err(Error::input(path, format!("{} rows cannot be split into --batch {batch} sequences", rows.len())));
     }

@@ -34,11 +34,12 @@ const EXIT_GRACE: Duration = Duration::from_millis(300);
 /// The longest `--timeout` (a day): longer is a typo, and `Duration` has limits.
 const MAX_TIMEOUT_SECS: f64 = 86_400.0;
 
-/// `--timeout` in seconds as a duration: finite, positive, at most a day.
+/// The timeout in seconds as a duration: finite, positive, at most a day.
 pub fn timeout(secs: f64) -> Result<Duration> {
     if !(secs.is_finite() && secs > 0.0 && secs <= MAX_TIMEOUT_SECS) {
         return Err(Error::Usage(format!(
-            "--timeout must be a number of seconds in (0, {MAX_TIMEOUT_SECS}], got {secs:?}"
+            "{} must be a number of seconds in (0, {MAX_TIMEOUT_SECS}], got {secs:?}",
+            crate::error::Setting::Timeout
         )));
     }
     Ok(Duration::from_secs_f64(secs))
@@ -253,8 +254,9 @@ impl Subprocess {
             }
             if now >= deadline {
                 return Err(self.fail(format!(
-                    "timed out after {} s (--timeout) waiting for {waiting_for}; the router was killed",
-                    self.timeout.as_secs_f64()
+                    "timed out after {} s ({}) waiting for {waiting_for}; the router was killed",
+                    self.timeout.as_secs_f64(),
+                    crate::error::Setting::Timeout
                 )));
             }
         }
@@ -290,8 +292,9 @@ impl Subprocess {
             (_, Some(status)) => format!("the router exited ({status}) before answering {what}"),
             (Some(e), None) => format!("{what}: cannot send: {e}"),
             (None, None) => format!(
-                "timed out after {} s (--timeout) sending {what}: the router stopped reading its stdin; the router was killed",
-                self.timeout.as_secs_f64()
+                "timed out after {} s ({}) sending {what}: the router stopped reading its stdin; the router was killed",
+                self.timeout.as_secs_f64(),
+                crate::error::Setting::Timeout
             ),
         };
         Err(self.fail(message))
@@ -459,7 +462,7 @@ mod tests {
         assert_eq!(timeout(1.5).unwrap(), Duration::from_millis(1500));
         for bad in [0.0, -1.0, f64::NAN, f64::INFINITY, 1e300] {
             let e = timeout(bad).unwrap_err().to_string();
-            assert!(e.starts_with("--timeout must be"), "{e}");
+            assert!(e.starts_with("`timeout` must be"), "{e}");
         }
     }
 

@@ -174,7 +174,8 @@ fn read_manifest(dir: &Path, max_memory: u64) -> Result<Manifest> {
     let path = dir.join(MANIFEST);
     std::fs::metadata(&path)
         .map_err(|e| Error::input(&path, format!("cannot read (write it with `moe-audit plan`): {e}")))?;
-    let text = crate::files::read_text(&path, max_memory / 4, "a quarter of --max-memory")?;
+    let text =
+        crate::files::read_text(&path, max_memory / 4, &format!("a quarter of {}", crate::error::Setting::MaxMemory))?;
     let manifest: Manifest =
         serde_json::from_str(&text).map_err(|e| Error::input(&path, format!("not a plan manifest: {e}")))?;
     if manifest.format != FORMAT {
@@ -210,7 +211,11 @@ impl TraceRouter {
                 format!("cannot read (your harness writes one response line per call of {MANIFEST}): {e}"),
             )
         })?;
-        let decisions = crate::files::read_text(&decisions_path, max_memory / 4, "a quarter of --max-memory")?;
+        let decisions = crate::files::read_text(
+            &decisions_path,
+            max_memory / 4,
+            &format!("a quarter of {}", crate::error::Setting::MaxMemory),
+        )?;
         let mut responses = HashMap::new();
         for (n, line) in decisions.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
             let at = |m: String| Error::input(&decisions_path, format!("line {}: {m}", n + 1));

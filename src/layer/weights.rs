@@ -77,7 +77,7 @@ pub fn seeded_weights(dims: LayerDims, seed: u64, device: &Device) -> Result<Has
 /// The file is read whole first, so it may hold at most `max_bytes` (half the memory limit:
 /// the tensors are a second copy).
 pub fn load_safetensors(path: &Path, device: &Device, max_bytes: u64) -> Result<HashMap<String, Tensor>> {
-    let bytes = crate::files::read_bounded(path, max_bytes, "half of --max-memory")?;
+    let bytes = crate::files::read_bounded(path, max_bytes, &format!("half of {}", crate::error::Setting::MaxMemory))?;
     candle_core::safetensors::load_buffer(&bytes, device)
         .map_err(|e| Error::input(path, format!("cannot load safetensors: {e}")))
 }

@@ -324,9 +324,7 @@ impl Communicator for InProcess {
 /// rank order. If a rank fails (an error or a panic), every rank stops at its next collective
 /// and the call returns that first failure as [`Error::Rank`].
 pub fn run_ranks<T: Send>(size: usize, work: impl Fn(&InProcess) -> Result<T> + Sync) -> Result<Vec<T>> {
-    if size == 0 {
-        return Err(Error::Usage("--ranks must be at least 1".into()));
-    }
+    crate::error::ensure_positive(&[(crate::error::Setting::Ranks, size)])?;
     let shared = Arc::new(Shared {
         size,
         state: Mutex::new(State {

@@ -131,9 +131,7 @@ pub struct ReducePlan {
 impl ReducePlan {
     /// Checks the plan against a world of `ranks` ranks.
     pub fn check(&self, ranks: usize) -> Result<()> {
-        if ranks == 0 {
-            return Err(Error::Usage("ranks must be at least 1".into()));
-        }
+        crate::error::ensure_positive(&[(crate::error::Setting::Ranks, ranks)])?;
         if self.algorithm == Algorithm::Hierarchical && (self.domain == 0 || ranks % self.domain != 0) {
             return Err(Error::Usage(format!(
                 "domain size {} does not divide {ranks} ranks (hierarchical reduction)",

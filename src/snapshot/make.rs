@@ -5,7 +5,7 @@ use super::file::{file_sha256, sha256, write_atomic, Header, InputSpec, RouterSo
 use super::file::{FORMAT, WEIGHT_DECIMALS};
 use crate::analyze::{AuditOptions, Probe};
 use crate::config::RouterConfig;
-use crate::error::{Error, Result};
+use crate::error::{ensure_positive, Error, Result, Setting};
 use crate::external::protocol::PROTOCOL;
 use crate::external::trace::{Manifest, PlannedCall, DECISIONS, INPUTS, MANIFEST};
 use crate::external::{ExternalRouter, Handshake, InputKind, Mode, TraceRouter};
@@ -41,9 +41,7 @@ struct PlanRecipe {
 pub fn make(router: &RouterSource, input: &InputSpec, traces: Option<&Path>, max_memory: u64) -> Result<SnapshotFile> {
     let mut router = router.clone();
     let mut input = input.clone();
-    if input.batch == 0 || input.seq_len == 0 {
-        return Err(Error::Usage("--batch and --seq-len must be at least 1".into()));
-    }
+    ensure_positive(&[(Setting::Batch, input.batch), (Setting::SeqLen, input.seq_len)])?;
     let routed: Vec<(Mode, Array3<f32>, crate::routing::Routing)> = match &mut router {
         RouterSource::Preset { name } => config_routings(RouterConfig::load(name)?, &mut input, None, max_memory)?,
         RouterSource::Config { path, sha256 } => {
@@ -65,7 +63,10 @@ pub fn make(router: &RouterSource, input: &InputSpec, traces: Option<&Path>, max
         }
         RouterSource::Command { command, timeout } => {
             if !(timeout.is_finite() && *timeout > 0.0) {
-                return Err(Error::Usage(format!("--timeout must be a positive number of seconds, got {timeout}")));
+                return Err(Error::Usage(format!(
+                    "{} must be a positive number of seconds, got {timeout}",
+                    Setting::Timeout
+                )));
             }
             let r = ExternalRouter::spawn(command, Duration::from_secs_f64(*timeout), input.seed, max_memory)?;
             input.hidden = None;
@@ -88,9 +89,10 @@ pub fn make(router: &RouterSource, input: &InputSpec, traces: Option<&Path>, max
         }
         RouterSource::Harness { .. } => {
             let Some(dir) = traces else {
-                return Err(Error::Usage(
-                    "this snapshot was answered by a harness (the Python helper): re-run its test, or pass --traces DIR answered by the router".into(),
-                ));
+                return Err(Error::Usage(format!(
+                    "this snapshot was answered by a harness (the Python helper): re-run its test, or pass {} DIR answered by the router",
+                    Setting::Traces
+                )));
             };
             harness(dir, &mut router, &mut input, max_memory)?
         }
@@ -119,7 +121,7 @@ type Routed = Vec<(Mode, Array3<f32>, crate::routing::Routing)>;
 /// records, routed by the answers.
 fn harness(dir: &Path, router: &mut RouterSource, input: &mut InputSpec, max_memory: u64) -> Result<Routed> {
     let recipe = read_recipe(dir)?.ok_or_else(|| {
-        Error::input(dir, format!("no {PLAN_RECIPE}: not a directory written by `moe-audit snapshot --plan`"))
+        Error::input(dir, format!("no {PLAN_RECIPE}: not a directory written by a snapshot's {}", Setting::Plan))
     })?;
     (*router, *input) = (recipe.router, recipe.input);
     let mut found = input.clone();
@@ -151,9 +153,7 @@ fn config_routings(
                     .hidden
                     .ok_or_else(|| Error::Usage("[input] hidden: the seeded gate needs a hidden size".into()))?
             };
-            if hidden == 0 {
-                return Err(Error::Usage("--hidden must be at least 1".into()));
-            }
+            ensure_positive(&[(Setting::Hidden, hidden)])?;
             // The gate is the layer's first seeded tensor, so the expert sizes do not change it:
             // the same gate as `moe-audit route --seed S --hidden H`.
             let layer = MoeLayer::seeded(config, hidden, 1, input.seed, DType::F32, &Device::Cpu)?;
@@ -216,8 +216,8 @@ fn rows(input: &mut InputSpec, hs: &Handshake, max_memory: u64) -> Result<Array3
     let file = input.file.as_deref().ok_or_else(|| Error::Usage("[input] file: the rows file is missing".into()))?;
     if want != hs.input {
         let (given, takes) = match want {
-            InputKind::Logits => ("--logits", "hidden states (--hidden-states)"),
-            InputKind::Hidden => ("--hidden-states", "logits (--logits)"),
+            InputKind::Logits => (Setting::Logits, format!("hidden states ({})", Setting::HiddenStates)),
+            InputKind::Hidden => (Setting::HiddenStates, format!("logits ({})", Setting::Logits)),
         };
         return Err(Error::Usage(format!("{given} {file}: router `{}` takes {takes}", hs.name)));
     }

@@ -97,9 +97,10 @@ pub fn check(path: &Path, stored: &SnapshotFile, fresh: &SnapshotFile) -> Result
         return Err(Error::input(
             path,
             format!(
-                "the inputs are not those the snapshot was made from (sha256 {} now {}): routings of other inputs cannot be compared; remake it with --update",
+                "the inputs are not those the snapshot was made from (sha256 {} now {}): routings of other inputs cannot be compared; remake it with {}",
                 short(&stored.header.input.sha256),
-                short(&fresh.header.input.sha256)
+                short(&fresh.header.input.sha256),
+                crate::error::Setting::Update
             ),
         ));
     }

@@ -140,14 +140,17 @@ impl Probe {
             let probe = Probe::KNOWN.iter().copied().find(|p| p.to_string().eq_ignore_ascii_case(item));
             let Some(probe) = probe else {
                 let known = Probe::KNOWN.iter().map(Probe::to_string).collect::<Vec<_>>().join(",");
-                return Err(Error::Usage(format!("--probes: unknown probe `{item}`, expected some of {known}")));
+                return Err(Error::Usage(format!(
+                    "{}: unknown probe `{item}`, expected some of {known}",
+                    crate::error::Setting::Probes
+                )));
             };
             if !probes.contains(&probe) {
                 probes.push(probe);
             }
         }
         if probes.is_empty() {
-            return Err(Error::Usage("--probes: no probe given".into()));
+            return Err(Error::Usage(format!("{}: no probe given", crate::error::Setting::Probes)));
         }
         probes.sort();
         Ok(probes)
