@@ -86,9 +86,9 @@ impl Error {
     }
 }
 
-/// A setting of a run that a message may name. The library writes it as `` `name` `` (the
-/// field or parameter it sets); the command line writes its flag instead, so no library message
-/// names a flag.
+/// A setting of a run that a message may name. The library writes it as `` setting `name` ``
+/// (the field or parameter it sets); the command line writes its flag instead, so no library
+/// message names a flag.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Setting {
     /// Sequences per call.
@@ -163,7 +163,7 @@ impl Setting {
 
 impl fmt::Display for Setting {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "`{}`", self.name())
+        write!(f, "setting `{}`", self.name())
     }
 }
 

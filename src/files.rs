@@ -6,8 +6,9 @@
 //! and a set of outputs (a sweep's JSON, CSV, table and charts) is renamed together, so a reader
 //! (or a run interrupted by a signal) sees the previous set or the new one, never a torn file.
 
-use crate::error::{Error, Result};
+use crate::error::{ensure_positive, Error, Result, Setting};
 use bytesize::ByteSize;
+use ndarray::Array3;
 use std::io::{BufRead, Read};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -168,6 +169,55 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 /// Creates `dir` (and its parents) for outputs.
 pub fn create_dir(dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| Error::input(dir, format!("cannot create: {e}")))
+}
+
+/// Reads a rows file (logits, or hidden states): a JSON array of rows, each `width` numbers
+/// (`expected` says why, for errors), split into `batch` sequences (of `seq_len` tokens when
+/// given). The file and what parsing it takes must fit
+/// in `max_memory` bytes, checked before parsing.
+pub fn read_rows(
+    path: &Path,
+    batch: usize,
+    seq_len: Option<usize>,
+    width: usize,
+    expected: &str,
+    max_memory: u64,
+) -> Result<Array3<f32>> {
+    let text = read_text(path, max_memory, &Setting::MaxMemory.to_string())?;
+    // Parsed, every value is an f64 in a row vector (twice over while they grow) and every row
+    // a vector: count them in the text before allocating them.
+    let values = text.bytes().filter(|&b| b == b',').count() as u64 + 1;
+    let rows = text.bytes().filter(|&b| b == b'[').count() as u64;
+    let parsed = (text.len() as u64).saturating_add(values.saturating_mul(20)).saturating_add(rows.saturating_mul(48));
+    crate::memory::ensure_fits(&format!("reading {}", path.display()), parsed, max_memory)?;
+    // Read as f64 and narrow: a value beyond f32 becomes inf, which routing rejects naming the
+    // batch, position and expert (more useful than a parse error).
+    let rows: Vec<Vec<f64>> = serde_json::from_str(&text)
+        .map_err(|e| Error::input(path, format!("expected a JSON array of rows of numbers: {e}")))?;
+    ensure_positive(&[(Setting::Batch, batch)])?;
+    if rows.is_empty() || rows.len() % batch != 0 {
+        return Err(Error::input(
+            path,
+            format!("{} rows cannot be split into {} {batch} sequences", rows.len(), Setting::Batch),
+        ));
+    }
+    let s = rows.len() / batch;
+    if let Some(want) = seq_len.filter(|&want| want != s) {
+        return Err(Error::input(
+            path,
+            format!(
+                "{} rows at {} {batch} give seq_len {s}, not {} {want}",
+                rows.len(),
+                Setting::Batch,
+                Setting::SeqLen
+            ),
+        ));
+    }
+    if let Some((i, row)) = rows.iter().enumerate().find(|(_, r)| r.len() != width) {
+        return Err(Error::input(path, format!("row {i} has {} values, {expected}", row.len())));
+    }
+    let flat = rows.iter().flatten().map(|&v| v as f32).collect();
+    Ok(Array3::from_shape_vec((batch, s, width), flat).expect("rows checked"))
 }
 
 #[cfg(test)]

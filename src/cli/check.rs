@@ -116,11 +116,8 @@ impl CheckArgs {
             (Setting::Ffn, self.ffn),
         ])?;
         let ranks = self.ranks.unwrap_or(2);
-        if self.ranks.is_some() && (ranks == 0 || self.batch % ranks != 0) {
-            return Err(Error::Usage(format!(
-                "--ranks {ranks}: the batch of {} sequences must split evenly over the ranks",
-                self.batch
-            )));
+        if self.ranks.is_some() {
+            split_batch(self.batch, ranks)?;
         }
         Ok(AuditOptions {
             probes: Probe::parse_list(&self.probes)?,

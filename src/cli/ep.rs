@@ -3,7 +3,6 @@
 
 use super::check::CommKind;
 use super::io_error;
-use super::route::read_logits;
 use crate::config::RouterConfig;
 use crate::error::{ensure_positive, Result, Setting};
 use crate::layer::{MoeLayer, Seeded};
@@ -95,7 +94,7 @@ pub(super) fn run(args: &EpArgs, out: &mut dyn Write) -> Result<u8> {
     let input = match &args.input {
         Some(path) => {
             let expected = format!("--hidden is {}", args.hidden);
-            Some(read_logits(path, args.batch, None, args.hidden, &expected, max_memory)?)
+            Some(crate::files::read_rows(path, args.batch, None, args.hidden, &expected, max_memory)?)
         }
         None => None,
     };

@@ -19,7 +19,6 @@ pub use collectives::{CollectivesArgs, CollectivesFormat};
 pub use ep::{EpArgs, EpFormat};
 pub use exploit::{ExploitArgs, ExploitFormat};
 pub use external::{ExternalArgs, PlanArgs};
-pub(crate) use route::read_logits as read_rows;
 pub use route::RouteArgs;
 pub use snapshot::SnapshotArgs;
 pub use sweep::SweepArgs;
@@ -97,7 +96,7 @@ pub(crate) fn progress_bar(len: u64) -> indicatif::ProgressBar {
     bar
 }
 
-/// An error as the command line says it: each setting the library names (`` `max_memory` ``)
+/// An error as the command line says it: each setting the library names (`` setting `max_memory` ``)
 /// written as its flag (`--max-memory`).
 pub fn message(e: &crate::Error) -> String {
     Setting::ALL.iter().fold(e.to_string(), |text, &s| text.replace(&s.to_string(), flag(s)))
@@ -135,5 +134,18 @@ mod tests {
     #[test]
     fn cli_definition_is_consistent() {
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn library_errors_name_settings_and_the_cli_names_flags() {
+        let e = crate::error::ensure_positive(&[(Setting::Batch, 2), (Setting::SeqLen, 0)]).unwrap_err();
+        assert_eq!(e.to_string(), "setting `seq_len` must be at least 1");
+        assert_eq!(message(&e), "--seq-len must be at least 1");
+        // Field names that merely look like settings stay as they are.
+        let e = crate::Error::Usage("unknown field `seq_len`".into());
+        assert_eq!(message(&e), "unknown field `seq_len`");
+        // Every setting has its own flag.
+        let flags: std::collections::BTreeSet<_> = Setting::ALL.iter().map(|&s| flag(s)).collect();
+        assert_eq!(flags.len(), Setting::ALL.len());
     }
 }

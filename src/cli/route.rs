@@ -2,16 +2,16 @@
 
 use super::io_error;
 use crate::config::RouterConfig;
-use crate::error::{ensure_positive, Error, Result, Setting};
+use crate::error::{ensure_positive, Result, Setting};
 use crate::layer::{MoeLayer, Seeded};
 use crate::memory::{self, CallSizes};
 use crate::render::json;
-use crate::routing::{assign, render_table, Logits};
+use crate::routing::{assign, render_table};
 use bytesize::ByteSize;
 use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 /// Arguments of `moe-audit route`.
 #[derive(Debug, Args)]
@@ -61,7 +61,8 @@ pub(super) fn run(args: &RouteArgs, out: &mut dyn Write) -> Result<u8> {
     let routing = match &args.logits {
         Some(path) => {
             let expected = format!("the router has {} experts", config.experts);
-            let logits = read_logits(path, args.batch, args.seq_len, config.experts, &expected, max_memory)?;
+            let logits =
+                crate::files::read_rows(path, args.batch, args.seq_len, config.experts, &expected, max_memory)?;
             let (batch, seq_len, _) = logits.dim();
             let sizes = CallSizes { batch, seq_len, experts: config.experts, routes: config.k(), hidden: 0, ffn: 0 };
             memory::ensure_fits("this call", sizes.estimate(), max_memory)?;
@@ -99,44 +100,4 @@ pub(super) fn run(args: &RouteArgs, out: &mut dyn Write) -> Result<u8> {
     };
     out.write_all(text.as_bytes()).map_err(io_error)?;
     Ok(0)
-}
-
-/// Reads a logits file: a JSON array of rows, each `experts` numbers (`expected` says why, for
-/// errors). Hidden states are read the same way. The file and what parsing it takes must fit
-/// in `max_memory` bytes, checked before parsing.
-pub(crate) fn read_logits(
-    path: &Path,
-    batch: usize,
-    seq_len: Option<usize>,
-    experts: usize,
-    expected: &str,
-    max_memory: u64,
-) -> Result<Logits> {
-    let text = crate::files::read_text(path, max_memory, "--max-memory")?;
-    // Parsed, every value is an f64 in a row vector (twice over while they grow) and every row
-    // a vector: count them in the text before allocating them.
-    let values = text.bytes().filter(|&b| b == b',').count() as u64 + 1;
-    let rows = text.bytes().filter(|&b| b == b'[').count() as u64;
-    let parsed = (text.len() as u64).saturating_add(values.saturating_mul(20)).saturating_add(rows.saturating_mul(48));
-    memory::ensure_fits(&format!("reading {}", path.display()), parsed, max_memory)?;
-    // Read as f64 and narrow: a value beyond f32 becomes inf, which routing rejects naming the
-    // batch, position and expert (more useful than a parse error).
-    let rows: Vec<Vec<f64>> = serde_json::from_str(&text)
-        .map_err(|e| Error::input(path, format!("expected a JSON array of rows of numbers: {e}")))?;
-    ensure_positive(&[(Setting::Batch, batch)])?;
-    if rows.is_empty() || rows.len() % batch != 0 {
-        return Err(Error::input(path, format!("{} rows cannot be split into --batch {batch} sequences", rows.len())));
-    }
-    let s = rows.len() / batch;
-    if let Some(want) = seq_len.filter(|&want| want != s) {
-        return Err(Error::input(
-            path,
-            format!("{} rows at --batch {batch} give seq_len {s}, not --seq-len {want}", rows.len()),
-        ));
-    }
-    if let Some((i, row)) = rows.iter().enumerate().find(|(_, r)| r.len() != experts) {
-        return Err(Error::input(path, format!("row {i} has {} values, {expected}", row.len())));
-    }
-    let flat = rows.iter().flatten().map(|&v| v as f32).collect();
-    Ok(Logits::from_shape_vec((batch, s, experts), flat).expect("rows checked"))
 }

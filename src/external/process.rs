@@ -462,7 +462,7 @@ mod tests {
         assert_eq!(timeout(1.5).unwrap(), Duration::from_millis(1500));
         for bad in [0.0, -1.0, f64::NAN, f64::INFINITY, 1e300] {
             let e = timeout(bad).unwrap_err().to_string();
-            assert!(e.starts_with("`timeout` must be"), "{e}");
+            assert!(e.starts_with("setting `timeout` must be"), "{e}");
         }
     }
 

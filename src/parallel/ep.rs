@@ -277,7 +277,10 @@ fn gather(parts: Vec<RankResult>, x: &Tensor) -> Result<Gathered> {
 /// Sequences per rank, or an error when the batch does not split evenly.
 pub fn split_batch(batch: usize, ranks: usize) -> Result<usize> {
     if ranks == 0 || batch % ranks != 0 {
-        return Err(Error::Usage(format!("a batch of {batch} sequences does not split evenly over {ranks} ranks")));
+        return Err(Error::Usage(format!(
+            "{} {ranks}: the batch of {batch} sequences must split evenly over the ranks",
+            crate::error::Setting::Ranks
+        )));
     }
     Ok(batch / ranks)
 }

@@ -225,7 +225,7 @@ fn rows(input: &mut InputSpec, hs: &Handshake, max_memory: u64) -> Result<Array3
         InputKind::Logits => format!("the router has {} experts", hs.experts),
         InputKind::Hidden => format!("the router's hidden size is {width}"),
     };
-    let rows = crate::cli::read_rows(Path::new(file), input.batch, None, width, &what, max_memory)?;
+    let rows = crate::files::read_rows(Path::new(file), input.batch, None, width, &what, max_memory)?;
     input.seq_len = rows.dim().1;
     Ok(rows)
 }

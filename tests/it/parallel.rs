@@ -120,7 +120,7 @@ fn bad_layouts_are_clear_errors() {
     let err = forward_in_process(&layer, &x, 3).unwrap_err().to_string();
     assert_eq!(err, "8 experts do not split evenly over 3 ranks");
     let err = forward_in_process(&layer, &x.narrow(0, 0, 2).unwrap(), 4).unwrap_err().to_string();
-    assert_eq!(err, "a batch of 2 sequences does not split evenly over 4 ranks");
+    assert_eq!(err, "setting `ranks` 4: the batch of 2 sequences must split evenly over the ranks");
 }
 
 /// A rank that fails (here: NaN in its tokens only) stops every rank with its error.
@@ -191,8 +191,14 @@ fn cli_ranks_and_comm() {
         (code, err.as_str()),
         (Some(2), "error: --ranks 3: the batch of 4 sequences must split evenly over the ranks\n")
     );
+    // ep says the same, without blaming a rank for a usage error.
+    let (code, _, err) = cli(&["ep", "mixtral", "--ranks", "3"]);
+    assert_eq!(
+        (code, err.as_str()),
+        (Some(2), "error: --ranks 3: the batch of 4 sequences must split evenly over the ranks\n")
+    );
     let (code, _, err) = cli(&["ep", "mixtral", "--ranks", "3", "--batch", "3"]);
-    assert_eq!((code, err.as_str()), (Some(2), "error: rank 0 failed: 8 experts do not split evenly over 3 ranks\n"));
+    assert_eq!((code, err.as_str()), (Some(2), "error: 8 experts do not split evenly over 3 ranks\n"));
     let (code, out, _) = cli(&["ep", "megatron-probs", "--ranks", "4", "--seq-len", "64"]);
     assert_eq!(code, Some(0));
     assert!(
