@@ -33,6 +33,7 @@ pub(crate) fn check_finite(logits: &ArrayView3<f32>) -> Result<()> {
 }
 
 /// Numerically safe softmax in f32, summed in expert order.
+#[cfg(test)]
 pub(crate) fn softmax(logits: &[f32]) -> Vec<f32> {
     let mut out = Vec::with_capacity(logits.len());
     softmax_into(logits, &mut out);
@@ -46,6 +47,14 @@ fn softmax_into(logits: &[f32], out: &mut Vec<f32>) {
     out.extend(logits.iter().map(|&l| (l - max).exp()));
     let sum: f32 = out[start..].iter().sum();
     out[start..].iter_mut().for_each(|e| *e /= sum);
+}
+
+/// [`softmax`] of `values`, in place (the same operations in the same order).
+fn softmax_in_place(values: &mut [f32]) {
+    let max = values.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    values.iter_mut().for_each(|v| *v = (*v - max).exp());
+    let sum: f32 = values.iter().sum();
+    values.iter_mut().for_each(|v| *v /= sum);
 }
 
 /// The softmax of every `width`-wide row of `flat`, rows concatenated.
@@ -79,18 +88,25 @@ pub(crate) fn affinities(score: ScoreFn, row: Row<'_>) -> Cow<'_, [f32]> {
 }
 
 /// Indices of the `k` largest values, largest first, ties to the lowest index.
+pub(crate) fn top_k(values: &[f32], k: usize) -> Vec<usize> {
+    let mut out = Vec::with_capacity(k);
+    top_k_into(values, k, &mut out);
+    out
+}
+
+/// [`top_k`] appended to `out`.
 ///
 /// One pass with a sorted buffer of k (O(E·k)): k is small and this runs for every token of
 /// every probe. A value enters before the first kept value it strictly exceeds, so an equal
 /// value stays behind the lower index. Up to [`SMALL_K`] the buffer is `(value, index)` pairs on
-/// the stack (no indirect loads, no allocation until the result): at E = 256 this is most of
-/// an assignment.
-pub(crate) fn top_k(values: &[f32], k: usize) -> Vec<usize> {
+/// the stack (no indirect loads, no allocation): at E = 256 this is most of an assignment.
+fn top_k_into(values: &[f32], k: usize, out: &mut Vec<usize>) {
     if k == 0 {
-        return Vec::new();
+        return;
     }
     if k > SMALL_K {
-        return top_k_large(values, k);
+        out.extend(top_k_large(values, k));
+        return;
     }
     let mut best = [(f32::NEG_INFINITY, 0usize); SMALL_K];
     let mut len = 0;
@@ -110,7 +126,7 @@ pub(crate) fn top_k(values: &[f32], k: usize) -> Vec<usize> {
         best[at] = (v, i);
         len += 1;
     }
-    best[..len].iter().map(|&(_, i)| i).collect()
+    out.extend(best[..len].iter().map(|&(_, i)| i));
 }
 
 /// The largest k kept on the stack by [`top_k`].
@@ -133,61 +149,141 @@ fn top_k_large(values: &[f32], k: usize) -> Vec<usize> {
     best
 }
 
-/// One token's choices: experts in choice order and their gates (before any capacity, before
-/// `routed_scaling`).
+/// The choices of a group's tokens, `k` per token (a validated router has k ≤ E, and top-k
+/// always fills k): experts in choice order and their gates, before any capacity and before
+/// `routed_scaling`. Flat, with scratch rows reused from token to token, so that choosing for a
+/// group allocates a handful of buffers rather than a few per token.
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) struct Choice {
-    pub experts: Vec<usize>,
-    pub gates: Vec<f32>,
+pub(crate) struct Choices {
+    k: usize,
+    experts: Vec<usize>,
+    gates: Vec<f32>,
+    /// Scratch: the row selected on, its affinities (sigmoid), group scores and indices.
+    scratch: Scratch,
 }
 
-/// A token-choice router's selection for one token.
-pub(crate) fn choose(config: &RouterConfig, row: Row<'_>) -> Choice {
-    choose_from(config, row, None)
+#[derive(Debug, Clone, Default, PartialEq)]
+struct Scratch {
+    select: Vec<f32>,
+    affinities: Vec<f32>,
+    groups: Vec<f32>,
+    indices: Vec<usize>,
 }
 
-/// [`choose`] selecting on `select` (a Sinkhorn-balanced row) instead of the affinities; the
-/// gates still come from the token's own scores.
-pub(crate) fn choose_on(config: &RouterConfig, row: Row<'_>, select: &[f32]) -> Choice {
-    choose_from(config, row, Some(select))
-}
-
-fn choose_from(config: &RouterConfig, row: Row<'_>, select_on: Option<&[f32]>) -> Choice {
-    let k = config.k();
-    let aff = affinities(config.score, row);
-    let mut select = Cow::Borrowed(select_on.unwrap_or(aff.as_ref()));
-    if let Some(bias) = &config.expert_bias {
-        select.to_mut().iter_mut().zip(bias).for_each(|(s, b)| *s += b);
-    }
-    if let Some(g) = &config.group_limit {
-        let per_group = config.experts / g.groups;
-        let group_scores: Vec<f32> =
-            select.chunks(per_group).map(|chunk| top_k(chunk, g.score_top).iter().map(|&i| chunk[i]).sum()).collect();
-        let chosen = top_k(&group_scores, g.top_groups);
-        for (group, chunk) in select.to_mut().chunks_mut(per_group).enumerate() {
-            if !chosen.contains(&group) {
-                chunk.fill(f32::NEG_INFINITY);
-            }
+impl Choices {
+    /// Room for `tokens` tokens' choices under `config`.
+    pub fn new(config: &RouterConfig, tokens: usize) -> Choices {
+        let k = config.k();
+        Choices {
+            k,
+            experts: Vec::with_capacity(tokens * k),
+            gates: Vec::with_capacity(tokens * k),
+            scratch: Scratch::default(),
         }
     }
-    let experts = top_k(&select, k);
-    let mut gates: Vec<f32> = match config.score {
-        ScoreFn::SoftmaxPost => softmax(&experts.iter().map(|&e| row.logits[e]).collect::<Vec<_>>()),
-        _ => experts.iter().map(|&e| aff[e]).collect(),
-    };
-    if config.normalizes() && config.score != ScoreFn::SoftmaxPost {
-        let sum: f32 = gates.iter().sum();
-        // DeepSeek-V3 adds 1e-20 for sigmoid; Mixtral divides by the plain sum.
-        let denom = if config.score == ScoreFn::Sigmoid { sum + 1e-20 } else { sum };
-        gates.iter_mut().for_each(|g| *g /= denom);
+
+    /// Choices given whole: `experts` and `gates` hold `k` per token.
+    #[cfg(test)]
+    pub fn from_parts(k: usize, experts: Vec<usize>, gates: Vec<f32>) -> Choices {
+        assert!(k > 0 && experts.len() == gates.len() && experts.len() % k == 0);
+        Choices { k, experts, gates, scratch: Scratch::default() }
     }
-    Choice { experts, gates }
+
+    /// Routes per token.
+    pub fn k(&self) -> usize {
+        self.k
+    }
+
+    /// Tokens chosen for so far.
+    pub fn len(&self) -> usize {
+        self.experts.len() / self.k
+    }
+
+    /// Every token's experts and gates, in token order.
+    pub fn iter(&self) -> impl Iterator<Item = (&[usize], &[f32])> {
+        self.experts.chunks_exact(self.k).zip(self.gates.chunks_exact(self.k))
+    }
+
+    /// Appends the choice of a token-choice router for one token.
+    pub fn push(&mut self, config: &RouterConfig, row: Row<'_>) {
+        self.push_from(config, row, None)
+    }
+
+    /// [`Choices::push`] selecting on `select` (a Sinkhorn-balanced row) instead of the
+    /// affinities; the gates still come from the token's own scores.
+    pub fn push_on(&mut self, config: &RouterConfig, row: Row<'_>, select: &[f32]) {
+        self.push_from(config, row, Some(select))
+    }
+
+    fn push_from(&mut self, config: &RouterConfig, row: Row<'_>, select_on: Option<&[f32]>) {
+        let Scratch { select: buf, affinities: sig, groups, indices } = &mut self.scratch;
+        let aff: &[f32] = match config.score {
+            ScoreFn::SoftmaxPre => row.softmax,
+            ScoreFn::SoftmaxPost => row.logits,
+            ScoreFn::Sigmoid => {
+                sig.clear();
+                sig.extend(row.logits.iter().map(|&l| sigmoid(l)));
+                sig.as_slice()
+            }
+        };
+        let mut select = select_on.unwrap_or(aff);
+        if config.expert_bias.is_some() || config.group_limit.is_some() {
+            buf.clear();
+            buf.extend_from_slice(select);
+            if let Some(bias) = &config.expert_bias {
+                buf.iter_mut().zip(bias).for_each(|(s, b)| *s += b);
+            }
+            if let Some(g) = &config.group_limit {
+                let per_group = config.experts / g.groups;
+                groups.clear();
+                for chunk in buf.chunks(per_group) {
+                    indices.clear();
+                    top_k_into(chunk, g.score_top, indices);
+                    groups.push(indices.iter().map(|&i| chunk[i]).sum());
+                }
+                indices.clear();
+                top_k_into(groups, g.top_groups, indices);
+                for (group, chunk) in buf.chunks_mut(per_group).enumerate() {
+                    if !indices.contains(&group) {
+                        chunk.fill(f32::NEG_INFINITY);
+                    }
+                }
+            }
+            select = buf.as_slice();
+        }
+        let start = self.experts.len();
+        top_k_into(select, self.k, &mut self.experts);
+        let experts = &self.experts[start..];
+        let from = self.gates.len();
+        match config.score {
+            ScoreFn::SoftmaxPost => {
+                self.gates.extend(experts.iter().map(|&e| row.logits[e]));
+                softmax_in_place(&mut self.gates[from..]);
+            }
+            _ => self.gates.extend(experts.iter().map(|&e| aff[e])),
+        }
+        let gates = &mut self.gates[from..];
+        if config.normalizes() && config.score != ScoreFn::SoftmaxPost {
+            let sum: f32 = gates.iter().sum();
+            // DeepSeek-V3 adds 1e-20 for sigmoid; Mixtral divides by the plain sum.
+            let denom = if config.score == ScoreFn::Sigmoid { sum + 1e-20 } else { sum };
+            gates.iter_mut().for_each(|g| *g /= denom);
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::config::preset;
+
+    /// One token's (experts, gates).
+    fn choose(config: &RouterConfig, row: Row<'_>) -> (Vec<usize>, Vec<f32>) {
+        let mut choices = Choices::new(config, 1);
+        choices.push(config, row);
+        let (experts, gates) = choices.iter().next().expect("one token");
+        (experts.to_vec(), gates.to_vec())
+    }
 
     #[test]
     fn top_k_breaks_ties_to_the_lowest_index() {
@@ -235,9 +331,9 @@ mod tests {
         let config = preset("mixtral").unwrap().config().unwrap();
         let logits = [0.0, 2.0, 1.0, -1.0, 0.5, 0.0, 0.0, 0.0];
         let c = choose(&config, Row { logits: &logits, softmax: &softmax(&logits) });
-        assert_eq!(c.experts, vec![1, 2]);
+        assert_eq!(c.0, vec![1, 2]);
         let p = softmax(&logits);
-        assert_eq!(c.gates, vec![p[1] / (p[1] + p[2]), p[2] / (p[1] + p[2])]);
+        assert_eq!(c.1, vec![p[1] / (p[1] + p[2]), p[2] / (p[1] + p[2])]);
     }
 
     #[test]
@@ -250,8 +346,8 @@ mod tests {
                 softmax: &softmax(&[0.0, 2.0, 1.0, -1.0, 0.5, 0.0, 0.0, 0.0]),
             },
         );
-        assert_eq!(c.experts, vec![1, 2]);
-        assert_eq!(c.gates, softmax(&[2.0, 1.0]));
+        assert_eq!(c.0, vec![1, 2]);
+        assert_eq!(c.1, softmax(&[2.0, 1.0]));
     }
 
     #[test]
@@ -265,9 +361,9 @@ mod tests {
         config.expert_bias = Some(bias);
         let logits = [3.0, 2.0, 0.0, 0.0, 0.0, 0.0, 0.0, -3.0];
         let c = choose(&config, Row { logits: &logits, softmax: &softmax(&logits) });
-        assert_eq!(c.experts, vec![7, 0]);
+        assert_eq!(c.0, vec![7, 0]);
         let (s7, s0) = (sigmoid(-3.0), sigmoid(3.0));
-        assert_eq!(c.gates, vec![s7 / (s7 + s0 + 1e-20), s0 / (s7 + s0 + 1e-20)]);
+        assert_eq!(c.1, vec![s7 / (s7 + s0 + 1e-20), s0 / (s7 + s0 + 1e-20)]);
     }
 
     #[test]
@@ -284,6 +380,6 @@ mod tests {
                 softmax: &softmax(&[5.0, -5.0, 0.0, 0.0, 4.0, 4.0, 0.0, 0.0]),
             },
         );
-        assert_eq!(c.experts, vec![4, 5]);
+        assert_eq!(c.0, vec![4, 5]);
     }
 }

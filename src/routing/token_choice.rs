@@ -2,7 +2,7 @@
 //! group-wide, and gates may be renormalised over the survivors.
 
 use super::capacity::{capacity, drop_causal, drop_routes};
-use super::scores::{choose, choose_on, Row};
+use super::scores::{Choices, Row};
 use super::sinkhorn::sinkhorn;
 use super::GroupRouting;
 use crate::config::{DropPolicy, RouterConfig, Selection};
@@ -10,39 +10,39 @@ use crate::routing::Route;
 
 /// Routes one group; `rows` are the group's tokens in priority order.
 pub(crate) fn route_group(config: &RouterConfig, rows: &[Row]) -> GroupRouting {
-    let choices: Vec<_> = match config.selection {
-        Selection::TopK => rows.iter().map(|&row| choose(config, row)).collect(),
+    let mut choices = Choices::new(config, rows.len());
+    match config.selection {
+        Selection::TopK => rows.iter().for_each(|&row| choices.push(config, row)),
         Selection::Sinkhorn => {
             let logits: Vec<&[f32]> = rows.iter().map(|r| r.logits).collect();
-            rows.iter().zip(sinkhorn(&logits)).map(|(&row, balanced)| choose_on(config, row, &balanced)).collect()
+            rows.iter().zip(sinkhorn(&logits)).for_each(|(&row, balanced)| choices.push_on(config, row, &balanced));
         }
-    };
+    }
     let scale = config.routed_scaling;
     let Some(cap) = &config.capacity else {
         let routes = choices
             .iter()
-            .map(|ch| ch.experts.iter().zip(&ch.gates).map(|(&e, &g)| kept_route(e, g * scale)).collect())
+            .map(|(es, gates)| es.iter().zip(gates).map(|(&e, &g)| kept_route(e, g * scale)).collect())
             .collect();
         return GroupRouting { routes, capacity: None, in_force: None };
     };
     let c = capacity(cap, rows.len(), config.k(), config.experts);
     let (dropped, in_force) = match cap.policy {
         DropPolicy::Causal => {
-            let (dropped, in_force) = drop_causal(cap, &choices, config.k(), config.experts);
+            let (dropped, in_force) = drop_causal(cap, &choices, config.experts);
             (dropped, Some(in_force))
         }
         _ => (drop_routes(cap, c, &choices, config.experts), None),
     };
     let mut routes: Vec<Vec<Route>> = choices
         .iter()
-        .zip(&dropped.kept)
-        .map(|(ch, kept)| {
-            let survivors: f32 = ch.gates.iter().zip(kept).filter(|(_, &k)| k).map(|(g, _)| g).sum();
+        .zip(dropped.kept.chunks_exact(choices.k()))
+        .map(|((es, gates), kept)| {
+            let survivors: f32 = gates.iter().zip(kept).filter(|(_, &k)| k).map(|(g, _)| g).sum();
             // DeepSpeed clamps the denominator at float32 eps.
             let denom = if cap.renormalize_after_drop { survivors.max(f32::EPSILON) } else { 1.0 };
-            ch.experts
-                .iter()
-                .zip(&ch.gates)
+            es.iter()
+                .zip(gates)
                 .zip(kept)
                 .map(|((&e, &g), &k)| {
                     let weight = if k { g / denom } else { g };
