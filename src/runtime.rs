@@ -15,9 +15,13 @@ pub const THREADS_PER_CORE: usize = 4;
 /// Installs the signal thread and sizes the global thread pool. Call first in `main`, before any
 /// other thread starts (they inherit the blocked signals).
 pub fn init() -> Result<()> {
-    watch_signals();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = threads(std::env::var_os("RAYON_NUM_THREADS").as_deref(), cores)?;
+    // candle sizes every matmul by `RAYON_NUM_THREADS` and, when it is unset, counts physical
+    // cores by reading /proc/cpuinfo on each call (15/16 of `exploit`'s CPU time went there).
+    // Said once, here, while this is the only thread: the pool's own size.
+    std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
+    watch_signals();
     // Fails only when a pool exists already (a library user built one): keep theirs.
     let _ = rayon::ThreadPoolBuilder::new().num_threads(threads).build_global();
     Ok(())

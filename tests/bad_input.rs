@@ -533,7 +533,7 @@ fn every_bad_input_exits_2_with_one_line_and_no_panic() {
     sweep: unknown router
       error: [TMP]/g_router.toml: routers[0]: unknown router `nope`: not a preset (mixtral, deepseek-v3, switch, megatron-probs, megatron-position, megatron-probs-pad, deepspeed-top1, deepspeed-top2, deepspeed-topk-probs, expert-choice, aux-loss-free, causal-capacity, sinkhorn, batch-prioritized, expert-choice-tc-serve) and not a file
     sweep: unknown field
-      error: [TMP]/g_field.toml: routerz: unknown field `routerz`, expected one of `routers`, `capacity_factor`, `top_k`, `experts`, `seq_len`, `batch`, `trials`, `seed`, `hidden`, `ffn`, `balance_steps`, `numerics`, `heatmap` (line 1, column 1)
+      error: [TMP]/g_field.toml: routerz: unknown field `routerz`, expected one of `routers`, `capacity_factor`, `top_k`, `experts`, `seq_len`, `batch`, `trials`, `seed`, `hidden`, `ffn`, `balance_steps`, `numerics`, `heatmap`, `exploit` (line 1, column 1)
     sweep: too large
       error: [TMP]/g_large.toml: the cell mixtral (batch 4 x seq_len 1000000000, 8 experts) needs about 3.9 TiB of memory, over the limit of 8.0 GiB (--max-memory; the default is half of physical memory): use smaller sizes or raise the limit
     --batch 0

@@ -38,9 +38,12 @@ pub fn csv(cells: &[CellResult]) -> String {
     let header = "router,capacity_factor,top_k,experts,seq_len,batch,balance_steps,max_over_mean_load,load_cv,drop_rate,aux_loss,\
          max_over_mean_kept,leak_p,leak_f,leak_n,leak_r,leak_d,leak_s,leak_l,leak_rate,leaking,mismatch,output_change,\
          output_change_affected,flips_bf16,flips_f16";
-    out.write_record(header.split(',')).expect("writing to memory");
+    // The exploit columns only when the grid measured them: other sweeps keep their bytes.
+    let exploit = cells.iter().any(|c| c.exploit.is_some());
+    let extra: &[&str] = if exploit { &["exploit_bits", "exploit_half_width", "exploited"] } else { &[] };
+    out.write_record(header.split(',').chain(extra.iter().copied())).expect("writing to memory");
     for c in cells {
-        let fields = [
+        let mut fields = vec![
             c.router.clone(),
             opt(c.capacity_factor),
             opt(c.top_k),
@@ -68,9 +71,21 @@ pub fn csv(cells: &[CellResult]) -> String {
             opt(c.flips_bf16),
             opt(c.flips_f16),
         ];
+        if exploit {
+            fields.extend([opt(c.exploit.map(|i| i.estimate)), opt(c.exploit.map(|i| i.half_width)), opt(c.exploited)]);
+        }
         out.write_record(&fields).expect("writing to memory");
     }
     String::from_utf8(out.into_inner().expect("writing to memory")).expect("UTF-8 fields")
+}
+
+/// `+0.693 ± 0.048`, in bold when exploited; `–` where not measured.
+fn exploit_cell(c: &CellResult) -> String {
+    match (c.exploit, c.exploited) {
+        (Some(i), Some(true)) => format!("**{:+.3} ± {:.3}**", i.estimate, i.half_width),
+        (Some(i), _) => format!("{:+.3} ± {:.3}", i.estimate, i.half_width),
+        (None, _) => "–".into(),
+    }
 }
 
 fn pct(v: f64) -> String {
@@ -83,12 +98,15 @@ fn opt_pct(v: Option<f64>) -> String {
 
 /// The cells as a markdown table (percentages), then skipped combinations and swamping.
 pub fn markdown(report: &SweepReport) -> String {
+    let exploit = report.cells.iter().any(|c| c.exploit.is_some());
     let mut out = String::from(
-        "| router | cf | k | E | B×S | max/mean routed | CV | drop % | aux | max/mean kept | P % | F % | N % | R % | L % | M % | Δout % | bf16 flips % |\n\
-         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| router | cf | k | E | B×S | max/mean routed | CV | drop % | aux | max/mean kept | P % | F % | N % | R % | L % | M % | Δout % | bf16 flips % |",
     );
+    out.push_str(if exploit { " exploit, bits/token below ln V |\n" } else { "\n" });
+    out.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    out.push_str(if exploit { "---|\n" } else { "\n" });
     for c in &report.cells {
-        let _ = writeln!(
+        let _ = write!(
             out,
             "| {} | {} | {} | {} | {}×{} | {:.3} | {:.3} | {} | {:.3} | {:.3} | {} | {} | {} | {} | {} | {} | {} | {} |",
             crate::names::markdown(&c.router),
@@ -111,6 +129,10 @@ pub fn markdown(report: &SweepReport) -> String {
             opt_pct(c.output_change),
             opt_pct(c.flips_bf16),
         );
+        if exploit {
+            let _ = write!(out, " {} |", exploit_cell(c));
+        }
+        out.push('\n');
     }
     for s in &report.skipped {
         let _ = writeln!(out, "\nskipped {}: {}", s.router, s.reason);

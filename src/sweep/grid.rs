@@ -3,6 +3,7 @@
 
 use crate::config::{parse_toml, RouterConfig, RouterKind};
 use crate::error::{Error, Result};
+use crate::exploit::ExploitOptions;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
@@ -50,6 +51,12 @@ pub struct Grid {
     /// The router whose position × distance heatmap is drawn (one of `routers`).
     #[serde(default = "default_heatmap")]
     pub heatmap: String,
+    /// `[exploit]`: also train a tiny decoder through every cell's router (`moe-audit exploit`
+    /// with these sizes; an empty table: its defaults) and report how far below the causal floor
+    /// its training-mode loss goes, the `exploit` column. Absent by default: it costs seconds
+    /// per cell.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exploit: Option<ExploitOptions>,
 }
 
 fn default_routers() -> Vec<String> {
@@ -173,6 +180,11 @@ impl Grid {
         }
         if !self.routers.contains(&self.heatmap) {
             return Err(("heatmap".into(), format!("`{}` is not one of `routers`", self.heatmap)));
+        }
+        if let Some(Err(Error::Usage(message))) = self.exploit.as_ref().map(ExploitOptions::validate) {
+            // `--seq-len: why` names the flag; here the key is `exploit.seq_len`.
+            let (flag, why) = message.split_once(": ").unwrap_or(("", &message));
+            return Err((format!("exploit.{}", flag.trim_start_matches('-').replace('-', "_")), why.to_string()));
         }
         Ok(())
     }

@@ -18,6 +18,7 @@ use crate::analyze::compare::diff_token;
 use crate::analyze::numerics::{swamping, Swamping};
 use crate::analyze::{audit, AuditOptions, Probe, RouterReport, Subject, Verdict};
 use crate::error::Result;
+use crate::exploit::{ExploitOptions, RouterExploit};
 use crate::layer::{MoeLayer, Seeded};
 use crate::router::{logits_to_host, Router};
 use crate::routing::Routing;
@@ -98,6 +99,14 @@ pub struct CellResult {
     pub flips_bf16: Option<f64>,
     /// X: the same in f16.
     pub flips_f16: Option<f64>,
+    /// Bits per token a tiny decoder trained through this router goes below the causal floor
+    /// (`moe-audit exploit` with the grid's `[exploit]` sizes; its best seed, 99% interval
+    /// Bonferroni over the seeds); `None` without `[exploit]`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exploit: Option<crate::exploit::Interval>,
+    /// Whether that is below the floor by more than its interval (the exploit verdict).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exploited: Option<bool>,
     /// The router's design family (the chart's marker shape; not written to JSON or CSV).
     #[serde(skip)]
     pub family: Family,
@@ -133,11 +142,11 @@ pub fn run(
             "{source_name}: the cell {} (batch {} x seq_len {}, {} experts)",
             cell.config.name, cell.batch, cell.seq_len, cell.experts
         );
-        crate::memory::ensure_fits(
-            &what,
-            options.memory_estimate(cell.experts, cell.config.k(), grid.hidden, grid.ffn),
-            max_memory,
-        )?;
+        let mut need = options.memory_estimate(cell.experts, cell.config.k(), grid.hidden, grid.ffn);
+        if let Some(exploit) = &grid.exploit {
+            need = need.max(exploit.memory_estimate(&cell.config));
+        }
+        crate::memory::ensure_fits(&what, need, max_memory)?;
     }
     let mut results = Vec::with_capacity(cells.len());
     let mut heat = None;
@@ -216,6 +225,8 @@ fn run_cell(grid: &Grid, cell: &Cell, layer: &MoeLayer) -> Result<CellResult> {
     let (output_change, output_change_affected) = output_change(grid, layer, &x, &y, &routing)?;
     let flips = |i: usize| report.finding(Probe::X).and_then(|f| f.numerics.as_ref()).map(|n| n.flips[i].rate);
     let causal = [Probe::P, Probe::F, Probe::N, Probe::R].map(|p| rate(p).unwrap_or(0.0));
+    let exploit = grid.exploit.as_ref().map(|o| exploit_cell(cell, o)).transpose()?;
+    let exploit = exploit.as_ref();
     Ok(CellResult {
         router: cell.config.name.clone(),
         capacity_factor: cell.capacity_factor,
@@ -243,8 +254,17 @@ fn run_cell(grid: &Grid, cell: &Cell, layer: &MoeLayer) -> Result<CellResult> {
         output_change_affected,
         flips_bf16: flips(0),
         flips_f16: flips(1),
+        exploit: exploit
+            .map(|r| r.seeds.iter().find(|s| s.seed == r.best_seed).expect("the best seed").below_floor_bits),
+        exploited: exploit.map(|r| r.verdict == crate::exploit::Verdict::Exploited),
         family: Family::of(&cell.config),
     })
+}
+
+/// `moe-audit exploit` on the cell's router.
+fn exploit_cell(cell: &Cell, options: &ExploitOptions) -> Result<RouterExploit> {
+    let mut report = crate::exploit::run(std::slice::from_ref(&cell.config), options, &|_| {})?;
+    Ok(report.routers.remove(0))
 }
 
 fn leaking(report: &RouterReport) -> String {

@@ -78,10 +78,46 @@ fn bad_grid_files_name_file_field_and_value() {
     error: [TMP]/g1.toml: top_k[1]: must be at least 1, got 0
     error: [TMP]/g2.toml: capacity_factor: invalid type: string "x", expected a sequence (line 1, column 19)
     error: [TMP]/g3.toml: routers[0]: unknown router `nope`: not a preset (mixtral, deepseek-v3, switch, megatron-probs, megatron-position, megatron-probs-pad, deepspeed-top1, deepspeed-top2, deepspeed-topk-probs, expert-choice, aux-loss-free, causal-capacity, sinkhorn, batch-prioritized, expert-choice-tc-serve) and not a file
-    error: [TMP]/g4.toml: routerz: unknown field `routerz`, expected one of `routers`, `capacity_factor`, `top_k`, `experts`, `seq_len`, `batch`, `trials`, `seed`, `hidden`, `ffn`, `balance_steps`, `numerics`, `heatmap` (line 1, column 1)
+    error: [TMP]/g4.toml: routerz: unknown field `routerz`, expected one of `routers`, `capacity_factor`, `top_k`, `experts`, `seq_len`, `batch`, `trials`, `seed`, `hidden`, `ffn`, `balance_steps`, `numerics`, `heatmap`, `exploit` (line 1, column 1)
     error: [TMP]/g5.toml: capacity_factor[1]: must be finite and > 0, got -2
     error: [TMP]/g6.toml: heatmap: `mixtral-x` is not one of `routers`
     "#);
+}
+
+#[test]
+fn the_exploit_column_measures_each_cell_when_the_grid_asks() {
+    // A leaky router (expert choice within each sequence) beside a dropless one, exploit sizes
+    // the CI can afford: the column carries each cell's verdict, and appears only when asked.
+    let leaky = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/exploit/expert-choice-sequence.toml");
+    let grid = format!(
+        "routers = [\"mixtral\", {leaky:?}]\ncapacity_factor = [2.0]\ntop_k = [2]\nexperts = [4]\nseq_len = [8]\n\
+         batch = [2]\ntrials = 2\nnumerics = false\nheatmap = \"mixtral\"\n\n[exploit]\nseq_len = 2\nsteps = 300\n\
+         seeds = 1\neval_batches = 32\ncurve_points = 2\nprobe_batches = 0\n"
+    );
+    let dir = tmp_dir().join("sweep-exploit");
+    let text = stdout(&["sweep", &file("sweep-exploit.toml", &grid), "--output-dir", dir.to_str().unwrap()]);
+    let report: moe_audit::sweep::SweepReport =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("sweep.json")).unwrap()).unwrap();
+    let verdicts: Vec<(&str, Option<bool>)> = report.cells.iter().map(|c| (c.router.as_str(), c.exploited)).collect();
+    assert_eq!(verdicts, [("mixtral", Some(false)), ("expert-choice-sequence", Some(true))]);
+    let leaky = report.cells[1].exploit.unwrap();
+    assert!(leaky.estimate - leaky.half_width > 0.1, "{leaky:?}");
+    assert!(report.cells[0].exploit.unwrap().estimate < 0.05);
+    let csv = std::fs::read_to_string(dir.join("sweep.csv")).unwrap();
+    assert!(csv.lines().next().unwrap().ends_with(",flips_f16,exploit_bits,exploit_half_width,exploited"), "{csv}");
+    assert!(csv.lines().nth(2).unwrap().ends_with(",true"), "{csv}");
+    assert!(text.contains("| exploit, bits/token below ln V |") && text.contains(" **+"), "{text}");
+
+    // Without `[exploit]`: no column, no field.
+    let json = std::fs::read_to_string(a_small_grid_dir().join("sweep.json")).unwrap();
+    assert!(!json.contains("exploit"), "sweeps without [exploit] keep their bytes");
+    let bad = fail(&["sweep", &file("sweep-exploit-bad.toml", "[exploit]\nseq_len = 1\n")]);
+    insta::assert_snapshot!(bad, @"error: [TMP]/sweep-exploit-bad.toml: exploit.seq_len: must be in 2..=1024, got 1");
+}
+
+/// A small grid's outputs, without `[exploit]`.
+fn a_small_grid_dir() -> std::path::PathBuf {
+    sweep("sweep-no-exploit").1
 }
 
 #[test]
