@@ -40,6 +40,14 @@ from . import v1, v2
 PROTOCOLS = {v1.PROTOCOL: v1, v2.PROTOCOL: v2}
 
 
+def protocol_name(protocol):
+    """The protocol's name: 1, 2, "moe-audit/1" or "moe-audit/2" (what a router may pass)."""
+    name = {1: v1.PROTOCOL, 2: v2.PROTOCOL}.get(protocol, protocol)
+    if name not in PROTOCOLS:
+        raise ValueError(f"protocol must be 1 or 2 ({', '.join(PROTOCOLS)}), got {protocol!r}")
+    return name
+
+
 class Routes:
     """Every token's routes as ``[T, k]`` arrays: expert ids, weights, kept flags.
 
@@ -129,8 +137,7 @@ def describe(router, options):
 
 def handshake(name, experts, top_k, input, hidden_size, protocol=v1.PROTOCOL, padding_mask=False):
     """The handshake object of a router (checked here, so a mistake fails before moe-audit runs)."""
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+    protocol = protocol_name(protocol)
     if input not in ("logits", "hidden"):
         raise ValueError("input must be 'logits' or 'hidden'")
     if input == "hidden" and not hidden_size:
@@ -146,7 +153,7 @@ def serve(route, name, experts, top_k, input="logits", hidden_size=None, stdin=N
           protocol=v1.PROTOCOL, padding_mask=False):
     """Speaks the protocol on binary streams (default stdin/stdout) until the input closes."""
     hs = handshake(name, experts, top_k, input, hidden_size, protocol, padding_mask)
-    wire = PROTOCOLS[protocol]
+    wire = PROTOCOLS[hs["protocol"]]
     width = hs["experts"] if input == "logits" else hs["hidden_size"]
     inp = stdin or sys.stdin.buffer
     out = stdout or sys.stdout.buffer

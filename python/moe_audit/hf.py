@@ -24,8 +24,10 @@ model holding one: the first router found), and per call:
 A router whose gate was never initialised (built from a config, not loaded: ``torch.empty`` or
 zeros) gets a seeded normal gate (std ``1/sqrt(hidden)``) and zero bias, so every run routes
 alike; ``init=False`` keeps the weights as they are, ``init=True`` always re-initialises. The
-global torch generator is seeded with ``seed`` once, and again with a request's seed on every
-call under ``moe-audit/2``, so jitter and sampling are reproducible.
+global torch generator is seeded with ``seed`` once, so a whole audit is reproducible; a random
+router (jitter, sampled second experts) still draws fresh noise on every call, which the audit's
+D probe reports. ``seed_calls=True`` (``moe-audit/2``) seeds it with the request's seed before
+every call instead: the same call then draws the same noise.
 
 Covered routers (class names): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, PhiMoE (top-k over
 softmax), DeepSeek-V3 (group-limited sigmoid with a selection bias), Llama 4 (top-k sigmoid),
@@ -176,7 +178,7 @@ class Router:
 
     input = "hidden"
 
-    def __init__(self, module, *, seed=0, init=None, name=None, protocol=v1.PROTOCOL):
+    def __init__(self, module, *, seed=0, init=None, name=None, protocol=v1.PROTOCOL, seed_calls=False):
         path, router, family = find_router(module)
         self.module = module
         self.router = router
@@ -187,8 +189,9 @@ class Router:
         self.experts = int(router.num_experts)
         self.top_k = family.k(router)
         self.hidden_size = int(_gate(router)[0].shape[1])
-        self.protocol = protocol
+        self.protocol = adapter.protocol_name(protocol)
         self.padding_mask = False
+        self.seed_calls = seed_calls
         _initialise(router, seed, init)
         torch.manual_seed(seed)
 
@@ -198,8 +201,9 @@ class Router:
 
     @torch.no_grad()
     def route(self, data, mode, seed=None, padding=None):
-        """Routes data [batch, seq_len, hidden] (float32) in mode "train" or "inference"."""
-        if seed is not None:
+        """Routes data [batch, seq_len, hidden] (float32) in mode "train" or "inference"; with
+        ``seed_calls``, seeds torch with the request's seed (``moe-audit/2``) first."""
+        if self.seed_calls and seed is not None:
             torch.manual_seed(seed)
         self.module.train(mode == "train")
         batch, seq_len, hidden = data.shape
@@ -236,12 +240,13 @@ class Router:
                     argv=argv, protocol=self.protocol, padding_mask=self.padding_mask)
 
 
-def wrap(module, *, seed=0, init=None, name=None, protocol=v1.PROTOCOL):
+def wrap(module, *, seed=0, init=None, name=None, protocol=v1.PROTOCOL, seed_calls=False):
     """The router in a transformers module (router, MoE block, or a layer or model holding one),
     ready for ``moe_audit.check``, the snapshot helper, or ``.run()``. See the module docs."""
-    return Router(module, seed=seed, init=init, name=name, protocol=protocol)
+    return Router(module, seed=seed, init=init, name=name, protocol=protocol, seed_calls=seed_calls)
 
 
-def run(module, **options):
-    """``wrap(module, **options).run()``: serves the router to ``moe-audit check --router-cmd``."""
-    wrap(module, **options).run()
+def run(module, argv=None, **options):
+    """``wrap(module, **options).run(argv)``: serves the router to ``moe-audit check
+    --router-cmd`` (or answers a trace plan: ``--answer-plan DIR``)."""
+    wrap(module, **options).run(argv)
