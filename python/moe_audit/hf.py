@@ -29,8 +29,8 @@ router (jitter, sampled second experts) still draws fresh noise on every call, w
 D probe reports. ``seed_calls=True`` (``moe-audit/2``) seeds it with the request's seed before
 every call instead: the same call then draws the same noise.
 
-Covered routers (class names): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, PhiMoE (top-k over
-softmax), DeepSeek-V3 (group-limited sigmoid with a selection bias), Llama 4 (top-k sigmoid),
+Covered routers (class names): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoE, PhiMoE
+(top-k; PhiMoE samples its choices in training), DeepSeek-V3 (group-limited sigmoid with a selection bias), Llama 4 (top-k sigmoid),
 GPT-OSS (softmax over the top-k logits), Switch Transformers (top-1, capacity per sequence,
 first come first served) and NLLB-MoE (top-2, capacity per call, second-expert policies
 ``all``, ``sampling`` and ``random``). Needs torch and transformers.
@@ -122,6 +122,7 @@ FAMILIES = (
     Family("qwen3-moe", ("Qwen3MoeTopKRouter",), True, _topk),
     Family("olmoe", ("OlmoeTopKRouter",), True, _topk),
     Family("phimoe", ("PhimoeTopKRouter",), True, _topk),
+    Family("granitemoe", ("GraniteMoeTopKRouter",), True, _topk),
     Family("gpt-oss", ("GptOssTopKRouter",), True, _topk),
     Family("deepseek-v3", ("DeepseekV3TopkRouter",), True, _deepseek_v3),
     Family("llama4", ("Llama4Router",), True, _llama4),

@@ -17,10 +17,12 @@ import moe_audit  # noqa: E402
 import moe_audit.hf as hf  # noqa: E402
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE, DeepseekV3TopkRouter  # noqa: E402
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP  # noqa: E402
+from transformers.models.granitemoe.modeling_granitemoe import GraniteMoeMoE  # noqa: E402
 from transformers.models.llama4.modeling_llama4 import Llama4TextMoe  # noqa: E402
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock  # noqa: E402
 from transformers.models.nllb_moe.modeling_nllb_moe import NllbMoeSparseMLP  # noqa: E402
 from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock  # noqa: E402
+from transformers.models.phimoe.modeling_phimoe import PhimoeSparseMoeBlock  # noqa: E402
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock  # noqa: E402
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock  # noqa: E402
 from transformers.models.switch_transformers.modeling_switch_transformers import (  # noqa: E402
@@ -46,6 +48,11 @@ def switch(capacity=4, jitter=0.0):
     return SwitchTransformersSparseMLP(config)
 
 
+def phimoe():
+    config = transformers.PhimoeConfig(hidden_size=H, intermediate_size=16, num_local_experts=E, num_experts_per_tok=2)
+    return PhimoeSparseMoeBlock(config)
+
+
 def nllb(policy="all", capacity=4, **more):
     config = transformers.NllbMoeConfig(d_model=H, num_experts=E, expert_capacity=capacity,
                                         second_expert_policy=policy, **more)
@@ -68,6 +75,8 @@ BLOCKS = {
         hidden_size=H, intermediate_size=16, num_local_experts=E, num_experts_per_tok=1)),
     "gpt-oss": lambda: GptOssMLP(transformers.GptOssConfig(
         hidden_size=H, intermediate_size=16, num_local_experts=E, num_experts_per_tok=2)),
+    "granitemoe": lambda: GraniteMoeMoE(transformers.GraniteMoeConfig(
+        hidden_size=H, intermediate_size=16, num_local_experts=E, num_experts_per_tok=2)),
     "switch": switch,
     "nllb-moe": nllb,
 }
@@ -88,7 +97,8 @@ def leaking(found):
     return "".join(p for p in PROBES if found.get(p) == "leak")
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2-moe", "qwen3-moe", "olmoe", "deepseek-v3", "llama4", "gpt-oss"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2-moe", "qwen3-moe", "olmoe", "deepseek-v3", "llama4", "gpt-oss",
+                                  "granitemoe"])
 def test_token_choice_routers_without_capacity_pass_every_probe(name):
     found = audit(BLOCKS[name]())
     assert found == ALL_PASS, found
@@ -114,6 +124,7 @@ def test_switch_with_binding_per_sequence_capacity_passes():
 LEAKS = [
     ("mixtral, jitter 0.3", lambda: mixtral(jitter=0.3), "PFNRDSML"),
     ("switch, jitter 0.1", lambda: switch(capacity=4, jitter=0.1), "PFNRDSML"),
+    ("phimoe (sparsemixer samples in training)", phimoe, "PFNRDSML"),
     ("nllb-moe, capacity 4", lambda: nllb(capacity=4), "PFNRML"),
     ("nllb-moe, capacity 64 (never binding)", lambda: nllb(capacity=64), ""),
     ("nllb-moe, sampling", lambda: nllb(policy="sampling", capacity=64), "PFNRDSML"),
