@@ -49,16 +49,18 @@ def protocol_name(protocol):
 
 
 class Routes:
-    """Every token's routes as ``[T, k]`` arrays: expert ids, weights, kept flags.
+    """Every token's routes as ``[T, k]`` arrays: expert ids, weights, kept flags, and which
+    routes exist (all, unless some tokens have fewer, such as padding left unrouted).
 
     A sequence of tokens, each a list of ``(expert, weight, kept)`` tuples, for code that reads
     routes one token at a time; the protocol encoders take the arrays as they are.
     """
 
-    def __init__(self, experts, weights, kept=None):
+    def __init__(self, experts, weights, kept=None, present=None):
         self.experts = np.asarray(experts, dtype=np.int64)
         self.weights = np.asarray(weights, dtype=np.float64)
         self.kept = np.ones(self.experts.shape, dtype=bool) if kept is None else np.asarray(kept, dtype=bool)
+        self.present = None if present is None else np.broadcast_to(np.asarray(present, dtype=bool), self.experts.shape)
         if not (self.experts.ndim == 2 and self.experts.shape == self.weights.shape == self.kept.shape):
             raise ValueError(
                 f"experts, weights and kept must be [tokens, k] arrays of one shape, got "
@@ -69,17 +71,24 @@ class Routes:
         return len(self.experts)
 
     def __getitem__(self, t):
-        return [(int(e), float(w), bool(k)) for e, w, k in zip(self.experts[t], self.weights[t], self.kept[t])]
+        routes = zip(self.experts[t], self.weights[t], self.kept[t])
+        present = np.ones(self.experts.shape[1], dtype=bool) if self.present is None else self.present[t]
+        return [(int(e), float(w), bool(k)) for (e, w, k), p in zip(routes, present) if p]
 
     def columns(self):
         """(count [T], expert [R], weight [R], kept [R]): the routes flattened in token order."""
         t, k = self.experts.shape
-        return np.full(t, k), self.experts.reshape(-1), self.weights.reshape(-1), self.kept.reshape(-1)
+        if self.present is None:
+            return np.full(t, k), self.experts.reshape(-1), self.weights.reshape(-1), self.kept.reshape(-1)
+        p = self.present
+        return p.sum(axis=1), self.experts[p], self.weights[p], self.kept[p]
 
 
-def routes_from_arrays(experts, weights, kept=None):
-    """The routes of arrays [T, k]: expert ids, weights, and kept flags (all kept when None)."""
-    return Routes(experts, weights, kept)
+def routes_from_arrays(experts, weights, kept=None, present=None):
+    """The routes of arrays [T, k]: expert ids, weights, kept flags (all kept when None), and
+    which routes exist (all when None; a token whose routes are all absent has none, as a
+    padding token a router leaves out)."""
+    return Routes(experts, weights, kept, present)
 
 
 def columns(tokens):

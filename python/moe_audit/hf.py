@@ -33,7 +33,8 @@ Covered routers (class names): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoE,
 (top-k; PhiMoE samples its choices in training), DeepSeek-V3 (group-limited sigmoid with a selection bias), Llama 4 (top-k sigmoid),
 GPT-OSS (softmax over the top-k logits), Switch Transformers (top-1, capacity per sequence,
 first come first served) and NLLB-MoE (top-2, capacity per call, second-expert policies
-``all``, ``sampling`` and ``random``). Needs torch and transformers.
+``all``, ``sampling`` and ``random``; over ``moe-audit/2`` it takes the padding mask and leaves
+padding unrouted, as it does). Needs torch and transformers.
 """
 
 import math
@@ -58,6 +59,8 @@ class Family:
     #: capacity): x is the router's input and out its output, as the hook saw them.
     decode: object
     top_k: object = None
+    #: Whether the router takes a padding mask (``padding_mask``, True for padding).
+    padding: bool = False
 
     def k(self, router):
         """Experts per token."""
@@ -127,7 +130,7 @@ FAMILIES = (
     Family("deepseek-v3", ("DeepseekV3TopkRouter",), True, _deepseek_v3),
     Family("llama4", ("Llama4Router",), True, _llama4),
     Family("switch", ("SwitchTransformersTop1Router",), False, _switch, top_k=1),
-    Family("nllb-moe", ("NllbMoeTop2Router",), True, _nllb, top_k=2),
+    Family("nllb-moe", ("NllbMoeTop2Router",), True, _nllb, top_k=2, padding=True),
 )
 
 
@@ -191,7 +194,8 @@ class Router:
         self.top_k = family.k(router)
         self.hidden_size = int(_gate(router)[0].shape[1])
         self.protocol = adapter.protocol_name(protocol)
-        self.padding_mask = False
+        # moe-audit/2 sends a padding mask to a router that takes one.
+        self.padding_mask = family.padding and self.protocol != v1.PROTOCOL
         self.seed_calls = seed_calls
         _initialise(router, seed, init)
         torch.manual_seed(seed)
@@ -219,9 +223,12 @@ class Router:
             seen["x"], seen["out"] = args[0], output
             raise _Routed
 
+        kwargs = {}
+        if padding is not None and self.family.padding:
+            kwargs["padding_mask"] = torch.from_numpy(np.asarray(padding, dtype=bool).reshape(-1))
         handle = self.router.register_forward_hook(hook)
         try:
-            self.block(x)
+            self.block(x, **kwargs)
         except _Routed:
             pass
         finally:
@@ -232,7 +239,11 @@ class Router:
         experts = experts.reshape(batch * seq_len, -1).numpy()
         weights = weights.reshape(batch * seq_len, -1).float().numpy()
         kept = None if kept is None else kept.reshape(batch * seq_len, -1).numpy()
-        return adapter.routes_from_arrays(experts, weights, kept), capacity
+        present = None
+        if "padding_mask" in kwargs and not getattr(self.router, "router_ignore_padding_tokens", True):
+            # The router masks padding out of both choices: those tokens have no route.
+            present = ~kwargs["padding_mask"].numpy()[:, None]
+        return adapter.routes_from_arrays(experts, weights, kept, present), capacity
 
     def run(self, argv=None):
         """Serves the router on stdin/stdout (``moe-audit check --router-cmd``), or with

@@ -125,3 +125,12 @@ def test_check_raises_the_routers_own_error():
 def test_check_returns_moe_audits_usage_error():
     proc = moe_audit.check(example("mixtral_router").route, "--batch", "0", experts=8, top_k=2)
     assert proc.returncode == 2 and proc.stderr.startswith("error:"), proc.stderr
+
+
+def test_routes_may_leave_tokens_without_routes():
+    routes = moe_audit.routes_from_arrays([[3, 0], [1, 2]], [[0.75, 0.25], [0.5, 0.5]], present=[[True], [False]])
+    assert routes[1] == [] and len(routes) == 2
+    count, expert, weight, kept = routes.columns()
+    assert count.tolist() == [2, 0] and expert.tolist() == [3, 0] and weight.tolist() == [0.75, 0.25]
+    line = json.loads(v1.response(1, routes.columns(), None, 4))
+    assert line["tokens"][1] == []

@@ -197,3 +197,15 @@ def test_blank_gates_are_seeded_and_loaded_gates_kept():
         block.gate.weight.copy_(weight)
     block.gate.weight._is_hf_initialized = True  # as transformers marks a loaded parameter
     assert torch.equal(hf.wrap(block).router.weight, weight)
+
+
+def test_nllb_moe_takes_the_padding_mask_and_leaves_padding_unrouted():
+    router = hf.wrap(nllb(capacity=64), protocol=2)
+    assert router.padding_mask and not hf.wrap(nllb(), protocol=1).padding_mask
+    x = np.random.default_rng(5).standard_normal((2, 4, H)).astype(np.float32)
+    padding = np.array([[0, 0, 1, 1], [0, 0, 0, 1]], dtype=bool)
+    routes, _ = router.route(x, "train", padding=padding)
+    count = routes.columns()[0]
+    assert count.tolist() == [2, 2, 0, 0, 2, 2, 2, 0]
+    unpadded, _ = router.route(x, "train")
+    assert routes[0] == unpadded[0] and unpadded[2] != []
