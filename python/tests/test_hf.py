@@ -6,6 +6,8 @@ this process (moe_audit.check), so torch is imported once.
 """
 
 import json
+import os
+import re
 
 import numpy as np
 import pytest
@@ -209,3 +211,14 @@ def test_nllb_moe_takes_the_padding_mask_and_leaves_padding_unrouted():
     assert count.tolist() == [2, 2, 0, 0, 2, 2, 2, 0]
     unpadded, _ = router.route(x, "train")
     assert routes[0] == unpadded[0] and unpadded[2] != []
+
+
+def test_the_readmes_hugging_face_example_is_at_most_five_lines_and_audits_clean(monkeypatch):
+    readme = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "README.md")
+    with open(readme) as f:
+        block = re.search(r"```python\n(from transformers import MixtralConfig\n.*?)```", f.read(), re.S).group(1)
+    assert len([line for line in block.splitlines() if line.strip()]) <= 5, block
+    served = []
+    monkeypatch.setattr(hf, "run", lambda module, **options: served.append(module))
+    exec(block, {})
+    assert audit(served[0]) == ALL_PASS
