@@ -199,19 +199,21 @@ def read_safetensors(path):
     return out
 
 
-def answer_plan(route, directory):
-    """Answers every call of DIR/manifest.json, in order, into DIR/decisions.jsonl."""
+def answer_plan(route, directory, protocol=v1.PROTOCOL):
+    """Answers every call of DIR/manifest.json, in order, into DIR/decisions.jsonl (JSON lines;
+    with ``moe-audit/2`` a capacity keeps its scope)."""
     with open(f"{directory}/manifest.json") as f:
         manifest = json.load(f)
     inputs = read_safetensors(f"{directory}/inputs.safetensors")
     experts = manifest["router"]["experts"]
     call = _caller(route)
+    field = v2.capacity_field if protocol_name(protocol) == v2.PROTOCOL else v1.capacity_list
     user_out, sys.stdout = sys.stdout, sys.stderr
     try:
         with open(f"{directory}/decisions.jsonl", "w") as out:
             for c in manifest["calls"]:
                 tokens, capacity = _split(call(inputs[c["tensor"]], c["mode"], None, None))
-                out.write(v1.response(c["id"], columns(tokens), capacity, experts) + "\n")
+                out.write(v1.line(c["id"], columns(tokens), field(capacity, experts)) + "\n")
     finally:
         sys.stdout = user_out
 
@@ -221,7 +223,7 @@ def run(route, name, experts, top_k, input="logits", hidden_size=None, argv=None
     """Serves the router, or with ``--answer-plan DIR`` answers a trace plan."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--answer-plan"] and len(argv) == 2:
-        answer_plan(route, argv[1])
+        answer_plan(route, argv[1], protocol)
     elif argv:
         sys.exit(f"usage: {sys.argv[0]} [--answer-plan DIR]")
     else:

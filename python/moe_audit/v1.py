@@ -60,14 +60,19 @@ def capacity_list(capacity, experts):
     return [int(c) for c in capacity]
 
 
-def response(request_id, columns, capacity, experts):
-    """The response line (no newline) for routes given as (count, expert, weight, kept)."""
+def line(request_id, columns, capacity):
+    """The response line (no newline) for routes given as (count, expert, weight, kept), with
+    the capacity field as it is to be written (None, a list, or /2's scoped dict)."""
     count, expert, weight, kept = columns
     ends = np.cumsum(count)
     routes = [{"expert": int(e), "weight": float(w), "kept": bool(k)} for e, w, k in zip(expert, weight, kept)]
     tokens = [routes[end - n:end] for n, end in zip(count, ends)]
-    cap = capacity_list(capacity, experts)
-    return json.dumps({"id": request_id, "tokens": tokens, "capacity": cap}, allow_nan=False)
+    return json.dumps({"id": request_id, "tokens": tokens, "capacity": capacity}, allow_nan=False)
+
+
+def response(request_id, columns, capacity, experts):
+    """The /1 response line (no newline): the capacity as /1 states it."""
+    return line(request_id, columns, capacity_list(capacity, experts))
 
 
 def write_response(stream, request_id, columns, capacity, experts):

@@ -134,3 +134,19 @@ def test_routes_may_leave_tokens_without_routes():
     assert count.tolist() == [2, 0] and expert.tolist() == [3, 0] and weight.tolist() == [0.75, 0.25]
     line = json.loads(v1.response(1, routes.columns(), None, 4))
     assert line["tokens"][1] == []
+
+
+def test_trace_answers_keep_a_scoped_capacity_over_v2_only(tmp_path):
+    from moe_audit.adapter import answer_plan
+
+    manifest = {"router": {"experts": 4}, "calls": [{"id": 1, "mode": "train", "tensor": "t0"}]}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    header = json.dumps({"t0": {"dtype": "F32", "shape": [1, 2, 4], "data_offsets": [0, 32]}}).encode()
+    (tmp_path / "inputs.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(32))
+
+    def route(data, mode):
+        return moe_audit.routes_from_arrays([[0], [1]], [[1.0], [1.0]]), {"scope": "sequence", "slots": [1]}
+
+    for protocol, capacity in ((1, None), (2, {"scope": "sequence", "slots": [1]})):
+        answer_plan(route, str(tmp_path), protocol)
+        assert json.loads((tmp_path / "decisions.jsonl").read_text())["capacity"] == capacity
