@@ -8,13 +8,10 @@ Run: moe-audit check --router-cmd "python3 python/examples/megatron_probs_router
 """
 
 import math
-import os
-import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from moe_audit_router import routes_from_arrays, run  # noqa: E402
+from moe_audit import routes_from_arrays, run
 
 EXPERTS, TOP_K, CAPACITY_FACTOR = 8, 2, 1.0
 

@@ -4,13 +4,9 @@ Token choice without capacity: each token's routing depends on its own hidden st
 moe-audit finds no leak. Run: moe-audit check --router-cmd "python3 python/examples/mixtral_router.py"
 """
 
-import os
-import sys
-
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from moe_audit_router import routes_from_arrays, run  # noqa: E402
+from moe_audit import routes_from_arrays, run
 
 EXPERTS, TOP_K, HIDDEN = 8, 2, 32
 # A fixed gate, seeded so every run routes alike.

@@ -19,14 +19,10 @@ Run routing in float32 on the CPU (or set torch.use_deterministic_algorithms(Tru
 is not stable on ties, which the D probe would rightly report.
 """
 
-import os
-import sys
-
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from moe_audit_router import routes_from_arrays, run  # noqa: E402
+from moe_audit import routes_from_arrays, run
 
 EXPERTS, TOP_K, HIDDEN = 8, 2, 64
 

@@ -1,26 +1,28 @@
-"""moe_audit: Python helpers for moe-audit (https://github.com/OWNER/moe-audit).
+"""moe_audit: audit Mixture-of-Experts routers written in Python with the moe-audit binary.
 
-- ``moe_audit.snapshot``: snapshot tests of a Python router's routing decisions
-  (``assert_routing_snapshot(route, "tests/snapshots/router.snap", experts=8, top_k=2)``);
-- the protocol adapter (``run``, ``routes_from_arrays``, ...), for now the module
-  ``moe_audit_router`` beside this package, re-exported here.
+``pip install moe-audit`` installs the ``moe-audit`` binary and this package:
+
+- the protocol adapter: :func:`run` serves ``route(data, mode)`` to ``moe-audit check
+  --router-cmd``; :func:`routes_from_arrays` builds its answer; :func:`answer_plan` answers trace
+  files (``moe_audit.adapter``);
+- :func:`check`: audits a router object of this process (no subprocess to re-import torch);
+- ``moe_audit.hf``: a Hugging Face ``transformers`` MoE block or router in one call
+  (``moe_audit.hf.run(block)``; needs torch and transformers);
+- ``moe_audit.snapshot``: snapshot tests of a router's routing decisions.
 """
 
-import os
-import sys
-
-try:
-    from moe_audit_router import answer_plan, read_safetensors, routes_from_arrays, run, serve
-except ImportError:  # used from a checkout: the adapter sits beside the package
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from moe_audit_router import answer_plan, read_safetensors, routes_from_arrays, run, serve
-
+from .adapter import Routes, answer_plan, read_safetensors, routes_from_arrays, run, serve
+from .binary import binary
+from .inprocess import check
 from .snapshot import SnapshotError, assert_routing_snapshot, routing_snapshot
 
 __all__ = [
+    "Routes",
     "SnapshotError",
     "answer_plan",
     "assert_routing_snapshot",
+    "binary",
+    "check",
     "read_safetensors",
     "routes_from_arrays",
     "routing_snapshot",

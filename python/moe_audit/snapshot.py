@@ -5,7 +5,7 @@
     def test_router_routing():
         assert_routing_snapshot(route, "tests/snapshots/router.snap", experts=8, top_k=2)
 
-``route(data, mode)`` is the function the adapter serves (``moe_audit_router.run``): ``data`` is
+``route(data, mode)`` is the function the adapter serves (``moe_audit.run``): ``data`` is
 float32 ``[batch, seq_len, width]``, ``mode`` is ``"train"`` or ``"inference"``; it returns the
 tokens' routes (``routes_from_arrays``) and the capacity or None. An object with a ``route``
 method and ``name``, ``experts``, ``top_k``, ``input``, ``hidden_size`` attributes works too.
@@ -18,7 +18,8 @@ compares (``moe-audit snapshot --traces DIR --check FILE``). A printed weight ma
 unit of its 4th decimal (float noise) without failing; any other change fails with a diff naming
 each token's change and how many tokens moved.
 
-The binary is ``$MOE_AUDIT_BIN``, else ``moe-audit`` on the PATH (``cargo install --path .``).
+The binary is ``$MOE_AUDIT_BIN``, else the one ``pip install moe-audit`` put beside the
+interpreter, else ``moe-audit`` on the PATH (``cargo install --path .``).
 
 Updating, as insta and syrupy users expect:
 
@@ -29,16 +30,11 @@ Updating, as insta and syrupy users expect:
 """
 
 import os
-import shutil
 import subprocess
-import sys
 import tempfile
 
-try:
-    from moe_audit_router import answer_plan
-except ImportError:  # used from a checkout: the adapter sits beside the package
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from moe_audit_router import answer_plan
+from .adapter import answer_plan, describe
+from .binary import binary
 
 # Seconds any one moe-audit call may take (it only writes inputs or renders and compares).
 TIMEOUT = 300
@@ -48,19 +44,14 @@ class SnapshotError(RuntimeError):
     """moe-audit could not make or read a snapshot (a bad file, bad options, no binary)."""
 
 
-def _binary():
-    path = os.environ.get("MOE_AUDIT_BIN") or shutil.which("moe-audit")
-    if not path:
-        raise SnapshotError(
-            "moe-audit not found: set MOE_AUDIT_BIN or put it on the PATH (cargo install --path .)"
-        )
-    return path
-
-
 def _moe_audit(*args, codes=(0,)):
     try:
+        path = binary()
+    except FileNotFoundError as e:
+        raise SnapshotError(str(e)) from None
+    try:
         proc = subprocess.run(
-            [_binary(), "snapshot", *map(str, args)],
+            [path, "snapshot", *map(str, args)],
             capture_output=True,
             text=True,
             timeout=TIMEOUT,
@@ -72,23 +63,10 @@ def _moe_audit(*args, codes=(0,)):
     return proc
 
 
-def _describe(router, options):
-    route = getattr(router, "route", router)
-    if not callable(route):
-        raise TypeError("router must be route(data, mode) or have a route(data, mode) method")
-    spec = {key: options.pop(key, getattr(router, key, None)) for key in
-            ("name", "experts", "top_k", "input", "hidden_size")}
-    if spec["experts"] is None:
-        raise TypeError("experts is required (a keyword, or an attribute of the router)")
-    spec["name"] = spec["name"] or "router"
-    spec["input"] = spec["input"] or "logits"
-    return route, spec
-
-
 def _plan(router, directory, options):
     """Writes the inputs into directory and answers them with the router; returns nothing."""
     options = dict(options)
-    route, spec = _describe(router, options)
+    route, spec = describe(router, options)
     args = ["--plan", directory, "--name", spec["name"], "--experts", spec["experts"],
             "--input", spec["input"]]
     if spec["top_k"] is not None:

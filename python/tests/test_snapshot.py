@@ -1,17 +1,19 @@
 """Tests of moe_audit.snapshot, pytest style; `python3 python/tests/test_snapshot.py` runs them
-without pytest (tests/it/snapshot_cli.rs does, with $MOE_AUDIT_BIN set). Needs numpy."""
+without pytest (tests/it/snapshot_cli.rs does, with $MOE_AUDIT_BIN set). Needs numpy and the
+moe_audit package (installed, or python/ on PYTHONPATH)."""
 
 import contextlib
 import os
+import runpy
 import sys
 import tempfile
+from types import SimpleNamespace
+
+from moe_audit.snapshot import assert_routing_snapshot, routing_snapshot
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
-sys.path.insert(0, os.path.join(HERE, "..", "examples"))
-
-import megatron_probs_router as megatron  # noqa: E402
-from moe_audit.snapshot import assert_routing_snapshot, routing_snapshot  # noqa: E402
+# The example router, loaded from its file (it is no module of the package).
+megatron = SimpleNamespace(**runpy.run_path(os.path.join(HERE, "..", "examples", "megatron_probs_router.py")))
 
 OPTIONS = dict(name="megatron-probs-py", experts=8, top_k=2)
 UPDATE_VARS = ("MOE_AUDIT_UPDATE", "INSTA_UPDATE", "CI")

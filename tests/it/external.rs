@@ -25,10 +25,21 @@ fn tmp(name: &str) -> PathBuf {
     dir
 }
 
-/// A command run from the repository root that leaves no Python bytecode in it.
+/// The environment of a Python router run from the checkout: the `moe_audit` package importable
+/// from `python/` (a user has it from `pip install moe-audit`), and no bytecode left in the tree.
+pub(crate) fn python_env() -> [(&'static str, std::ffi::OsString); 2] {
+    let mut path = std::ffi::OsString::from(repo().join("python"));
+    if let Some(more) = std::env::var_os("PYTHONPATH").filter(|p| !p.is_empty()) {
+        path.push(":");
+        path.push(more);
+    }
+    [("PYTHONDONTWRITEBYTECODE", "1".into()), ("PYTHONPATH", path)]
+}
+
+/// A command run from the repository root with the Python environment above.
 fn python(program: &str) -> Command {
     let mut command = Command::new(program);
-    command.current_dir(repo()).env("PYTHONDONTWRITEBYTECODE", "1");
+    command.current_dir(repo()).envs(python_env());
     command
 }
 

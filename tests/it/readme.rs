@@ -65,7 +65,7 @@ fn readme_commands_exit_and_leak_as_their_comments_say() {
             .arg("-c")
             .arg(format!("\"{BIN}\" {} --format json", claim.command))
             .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .envs(crate::external::python_env())
             .output()
             .expect("run moe-audit");
         let stderr = String::from_utf8_lossy(&out.stderr);
@@ -105,7 +105,7 @@ fn the_readme_workflow_is_the_file_it_names() {
         let out = Command::new(BIN)
             .args(["snapshot", "--check", file])
             .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .envs(crate::external::python_env())
             .output()
             .expect("run moe-audit");
         assert_eq!(out.status.code(), Some(0), "{file}: {}", String::from_utf8_lossy(&out.stdout));

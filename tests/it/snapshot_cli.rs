@@ -26,7 +26,7 @@ fn tmp(name: &str) -> PathBuf {
 
 /// `moe-audit ARGS` run in `dir`, leaving no Python bytecode behind.
 fn run_in(dir: &Path, args: &[&str]) -> Output {
-    Command::new(BIN).args(args).current_dir(dir).env("PYTHONDONTWRITEBYTECODE", "1").output().expect("run moe-audit")
+    Command::new(BIN).args(args).current_dir(dir).envs(crate::external::python_env()).output().expect("run moe-audit")
 }
 
 fn stdout(o: &Output) -> String {
@@ -217,10 +217,8 @@ fn tie_router(dir: &Path, lowest_first: bool) {
     let order = if lowest_first { "-logits" } else { "-logits[:, ::-1]" };
     let fix = if lowest_first { "" } else { "top = 7 - top" };
     let program = format!(
-        r#"import sys
-sys.path.insert(0, {python:?})
-import numpy as np
-from moe_audit_router import routes_from_arrays, run
+        r#"import numpy as np
+from moe_audit import routes_from_arrays, run
 
 def route(data, mode):
     logits = data.reshape(-1, 8)
@@ -230,8 +228,7 @@ def route(data, mode):
     return routes_from_arrays(top, gates), None
 
 run(route, name="tie", experts=8, top_k=2, input="logits")
-"#,
-        python = repo().join("python").display().to_string(),
+"#
     );
     std::fs::write(dir.join("tie.py"), program).unwrap();
 }
@@ -270,7 +267,7 @@ fn a_python_router_snapshots_alike_through_the_cli_the_helper_and_trace_files() 
         .args(["snapshot", "--router-cmd", cmd, "--output"])
         .arg(dir.join("cmd.snap"))
         .current_dir(repo())
-        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .envs(crate::external::python_env())
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", stderr(&out));
@@ -292,7 +289,7 @@ assert_routing_snapshot(m.route, "py.snap", name="megatron-probs-py", experts=8,
     let answer = Command::new("python3")
         .args(["python/examples/megatron_probs_router.py", "--answer-plan", t])
         .current_dir(repo())
-        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .envs(crate::external::python_env())
         .output()
         .unwrap();
     assert!(answer.status.success(), "{}", stderr(&answer));
@@ -314,7 +311,7 @@ fn the_python_helper_tests_pass() {
     let out = Command::new("python3")
         .arg("python/tests/test_snapshot.py")
         .current_dir(repo())
-        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .envs(crate::external::python_env())
         .env("MOE_AUDIT_BIN", BIN)
         .output()
         .unwrap();

@@ -1,0 +1,69 @@
+"""Audits a router of this process: ``moe-audit check`` runs as a subprocess whose router
+command relays the protocol through two named pipes to a thread here. A test suite then imports
+torch and builds its models once, not once per audited router."""
+
+import os
+import shlex
+import subprocess
+import tempfile
+import threading
+
+from .adapter import describe, serve
+from .binary import binary
+
+
+def _unblock(requests, responses):
+    """Releases a serving thread still waiting to open the pipes (moe-audit never started the
+    router): opening the other ends without blocking lets its open return, then it reads EOF."""
+    for path, flags in ((requests, os.O_WRONLY), (responses, os.O_RDONLY)):
+        try:
+            os.close(os.open(path, flags | os.O_NONBLOCK))
+        except OSError:
+            pass
+
+
+def check(router, *args, timeout=900, **spec):
+    """Runs ``moe-audit check --router-cmd RELAY ARGS...`` against ``router`` served from this
+    process, and returns the ``subprocess.CompletedProcess`` (text stdout and stderr; exit code 0
+    no leak, 1 leak, 2 error).
+
+    ``router`` is as for :func:`moe_audit.snapshot.routing_snapshot`: a ``route`` function with
+    ``experts``, ``top_k``, ... keywords, or an object with a ``route`` method and those
+    attributes (``moe_audit.hf.wrap`` returns one). ``args`` are the check's own flags, e.g.
+    ``"--format", "json", "--probes", "D,S"``. An exception raised by the router is raised here
+    (after moe-audit has stopped). ``timeout`` bounds the whole audit, in seconds.
+    """
+    spec = dict(spec)
+    route, hs = describe(router, spec)
+    if spec:
+        raise TypeError(f"unknown options: {', '.join(sorted(spec))}")
+    with tempfile.TemporaryDirectory(prefix="moe-audit-check-") as directory:
+        requests = os.path.join(directory, "requests")
+        responses = os.path.join(directory, "responses")
+        os.mkfifo(requests)
+        os.mkfifo(responses)
+        failure = []
+
+        def answer():
+            try:
+                with open(requests, "rb") as inp, open(responses, "wb") as out:
+                    serve(route, stdin=inp, stdout=out, **hs)
+            except BrokenPipeError:
+                pass  # moe-audit stopped reading: it reports why
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                failure.append(e)
+
+        thread = threading.Thread(target=answer, name="moe-audit-router", daemon=True)
+        thread.start()
+        relay = f"cat {shlex.quote(responses)} & exec cat > {shlex.quote(requests)}"
+        try:
+            proc = subprocess.run(
+                [binary(), "check", "--router-cmd", relay, *map(str, args)],
+                capture_output=True, text=True, timeout=timeout,
+            )
+        finally:
+            _unblock(requests, responses)
+            thread.join(timeout=60)
+        if failure:
+            raise failure[0]
+        return proc
