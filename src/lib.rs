@@ -13,6 +13,7 @@ pub mod error;
 pub mod exploit;
 pub mod external;
 pub mod files;
+mod font;
 pub mod layer;
 pub mod memory;
 pub mod names;

@@ -5,11 +5,11 @@
 use super::check::CommKind;
 use super::io_error;
 use crate::error::{Error, Result};
+use crate::font::{register_font, FONT};
 use crate::memory;
 use crate::parallel::reduce::{Algorithm, Precision, ReducePlan};
 use crate::parallel::run_ranks;
 use crate::parallel::swamping::{audit, AuditPlan, Figures, Payload};
-use crate::render::chart::{register_font, FONT};
 use bytesize::ByteSize;
 use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};

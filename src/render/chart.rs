@@ -3,31 +3,18 @@
 
 use crate::error::{Error, Result};
 use crate::files::Staged;
+use crate::font::{register_font, FONT};
 use crate::sweep::{CellResult, Family, Heatmap};
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use std::path::{Path, PathBuf};
-use std::sync::Once;
 
 const SIZE: (u32, u32) = (1000, 640);
 /// The scatter chart is wider: its legend has a panel of its own.
 const SCATTER_SIZE: (u32, u32) = (1240, 700);
 const LEGEND_WIDTH: u32 = 240;
-pub(crate) const FONT: &str = "sans-serif";
 /// Width of the heatmap's colour scale, right of the plot.
 const SCALE_WIDTH: u32 = 110;
-
-pub(crate) fn register_font() {
-    static ONCE: Once = Once::new();
-    ONCE.call_once(|| {
-        plotters::style::register_font(
-            FONT,
-            FontStyle::Normal,
-            include_bytes!("../../assets/fonts/DejaVuSansMono.ttf"),
-        )
-        .unwrap_or_else(|_| panic!("the bundled font is a valid TrueType file"));
-    });
-}
 
 /// Draws `draw` into `<dir>/<stem>.svg` and `<dir>/<stem>.png` (staged: temporary files until
 /// the set is committed); returns both paths.
