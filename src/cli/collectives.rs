@@ -5,17 +5,14 @@
 use super::check::CommKind;
 use super::io_error;
 use crate::error::{Error, Result};
-use crate::font::{register_font, FONT};
 use crate::memory;
 use crate::parallel::reduce::{Algorithm, Precision, ReducePlan};
 use crate::parallel::run_ranks;
 use crate::parallel::swamping::{audit, AuditPlan, Figures, Payload};
+use crate::render::{collectives_chart, collectives_config_name, json, render_collectives, CollectivesReport};
 use bytesize::ByteSize;
 use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};
-use plotters::coord::Shift;
-use plotters::prelude::*;
-use serde::Serialize;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -87,20 +84,6 @@ pub enum CollectivesFormat {
     Json,
 }
 
-/// What `collectives` reports (the JSON contract).
-#[derive(Debug, Serialize)]
-struct CollectivesReport {
-    /// `seeded` or the gradients file.
-    payload: String,
-    elements: usize,
-    tolerance: f64,
-    max_bias: Option<f64>,
-    /// One entry per range × rank count × configuration.
-    results: Vec<Figures>,
-    /// Configurations whose |bias| exceeds --max-bias (at any rank count or range).
-    over_max_bias: Vec<String>,
-}
-
 pub(super) fn run(args: &CollectivesArgs, out: &mut dyn Write) -> Result<u8> {
     let (payload, plan) = validate(args)?;
     let mut results = Vec::new();
@@ -123,7 +106,7 @@ pub(super) fn run(args: &CollectivesArgs, out: &mut dyn Write) -> Result<u8> {
     let mut over: Vec<String> = Vec::new();
     if let Some(max) = args.max_bias {
         for f in results.iter().filter(|f| f.bias.is_nan() || f.bias.abs() > max) {
-            let name = config_name(f);
+            let name = collectives_config_name(f);
             if !over.contains(&name) {
                 over.push(name);
             }
@@ -140,12 +123,12 @@ pub(super) fn run(args: &CollectivesArgs, out: &mut dyn Write) -> Result<u8> {
     if let Some(dir) = &args.chart {
         std::fs::create_dir_all(dir).map_err(|e| Error::input(dir, format!("cannot create: {e}")))?;
         for &range in &plan.ranges {
-            chart(&report, &plan, range, dir)?;
+            collectives_chart(&report, &plan, range, dir)?;
         }
     }
     let text = match args.format {
-        CollectivesFormat::Json => serde_json::to_string_pretty(&report).expect("serialises") + "\n",
-        CollectivesFormat::Text => render(&report, args, &plan),
+        CollectivesFormat::Json => json(&report),
+        CollectivesFormat::Text => render_collectives(&report, &plan, &args.ranks, args.gradients.is_none()),
     };
     out.write_all(text.as_bytes()).map_err(io_error)?;
     Ok(u8::from(!report.over_max_bias.is_empty()))
@@ -294,144 +277,4 @@ fn config_index(plan: &AuditPlan, f: &Figures) -> usize {
         .iter()
         .position(|p| (p.algorithm, p.wire, p.accumulate) == (f.algorithm, f.wire, f.accumulate))
         .unwrap_or(usize::MAX)
-}
-
-fn config_name(f: &Figures) -> String {
-    format!("{} wire {} accumulate {}", f.algorithm.name(), f.wire.name(), f.accumulate.name())
-}
-
-fn render(r: &CollectivesReport, args: &CollectivesArgs, plan: &AuditPlan) -> String {
-    let ranks = &args.ranks;
-    let last = *ranks.last().expect("not empty");
-    let mut s = format!(
-        "collectives: {} payload, {} elements, ranks {}; error against the exact sum of the wire inputs; swamped = |error| > {} × |exact|\n",
-        r.payload,
-        r.elements,
-        ranks.iter().map(usize::to_string).collect::<Vec<_>>().join(","),
-        r.tolerance
-    );
-    for &range in &plan.ranges {
-        if args.gradients.is_none() {
-            s += &format!("\ndynamic range {range}\n");
-        }
-        s += &format!(
-            "{:<13}{:<5}{:<5}| {:>40} | {:>7} | {:>9} | {:>10} | {:>10}\n",
-            "algorithm",
-            "wire",
-            "acc",
-            format!("relative error at R = {}", ranks.iter().map(usize::to_string).collect::<Vec<_>>().join(",")),
-            "growth",
-            format!("swamped@{last}"),
-            format!("bias@{last}"),
-            "bytes/2B(R-1)/R"
-        );
-        for p in &plan.plans {
-            let mine: Vec<&Figures> = r
-                .results
-                .iter()
-                .filter(|f| {
-                    f.range == range && (f.algorithm, f.wire, f.accumulate) == (p.algorithm, p.wire, p.accumulate)
-                })
-                .collect();
-            let (Some(first), Some(end)) = (mine.first(), mine.last()) else { continue };
-            let errors: Vec<String> = mine.iter().map(|f| format!("{:.1e}", f.relative_error)).collect();
-            let growth = if first.relative_error > 0.0 {
-                format!("{:.1}x", end.relative_error / first.relative_error)
-            } else {
-                "-".into()
-            };
-            s += &format!(
-                "{:<13}{:<5}{:<5}| {:>40} | {:>7} | {:>8.2}% | {:>10.1e} | {:>10.3}\n",
-                p.algorithm.name(),
-                p.wire.name(),
-                p.accumulate.name(),
-                errors.join(" "),
-                growth,
-                end.swamped_share * 100.0,
-                end.bias,
-                end.max_bytes_sent as f64 / end.formula_bytes.max(1.0)
-            );
-        }
-    }
-    if let Some(max) = r.max_bias {
-        if r.over_max_bias.is_empty() {
-            s += &format!("\nevery configuration's |bias| is within --max-bias {max}\n");
-        } else {
-            s += &format!("\n|bias| over --max-bias {max}: {}\n", r.over_max_bias.join("; "));
-        }
-    }
-    s
-}
-
-/// Relative error against ranks (log-log), one line per configuration, for one range.
-fn chart(r: &CollectivesReport, plan: &AuditPlan, range: f64, dir: &Path) -> Result<()> {
-    register_font();
-    let stem = format!("collectives-range-{range}");
-    let svg = dir.join(format!("{stem}.svg"));
-    draw(SVGBackend::new(&svg, SIZE).into_drawing_area(), r, plan, range).map_err(|e| draw_error(&svg, e))?;
-    let png = dir.join(format!("{stem}.png"));
-    draw(BitMapBackend::new(&png, SIZE).into_drawing_area(), r, plan, range).map_err(|e| draw_error(&png, e))?;
-    Ok(())
-}
-
-const SIZE: (u32, u32) = (1200, 760);
-/// Errors below this (exact sums) are drawn at it: a log axis has no zero.
-const FLOOR: f64 = 1e-9;
-
-fn draw_error(path: &Path, e: impl std::fmt::Debug) -> Error {
-    Error::input(path, format!("cannot draw: {e:?}"))
-}
-
-type Drawn<DB> = std::result::Result<(), DrawingAreaErrorKind<<DB as DrawingBackend>::ErrorType>>;
-
-fn draw<DB: DrawingBackend>(
-    root: DrawingArea<DB, Shift>,
-    r: &CollectivesReport,
-    plan: &AuditPlan,
-    range: f64,
-) -> Drawn<DB> {
-    root.fill(&WHITE)?;
-    let mine: Vec<&Figures> = r.results.iter().filter(|f| f.range == range).collect();
-    let err = |f: &Figures| if f.relative_error.is_finite() { f.relative_error.max(FLOOR) } else { 1.0 };
-    let x_min = mine.iter().map(|f| f.ranks as f64).fold(f64::INFINITY, f64::min).min(1e9);
-    let x_max = mine.iter().map(|f| f.ranks as f64).fold(1.0, f64::max);
-    let y_max = mine.iter().map(|f| err(f)).fold(FLOOR * 10.0, f64::max) * 3.0;
-    let caption = format!("All-reduce relative error vs ranks (dynamic range {range}, {} elements)", r.elements);
-    let mut chart = ChartBuilder::on(&root)
-        .caption(caption, (FONT, 20))
-        .margin(16)
-        .x_label_area_size(48)
-        .y_label_area_size(80)
-        .right_y_label_area_size(0)
-        .build_cartesian_2d((x_min * 0.9..x_max * 1.1).log_scale(), (FLOOR * 0.5..y_max).log_scale())?;
-    chart
-        .configure_mesh()
-        .x_desc("ranks R")
-        .y_desc("relative error ||result - exact|| / ||exact||")
-        .y_label_formatter(&|v| format!("{v:.0e}"))
-        .label_style((FONT, 13))
-        .draw()?;
-    for (i, p) in plan.plans.iter().enumerate() {
-        let points: Vec<(f64, f64)> = mine
-            .iter()
-            .filter(|f| (f.algorithm, f.wire, f.accumulate) == (p.algorithm, p.wire, p.accumulate))
-            .map(|f| (f.ranks as f64, err(f)))
-            .collect();
-        let color = Palette99::pick(i).to_rgba();
-        let style = if p.wire == Precision::F32 { color.stroke_width(1) } else { color.stroke_width(2) };
-        let name = format!("{} {}/{}", p.algorithm.name(), p.wire.name(), p.accumulate.name());
-        chart
-            .draw_series(LineSeries::new(points.iter().copied(), style))?
-            .label(name)
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2)));
-        chart.draw_series(points.iter().map(|&q| Circle::new(q, 3, color.filled())))?;
-    }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .label_font((FONT, 11))
-        .draw()?;
-    root.present()
 }

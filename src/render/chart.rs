@@ -31,11 +31,13 @@ macro_rules! both {
     }};
 }
 
-fn draw_error(path: &Path, e: impl std::fmt::Debug) -> Error {
+/// A plotters failure as an error naming the file being drawn.
+pub(super) fn draw_error(path: &Path, e: impl std::fmt::Debug) -> Error {
     Error::input(path, format!("cannot draw: {e:?}"))
 }
 
-type Drawn<DB> = std::result::Result<(), DrawingAreaErrorKind<<DB as DrawingBackend>::ErrorType>>;
+/// What a drawing function returns.
+pub(super) type Drawn<DB> = std::result::Result<(), DrawingAreaErrorKind<<DB as DrawingBackend>::ErrorType>>;
 
 /// Leak rate against compute imbalance, one point per cell, the Pareto frontier marked.
 pub(super) fn leak_vs_imbalance(cells: &[CellResult], dir: &Path, staged: &mut Staged) -> Result<Vec<PathBuf>> {
