@@ -3,9 +3,11 @@
 //! One serde struct is the file format, the CLI input and the report header. Parsing and
 //! validation happen here, once, so the routing code can trust every field it reads.
 
+mod inference;
 mod presets;
 mod validate;
 
+pub use inference::{CapacityOverrides, GroupLimitOverrides, InferenceOverrides, ScopeOverrides};
 pub use presets::{preset, presets, Preset};
 
 use crate::error::{Error, Result};
@@ -63,7 +65,7 @@ pub struct RouterConfig {
     pub padding_mask: Option<PaddingMask>,
     /// Fields overridden when serving (`[inference]`); `dropless = true` removes the capacity.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub inference: Option<toml::Table>,
+    pub inference: Option<InferenceOverrides>,
 }
 
 /// What a router that accepts a padding mask does with padding tokens.
@@ -142,7 +144,7 @@ fn two() -> usize {
 }
 
 /// Capacity limits and the rule that decides which routes are dropped.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CapacityConfig {
     /// Capacity factor cf: capacity is derived from the scope's token count.
@@ -282,9 +284,16 @@ impl RouterConfig {
     /// Parses and validates a TOML document; `source_name` names it in errors.
     pub fn from_toml(text: &str, source_name: &str) -> Result<Self> {
         let config: RouterConfig = parse_toml(text, source_name)?;
-        config.validate().map_err(|(field, message)| Error::config(source_name, field, message))?;
-        config.inference_config_from(source_name)?;
+        config.check(source_name)?;
         Ok(config)
+    }
+
+    /// Checks every rule on this configuration and on its `[inference]` one; errors name
+    /// `source_name` and the field.
+    pub(crate) fn check(&self, source_name: &str) -> Result<()> {
+        self.validate().map_err(|(field, message)| Error::config(source_name, field, message))?;
+        self.inference_config_from(source_name)?;
+        Ok(())
     }
 
     /// The configuration used when serving: this one with the `[inference]` overrides applied, or
@@ -295,34 +304,11 @@ impl RouterConfig {
 
     fn inference_config_from(&self, source_name: &str) -> Result<Option<RouterConfig>> {
         let Some(overrides) = &self.inference else { return Ok(None) };
-        let mut base = RouterConfig { inference: None, ..self.clone() };
-        let mut overrides = overrides.clone();
-        if let Some(dropless) = overrides.remove("dropless") {
-            match dropless {
-                toml::Value::Boolean(true) => base.capacity = None,
-                toml::Value::Boolean(false) => {}
-                other => {
-                    return Err(Error::config(
-                        source_name,
-                        "inference.dropless",
-                        format!("must be true or false, got {other}"),
-                    ))
-                }
-            }
-        }
-        let mut table = toml::Table::try_from(&base).expect("a config always serialises to TOML");
-        merge(&mut table, overrides);
-        let text = toml::to_string(&table).expect("a TOML table always serialises");
-        let inference = RouterConfig::from_toml(&text, source_name).map_err(|e| match e {
-            Error::Config { source_name, field, message } => {
-                Error::Config { source_name, field: format!("inference.{field}"), message }
-            }
-            other => other,
-        })?;
-        if inference.inference.is_some() {
-            return Err(Error::config(source_name, "inference.inference", "an [inference] table cannot nest another"));
-        }
-        Ok(Some(inference))
+        let served = overrides
+            .apply(self)
+            .and_then(|c| c.validate().map(|()| c))
+            .map_err(|(field, message)| Error::config(source_name, &format!("inference.{field}"), message))?;
+        Ok(Some(served))
     }
 
     /// Reads, parses and validates a TOML file.
@@ -381,18 +367,6 @@ pub(crate) fn parse_toml<T: serde::de::DeserializeOwned>(text: &str, source_name
             (field, None) => Error::config(source_name, field, message),
         }
     })
-}
-
-/// Deep-merges `overrides` into `table`: nested tables merge, other values replace.
-fn merge(table: &mut toml::Table, overrides: toml::Table) {
-    for (key, value) in overrides {
-        match (table.get_mut(&key), value) {
-            (Some(toml::Value::Table(t)), toml::Value::Table(o)) => merge(t, o),
-            (_, value) => {
-                table.insert(key, value);
-            }
-        }
-    }
 }
 
 fn line_col(text: &str, offset: usize) -> (usize, usize) {

@@ -232,28 +232,17 @@ impl Grid {
                         if let Some(bias) = c.expert_bias.as_mut().filter(|b| b.len() != experts) {
                             *bias = vec![0.0; experts];
                         }
-                        let text = toml::to_string(&c).expect("a config always serialises");
                         let what = format!(
                             "{} with experts = {experts}, top_k = {top_k:?}, capacity factor {capacity_factor:?}",
                             base.name
                         );
-                        let config = match RouterConfig::from_toml(&text, &what) {
-                            Ok(config) => config,
-                            Err(e) => {
-                                skipped.push(Skipped { router: base.name.clone(), reason: e.to_string() });
-                                continue;
-                            }
-                        };
+                        if let Err(e) = c.check(&what) {
+                            skipped.push(Skipped { router: base.name.clone(), reason: e.to_string() });
+                            continue;
+                        }
                         for &seq_len in &self.seq_len {
                             for &batch in &self.batch {
-                                cells.push(Cell {
-                                    config: config.clone(),
-                                    capacity_factor,
-                                    top_k,
-                                    experts,
-                                    seq_len,
-                                    batch,
-                                });
+                                cells.push(Cell { config: c.clone(), capacity_factor, top_k, experts, seq_len, batch });
                             }
                         }
                     }

@@ -1,0 +1,180 @@
+//! `[inference]`: what a router changes when serving, as a typed overlay on its training
+//! configuration. Parsed with the file (so a bad field is reported at its own line), applied
+//! field by field: no TOML text is written and parsed again.
+
+use super::{
+    Arithmetic, CapacityConfig, DropPolicy, Flatten, GroupLimit, PaddingMask, RouterConfig, RouterKind, ScopeGroup,
+    ScoreFn, Selection,
+};
+use serde::{Deserialize, Serialize};
+
+/// The `[inference]` table: every field present replaces the training value, a nested table
+/// (`capacity`, `scope`, `group_limit`) overrides only the fields it names, and `dropless = true`
+/// removes the capacity first.
+///
+/// Fields are declared in alphabetical order, the order a TOML table serialises in, so the
+/// router written into witness files keeps its bytes.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InferenceOverrides {
+    /// Replaces [`RouterConfig::bias_update_rate`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bias_update_rate: Option<f32>,
+    /// Overrides fields of [`RouterConfig::capacity`] (a capacity of defaults when there is none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity: Option<CapacityOverrides>,
+    /// Replaces [`RouterConfig::description`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    /// `true`: serve without a capacity (nothing is dropped).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dropless: Option<bool>,
+    /// Replaces [`RouterConfig::expert_bias`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expert_bias: Option<Vec<f32>>,
+    /// Replaces [`RouterConfig::experts`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub experts: Option<usize>,
+    /// Overrides fields of [`RouterConfig::group_limit`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group_limit: Option<GroupLimitOverrides>,
+    /// Replaces [`RouterConfig::kind`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<RouterKind>,
+    /// Replaces [`RouterConfig::name`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// Replaces [`RouterConfig::normalize`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub normalize: Option<bool>,
+    /// Replaces [`RouterConfig::padding_mask`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub padding_mask: Option<PaddingMask>,
+    /// Replaces [`RouterConfig::routed_scaling`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub routed_scaling: Option<f32>,
+    /// Overrides fields of [`RouterConfig::scope`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scope: Option<ScopeOverrides>,
+    /// Replaces [`RouterConfig::score`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub score: Option<ScoreFn>,
+    /// Replaces [`RouterConfig::selection`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selection: Option<Selection>,
+    /// Replaces [`RouterConfig::top_k`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_k: Option<usize>,
+}
+
+/// Fields of [`CapacityConfig`] overridden when serving.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CapacityOverrides {
+    /// Replaces [`CapacityConfig::arithmetic`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub arithmetic: Option<Arithmetic>,
+    /// Replaces [`CapacityConfig::factor`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub factor: Option<f64>,
+    /// Replaces [`CapacityConfig::fixed`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fixed: Option<usize>,
+    /// Replaces [`CapacityConfig::min`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min: Option<usize>,
+    /// Replaces [`CapacityConfig::pad`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pad: Option<bool>,
+    /// Replaces [`CapacityConfig::policy`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy: Option<DropPolicy>,
+    /// Replaces [`CapacityConfig::renormalize_after_drop`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub renormalize_after_drop: Option<bool>,
+}
+
+/// Fields of [`GroupLimit`] overridden when serving.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GroupLimitOverrides {
+    /// Replaces [`GroupLimit::groups`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub groups: Option<usize>,
+    /// Replaces [`GroupLimit::score_top`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub score_top: Option<usize>,
+    /// Replaces [`GroupLimit::top_groups`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_groups: Option<usize>,
+}
+
+/// Fields of [`super::ScopeConfig`] overridden when serving.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScopeOverrides {
+    /// Replaces [`super::ScopeConfig::flatten`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flatten: Option<Flatten>,
+    /// Replaces [`super::ScopeConfig::group`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<ScopeGroup>,
+}
+
+/// Replaces `*field` when `value` is present.
+fn set<T: Clone>(field: &mut T, value: &Option<T>) {
+    if let Some(v) = value {
+        *field = v.clone();
+    }
+}
+
+impl InferenceOverrides {
+    /// `training` with these overrides applied, without its own `[inference]` table; not yet
+    /// validated. Errors are `(field, message)`, as [`RouterConfig::validate`]'s.
+    pub(super) fn apply(&self, training: &RouterConfig) -> Result<RouterConfig, (&'static str, String)> {
+        let mut c = RouterConfig { inference: None, ..training.clone() };
+        if self.dropless == Some(true) {
+            c.capacity = None;
+        }
+        set(&mut c.bias_update_rate, &self.bias_update_rate.map(Some));
+        if let Some(o) = &self.capacity {
+            let cap = c.capacity.get_or_insert_with(CapacityConfig::default);
+            set(&mut cap.arithmetic, &o.arithmetic);
+            set(&mut cap.factor, &o.factor.map(Some));
+            set(&mut cap.fixed, &o.fixed.map(Some));
+            set(&mut cap.min, &o.min);
+            set(&mut cap.pad, &o.pad);
+            set(&mut cap.policy, &o.policy);
+            set(&mut cap.renormalize_after_drop, &o.renormalize_after_drop);
+        }
+        set(&mut c.description, &self.description);
+        set(&mut c.expert_bias, &self.expert_bias.clone().map(Some));
+        set(&mut c.experts, &self.experts);
+        if let Some(o) = &self.group_limit {
+            let g = match (&c.group_limit, o.groups, o.top_groups) {
+                (Some(g), _, _) => g.clone(),
+                // A group limit new in serving names both sizes; `score_top` has its default.
+                (None, Some(groups), Some(top_groups)) => GroupLimit { groups, top_groups, score_top: super::two() },
+                (None, None, _) => return Err(("group_limit", "missing field `groups`".into())),
+                (None, _, None) => return Err(("group_limit", "missing field `top_groups`".into())),
+            };
+            let g = c.group_limit.insert(g);
+            set(&mut g.groups, &o.groups);
+            set(&mut g.score_top, &o.score_top);
+            set(&mut g.top_groups, &o.top_groups);
+        }
+        set(&mut c.kind, &self.kind);
+        set(&mut c.name, &self.name);
+        set(&mut c.normalize, &self.normalize.map(Some));
+        set(&mut c.padding_mask, &self.padding_mask.map(Some));
+        set(&mut c.routed_scaling, &self.routed_scaling);
+        if let Some(o) = &self.scope {
+            set(&mut c.scope.flatten, &o.flatten);
+            set(&mut c.scope.group, &o.group);
+        }
+        set(&mut c.score, &self.score);
+        set(&mut c.selection, &self.selection);
+        set(&mut c.top_k, &self.top_k.map(Some));
+        Ok(c)
+    }
+}
