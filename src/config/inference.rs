@@ -178,3 +178,57 @@ impl InferenceOverrides {
         Ok(c)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::config::{DropPolicy, Flatten, RouterConfig};
+
+    const BASE: &str = "name = \"r\"\nkind = \"token-choice\"\nexperts = 8\ntop_k = 2\nscore = \"softmax-pre\"\n\
+                        [capacity]\nfactor = 1.0\npolicy = \"position\"\n";
+
+    fn served(inference: &str) -> crate::error::Result<Option<RouterConfig>> {
+        RouterConfig::from_toml(&format!("{BASE}[inference]\n{inference}"), "t.toml")?.inference_config()
+    }
+
+    #[test]
+    fn nested_tables_override_only_the_fields_they_name() {
+        let c = served("capacity = { factor = 4.0 }\nscope = { flatten = \"sequence-major\" }\nname = \"s\"\n")
+            .unwrap()
+            .unwrap();
+        let cap = c.capacity.unwrap();
+        assert_eq!((cap.factor, cap.policy), (Some(4.0), DropPolicy::Position), "policy kept from training");
+        assert_eq!((c.scope.flatten, c.name.as_str(), c.top_k), (Flatten::SequenceMajor, "s", Some(2)));
+        assert!(c.inference.is_none());
+    }
+
+    #[test]
+    fn dropless_removes_the_capacity_before_a_new_one_is_built() {
+        assert!(served("dropless = true\n").unwrap().unwrap().capacity.is_none());
+        let fresh = served("dropless = true\ncapacity = { fixed = 3 }\n").unwrap().unwrap().capacity.unwrap();
+        assert_eq!((fresh.factor, fresh.fixed, fresh.policy), (None, Some(3), DropPolicy::Probs));
+        assert_eq!(served("dropless = false\n").unwrap().unwrap().capacity.unwrap().factor, Some(1.0));
+    }
+
+    #[test]
+    fn errors_name_the_field_under_inference_and_the_line_of_the_file() {
+        let err = |s: &str| served(s).unwrap_err().to_string();
+        assert_eq!(err("top_k = 9\n"), "t.toml: inference.top_k: 9 exceeds experts = 8");
+        assert_eq!(
+            err("top_k = \"x\"\n"),
+            "t.toml: inference.top_k: invalid type: string \"x\", expected usize (line 10, column 9)"
+        );
+        assert_eq!(err("group_limit = { top_groups = 1 }\n"), "t.toml: inference.group_limit: missing field `groups`");
+        assert!(err("colour = 1\n").starts_with("t.toml: inference.colour: unknown field `colour`"));
+    }
+
+    #[test]
+    fn the_overlay_serialises_in_table_order_and_round_trips() {
+        let c =
+            RouterConfig::from_toml(&format!("{BASE}[inference]\nname = \"s\"\ncapacity = {{ factor = 4.0 }}\n"), "t")
+                .unwrap();
+        let json = serde_json::to_string(&c.inference).unwrap();
+        assert_eq!(json, r#"{"capacity":{"factor":4.0},"name":"s"}"#);
+        let back: RouterConfig = crate::config::parse_toml(&toml::to_string(&c).unwrap(), "t").unwrap();
+        assert_eq!(back, c);
+    }
+}
