@@ -20,28 +20,6 @@ pub trait Router: Send + Sync {
     fn hidden_size(&self) -> Option<usize> {
         None
     }
-    /// Width of a row the assignment stage takes: E logits, or H hidden values for a router that
-    /// applies its own gate inside assignment (an external router with `input: hidden`).
-    fn row_width(&self) -> usize {
-        self.experts()
-    }
-    /// A row that wants expert `e` above all others, for targeted probes; `None`: the analyzer's
-    /// own logit row (a large logit at `e`), which only fits a router fed logits.
-    fn targeted_row(&self, e: usize) -> Option<Vec<f32>> {
-        let _ = e;
-        None
-    }
-    /// Hidden states `[batch, seq_len, hidden]` drawn from `seed` for the audit (real activations,
-    /// say); `None`: standard normal, the default.
-    fn draw_hidden(&self, shape: (usize, usize), seed: u64) -> Result<Option<Tensor>> {
-        let _ = (shape, seed);
-        Ok(None)
-    }
-    /// Whether calls may run concurrently. A router behind one subprocess answers calls one at a
-    /// time, and must see them in a fixed order for the audit to stay deterministic.
-    fn concurrent(&self) -> bool {
-        true
-    }
     /// The built-in configuration, when the router has one (witnesses then replay from it).
     fn config(&self) -> Option<&RouterConfig> {
         None
@@ -92,6 +70,62 @@ pub trait Router: Send + Sync {
     /// Both stages.
     fn route(&self, hidden: &Tensor) -> Result<Routing> {
         self.assign(logits_to_host(&self.scores(hidden)?)?.view())
+    }
+    /// How the analyzer feeds a router that is not a gate on rows it can craft; `None`, the
+    /// default: as a built-in router (see [`Hints`]).
+    fn hints(&self) -> Option<&dyn Hints> {
+        None
+    }
+}
+
+/// What the analyzer needs to know only about routers fed hidden states or living elsewhere (a
+/// subprocess, trace files, a real gate with real activations). Every method defaults to what
+/// a built-in router needs, so such a router implements the few that differ and returns itself
+/// from [`Router::hints`]; the analyzer reads them through `dyn Router`'s methods of the same
+/// names.
+pub trait Hints: Send + Sync {
+    /// Width of a row the assignment stage takes, when it is not E logits: H hidden values for
+    /// a router that applies its own gate inside assignment (an external router with `input:
+    /// hidden`).
+    fn row_width(&self) -> Option<usize> {
+        None
+    }
+    /// A row that wants expert `e` above all others, for targeted probes; `None`: the analyzer's
+    /// own logit row (a large logit at `e`), which only fits a router fed logits.
+    fn targeted_row(&self, e: usize) -> Option<Vec<f32>> {
+        let _ = e;
+        None
+    }
+    /// Hidden states `[batch, seq_len, hidden]` drawn from `seed` for the audit (real activations,
+    /// say); `None`: standard normal, the default.
+    fn draw_hidden(&self, shape: (usize, usize), seed: u64) -> Result<Option<Tensor>> {
+        let _ = (shape, seed);
+        Ok(None)
+    }
+    /// Whether calls may run concurrently. A router behind one subprocess answers calls one at a
+    /// time, and must see them in a fixed order for the audit to stay deterministic.
+    fn concurrent(&self) -> bool {
+        true
+    }
+}
+
+/// The [`Hints`] of any router, with the built-in defaults when it gives none.
+impl dyn Router + '_ {
+    /// Width of a row the assignment stage takes ([`Hints::row_width`]; E by default).
+    pub fn row_width(&self) -> usize {
+        self.hints().and_then(Hints::row_width).unwrap_or_else(|| self.experts())
+    }
+    /// A row that wants expert `e` above all others ([`Hints::targeted_row`]).
+    pub fn targeted_row(&self, e: usize) -> Option<Vec<f32>> {
+        self.hints().and_then(|h| h.targeted_row(e))
+    }
+    /// The audit's hidden states, when the router draws its own ([`Hints::draw_hidden`]).
+    pub fn draw_hidden(&self, shape: (usize, usize), seed: u64) -> Result<Option<Tensor>> {
+        self.hints().map_or(Ok(None), |h| h.draw_hidden(shape, seed))
+    }
+    /// Whether calls may run concurrently ([`Hints::concurrent`]).
+    pub fn concurrent(&self) -> bool {
+        self.hints().is_none_or(Hints::concurrent)
     }
 }
 

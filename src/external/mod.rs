@@ -7,7 +7,7 @@
 //!
 //! An external router routes whole rows in its assignment stage: E logits (`input: logits`) or
 //! H hidden values (`input: hidden`, the router applies its own gate). The analyzer's score stage
-//! is then the identity, and its rows are as wide as [`Router::row_width`] says.
+//! is then the identity, and its rows are as wide as [`crate::router::Hints::row_width`] says.
 
 pub mod process;
 pub mod protocol;
@@ -19,7 +19,7 @@ pub use trace::{plan, planned_options, Replay, TraceRouter};
 
 use crate::error::{Error, Result};
 use crate::layer::Seeded;
-use crate::router::Router;
+use crate::router::{Hints, Router};
 use crate::routing::Routing;
 use candle_core::{Device, Tensor};
 use ndarray::{Array3, ArrayView3};
@@ -82,17 +82,8 @@ impl<A: Answers> Router for External<A> {
         self.handshake().experts
     }
 
-    fn row_width(&self) -> usize {
-        self.handshake().row_width()
-    }
-
-    fn targeted_row(&self, e: usize) -> Option<Vec<f32>> {
-        self.rows.targeted(e)
-    }
-
-    /// One conversation (or one replay order): calls must come one at a time, in order.
-    fn concurrent(&self) -> bool {
-        false
+    fn hints(&self) -> Option<&dyn Hints> {
+        Some(self)
     }
 
     /// The router's gate lives elsewhere: its rows pass through unchanged.
@@ -107,6 +98,21 @@ impl<A: Answers> Router for External<A> {
     fn inference(&self) -> Result<Option<Box<dyn Router>>> {
         let source = Arc::clone(&self.source);
         Ok(Some(Box::new(External { source, mode: Mode::Inference, rows: self.rows.clone() })))
+    }
+}
+
+impl<A: Answers> Hints for External<A> {
+    fn row_width(&self) -> Option<usize> {
+        Some(self.handshake().row_width())
+    }
+
+    fn targeted_row(&self, e: usize) -> Option<Vec<f32>> {
+        self.rows.targeted(e)
+    }
+
+    /// One conversation (or one replay order): calls must come one at a time, in order.
+    fn concurrent(&self) -> bool {
+        false
     }
 }
 

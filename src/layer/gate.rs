@@ -4,7 +4,7 @@
 
 use crate::config::RouterConfig;
 use crate::error::{Error, Result};
-use crate::router::{ConfigRouter, Router};
+use crate::router::{ConfigRouter, Hints, Router};
 use crate::routing::Routing;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
@@ -130,15 +130,8 @@ impl Router for GateRouter {
     fn config(&self) -> Option<&RouterConfig> {
         self.inner.config()
     }
-    fn draw_hidden(&self, (b, s): (usize, usize), seed: u64) -> Result<Option<Tensor>> {
-        let Some(states) = &self.states else {
-            return Ok(None);
-        };
-        let (rows, hidden) = states.dims2()?;
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        let picks: Vec<u32> = (0..b * s).map(|_| rng.random_range(0..rows) as u32).collect();
-        let picks = Tensor::from_vec(picks, b * s, &Device::Cpu)?;
-        Ok(Some(states.index_select(&picks, 0)?.reshape((b, s, hidden))?))
+    fn hints(&self) -> Option<&dyn Hints> {
+        Some(self)
     }
     fn scores(&self, hidden: &Tensor) -> Result<Tensor> {
         self.inner.scores(hidden)
@@ -157,6 +150,19 @@ impl Router for GateRouter {
     }
     fn inference(&self) -> Result<Option<Box<dyn Router>>> {
         self.inner.inference()
+    }
+}
+
+impl Hints for GateRouter {
+    fn draw_hidden(&self, (b, s): (usize, usize), seed: u64) -> Result<Option<Tensor>> {
+        let Some(states) = &self.states else {
+            return Ok(None);
+        };
+        let (rows, hidden) = states.dims2()?;
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let picks: Vec<u32> = (0..b * s).map(|_| rng.random_range(0..rows) as u32).collect();
+        let picks = Tensor::from_vec(picks, b * s, &Device::Cpu)?;
+        Ok(Some(states.index_select(&picks, 0)?.reshape((b, s, hidden))?))
     }
 }
 

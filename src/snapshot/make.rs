@@ -239,7 +239,7 @@ fn trace_routings(dir: &Path, input: &mut InputSpec, max_memory: u64) -> Result<
     let router = TraceRouter::open(dir, max_memory)?;
     let inputs_path = dir.join(INPUTS);
     let inputs = crate::layer::load_safetensors(&inputs_path, &Device::Cpu, max_memory / 2)?;
-    let width = router.row_width();
+    let width = router.handshake().row_width();
     let mut out = Vec::new();
     for mode in [Mode::Train, Mode::Inference] {
         let Some(call) = manifest.calls.iter().find(|c| c.mode == mode) else { continue };

@@ -194,7 +194,7 @@ impl Ctx<'_> {
         ChaCha8Rng::seed_from_u64(self.seed ^ (0x5eed_0000 + probe as u64))
     }
 
-    /// Width of an input row: E logits, or H hidden values (see [`Router::row_width`]).
+    /// Width of an input row: E logits, or H hidden values (see [`crate::router::Hints::row_width`]).
     pub fn width(&self) -> usize {
         self.router.row_width()
     }
