@@ -178,6 +178,10 @@ pub struct Finding {
     /// Probe X only: precision flips and accumulator swamping.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub numerics: Option<numerics::Numerics>,
+    /// Probe P only: some prefixes were searched, not routed ([`AuditOptions::exhaustive`]
+    /// routes them all). Not serialised: a front end says in the note how to ask for it.
+    #[serde(skip)]
+    pub searched: bool,
 }
 
 impl Finding {
@@ -198,6 +202,7 @@ impl Finding {
             note: String::new(),
             witness: None,
             numerics: None,
+            searched: false,
         }
     }
 }

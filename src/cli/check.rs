@@ -217,6 +217,7 @@ fn audit_and_report(args: &CheckArgs, out: &mut dyn Write, comm: Option<&dyn Com
         audit_all(configs.clone(), &options, args.hidden, args.ffn, max_memory, comm)?
     };
     report.routers.extend(args.external.audit(configs, &options, max_memory)?);
+    name_exhaustive(&mut report);
     // Routers named in their handshake or manifest too, before any file is written.
     crate::names::check_unique(report.routers.iter().map(|r| r.router.as_str())).map_err(Error::Usage)?;
     if comm.is_some_and(|c| c.rank() != 0) {
@@ -253,6 +254,14 @@ fn audit_and_report(args: &CheckArgs, out: &mut dyn Write, comm: Option<&dyn Com
         out.write_all(render_github(&report).as_bytes()).map_err(io_error)?;
     }
     Ok(u8::from(report.leaks()))
+}
+
+/// A prefix probe that searched its prefixes says which flag routes them all (the library's
+/// note names no flag).
+fn name_exhaustive(report: &mut Report) {
+    for f in report.routers.iter_mut().flat_map(|r| r.findings.iter_mut()).filter(|f| f.searched) {
+        f.note.push_str(" (--exhaustive routes all)");
+    }
 }
 
 fn replay(path: &Path, max_memory: u64, out: &mut dyn Write) -> Result<u8> {

@@ -129,14 +129,13 @@ fn search(ctx: &Ctx, cases: &Cases) -> Result<Finding> {
     tally.merge(&Tally::unaffected(derived.iter().map(|t| b * (t + 1)).sum()));
     tally.finish(&mut finding);
     let routed = seen.len();
+    finding.searched = routed < count;
     finding.note = if routed == count {
         format!("{count} cases")
     } else if !derived.is_empty() {
-        format!("{count} cases, {routed} routed: the router is prefix-stable, the others route alike (--exhaustive routes all)")
+        format!("{count} cases, {routed} routed: the router is prefix-stable, the others route alike")
     } else {
-        format!(
-            "{count} cases, {routed} routed: up to the first leak and at log-spaced lengths (--exhaustive routes all)"
-        )
+        format!("{count} cases, {routed} routed: up to the first leak and at log-spaced lengths")
     };
     if let Some((&t, (_, Some(hit)))) = seen.iter().find(|(_, (_, hit))| hit.is_some()) {
         finding.witness = witness::build(ctx.router, Probe::P, &cases.get(t), (hit.batch, hit.pos))?;
