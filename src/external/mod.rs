@@ -90,6 +90,10 @@ impl<A: Answers> Router for External<A> {
         self.rows.targeted(e)
     }
 
+    fn handshake(&self) -> Option<serde_json::Value> {
+        serde_json::to_value(External::handshake(self)).ok()
+    }
+
     /// One conversation (or one replay order): calls must come one at a time, in order.
     fn concurrent(&self) -> bool {
         false
