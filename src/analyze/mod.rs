@@ -324,7 +324,7 @@ pub fn audit(subject: &Subject, options: &AuditOptions, tick: &mut dyn FnMut(&st
         (Some(layer), Some(x)) => Some(layer_check::Sample::new(layer, x, options.seed)?),
         _ => None,
     };
-    let load = ctx.base_routing.stats.clone();
+    let load = ctx.base_routing.stats;
     // Training-mode probes first, then M (inference calls), then the calls around the other
     // mode (always made), then S, which reads them: a router that an inference call changes
     // is audited in training mode as it was before, whichever probes run (see `repeats`).

@@ -333,6 +333,10 @@ impl Cases<'_> {
     }
 }
 
+/// What one case showed: its tally, and its witness token with (for a router without a config)
+/// the routing of its call `b`.
+type CaseSeen = (Tally, Option<(Affected, Option<Routing>)>);
+
 /// Runs every case of `probe` and folds them into its finding; `not_applicable` is the note
 /// when there are none. Cases are independent, so they run in parallel for a router that looks
 /// pure; a stateful one sees its calls in case order, so the audit stays deterministic either way.
@@ -348,7 +352,7 @@ fn run_cases(ctx: &Ctx, probe: Probe, cases: Cases, not_applicable: &str) -> Res
     // The first leaking case keeps its routing when the router has no config: its witness is
     // the calls as routed (routing them again would be another call to a stateful router).
     let keep = router.config().is_none();
-    let run = |i: usize| -> Result<(Tally, Option<(Affected, Option<Routing>)>)> {
+    let run = |i: usize| -> Result<CaseSeen> {
         let case = cases.get(i);
         let routed = case.b.routes(router)?;
         let outcome = case.compare(base_routing, &routed);
@@ -356,7 +360,7 @@ fn run_cases(ctx: &Ctx, probe: Probe, cases: Cases, not_applicable: &str) -> Res
     };
     let mut tally = Tally::default();
     let mut first_leak = None;
-    let mut fold = |i: usize, result: Result<(Tally, Option<(Affected, Option<Routing>)>)>| -> Result<()> {
+    let mut fold = |i: usize, result: Result<CaseSeen>| -> Result<()> {
         let (t, hit) = result?;
         tally.merge(&t);
         if first_leak.is_none() {
