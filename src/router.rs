@@ -24,6 +24,11 @@ pub trait Router: Send + Sync {
     fn config(&self) -> Option<&RouterConfig> {
         None
     }
+    /// How a router outside moe-audit introduced itself (its protocol handshake), when it did:
+    /// its witnesses then store the calls as sent and replay against the live router.
+    fn handshake(&self) -> Option<serde_json::Value> {
+        None
+    }
     /// Stage 1: gate logits.
     ///
     /// # Shapes

@@ -117,20 +117,20 @@ def test_switch_with_binding_per_sequence_capacity_passes():
     assert audit(switch(capacity=4)) == ALL_PASS
 
 
-# The leaks each router shows today, as measured. A random router (training-time jitter, the
-# NLLB second-expert sampling) leaks on every probe: D says it is random, and the others see that
-# same noise. NLLB's one capacity for the flattened call (second choices queue after every first
-# choice) leaks across tokens and sequences; in inference its capacity is a fraction of the
-# tokens (M). S passes: S puts a training call between two, and only an inference call
-# overwrites the capacity (test_nllb_moe_inference_call_overwrites_the_training_capacity).
+# The leaks each router shows today. A random router (training-time jitter, the NLLB
+# second-expert sampling) leaks on D alone: D says it is random, and the others are inconclusive
+# (within the noise D measures). NLLB's one capacity for the flattened call (second choices queue
+# after every first choice) leaks across tokens and sequences; in inference its capacity is a
+# fraction of the tokens (M), and an inference call overwrites the training capacity (S; see
+# test_nllb_moe_inference_call_overwrites_the_training_capacity).
 LEAKS = [
-    ("mixtral, jitter 0.3", lambda: mixtral(jitter=0.3), "PFNRDSML"),
-    ("switch, jitter 0.1", lambda: switch(capacity=4, jitter=0.1), "PFNRDSML"),
-    ("phimoe (sparsemixer samples in training)", phimoe, "PFNRDSML"),
-    ("nllb-moe, capacity 4", lambda: nllb(capacity=4), "PFNRML"),
+    ("mixtral, jitter 0.3", lambda: mixtral(jitter=0.3), "D"),
+    ("switch, jitter 0.1", lambda: switch(capacity=4, jitter=0.1), "D"),
+    ("phimoe (sparsemixer samples in training)", phimoe, "D"),
+    ("nllb-moe, capacity 4", lambda: nllb(capacity=4), "PFNRSML"),
     ("nllb-moe, capacity 64 (never binding)", lambda: nllb(capacity=64), ""),
-    ("nllb-moe, sampling", lambda: nllb(policy="sampling", capacity=64), "PFNRDSML"),
-    ("nllb-moe, random", lambda: nllb(policy="random", capacity=64), "PFNRDSML"),
+    ("nllb-moe, sampling", lambda: nllb(policy="sampling", capacity=64), "D"),
+    ("nllb-moe, random", lambda: nllb(policy="random", capacity=64), "D"),
 ]
 
 
@@ -138,6 +138,15 @@ LEAKS = [
 def test_capacity_and_random_routers_leak_where_they_should(name, make, leaks):
     found = audit(make())
     assert leaking(found) == leaks, found
+    if leaks == "D":
+        assert all(v in ("inconclusive", "pass") for p, v in found.items() if p != "D"), found
+
+
+def test_nllb_moe_verdicts_do_not_depend_on_the_probes_run():
+    full = audit(nllb(capacity=4))
+    for probes in ("L", "M,L", "S", "P,S"):
+        part = audit(nllb(capacity=4), "--probes", probes)
+        assert part == {p: full[p] for p in part}, (probes, part)
 
 
 def test_nllb_moe_inference_call_overwrites_the_training_capacity():

@@ -8,6 +8,25 @@ use crate::routing::{Logits, Routing};
 use ndarray::{s, Array2, Axis};
 use std::sync::Arc;
 
+/// The mode a call is routed in: the router itself, or its inference router (`[inference]`,
+/// or `mode: inference` over the protocol).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CallMode {
+    /// The training configuration.
+    #[default]
+    Train,
+    /// The inference configuration.
+    Inference,
+}
+
+impl CallMode {
+    /// Whether this is the training mode (the default a witness leaves out).
+    pub fn is_train(&self) -> bool {
+        *self == CallMode::Train
+    }
+}
+
 /// One call to a router: logits and, for routers that take one, a padding mask.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Call {

@@ -9,12 +9,15 @@ mod budget;
 mod case;
 pub mod compare;
 mod layer_check;
+mod noise;
 mod probe;
+mod repeats;
 mod tally;
 pub mod witness;
 
 pub use crate::parallel::Layer;
 pub use case::{Call, Case};
+pub use noise::FIX as RANDOM_ROUTER_FIX;
 pub use probe::{numerics, Probe};
 pub use witness::Witness;
 
@@ -74,6 +77,9 @@ pub enum Verdict {
     Leak,
     /// The probe cannot apply (batch of 1, no `[inference]` table, ...).
     NotApplicable,
+    /// Some token changed, but no more than the router's own randomness explains (D fails):
+    /// the probe cannot tell a leak from noise.
+    Inconclusive,
 }
 
 /// Audit sizes and knobs.
@@ -227,6 +233,11 @@ impl RouterReport {
         !self.invariants.is_empty() || self.findings.iter().any(|f| f.verdict == Verdict::Leak)
     }
 
+    /// Whether some probe could not tell a leak from the router's randomness.
+    pub fn inconclusive(&self) -> bool {
+        self.findings.iter().any(|f| f.verdict == Verdict::Inconclusive)
+    }
+
     /// The finding of `probe`, if it ran.
     pub fn finding(&self, probe: Probe) -> Option<&Finding> {
         self.findings.iter().find(|f| f.probe == probe)
@@ -246,6 +257,12 @@ impl Report {
     /// Whether any router leaks.
     pub fn leaks(&self) -> bool {
         self.routers.iter().any(RouterReport::leaks)
+    }
+
+    /// Whether the gate fails: a router leaks, or some verdict is inconclusive (a random router
+    /// must not pass a gate silently, even when D is not among the probes). Exit code 1.
+    pub fn fails(&self) -> bool {
+        self.routers.iter().any(|r| r.leaks() || r.inconclusive())
     }
 }
 
@@ -294,7 +311,7 @@ pub fn audit(subject: &Subject, options: &AuditOptions, tick: &mut dyn FnMut(&st
         invariants.extend(layer_check::scores_per_token(router, x, &base.logits)?);
     }
     let pure = router.concurrent() && looks_pure(router, &base, &base_routing)?;
-    let ctx = Ctx {
+    let mut ctx = Ctx {
         router,
         base,
         base_routing,
@@ -304,21 +321,54 @@ pub fn audit(subject: &Subject, options: &AuditOptions, tick: &mut dyn FnMut(&st
         hidden: hidden.clone(),
         ranks: options.ranks,
         exhaustive: options.exhaustive,
+        repeats: None,
     };
+    let other = probe::other_call(&ctx)?;
+    ctx.repeats = Some(repeats::Repeats::train(router, &ctx.base, &ctx.base_routing, &other)?);
     let sample = match (subject.layer, &hidden) {
         (Some(layer), Some(x)) => Some(layer_check::Sample::new(layer, x, options.seed)?),
         _ => None,
     };
+    let load = ctx.base_routing.stats;
+    // Training-mode probes first, then M (inference calls), then the calls around the other
+    // mode (always made), then S, which reads them: a router that an inference call changes
+    // is audited in training mode as it was before, whichever probes run (see `repeats`).
+    let later = |p: &Probe| matches!(p, Probe::M | Probe::S);
     let mut findings = Vec::new();
-    for &probe in &options.probes {
-        tick(&format!("{} {}", router.name(), probe.name()));
-        let mut finding = probe.rule().run(&ctx, subject.layer)?;
-        if let Some(sample) = &sample {
-            sample.check(probe, &mut finding)?;
-        }
-        findings.push(finding);
+    for &probe in options.probes.iter().filter(|p| !later(p)) {
+        findings.push(run_probe(&mut ctx, probe, subject, sample.as_ref(), tick)?);
     }
-    Ok(RouterReport { router: router.name().to_string(), load: ctx.base_routing.stats, invariants, findings })
+    if options.probes.contains(&Probe::M) {
+        findings.push(run_probe(&mut ctx, Probe::M, subject, sample.as_ref(), tick)?);
+    }
+    ctx.repeats.as_mut().expect("made above").modes(router, &ctx.base, &other)?;
+    if options.probes.contains(&Probe::S) {
+        findings.push(run_probe(&mut ctx, Probe::S, subject, sample.as_ref(), tick)?);
+    }
+    findings.sort_by_key(|f| options.probes.iter().position(|&p| p == f.probe));
+    let noise = ctx.repeats().repeat.tally();
+    noise::separate(&mut findings, (noise.affected, noise.compared()), noise.differs());
+    Ok(RouterReport { router: router.name().to_string(), load, invariants, findings })
+}
+
+/// Runs one probe with its reference routed fresh (a router whose calls may change it: its
+/// verdict must not depend on the calls before it), and checks its layer sample.
+fn run_probe(
+    ctx: &mut Ctx,
+    probe: Probe,
+    subject: &Subject,
+    sample: Option<&layer_check::Sample>,
+    tick: &mut dyn FnMut(&str),
+) -> Result<Finding> {
+    tick(&format!("{} {}", ctx.router.name(), probe.name()));
+    if !ctx.pure {
+        ctx.base_routing = ctx.base.routes(ctx.router)?;
+    }
+    let mut finding = probe.rule().run(ctx, subject.layer)?;
+    if let Some(sample) = sample {
+        sample.check(probe, &mut finding)?;
+    }
+    Ok(finding)
 }
 
 /// Whether the router routes the base call alike twice in a row and after another call: then

@@ -41,6 +41,16 @@ impl Tally {
         t
     }
 
+    /// Whether some token's routing or capacity differed.
+    pub(crate) fn differs(&self) -> bool {
+        self.affected > 0 || self.capacity_changed
+    }
+
+    /// Tokens compared.
+    pub(crate) fn compared(&self) -> usize {
+        self.compared
+    }
+
     pub(crate) fn merge(&mut self, other: &Tally) {
         self.compared += other.compared;
         self.affected += other.affected;

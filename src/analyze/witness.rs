@@ -4,8 +4,13 @@
 //! Shrinking is greedy and deterministic: drop whole sequences, then positions, then undo changed
 //! tokens, the last two in halving chunks (delta debugging), keeping each step only if the token
 //! still routes differently; repeat until nothing more goes.
+//!
+//! A router outside moe-audit (a subprocess, trace files) has no config to replay from: its
+//! witness keeps the two calls as the audit sent them, unshrunk (shrinking would call the router
+//! again, and change what a stateful router answers the probes after it), with its handshake,
+//! and replays against the live router (`check --replay W --router-cmd CMD`).
 
-use super::case::{Call, Case};
+use super::case::{Call, CallMode, Case};
 use super::compare::{diff_token, TokenDiff};
 use super::{Probe, Property};
 use crate::config::RouterConfig;
@@ -35,7 +40,8 @@ pub struct StoredCall {
     pub batch: usize,
     /// Tokens per sequence.
     pub seq_len: usize,
-    /// `batch*seq_len` rows of logits, sequence-major.
+    /// `batch*seq_len` rows of logits (hidden states for an external router fed hidden
+    /// states), sequence-major.
     pub logits: Vec<Vec<f32>>,
     /// `batch` rows of `seq_len` flags (`true` = padding), when the call has a mask.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -57,8 +63,19 @@ pub struct TokenRef {
 pub struct Witness {
     /// Always [`FORMAT`].
     pub format: String,
-    /// The router, complete (its `[inference]` table included).
-    pub router: RouterConfig,
+    /// The router, complete (its `[inference]` table included); absent for a router outside
+    /// moe-audit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub router: Option<RouterConfig>,
+    /// The handshake of a router outside moe-audit, which replays against the live router.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handshake: Option<serde_json::Value>,
+    /// The mode call `a` is routed in (S: the same call around a call of the other mode).
+    #[serde(default, skip_serializing_if = "CallMode::is_train")]
+    pub a_mode: CallMode,
+    /// The mode call `b` is routed in.
+    #[serde(default, skip_serializing_if = "CallMode::is_train")]
+    pub b_mode: CallMode,
     /// The probe that found it.
     pub probe: Probe,
     /// The property broken.
@@ -100,31 +117,121 @@ pub(crate) fn route_with(config: &RouterConfig, call: &Call) -> Result<Routing> 
     assign_routes(config, call.logits.view(), call.padding.as_ref().map(|m| m.view()))
 }
 
+/// What routes a witness's calls: its router config, or a live router.
+pub(crate) trait Replayer: Sync {
+    /// The routing of `call` in `mode`, for a comparison.
+    fn route(&self, call: &Call, mode: CallMode) -> Result<Routing>;
+    /// Whether two calls may be routed at once (a config's routing is a pure function).
+    fn concurrent(&self) -> bool;
+}
+
+impl Replayer for RouterConfig {
+    fn route(&self, call: &Call, mode: CallMode) -> Result<Routing> {
+        match mode {
+            CallMode::Train => route_with(self, call),
+            CallMode::Inference => {
+                let inference = self
+                    .inference_config()?
+                    .ok_or_else(|| Error::Usage("an inference-mode witness needs an [inference] table".into()))?;
+                route_with(&inference, call)
+            }
+        }
+    }
+
+    fn concurrent(&self) -> bool {
+        true
+    }
+}
+
+/// A live router (an external one, for `check --replay W --router-cmd CMD`).
+struct Live<'a>(&'a dyn Router);
+
+impl Replayer for Live<'_> {
+    fn route(&self, call: &Call, mode: CallMode) -> Result<Routing> {
+        match mode {
+            CallMode::Train => call.routes(self.0),
+            CallMode::Inference => match self.0.inference()? {
+                Some(inference) => call.routes(inference.as_ref()),
+                None => Err(Error::Usage(format!("router `{}` has no inference mode", self.0.name()))),
+            },
+        }
+    }
+
+    fn concurrent(&self) -> bool {
+        self.0.concurrent()
+    }
+}
+
 /// Routes both sides as `probe` prescribes and diffs the token.
-fn replay_pair(config: &RouterConfig, probe: Probe, pair: &Pair) -> Result<(Routing, Routing, TokenDiff)> {
+fn replay_pair(
+    with: &dyn Replayer,
+    probe: Probe,
+    pair: &Pair,
+    modes: (CallMode, CallMode),
+) -> Result<(Routing, Routing, TokenDiff)> {
     let Some(tb) = pair.token_b() else {
         return Err(Error::Usage("witness token has no counterpart in call b".into()));
     };
-    let (ra, rb) = probe.rule().replay(config, &pair.a, &pair.b)?;
+    let (ra, rb) = probe.rule().replay(with, &pair.a, &pair.b, modes)?;
     let diff = diff_token(&ra, pair.token, &rb, tb);
     Ok((ra, rb, diff))
 }
 
 /// Builds a shrunk witness for token `token` (in `case.a`), when the router has a config.
 pub(crate) fn build(router: &dyn Router, probe: Probe, case: &Case, token: (usize, usize)) -> Result<Option<Witness>> {
-    let Some(config) = router.config() else { return Ok(None) };
+    match router.config() {
+        Some(_) => build_routed(router, probe, case, token, None, (CallMode::Train, CallMode::Train)),
+        None => Ok(None),
+    }
+}
+
+/// Builds a witness for token `token` (in `case.a`): shrunk when the router has a config; for
+/// a router with a handshake, the case's calls as sent, `routed` being the routings the audit
+/// compared (`a`'s, then `b`'s). `modes` are the modes the calls were routed in.
+pub(crate) fn build_routed(
+    router: &dyn Router,
+    probe: Probe,
+    case: &Case,
+    token: (usize, usize),
+    routed: Option<(&Routing, &Routing)>,
+    modes: (CallMode, CallMode),
+) -> Result<Option<Witness>> {
     let pair =
         Pair { a: Call::clone(&case.a), b: case.b.clone(), seq_map: case.seq_map.clone(), offset: case.offset, token };
-    let leaks = |p: &Pair| replay_pair(config, probe, p).map(|(_, _, d)| d.any()).unwrap_or(false);
+    let Some(config) = router.config() else {
+        let (Some(handshake), Some(routed), Some(tb)) = (router.handshake(), routed, pair.token_b()) else {
+            return Ok(None);
+        };
+        let diff = diff_token(routed.0, token, routed.1, tb);
+        return Ok(diff
+            .any()
+            .then(|| witness(&pair, (routed.0, routed.1, diff), probe, None, Some(handshake), modes, tb)));
+    };
+    let leaks = |p: &Pair| replay_pair(config, probe, p, modes).map(|(_, _, d)| d.any()).unwrap_or(false);
     if !leaks(&pair) {
         return Ok(None);
     }
     let pair = shrink(pair, probe, &leaks);
-    let (ra, rb, diff) = replay_pair(config, probe, &pair)?;
+    let (ra, rb, diff) = replay_pair(config, probe, &pair, modes)?;
     let tb = pair.token_b().expect("kept by shrinking");
-    Ok(Some(Witness {
+    Ok(Some(witness(&pair, (&ra, &rb, diff), probe, Some(config.clone()), None, modes, tb)))
+}
+
+fn witness(
+    pair: &Pair,
+    (ra, rb, diff): (&Routing, &Routing, TokenDiff),
+    probe: Probe,
+    router: Option<RouterConfig>,
+    handshake: Option<serde_json::Value>,
+    (a_mode, b_mode): (CallMode, CallMode),
+    tb: (usize, usize),
+) -> Witness {
+    Witness {
         format: FORMAT.into(),
-        router: config.clone(),
+        router,
+        handshake,
+        a_mode,
+        b_mode,
         probe,
         property: probe.property(),
         differs: diff.describe(),
@@ -134,7 +241,7 @@ pub(crate) fn build(router: &dyn Router, probe: Probe, case: &Case, token: (usiz
         token_b: TokenRef { batch: tb.0, pos: tb.1 },
         before: ra.token(pair.token.0, pair.token.1).clone(),
         after: rb.token(tb.0, tb.1).clone(),
-    }))
+    }
 }
 
 fn shrink(mut pair: Pair, probe: Probe, leaks: &dyn Fn(&Pair) -> bool) -> Pair {
@@ -376,9 +483,16 @@ impl Witness {
         if w.format != FORMAT {
             return Err(Error::input(path, format!("format `{}` is not `{FORMAT}`", w.format)));
         }
-        w.router.validate().map_err(|(field, message)| {
-            Error::config(&path.display().to_string(), &format!("router.{field}"), message)
-        })?;
+        match (&w.router, &w.handshake) {
+            (Some(router), None) => router.validate().map_err(|(field, message)| {
+                Error::config(&path.display().to_string(), &format!("router.{field}"), message)
+            })?,
+            (None, Some(_)) if w.experts().is_some() && w.name().is_some() => {}
+            (None, Some(_)) => {
+                return Err(Error::input(path, "`handshake` needs a `name` and a number of `experts` of at least 1"))
+            }
+            _ => return Err(Error::input(path, "a witness holds either a `router` config or a `handshake`")),
+        }
         w.check_stored_routings().map_err(|m| Error::input(path, m))?;
         Ok(w)
     }
@@ -386,14 +500,12 @@ impl Witness {
     /// The stored routings are what the witness claims: on valid experts, and different (a
     /// capacity difference aside, which lives in the group, not the token).
     fn check_stored_routings(&self) -> std::result::Result<(), String> {
+        let experts = self.experts().expect("checked");
         for (name, t) in [("before", &self.before), ("after", &self.after)] {
-            let mut seen = vec![false; self.router.experts];
+            let mut seen = vec![false; experts];
             for r in &t.routes {
-                if r.expert >= self.router.experts || std::mem::replace(&mut seen[r.expert], true) {
-                    return Err(format!(
-                        "`{name}` routes to expert {} twice or out of range 0..{}",
-                        r.expert, self.router.experts
-                    ));
+                if r.expert >= experts || std::mem::replace(&mut seen[r.expert], true) {
+                    return Err(format!("`{name}` routes to expert {} twice or out of range 0..{experts}", r.expert));
                 }
             }
         }
@@ -406,13 +518,66 @@ impl Witness {
         Ok(())
     }
 
-    /// Replays the witness from its own contents.
+    /// The router's name (its config's, or its handshake's).
+    pub fn name(&self) -> Option<&str> {
+        match (&self.router, &self.handshake) {
+            (Some(router), _) => Some(&router.name),
+            (None, Some(h)) => h.get("name").and_then(|n| n.as_str()),
+            (None, None) => None,
+        }
+    }
+
+    /// The router's number of experts (its config's, or its handshake's).
+    fn experts(&self) -> Option<usize> {
+        match (&self.router, &self.handshake) {
+            (Some(router), _) => Some(router.experts),
+            (None, Some(h)) => h.get("experts").and_then(|e| e.as_u64()).and_then(|e| usize::try_from(e).ok()),
+            (None, None) => None,
+        }
+        .filter(|&e| e > 0)
+    }
+
+    /// Replays the witness from its own contents (a witness with a router config).
     pub fn replay(self, path: &Path) -> Result<Replay> {
-        let (a, b) = (load(&self.a, "a", path)?, load(&self.b, "b", path)?);
-        if a.logits.dim().2 != self.router.experts {
+        let Some(config) = self.router.clone() else {
+            return Err(Error::Usage(format!(
+                "{}: the witness is of router `{}` outside moe-audit: replay it with --router-cmd",
+                path.display(),
+                self.name().unwrap_or_default()
+            )));
+        };
+        self.replay_with(path, &config, config.experts)
+    }
+
+    /// Replays the witness against a live router, which must introduce itself as the witness's
+    /// handshake says (name, experts, top-k, input and hidden size; the protocol may differ).
+    pub fn replay_on(self, path: &Path, router: &dyn Router) -> Result<Replay> {
+        let Some(stored) = &self.handshake else {
+            return Err(Error::Usage(format!(
+                "{}: the witness holds a router config: replay it without --router-cmd",
+                path.display()
+            )));
+        };
+        let live = router.handshake().unwrap_or_default();
+        let same = ["name", "experts", "top_k", "input", "hidden_size"]
+            .iter()
+            .all(|k| stored.get(k).filter(|v| !v.is_null()) == live.get(k).filter(|v| !v.is_null()));
+        if !same {
             return Err(Error::input(
                 path,
-                format!("logits have {} experts, the router {}", a.logits.dim().2, self.router.experts),
+                format!("the witness's router is {stored}, the command's router is {live}: not the same router"),
+            ));
+        }
+        self.replay_with(path, &Live(router), router.row_width())
+    }
+
+    /// Replays with `with`, the calls' rows `width` wide.
+    fn replay_with(self, path: &Path, with: &dyn Replayer, width: usize) -> Result<Replay> {
+        let (a, b) = (load(&self.a, "a", path)?, load(&self.b, "b", path)?);
+        if a.logits.dim().2 != width || b.logits.dim().2 != width {
+            return Err(Error::input(
+                path,
+                format!("the calls' rows hold {} values, the router takes {width}", a.logits.dim().2),
             ));
         }
         let (ta, tb) = ((self.token_a.batch, self.token_a.pos), (self.token_b.batch, self.token_b.pos));
@@ -430,7 +595,7 @@ impl Witness {
             0
         };
         let pair = Pair { a, b, seq_map, offset, token: ta };
-        let (ra, rb, diff) = replay_pair(&self.router, self.probe, &pair)?;
+        let (ra, rb, diff) = replay_pair(with, self.probe, &pair, (self.a_mode, self.b_mode))?;
         let tb = pair.token_b().expect("mapped");
         Ok(Replay { before: ra.token(ta.0, ta.1).clone(), after: rb.token(tb.0, tb.1).clone(), diff, witness: self })
     }

@@ -24,7 +24,8 @@ pub struct CheckArgs {
     /// Preset names or router TOML files.
     #[arg(required_unless_present_any = ["replay", "router_cmd", "traces"], conflicts_with = "replay")]
     pub routers: Vec<String>,
-    /// Replay a witness file: exit 1 if it still shows the leak, 0 if not.
+    /// Replay a witness file: exit 1 if it still shows the leak, 0 if not (a witness of an
+    /// external router replays against `--router-cmd`).
     #[arg(long, value_name = "WITNESS.json")]
     pub replay: Option<PathBuf>,
     /// Probes to run, comma separated: P prefix, F future, N neighbour, R re-batch, D repeat,
@@ -169,7 +170,7 @@ pub(crate) fn audit_all(
 
 pub(super) fn run(args: &CheckArgs, out: &mut dyn Write) -> Result<u8> {
     if let Some(path) = &args.replay {
-        return replay(path, memory::limit(args.max_memory), out);
+        return replay(args, path, memory::limit(args.max_memory), out);
     }
     match args.comm {
         CommKind::InProcess => audit_and_report(args, out, None),
@@ -221,7 +222,7 @@ fn audit_and_report(args: &CheckArgs, out: &mut dyn Write, comm: Option<&dyn Com
     // Routers named in their handshake or manifest too, before any file is written.
     crate::names::check_unique(report.routers.iter().map(|r| r.router.as_str())).map_err(Error::Usage)?;
     if comm.is_some_and(|c| c.rank() != 0) {
-        return Ok(u8::from(report.leaks()));
+        return Ok(u8::from(report.fails()));
     }
     // The witnesses and the report file are one set, renamed into place together.
     let mut staged = crate::files::Staged::new();
@@ -253,7 +254,7 @@ fn audit_and_report(args: &CheckArgs, out: &mut dyn Write, comm: Option<&dyn Com
     if args.github {
         out.write_all(render_github(&report).as_bytes()).map_err(io_error)?;
     }
-    Ok(u8::from(report.leaks()))
+    Ok(u8::from(report.fails()))
 }
 
 /// A prefix probe that searched its prefixes says which flag routes them all (the library's
@@ -264,8 +265,18 @@ fn name_exhaustive(report: &mut Report) {
     }
 }
 
-fn replay(path: &Path, max_memory: u64, out: &mut dyn Write) -> Result<u8> {
-    let replay = Witness::read_within(path, max_memory)?.replay(path)?;
+/// Replays a witness from its file, or, with `--router-cmd`, against the live router.
+fn replay(args: &CheckArgs, path: &Path, max_memory: u64, out: &mut dyn Write) -> Result<u8> {
+    let witness = Witness::read_within(path, max_memory)?;
+    let replay = match args.external.router_cmd.as_slice() {
+        [] => witness.replay(path)?,
+        [command] => {
+            let timeout = crate::external::process::timeout(args.external.timeout)?;
+            let router = crate::external::ExternalRouter::spawn(command, timeout, args.seed, max_memory)?;
+            witness.replay_on(path, &router)?
+        }
+        _ => return Err(Error::Usage("--replay takes one --router-cmd".into())),
+    };
     let text = render_replay(&replay);
     out.write_all(text.as_bytes()).map_err(io_error)?;
     Ok(u8::from(replay.diff.any()))

@@ -86,6 +86,10 @@ impl<A: Answers> Router for External<A> {
         Some(self)
     }
 
+    fn handshake(&self) -> Option<serde_json::Value> {
+        serde_json::to_value(External::handshake(self)).ok()
+    }
+
     /// The router's gate lives elsewhere: its rows pass through unchanged.
     fn scores(&self, hidden: &Tensor) -> Result<Tensor> {
         pass_through(self, hidden)

@@ -56,12 +56,12 @@ pub fn render_junit(report: &Report) -> String {
     let _ = writeln!(
         out,
         "<testsuites name=\"moe-audit\" tests=\"{tests}\" failures=\"{}\" skipped=\"{}\">",
-        count(Verdict::Leak) + broken,
+        count(Verdict::Leak) + count(Verdict::Inconclusive) + broken,
         count(Verdict::NotApplicable)
     );
     for r in &report.routers {
-        let failures =
-            r.findings.iter().filter(|f| f.verdict == Verdict::Leak).count() + usize::from(!r.invariants.is_empty());
+        let failures = r.findings.iter().filter(|f| matches!(f.verdict, Verdict::Leak | Verdict::Inconclusive)).count()
+            + usize::from(!r.invariants.is_empty());
         let skipped = r.findings.iter().filter(|f| f.verdict == Verdict::NotApplicable).count();
         let name = xml(&r.router);
         let _ = writeln!(
@@ -76,6 +76,15 @@ pub fn render_junit(report: &Report) -> String {
                 Verdict::Pass => out.push_str("/>\n"),
                 Verdict::NotApplicable => {
                     let _ = writeln!(out, ">\n      <skipped message=\"{}\"/>\n    </testcase>", xml(&f.note));
+                }
+                // A random router fails the gate: the probe cannot vouch for it.
+                Verdict::Inconclusive => {
+                    let _ = writeln!(
+                        out,
+                        ">\n      <failure type=\"inconclusive\" message=\"{}\">{}</failure>\n    </testcase>",
+                        xml(&f.note),
+                        xml(&f.note)
+                    );
                 }
                 Verdict::Leak => {
                     let _ = writeln!(
@@ -125,6 +134,15 @@ pub fn render_github(report: &Report) -> String {
                 "::error title={}::{}",
                 escape(&title, true),
                 escape(&format!("{}: {}", r.router, summary(f)), false)
+            );
+        }
+        for f in r.findings.iter().filter(|f| f.verdict == Verdict::Inconclusive) {
+            let title = format!("moe-audit: {} inconclusive on {} {}", r.router, f.probe, f.probe.name());
+            let _ = writeln!(
+                out,
+                "::error title={}::{}",
+                escape(&title, true),
+                escape(&format!("{}: {}", r.router, f.note), false)
             );
         }
         for v in &r.invariants {

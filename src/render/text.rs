@@ -11,6 +11,8 @@ pub(crate) fn verdict_word(v: Verdict) -> &'static str {
         Verdict::Pass => "pass",
         Verdict::Leak => "LEAK",
         Verdict::NotApplicable => "n/a",
+        // Five letters: the zoo's columns.
+        Verdict::Inconclusive => "noise",
     }
 }
 
@@ -24,7 +26,8 @@ pub(crate) fn why(f: &Finding) -> String {
         return f.note.clone();
     }
     let mut parts = Vec::new();
-    if f.numerics.is_some() {
+    // D's note says the router is random (and the fix), S's when the same call changed.
+    if f.numerics.is_some() || matches!(f.probe, Probe::D | Probe::S) {
         parts.push(f.note.clone());
     }
     if let Some(w) = &f.witness {
@@ -77,7 +80,23 @@ pub fn render_text(report: &Report, witness_paths: &dyn Fn(&str, Probe) -> Optio
     } else {
         writeln!(out, "{} of {} router(s) leak: {}", leaking.len(), report.routers.len(), leaking.join(", "))
     };
+    if let Some(line) = inconclusive_line(report) {
+        let _ = writeln!(out, "{line}");
+    }
     out
+}
+
+/// The line on random routers whose verdicts are inconclusive (they fail the gate, exit 1).
+fn inconclusive_line(report: &Report) -> Option<String> {
+    let random: Vec<&str> = report.routers.iter().filter(|r| r.inconclusive()).map(|r| r.router.as_str()).collect();
+    (!random.is_empty()).then(|| {
+        format!(
+            "{} router(s) random, verdicts inconclusive: {}; fix: {}",
+            random.len(),
+            random.join(", "),
+            crate::analyze::RANDOM_ROUTER_FIX
+        )
+    })
 }
 
 /// Markdown for a CI step summary.
@@ -92,6 +111,7 @@ pub fn render_markdown(report: &Report) -> String {
                 Verdict::Leak => "❌ leak",
                 Verdict::Pass => "✅ pass",
                 Verdict::NotApplicable => "n/a",
+                Verdict::Inconclusive => "❔ inconclusive",
             };
             let _ = writeln!(
                 out,
@@ -120,6 +140,9 @@ pub fn render_markdown(report: &Report) -> String {
     } else {
         writeln!(out, "\n❌ {} of {} router(s) leak: {}", leaking.len(), report.routers.len(), leaking.join(", "))
     };
+    if let Some(line) = inconclusive_line(report) {
+        let _ = writeln!(out, "\n❔ {line}");
+    }
     out
 }
 
@@ -147,6 +170,9 @@ pub fn render_zoo(report: &Report) -> String {
         "\n{leaking} of {} presets leak. LEAK = the probe changed some token's routing; see `moe-audit check <preset>` for rates and witnesses.",
         routers.len()
     );
+    if let Some(line) = inconclusive_line(report) {
+        let _ = writeln!(out, "{line}; noise = inconclusive, within the router's randomness.");
+    }
     out
 }
 
@@ -157,7 +183,7 @@ pub fn render_replay(replay: &Replay) -> String {
     if replay.diff.any() {
         format!(
             "LEAK reproduced: router {}, probe {} ({}), property {}: token {token} routes differently ({})\n  before: {}\n  after:  {}\n",
-            w.router.name,
+            w.name().unwrap_or_default(),
             w.probe,
             w.probe.name(),
             w.property,
@@ -166,7 +192,7 @@ pub fn render_replay(replay: &Replay) -> String {
             serde_json::to_string(&replay.after.routes).expect("serialises"),
         )
     } else {
-        format!("no leak: router {} now routes token {token} alike in both calls\n", w.router.name)
+        format!("no leak: router {} now routes token {token} alike in both calls\n", w.name().unwrap_or_default())
     }
 }
 

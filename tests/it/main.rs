@@ -13,6 +13,7 @@ mod layer;
 mod limits;
 #[cfg(feature = "mpi")]
 mod mpi;
+mod noise;
 mod parallel;
 mod readme;
 mod routers;

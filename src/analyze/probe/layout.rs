@@ -6,7 +6,7 @@
 //! single-device layer.
 
 use super::{Ctx, Rule};
-use crate::analyze::case::Case;
+use crate::analyze::case::{CallMode, Case};
 use crate::analyze::layer_check::compare_outputs;
 use crate::analyze::tally::{pick_witness_token, Tally};
 use crate::analyze::{witness, Finding, Layer, Probe, Property, Verdict};
@@ -52,10 +52,11 @@ fn probe(ctx: &Ctx, layer: Option<&dyn Layer>) -> Result<Finding> {
             // Sequences on other ranks have no counterpart: not compared.
             let seq_map = (0..b).map(|i| seqs.contains(&i).then(|| i - rank * per)).collect();
             let case = Case::whole(&ctx.base, ctx.base.select(&seqs), seq_map);
-            let outcome = case.compare(&ctx.base_routing, &case.b.routes(ctx.router)?);
+            let routed = case.b.routes(ctx.router)?;
+            let outcome = case.compare(&ctx.base_routing, &routed);
             tally.merge(&Tally::of(&outcome));
             if first_leak.is_none() {
-                first_leak = pick_witness_token(&outcome).map(|hit| (case, hit));
+                first_leak = pick_witness_token(&outcome).map(|hit| (case, hit, routed));
             }
         }
         notes.push(format!("{r} ranks of {per} {}", if per == 1 { "sequence" } else { "sequences" }));
@@ -77,8 +78,9 @@ fn probe(ctx: &Ctx, layer: Option<&dyn Layer>) -> Result<Finding> {
         return Ok(finding);
     }
     tally.finish(&mut finding);
-    if let Some((case, hit)) = first_leak {
-        finding.witness = witness::build(ctx.router, Probe::L, &case, (hit.batch, hit.pos))?;
+    if let Some((case, hit, routed)) = first_leak {
+        let (routed, modes) = (Some((&ctx.base_routing, &routed)), (CallMode::Train, CallMode::Train));
+        finding.witness = witness::build_routed(ctx.router, Probe::L, &case, (hit.batch, hit.pos), routed, modes)?;
     }
     if split && ctx.router.experts() % r != 0 {
         notes.push(format!(

@@ -5,12 +5,12 @@
 //! Random changes rarely make a capacity bind, so every probe that can also makes *targeted*
 //! changes: later or neighbouring tokens pushed hard toward the experts a token uses.
 
-use super::case::{Affected, Call, Case};
+use super::case::{Affected, Call, CallMode, Case};
 use super::layer_check::{SampleCase, SampleInput};
+use super::repeats::Repeats;
 use super::tally::{pick_witness_token, Tally};
-use super::witness::{self, route_with};
+use super::witness::{self, Replayer};
 use super::{Finding, Layer, Property, Verdict};
-use crate::config::RouterConfig;
 use crate::error::{Error, Result};
 use crate::layer::Seeded;
 use crate::router::{logits_to_host, Router};
@@ -110,11 +110,22 @@ pub(crate) trait Rule: Sync {
         true
     }
 
-    /// The two routings a witness compares, from the witness's own router config.
-    fn replay(&self, config: &RouterConfig, a: &Call, b: &Call) -> Result<(Routing, Routing)> {
+    /// The two routings a witness compares, from the witness's own router config or the live
+    /// router; `modes` are the witness's calls' modes (S: around a call of the other mode).
+    fn replay(
+        &self,
+        with: &dyn Replayer,
+        a: &Call,
+        b: &Call,
+        modes: (CallMode, CallMode),
+    ) -> Result<(Routing, Routing)> {
+        let _ = modes;
+        if !with.concurrent() {
+            return Ok((with.route(a, CallMode::Train)?, with.route(b, CallMode::Train)?));
+        }
         // Shrinking is sequential and most of a leaking probe's time at long sequences: the two
         // sides route on two threads (a config's routing is a pure function).
-        let (ra, rb) = rayon::join(|| route_with(config, a), || route_with(config, b));
+        let (ra, rb) = rayon::join(|| with.route(a, CallMode::Train), || with.route(b, CallMode::Train));
         Ok((ra?, rb?))
     }
 }
@@ -186,9 +197,16 @@ pub(crate) struct Ctx<'a> {
     pub ranks: usize,
     /// Whether P routes every prefix instead of searching them (`AuditOptions::exhaustive`).
     pub exhaustive: bool,
+    /// The audit's first calls (D and S read them), made once the context exists.
+    pub repeats: Option<Repeats>,
 }
 
 impl Ctx<'_> {
+    /// The audit's first calls.
+    pub fn repeats(&self) -> &Repeats {
+        self.repeats.as_ref().expect("made before any probe runs")
+    }
+
     /// The random stream of `probe`.
     pub fn rng(&self, probe: Probe) -> ChaCha8Rng {
         ChaCha8Rng::seed_from_u64(self.seed ^ (0x5eed_0000 + probe as u64))
@@ -274,6 +292,14 @@ fn build<P: Send>(ctx: &Ctx, plans: Vec<P>, case: impl Fn(usize, P) -> Result<Ca
     }
 }
 
+/// The call S makes in between: fresh rows of the base call's sizes (at least 2 positions).
+pub(crate) fn other_call(ctx: &Ctx) -> Result<Call> {
+    let (b, s) = ctx.base.dims();
+    let mut rng = ChaCha8Rng::seed_from_u64(ctx.seed ^ 0x5);
+    let rows = ctx.fresh(s.max(2) * b, &mut rng)?;
+    Ok(Call::new(rows.into_shape_with_order((b, s.max(2), ctx.width())).expect("shape")))
+}
+
 /// Hidden states `[batch, seq_len, h]` from `seed`: the router's own draw, or standard normal.
 pub(crate) fn hidden_states(router: &dyn Router, (b, s): (usize, usize), h: usize, seed: u64) -> Result<Tensor> {
     match router.draw_hidden((b, s), seed)? {
@@ -307,6 +333,10 @@ impl Cases<'_> {
     }
 }
 
+/// What one case showed: its tally, and its witness token with (for a router without a config)
+/// the routing of its call `b`.
+type CaseSeen = (Tally, Option<(Affected, Option<Routing>)>);
+
 /// Runs every case of `probe` and folds them into its finding; `not_applicable` is the note
 /// when there are none. Cases are independent, so they run in parallel for a router that looks
 /// pure; a stateful one sees its calls in case order, so the audit stays deterministic either way.
@@ -319,38 +349,51 @@ fn run_cases(ctx: &Ctx, probe: Probe, cases: Cases, not_applicable: &str) -> Res
         return Ok(finding);
     }
     let (router, base_routing) = (ctx.router, &ctx.base_routing);
-    let run = |i: usize| -> Result<(Tally, Option<Affected>)> {
+    // The first leaking case keeps its routing when the router has no config: its witness is
+    // the calls as routed (routing them again would be another call to a stateful router).
+    let keep = router.config().is_none();
+    let run = |i: usize| -> Result<CaseSeen> {
         let case = cases.get(i);
-        let outcome = case.compare(base_routing, &case.b.routes(router)?);
-        Ok((Tally::of(&outcome), pick_witness_token(&outcome)))
+        let routed = case.b.routes(router)?;
+        let outcome = case.compare(base_routing, &routed);
+        Ok((Tally::of(&outcome), pick_witness_token(&outcome).map(|hit| (hit, keep.then_some(routed)))))
     };
-    let results: Vec<_> =
-        if ctx.pure { (0..count).into_par_iter().map(run).collect() } else { (0..count).map(run).collect() };
     let mut tally = Tally::default();
     let mut first_leak = None;
-    for (i, result) in results.into_iter().enumerate() {
+    let mut fold = |i: usize, result: Result<CaseSeen>| -> Result<()> {
         let (t, hit) = result?;
         tally.merge(&t);
         if first_leak.is_none() {
             first_leak = hit.map(|hit| (i, hit));
         }
+        Ok(())
+    };
+    if ctx.pure {
+        let results: Vec<_> = (0..count).into_par_iter().map(run).collect();
+        results.into_iter().enumerate().try_for_each(|(i, r)| fold(i, r))?;
+    } else {
+        (0..count).try_for_each(|i| fold(i, run(i)))?;
     }
     finding.note = format!("{count} cases");
     tally.finish(&mut finding);
-    if let Some((i, hit)) = first_leak {
-        finding.witness = witness::build(ctx.router, probe, &cases.get(i), (hit.batch, hit.pos))?;
+    if let Some((i, (hit, routed))) = first_leak {
+        let case = cases.get(i);
+        let routed = routed.as_ref().unwrap_or(base_routing);
+        let modes = (CallMode::Train, CallMode::Train);
+        let routed = Some((base_routing, routed));
+        finding.witness = witness::build_routed(ctx.router, probe, &case, (hit.batch, hit.pos), routed, modes)?;
     }
     Ok(finding)
 }
 
-/// D, S and M: one case, the base call routed twice (`reference` and `again`); its `b` is the
-/// call a witness stores beside the base call.
+/// D and M: one case, the base call routed twice (`reference` and `again`, in `modes`); its
+/// `b` is the call a witness stores beside the base call.
 fn run_repeat(
     ctx: &Ctx,
     probe: Probe,
     case: &Case,
-    reference: &Routing,
-    again: &Routing,
+    (reference, again): (&Routing, &Routing),
+    modes: (CallMode, CallMode),
     note: &str,
 ) -> Result<Finding> {
     let mut finding = Finding::empty(probe);
@@ -358,7 +401,8 @@ fn run_repeat(
     Tally::of(&outcome).finish(&mut finding);
     finding.note = note.into();
     if let Some(hit) = pick_witness_token(&outcome) {
-        finding.witness = witness::build(ctx.router, probe, case, (hit.batch, hit.pos))?;
+        let routed = Some((reference, again));
+        finding.witness = witness::build_routed(ctx.router, probe, case, (hit.batch, hit.pos), routed, modes)?;
     }
     Ok(finding)
 }

@@ -1,11 +1,10 @@
 //! M, mode (T/I): the training configuration against the `[inference]` one on the same input.
 
 use super::{run_repeat, Ctx, Rule};
-use crate::analyze::case::{Call, Case};
-use crate::analyze::witness::route_with;
+use crate::analyze::case::{Call, CallMode, Case};
+use crate::analyze::witness::Replayer;
 use crate::analyze::{Finding, Layer, Probe, Property, Verdict};
-use crate::config::RouterConfig;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::routing::Routing;
 
 /// Probe M.
@@ -30,17 +29,15 @@ impl Rule for Mode {
         let case = Case::aligned(&ctx.base, Call::clone(&ctx.base));
         let served = ctx.base.routes(inference.as_ref())?;
         let note = "training versus [inference] configuration on the same input";
-        run_repeat(ctx, Probe::M, &case, &ctx.base_routing, &served, note)
+        let modes = (CallMode::Train, CallMode::Inference);
+        run_repeat(ctx, Probe::M, &case, (&ctx.base_routing, &served), modes, note)
     }
 
     fn changes_input(&self) -> bool {
         false
     }
 
-    fn replay(&self, config: &RouterConfig, a: &Call, _: &Call) -> Result<(Routing, Routing)> {
-        let inference = config
-            .inference_config()?
-            .ok_or_else(|| Error::Usage("an M witness needs an [inference] table".into()))?;
-        Ok((route_with(config, a)?, route_with(&inference, a)?))
+    fn replay(&self, with: &dyn Replayer, a: &Call, _: &Call, _: (CallMode, CallMode)) -> Result<(Routing, Routing)> {
+        Ok((with.route(a, CallMode::Train)?, with.route(a, CallMode::Inference)?))
     }
 }

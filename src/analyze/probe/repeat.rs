@@ -1,11 +1,13 @@
-//! D, repeat (determinism): the same call twice must route alike, bit for bit.
+//! D, repeat (determinism): the same call twice must route alike, bit for bit. The two calls
+//! are the audit's repeat (`analyze/repeats.rs`), made before any probe; when they differ, the
+//! router is random, and the noise test (`analyze/noise.rs`) weighs every other probe's leak
+//! against D's rate.
 
 use super::{run_repeat, Ctx, Rule};
-use crate::analyze::case::{Call, Case};
+use crate::analyze::case::{Call, CallMode};
 use crate::analyze::layer_check::{SampleCase, SampleInput};
-use crate::analyze::witness::route_with;
+use crate::analyze::witness::Replayer;
 use crate::analyze::{Finding, Layer, Probe, Property};
-use crate::config::RouterConfig;
 use crate::error::Result;
 use crate::routing::Routing;
 
@@ -22,9 +24,8 @@ impl Rule for Repeat {
     }
 
     fn run(&self, ctx: &Ctx, _layer: Option<&dyn Layer>) -> Result<Finding> {
-        let case = Case::aligned(&ctx.base, Call::clone(&ctx.base));
-        let again = ctx.base.routes(ctx.router)?;
-        run_repeat(ctx, Probe::D, &case, &ctx.base_routing, &again, "the same call twice")
+        let o = &ctx.repeats().repeat;
+        run_repeat(ctx, Probe::D, &o.case, (&o.first, &o.second), o.modes, "the same call twice")
     }
 
     /// The sample itself, run again: outputs must be equal bit for bit.
@@ -36,7 +37,7 @@ impl Rule for Repeat {
         false
     }
 
-    fn replay(&self, config: &RouterConfig, a: &Call, _: &Call) -> Result<(Routing, Routing)> {
-        Ok((route_with(config, a)?, route_with(config, a)?))
+    fn replay(&self, with: &dyn Replayer, a: &Call, _: &Call, modes: (CallMode, CallMode)) -> Result<(Routing, Routing)> {
+        Ok((with.route(a, modes.0)?, with.route(a, modes.0)?))
     }
 }

@@ -1,11 +1,15 @@
-//! S, replay (statelessness): the same call before and after another call must route alike.
+//! S, replay (statelessness): the same call must route alike on the first call ever and after
+//! it, before and after another call, around a call of the other mode (train → inference →
+//! train; inference → train → inference). The calls are the audit's first
+//! (`analyze/repeats.rs`), so a router that mutates itself in an inference call (HF's NLLB-MoE
+//! overwrites its capacity) leaks here, whichever probes run.
 
-use super::{run_repeat, Ctx, Rule};
-use crate::analyze::case::{Call, Case};
+use super::{Ctx, Rule};
+use crate::analyze::case::{Call, CallMode};
 use crate::analyze::layer_check::{SampleCase, SampleInput};
-use crate::analyze::witness::route_with;
+use crate::analyze::tally::{pick_witness_token, Tally};
+use crate::analyze::witness::{self, Replayer};
 use crate::analyze::{Finding, Layer, Probe, Property};
-use crate::config::RouterConfig;
 use crate::error::Result;
 use crate::routing::Routing;
 use candle_core::Tensor;
@@ -23,19 +27,33 @@ impl Rule for Replay {
     }
 
     fn run(&self, ctx: &Ctx, _layer: Option<&dyn Layer>) -> Result<Finding> {
-        let (b, s) = ctx.base.dims();
-        let mut rng = rand::SeedableRng::seed_from_u64(ctx.seed ^ 0x5);
-        let other = Call::new(
-            ctx.fresh(s.max(2) * b, &mut rng)?
-                .into_shape_with_order((b, s.max(2), ctx.router.row_width()))
-                .expect("shape"),
-        );
-        let first = ctx.base.routes(ctx.router)?;
-        other.routes(ctx.router)?;
-        let after = ctx.base.routes(ctx.router)?;
-        // The witness keeps the call made in between as its call b.
-        let case = Case { b: other, ..Case::aligned(&ctx.base, Call::clone(&ctx.base)) };
-        run_repeat(ctx, Probe::S, &case, &first, &after, "the same call before and after another call")
+        let mut finding = Finding::empty(Probe::S);
+        let mut tally = Tally::default();
+        let mut differs = Vec::new();
+        for o in &ctx.repeats().state {
+            let outcome = o.case.compare(&o.first, &o.second);
+            let t = Tally::of(&outcome);
+            if t.differs() {
+                differs.push(o.label);
+                if finding.witness.is_none() {
+                    if let Some(hit) = pick_witness_token(&outcome) {
+                        let token = (hit.batch, hit.pos);
+                        let routed = Some((&o.first, &o.second));
+                        finding.witness =
+                            witness::build_routed(ctx.router, Probe::S, &o.case, token, routed, o.modes)?;
+                    }
+                }
+            }
+            tally.merge(&t);
+        }
+        tally.finish(&mut finding);
+        let modes = if ctx.repeats().state.len() > 2 { ", and around a call of the other mode" } else { "" };
+        finding.note = if differs.is_empty() {
+            format!("the same call first and again, before and after another call{modes}")
+        } else {
+            format!("the same call routes differently {}", differs.join(", "))
+        };
+        Ok(finding)
     }
 
     /// The sample again after the layer ran on other input: outputs must be equal bit for bit.
@@ -50,9 +68,10 @@ impl Rule for Replay {
         false
     }
 
-    fn replay(&self, config: &RouterConfig, a: &Call, b: &Call) -> Result<(Routing, Routing)> {
-        let first = route_with(config, a)?;
-        route_with(config, b)?;
-        Ok((first, route_with(config, a)?))
+    /// `a` in its mode, `b` in its own, then `a` again.
+    fn replay(&self, with: &dyn Replayer, a: &Call, b: &Call, modes: (CallMode, CallMode)) -> Result<(Routing, Routing)> {
+        let first = with.route(a, modes.0)?;
+        with.route(b, modes.1)?;
+        Ok((first, with.route(a, modes.0)?))
     }
 }
