@@ -20,6 +20,7 @@ pub use witness::Witness;
 
 use crate::error::{Error, Result, Setting};
 use crate::layer::{MoeLayer, Seeded};
+use crate::progress::Progress;
 use crate::router::{logits_to_host, Router};
 use crate::routing::{LoadStats, Routing};
 use candle_core::Device;
@@ -259,8 +260,8 @@ impl<'a> Subject<'a> {
     }
 }
 
-/// Audits one subject; `tick` is called once per probe (progress).
-pub fn audit(subject: &Subject, options: &AuditOptions, tick: &mut dyn FnMut(&str)) -> Result<RouterReport> {
+/// Audits one subject, telling `progress` each probe and its cases as they run.
+pub fn audit(subject: &Subject, options: &AuditOptions, progress: &dyn Progress) -> Result<RouterReport> {
     let (b, s) = (options.batch, options.seq_len);
     if b == 0 || s == 0 {
         return Err(Error::Usage(format!(
@@ -299,6 +300,7 @@ pub fn audit(subject: &Subject, options: &AuditOptions, tick: &mut dyn FnMut(&st
         hidden: hidden.clone(),
         ranks: options.ranks,
         exhaustive: options.exhaustive,
+        progress,
     };
     let sample = match (subject.layer, &hidden) {
         (Some(layer), Some(x)) => Some(layer_check::Sample::new(layer, x, options.seed)?),
@@ -306,7 +308,7 @@ pub fn audit(subject: &Subject, options: &AuditOptions, tick: &mut dyn FnMut(&st
     };
     let mut findings = Vec::new();
     for &probe in &options.probes {
-        tick(&format!("{} {}", router.name(), probe.name()));
+        progress.probe(&format!("{} {}", router.name(), probe.name()));
         let mut finding = probe.rule().run(&ctx, subject.layer)?;
         if let Some(sample) = &sample {
             sample.check(probe, &mut finding)?;

@@ -186,6 +186,8 @@ pub(crate) struct Ctx<'a> {
     pub ranks: usize,
     /// Whether P routes every prefix instead of searching them (`AuditOptions::exhaustive`).
     pub exhaustive: bool,
+    /// Told the cases planned and done.
+    pub progress: &'a dyn crate::progress::Progress,
 }
 
 impl Ctx<'_> {
@@ -319,9 +321,11 @@ fn run_cases(ctx: &Ctx, probe: Probe, cases: Cases, not_applicable: &str) -> Res
         return Ok(finding);
     }
     let (router, base_routing) = (ctx.router, &ctx.base_routing);
+    ctx.progress.plan(count);
     let run = |i: usize| -> Result<(Tally, Option<Affected>)> {
         let case = cases.get(i);
         let outcome = case.compare(base_routing, &case.b.routes(router)?);
+        ctx.progress.done(1);
         Ok((Tally::of(&outcome), pick_witness_token(&outcome)))
     };
     let results: Vec<_> =
