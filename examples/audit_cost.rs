@@ -8,7 +8,10 @@
 //! The forward: `MoeLayer::forward` on the same hidden states.
 //!
 //! Each repetition times one forward and one audit back to back (order alternating); medians.
-//! One line `audit_over_forward=<median audit / median forward> (T=<tokens>)` per length.
+//! One line `audit_over_forward=<median audit / median forward> (T=<tokens>)` per length, after
+//! where the audit's time went: the setup (hidden states, base routing, score check, purity
+//! check, layer sample) and each probe with its layer sample case and witness (medians, from the
+//! audit's progress reports).
 //!
 //! Run: `cargo run --release --example audit_cost [-- --reps N] [--seq-lens 512,2048]
 //! [--probes P,F] [--exhaustive]`.
@@ -19,8 +22,10 @@ mod timing;
 use candle_core::{DType, Device};
 use moe_audit::analyze::{audit, AuditOptions, Subject};
 use moe_audit::layer::{MoeLayer, Seeded};
-use std::time::Instant;
-use timing::median;
+use moe_audit::progress::Progress;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+use timing::{median, ms};
 
 const BATCH: usize = 4;
 const HIDDEN: usize = 512;
@@ -49,6 +54,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             options.trials
         );
         let (mut forward, mut audits) = (Vec::new(), Vec::new());
+        let mut parts: Vec<(String, Vec<Duration>)> = Vec::new();
         let mut leaks = 0;
         for rep in 0..reps + 1 {
             for step in 0..2 {
@@ -59,15 +65,26 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                         forward.push(start.elapsed());
                     }
                 } else {
-                    let report = audit(&Subject::layer(&layer), &options, &mut |_| {})?;
+                    let clock = Clock { start, marks: Mutex::default() };
+                    let report = audit(&Subject::layer(&layer), &options, &clock)?;
+                    let end = start.elapsed();
                     if rep > 0 {
-                        audits.push(start.elapsed());
+                        audits.push(end);
+                        for (i, (label, took)) in clock.parts(end).into_iter().enumerate() {
+                            if parts.len() == i {
+                                parts.push((label, Vec::new()));
+                            }
+                            parts[i].1.push(took);
+                        }
                     }
                     leaks = report.findings.iter().filter(|f| f.verdict == moe_audit::analyze::Verdict::Leak).count();
                 }
             }
         }
         let (f, a) = (median(forward), median(audits));
+        for (label, took) in parts {
+            println!("  {label:<18} {:8.1} ms", ms(median(took)));
+        }
         println!(
             "forward {:.1} ms | audit {:.1} ms ({leaks} probes leak)",
             f.as_secs_f64() * 1e3,
@@ -76,4 +93,31 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("audit_over_forward={:.3} (T={})", a.as_secs_f64() / f.as_secs_f64(), BATCH * seq);
     }
     Ok(())
+}
+
+/// Records when each probe starts, to split an audit's time into its setup and its probes.
+struct Clock {
+    start: Instant,
+    marks: Mutex<Vec<(String, Duration)>>,
+}
+
+impl Clock {
+    /// (setup or probe, time taken) of an audit that ended at `end`.
+    fn parts(self, end: Duration) -> Vec<(String, Duration)> {
+        let marks = self.marks.into_inner().expect("marks");
+        let mut out = vec![("setup".to_string(), marks.first().map_or(end, |m| m.1))];
+        for (i, (label, at)) in marks.iter().enumerate() {
+            let next = marks.get(i + 1).map_or(end, |m| m.1);
+            out.push((label.clone(), next - *at));
+        }
+        out
+    }
+}
+
+impl Progress for Clock {
+    fn probe(&self, label: &str) {
+        self.marks.lock().expect("marks").push((label.to_string(), self.start.elapsed()));
+    }
+    fn plan(&self, _: usize) {}
+    fn done(&self, _: usize) {}
 }

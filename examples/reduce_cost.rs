@@ -1,8 +1,9 @@
 //! What the reductions cost on this machine, side by side in one run (medians, rotating order so
-//! that noise hits every side alike): an all-reduce of `PAYLOAD` bytes per rank with each
-//! algorithm (f32 wire and accumulator, and f16 wire with an f32 accumulator), against one plain
-//! memcpy of the bytes a ring all-reduce moves, `2·B·(R−1)/R` per rank, on rank 0 while the
-//! others wait at a barrier (the `a2a_cost` baseline).
+//! that noise hits every side alike): on `PAYLOAD` bytes of f32 per rank, the all-reduce and the
+//! reduce-scatter with each algorithm and the (ring) all-gather, each with an f32, bf16 and f16
+//! wire (f32 accumulator), against one plain memcpy of the bytes the standard formulas say the
+//! op moves in f32 (all-reduce `2·B·(R−1)/R` per rank, reduce-scatter and all-gather
+//! `B·(R−1)/R`), on rank 0 while the others wait at a barrier (the `a2a_cost` baseline).
 //!
 //! The last line is `reduce_vs_memcpy=<memcpy time / ring f32 all-reduce time>` for 4 ranks.
 //!
@@ -13,7 +14,7 @@
 #[path = "common/timing.rs"]
 mod timing;
 
-use moe_audit::parallel::reduce::{all_reduce, Algorithm, Precision, ReducePlan};
+use moe_audit::parallel::reduce::{all_gather, all_reduce, chunk, reduce_scatter, Algorithm, Precision, ReducePlan};
 use moe_audit::parallel::{run_ranks, Communicator};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -23,36 +24,85 @@ use timing::{median, ms};
 const PAYLOAD: usize = 8 << 20;
 const WARMUP: usize = 2;
 
-fn plans(ranks: usize) -> Vec<ReducePlan> {
-    let mut out = Vec::new();
-    for (wire, accumulate) in [(Precision::F32, Precision::F32), (Precision::F16, Precision::F32)] {
-        for algorithm in Algorithm::ALL {
-            out.push(ReducePlan { algorithm, wire, accumulate, domain: if ranks >= 4 { 2 } else { 1 } });
+/// One collective timed.
+#[derive(Clone, Copy)]
+enum Op {
+    AllReduce(ReducePlan),
+    ReduceScatter(ReducePlan),
+    AllGather(Precision),
+}
+
+impl Op {
+    fn name(self) -> &'static str {
+        match self {
+            Op::AllReduce(_) => "all-reduce",
+            Op::ReduceScatter(_) => "reduce-scatter",
+            Op::AllGather(_) => "all-gather",
         }
+    }
+
+    fn wire(self) -> Precision {
+        match self {
+            Op::AllReduce(p) | Op::ReduceScatter(p) => p.wire,
+            Op::AllGather(wire) => wire,
+        }
+    }
+
+    fn algorithm(self) -> &'static str {
+        match self {
+            Op::AllReduce(p) | Op::ReduceScatter(p) => p.algorithm.name(),
+            Op::AllGather(_) => "ring",
+        }
+    }
+
+    /// f32 bytes the standard formula says one rank moves, over `B·(R−1)/R`.
+    fn passes(self) -> usize {
+        match self {
+            Op::AllReduce(_) => 2,
+            Op::ReduceScatter(_) | Op::AllGather(_) => 1,
+        }
+    }
+}
+
+/// The ring f32 all-reduce first (the last line's ratio).
+fn ops(ranks: usize) -> Vec<Op> {
+    let mut out = Vec::new();
+    let domain = if ranks >= 4 { 2 } else { 1 };
+    for wire in Precision::ALL {
+        let plan = |algorithm| ReducePlan { algorithm, wire, accumulate: Precision::F32, domain };
+        out.extend(Algorithm::ALL.map(|a| Op::AllReduce(plan(a))));
+        out.extend(Algorithm::ALL.map(|a| Op::ReduceScatter(plan(a))));
+        out.push(Op::AllGather(wire));
     }
     out
 }
 
-/// Median time of each plan's all-reduce, then of the memcpy (last).
+/// Median time of each op, then of the memcpy of `B·(R−1)/R` and of twice that (last two).
 fn measure(comm: &dyn Communicator, reps: usize) -> moe_audit::Result<Vec<Duration>> {
     let r = comm.size();
     let values = PAYLOAD / 4;
     let input: Vec<f32> = (0..values).map(|i| ((i * 7 + comm.rank()) % 1000) as f32 * 1e-3).collect();
+    let share = input[chunk(values, r, comm.rank())].to_vec();
     let moved = 2 * PAYLOAD * (r - 1) / r / 4;
     let src = vec![1f32; moved];
     let mut dst = vec![0f32; moved];
-    let plans = plans(r);
-    let mut times = vec![Vec::new(); plans.len() + 1];
+    let ops = ops(r);
+    let mut times = vec![Vec::new(); ops.len() + 2];
     for rep in 0..WARMUP + reps {
         for slot in 0..times.len() {
             let which = (rep + slot) % times.len();
             comm.barrier()?;
             let start = Instant::now();
-            if which < plans.len() {
-                black_box(all_reduce(comm, &input, plans[which])?);
-            } else if comm.rank() == 0 {
-                dst.copy_from_slice(black_box(&src));
-                black_box(&dst);
+            match ops.get(which) {
+                Some(Op::AllReduce(plan)) => drop(black_box(all_reduce(comm, &input, *plan)?)),
+                Some(Op::ReduceScatter(plan)) => drop(black_box(reduce_scatter(comm, &input, *plan)?)),
+                Some(Op::AllGather(wire)) => drop(black_box(all_gather(comm, &share, values, *wire)?)),
+                None if comm.rank() == 0 => {
+                    let n = moved / (ops.len() + 2 - which);
+                    dst[..n].copy_from_slice(black_box(&src[..n]));
+                    black_box(&dst);
+                }
+                None => {}
             }
             comm.barrier()?;
             if rep >= WARMUP {
@@ -69,22 +119,25 @@ fn report(comm: &dyn Communicator, reps: usize, label: &str) -> moe_audit::Resul
         return Ok(None);
     }
     let r = comm.size();
-    let copy = *times.last().expect("memcpy measured");
     let gib = |bytes: f64, t: Duration| bytes / (1u64 << 30) as f64 / t.as_secs_f64();
-    let moved = 2.0 * PAYLOAD as f64 * (r - 1) as f64 / r as f64;
-    println!("{label} {r} ranks: memcpy of 2B(R-1)/R {:8.2} ms ({:5.1} GiB/s)", ms(copy), gib(moved, copy));
-    for (p, t) in plans(r).iter().zip(&times) {
+    let once = PAYLOAD as f64 * (r - 1) as f64 / r as f64;
+    let copies = [times[times.len() - 2], times[times.len() - 1]];
+    for (passes, copy) in [1, 2].into_iter().zip(copies) {
+        let bytes = passes as f64 * once;
+        println!("{label} {r} ranks: memcpy of {passes}B(R-1)/R {:8.2} ms ({:5.1} GiB/s)", ms(copy), gib(bytes, copy));
+    }
+    for (op, t) in ops(r).iter().zip(&times) {
         println!(
-            "{label} {r} ranks: all-reduce {:<12} wire {:<4} acc {:<4} {:8.2} ms (algorithm bandwidth {:5.2} GiB/s of f32 input) | memcpy/all-reduce {:.3}",
-            p.algorithm.name(),
-            p.wire.name(),
-            p.accumulate.name(),
+            "{label} {r} ranks: {:<14} {:<12} wire {:<4} acc f32 {:8.2} ms (algorithm bandwidth {:5.2} GiB/s of f32 input) | memcpy/op {:.3}",
+            op.name(),
+            op.algorithm(),
+            op.wire().name(),
             ms(*t),
             gib(PAYLOAD as f64, *t),
-            copy.as_secs_f64() / t.as_secs_f64()
+            copies[op.passes() - 1].as_secs_f64() / t.as_secs_f64()
         );
     }
-    Ok(Some(copy.as_secs_f64() / times[0].as_secs_f64()))
+    Ok(Some(copies[1].as_secs_f64() / times[0].as_secs_f64()))
 }
 
 fn main() -> moe_audit::Result<()> {

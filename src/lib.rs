@@ -18,6 +18,7 @@ pub mod layer;
 pub mod memory;
 pub mod names;
 pub mod parallel;
+pub mod progress;
 pub mod render;
 pub mod router;
 pub mod routing;

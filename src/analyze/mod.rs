@@ -23,6 +23,7 @@ pub use witness::Witness;
 
 use crate::error::{Error, Result, Setting};
 use crate::layer::{MoeLayer, Seeded};
+use crate::progress::Progress;
 use crate::router::{logits_to_host, Router};
 use crate::routing::{LoadStats, Routing};
 use candle_core::Device;
@@ -281,8 +282,8 @@ impl<'a> Subject<'a> {
     }
 }
 
-/// Audits one subject; `tick` is called once per probe (progress).
-pub fn audit(subject: &Subject, options: &AuditOptions, tick: &mut dyn FnMut(&str)) -> Result<RouterReport> {
+/// Audits one subject, telling `progress` each probe and its cases as they run.
+pub fn audit(subject: &Subject, options: &AuditOptions, progress: &dyn Progress) -> Result<RouterReport> {
     let (b, s) = (options.batch, options.seq_len);
     if b == 0 || s == 0 {
         return Err(Error::Usage(format!(
@@ -322,6 +323,7 @@ pub fn audit(subject: &Subject, options: &AuditOptions, tick: &mut dyn FnMut(&st
         ranks: options.ranks,
         exhaustive: options.exhaustive,
         repeats: None,
+        progress,
     };
     let other = probe::other_call(&ctx)?;
     ctx.repeats = Some(repeats::Repeats::train(router, &ctx.base, &ctx.base_routing, &other)?);
@@ -336,14 +338,14 @@ pub fn audit(subject: &Subject, options: &AuditOptions, tick: &mut dyn FnMut(&st
     let later = |p: &Probe| matches!(p, Probe::M | Probe::S);
     let mut findings = Vec::new();
     for &probe in options.probes.iter().filter(|p| !later(p)) {
-        findings.push(run_probe(&mut ctx, probe, subject, sample.as_ref(), tick)?);
+        findings.push(run_probe(&mut ctx, probe, subject, sample.as_ref())?);
     }
     if options.probes.contains(&Probe::M) {
-        findings.push(run_probe(&mut ctx, Probe::M, subject, sample.as_ref(), tick)?);
+        findings.push(run_probe(&mut ctx, Probe::M, subject, sample.as_ref())?);
     }
     ctx.repeats.as_mut().expect("made above").modes(router, &ctx.base, &other)?;
     if options.probes.contains(&Probe::S) {
-        findings.push(run_probe(&mut ctx, Probe::S, subject, sample.as_ref(), tick)?);
+        findings.push(run_probe(&mut ctx, Probe::S, subject, sample.as_ref())?);
     }
     findings.sort_by_key(|f| options.probes.iter().position(|&p| p == f.probe));
     let noise = ctx.repeats().repeat.tally();
@@ -358,9 +360,8 @@ fn run_probe(
     probe: Probe,
     subject: &Subject,
     sample: Option<&layer_check::Sample>,
-    tick: &mut dyn FnMut(&str),
 ) -> Result<Finding> {
-    tick(&format!("{} {}", ctx.router.name(), probe.name()));
+    ctx.progress.probe(&format!("{} {}", ctx.router.name(), probe.name()));
     if !ctx.pure {
         ctx.base_routing = ctx.base.routes(ctx.router)?;
     }

@@ -8,6 +8,7 @@ use crate::error::{ensure_positive, Error, Result, Setting};
 use crate::layer::MoeLayer;
 use crate::memory;
 use crate::parallel::{split_batch, Communicator, OnComm};
+use crate::progress::AuditBar;
 use crate::render::{
     json, render_github, render_junit, render_markdown, render_replay, render_text, render_zoo, witness_path,
     write_witnesses,
@@ -147,24 +148,20 @@ pub(crate) fn audit_all(
         let estimate = options.memory_estimate(config.experts, config.k(), hidden, ffn);
         memory::ensure_fits(&format!("the audit of `{}`", config.name), estimate, max_memory)?;
     }
-    let bar = super::progress_bar((configs.len() * options.probes.len()) as u64);
+    let bar = AuditBar::stderr(configs.len() * options.probes.len());
     let mut routers = Vec::new();
     for config in configs {
         let layer = MoeLayer::seeded(config, hidden, ffn, options.seed, DType::F32, &Device::Cpu)?;
-        let mut tick = |msg: &str| {
-            bar.set_message(msg.to_string());
-            bar.inc(1);
-        };
         let report = match comm {
             Some(comm) => {
                 let on_comm = OnComm::new(&layer, comm);
-                audit(&Subject { router: layer.router(), layer: Some(&on_comm) }, options, &mut tick)?
+                audit(&Subject { router: layer.router(), layer: Some(&on_comm) }, options, &bar)?
             }
-            None => audit(&Subject::layer(&layer), options, &mut tick)?,
+            None => audit(&Subject::layer(&layer), options, &bar)?,
         };
         routers.push(report);
     }
-    bar.finish_and_clear();
+    bar.finish();
     Ok(Report { options: options.clone(), routers })
 }
 

@@ -7,6 +7,7 @@ use crate::error::{ensure_positive, Error, Result, Setting};
 use crate::external::{plan, planned_options, ExternalRouter, Handshake, InputKind, TraceRouter};
 use crate::layer::gate::GateSource;
 use crate::memory;
+use crate::progress::AuditBar;
 use crate::router::Router;
 use clap::Args;
 use std::io::Write;
@@ -83,7 +84,10 @@ impl ExternalArgs {
         let audit_router = |router: &dyn Router| -> Result<RouterReport> {
             let estimate = options.memory_estimate(router.row_width(), 1, 0, 0);
             memory::ensure_fits(&format!("the audit of `{}`", router.name()), estimate, max_memory)?;
-            audit(&Subject { router, layer: None }, options, &mut |_| {})
+            let bar = AuditBar::stderr(options.probes.len());
+            let report = audit(&Subject { router, layer: None }, options, &bar);
+            bar.finish();
+            report
         };
         if self.weights.is_some() && configs.is_empty() {
             return Err(Error::Usage(

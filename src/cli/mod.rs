@@ -83,19 +83,6 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<u8> {
     }
 }
 
-/// A progress bar on stderr when it is a terminal, hidden otherwise.
-pub(crate) fn progress_bar(len: u64) -> indicatif::ProgressBar {
-    use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-    use std::io::IsTerminal;
-    let bar = if std::io::stderr().is_terminal() {
-        ProgressBar::with_draw_target(Some(len), ProgressDrawTarget::stderr())
-    } else {
-        ProgressBar::hidden()
-    };
-    bar.set_style(ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").expect("valid template"));
-    bar
-}
-
 /// An error as the command line says it: each setting the library names (`` setting `max_memory` ``)
 /// written as its flag (`--max-memory`).
 pub fn message(e: &crate::Error) -> String {

@@ -1,8 +1,9 @@
 //! `moe-audit sweep`: the grid of routers × sizes, load balance against leaks, with charts.
 
-use super::{io_error, progress_bar};
+use super::io_error;
 use crate::error::Result;
 use crate::memory;
+use crate::progress::bar as progress_bar;
 use crate::sweep::{self, Grid};
 use bytesize::ByteSize;
 use clap::Args;

@@ -16,6 +16,7 @@ use super::{Answers, External};
 use crate::analyze::{audit, AuditOptions, Subject};
 use crate::error::{Error, Result};
 use crate::memory::CallSizes;
+use crate::progress::Silent;
 use crate::routing::Routing;
 use candle_core::{Device, Tensor};
 use ndarray::{Array3, ArrayView3};
@@ -124,7 +125,7 @@ pub fn plan(router: &Handshake, options: &AuditOptions, dir: &Path, max_memory: 
             false,
             max_memory,
         )?;
-        audit(&Subject { router: &recorder, layer: None }, options, &mut |_| {})?;
+        audit(&Subject { router: &recorder, layer: None }, options, &Silent)?;
         drop(recorder);
         let mut this_pass: HashMap<(Mode, Content), usize> = HashMap::new();
         for (mode, data) in Arc::try_unwrap(log).expect("the audit is over").into_inner().expect("log") {

@@ -34,11 +34,19 @@ impl Precision {
     pub const ALL: [Precision; 3] = [Precision::F32, Precision::Bf16, Precision::F16];
 
     /// `x` rounded to this precision (to nearest, ties to even; overflow to ±inf).
+    #[inline]
     pub fn round(self, x: f32) -> f32 {
         match self {
             Precision::F32 => x,
             Precision::Bf16 => bf16::from_f32(x).to_f32(),
             Precision::F16 => f16::from_f32(x).to_f32(),
+        }
+    }
+
+    /// Every value of `values` rounded to this precision (f32: left as it is, no pass).
+    fn round_all(self, values: &mut [f32]) {
+        if self != Precision::F32 {
+            values.iter_mut().for_each(|v| *v = self.round(*v));
         }
     }
 
@@ -59,24 +67,27 @@ impl Precision {
         }
     }
 
-    /// `values` (already of this precision) as little-endian bytes.
+    /// `values` rounded to this precision, as little-endian bytes (one pass: rounding twice is
+    /// rounding once).
     fn encode(self, values: &[f32]) -> Vec<u8> {
-        let mut out = Vec::with_capacity(values.len() * self.bytes());
+        let mut out = vec![0u8; values.len() * self.bytes()];
+        let chunks = out.chunks_exact_mut(self.bytes()).zip(values);
         match self {
-            Precision::F32 => values.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
-            Precision::Bf16 => values.iter().for_each(|&v| out.extend_from_slice(&bf16::from_f32(v).to_le_bytes())),
-            Precision::F16 => values.iter().for_each(|&v| out.extend_from_slice(&f16::from_f32(v).to_le_bytes())),
+            Precision::F32 => chunks.for_each(|(b, v)| b.copy_from_slice(&v.to_le_bytes())),
+            Precision::Bf16 => chunks.for_each(|(b, &v)| b.copy_from_slice(&bf16::from_f32(v).to_le_bytes())),
+            Precision::F16 => chunks.for_each(|(b, &v)| b.copy_from_slice(&f16::from_f32(v).to_le_bytes())),
         }
         out
     }
 
-    /// The values `bytes` encode.
-    fn decode(self, bytes: &[u8]) -> impl Iterator<Item = f32> + '_ {
-        bytes.chunks_exact(self.bytes()).map(move |b| match self {
-            Precision::F32 => f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
-            Precision::Bf16 => bf16::from_le_bytes([b[0], b[1]]).to_f32(),
-            Precision::F16 => f16::from_le_bytes([b[0], b[1]]).to_f32(),
-        })
+    /// The values `bytes` encode (one loop per precision, so each is a plain loop).
+    fn decode(self, bytes: &[u8]) -> Vec<f32> {
+        let chunks = bytes.chunks_exact(self.bytes());
+        match self {
+            Precision::F32 => chunks.map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+            Precision::Bf16 => chunks.map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            Precision::F16 => chunks.map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+        }
     }
 }
 
@@ -189,16 +200,20 @@ impl Rank<'_> {
     /// Sends `values` (rounded to the wire) to `to`, returns the `len` values `from` sent.
     fn swap(&self, values: &[f32], to: usize, from: usize, len: usize) -> Result<Vec<f32>> {
         let wire = self.plan.wire;
-        let rounded: Vec<f32> = values.iter().map(|&v| wire.round(v)).collect();
-        let bytes = wire.encode(&rounded);
+        let bytes = wire.encode(values);
         self.sent.set(self.sent.get() + bytes.len() as u64);
         let got = self.comm.send_recv(&bytes, to, from, len * wire.bytes())?;
-        Ok(wire.decode(&got).collect())
+        Ok(wire.decode(&got))
     }
 
     /// `acc[i] += got[i]`, each addition rounded to the accumulator.
     fn add(&self, acc: &mut [f32], got: &[f32]) {
         let p = self.plan.accumulate;
+        if p == Precision::F32 {
+            // Rounding to f32 is the identity: a plain loop the compiler vectorises.
+            acc.iter_mut().zip(got).for_each(|(a, &g)| *a += g);
+            return;
+        }
         for (a, &g) in acc.iter_mut().zip(got) {
             *a = p.round(*a + p.round(g));
         }
@@ -239,7 +254,7 @@ impl Rank<'_> {
 
     /// Rounds `buf[range]` (a finished sum in the accumulator) to the wire.
     fn to_wire(&self, buf: &mut [f32], range: Range<usize>) {
-        buf[range].iter_mut().for_each(|v| *v = self.plan.wire.round(*v));
+        self.plan.wire.round_all(&mut buf[range]);
     }
 
     fn all_reduce(&self, buf: &mut [f32]) -> Result<()> {
@@ -357,7 +372,8 @@ impl Rank<'_> {
 pub fn all_reduce(comm: &dyn Communicator, input: &[f32], plan: ReducePlan) -> Result<Reduced> {
     plan.check(comm.size())?;
     let rank = Rank { comm, plan, sent: Cell::new(0) };
-    let mut buf: Vec<f32> = input.iter().map(|&v| plan.wire.round(v)).collect();
+    let mut buf = input.to_vec();
+    plan.wire.round_all(&mut buf);
     rank.all_reduce(&mut buf)?;
     let range = 0..buf.len();
     Ok(Reduced { values: buf, range, bytes_sent: rank.sent.get() })
@@ -371,7 +387,8 @@ pub fn reduce_scatter(comm: &dyn Communicator, input: &[f32], plan: ReducePlan) 
     plan.check(comm.size())?;
     let (rank_id, size, n) = (comm.rank(), comm.size(), input.len());
     let rank = Rank { comm, plan, sent: Cell::new(0) };
-    let mut buf: Vec<f32> = input.iter().map(|&v| plan.wire.round(v)).collect();
+    let mut buf = input.to_vec();
+    plan.wire.round_all(&mut buf);
     let world = Group { members: (0..size).collect(), me: rank_id };
     let mine = match plan.algorithm {
         Algorithm::Ring => rank.ring_reduce_scatter(&world, &mut buf, 0..n)?,

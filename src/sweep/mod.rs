@@ -20,6 +20,7 @@ use crate::analyze::{audit, AuditOptions, Probe, RouterReport, Subject, Verdict}
 use crate::error::Result;
 use crate::exploit::{ExploitOptions, RouterExploit};
 use crate::layer::{MoeLayer, Seeded};
+use crate::progress::Silent;
 use crate::router::{logits_to_host, Router};
 use crate::routing::Routing;
 use candle_core::{DType, Device, Tensor};
@@ -218,7 +219,7 @@ fn run_cell(grid: &Grid, cell: &Cell, layer: &MoeLayer) -> Result<CellResult> {
         exhaustive: true,
         ..AuditOptions::default()
     };
-    let report = audit(&Subject::layer(layer), &options, &mut |_| {})?;
+    let report = audit(&Subject::layer(layer), &options, &Silent)?;
     let rate = |p: Probe| report.finding(p).filter(|f| f.verdict != Verdict::NotApplicable).map(|f| f.rate);
     let (_, x) = base_call(grid, cell, layer)?;
     let (y, routing) = layer.forward(&x)?;

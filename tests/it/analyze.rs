@@ -5,6 +5,7 @@ use candle_core::{DType, Device, Tensor};
 use moe_audit::analyze::{audit, AuditOptions, Layer, Probe, RouterReport, Subject, Verdict, Witness};
 use moe_audit::config::{preset, RouterConfig};
 use moe_audit::layer::MoeLayer;
+use moe_audit::progress::Silent;
 use moe_audit::router::{ConfigRouter, Router};
 use moe_audit::Routing;
 use ndarray::ArrayView3;
@@ -23,7 +24,7 @@ fn layer_of(config: RouterConfig) -> MoeLayer {
 
 fn audit_config(config: RouterConfig, probes: &[Probe]) -> RouterReport {
     let layer = layer_of(config);
-    audit(&Subject::layer(&layer), &options(probes), &mut |_| {}).unwrap()
+    audit(&Subject::layer(&layer), &options(probes), &Silent).unwrap()
 }
 
 fn audit_preset(name: &str, probes: &[Probe]) -> RouterReport {
@@ -222,7 +223,7 @@ impl Router for RandomSelection {
 fn scenario_12_random_selection_in_eval() {
     let layer = layer_of(config("megatron-probs"));
     let router = RandomSelection { inner: layer.router().clone(), calls: AtomicUsize::new(0) };
-    let r = audit(&Subject { router: &router, layer: None }, &options(&[D, S]), &mut |_| {}).unwrap();
+    let r = audit(&Subject { router: &router, layer: None }, &options(&[D, S]), &Silent).unwrap();
     // Random, not stateful: S changes no more tokens than D, so S is inconclusive.
     assert_eq!(verdicts(&r), [Leak, Verdict::Inconclusive]);
     assert!(r.finding(D).unwrap().note.starts_with("random router (or one that every call changes): "));
@@ -262,7 +263,7 @@ impl Router for MutatingCapacity {
 fn scenario_13_state_mutated_by_forward() {
     let layer = layer_of(config("megatron-probs"));
     let router = MutatingCapacity { inner: Mutex::new(layer.router().clone()) };
-    let r = audit(&Subject { router: &router, layer: None }, &options(&[D, S]), &mut |_| {}).unwrap();
+    let r = audit(&Subject { router: &router, layer: None }, &options(&[D, S]), &Silent).unwrap();
     assert_eq!(verdicts(&r), [Leak, Leak]);
 }
 
@@ -296,7 +297,7 @@ impl Router for UnenforcedCapacity {
 fn scenario_14_capacity_silently_not_enforced() {
     let layer = layer_of(config("megatron-probs"));
     let router = UnenforcedCapacity(layer.router().clone());
-    let r = audit(&Subject { router: &router, layer: None }, &options(&[D]), &mut |_| {}).unwrap();
+    let r = audit(&Subject { router: &router, layer: None }, &options(&[D]), &Silent).unwrap();
     assert!(r.leaks());
     assert!(r.invariants.iter().any(|v| v.contains("over its capacity")), "{:?}", r.invariants);
 }
@@ -335,8 +336,7 @@ impl Layer for BatchMeanLeak {
 #[test]
 fn summation_order_noise_is_drift_not_a_leak() {
     let layer = SummationOrderNoise(layer_of(config("mixtral")));
-    let r =
-        audit(&Subject { router: layer.0.router(), layer: Some(&layer) }, &options(&[P, N, R]), &mut |_| {}).unwrap();
+    let r = audit(&Subject { router: layer.0.router(), layer: Some(&layer) }, &options(&[P, N, R]), &Silent).unwrap();
     assert_eq!(verdicts(&r), [Pass, Pass, Pass]);
     assert!(r.finding(P).unwrap().output_drift.is_some_and(|d| d > 0.0), "the drift is measured and reported");
 }
@@ -344,7 +344,7 @@ fn summation_order_noise_is_drift_not_a_leak() {
 #[test]
 fn an_output_that_changes_while_routing_does_not_is_a_leak() {
     let layer = BatchMeanLeak(layer_of(config("mixtral")));
-    let r = audit(&Subject { router: layer.0.router(), layer: Some(&layer) }, &options(&[N, D]), &mut |_| {}).unwrap();
+    let r = audit(&Subject { router: layer.0.router(), layer: Some(&layer) }, &options(&[N, D]), &Silent).unwrap();
     assert_eq!(verdicts(&r), [Leak, Pass]);
     assert!(r.finding(N).unwrap().output_leaks > 0);
 }
@@ -415,7 +415,7 @@ fn json_reports() {
     };
     for name in ["mixtral", "megatron-probs", "expert-choice"] {
         let layer = layer_of(config(name));
-        let report = audit(&Subject::layer(&layer), &options, &mut |_| {}).unwrap();
+        let report = audit(&Subject::layer(&layer), &options, &Silent).unwrap();
         insta::assert_json_snapshot!(format!("report_{name}"), rounded(serde_json::to_value(&report).unwrap()));
     }
 }

@@ -6,6 +6,7 @@ use candle_core::{DType, Device};
 use moe_audit::analyze::{audit, AuditOptions, Probe, Subject, Verdict};
 use moe_audit::config::{preset, presets, RouterConfig, RouterKind};
 use moe_audit::layer::MoeLayer;
+use moe_audit::progress::Silent;
 use moe_audit::{assign, Logits, Routing};
 
 fn config(name: &str) -> RouterConfig {
@@ -133,7 +134,7 @@ fn a_capacity_of_zero_drops_everything_and_says_so() {
     let (y, _) = layer.forward(&x).unwrap();
     assert_eq!(y.abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap(), 0.0);
     let options = AuditOptions { batch: 2, seq_len: 4, ..AuditOptions::default() };
-    let report = audit(&Subject::layer(&layer), &options, &mut |_| {}).unwrap();
+    let report = audit(&Subject::layer(&layer), &options, &Silent).unwrap();
     assert_eq!(report.load.drop_rate, 1.0);
 }
 
@@ -145,7 +146,7 @@ fn sequences_of_one_token_route_and_audit() {
         assert_eq!(r.tokens.len(), 3, "{}", p.name);
         let layer = MoeLayer::seeded(c, 16, 32, 0, DType::F32, &Device::Cpu).unwrap();
         let options = AuditOptions { batch: 2, seq_len: 1, trials: 4, ..AuditOptions::default() };
-        let report = audit(&Subject::layer(&layer), &options, &mut |_| {}).unwrap();
+        let report = audit(&Subject::layer(&layer), &options, &Silent).unwrap();
         // P and F need a later token; with one token per sequence there is none.
         for probe in [Probe::P, Probe::F] {
             assert_eq!(report.finding(probe).unwrap().verdict, Verdict::NotApplicable, "{} {probe}", p.name);

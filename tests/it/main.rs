@@ -15,6 +15,7 @@ mod limits;
 mod mpi;
 mod noise;
 mod parallel;
+mod progress;
 mod readme;
 mod routers;
 mod search;

@@ -6,6 +6,7 @@ use moe_audit::analyze::{audit, AuditOptions, Probe, Subject, Verdict};
 use moe_audit::config::{preset, Flatten, RouterConfig, ScopeConfig, ScopeGroup};
 use moe_audit::layer::{MoeLayer, Seeded};
 use moe_audit::parallel::{forward_in_process, run_ranks, Communicator, ExpertParallel};
+use moe_audit::progress::Silent;
 
 const H: usize = 16;
 const F: usize = 32;
@@ -146,7 +147,7 @@ fn layout(name: &str, ranks: usize) -> moe_audit::analyze::Finding {
     let layer = layer(preset(name).unwrap().config().unwrap());
     let options =
         AuditOptions { probes: vec![Probe::L], batch: B, seq_len: 32, trials: 4, seed: 0, ranks, exhaustive: false };
-    let report = audit(&Subject::layer(&layer), &options, &mut |_| {}).unwrap();
+    let report = audit(&Subject::layer(&layer), &options, &Silent).unwrap();
     report.finding(Probe::L).unwrap().clone()
 }
 

@@ -7,6 +7,7 @@ use moe_audit::analyze::compare::diff_token;
 use moe_audit::analyze::{audit, AuditOptions, Probe, RouterReport, Subject, Verdict};
 use moe_audit::config::{preset, RouterConfig};
 use moe_audit::layer::{MoeLayer, Seeded};
+use moe_audit::progress::Silent;
 use moe_audit::router::{logits_to_host, Router};
 use moe_audit::Routing;
 use ndarray::ArrayView3;
@@ -29,7 +30,7 @@ fn layer_of(config: RouterConfig) -> MoeLayer {
 }
 
 fn run(subject: &Subject, probes: &[Probe]) -> RouterReport {
-    audit(subject, &options(probes), &mut |_| {}).unwrap()
+    audit(subject, &options(probes), &Silent).unwrap()
 }
 
 fn verdicts(r: &RouterReport) -> Vec<Verdict> {
@@ -151,7 +152,7 @@ fn m_reports_how_often_training_and_serving_disagree() {
 fn scenario_15_bf16_flips_sit_at_near_ties() {
     let layer = layer_of(config("mixtral"));
     let o = AuditOptions { probes: vec![X], batch: 4, seq_len: 256, trials: 1, seed: 0, ranks: 2, exhaustive: false };
-    let f = audit(&Subject::layer(&layer), &o, &mut |_| {}).unwrap().findings.remove(0);
+    let f = audit(&Subject::layer(&layer), &o, &Silent).unwrap().findings.remove(0);
     let n = f.numerics.as_ref().unwrap();
     let bf16 = &n.flips[0];
     assert_eq!((bf16.dtype.as_str(), bf16.tokens), ("bf16", 1024));

@@ -6,6 +6,7 @@ use candle_core::{DType, Device, Tensor};
 use moe_audit::analyze::{audit, AuditOptions, Finding, Probe, Subject, Verdict};
 use moe_audit::config::{presets, Flatten, RouterConfig, ScopeGroup};
 use moe_audit::layer::MoeLayer;
+use moe_audit::progress::Silent;
 use moe_audit::router::{ConfigRouter, Router};
 use moe_audit::Routing;
 use ndarray::{ArrayView2, ArrayView3};
@@ -22,7 +23,7 @@ fn layer_of(config: RouterConfig) -> MoeLayer {
 }
 
 fn prefix_finding(router: &dyn Router, exhaustive: bool) -> Finding {
-    let report = audit(&Subject { router, layer: None }, &options(&[Probe::P], exhaustive), &mut |_| {}).unwrap();
+    let report = audit(&Subject { router, layer: None }, &options(&[Probe::P], exhaustive), &Silent).unwrap();
     report.findings[0].clone()
 }
 
@@ -82,7 +83,7 @@ fn searched_and_exhaustive_find_the_same_leaks_on_every_preset_and_scope() {
 fn every_preset_gives_the_same_verdicts_and_witnesses_in_both_modes() {
     for preset in presets() {
         let layer = layer_of(preset.config().unwrap());
-        let run = |exhaustive| audit(&Subject::layer(&layer), &options(Probe::ALL, exhaustive), &mut |_| {}).unwrap();
+        let run = |exhaustive| audit(&Subject::layer(&layer), &options(Probe::ALL, exhaustive), &Silent).unwrap();
         let (s, e) = (run(false), run(true));
         assert_eq!(s.invariants, e.invariants);
         for (fs, fe) in s.findings.iter().zip(&e.findings) {

@@ -199,6 +199,8 @@ pub(crate) struct Ctx<'a> {
     pub exhaustive: bool,
     /// The audit's first calls (D and S read them), made once the context exists.
     pub repeats: Option<Repeats>,
+    /// Told the cases planned and done.
+    pub progress: &'a dyn crate::progress::Progress,
 }
 
 impl Ctx<'_> {
@@ -352,10 +354,12 @@ fn run_cases(ctx: &Ctx, probe: Probe, cases: Cases, not_applicable: &str) -> Res
     // The first leaking case keeps its routing when the router has no config: its witness is
     // the calls as routed (routing them again would be another call to a stateful router).
     let keep = router.config().is_none();
+    ctx.progress.plan(count);
     let run = |i: usize| -> Result<CaseSeen> {
         let case = cases.get(i);
         let routed = case.b.routes(router)?;
         let outcome = case.compare(base_routing, &routed);
+        ctx.progress.done(1);
         Ok((Tally::of(&outcome), pick_witness_token(&outcome).map(|hit| (hit, keep.then_some(routed)))))
     };
     let mut tally = Tally::default();

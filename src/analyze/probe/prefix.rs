@@ -145,10 +145,12 @@ fn search(ctx: &Ctx, cases: &Cases) -> Result<Finding> {
 
 /// Routes the prefix cases `ts` in parallel (the caller has checked the router is pure).
 fn route(ctx: &Ctx, cases: &Cases, ts: &[usize]) -> Result<BTreeMap<usize, Seen>> {
+    ctx.progress.plan(ts.len());
     ts.par_iter()
         .map(|&t| {
             let case = cases.get(t);
             let outcome = case.compare(&ctx.base_routing, &case.b.routes(ctx.router)?);
+            ctx.progress.done(1);
             Ok((t, (Tally::of(&outcome), pick_witness_token(&outcome))))
         })
         .collect()

@@ -1,0 +1,88 @@
+//! Progress of long runs on stderr. An audit at production shapes runs for seconds to minutes, so
+//! it says which probe is running and how many of its cases are done; a sweep or an exploit run
+//! counts its cells or seeds.
+//!
+//! Bars are drawn only when stderr is a terminal: redirected or captured (CI logs, tests, a
+//! pipe) they are hidden, and no output (stdout, JSON, JUnit, files) ever carries them. Progress
+//! only observes: nothing reported here changes what an audit computes.
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use std::io::IsTerminal;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// What an audit reports as it runs. Cases run on worker threads, so the methods take `&self`
+/// and implementations count with atomics.
+pub trait Progress: Sync {
+    /// A probe starts; `label` names the router and the probe.
+    fn probe(&self, label: &str);
+    /// `n` more cases of the current probe are planned (a searched probe plans in steps).
+    fn plan(&self, n: usize);
+    /// `n` more cases of the current probe are done.
+    fn done(&self, n: usize);
+}
+
+/// Reports nothing.
+pub struct Silent;
+
+impl Progress for Silent {
+    fn probe(&self, _: &str) {}
+    fn plan(&self, _: usize) {}
+    fn done(&self, _: usize) {}
+}
+
+/// An audit's bar on stderr: `<router> <probe> (i/n)`, then the probe's cases done of planned.
+pub struct AuditBar {
+    bar: ProgressBar,
+    probes: usize,
+    started: AtomicUsize,
+}
+
+impl AuditBar {
+    /// A bar for `probes` probe runs in all (routers × probes), hidden unless stderr is a
+    /// terminal.
+    pub fn stderr(probes: usize) -> AuditBar {
+        let bar = on_terminal(0);
+        bar.set_style(
+            ProgressStyle::with_template("{prefix} {bar:30} {pos}/{len} cases {elapsed}").expect("valid template"),
+        );
+        AuditBar { bar, probes, started: AtomicUsize::new(0) }
+    }
+
+    /// Clears the bar.
+    pub fn finish(&self) {
+        self.bar.finish_and_clear();
+    }
+}
+
+impl Progress for AuditBar {
+    fn probe(&self, label: &str) {
+        let i = self.started.fetch_add(1, Ordering::Relaxed) + 1;
+        self.bar.set_prefix(format!("{label} ({i}/{})", self.probes));
+        self.bar.set_length(0);
+        self.bar.set_position(0);
+    }
+
+    fn plan(&self, n: usize) {
+        self.bar.inc_length(n as u64);
+    }
+
+    fn done(&self, n: usize) {
+        self.bar.inc(n as u64);
+    }
+}
+
+/// A bar of `len` steps with a message (sweep cells, exploit seeds), hidden unless stderr is a
+/// terminal.
+pub fn bar(len: u64) -> ProgressBar {
+    let bar = on_terminal(len);
+    bar.set_style(ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").expect("valid template"));
+    bar
+}
+
+fn on_terminal(len: u64) -> ProgressBar {
+    if std::io::stderr().is_terminal() {
+        ProgressBar::with_draw_target(Some(len), ProgressDrawTarget::stderr())
+    } else {
+        ProgressBar::hidden()
+    }
+}
