@@ -171,6 +171,14 @@ impl ConfigRouter {
         self.config.balance_step(loads)
     }
 
+    /// One expert-threshold step between training batches ([`RouterConfig::threshold_step`]).
+    ///
+    /// # Shapes
+    /// `logits`: `[batch, seq_len, experts]`.
+    pub fn threshold_step(&mut self, logits: ArrayView3<f32>) -> Result<()> {
+        self.config.threshold_step(logits)
+    }
+
     /// The gate matrix `[experts, hidden]`.
     pub fn gate_weight(&self) -> &Tensor {
         self.gate.weight()

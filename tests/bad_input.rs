@@ -501,7 +501,7 @@ fn every_bad_input_exits_2_with_one_line_and_no_panic() {
     }
     insta::assert_snapshot!(report, @r##"
     unknown preset
-      error: unknown router `no-such-router`: not a preset (mixtral, deepseek-v3, switch, megatron-probs, megatron-position, megatron-probs-pad, deepspeed-top1, deepspeed-top2, deepspeed-topk-probs, expert-choice, aux-loss-free, causal-capacity, sinkhorn, batch-prioritized, expert-choice-tc-serve) and not a file
+      error: unknown router `no-such-router`: not a preset (mixtral, deepseek-v3, switch, megatron-probs, megatron-position, megatron-probs-pad, deepspeed-top1, deepspeed-top2, deepspeed-topk-probs, expert-choice, aux-loss-free, causal-capacity, sinkhorn, batch-prioritized, expert-choice-tc-serve, expert-threshold, null-experts) and not a file
     TOML syntax
       error: [TMP]/syntax.toml: line 2, column 11: invalid string expected `"`, `'`
     top_k > experts
@@ -517,13 +517,13 @@ fn every_bad_input_exits_2_with_one_line_and_no_panic() {
     unknown policy
       error: [TMP]/policy.toml: capacity.policy: unknown variant `fifo`, expected one of `probs`, `position`, `choice-rank`, `batch-priority`, `causal` (line 9, column 10)
     unknown field
-      error: [TMP]/field.toml: color: unknown field `color`, expected one of `name`, `description`, `kind`, `experts`, `top_k`, `score`, `normalize`, `expert_bias`, `group_limit`, `routed_scaling`, `selection`, `bias_update_rate`, `capacity`, `scope`, `padding_mask`, `inference` (line 5, column 1)
+      error: [TMP]/field.toml: color: unknown field `color`, expected one of `name`, `description`, `kind`, `experts`, `top_k`, `score`, `normalize`, `expert_bias`, `group_limit`, `routed_scaling`, `selection`, `bias_update_rate`, `capacity`, `scope`, `padding_mask`, `threshold`, `null_experts`, `inference` (line 5, column 1)
     factor and fixed
       error: [TMP]/both.toml: capacity: set either `factor` or `fixed`, not both
     group_limit not dividing
       error: [TMP]/groups.toml: group_limit.groups: 3 does not divide experts = 8
     router file is a directory
-      error: unknown router `[TMP]`: not a preset (mixtral, deepseek-v3, switch, megatron-probs, megatron-position, megatron-probs-pad, deepspeed-top1, deepspeed-top2, deepspeed-topk-probs, expert-choice, aux-loss-free, causal-capacity, sinkhorn, batch-prioritized, expert-choice-tc-serve) and not a file
+      error: unknown router `[TMP]`: not a preset (mixtral, deepseek-v3, switch, megatron-probs, megatron-position, megatron-probs-pad, deepspeed-top1, deepspeed-top2, deepspeed-topk-probs, expert-choice, aux-loss-free, causal-capacity, sinkhorn, batch-prioritized, expert-choice-tc-serve, expert-threshold, null-experts) and not a file
     sweep: missing file
       error: [TMP]/no-grid.toml: cannot read: No such file or directory (os error 2)
     sweep: TOML syntax
@@ -531,7 +531,7 @@ fn every_bad_input_exits_2_with_one_line_and_no_panic() {
     sweep: top_k 0
       error: [TMP]/g_topk.toml: top_k[1]: must be at least 1, got 0
     sweep: unknown router
-      error: [TMP]/g_router.toml: routers[0]: unknown router `nope`: not a preset (mixtral, deepseek-v3, switch, megatron-probs, megatron-position, megatron-probs-pad, deepspeed-top1, deepspeed-top2, deepspeed-topk-probs, expert-choice, aux-loss-free, causal-capacity, sinkhorn, batch-prioritized, expert-choice-tc-serve) and not a file
+      error: [TMP]/g_router.toml: routers[0]: unknown router `nope`: not a preset (mixtral, deepseek-v3, switch, megatron-probs, megatron-position, megatron-probs-pad, deepspeed-top1, deepspeed-top2, deepspeed-topk-probs, expert-choice, aux-loss-free, causal-capacity, sinkhorn, batch-prioritized, expert-choice-tc-serve, expert-threshold, null-experts) and not a file
     sweep: unknown field
       error: [TMP]/g_field.toml: routerz: unknown field `routerz`, expected one of `routers`, `capacity_factor`, `top_k`, `experts`, `seq_len`, `batch`, `trials`, `seed`, `hidden`, `ffn`, `balance_steps`, `numerics`, `heatmap`, `exploit` (line 1, column 1)
     sweep: too large
@@ -641,7 +641,7 @@ fn every_bad_input_exits_2_with_one_line_and_no_panic() {
     --max-memory 0
       error: invalid value '0' for '--max-memory <SIZE>': a limit of 0 bytes lets nothing run: use a positive size, e.g. 512MiB (see --help)
     an argument with a newline
-      error: unknown router `no\nsuch`: not a preset (mixtral, deepseek-v3, switch, megatron-probs, megatron-position, megatron-probs-pad, deepspeed-top1, deepspeed-top2, deepspeed-topk-probs, expert-choice, aux-loss-free, causal-capacity, sinkhorn, batch-prioritized, expert-choice-tc-serve) and not a file
+      error: unknown router `no\nsuch`: not a preset (mixtral, deepseek-v3, switch, megatron-probs, megatron-position, megatron-probs-pad, deepspeed-top1, deepspeed-top2, deepspeed-topk-probs, expert-choice, aux-loss-free, causal-capacity, sinkhorn, batch-prioritized, expert-choice-tc-serve, expert-threshold, null-experts) and not a file
     router name with a newline
       error: [TMP]/name_nl.toml: name: holds the control character '\n': names appear in one-line reports
     router name too long

@@ -63,6 +63,15 @@ pub struct RouterConfig {
     /// How the router treats padding when given a padding mask; absent: it takes no mask.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub padding_mask: Option<PaddingMask>,
+    /// Expert-threshold routing (`kind = "expert-threshold"`): the per-expert thresholds and how
+    /// they move between steps ([`RouterConfig::threshold_step`]); absent for every other kind.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub threshold: Option<ThresholdConfig>,
+    /// Null experts (token choice, dropless): the last `null_experts` of the `experts` ids are
+    /// zero-compute slots. A token's top-k may land on them; those routes produce nothing and are
+    /// left out of the record, so the number of real experts per token varies from 0 to k.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub null_experts: usize,
     /// Fields overridden when serving (`[inference]`); `dropless = true` removes the capacity.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub inference: Option<InferenceOverrides>,
@@ -76,6 +85,10 @@ pub enum PaddingMask {
     Exclude,
     /// Padding is routed like any token and takes capacity (the bug of scenario 11).
     Compete,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 fn one() -> f32 {
@@ -94,6 +107,23 @@ pub enum RouterKind {
     TokenChoice,
     /// Each expert takes its C best tokens of the scope (Zhou et al. 2022).
     ExpertChoice,
+    /// Each expert takes every token whose score is above its threshold, a state moved between
+    /// steps toward the expert's top-(cf/E) score quantile (Sun et al. 2026, arXiv 2603.11535).
+    ExpertThreshold,
+}
+
+/// The state and update rule of expert-threshold routing (docs/ROUTING.md).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ThresholdConfig {
+    /// Target load factor cf: a step moves expert e's threshold toward the score of its
+    /// `c = max(1, round_half_even(cf*T/E))`-th best token of the batch (cf 1: the top-1/E quantile).
+    pub factor: f64,
+    /// EMA rate α in (0, 1]: `τ ← τ + α·(q − τ)` (f32) at every step.
+    pub ema: f32,
+    /// The thresholds in force, one per expert: the state a forward routes with (frozen within
+    /// a forward; the first batch routes with the values as given).
+    pub values: Vec<f32>,
 }
 
 /// How a token's logits become selection scores and gates.
@@ -335,6 +365,11 @@ impl RouterConfig {
     /// k for token choice; expert choice has none.
     pub fn k(&self) -> usize {
         self.top_k.unwrap_or(1)
+    }
+
+    /// The experts that compute: `experts` less the null ones (the routing record's E).
+    pub fn real_experts(&self) -> usize {
+        self.experts - self.null_experts
     }
 
     /// Whether the k gates are divided by their sum (see [`RouterConfig::normalize`]).

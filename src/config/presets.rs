@@ -34,6 +34,8 @@ const PRESETS: &[Preset] = presets![
     "sinkhorn",
     "batch-prioritized",
     "expert-choice-tc-serve",
+    "expert-threshold",
+    "null-experts",
 ];
 
 /// All presets, in a fixed order.

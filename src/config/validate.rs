@@ -31,6 +31,47 @@ impl RouterConfig {
                 ensure(k >= 1, "top_k", || format!("must be at least 1, got {k}"))?;
                 ensure(k <= e, "top_k", || format!("{k} exceeds experts = {e}"))?;
             }
+            RouterKind::ExpertThreshold => {
+                ensure(self.top_k.is_none(), "top_k", || {
+                    "does not apply to an expert-threshold router (each expert takes the tokens above its threshold)"
+                        .into()
+                })?;
+                ensure(self.score != ScoreFn::SoftmaxPost, "score", || {
+                    "softmax-post needs a per-token top-k; use softmax-pre or sigmoid for expert threshold".into()
+                })?;
+                ensure(
+                    self.expert_bias.is_none()
+                        && self.group_limit.is_none()
+                        && self.selection == Selection::TopK
+                        && self.bias_update_rate.is_none(),
+                    "kind",
+                    || {
+                        "expert_bias, group_limit, selection and bias_update_rate apply to token-choice routers only"
+                            .into()
+                    },
+                )?;
+                ensure(self.capacity.is_none(), "capacity", || {
+                    "an expert-threshold router is dropless: its thresholds set the load".into()
+                })?;
+                let t = self
+                    .threshold
+                    .as_ref()
+                    .ok_or(("threshold", "is required for an expert-threshold router".to_string()))?;
+                ensure(
+                    t.factor.is_finite() && t.factor > 0.0 && t.factor <= MAX_CAPACITY_FACTOR,
+                    "threshold.factor",
+                    || format!("must be finite, > 0 and at most {MAX_CAPACITY_FACTOR:?}, got {}", t.factor),
+                )?;
+                ensure(t.ema.is_finite() && t.ema > 0.0 && t.ema <= 1.0, "threshold.ema", || {
+                    format!("must be in (0, 1], got {}", t.ema)
+                })?;
+                ensure(t.values.len() == e, "threshold.values", || {
+                    format!("has {} entries, expected one per expert ({e})", t.values.len())
+                })?;
+                if let Some((i, v)) = t.values.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+                    return Err(("threshold.values", format!("entry {i} is {v}, must be finite")));
+                }
+            }
             RouterKind::ExpertChoice => {
                 ensure(self.top_k.is_none(), "top_k", || {
                     "does not apply to an expert-choice router (each expert picks tokens)".into()
@@ -54,6 +95,20 @@ impl RouterConfig {
                     "pad and renormalize_after_drop apply to token-choice routers only".into()
                 })?;
             }
+        }
+        if self.kind != RouterKind::ExpertThreshold {
+            ensure(self.threshold.is_none(), "threshold", || "applies to expert-threshold routers only".into())?;
+        }
+        if self.null_experts > 0 {
+            let n = self.null_experts;
+            ensure(self.kind == RouterKind::TokenChoice, "null_experts", || {
+                "apply to token-choice routers only".into()
+            })?;
+            ensure(n < e, "null_experts", || format!("{n} leaves no real expert of experts = {e}"))?;
+            ensure(self.capacity.is_none(), "null_experts", || {
+                "need a dropless router (remove [capacity]): a null expert has no capacity to share".into()
+            })?;
+            ensure(self.selection == Selection::TopK, "null_experts", || "need selection = \"top-k\"".into())?;
         }
         if self.score == ScoreFn::SoftmaxPost {
             ensure(self.normalize != Some(false), "normalize", || {

@@ -89,6 +89,14 @@ impl MoeLayer {
         self.router.balance_step(loads)
     }
 
+    /// One expert-threshold step of the router on a batch's logits, between training batches.
+    ///
+    /// # Shapes
+    /// `logits`: `[batch, seq_len, experts]`.
+    pub fn threshold_step(&mut self, logits: ndarray::ArrayView3<f32>) -> Result<()> {
+        self.router.threshold_step(logits)
+    }
+
     /// The experts, by id.
     pub fn experts(&self) -> &[Expert] {
         &self.experts

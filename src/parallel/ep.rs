@@ -148,7 +148,9 @@ impl<'a> ExpertParallel<'a> {
         // Dispatch: kept rows expert-major, token order within (the single-device order).
         let rows = routing.expert_rows();
         let (index, weight): (Vec<u32>, Vec<f32>) = rows.iter().flatten().map(|&(t, w)| (t as u32, w)).unzip();
-        let per_expert: Vec<usize> = rows.iter().map(Vec::len).collect();
+        let mut per_expert: Vec<usize> = rows.iter().map(Vec::len).collect();
+        // Null experts (past the record's E) hold a layer slot and never get a row.
+        per_expert.resize(self.layer.dims().experts, 0);
         let from_expert = comm.all_to_all_counts(&per_expert, m)?;
         let send_rows: Vec<usize> = per_expert.chunks(m).map(|c| c.iter().sum()).collect();
         let recv_rows: Vec<usize> = from_expert.chunks(m).map(|c| c.iter().sum()).collect();

@@ -98,6 +98,10 @@ macro_rules! draw_marker {
             Family::Balanced => $area.draw(&(anchor + Cross::new((x, y), 6, colour.stroke_width(3)))),
             Family::ExpertChoice => $area
                 .draw(&(anchor + Polygon::new(vec![(x, y - 7), (x + 7, y), (x, y + 7), (x - 7, y)], colour.filled()))),
+            // A hollow diamond: expert choice's shape, made causal.
+            Family::ExpertThreshold => $area.draw(
+                &(anchor + Polygon::new(vec![(x, y - 7), (x + 7, y), (x, y + 7), (x - 7, y)], colour.stroke_width(2))),
+            ),
         }
     }};
 }

@@ -2,7 +2,7 @@
 //!
 //! The assignment stage is pure host code over `f32` logits: exact, deterministic and the same
 //! on every device. Scopes split the call into groups (`scope.rs`); each group is routed by token
-//! choice or expert choice; capacity and dropping live in [`capacity`].
+//! choice, expert choice or expert threshold; capacity and dropping live in [`capacity`].
 
 pub mod balance;
 pub mod capacity;
@@ -14,6 +14,7 @@ pub(crate) mod scores;
 mod sinkhorn;
 pub(crate) mod stats;
 mod table;
+pub mod threshold;
 mod token_choice;
 
 pub use prefix::prefix_stable;
@@ -130,6 +131,7 @@ fn assign_with(
         let routed = match config.kind {
             RouterKind::TokenChoice => token_choice::route_group(config, &rows),
             RouterKind::ExpertChoice => expert_choice::route_group(config, &rows),
+            RouterKind::ExpertThreshold => threshold::route_group(config, &rows),
         };
         for (n, (&i, routes)) in members.iter().zip(routed.routes).enumerate() {
             tokens[i].group = g;
@@ -141,16 +143,17 @@ fn assign_with(
 
     let capacity = config.capacity.as_ref().map(|_| {
         let total: usize = groups.iter().filter_map(|g| g.capacity).sum();
-        vec![total; experts]
+        vec![total; config.real_experts()]
     });
     let decisions = Decisions {
         router: config.name.clone(),
         batch,
         seq_len,
-        experts,
+        // Null experts compute nothing and are not in the record.
+        experts: config.real_experts(),
         top_k: match config.kind {
             RouterKind::TokenChoice => Some(config.k()),
-            RouterKind::ExpertChoice => None,
+            RouterKind::ExpertChoice | RouterKind::ExpertThreshold => None,
         },
         capacity,
         scope: ScopeRecord { group: config.scope.group, flatten: config.scope.flatten, groups },

@@ -23,6 +23,10 @@ use crate::config::{DropPolicy, Flatten, RouterConfig, RouterKind, ScopeGroup, S
 /// Whether `config` routes every prefix of a call of `batch` sequences (no padding mask) as the
 /// whole call's routing restricted to it, token for token (routes and capacity in force).
 pub fn prefix_stable(config: &RouterConfig, batch: usize) -> bool {
+    // Expert threshold: every token against fixed thresholds, nothing shared.
+    if config.kind == RouterKind::ExpertThreshold {
+        return true;
+    }
     if config.kind != RouterKind::TokenChoice || config.selection != Selection::TopK {
         return false;
     }

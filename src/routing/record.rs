@@ -128,7 +128,10 @@ impl Routing {
     pub(crate) fn assemble(d: Decisions, softmax: Option<&[f32]>) -> Routing {
         let experts_load = stats::loads(d.experts, &d.tokens);
         let stats = match softmax {
-            Some(rows) => stats::load_stats(&experts_load, rows.chunks_exact(d.experts)),
+            // A row is as wide as the logits: null experts' columns (past `experts`) are ignored.
+            Some(rows) => {
+                stats::load_stats(&experts_load, rows.chunks_exact((rows.len() / d.tokens.len().max(1)).max(1)))
+            }
             None => LoadStats::default(),
         };
         Routing {

@@ -20,9 +20,13 @@ pub(crate) fn route_group(config: &RouterConfig, rows: &[Row]) -> GroupRouting {
     }
     let scale = config.routed_scaling;
     let Some(cap) = &config.capacity else {
+        // A choice of a null expert (ids from `real_experts()` on) computes nothing: no route.
+        let real = config.real_experts();
         let routes = choices
             .iter()
-            .map(|(es, gates)| es.iter().zip(gates).map(|(&e, &g)| kept_route(e, g * scale)).collect())
+            .map(|(es, gates)| {
+                es.iter().zip(gates).filter(|(&e, _)| e < real).map(|(&e, &g)| kept_route(e, g * scale)).collect()
+            })
             .collect();
         return GroupRouting { routes, capacity: None, in_force: None };
     };

@@ -16,6 +16,8 @@ pub enum Family {
     Balanced,
     /// Experts choose their tokens.
     ExpertChoice,
+    /// Experts take every token above a threshold learned from past batches (causal).
+    ExpertThreshold,
 }
 
 impl Family {
@@ -23,6 +25,7 @@ impl Family {
     pub fn of(config: &RouterConfig) -> Family {
         match &config.capacity {
             _ if config.kind == RouterKind::ExpertChoice => Family::ExpertChoice,
+            _ if config.kind == RouterKind::ExpertThreshold => Family::ExpertThreshold,
             _ if config.selection == Selection::Sinkhorn => Family::Balanced,
             None => Family::Dropless,
             Some(c) if c.policy == DropPolicy::Causal || config.scope.group == ScopeGroup::Sequence => {
@@ -40,6 +43,7 @@ impl Family {
             Family::BatchCapacity => "capacity over the batch",
             Family::Balanced => "balanced assignment",
             Family::ExpertChoice => "expert choice",
+            Family::ExpertThreshold => "expert threshold",
         }
     }
 }

@@ -215,19 +215,31 @@ impl Grid {
             for &experts in &self.experts {
                 let ks: Vec<Option<usize>> = match base.kind {
                     RouterKind::TokenChoice => self.top_k.iter().copied().map(Some).collect(),
-                    RouterKind::ExpertChoice => vec![None],
+                    RouterKind::ExpertChoice | RouterKind::ExpertThreshold => vec![None],
                 };
-                let factors: Vec<Option<f64>> = match base.capacity.as_ref().and_then(|c| c.factor) {
+                // An expert-threshold router's target load factor is its capacity factor.
+                let derived =
+                    base.capacity.as_ref().and_then(|c| c.factor).or(base.threshold.as_ref().map(|t| t.factor));
+                let factors: Vec<Option<f64>> = match derived {
                     Some(_) => self.capacity_factor.iter().copied().map(Some).collect(),
                     None => vec![None],
                 };
                 for &top_k in &ks {
                     for &capacity_factor in &factors {
                         let mut c = base.clone();
-                        c.experts = experts;
+                        // The axis counts experts that compute: null ones come on top.
+                        c.experts = experts + c.null_experts;
                         c.top_k = top_k.or(c.top_k);
                         if let (Some(cap), Some(f)) = (c.capacity.as_mut(), capacity_factor) {
                             cap.factor = Some(f);
+                        }
+                        if let Some(t) = c.threshold.as_mut() {
+                            t.factor = capacity_factor.unwrap_or(t.factor);
+                            if t.values.len() != experts {
+                                // Every expert starts at the mean of the given thresholds.
+                                let mean = t.values.iter().sum::<f32>() / t.values.len().max(1) as f32;
+                                t.values = vec![mean; experts];
+                            }
                         }
                         if let Some(bias) = c.expert_bias.as_mut().filter(|b| b.len() != experts) {
                             *bias = vec![0.0; experts];

@@ -179,19 +179,29 @@ pub fn cell_count(grid: &Grid, source_name: &str, base: &std::path::Path) -> Res
 /// The cell's seeded layer, after its balancing steps (on batches of the cell's size).
 fn trained_layer(grid: &Grid, cell: &Cell) -> Result<MoeLayer> {
     let mut layer = MoeLayer::seeded(cell.config.clone(), grid.hidden, grid.ffn, grid.seed, DType::F32, &Device::Cpu)?;
-    if cell.config.bias_update_rate.is_some() {
+    if has_state(&cell.config) {
         for step in 0..grid.balance_steps as u64 {
             let x = Seeded::new(grid.seed ^ (0xba1a_0000 + step))
                 .normal(&[cell.batch, cell.seq_len, grid.hidden], &Device::Cpu)?;
-            let (_, routing) = layer.forward(&x)?;
-            layer.balance_step(&routing.experts_load)?;
+            if cell.config.threshold.is_some() {
+                let logits = crate::router::logits_to_host(&layer.router().scores(&x)?)?;
+                layer.threshold_step(logits.view())?;
+            } else {
+                let (_, routing) = layer.forward(&x)?;
+                layer.balance_step(&routing.experts_load)?;
+            }
         }
     }
     Ok(layer)
 }
 
+/// Whether a router carries state moved between steps (a balancing bias, thresholds).
+fn has_state(config: &crate::config::RouterConfig) -> bool {
+    config.bias_update_rate.is_some() || config.threshold.is_some()
+}
+
 fn balance_steps(grid: &Grid, cell: &Cell) -> usize {
-    if cell.config.bias_update_rate.is_some() {
+    if has_state(&cell.config) {
         grid.balance_steps
     } else {
         0

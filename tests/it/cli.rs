@@ -303,7 +303,7 @@ fn replay_of_a_file_that_is_not_a_witness() {
 fn check_rejects_bad_probes_and_sizes() {
     insta::assert_snapshot!(fail(&["check", "mixtral", "--probes", "P,Q"]), @"error: --probes: unknown probe `Q`, expected some of P,F,N,R,D,S,M,L,X");
     insta::assert_snapshot!(fail(&["check", "mixtral", "--seq-len", "0"]), @"error: --seq-len must be at least 1");
-    insta::assert_snapshot!(fail(&["check", "no-such-router"]), @"error: unknown router `no-such-router`: not a preset (mixtral, deepseek-v3, switch, megatron-probs, megatron-position, megatron-probs-pad, deepspeed-top1, deepspeed-top2, deepspeed-topk-probs, expert-choice, aux-loss-free, causal-capacity, sinkhorn, batch-prioritized, expert-choice-tc-serve) and not a file");
+    insta::assert_snapshot!(fail(&["check", "no-such-router"]), @"error: unknown router `no-such-router`: not a preset (mixtral, deepseek-v3, switch, megatron-probs, megatron-position, megatron-probs-pad, deepspeed-top1, deepspeed-top2, deepspeed-topk-probs, expert-choice, aux-loss-free, causal-capacity, sinkhorn, batch-prioritized, expert-choice-tc-serve, expert-threshold, null-experts) and not a file");
 }
 
 #[test]
@@ -318,5 +318,5 @@ fn zoo_prints_every_preset_with_verdicts_and_load() {
         assert!(text.lines().any(|l| l.starts_with(&format!("{:<22} ", p.name))), "{} missing:\n{text}", p.name);
     }
     assert!(text.contains("\nmegatron-position      LEAK  pass  LEAK  LEAK  pass  pass  n/a   LEAK "), "{text}");
-    assert!(text.ends_with("10 of 15 presets leak. LEAK = the probe changed some token's routing; see `moe-audit check <preset>` for rates and witnesses.\n"), "{text}");
+    assert!(text.ends_with("10 of 17 presets leak. LEAK = the probe changed some token's routing; see `moe-audit check <preset>` for rates and witnesses.\n"), "{text}");
 }

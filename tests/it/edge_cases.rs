@@ -34,6 +34,10 @@ fn all_equal_logits_tie_to_the_lowest_expert_then_the_lowest_token() {
                     assert!(r.experts_load[0].kept <= cap[0], "{}", p.name);
                 }
             }
+            RouterKind::ExpertThreshold => {
+                // Every token alike: each takes the same experts (here none: 1/8 < 2/8).
+                assert!(r.tokens.iter().all(|t| t.routes == r.tokens[0].routes), "{}", p.name);
+            }
             RouterKind::ExpertChoice => {
                 // Each expert takes the same first C tokens of the group order (sequence-major
                 // for this preset): those tokens get every expert, the rest none.

@@ -2,6 +2,7 @@
 
 use moe_audit::config::{
     preset, Arithmetic, CapacityConfig, DropPolicy, Flatten, RouterConfig, ScopeConfig, ScopeGroup, ScoreFn,
+    ThresholdConfig,
 };
 use moe_audit::routing::Route;
 use moe_audit::{assign, Logits, Routing};
@@ -304,4 +305,89 @@ fn batch_priority_ranks_second_choices_by_the_tokens_max_probability() {
     config.capacity.as_mut().unwrap().policy = DropPolicy::Probs;
     let r = route(&config, 1, &[&a, &b]);
     assert_eq!((r.tokens[0].routes[1].kept, r.tokens[1].routes[1].kept), (true, false));
+}
+
+/// Expert threshold over 2 experts (docs/ROUTING.md, "Expert threshold").
+fn expert_threshold(score: ScoreFn, values: Vec<f32>, factor: f64, ema: f32) -> RouterConfig {
+    let mut c = preset("expert-threshold").unwrap().config().unwrap();
+    c.name = "hand".into();
+    c.experts = values.len();
+    c.score = score;
+    c.threshold = Some(ThresholdConfig { factor, ema, values });
+    c
+}
+
+/// Softmax of `[ln 3, 0]` as the router computes it in f32: (≈0.75, ≈0.25).
+fn three_to_one() -> (f32, f32) {
+    let third = (-(3f32.ln())).exp();
+    (1.0 / (1.0 + third), third / (1.0 + third))
+}
+
+#[test]
+fn expert_threshold_takes_tokens_strictly_above_and_a_token_above_none_gets_no_expert() {
+    let config = expert_threshold(ScoreFn::SoftmaxPre, vec![0.6, 0.5], 1.0, 0.5);
+    let ln3 = 3f32.ln();
+    let (big, small) = three_to_one();
+    let r = route(&config, 1, &[&[ln3, 0.0], &[0.0, 0.0], &[0.0, ln3]]);
+    // t0 (0.75, 0.25): only expert 0 is above its threshold.
+    assert_eq!(r.token(0, 0).routes, vec![kept(0, big)]);
+    // t1 (0.5, 0.5): below 0.6, and exactly at 0.5 is not above: no expert at all.
+    assert_eq!(r.token(0, 1).routes, vec![]);
+    assert_eq!(r.token(0, 2).routes, vec![kept(1, big)]);
+    assert!(small < 0.5);
+    assert_eq!((r.top_k, r.capacity.clone()), (None, None));
+    // Sigmoid: a token may take every expert, strongest first, ties to the lower id.
+    let config = expert_threshold(ScoreFn::Sigmoid, vec![0.5, 0.5, 0.9], 1.0, 0.5);
+    let r = route(&config, 1, &[&[1.0, 1.0, 1.0]]);
+    let s = 1.0 / (1.0 + (-1f32).exp());
+    assert_eq!(r.token(0, 0).routes, vec![kept(0, s), kept(1, s)]);
+}
+
+#[test]
+fn expert_threshold_step_moves_each_threshold_toward_its_c_th_best_score() {
+    let mut config = expert_threshold(ScoreFn::SoftmaxPre, vec![0.6, 0.3], 1.0, 0.5);
+    let ln3 = 3f32.ln();
+    let rows = [ln3, 0.0, 0.0, 0.0, 0.0, ln3, 0.0, 0.0];
+    let logits = Logits::from_shape_vec((2, 2, 2), rows.to_vec()).unwrap();
+    // T 4, E 2, cf 1: c = 2. Expert 0's scores 0.75, 0.5, 0.25, 0.5 → 2nd best 0.5 (a tie,
+    // counted); expert 1's likewise 0.5.
+    assert_eq!(moe_audit::routing::threshold::quantiles(&config, logits.view()).unwrap(), vec![0.5, 0.5]);
+    // A forward reads the thresholds and never moves them.
+    let before = assign(&config, logits.view()).unwrap();
+    assert_eq!(config.threshold.as_ref().unwrap().values, vec![0.6, 0.3]);
+    config.threshold_step(logits.view()).unwrap();
+    // τ + α(q − τ), α 0.5, in f32.
+    assert_eq!(config.threshold.as_ref().unwrap().values, vec![0.6 + 0.5 * (0.5 - 0.6), 0.3 + 0.5 * (0.5 - 0.3)]);
+    // Here the move changes no decision (0.55 and 0.4 split the scores as 0.6 and 0.3 did).
+    assert_eq!(assign(&config, logits.view()).unwrap(), before);
+    // α 1 sets τ to the quantile: routing the same batch takes expert choice's 2 picks of each
+    // expert less the one tied with the 2nd score (0.5 is not above 0.5).
+    config.threshold.as_mut().unwrap().ema = 1.0;
+    config.threshold_step(logits.view()).unwrap();
+    assert_eq!(config.threshold.as_ref().unwrap().values, vec![0.5, 0.5]);
+    let r = assign(&config, logits.view()).unwrap();
+    let (big, _) = three_to_one();
+    let routes: Vec<Vec<Route>> = r.tokens.iter().map(|t| t.routes.clone()).collect();
+    assert_eq!(routes, vec![vec![kept(0, big)], vec![], vec![kept(1, big)], vec![]]);
+}
+
+#[test]
+fn null_experts_compute_nothing_and_leave_the_record_with_fewer_routes() {
+    // 2 real experts and 1 null (id 2); top-2 of softmax over all 3, normalised over the 2.
+    let mut config = token_choice(3, 2, ScoreFn::SoftmaxPre, None);
+    config.null_experts = 1;
+    config.normalize = Some(true);
+    let r = route(&config, 1, &[&[0.0, -20.0, 0.0], &[0.0, 0.0, -20.0], &[-20.0, -20.0, 0.0]]);
+    assert_eq!(r.experts, 2, "the record holds the real experts");
+    // t0 chose experts 0 and the null 2 (equal probability): half its gate is computed by nobody.
+    assert_eq!(r.token(0, 0).routes, vec![kept(0, 0.5)]);
+    assert_eq!(r.token(0, 1).routes, vec![kept(0, 0.5), kept(1, 0.5)]);
+    // t2 chose the null expert first, then expert 0 (tied with 1: the lower id).
+    let t2 = &r.token(0, 2).routes;
+    assert_eq!(t2.len(), 1);
+    assert_eq!(t2[0].expert, 0);
+    let tiny = (-20f32).exp();
+    assert!((t2[0].weight - tiny / (1.0 + tiny)).abs() < 1e-12, "{t2:?}");
+    let routed: Vec<usize> = r.experts_load.iter().map(|l| l.routed).collect();
+    assert_eq!(routed, vec![3, 1]);
 }

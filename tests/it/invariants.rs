@@ -221,6 +221,7 @@ fn check_all(c: &RouterConfig, x: &Array3<f32>, extreme: bool) -> Check {
     match c.kind {
         RouterKind::TokenChoice => check_token_choice(c, x, &r, extreme)?,
         RouterKind::ExpertChoice => check_expert_choice(c, x, &r)?,
+        RouterKind::ExpertThreshold => check_expert_threshold(c, x, &r)?,
     }
     check_loads(&r)?;
     // D: the same call twice gives the same record, and the same JSON bytes.
@@ -293,6 +294,7 @@ fn row(x: &Array3<f32>, flat: usize) -> Vec<f32> {
 /// Shape, tokens, groups and capacity fields.
 fn check_record(c: &RouterConfig, x: &Array3<f32>, r: &Routing) -> Check {
     let (b, s, e) = x.dim();
+    let e = e - c.null_experts;
     prop_assert_eq!((r.batch, r.seq_len, r.experts), (b, s, e));
     prop_assert_eq!(&r.router, &c.name);
     prop_assert_eq!(r.top_k, if c.kind == RouterKind::TokenChoice { Some(c.k()) } else { None });
@@ -385,12 +387,17 @@ fn check_token_choice(c: &RouterConfig, x: &Array3<f32>, r: &Routing, extreme: b
     for (i, t) in r.tokens.iter().enumerate() {
         let real: Vec<_> = t.routes.iter().filter(|r| !r.padded).collect();
         let pads: Vec<_> = t.routes.iter().filter(|r| r.padded).collect();
+        // Null experts' choices are not in the record: the others keep their order and gates.
+        let ch = &choices[i];
+        let (kept_ids, kept_gates): (Vec<usize>, Vec<f32>) =
+            ch.experts.iter().zip(&ch.gates).filter(|(&x, _)| x < c.real_experts()).map(|(&x, &g)| (x, g)).unzip();
+        let ch = &Choice { experts: kept_ids, gates: kept_gates };
+        let k = if c.null_experts > 0 { ch.experts.len() } else { k };
         // Exactly k real routes, in choice order, then the padding slots by expert id.
         prop_assert_eq!(real.len(), k, "token ({}, {}) has {} routes, want k = {}", t.batch, t.pos, real.len(), k);
         prop_assert!(t.routes.iter().take(k).all(|r| !r.padded), "padding slot before a real route: {:?}", t.routes);
         prop_assert!(pads.windows(2).all(|w| w[0].expert < w[1].expert), "padding slots not by expert id");
         let ids: Vec<usize> = real.iter().map(|r| r.expert).collect();
-        let ch = &choices[i];
         prop_assert_eq!(
             &ids,
             &ch.experts,
@@ -435,7 +442,7 @@ fn check_token_choice(c: &RouterConfig, x: &Array3<f32>, r: &Routing, extreme: b
                     scale
                 );
             }
-        } else if c.normalizes() && (!extreme || gate_sum > 0.5) {
+        } else if c.normalizes() && c.null_experts == 0 && (!extreme || gate_sum > 0.5) {
             // Normalised gates sum to 1 before dropping; dropped routes keep their gate.
             prop_assert!(
                 close(all_sum, scale),
@@ -584,6 +591,24 @@ fn check_causal(c: &RouterConfig, cap: &CapacityConfig, members: &[usize], r: &R
     Ok(())
 }
 
+/// Expert threshold: exactly the experts whose score is strictly above their threshold, gate the
+/// score, strongest first, ties to the lower id; whatever the other tokens are.
+fn check_expert_threshold(c: &RouterConfig, x: &Array3<f32>, r: &Routing) -> Check {
+    let tau = &c.threshold.as_ref().expect("expert threshold has thresholds").values;
+    for (i, t) in r.tokens.iter().enumerate() {
+        let aff = affinity(c.score, &row(x, i));
+        let mut want: Vec<usize> = (0..c.experts).filter(|&e| aff[e] > tau[e]).collect();
+        want.sort_by(|&p, &q| desc(aff[p], aff[q]).then(p.cmp(&q)));
+        let got: Vec<usize> = t.routes.iter().map(|r| r.expert).collect();
+        prop_assert_eq!(&got, &want, "token ({}, {}) logits {:?}", t.batch, t.pos, row(x, i));
+        for route in &t.routes {
+            prop_assert!(route.kept && !route.padded);
+            prop_assert!(close(route.weight, aff[route.expert] * c.routed_scaling), "{:?}", route);
+        }
+    }
+    Ok(())
+}
+
 fn check_expert_choice(c: &RouterConfig, x: &Array3<f32>, r: &Routing) -> Check {
     let (b, s, e) = x.dim();
     let cap = c.capacity.as_ref().expect("expert choice has a capacity");
@@ -657,6 +682,8 @@ preset_props! {
     preset_sinkhorn: "sinkhorn", 64;
     preset_batch_prioritized: "batch-prioritized", 64;
     preset_expert_choice_tc_serve: "expert-choice-tc-serve", 64;
+    preset_expert_threshold: "expert-threshold", 64;
+    preset_null_experts: "null-experts", 64;
 }
 
 #[test]
@@ -679,7 +706,9 @@ fn the_preset_list_is_the_one_these_tests_cover() {
             "causal-capacity",
             "sinkhorn",
             "batch-prioritized",
-            "expert-choice-tc-serve"
+            "expert-choice-tc-serve",
+            "expert-threshold",
+            "null-experts"
         ],
         "a preset was added or removed: add it to preset_props!"
     );

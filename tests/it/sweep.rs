@@ -77,7 +77,7 @@ fn bad_grid_files_name_file_field_and_value() {
     insta::assert_snapshot!(errors.join("\n"), @r#"
     error: [TMP]/g1.toml: top_k[1]: must be at least 1, got 0
     error: [TMP]/g2.toml: capacity_factor: invalid type: string "x", expected a sequence (line 1, column 19)
-    error: [TMP]/g3.toml: routers[0]: unknown router `nope`: not a preset (mixtral, deepseek-v3, switch, megatron-probs, megatron-position, megatron-probs-pad, deepspeed-top1, deepspeed-top2, deepspeed-topk-probs, expert-choice, aux-loss-free, causal-capacity, sinkhorn, batch-prioritized, expert-choice-tc-serve) and not a file
+    error: [TMP]/g3.toml: routers[0]: unknown router `nope`: not a preset (mixtral, deepseek-v3, switch, megatron-probs, megatron-position, megatron-probs-pad, deepspeed-top1, deepspeed-top2, deepspeed-topk-probs, expert-choice, aux-loss-free, causal-capacity, sinkhorn, batch-prioritized, expert-choice-tc-serve, expert-threshold, null-experts) and not a file
     error: [TMP]/g4.toml: routerz: unknown field `routerz`, expected one of `routers`, `capacity_factor`, `top_k`, `experts`, `seq_len`, `batch`, `trials`, `seed`, `hidden`, `ffn`, `balance_steps`, `numerics`, `heatmap`, `exploit` (line 1, column 1)
     error: [TMP]/g5.toml: capacity_factor[1]: must be finite and > 0, got -2
     error: [TMP]/g6.toml: heatmap: `mixtral-x` is not one of `routers`
