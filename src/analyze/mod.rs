@@ -8,6 +8,7 @@
 mod budget;
 mod case;
 pub mod compare;
+mod explain;
 mod layer_check;
 mod probe;
 mod tally;
@@ -15,6 +16,7 @@ pub mod witness;
 
 pub use crate::parallel::Layer;
 pub use case::{Call, Case};
+pub use explain::Explanation;
 pub use probe::{numerics, Probe};
 pub use witness::Witness;
 
@@ -74,6 +76,9 @@ pub enum Verdict {
     Leak,
     /// The probe cannot apply (batch of 1, no `[inference]` table, ...).
     NotApplicable,
+    /// Probe X only: routing in bf16 or f16 differs from f32 for some token. Precision drift
+    /// between engines, not causality: it fails a check only with `--fail-on drift`.
+    Drift,
 }
 
 /// Audit sizes and knobs.
@@ -178,6 +183,9 @@ pub struct Finding {
     /// Probe X only: precision flips and accumulator swamping.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub numerics: Option<numerics::Numerics>,
+    /// A leak in words: the two calls, what changed, the cause, how to fix.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub explain: Option<Explanation>,
 }
 
 impl Finding {
@@ -198,6 +206,7 @@ impl Finding {
             note: String::new(),
             witness: None,
             numerics: None,
+            explain: None,
         }
     }
 }
@@ -220,6 +229,11 @@ impl RouterReport {
     /// Whether any probe found a leak or any invariant failed.
     pub fn leaks(&self) -> bool {
         !self.invariants.is_empty() || self.findings.iter().any(|f| f.verdict == Verdict::Leak)
+    }
+
+    /// Whether some probe found precision drift.
+    pub fn drifts(&self) -> bool {
+        self.findings.iter().any(|f| f.verdict == Verdict::Drift)
     }
 
     /// The finding of `probe`, if it ran.
@@ -311,6 +325,7 @@ pub fn audit(subject: &Subject, options: &AuditOptions, tick: &mut dyn FnMut(&st
         if let Some(sample) = &sample {
             sample.check(probe, &mut finding)?;
         }
+        finding.explain = explain::explain(&finding, options, router.config());
         findings.push(finding);
     }
     Ok(RouterReport { router: router.name().to_string(), load: ctx.base_routing.stats, invariants, findings })

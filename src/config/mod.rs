@@ -3,9 +3,11 @@
 //! One serde struct is the file format, the CLI input and the report header. Parsing and
 //! validation happen here, once, so the routing code can trust every field it reads.
 
+mod family;
 mod presets;
 mod validate;
 
+pub use family::Family;
 pub use presets::{preset, presets, Preset};
 
 use crate::error::{Error, Result};
