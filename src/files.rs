@@ -166,6 +166,16 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     staged.commit()
 }
 
+/// `tensors` as a safetensors file's bytes (`path` names the file in errors). Written with
+/// [`Staged::write`] or [`write_atomic`], the file gets the mode every other output gets (0666
+/// less the umask); `safetensors`' own file writer would make it 0600.
+pub fn safetensors_bytes(
+    tensors: &std::collections::HashMap<String, candle_core::Tensor>,
+    path: &Path,
+) -> Result<Vec<u8>> {
+    safetensors::serialize(tensors, None).map_err(|e| Error::input(path, format!("cannot write: {e}")))
+}
+
 /// Creates `dir` (and its parents) for outputs.
 pub fn create_dir(dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| Error::input(dir, format!("cannot create: {e}")))

@@ -8,6 +8,7 @@
 mod budget;
 mod case;
 pub mod compare;
+mod explain;
 mod layer_check;
 mod noise;
 mod probe;
@@ -18,6 +19,7 @@ pub mod witness;
 pub use crate::parallel::Layer;
 pub use case::{Call, Case};
 pub use noise::FIX as RANDOM_ROUTER_FIX;
+pub use explain::Explanation;
 pub use probe::{numerics, Probe};
 pub use witness::Witness;
 
@@ -81,6 +83,9 @@ pub enum Verdict {
     /// Some token changed, but no more than the router's own randomness explains (D fails):
     /// the probe cannot tell a leak from noise.
     Inconclusive,
+    /// Probe X only: routing in bf16 or f16 differs from f32 for some token. Precision drift
+    /// between engines, not causality: it fails a check only with `--fail-on drift`.
+    Drift,
 }
 
 /// Audit sizes and knobs.
@@ -189,6 +194,9 @@ pub struct Finding {
     /// routes them all). Not serialised: a front end says in the note how to ask for it.
     #[serde(skip)]
     pub searched: bool,
+    /// A leak in words: the two calls, what changed, the cause, how to fix.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub explain: Option<Explanation>,
 }
 
 impl Finding {
@@ -210,6 +218,7 @@ impl Finding {
             witness: None,
             numerics: None,
             searched: false,
+            explain: None,
         }
     }
 }
@@ -237,6 +246,11 @@ impl RouterReport {
     /// Whether some probe could not tell a leak from the router's randomness.
     pub fn inconclusive(&self) -> bool {
         self.findings.iter().any(|f| f.verdict == Verdict::Inconclusive)
+    }
+
+    /// Whether some probe found precision drift.
+    pub fn drifts(&self) -> bool {
+        self.findings.iter().any(|f| f.verdict == Verdict::Drift)
     }
 
     /// The finding of `probe`, if it ran.
@@ -350,6 +364,9 @@ pub fn audit(subject: &Subject, options: &AuditOptions, progress: &dyn Progress)
     findings.sort_by_key(|f| options.probes.iter().position(|&p| p == f.probe));
     let noise = ctx.repeats().repeat.tally();
     noise::separate(&mut findings, (noise.affected, noise.compared()), noise.differs());
+    for finding in &mut findings {
+        finding.explain = explain::explain(finding, options, router.config());
+    }
     Ok(RouterReport { router: router.name().to_string(), load, invariants, findings })
 }
 

@@ -46,6 +46,10 @@ pub struct CheckArgs {
     /// Seed of the layer, the inputs and every random choice.
     #[arg(long, default_value_t = 0, help_heading = "Audit")]
     pub seed: u64,
+    /// Verdicts that make the check exit 1, comma separated: `leak` (a causality leak or a
+    /// broken invariant), `drift` (probe X: routing in bf16 or f16 differs from f32).
+    #[arg(long, value_name = "VERDICTS", default_value = "leak", value_parser = FailOn::parse, help_heading = "Audit")]
+    pub fail_on: FailOn,
     /// Route every prefix in P (time quadratic in --seq-len) instead of searching them; the
     /// verdicts and witnesses are the same, the counts cover every prefix.
     #[arg(long, help_heading = "Audit")]
@@ -219,7 +223,7 @@ fn audit_and_report(args: &CheckArgs, out: &mut dyn Write, comm: Option<&dyn Com
     // Routers named in their handshake or manifest too, before any file is written.
     crate::names::check_unique(report.routers.iter().map(|r| r.router.as_str())).map_err(Error::Usage)?;
     if comm.is_some_and(|c| c.rank() != 0) {
-        return Ok(u8::from(report.fails()));
+        return Ok(u8::from(args.fail_on.fails(&report)));
     }
     // The witnesses and the report file are one set, renamed into place together.
     let mut staged = crate::files::Staged::new();
@@ -251,7 +255,35 @@ fn audit_and_report(args: &CheckArgs, out: &mut dyn Write, comm: Option<&dyn Com
     if args.github {
         out.write_all(render_github(&report).as_bytes()).map_err(io_error)?;
     }
-    Ok(u8::from(report.fails()))
+    Ok(u8::from(args.fail_on.fails(&report)))
+}
+
+/// Which verdicts fail a check (`--fail-on`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FailOn {
+    /// A causality leak, a broken invariant, or a verdict a random router made inconclusive.
+    pub leak: bool,
+    /// Precision drift (probe X).
+    pub drift: bool,
+}
+
+impl FailOn {
+    fn parse(list: &str) -> std::result::Result<FailOn, String> {
+        let mut on = FailOn { leak: false, drift: false };
+        for word in list.split(',').map(str::trim) {
+            match word {
+                "leak" => on.leak = true,
+                "drift" => on.drift = true,
+                _ => return Err(format!("unknown verdict `{word}`: expected a comma-separated list of leak, drift")),
+            }
+        }
+        Ok(on)
+    }
+
+    /// Whether `report` has a verdict that fails.
+    pub fn fails(self, report: &Report) -> bool {
+        (self.leak && report.fails()) || (self.drift && report.routers.iter().any(RouterReport::drifts))
+    }
 }
 
 /// A prefix probe that searched its prefixes says which flag routes them all (the library's
@@ -304,6 +336,15 @@ pub fn verdicts(r: &RouterReport) -> Vec<(Probe, Verdict)> {
 mod tests {
     use super::*;
     use clap::Parser;
+
+    #[test]
+    fn fail_on_takes_a_list_of_verdicts() {
+        assert_eq!(FailOn::parse("leak"), Ok(FailOn { leak: true, drift: false }));
+        assert_eq!(FailOn::parse("leak, drift"), Ok(FailOn { leak: true, drift: true }));
+        assert_eq!(FailOn::parse("drift"), Ok(FailOn { leak: false, drift: true }));
+        assert!(FailOn::parse("leaks").unwrap_err().contains("unknown verdict `leaks`"));
+        assert!(FailOn::parse("").is_err());
+    }
 
     #[test]
     fn the_default_probes_are_probe_all() {

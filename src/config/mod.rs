@@ -3,10 +3,12 @@
 //! One serde struct is the file format, the CLI input and the report header. Parsing and
 //! validation happen here, once, so the routing code can trust every field it reads.
 
+mod family;
 mod inference;
 mod presets;
 mod validate;
 
+pub use family::Family;
 pub use inference::{CapacityOverrides, GroupLimitOverrides, InferenceOverrides, ScopeOverrides};
 pub use presets::{preset, presets, Preset};
 

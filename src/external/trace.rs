@@ -152,8 +152,7 @@ pub fn plan(router: &Handshake, options: &AuditOptions, dir: &Path, max_memory: 
     crate::files::create_dir(dir)?;
     let mut staged = crate::files::Staged::new();
     let inputs = dir.join(INPUTS);
-    candle_core::safetensors::save(&tensors, staged.path_for(&inputs))
-        .map_err(|e| Error::input(&inputs, format!("cannot write: {e}")))?;
+    staged.write(&inputs, &crate::files::safetensors_bytes(&tensors, &inputs)?)?;
     let manifest = Manifest { format: FORMAT.into(), router: router.clone(), options: options.clone(), calls };
     let json = serde_json::to_string_pretty(&manifest).expect("a manifest always serialises") + "\n";
     staged.write(&dir.join(MANIFEST), json.as_bytes())?;

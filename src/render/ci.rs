@@ -1,17 +1,27 @@
 //! CI report formats: JUnit XML (one test case per router × probe, a leak's witness summary as
 //! the failure message) and GitHub Actions `::error::` annotations, one per leak.
 
-use super::text::{verdict_word, why};
+use super::text::{details, verdict_word, why};
 use crate::analyze::{Finding, Report, Verdict};
 use crate::routing::Route;
 use std::fmt::Write;
 
-/// One line on a leak: the witness's token and what changed, or the rate and where.
+/// One line on a leak: the witness's token and what changed, or the rate and where; then the
+/// explanation (calls, change, fix).
 fn summary(f: &Finding) -> String {
+    let mut out = headline(f);
+    for (label, text) in details(f) {
+        let _ = write!(out, "; {label}: {text}");
+    }
+    out
+}
+
+fn headline(f: &Finding) -> String {
+    let verb = if f.verdict == Verdict::Drift { "drifts in" } else { "leaks" };
     let rate = format!("{} of {} tokens changed ({:.1}%)", f.affected, f.compared, f.rate * 100.0);
     match &f.witness {
         Some(w) => format!(
-            "{} {} leaks {}: {rate}; witness: token batch {}, position {} routes differently ({}): before {} after {}",
+            "{} {} {verb} {}: {rate}; witness: token batch {}, position {} routes differently ({}): before {} after {}",
             f.probe,
             f.probe.name(),
             f.property,
@@ -21,7 +31,7 @@ fn summary(f: &Finding) -> String {
             routes(&w.before.routes),
             routes(&w.after.routes),
         ),
-        None => format!("{} {} leaks {}: {rate}; {}", f.probe, f.probe.name(), f.property, why(f)),
+        None => format!("{} {} {verb} {}: {rate}; {}", f.probe, f.probe.name(), f.property, why(f)),
     }
 }
 
@@ -74,6 +84,10 @@ pub fn render_junit(report: &Report) -> String {
             let _ = write!(out, "    <testcase classname=\"moe-audit.{name}\" name=\"{case}\"");
             match f.verdict {
                 Verdict::Pass => out.push_str("/>\n"),
+                // Drift is reported, not failed: `--fail-on drift` gates on it by the exit code.
+                Verdict::Drift => {
+                    let _ = writeln!(out, ">\n      <system-out>{}</system-out>\n    </testcase>", xml(&summary(f)));
+                }
                 Verdict::NotApplicable => {
                     let _ = writeln!(out, ">\n      <skipped message=\"{}\"/>\n    </testcase>", xml(&f.note));
                 }
@@ -143,6 +157,15 @@ pub fn render_github(report: &Report) -> String {
                 "::error title={}::{}",
                 escape(&title, true),
                 escape(&format!("{}: {}", r.router, f.note), false)
+            );
+        }
+        for f in r.findings.iter().filter(|f| f.verdict == Verdict::Drift) {
+            let title = format!("moe-audit: {} drifts in low precision", r.router);
+            let _ = writeln!(
+                out,
+                "::warning title={}::{}",
+                escape(&title, true),
+                escape(&format!("{}: {}", r.router, summary(f)), false)
             );
         }
         for v in &r.invariants {

@@ -13,6 +13,7 @@ pub(crate) fn verdict_word(v: Verdict) -> &'static str {
         Verdict::NotApplicable => "n/a",
         // Five letters: the zoo's columns.
         Verdict::Inconclusive => "noise",
+        Verdict::Drift => "drift",
     }
 }
 
@@ -20,9 +21,9 @@ fn percent(rate: f64) -> String {
     format!("{:.1}%", rate * 100.0)
 }
 
-/// Why, in a few words: what changed, where, from how far.
+/// Why, in a few words: what changed, where, what caused it.
 pub(crate) fn why(f: &Finding) -> String {
-    if f.verdict != Verdict::Leak {
+    if !matches!(f.verdict, Verdict::Leak | Verdict::Drift) {
         return f.note.clone();
     }
     let mut parts = Vec::new();
@@ -38,13 +39,29 @@ pub(crate) fn why(f: &Finding) -> String {
     if let Some(p) = f.first_position {
         parts.push(format!("first at position {p}"));
     }
-    if let Some(b) = f.influence.first() {
-        parts.push(format!("nearest cause {}..{} tokens later", b.from, b.to));
+    if let Some(e) = &f.explain {
+        parts.push(format!("cause: {}", e.cause));
     }
     if f.output_leaks > 0 {
         parts.push(format!("{} outputs changed with identical routing", f.output_leaks));
     }
     parts.join("; ")
+}
+
+/// A leak's explanation as labelled lines (every format prints these): the two calls and the
+/// witness's token, what changed for it, how to fix.
+pub(crate) fn details(f: &Finding) -> Vec<(&'static str, String)> {
+    let Some(e) = &f.explain else { return Vec::new() };
+    let mut calls = format!("\"{}\" vs \"{}\"", e.calls[0], e.calls[1]);
+    if let Some(t) = e.token {
+        let _ = write!(calls, "; witness token: sequence {}, position {}", t.batch, t.pos);
+    }
+    let mut out = vec![("compared", calls)];
+    if let Some(c) = &e.changed {
+        out.push(("changed", c.clone()));
+    }
+    out.push(("fix", e.fix.clone()));
+    out
 }
 
 /// The terminal table: one row per router × probe, then invariant failures and the summary.
@@ -55,6 +72,8 @@ pub fn render_text(report: &Report, witness_paths: &dyn Fn(&str, Probe) -> Optio
         writeln!(out, "moe-audit check: batch {} x seq {}, {} trials, seed {}", o.batch, o.seq_len, o.trials, o.seed);
     let _ = writeln!(out, "{:<22} {:<12} {:<7} {:<10} {:>7}  why", "router", "probe", "verdict", "property", "rate");
     for r in &report.routers {
+        // The fix depends on the design more than on the probe: say it once per router.
+        let mut fixes: Vec<String> = Vec::new();
         for f in &r.findings {
             let mut line = format!(
                 "{:<22} {:<12} {:<7} {:<10} {:>7}  {}",
@@ -69,6 +88,15 @@ pub fn render_text(report: &Report, witness_paths: &dyn Fn(&str, Probe) -> Optio
                 let _ = write!(line, " [witness {path}]");
             }
             let _ = writeln!(out, "{}", line.trim_end());
+            for (label, text) in details(f) {
+                let text = if label != "fix" || !fixes.contains(&text) {
+                    fixes.extend((label == "fix").then(|| text.clone()));
+                    text
+                } else {
+                    "as above".into()
+                };
+                let _ = writeln!(out, "{:<22}   {label}: {text}", "");
+            }
         }
         for v in &r.invariants {
             let _ = writeln!(out, "{:<22} invariant    FAIL    {v}", r.router);
@@ -112,6 +140,7 @@ pub fn render_markdown(report: &Report) -> String {
                 Verdict::Pass => "✅ pass",
                 Verdict::NotApplicable => "n/a",
                 Verdict::Inconclusive => "❔ inconclusive",
+                Verdict::Drift => "⚠️ drift",
             };
             let _ = writeln!(
                 out,
@@ -121,7 +150,11 @@ pub fn render_markdown(report: &Report) -> String {
                 f.probe.name(),
                 f.property,
                 if f.verdict == Verdict::NotApplicable { "–".into() } else { percent(f.rate) },
-                why(f).replace('|', "\\|")
+                std::iter::once(why(f))
+                    .chain(details(f).into_iter().map(|(label, text)| format!("{label}: {text}")))
+                    .collect::<Vec<_>>()
+                    .join("<br>")
+                    .replace('|', "\\|")
             );
         }
         for v in &r.invariants {

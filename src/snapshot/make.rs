@@ -305,13 +305,7 @@ pub fn write_plan(dir: &Path, hs: &Handshake, input: &InputSpec, max_memory: u64
     std::fs::create_dir_all(dir).map_err(|e| Error::input(dir, format!("cannot create: {e}")))?;
     let t = Tensor::from_slice(rows.as_slice().expect("standard layout"), rows.dim(), &Device::Cpu)?;
     let inputs = dir.join(INPUTS);
-    let tmp = dir.join(format!(".{INPUTS}.tmp-{}", std::process::id()));
-    candle_core::safetensors::save(&HashMap::from([("rows".to_string(), t)]), &tmp)
-        .and_then(|()| std::fs::rename(&tmp, &inputs).map_err(candle_core::Error::from))
-        .map_err(|e| {
-            let _ = std::fs::remove_file(&tmp);
-            Error::input(&inputs, format!("cannot write: {e}"))
-        })?;
+    write_atomic(&inputs, &crate::files::safetensors_bytes(&HashMap::from([("rows".to_string(), t)]), &inputs)?)?;
     let router = RouterSource::Harness {
         name: hs.name.clone(),
         experts: hs.experts,

@@ -6,11 +6,10 @@
 //! one router's position × distance heatmap. Everything is seeded: the same grid gives the same
 //! bytes.
 
-mod family;
 mod grid;
 mod heatmap;
 
-pub use family::Family;
+pub use crate::config::Family;
 pub use grid::{Cell, Grid, Skipped};
 pub use heatmap::Heatmap;
 

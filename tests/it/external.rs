@@ -169,6 +169,33 @@ fn trace_files_give_the_subprocess_verdicts() {
     );
 }
 
+/// Every file `plan` and `snapshot --plan` write gets the mode a new file gets here (0666 less
+/// the umask): the inputs were once 0600 beside a 0644 manifest.
+#[cfg(unix)]
+#[test]
+fn plan_outputs_share_the_normal_file_mode() {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    let dir = tmp("plan-modes");
+    let normal = dir.join("normal");
+    std::fs::write(&normal, b"").unwrap();
+    let plan = dir.join("plan");
+    let snap = dir.join("snapshot-plan");
+    let (p, s) = (plan.to_str().unwrap(), snap.to_str().unwrap());
+    let plan_args = ["plan", "--output", p, "--experts", "4", "--top-k", "2", "--batch", "1", "--seq-len", "2"];
+    let snapshot_args = ["snapshot", "--plan", s, "--experts", "4", "--top-k", "2"];
+    for (args, out) in [(&plan_args[..], &plan), (&snapshot_args[..], &snap)] {
+        let run = run(args);
+        assert!(run.status.success(), "{args:?}: {}", String::from_utf8_lossy(&run.stderr));
+        let mut files: Vec<_> = std::fs::read_dir(out).unwrap().map(|e| e.unwrap().path()).collect();
+        files.sort();
+        assert!(files.iter().any(|f| f.ends_with("inputs.safetensors")), "{files:?}");
+        for f in &files {
+            assert_eq!(mode(f), mode(&normal), "{}", f.display());
+        }
+    }
+}
+
 #[test]
 fn trace_plan_covers_hidden_input_routers() {
     if !numpy() {

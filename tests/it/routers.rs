@@ -156,7 +156,7 @@ fn scenario_15_bf16_flips_sit_at_near_ties() {
     let n = f.numerics.as_ref().unwrap();
     let bf16 = &n.flips[0];
     assert_eq!((bf16.dtype.as_str(), bf16.tokens), ("bf16", 1024));
-    assert!(bf16.flipped > 0 && f.verdict == Leak, "{bf16:?}");
+    assert!(bf16.flipped > 0 && f.verdict == Verdict::Drift, "precision drift, not a leak: {bf16:?}");
     assert!(bf16.median_margin_at_flips.unwrap() < bf16.median_margin.unwrap() / 10.0, "flips are near-ties: {bf16:?}");
     assert_eq!(bf16.margins_at_flips.iter().map(|b| b.count).sum::<usize>(), bf16.flipped);
     assert!(f.witness.is_some(), "a flip replays from its witness");

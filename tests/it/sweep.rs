@@ -135,16 +135,28 @@ fn the_committed_default_sweep_and_the_readme_table_are_current() {
 
 #[test]
 fn check_runs_probe_x_only_when_asked() {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_moe-audit"))
-        .args(["check", "mixtral", "--probes", "X", "--seq-len", "256", "--batch", "4"])
-        .output()
-        .unwrap();
+    let x = |extra: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_moe-audit"))
+            .args([&["check", "mixtral", "--probes", "X", "--seq-len", "256", "--batch", "4"][..], extra].concat())
+            .output()
+            .unwrap()
+    };
+    let out = x(&[]);
     let text = String::from_utf8(out.stdout).unwrap();
-    assert_eq!(out.status.code(), Some(1), "a bf16 flip is a T/I leak: {text}");
+    // A bf16 near-tie flip is precision drift, not a causality leak: reported, exit 0 by default.
+    assert_eq!(out.status.code(), Some(0), "{text}");
     assert!(
-        text.contains("X numerics   LEAK    T/I") && text.contains("routing flips: bf16 0.59%, f16 0.10% of tokens"),
-        "{text}"
+        text.contains("X numerics   drift   T/I           0.6%")
+            && text.contains("routing flips: bf16 0.59%, f16 0.10% of tokens")
+            && text.contains("no leak found"),
+        "the rate is the worse dtype's, never their average: {text}"
     );
+    let gated = x(&["--fail-on", "leak,drift"]);
+    assert_eq!(gated.status.code(), Some(1), "--fail-on drift gates on it");
+    assert_eq!(x(&["--fail-on", "drift", "--format", "json"]).status.code(), Some(1));
+    let bad = x(&["--fail-on", "leak,drfit"]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown verdict `drfit`"), "{bad:?}");
     let default = stdout(&["check", "mixtral", "--seq-len", "8", "--trials", "2"]);
     assert!(!default.contains("numerics"), "X is opt-in: {default}");
 }

@@ -1,6 +1,7 @@
-//! Which family of router design a configuration belongs to.
+//! Which family of router design a configuration belongs to (the sweep's chart markers, the
+//! report's advice on how to fix a leak).
 
-use crate::config::{DropPolicy, RouterConfig, RouterKind, ScopeGroup, Selection};
+use super::{DropPolicy, RouterConfig, RouterKind, ScopeGroup, Selection};
 
 /// A router's design family (the sweep chart gives each its own marker shape).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord)]
