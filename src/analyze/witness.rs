@@ -17,7 +17,9 @@ use serde::{Deserialize, Serialize};
 use std::path::Path;
 
 /// The witness file format tag.
-pub const FORMAT: &str = "moe-audit-witness/1";
+pub const FORMAT: &str = "moe-audit-witness/2";
+/// The format before the content hash: such a witness cannot be checked, so it is refused.
+const FORMAT_UNSEALED: &str = "moe-audit-witness/1";
 
 /// Caps the shrinking work on large inputs.
 const MAX_SHRINK_STEPS: usize = 4000;
@@ -77,6 +79,11 @@ pub struct Witness {
     pub before: TokenRouting,
     /// Its routing in the changed run.
     pub after: TokenRouting,
+    /// Hex sha256 of every other field as written (compact JSON): a replay refuses a witness
+    /// whose content no longer matches, so an edited witness cannot pass as "fixed". It guards
+    /// against edits and corruption, not against someone who recomputes it.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub sha256: String,
 }
 
 /// A case reduced to one token, the unit that shrinking works on.
@@ -122,7 +129,7 @@ pub(crate) fn build(router: &dyn Router, probe: Probe, case: &Case, token: (usiz
     let pair = shrink(pair, probe, &leaks);
     let (ra, rb, diff) = replay_pair(config, probe, &pair)?;
     let tb = pair.token_b().expect("kept by shrinking");
-    Ok(Some(Witness {
+    let mut witness = Witness {
         format: FORMAT.into(),
         router: config.clone(),
         probe,
@@ -134,7 +141,10 @@ pub(crate) fn build(router: &dyn Router, probe: Probe, case: &Case, token: (usiz
         token_b: TokenRef { batch: tb.0, pos: tb.1 },
         before: ra.token(pair.token.0, pair.token.1).clone(),
         after: rb.token(tb.0, tb.1).clone(),
-    }))
+        sha256: String::new(),
+    };
+    witness.seal()?;
+    Ok(Some(witness))
 }
 
 fn shrink(mut pair: Pair, probe: Probe, leaks: &dyn Fn(&Pair) -> bool) -> Pair {
@@ -373,8 +383,17 @@ impl Witness {
     /// Parses and validates a witness; `path` names it in errors.
     pub fn parse(text: &str, path: &Path) -> Result<Witness> {
         let w: Witness = serde_json::from_str(text).map_err(|e| Error::input(path, format!("not a witness: {e}")))?;
+        if w.format == FORMAT_UNSEALED {
+            return Err(Error::input(
+                path,
+                format!("format `{FORMAT_UNSEALED}` has no content hash to check: write the witness again with `check --witness-dir`"),
+            ));
+        }
         if w.format != FORMAT {
             return Err(Error::input(path, format!("format `{}` is not `{FORMAT}`", w.format)));
+        }
+        if w.sha256.is_empty() {
+            return Err(Error::input(path, "no `sha256` content hash to check".to_string()));
         }
         w.router.validate().map_err(|(field, message)| {
             Error::config(&path.display().to_string(), &format!("router.{field}"), message)
@@ -406,8 +425,26 @@ impl Witness {
         Ok(())
     }
 
-    /// Replays the witness from its own contents.
-    pub fn replay(self, path: &Path) -> Result<Replay> {
+    /// Sets [`Witness::sha256`] from the content.
+    pub fn seal(&mut self) -> Result<()> {
+        self.sha256.clear();
+        self.sha256 = self.content_hash()?;
+        Ok(())
+    }
+
+    /// Hex sha256 of the compact JSON of the witness, its `sha256` field left out (empty fields
+    /// are not written). Floats write in their shortest round-trip form, so a witness read back
+    /// from a file hashes as it did when written.
+    fn content_hash(&self) -> Result<String> {
+        use sha2::{Digest, Sha256};
+        debug_assert!(self.sha256.is_empty(), "the hash covers every field but itself");
+        let mut hasher = Sha256::new();
+        serde_json::to_writer(&mut hasher, self).map_err(|e| Error::Usage(format!("cannot hash a witness: {e}")))?;
+        Ok(hasher.finalize().iter().map(|b| format!("{b:02x}")).collect())
+    }
+
+    /// Replays the witness from its own contents; refuses it when they no longer match their hash.
+    pub fn replay(mut self, path: &Path) -> Result<Replay> {
         let (a, b) = (load(&self.a, "a", path)?, load(&self.b, "b", path)?);
         if a.logits.dim().2 != self.router.experts {
             return Err(Error::input(
@@ -429,6 +466,15 @@ impl Witness {
         } else {
             0
         };
+        // Last of the checks, so that each edit above gets its own message.
+        let stored = std::mem::take(&mut self.sha256);
+        if stored != self.content_hash()? {
+            return Err(Error::input(
+                path,
+                "the content does not match its `sha256` (edited or corrupted): write the witness again with `check --witness-dir`".to_string(),
+            ));
+        }
+        self.sha256 = stored;
         let pair = Pair { a, b, seq_map, offset, token: ta };
         let (ra, rb, diff) = replay_pair(&self.router, self.probe, &pair)?;
         let tb = pair.token_b().expect("mapped");

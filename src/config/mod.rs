@@ -7,6 +7,7 @@ mod presets;
 mod validate;
 
 pub use presets::{preset, presets, Preset};
+pub(crate) use validate::MAX_CAPACITY_FACTOR;
 
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
