@@ -21,7 +21,7 @@ pub const TEXT_LIMIT: u64 = 16 << 20;
 /// Reads at most `limit` bytes of `path`; a longer file (or one that never ends) is an error
 /// naming the limit. `why` says what the limit is (e.g. `--max-memory`).
 pub fn read_bounded(path: &Path, limit: u64, why: &str) -> Result<Vec<u8>> {
-    let file = std::fs::File::open(path).map_err(|e| Error::input(path, format!("cannot read: {e}")))?;
+    let file = open_unblocked(path, false).map_err(|e| Error::input(path, format!("cannot read: {e}")))?;
     if file.metadata().is_ok_and(|m| m.is_dir()) {
         return Err(Error::input(path, "cannot read: is a directory"));
     }
@@ -36,6 +36,22 @@ pub fn read_bounded(path: &Path, limit: u64, why: &str) -> Result<Vec<u8>> {
         ));
     }
     Ok(bytes)
+}
+
+/// Opens `path` without waiting on it: a FIFO with no writer opens at once (and reads as empty),
+/// one with no reader fails (ENXIO) instead of hanging; reads and writes then block as usual.
+fn open_unblocked(path: &Path, write: bool) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    use std::os::unix::io::AsRawFd;
+    let file = std::fs::OpenOptions::new().read(!write).write(write).custom_flags(libc::O_NONBLOCK).open(path)?;
+    // SAFETY: fcntl on a descriptor this function owns, with flags it just read.
+    unsafe {
+        let flags = libc::fcntl(file.as_raw_fd(), libc::F_GETFL);
+        if flags < 0 || libc::fcntl(file.as_raw_fd(), libc::F_SETFL, flags & !libc::O_NONBLOCK) < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(file)
 }
 
 /// [`read_bounded`] as UTF-8 text.
@@ -138,7 +154,18 @@ impl Staged {
     pub fn commit(mut self) -> Result<()> {
         let mut pending = partial();
         for (tmp, target) in &self.files {
-            std::fs::rename(tmp, target).map_err(|e| Error::input(target, format!("cannot write: {e}")))?;
+            // A device or FIFO (`/dev/null`, `/dev/stdout`) is written through: a rename would
+            // replace the node itself with a regular file.
+            let special = std::fs::metadata(target).is_ok_and(|m| !m.is_file() && !m.is_dir());
+            let done = if special {
+                let copied = std::fs::File::open(tmp)
+                    .and_then(|mut from| std::io::copy(&mut from, &mut open_unblocked(target, true)?).map(drop));
+                let _ = std::fs::remove_file(tmp);
+                copied
+            } else {
+                std::fs::rename(tmp, target)
+            };
+            done.map_err(|e| Error::input(target, format!("cannot write: {e}")))?;
             pending.retain(|p| p != tmp);
         }
         self.files.clear();

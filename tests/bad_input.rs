@@ -13,7 +13,8 @@ use std::process::Command;
 const BIN: &str = env!("CARGO_BIN_EXE_moe-audit");
 
 fn tmp_dir() -> PathBuf {
-    let dir = std::env::temp_dir().join("moe-audit-bad-input");
+    // Per process: other checkouts on the machine run this catalogue too.
+    let dir = std::env::temp_dir().join(format!("moe-audit-bad-input-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     dir
 }
@@ -24,6 +25,27 @@ fn file(name: &str, text: &str) -> String {
     std::fs::write(&partial, text).expect("write temp file");
     std::fs::rename(&partial, dir.join(name)).expect("rename temp file");
     dir.join(name).to_str().expect("utf-8 path").to_string()
+}
+
+/// A FIFO at `name` in the temp dir that nothing holds open; returns its path.
+fn fifo(name: &str) -> String {
+    let path = tmp_dir().join(name);
+    let _ = std::fs::remove_file(&path);
+    let made = Command::new("mkfifo").arg(&path).status().expect("run mkfifo");
+    assert!(made.success(), "mkfifo {}", path.display());
+    path.to_str().expect("utf-8 path").to_string()
+}
+
+/// A safetensors file whose header names `gate` twice (the loader would keep one silently).
+fn twice_named() -> String {
+    let entry = r#""gate":{"dtype":"F32","shape":[8,4],"data_offsets":[0,128]}"#;
+    let header = format!("{{{entry},{entry}}}");
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header.as_bytes());
+    bytes.extend_from_slice(&[0; 128]);
+    let path = tmp_dir().join("twice.safetensors");
+    std::fs::write(&path, bytes).expect("write safetensors");
+    path.to_str().expect("utf-8 path").to_string()
 }
 
 /// A valid router file; the bad ones are this with one change.
@@ -123,6 +145,13 @@ fn traces_with(name: &str, change: impl FnOnce(&mut serde_json::Value)) -> Strin
     change(&mut manifest);
     std::fs::write(&path, manifest.to_string()).unwrap();
     dir.to_str().unwrap().to_string()
+}
+
+/// A planned trace directory whose `decisions.jsonl` is a FIFO that nothing writes.
+fn traces_fifo() -> String {
+    let dir = traces_with("t_fifo", |_| {});
+    fifo("t_fifo/decisions.jsonl");
+    dir
 }
 
 /// A router that answers its handshake, then a line of 20 MB.
@@ -455,6 +484,36 @@ fn catalogue() -> Vec<(&'static str, Vec<String>)> {
                 "4",
             ]),
         ),
+        // Reliability II, leftovers: witnesses carry a content hash; a grid's factors are checked.
+        (
+            "witness: a logit edited (content hash)",
+            replay(witness_with("w_edited.json", |w| w["b"]["logits"][0][0] = serde_json::json!(0.25))),
+        ),
+        (
+            "witness: stored routing edited (content hash)",
+            replay(witness_with("w_weight.json", |w| w["after"]["routes"][0]["weight"] = serde_json::json!(0.123))),
+        ),
+        ("witness: no content hash", replay(witness_with("w_nohash.json", |w| w["sha256"] = "".into()))),
+        (
+            "witness: the format before content hashes",
+            replay(witness_with("w_old.json", |w| w["format"] = "moe-audit-witness/1".into())),
+        ),
+        ("sweep: capacity factor 1e308", sweep(file("g_cf.toml", "capacity_factor = [1.0, 1e308]\n"))),
+        (
+            "weights: a tensor named twice in the header",
+            check(&["mixtral", "--weights", &twice_named(), "--gate", "gate"]),
+        ),
+        // Files that are not files: a FIFO never blocks the open, a device is read bounded.
+        ("witness: a FIFO with no writer", replay(fifo("w_fifo.json"))),
+        ("traces: decisions.jsonl a FIFO with no writer", check(&["--traces", &traces_fifo()])),
+        (
+            "snapshot --check /dev/zero",
+            vec!["snapshot".into(), "--check".into(), "/dev/zero".into(), "--max-memory".into(), "64MiB".into()],
+        ),
+        (
+            "--output: a FIFO with no reader",
+            check(&["mixtral", "--batch", "1", "--seq-len", "2", "--probes", "D", "--output", &fifo("out_fifo.txt")]),
+        ),
     ]
 }
 
@@ -611,7 +670,7 @@ fn every_bad_input_exits_2_with_one_line_and_no_panic() {
     witness: not JSON
       error: [TMP]/w_garbage.json: not a witness: EOF while parsing an object at line 1 column 1
     witness: wrong format
-      error: [TMP]/w_format.json: format `moe-audit-witness/0` is not `moe-audit-witness/1`
+      error: [TMP]/w_format.json: format `moe-audit-witness/0` is not `moe-audit-witness/2`
     witness: invalid router
       error: [TMP]/w_router.json: router.top_k: 99 exceeds experts = 8
     witness: ragged logits
@@ -682,5 +741,25 @@ fn every_bad_input_exits_2_with_one_line_and_no_panic() {
       error: [TMP]/factor_huge.toml: capacity.factor: 1e308 is over 1000000.0: no token is dropped long before; use a fixed capacity or a smaller factor
     X: f16 overflows a finite gate
       error: probe X: f16 overflows at batch 0, position 0, expert 0: the logit 621724.3 (f32) becomes inf in f16 (largest finite 65504); scale the gate down or leave X out
+    witness: a logit edited (content hash)
+      error: [TMP]/w_edited.json: the content does not match its `sha256` (edited or corrupted): write the witness again with `check --witness-dir`
+    witness: stored routing edited (content hash)
+      error: [TMP]/w_weight.json: the content does not match its `sha256` (edited or corrupted): write the witness again with `check --witness-dir`
+    witness: no content hash
+      error: [TMP]/w_nohash.json: no `sha256` content hash to check
+    witness: the format before content hashes
+      error: [TMP]/w_old.json: format `moe-audit-witness/1` has no content hash to check: write the witness again with `check --witness-dir`
+    sweep: capacity factor 1e308
+      error: [TMP]/g_cf.toml: capacity_factor[1]: 1e308 is over 1000000.0: no token is dropped long before; use a smaller factor
+    weights: a tensor named twice in the header
+      error: [TMP]/twice.safetensors: the header names tensor `gate` twice
+    witness: a FIFO with no writer
+      error: [TMP]/w_fifo.json: not a witness: EOF while parsing a value at line 1 column 0
+    traces: decisions.jsonl a FIFO with no writer
+      error: [TMP]/t_fifo/decisions.jsonl: no response for call 1 (train, tensor `call.0`)
+    snapshot --check /dev/zero
+      error: /dev/zero: larger than 16.0 MiB (a quarter of --max-memory); it may never end
+    --output: a FIFO with no reader
+      error: [TMP]/out_fifo.txt: cannot write: No such device or address (os error 6)
     "##);
 }

@@ -22,7 +22,9 @@ use serde::{Deserialize, Serialize};
 use std::path::Path;
 
 /// The witness file format tag.
-pub const FORMAT: &str = "moe-audit-witness/1";
+pub const FORMAT: &str = "moe-audit-witness/2";
+/// The format before the content hash: such a witness cannot be checked, so it is refused.
+const FORMAT_UNSEALED: &str = "moe-audit-witness/1";
 
 /// Caps the shrinking work on large inputs.
 const MAX_SHRINK_STEPS: usize = 4000;
@@ -94,6 +96,11 @@ pub struct Witness {
     pub before: TokenRouting,
     /// Its routing in the changed run.
     pub after: TokenRouting,
+    /// Hex sha256 of every other field as written (compact JSON): a replay refuses a witness
+    /// whose content no longer matches, so an edited witness cannot pass as "fixed". It guards
+    /// against edits and corruption, not against someone who recomputes it.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub sha256: String,
 }
 
 /// A case reduced to one token, the unit that shrinking works on.
@@ -203,9 +210,10 @@ pub(crate) fn build_routed(
             return Ok(None);
         };
         let diff = diff_token(routed.0, token, routed.1, tb);
-        return Ok(diff
+        return diff
             .any()
-            .then(|| witness(&pair, (routed.0, routed.1, diff), probe, None, Some(handshake), modes, tb)));
+            .then(|| witness(&pair, (routed.0, routed.1, diff), probe, None, Some(handshake), modes, tb))
+            .transpose();
     };
     let leaks = |p: &Pair| replay_pair(config, probe, p, modes).map(|(_, _, d)| d.any()).unwrap_or(false);
     if !leaks(&pair) {
@@ -214,7 +222,7 @@ pub(crate) fn build_routed(
     let pair = shrink(pair, probe, &leaks);
     let (ra, rb, diff) = replay_pair(config, probe, &pair, modes)?;
     let tb = pair.token_b().expect("kept by shrinking");
-    Ok(Some(witness(&pair, (&ra, &rb, diff), probe, Some(config.clone()), None, modes, tb)))
+    Ok(Some(witness(&pair, (&ra, &rb, diff), probe, Some(config.clone()), None, modes, tb)?))
 }
 
 fn witness(
@@ -225,8 +233,8 @@ fn witness(
     handshake: Option<serde_json::Value>,
     (a_mode, b_mode): (CallMode, CallMode),
     tb: (usize, usize),
-) -> Witness {
-    Witness {
+) -> Result<Witness> {
+    let mut witness = Witness {
         format: FORMAT.into(),
         router,
         handshake,
@@ -241,7 +249,10 @@ fn witness(
         token_b: TokenRef { batch: tb.0, pos: tb.1 },
         before: ra.token(pair.token.0, pair.token.1).clone(),
         after: rb.token(tb.0, tb.1).clone(),
-    }
+        sha256: String::new(),
+    };
+    witness.seal()?;
+    Ok(witness)
 }
 
 fn shrink(mut pair: Pair, probe: Probe, leaks: &dyn Fn(&Pair) -> bool) -> Pair {
@@ -480,8 +491,17 @@ impl Witness {
     /// Parses and validates a witness; `path` names it in errors.
     pub fn parse(text: &str, path: &Path) -> Result<Witness> {
         let w: Witness = serde_json::from_str(text).map_err(|e| Error::input(path, format!("not a witness: {e}")))?;
+        if w.format == FORMAT_UNSEALED {
+            return Err(Error::input(
+                path,
+                format!("format `{FORMAT_UNSEALED}` has no content hash to check: write the witness again with `check --witness-dir`"),
+            ));
+        }
         if w.format != FORMAT {
             return Err(Error::input(path, format!("format `{}` is not `{FORMAT}`", w.format)));
+        }
+        if w.sha256.is_empty() {
+            return Err(Error::input(path, "no `sha256` content hash to check".to_string()));
         }
         match (&w.router, &w.handshake) {
             (Some(router), None) => router.validate().map_err(|(field, message)| {
@@ -517,6 +537,25 @@ impl Witness {
         }
         Ok(())
     }
+
+    /// Sets [`Witness::sha256`] from the content.
+    pub fn seal(&mut self) -> Result<()> {
+        self.sha256.clear();
+        self.sha256 = self.content_hash()?;
+        Ok(())
+    }
+
+    /// Hex sha256 of the compact JSON of the witness, its `sha256` field left out (empty fields
+    /// are not written). Floats write in their shortest round-trip form, so a witness read back
+    /// from a file hashes as it did when written.
+    fn content_hash(&self) -> Result<String> {
+        use sha2::{Digest, Sha256};
+        debug_assert!(self.sha256.is_empty(), "the hash covers every field but itself");
+        let mut hasher = Sha256::new();
+        serde_json::to_writer(&mut hasher, self).map_err(|e| Error::Usage(format!("cannot hash a witness: {e}")))?;
+        Ok(hasher.finalize().iter().map(|b| format!("{b:02x}")).collect())
+    }
+
 
     /// The router's name (its config's, or its handshake's).
     pub fn name(&self) -> Option<&str> {
@@ -572,7 +611,7 @@ impl Witness {
     }
 
     /// Replays with `with`, the calls' rows `width` wide.
-    fn replay_with(self, path: &Path, with: &dyn Replayer, width: usize) -> Result<Replay> {
+    fn replay_with(mut self, path: &Path, with: &dyn Replayer, width: usize) -> Result<Replay> {
         let (a, b) = (load(&self.a, "a", path)?, load(&self.b, "b", path)?);
         if a.logits.dim().2 != width || b.logits.dim().2 != width {
             return Err(Error::input(
@@ -594,6 +633,15 @@ impl Witness {
         } else {
             0
         };
+        // Last of the checks, so that each edit above gets its own message.
+        let stored = std::mem::take(&mut self.sha256);
+        if stored != self.content_hash()? {
+            return Err(Error::input(
+                path,
+                "the content does not match its `sha256` (edited or corrupted): write the witness again with `check --witness-dir`".to_string(),
+            ));
+        }
+        self.sha256 = stored;
         let pair = Pair { a, b, seq_map, offset, token: ta };
         let (ra, rb, diff) = replay_pair(with, self.probe, &pair, (self.a_mode, self.b_mode))?;
         let tb = pair.token_b().expect("mapped");

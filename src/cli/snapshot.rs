@@ -198,14 +198,16 @@ pub(super) fn run(args: &SnapshotArgs, out: &mut dyn Write) -> Result<u8> {
                 "{flag} makes the snapshot its header describes: drop {f} (only --traces DIR and --max-memory go with it)"
             )));
         }
-        // The file, its parsed copy and the fresh one stay in memory together.
+        // The file, its parsed copy and the fresh one stay in memory together; read bounded, as
+        // a FIFO or `/dev/zero` has no size to check beforehand.
         if let Ok(meta) = std::fs::metadata(path) {
             memory::ensure_fits(&format!("reading {}", path.display()), meta.len().saturating_mul(4), max_memory)?;
         }
-        let stored = SnapshotFile::read(path);
+        let why = format!("a quarter of {}", crate::error::Setting::MaxMemory);
+        let text = crate::files::read_text(path, max_memory / 4, &why)?;
+        let stored = SnapshotFile::parse(&text, path);
         if args.update.is_some() {
             // The header says how to remake it; the sections may be anything.
-            let text = std::fs::read_to_string(path).map_err(|e| Error::input(path, format!("cannot read: {e}")))?;
             let end = text.find("\n=== ").map_or(text.len(), |i| i + 1);
             let header = Header::parse(&text[..end], path)?;
             let fresh = remake(&header, args, max_memory)?;

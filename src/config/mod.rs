@@ -11,6 +11,7 @@ mod validate;
 pub use family::Family;
 pub use inference::{CapacityOverrides, GroupLimitOverrides, InferenceOverrides, ScopeOverrides};
 pub use presets::{preset, presets, Preset};
+pub(crate) use validate::MAX_CAPACITY_FACTOR;
 
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};

@@ -6,7 +6,7 @@ use super::{DropPolicy, RouterConfig, RouterKind, ScopeGroup, ScoreFn, Selection
 type Check = Result<(), (&'static str, String)>;
 
 /// The largest capacity factor accepted.
-const MAX_CAPACITY_FACTOR: f64 = 1e6;
+pub(crate) const MAX_CAPACITY_FACTOR: f64 = 1e6;
 
 fn ensure(ok: bool, field: &'static str, message: impl FnOnce() -> String) -> Check {
     if ok {

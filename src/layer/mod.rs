@@ -73,9 +73,30 @@ impl MoeLayer {
         Self::from_tensors(config, tensors, dtype, device)
     }
 
-    /// Loads Mixtral-style weights from a safetensors file.
-    pub fn from_safetensors(config: RouterConfig, path: &Path, dtype: DType, device: &Device) -> Result<Self> {
-        let tensors = load_safetensors(path, device, crate::memory::limit(None) / 2)?;
+    /// Loads Mixtral-style weights from a safetensors file within the memory limit `max_memory`
+    /// (see [`crate::memory::limit`]): the file may hold half of it (it is read whole, then its
+    /// tensors are a second copy), and the tensors as stored plus their copies in `dtype` must fit
+    /// before they are converted.
+    pub fn from_safetensors(
+        config: RouterConfig,
+        path: &Path,
+        dtype: DType,
+        device: &Device,
+        max_memory: u64,
+    ) -> Result<Self> {
+        let tensors = load_safetensors(path, device, max_memory / 2)?;
+        let (stored, converted) = tensors.values().fold((0u64, 0u64), |(s, c), t| {
+            let n = t.elem_count() as u64;
+            (
+                s.saturating_add(n.saturating_mul(t.dtype().size_in_bytes() as u64)),
+                c.saturating_add(n.saturating_mul(dtype.size_in_bytes() as u64)),
+            )
+        });
+        crate::memory::ensure_fits(
+            &format!("the weights in {}", path.display()),
+            stored.saturating_add(converted),
+            max_memory,
+        )?;
         Self::from_tensors(config, tensors, dtype, device).map_err(|e| Error::input(path, e.to_string()))
     }
 

@@ -78,8 +78,37 @@ pub fn seeded_weights(dims: LayerDims, seed: u64, device: &Device) -> Result<Has
 /// the tensors are a second copy).
 pub fn load_safetensors(path: &Path, device: &Device, max_bytes: u64) -> Result<HashMap<String, Tensor>> {
     let bytes = crate::files::read_bounded(path, max_bytes, &format!("half of {}", crate::error::Setting::MaxMemory))?;
+    if let Some(name) = duplicate_tensor_name(&bytes) {
+        return Err(Error::input(path, format!("the header names tensor `{name}` twice")));
+    }
     candle_core::safetensors::load_buffer(&bytes, device)
         .map_err(|e| Error::input(path, format!("cannot load safetensors: {e}")))
+}
+
+/// A name the safetensors header (8 bytes of length, then a JSON object) holds twice: the loader
+/// would keep one of them silently. `None` for a header it cannot read (the loader says why).
+fn duplicate_tensor_name(bytes: &[u8]) -> Option<String> {
+    use serde::de::{Deserializer, IgnoredAny, MapAccess, Visitor};
+    struct FirstDuplicate;
+    impl<'de> Visitor<'de> for FirstDuplicate {
+        type Value = Option<String>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a JSON object")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<Self::Value, A::Error> {
+            let mut seen = std::collections::HashSet::new();
+            while let Some(key) = map.next_key::<String>()? {
+                map.next_value::<IgnoredAny>()?;
+                if !seen.insert(key.clone()) {
+                    return Ok(Some(key));
+                }
+            }
+            Ok(None)
+        }
+    }
+    let len = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
+    let header = bytes.get(8..8usize.checked_add(usize::try_from(len).ok()?)?)?;
+    serde_json::Deserializer::from_slice(header).deserialize_map(FirstDuplicate).ok().flatten()
 }
 
 /// Infers [`LayerDims`] from Mixtral-style tensors.

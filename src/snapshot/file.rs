@@ -18,7 +18,6 @@
 use crate::error::{Error, Result};
 use crate::external::{InputKind, Mode};
 use serde::{Deserialize, Serialize};
-use std::io::Write;
 use std::path::Path;
 
 /// The format tag of a snapshot file.
@@ -231,23 +230,10 @@ impl SnapshotFile {
     }
 }
 
-/// Writes `bytes` to `path` atomically: a temporary file beside it, then a rename, so the file is
-/// complete or untouched.
+/// Writes `bytes` to `path` atomically ([`crate::files::write_atomic`]: a temporary file beside
+/// it, then a rename, so the file is complete or untouched; a device or FIFO is written through).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let err = |e: std::io::Error| Error::input(path, format!("cannot write: {e}"));
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    let name = path.file_name().ok_or_else(|| Error::input(path, "not a file name"))?;
-    let tmp = dir.join(format!(".{}.tmp-{}", name.to_string_lossy(), std::process::id()));
-    let result = std::fs::File::create(&tmp)
-        .and_then(|mut f| f.write_all(bytes).and_then(|()| f.sync_all()))
-        .and_then(|()| std::fs::rename(&tmp, path));
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result.map_err(err)
+    crate::files::write_atomic(path, bytes)
 }
 
 /// Hex sha256 of bytes.

@@ -173,6 +173,14 @@ impl Grid {
         if let Some((i, f)) = self.capacity_factor.iter().enumerate().find(|(_, f)| !(f.is_finite() && **f > 0.0)) {
             return Err((format!("capacity_factor[{i}]"), format!("must be finite and > 0, got {f}")));
         }
+        // A factor no router config takes is bad input, not a skipped cell (checked before any cell runs).
+        let max = crate::config::MAX_CAPACITY_FACTOR;
+        if let Some((i, f)) = self.capacity_factor.iter().enumerate().find(|(_, f)| **f > max) {
+            return Err((
+                format!("capacity_factor[{i}]"),
+                format!("{f:?} is over {max:?}: no token is dropped long before; use a smaller factor"),
+            ));
+        }
         for (field, v) in [("hidden", self.hidden), ("ffn", self.ffn), ("trials", self.trials)] {
             if v == 0 {
                 return Err((field.into(), "must be at least 1, got 0".into()));

@@ -376,6 +376,11 @@ fn every_witness_replays_from_its_file_alone() {
             router.kind = moe_audit::config::RouterKind::TokenChoice;
             router.top_k = Some(2);
             router.score = moe_audit::config::ScoreFn::SoftmaxPost;
+            // An edit not sealed again is refused: the content no longer matches its hash.
+            std::fs::write(&path, serde_json::to_string(&fixed).unwrap()).unwrap();
+            let err = Witness::read(&path).unwrap().replay(&path).unwrap_err().to_string();
+            assert!(err.contains("does not match its `sha256`"), "{err}");
+            fixed.seal().unwrap();
             std::fs::write(&path, serde_json::to_string(&fixed).unwrap()).unwrap();
             assert!(!Witness::read(&path).unwrap().replay(&path).unwrap().diff.any());
         }

@@ -228,3 +228,25 @@ fn n_tokens_router() -> String {
     std::fs::write(&path, script).unwrap();
     format!("python3 {}", path.display())
 }
+
+/// An output that is a FIFO (or a device: `/dev/null`, `/dev/stdout`) is written through, not
+/// renamed over: the node stays what it was, its reader gets the report, no temporary is left.
+#[test]
+fn an_output_fifo_is_written_through_and_stays_a_fifo() {
+    use std::os::unix::fs::FileTypeExt;
+    let d = dir("fifo-out");
+    let path = d.join("report.txt");
+    assert!(Command::new("mkfifo").arg(&path).status().unwrap().success());
+    let reader = Command::new("cat").arg(&path).stdout(Stdio::piped()).spawn().unwrap();
+    let out = Command::new(BIN)
+        .args(["check", "mixtral", "--batch", "1", "--seq-len", "2", "--probes", "D", "--output"])
+        .arg(&path)
+        .env("RAYON_NUM_THREADS", "1")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let read = reader.wait_with_output().unwrap();
+    assert!(String::from_utf8_lossy(&read.stdout).contains("mixtral"), "{read:?}");
+    assert!(std::fs::metadata(&path).unwrap().file_type().is_fifo());
+    assert_eq!(files_in(&d), ["report.txt"]);
+}

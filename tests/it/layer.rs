@@ -143,7 +143,7 @@ fn safetensors_weights_give_the_same_layer_as_the_seed() {
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("layer.safetensors");
     candle_core::safetensors::save(&tensors, &path).unwrap();
-    let from_file = MoeLayer::from_safetensors(config.clone(), &path, DType::F32, &Device::Cpu).unwrap();
+    let from_file = MoeLayer::from_safetensors(config.clone(), &path, DType::F32, &Device::Cpu, 1 << 30).unwrap();
     let seeded = MoeLayer::seeded(config.clone(), H, F, 7, DType::F32, &Device::Cpu).unwrap();
     let x = input(2, 6);
     let (a, ra) = from_file.forward(&x).unwrap();
@@ -151,10 +151,18 @@ fn safetensors_weights_give_the_same_layer_as_the_seed() {
     assert_eq!(ra, rb);
     assert_eq!(a.flatten_all().unwrap().to_vec1::<f32>().unwrap(), b.flatten_all().unwrap().to_vec1::<f32>().unwrap());
 
+    // The limit given is the one checked: the file fits in half of it, its tensors plus their
+    // f64 copies (three times the f32 data) do not.
+    let bytes = std::fs::metadata(&path).unwrap().len();
+    let err =
+        MoeLayer::from_safetensors(config.clone(), &path, DType::F64, &Device::Cpu, 2 * bytes).unwrap_err().to_string();
+    assert!(err.contains("the weights in") && err.contains("over the limit"), "{err}");
+
     let mut missing = tensors.clone();
     missing.remove("experts.3.w2.weight");
     candle_core::safetensors::save(&missing, &path).unwrap();
-    let err = MoeLayer::from_safetensors(config, &path, DType::F32, &Device::Cpu).unwrap_err().to_string();
+    let err =
+        MoeLayer::from_safetensors(config.clone(), &path, DType::F32, &Device::Cpu, 1 << 30).unwrap_err().to_string();
     assert!(err.contains("experts.3.w2.weight"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
