@@ -21,7 +21,10 @@ fn percent(rate: f64) -> String {
 /// Why, in a few words: what changed, where, from how far.
 pub(crate) fn why(f: &Finding) -> String {
     if f.verdict != Verdict::Leak {
-        return f.note.clone();
+        return match f.capacity_changed {
+            true => format!("{}; the capacity in force changed, no decision did", f.note),
+            false => f.note.clone(),
+        };
     }
     let mut parts = Vec::new();
     if f.numerics.is_some() {
@@ -29,8 +32,6 @@ pub(crate) fn why(f: &Finding) -> String {
     }
     if let Some(w) = &f.witness {
         parts.push(format!("{} changed", w.differs));
-    } else if f.capacity_changed && f.affected == 0 {
-        parts.push("capacity changed".into());
     }
     if let Some(p) = f.first_position {
         parts.push(format!("first at position {p}"));
