@@ -13,7 +13,9 @@
 //! run them concurrently, so request ids and the order a stateful router sees are the same on
 //! every run.
 
-use super::protocol::{frame_request, parse_response, Asked, BinaryHeader, Handshake, InputKind, Mode, Request, PROTOCOL};
+use super::protocol::{
+    frame_request, parse_response, Asked, BinaryHeader, Handshake, InputKind, Mode, Request, PROTOCOL,
+};
 use super::{Answers, External};
 use crate::error::{Error, Result};
 use crate::routing::Routing;
@@ -558,9 +560,14 @@ mod tests {
     #[test]
     fn dropping_after_a_panic_mid_call_kills_the_child() {
         let hello = r#"{"protocol":"moe-audit/1","name":"t","experts":2,"top_k":1,"input":"logits"}"#;
-        let router =
-            ExternalRouter::spawn(&format!("echo '{hello}'; exec sleep 60"), Duration::from_secs(10), 0, Mode::Train, u64::MAX)
-                .expect("handshake");
+        let router = ExternalRouter::spawn(
+            &format!("echo '{hello}'; exec sleep 60"),
+            Duration::from_secs(10),
+            0,
+            Mode::Train,
+            u64::MAX,
+        )
+        .expect("handshake");
         let source = router.source();
         let pid = source.conversation.lock().expect("fresh lock").child.id();
         // A panic while holding the conversation poisons its lock.

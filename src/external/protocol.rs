@@ -67,10 +67,7 @@ impl Handshake {
     /// Checks the handshake; the error says which field is wrong.
     pub fn validate(&self) -> Result<(), String> {
         if self.protocol != PROTOCOL && self.protocol != PROTOCOL_2 {
-            return Err(format!(
-                "handshake: protocol `{}`, expected `{PROTOCOL}` or `{PROTOCOL_2}`",
-                self.protocol
-            ));
+            return Err(format!("handshake: protocol `{}`, expected `{PROTOCOL}` or `{PROTOCOL_2}`", self.protocol));
         }
         if !self.framed() && (self.responses.is_some() || self.padding_mask) {
             return Err(format!("handshake: `responses` and `padding_mask` need protocol `{PROTOCOL_2}`"));
@@ -305,10 +302,7 @@ impl BinaryHeader {
             ));
         };
         if want > limit {
-            return Err(format!(
-                "a payload of {want} bytes is over {limit} ({})",
-                crate::error::Setting::MaxMemory
-            ));
+            return Err(format!("a payload of {want} bytes is over {limit} ({})", crate::error::Setting::MaxMemory));
         }
         usize::try_from(want).map_err(|_| format!("a payload of {want} bytes does not fit in memory"))
     }

@@ -68,7 +68,8 @@ pub fn make(router: &RouterSource, input: &InputSpec, traces: Option<&Path>, max
                     Setting::Timeout
                 )));
             }
-            let r = ExternalRouter::spawn(command, Duration::from_secs_f64(*timeout), input.seed, Mode::Train, max_memory)?;
+            let r =
+                ExternalRouter::spawn(command, Duration::from_secs_f64(*timeout), input.seed, Mode::Train, max_memory)?;
             input.hidden = None;
             let rows = rows(&mut input, r.handshake(), max_memory)?;
             let inference = r.inference()?.expect("an external router has an inference mode");

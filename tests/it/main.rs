@@ -14,6 +14,7 @@ mod limits;
 #[cfg(feature = "mpi")]
 mod mpi;
 mod parallel;
+mod protocol2;
 mod readme;
 mod routers;
 mod search;

@@ -5,7 +5,7 @@ served: HF's `expert_capacity`), and padding tokens left unrouted when the reque
 Environment: MOE_AUDIT_PROTOCOL 1 or 2 (default 2); CAPACITY how the capacity is stated:
 "sequence" (scoped, /2), "call" (B*C for the whole call, the /1 workaround) or "null";
 LOG a file that gets one line per request: its mode,
-seed and padding-token count.
+seed and padding-token count; MASK=0 takes no padding mask over /2.
 """
 
 import os
@@ -53,4 +53,4 @@ def route(data, mode, seed=None, padding=None):
 if __name__ == "__main__":
     protocol = int(os.environ.get("MOE_AUDIT_PROTOCOL", "2"))
     run(route, name="switch-seq", experts=EXPERTS, top_k=1, input="logits", protocol=protocol,
-        padding_mask=protocol == 2)
+        padding_mask=protocol == 2 and os.environ.get("MASK", "1") == "1")
