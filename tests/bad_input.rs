@@ -285,7 +285,7 @@ fn catalogue() -> Vec<(&'static str, Vec<String>)> {
         ("weights: NaN gate", check(&["mixtral", "--weights", &nan_gate, "--gate", "gate"])),
         // Protocol messages
         ("protocol: handshake not JSON", external("echo hello".into())),
-        ("protocol: wrong version", external(format!("echo '{}'", HANDSHAKE.replace("moe-audit/1", "moe-audit/2")))),
+        ("protocol: wrong version", external(format!("echo '{}'", HANDSHAKE.replace("moe-audit/1", "moe-audit/3")))),
         // Found by fuzzing: rows were allocated from the declared size before it was checked.
         (
             "protocol: absurd expert count",
@@ -646,7 +646,7 @@ fn every_bad_input_exits_2_with_one_line_and_no_panic() {
     protocol: handshake not JSON
       error: router `echo hello`: bad handshake (expected value at line 1 column 1): `hello`
     protocol: wrong version
-      error: router `echo '{"protocol": "moe-audit/2", "name": "sh", "experts": 2, "top_k": 1, "input": "logits"}'`: bad handshake (handshake: protocol `moe-audit/2`, expected `moe-audit/1`): `{"protocol": "moe-audit/2", "name": "sh", "experts": 2, "top_k": 1, "input": "logits"}`
+      error: router `echo '{"protocol": "moe-audit/3", "name": "sh", "experts": 2, "top_k": 1, "input": "logits"}'`: bad handshake (handshake: protocol `moe-audit/3`, expected `moe-audit/1` or `moe-audit/2`): `{"protocol": "moe-audit/3", "name": "sh", "experts": 2, "top_k": 1, "input": "logits"}`
     protocol: absurd expert count
       error: router `echo '{"protocol": "moe-audit/1", "name": "sh", "experts": 433333333333333, "top_k": 1, "input": "logits"}'`: bad handshake (handshake: experts 433333333333333 is not in 1..=1048576): `{"protocol": "moe-audit/1", "name": "sh", "experts": 433333333333333, "top_k": 1, "input": "logits"}`
     protocol: hidden-row pool over --max-memory

@@ -134,7 +134,7 @@ def describe(router, options):
     if not callable(route):
         raise TypeError("router must be route(data, mode) or have a route(data, mode) method")
     defaults = {"name": "router", "experts": None, "top_k": None, "input": "logits", "hidden_size": None,
-                "protocol": v1.PROTOCOL, "padding_mask": False}
+                "protocol": v2.PROTOCOL, "padding_mask": False}
     spec = {}
     for key, default in defaults.items():
         value = options.pop(key, getattr(router, key, None))
@@ -144,7 +144,7 @@ def describe(router, options):
     return route, spec
 
 
-def handshake(name, experts, top_k, input, hidden_size, protocol=v1.PROTOCOL, padding_mask=False):
+def handshake(name, experts, top_k, input, hidden_size, protocol=v2.PROTOCOL, padding_mask=False):
     """The handshake object of a router (checked here, so a mistake fails before moe-audit runs)."""
     protocol = protocol_name(protocol)
     if input not in ("logits", "hidden"):
@@ -159,7 +159,7 @@ def handshake(name, experts, top_k, input, hidden_size, protocol=v1.PROTOCOL, pa
 
 
 def serve(route, name, experts, top_k, input="logits", hidden_size=None, stdin=None, stdout=None,
-          protocol=v1.PROTOCOL, padding_mask=False):
+          protocol=v2.PROTOCOL, padding_mask=False):
     """Speaks the protocol on binary streams (default stdin/stdout) until the input closes."""
     hs = handshake(name, experts, top_k, input, hidden_size, protocol, padding_mask)
     wire = PROTOCOLS[hs["protocol"]]
@@ -199,7 +199,7 @@ def read_safetensors(path):
     return out
 
 
-def answer_plan(route, directory, protocol=v1.PROTOCOL):
+def answer_plan(route, directory, protocol=v2.PROTOCOL):
     """Answers every call of DIR/manifest.json, in order, into DIR/decisions.jsonl (JSON lines;
     with ``moe-audit/2`` a capacity keeps its scope)."""
     with open(f"{directory}/manifest.json") as f:
@@ -219,7 +219,7 @@ def answer_plan(route, directory, protocol=v1.PROTOCOL):
 
 
 def run(route, name, experts, top_k, input="logits", hidden_size=None, argv=None,
-        protocol=v1.PROTOCOL, padding_mask=False):
+        protocol=v2.PROTOCOL, padding_mask=False):
     """Serves the router, or with ``--answer-plan DIR`` answers a trace plan."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--answer-plan"] and len(argv) == 2:

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import adapter, v1
+from . import adapter, v1, v2
 
 
 @dataclass(frozen=True)
@@ -182,7 +182,7 @@ class Router:
 
     input = "hidden"
 
-    def __init__(self, module, *, seed=0, init=None, name=None, protocol=v1.PROTOCOL, seed_calls=False):
+    def __init__(self, module, *, seed=0, init=None, name=None, protocol=v2.PROTOCOL, seed_calls=False):
         path, router, family = find_router(module)
         self.module = module
         self.router = router
@@ -252,7 +252,7 @@ class Router:
                     argv=argv, protocol=self.protocol, padding_mask=self.padding_mask)
 
 
-def wrap(module, *, seed=0, init=None, name=None, protocol=v1.PROTOCOL, seed_calls=False):
+def wrap(module, *, seed=0, init=None, name=None, protocol=v2.PROTOCOL, seed_calls=False):
     """The router in a transformers module (router, MoE block, or a layer or model holding one),
     ready for ``moe_audit.check``, the snapshot helper, or ``.run()``. See the module docs."""
     return Router(module, seed=seed, init=init, name=name, protocol=protocol, seed_calls=seed_calls)

@@ -65,7 +65,10 @@ impl Tally {
         finding.capacity_changed = self.capacity_changed;
         finding.first_position = self.first_position;
         finding.rate = if self.compared > 0 { self.affected as f64 / self.compared as f64 } else { 0.0 };
-        if self.affected > 0 || self.capacity_changed {
+        // A leak is a changed decision. A capacity in force that changed while no decision did
+        // is reported (`capacity_changed`, and in the report's why) but is no leak: a "leak"
+        // of 0 tokens would say nothing true (docs/PROTOCOL.md, "Capacity").
+        if self.affected > 0 {
             finding.verdict = Verdict::Leak;
         }
         finding.influence = (self.influence.iter().enumerate())

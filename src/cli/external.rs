@@ -4,7 +4,7 @@
 use crate::analyze::{audit, AuditOptions, Probe, RouterReport, Subject};
 use crate::config::RouterConfig;
 use crate::error::{ensure_positive, Error, Result, Setting};
-use crate::external::{plan, planned_options, ExternalRouter, Handshake, InputKind, TraceRouter};
+use crate::external::{plan, planned_options, ExternalRouter, Handshake, InputKind, Mode, TraceRouter};
 use crate::layer::gate::GateSource;
 use crate::memory;
 use crate::progress::AuditBar;
@@ -16,8 +16,8 @@ use std::path::{Path, PathBuf};
 /// Routers that live outside moe-audit.
 #[derive(Debug, Args)]
 pub struct ExternalArgs {
-    /// A command speaking the moe-audit/1 protocol on stdin/stdout (docs/PROTOCOL.md), run with
-    /// `sh -c`; repeat for several routers.
+    /// A command speaking the moe-audit/1 or /2 protocol on stdin/stdout (docs/PROTOCOL.md), run
+    /// with `sh -c`; repeat for several routers.
     #[arg(long, value_name = "COMMAND", help_heading = "External routers")]
     pub router_cmd: Vec<String>,
     /// Seconds to wait for a router's handshake and for each answer.
@@ -29,6 +29,10 @@ pub struct ExternalArgs {
         help_heading = "External routers"
     )]
     pub timeout: f64,
+    /// The mode --router-cmd routers are audited in: every probe's requests carry it (M compares
+    /// it with the other mode); `inference` audits the serving path.
+    #[arg(long, value_enum, default_value_t = ModeArg::Train, help_heading = "External routers")]
+    pub mode: ModeArg,
     /// A trace directory (`moe-audit plan`, answered by your harness); the audit runs with the
     /// plan's probes and sizes.
     #[arg(long, value_name = "DIR", help_heading = "External routers")]
@@ -60,6 +64,11 @@ impl ExternalArgs {
     /// themselves are read once, by the audit).
     pub(super) fn options(&self, options: AuditOptions, max_memory: u64) -> Result<AuditOptions> {
         crate::external::process::timeout(self.timeout)?;
+        if self.mode != ModeArg::Train && self.router_cmd.is_empty() {
+            return Err(Error::Usage(
+                "--mode sets the mode of --router-cmd routers; built-in routers and traces have their own".into(),
+            ));
+        }
         if self.traces.is_some() && !self.router_cmd.is_empty() {
             return Err(Error::Usage(
                 "--traces replays one planned audit; audit --router-cmd routers in another run".into(),
@@ -107,7 +116,7 @@ impl ExternalArgs {
         }
         for command in &self.router_cmd {
             let timeout = crate::external::process::timeout(self.timeout)?;
-            let router = ExternalRouter::spawn(command, timeout, options.seed, max_memory)?;
+            let router = ExternalRouter::spawn(command, timeout, options.seed, self.mode.into(), max_memory)?;
             reports.push(audit_router(&router)?);
         }
         if let Some(dir) = &self.traces {
@@ -115,6 +124,24 @@ impl ExternalArgs {
             reports.push(audit_router(&router)?);
         }
         Ok(reports)
+    }
+}
+
+/// `--mode` of `check`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ModeArg {
+    /// Training mode (the default).
+    Train,
+    /// Serving mode.
+    Inference,
+}
+
+impl From<ModeArg> for Mode {
+    fn from(m: ModeArg) -> Mode {
+        match m {
+            ModeArg::Train => Mode::Train,
+            ModeArg::Inference => Mode::Inference,
+        }
     }
 }
 
@@ -181,6 +208,8 @@ pub(super) fn run_plan(args: &PlanArgs, out: &mut dyn Write) -> Result<u8> {
         top_k: args.top_k,
         input,
         hidden_size: args.hidden_size,
+        responses: None,
+        padding_mask: false,
     };
     // Each flag named in its own words (the handshake's checks would blame the handshake).
     ensure_positive(&[(Setting::Batch, args.batch), (Setting::SeqLen, args.seq_len), (Setting::Trials, args.trials)])?;

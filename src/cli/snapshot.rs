@@ -252,6 +252,8 @@ pub(super) fn run(args: &SnapshotArgs, out: &mut dyn Write) -> Result<u8> {
                 _ => InputKind::Logits,
             },
             hidden_size: args.hidden_size,
+            responses: None,
+            padding_mask: false,
         };
         write_plan(dir, &hs, &args.input()?, max_memory)?;
         writeln!(

@@ -1,7 +1,7 @@
 //! Routers that live outside moe-audit, audited through the [`Router`] trait like built-in ones.
 //!
-//! - [`protocol`]: the `moe-audit/1` messages and their validation (docs/PROTOCOL.md);
-//! - [`process`]: a router in a subprocess, over newline-delimited JSON;
+//! - [`protocol`]: the `moe-audit/1` and `/2` messages and their validation (docs/PROTOCOL.md);
+//! - [`process`]: a router in a subprocess, over JSON lines (`/1`) or binary frames (`/2`);
 //! - [`trace`]: a router that cannot run as a subprocess: `plan` writes every call the audit
 //!   will make, the user's harness answers them, and a router replays the answers by content.
 //!
@@ -22,7 +22,7 @@ use crate::layer::Seeded;
 use crate::router::{Hints, Router};
 use crate::routing::Routing;
 use candle_core::{Device, Tensor};
-use ndarray::{Array3, ArrayView3};
+use ndarray::{Array3, ArrayView2, ArrayView3};
 use std::sync::Arc;
 
 /// Where an external router's answers come from: a subprocess, trace files, or the recorder
@@ -30,13 +30,14 @@ use std::sync::Arc;
 pub trait Answers: Send + Sync + 'static {
     /// The router as its handshake describes it.
     fn handshake(&self) -> &Handshake;
-    /// The routing of `rows` (`[batch, seq_len, row_width]`) in `mode`.
-    fn answer(&self, mode: Mode, rows: ArrayView3<f32>) -> Result<Routing>;
+    /// The routing of `rows` (`[batch, seq_len, row_width]`) in `mode`, with a padding mask
+    /// (`[batch, seq_len]`, `true` = padding) when the handshake takes one.
+    fn answer(&self, mode: Mode, rows: ArrayView3<f32>, padding: Option<ArrayView2<bool>>) -> Result<Routing>;
 }
 
 /// A router outside moe-audit, in one mode: the analyzer sees it through [`Router`] like a
-/// built-in one. Its score stage passes rows through; its `[inference]` router is the same
-/// source asked in `mode: inference`.
+/// built-in one. Its score stage passes rows through; the router M compares it with
+/// ([`Router::inference`]) is the same source asked in the other mode.
 pub struct External<A> {
     source: Arc<A>,
     mode: Mode,
@@ -44,10 +45,10 @@ pub struct External<A> {
 }
 
 impl<A: Answers> External<A> {
-    /// The router in training mode; for `input: hidden`, asks `source` once to route a seeded
-    /// pool and keeps the targeted rows it finds (see [`ExternalRows`]) when `target` is set.
-    /// Fails first when that pool would take more than `max_memory` bytes.
-    fn new(source: A, seed: u64, target: bool, max_memory: u64) -> Result<Self> {
+    /// The router in `mode`; for `input: hidden`, asks `source` once (in `mode`) to route a
+    /// seeded pool and keeps the targeted rows it finds (see [`ExternalRows`]) when `target` is
+    /// set. Fails first when that pool would take more than `max_memory` bytes.
+    fn new(source: A, seed: u64, mode: Mode, target: bool, max_memory: u64) -> Result<Self> {
         let hs = source.handshake();
         if hs.input == InputKind::Hidden {
             let pool = (POOL_PER_EXPERT * hs.experts) as u64 * hs.row_width() as u64 * 4;
@@ -56,10 +57,10 @@ impl<A: Answers> External<A> {
         let mut rows = ExternalRows::new(hs, seed);
         if target && hs.input == InputKind::Hidden {
             let pool = rows.pool();
-            let routing = source.answer(Mode::Train, pool.view())?;
+            let routing = source.answer(mode, pool.view(), None)?;
             rows.pick_targets(&pool, &routing);
         }
-        Ok(External { source: Arc::new(source), mode: Mode::Train, rows })
+        Ok(External { source: Arc::new(source), mode, rows })
     }
 
     /// The handshake the router sent.
@@ -96,12 +97,24 @@ impl<A: Answers> Router for External<A> {
     }
 
     fn assign(&self, rows: ArrayView3<f32>) -> Result<Routing> {
-        self.source.answer(self.mode, rows)
+        self.source.answer(self.mode, rows, None)
     }
 
+    fn accepts_padding_mask(&self) -> bool {
+        self.handshake().padding_mask
+    }
+
+    fn assign_masked(&self, rows: ArrayView3<f32>, padding: ArrayView2<bool>) -> Result<Routing> {
+        if !self.accepts_padding_mask() {
+            return Err(Error::shape(&format!("router `{}`", self.name()), "the router takes no padding mask"));
+        }
+        self.source.answer(self.mode, rows, Some(padding))
+    }
+
+    /// The other mode: M compares the audited mode (`check --mode`) with it.
     fn inference(&self) -> Result<Option<Box<dyn Router>>> {
         let source = Arc::clone(&self.source);
-        Ok(Some(Box::new(External { source, mode: Mode::Inference, rows: self.rows.clone() })))
+        Ok(Some(Box::new(External { source, mode: self.mode.other(), rows: self.rows.clone() })))
     }
 }
 

@@ -1,7 +1,9 @@
-//! A router in another process, spoken to over `moe-audit/1` on its stdin and stdout.
+//! A router in another process, spoken to over `moe-audit/1` (JSON lines) or `moe-audit/2`
+//! (binary frames) on its stdin and stdout, whichever its handshake names.
 //!
 //! Nothing the router does can hang or bloat the audit. A writer thread feeds its stdin and a
-//! reader thread turns its stdout into lines of bounded length (the memory limit), so every
+//! reader thread reads its stdout on demand, a line or a payload at a time, each of bounded
+//! length (the memory limit; a payload's length is checked before it is allocated), so every
 //! write and every read waits at most `--timeout`; a router that hangs, crashes, stops reading,
 //! never ends a line or answers garbage ends the audit with an error naming the request. Its
 //! whole process tree is killed then, on drop, and on SIGINT/SIGTERM ([`kill_all`]): the process
@@ -11,11 +13,13 @@
 //! run them concurrently, so request ids and the order a stateful router sees are the same on
 //! every run.
 
-use super::protocol::{parse_response, Handshake, InputKind, Mode, Request, PROTOCOL};
+use super::protocol::{
+    frame_request, parse_response, Asked, BinaryHeader, Handshake, InputKind, Mode, Request, PROTOCOL,
+};
 use super::{Answers, External};
 use crate::error::{Error, Result};
 use crate::routing::Routing;
-use ndarray::ArrayView3;
+use ndarray::{ArrayView2, ArrayView3};
 use std::io::{BufReader, Read, Write};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender};
@@ -56,14 +60,30 @@ pub fn kill_all() {
     }
 }
 
+/// What the reader thread reads next from the router's stdout.
+enum Want {
+    /// A line (without its newline).
+    Line,
+    /// Exactly this many bytes (already checked against the memory limit).
+    Bytes(usize),
+}
+
+/// What the reader thread read.
+enum Got {
+    Line(String),
+    Bytes(Vec<u8>),
+}
+
 /// The live conversation.
 struct Conversation {
     child: Child,
-    /// Lines to write to the router's stdin; dropping it closes the pipe.
+    /// Messages to write to the router's stdin; dropping it closes the pipe.
     requests: Option<SyncSender<Vec<u8>>>,
-    /// The writer's result per line.
+    /// The writer's result per message.
     written: Receiver<std::io::Result<()>>,
-    lines: Receiver<std::io::Result<String>>,
+    /// What to read next; the reader reads nothing unasked (a payload is not a line).
+    wants: mpsc::Sender<Want>,
+    got: Receiver<std::io::Result<Got>>,
     next_id: u64,
     /// Set once an error stopped the child: later calls fail with it.
     failed: Option<String>,
@@ -75,6 +95,10 @@ struct Conversation {
 pub struct Subprocess {
     command: String,
     timeout: Duration,
+    /// The `seed` of every `/2` request: the audit's seed.
+    seed: u64,
+    /// The longest line or payload the router may send.
+    read_limit: usize,
     tag: String,
     handshake: Handshake,
     stderr: Arc<Mutex<Vec<u8>>>,
@@ -88,9 +112,10 @@ pub type ExternalRouter = External<Subprocess>;
 
 impl ExternalRouter {
     /// Spawns `command` with `sh -c`, reads its handshake, and (for `input: hidden`) finds the
-    /// targeted rows from a seeded pool (at most `max_memory` bytes, which also bounds a line the
-    /// router sends). `timeout` bounds the handshake and every write and read.
-    pub fn spawn(command: &str, timeout: Duration, seed: u64, max_memory: u64) -> Result<Self> {
+    /// targeted rows from a seeded pool (at most `max_memory` bytes, which also bounds a line or
+    /// payload the router sends). `timeout` bounds the handshake and every write and read; the
+    /// router is audited in `mode` (M compares it with the other one).
+    pub fn spawn(command: &str, timeout: Duration, seed: u64, mode: Mode, max_memory: u64) -> Result<Self> {
         let tag = tag();
         let mut child = Command::new("sh");
         // Its own process group, so killing it also kills what `sh -c` started.
@@ -110,17 +135,20 @@ impl ExternalRouter {
             live.push((child.id() as i32, tag.clone()));
             child
         };
-        let line_limit = usize::try_from(max_memory / 4).unwrap_or(usize::MAX).max(1 << 16);
+        let read_limit = usize::try_from(max_memory / 4).unwrap_or(usize::MAX).max(1 << 16);
         let stdout = child.stdout.take().expect("piped");
-        // One line ahead at most: a router that floods lines cannot grow the queue.
-        let (tx, lines) = mpsc::sync_channel(1);
+        let (wants, want) = mpsc::channel::<Want>();
+        let (tx, got) = mpsc::sync_channel(1);
         std::thread::spawn(move || {
             let mut reader = BufReader::new(stdout);
-            loop {
-                let line = crate::files::read_line_bounded(&mut reader, line_limit).transpose();
-                let Some(line) = line else { break };
-                let stop = line.is_err();
-                if tx.send(line).is_err() || stop {
+            for want in want {
+                let read = match want {
+                    Want::Line => crate::files::read_line_bounded(&mut reader, read_limit).map(|l| l.map(Got::Line)),
+                    Want::Bytes(n) => read_payload(&mut reader, n).map(|b| Some(Got::Bytes(b))),
+                };
+                let Some(read) = read.transpose() else { break };
+                let stop = read.is_err();
+                if tx.send(read).is_err() || stop {
                     break;
                 }
             }
@@ -159,19 +187,31 @@ impl ExternalRouter {
             top_k: None,
             input: InputKind::Logits,
             hidden_size: None,
+            responses: None,
+            padding_mask: false,
         };
-        let conversation =
-            Conversation { child, requests: Some(requests), written, lines, next_id: 1, failed: None, stopped: false };
+        let conversation = Conversation {
+            child,
+            requests: Some(requests),
+            written,
+            wants,
+            got,
+            next_id: 1,
+            failed: None,
+            stopped: false,
+        };
         let mut shared = Subprocess {
             command: command.to_string(),
             timeout,
+            seed,
+            read_limit,
             tag,
             handshake: placeholder,
             stderr,
             stderr_done: Mutex::new(stderr_done),
             conversation: Mutex::new(conversation),
         };
-        let line = shared.receive("its handshake")?;
+        let line = shared.receive_line("its handshake")?;
         let handshake: Handshake = serde_json::from_str(&line)
             .map_err(|e| e.to_string())
             .and_then(|h: Handshake| h.validate().map(|()| h))
@@ -179,7 +219,7 @@ impl ExternalRouter {
                 shared.fail(format!("bad handshake ({e}): `{}`", line.chars().take(120).collect::<String>()))
             })?;
         shared.handshake = handshake;
-        External::new(shared, seed, true, max_memory)
+        External::new(shared, seed, mode, true, max_memory)
     }
 }
 
@@ -215,10 +255,27 @@ impl Subprocess {
         self.error(message)
     }
 
-    /// The next line; `what` is `its handshake` or `request N (...)`. Waits at most the
-    /// timeout, and less when the router exits without answering (even if a background child
-    /// of it still holds its stdout).
-    fn receive(&self, what: &str) -> Result<String> {
+    /// The next line; `what` is `its handshake` or `request N (...)`.
+    fn receive_line(&self, what: &str) -> Result<String> {
+        match self.receive(Want::Line, what)? {
+            Got::Line(line) => Ok(line),
+            Got::Bytes(_) => unreachable!("a line was asked"),
+        }
+    }
+
+    /// The next `n` bytes (a `/2` payload, `n` checked against the memory limit).
+    fn receive_bytes(&self, n: usize, what: &str) -> Result<Vec<u8>> {
+        match self.receive(Want::Bytes(n), what)? {
+            Got::Bytes(bytes) => Ok(bytes),
+            Got::Line(_) => unreachable!("bytes were asked"),
+        }
+    }
+
+    /// Reads what `want` says. Waits at most the timeout, and less when the router exits
+    /// without answering (even if a background child of it still holds its stdout).
+    fn receive(&self, want: Want, what: &str) -> Result<Got> {
+        // A reader that stopped (end of output, an error) shows as a disconnection below.
+        let _ = self.conversation().wants.send(want);
         let (waiting_for, before) = match what.starts_with("request") {
             true => (format!("the answer to {what}"), format!("answering {what}")),
             false => (what.to_string(), what.to_string()),
@@ -228,7 +285,7 @@ impl Subprocess {
         loop {
             let now = Instant::now();
             let slice = deadline.saturating_duration_since(now).min(Duration::from_millis(50));
-            let got = self.conversation().lines.recv_timeout(slice);
+            let got = self.conversation().got.recv_timeout(slice);
             match got {
                 Ok(Ok(line)) => return Ok(line),
                 Ok(Err(e)) => return Err(self.fail(format!("reading {waiting_for}: {e}"))),
@@ -300,7 +357,8 @@ impl Subprocess {
         Err(self.fail(message))
     }
 
-    fn call(&self, mode: Mode, rows: ArrayView3<f32>) -> Result<Routing> {
+    /// One request and its answer, in the handshake's protocol.
+    fn call(&self, mode: Mode, rows: ArrayView3<f32>, padding: Option<ArrayView2<bool>>) -> Result<Routing> {
         let (batch, seq_len, width) = rows.dim();
         let hs = &self.handshake;
         if width != hs.row_width() {
@@ -309,29 +367,62 @@ impl Subprocess {
                 format!("rows of {width} values, the router takes {}", hs.row_width()),
             ));
         }
+        if let Some(m) = padding.filter(|m| m.dim() != (batch, seq_len) || !hs.padding_mask) {
+            return Err(Error::shape(
+                &format!("router `{}`", hs.name),
+                format!("a padding mask of {:?} for rows of {batch} x {seq_len}, or a router that takes none", m.dim()),
+            ));
+        }
         crate::routing::scores::check_finite(&rows)?;
         let rows = rows.as_standard_layout();
         let flat = rows.as_slice().expect("standard layout");
-        let (id, line) = {
+        let mask: Option<Vec<bool>> = padding.map(|m| m.iter().copied().collect());
+        let (id, message) = {
             let mut conv = self.conversation();
             if let Some(failed) = &conv.failed {
                 return Err(self.error(format!("stopped after an earlier error: {failed}")));
             }
             let id = conv.next_id;
             conv.next_id += 1;
-            let request = Request { id, mode, batch, seq_len, data: flat.chunks(width.max(1)).collect() };
-            let mut line = serde_json::to_vec(&request).expect("a request always serialises");
-            line.push(b'\n');
-            (id, line)
+            let message = if hs.framed() {
+                frame_request((id, mode, self.seed), (batch, seq_len, width), flat, mask.as_deref())
+            } else {
+                let request = Request { id, mode, batch, seq_len, data: flat.chunks(width.max(1)).collect() };
+                let mut line = serde_json::to_vec(&request).expect("a request always serialises");
+                line.push(b'\n');
+                line
+            };
+            (id, message)
         };
         let what = format!("request {id} ({mode}, batch {batch} x seq_len {seq_len})");
-        self.send(line, &what)?;
-        let line = self.receive(&what)?;
+        self.send(message, &what)?;
+        let line = self.receive_line(&what)?;
+        let fail = |e: String| self.fail(format!("{what}: {e}"));
+        let response = if hs.binary_responses() {
+            let header = BinaryHeader::parse(&line).map_err(fail)?;
+            let len = header.payload_len(hs, batch * seq_len, self.read_limit as u64).map_err(fail)?;
+            let payload = self.receive_bytes(len, &what)?;
+            header.decode(&payload, batch * seq_len).map_err(fail)?
+        } else {
+            parse_response(&line).map_err(fail)?
+        };
         let logits = (hs.input == InputKind::Logits).then_some(flat);
-        parse_response(&line)
-            .and_then(|r| r.into_routing(hs, (id, batch, seq_len), logits))
-            .map_err(|e| self.fail(format!("{what}: {e}")))
+        let asked = Asked { id, batch, seq_len, padding: padding.as_ref().map(|m| m.view()), logits };
+        response.into_routing(hs, &asked).map_err(fail)
     }
+}
+
+/// Exactly `n` bytes from `reader`, or an error saying where they ended.
+fn read_payload(reader: &mut impl Read, n: usize) -> std::io::Result<Vec<u8>> {
+    let mut buf = Vec::with_capacity(n);
+    reader.take(n as u64).read_to_end(&mut buf)?;
+    if buf.len() < n {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            format!("its output ended after {} of the payload's {n} bytes", buf.len()),
+        ));
+    }
+    Ok(buf)
 }
 
 /// The child's status once it exits within a moment, else that it is still running.
@@ -448,8 +539,8 @@ impl Answers for Subprocess {
         &self.handshake
     }
 
-    fn answer(&self, mode: Mode, rows: ArrayView3<f32>) -> Result<Routing> {
-        self.call(mode, rows)
+    fn answer(&self, mode: Mode, rows: ArrayView3<f32>, padding: Option<ArrayView2<bool>>) -> Result<Routing> {
+        self.call(mode, rows, padding)
     }
 }
 
@@ -469,9 +560,14 @@ mod tests {
     #[test]
     fn dropping_after_a_panic_mid_call_kills_the_child() {
         let hello = r#"{"protocol":"moe-audit/1","name":"t","experts":2,"top_k":1,"input":"logits"}"#;
-        let router =
-            ExternalRouter::spawn(&format!("echo '{hello}'; exec sleep 60"), Duration::from_secs(10), 0, u64::MAX)
-                .expect("handshake");
+        let router = ExternalRouter::spawn(
+            &format!("echo '{hello}'; exec sleep 60"),
+            Duration::from_secs(10),
+            0,
+            Mode::Train,
+            u64::MAX,
+        )
+        .expect("handshake");
         let source = router.source();
         let pid = source.conversation.lock().expect("fresh lock").child.id();
         // A panic while holding the conversation poisons its lock.

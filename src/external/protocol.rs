@@ -1,13 +1,18 @@
-//! The `moe-audit/1` messages (docs/PROTOCOL.md) and their validation: a response becomes a
-//! [`Routing`] only when every field fits the request, so no verdict is ever drawn from bad data.
+//! The `moe-audit/1` and `moe-audit/2` messages (docs/PROTOCOL.md) and their validation: a
+//! response becomes a [`Routing`] only when every field fits the request, so no verdict is ever
+//! drawn from bad data. `/2` frames its requests (a JSON header line, then little-endian bytes),
+//! may answer in binary frames, states a capacity with its scope, and carries a padding mask.
 
-use crate::config::{Flatten, ScopeGroup};
+use crate::config::{Flatten, ScopeConfig, ScopeGroup};
 use crate::routing::{scores, Decisions, GroupRecord, Route, Routing, ScopeRecord, TokenRouting};
+use ndarray::ArrayView2;
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
-/// The protocol tag a router announces in its handshake.
+/// The protocol tag of version 1 (JSON lines both ways).
 pub const PROTOCOL: &str = "moe-audit/1";
+/// The protocol tag of version 2 (binary frames, scoped capacity, padding mask).
+pub const PROTOCOL_2: &str = "moe-audit/2";
 
 /// What a router's rows hold.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -19,11 +24,21 @@ pub enum InputKind {
     Hidden,
 }
 
+/// How a `moe-audit/2` router writes its responses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Encoding {
+    /// One JSON line per response, as in `/1`.
+    Json,
+    /// A JSON header line, then the routes as little-endian columns.
+    Binary,
+}
+
 /// The first line a router writes.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Handshake {
-    /// Always [`PROTOCOL`].
+    /// [`PROTOCOL`] or [`PROTOCOL_2`].
     pub protocol: String,
     /// Name used in reports.
     pub name: String,
@@ -36,6 +51,12 @@ pub struct Handshake {
     /// Hidden size H (required with `input: hidden`).
     #[serde(default)]
     pub hidden_size: Option<usize>,
+    /// `/2` only: how responses are written (default JSON lines).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub responses: Option<Encoding>,
+    /// `/2` only: requests carry a padding mask, so the audit's padding cases apply.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub padding_mask: bool,
 }
 
 /// The largest `experts` and `hidden_size` a handshake may declare (2^20: a million experts, as
@@ -45,8 +66,11 @@ pub const MAX_SIZE: usize = 1 << 20;
 impl Handshake {
     /// Checks the handshake; the error says which field is wrong.
     pub fn validate(&self) -> Result<(), String> {
-        if self.protocol != PROTOCOL {
-            return Err(format!("handshake: protocol `{}`, expected `{PROTOCOL}`", self.protocol));
+        if self.protocol != PROTOCOL && self.protocol != PROTOCOL_2 {
+            return Err(format!("handshake: protocol `{}`, expected `{PROTOCOL}` or `{PROTOCOL_2}`", self.protocol));
+        }
+        if !self.framed() && (self.responses.is_some() || self.padding_mask) {
+            return Err(format!("handshake: `responses` and `padding_mask` need protocol `{PROTOCOL_2}`"));
         }
         if let Err(e) = crate::names::check(&self.name) {
             return Err(format!("handshake: name {e}"));
@@ -68,6 +92,16 @@ impl Handshake {
         }
     }
 
+    /// Whether the router speaks `/2` (framed requests).
+    pub fn framed(&self) -> bool {
+        self.protocol == PROTOCOL_2
+    }
+
+    /// Whether responses come as binary frames.
+    pub fn binary_responses(&self) -> bool {
+        self.responses == Some(Encoding::Binary)
+    }
+
     /// Values per row of a request.
     pub fn row_width(&self) -> usize {
         match self.input {
@@ -87,6 +121,16 @@ pub enum Mode {
     Inference,
 }
 
+impl Mode {
+    /// The other mode.
+    pub fn other(self) -> Mode {
+        match self {
+            Mode::Train => Mode::Inference,
+            Mode::Inference => Mode::Train,
+        }
+    }
+}
+
 impl fmt::Display for Mode {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
@@ -96,7 +140,7 @@ impl fmt::Display for Mode {
     }
 }
 
-/// One call: `batch * seq_len` rows, sequence-major.
+/// One `/1` call: `batch * seq_len` rows, sequence-major.
 #[derive(Debug, Serialize)]
 pub struct Request<'a> {
     /// Request number, from 1.
@@ -111,6 +155,41 @@ pub struct Request<'a> {
     pub data: Vec<&'a [f32]>,
 }
 
+/// The header line of a `/2` request; `bytes` bytes follow it: the rows as little-endian f32
+/// (sequence-major, `batch * seq_len * width` values), then with `padding` one byte per token
+/// (1 = padding).
+#[derive(Debug, Serialize)]
+struct FrameHeader {
+    id: u64,
+    mode: Mode,
+    batch: usize,
+    seq_len: usize,
+    width: usize,
+    seed: u64,
+    padding: bool,
+    bytes: usize,
+}
+
+/// A `/2` request as written: its header line, then its payload.
+///
+/// # Shapes
+/// `rows`: `batch * seq_len * width` values, sequence-major; `padding`: `batch * seq_len` flags.
+pub fn frame_request(
+    (id, mode, seed): (u64, Mode, u64),
+    (batch, seq_len, width): (usize, usize, usize),
+    rows: &[f32],
+    padding: Option<&[bool]>,
+) -> Vec<u8> {
+    let bytes = 4 * rows.len() + padding.map_or(0, <[bool]>::len);
+    let header = FrameHeader { id, mode, batch, seq_len, width, seed, padding: padding.is_some(), bytes };
+    let mut out = serde_json::to_vec(&header).expect("a header always serialises");
+    out.push(b'\n');
+    out.reserve(bytes);
+    rows.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes()));
+    padding.into_iter().flatten().for_each(|&p| out.push(u8::from(p)));
+    out
+}
+
 /// One route of a response.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -123,6 +202,47 @@ pub struct RouteOut {
     pub kept: bool,
 }
 
+/// The capacity a response states.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged, try_from = "serde_json::Value")]
+pub enum Capacity {
+    /// Slots per expert over the call (`/1`): one routing group, the whole call.
+    PerExpert(Vec<usize>),
+    /// Slots per expert in each routing group of a scope (`/2`).
+    Scoped(ScopedCapacity),
+}
+
+/// A capacity with its scope: which tokens compete together, and each group's slots.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScopedCapacity {
+    /// `batch`, `sequence` or `tokens:N`, as a built-in router's `[scope] group`.
+    pub scope: ScopeGroup,
+    /// Slots of every expert, one count per group, in group order.
+    pub slots: Vec<usize>,
+    /// The order `tokens:N` groups are cut from; default sequence-major (the rows' order).
+    #[serde(default = "sequence_major")]
+    pub flatten: Flatten,
+}
+
+impl TryFrom<serde_json::Value> for Capacity {
+    type Error = String;
+
+    /// A list or a scope, each with its own errors (an untagged enum would name neither).
+    fn try_from(v: serde_json::Value) -> Result<Self, String> {
+        let result = match v {
+            serde_json::Value::Array(_) => serde_json::from_value(v).map(Capacity::PerExpert),
+            serde_json::Value::Object(_) => serde_json::from_value(v).map(Capacity::Scoped),
+            _ => return Err("capacity must be null, a list of slots per expert, or {scope, slots}".into()),
+        };
+        result.map_err(|e| format!("capacity: {e}"))
+    }
+}
+
+fn sequence_major() -> Flatten {
+    Flatten::SequenceMajor
+}
+
 /// A router's answer to one request.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -131,19 +251,114 @@ pub struct Response {
     pub id: u64,
     /// Per token (sequence-major), its routes in choice order.
     pub tokens: Vec<Vec<RouteOut>>,
-    /// Slots per expert over the call; `null` (or absent) when dropless.
-    pub capacity: Option<Vec<usize>>,
+    /// `null` (or absent) when dropless.
+    #[serde(default)]
+    pub capacity: Option<Capacity>,
+}
+
+/// The header line of a binary `/2` response; `bytes` bytes follow it.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BinaryHeader {
+    /// The request's id.
+    pub id: u64,
+    /// Routes R over all tokens.
+    pub routes: u64,
+    /// As in [`Response`].
+    #[serde(default)]
+    pub capacity: Option<Capacity>,
+    /// Payload length: `4 * tokens + 9 * routes`.
+    pub bytes: u64,
+}
+
+impl BinaryHeader {
+    /// Parses a header line; the error quotes the start of a line that is not one.
+    pub fn parse(line: &str) -> Result<Self, String> {
+        serde_json::from_str(line).map_err(|e| {
+            let head: String = line.chars().take(80).collect();
+            format!("not a binary response header ({e}): `{head}`")
+        })
+    }
+
+    /// The payload length once checked against what `tokens` tokens of `hs` can hold (at most
+    /// `top_k` or E routes each) and against `limit`: nothing is allocated from a header
+    /// before this.
+    pub fn payload_len(&self, hs: &Handshake, tokens: usize, limit: u64) -> Result<usize, String> {
+        let per_token = hs.top_k.unwrap_or(hs.experts) as u64;
+        let most = (tokens as u64).checked_mul(per_token).unwrap_or(u64::MAX);
+        if self.routes > most {
+            return Err(format!(
+                "{} routes, more than {tokens} tokens x {per_token} routes each can hold",
+                self.routes
+            ));
+        }
+        let want = self.routes.checked_mul(9).and_then(|r| r.checked_add(4 * tokens as u64));
+        let Some(want) = want.filter(|&w| w == self.bytes) else {
+            return Err(format!(
+                "the header says {} bytes, {tokens} tokens and {} routes take {}",
+                self.bytes,
+                self.routes,
+                want.map_or("more than 2^64".to_string(), |w| w.to_string())
+            ));
+        };
+        if want > limit {
+            return Err(format!("a payload of {want} bytes is over {limit} ({})", crate::error::Setting::MaxMemory));
+        }
+        usize::try_from(want).map_err(|_| format!("a payload of {want} bytes does not fit in memory"))
+    }
+
+    /// The response the payload holds: counts (u32), experts (i32), weights (f32) and kept
+    /// flags (u8, 0 or 1), little-endian. `payload` has [`BinaryHeader::payload_len`] bytes.
+    pub fn decode(self, payload: &[u8], tokens: usize) -> Result<Response, String> {
+        let r = self.routes as usize;
+        let (counts, rest) = payload.split_at(4 * tokens);
+        let (experts, rest) = rest.split_at(4 * r);
+        let (weights, kept) = rest.split_at(4 * r);
+        let word = |b: &[u8]| <[u8; 4]>::try_from(b).expect("4 bytes");
+        let mut total = 0u64;
+        let counts: Vec<usize> = counts
+            .chunks_exact(4)
+            .map(|c| {
+                let n = u32::from_le_bytes(word(c));
+                total += u64::from(n);
+                n as usize
+            })
+            .collect();
+        if total != self.routes {
+            return Err(format!("the token counts add up to {total} routes, the header says {}", self.routes));
+        }
+        if let Some(i) = kept.iter().position(|&k| k > 1) {
+            return Err(format!("route {i}: kept flag {} is not 0 or 1", kept[i]));
+        }
+        let mut routes = experts.chunks_exact(4).zip(weights.chunks_exact(4)).zip(kept).map(|((e, w), &k)| RouteOut {
+            expert: i64::from(i32::from_le_bytes(word(e))),
+            weight: f32::from_le_bytes(word(w)),
+            kept: k == 1,
+        });
+        let tokens = counts.iter().map(|&n| routes.by_ref().take(n).collect()).collect();
+        Ok(Response { id: self.id, tokens, capacity: self.capacity })
+    }
+}
+
+/// What a response answers: the request's id, shape, padding mask (`true` = padding) and its
+/// rows when they are logits (for the load statistics).
+pub struct Asked<'a> {
+    /// The request's id.
+    pub id: u64,
+    /// Sequences.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq_len: usize,
+    /// `[batch, seq_len]`; a padding token may have no route.
+    pub padding: Option<ArrayView2<'a, bool>>,
+    /// The rows, when they are logits.
+    pub logits: Option<&'a [f32]>,
 }
 
 impl Response {
-    /// Checks the response against its request and builds the routing record. `rows` are the
-    /// request's logits (for the load statistics), or `None` for hidden rows.
-    pub fn into_routing(
-        self,
-        hs: &Handshake,
-        (id, batch, seq_len): (u64, usize, usize),
-        rows: Option<&[f32]>,
-    ) -> Result<Routing, String> {
+    /// Checks the response against its request and builds the routing record.
+    pub fn into_routing(self, hs: &Handshake, asked: &Asked) -> Result<Routing, String> {
+        let Asked { id, batch, seq_len, .. } = *asked;
         if self.id != id {
             return Err(format!("response id {} does not match", self.id));
         }
@@ -154,7 +369,8 @@ impl Response {
         let e = hs.experts;
         let mut tokens = Vec::with_capacity(n);
         for (i, routes) in self.tokens.into_iter().enumerate() {
-            let at = || format!("token {i} (batch {}, position {})", i / seq_len, i % seq_len);
+            let (b, s) = (i / seq_len, i % seq_len);
+            let at = || format!("token {i} (batch {b}, position {s})");
             let mut seen = vec![false; e];
             let mut out = Vec::with_capacity(routes.len());
             for r in routes {
@@ -170,37 +386,70 @@ impl Response {
                 }
                 out.push(Route { expert, weight: r.weight, kept: r.kept, padded: false });
             }
-            if let Some(k) = hs.top_k {
-                if out.len() != k {
-                    return Err(format!("{}: {} routes, the handshake declared top_k {k}", at(), out.len()));
-                }
+            // A padding token may be left unrouted, as built-in routers that exclude it do.
+            let unrouted_padding = out.is_empty() && asked.padding.is_some_and(|m| m[[b, s]]);
+            if let Some(k) = hs.top_k.filter(|&k| out.len() != k && !unrouted_padding) {
+                return Err(format!("{}: {} routes, the handshake declared top_k {k}", at(), out.len()));
             }
-            tokens.push(TokenRouting { batch: i / seq_len, pos: i % seq_len, group: 0, routes: out, capacity: None });
+            tokens.push(TokenRouting { batch: b, pos: s, group: 0, routes: out, capacity: None });
         }
-        if let Some(c) = &self.capacity {
+        let (capacity, scope) = scope_of(self.capacity, e, batch, seq_len)?;
+        for (g, members) in scope_members(&scope, batch, seq_len).into_iter().enumerate() {
+            members.into_iter().for_each(|i| tokens[i].group = g);
+        }
+        let softmax = asked.logits.map(|flat| scores::softmax_rows(flat, e)).unwrap_or_default();
+        let decisions =
+            Decisions { router: hs.name.clone(), batch, seq_len, experts: e, top_k: hs.top_k, capacity, scope, tokens };
+        Ok(Routing::assemble(decisions, Some(&softmax)))
+    }
+}
+
+/// The record's capacity (per expert over the call) and scope of a stated capacity. Without
+/// a scope the call is one group; unequal per-expert capacities count by their largest.
+fn scope_of(
+    capacity: Option<Capacity>,
+    e: usize,
+    batch: usize,
+    seq_len: usize,
+) -> Result<(Option<Vec<usize>>, ScopeRecord), String> {
+    let n = batch * seq_len;
+    let whole = |capacity: Option<usize>| ScopeRecord {
+        group: ScopeGroup::Batch,
+        flatten: Flatten::SequenceMajor,
+        groups: vec![GroupRecord { tokens: n, capacity }],
+    };
+    match capacity {
+        None => Ok((None, whole(None))),
+        Some(Capacity::PerExpert(c)) => {
             if c.len() != e {
                 return Err(format!("capacity has {} entries, expected one per expert ({e})", c.len()));
             }
+            let largest = c.iter().copied().max();
+            Ok((Some(c), whole(largest)))
         }
-        // One routing group: the whole call. Unequal capacities count by their largest.
-        let group_capacity = self.capacity.as_ref().and_then(|c| c.iter().copied().max());
-        let softmax = rows.map(|flat| scores::softmax_rows(flat, e)).unwrap_or_default();
-        let decisions = Decisions {
-            router: hs.name.clone(),
-            batch,
-            seq_len,
-            experts: e,
-            top_k: hs.top_k,
-            capacity: self.capacity,
-            scope: ScopeRecord {
-                group: ScopeGroup::Batch,
-                flatten: Flatten::SequenceMajor,
-                groups: vec![GroupRecord { tokens: n, capacity: group_capacity }],
-            },
-            tokens,
-        };
-        Ok(Routing::assemble(decisions, Some(&softmax)))
+        Some(Capacity::Scoped(ScopedCapacity { scope, slots, flatten })) => {
+            let config = ScopeConfig { group: scope, flatten };
+            let groups = crate::routing::scope::groups(&config, batch, seq_len);
+            if slots.len() != groups.len() {
+                return Err(format!(
+                    "capacity scope `{scope}` has {} groups in batch {batch} x seq_len {seq_len}, slots has {} entries",
+                    groups.len(),
+                    slots.len()
+                ));
+            }
+            let total = slots.iter().try_fold(0usize, |a, &c| a.checked_add(c));
+            let Some(total) = total else {
+                return Err("capacity slots add up to more than 2^64".into());
+            };
+            let groups = groups.iter().zip(&slots).map(|(g, &c)| GroupRecord { tokens: g.len(), capacity: Some(c) });
+            Ok((Some(vec![total; e]), ScopeRecord { group: scope, flatten, groups: groups.collect() }))
+        }
     }
+}
+
+/// Flat token indices of each group of `scope`.
+fn scope_members(scope: &ScopeRecord, batch: usize, seq_len: usize) -> Vec<Vec<usize>> {
+    crate::routing::scope::groups(&ScopeConfig { group: scope.group, flatten: scope.flatten }, batch, seq_len)
 }
 
 /// Parses one response line; the error quotes the start of a line that is not a response.
@@ -223,11 +472,14 @@ mod tests {
             top_k: Some(2),
             input: InputKind::Logits,
             hidden_size: None,
+            responses: None,
+            padding_mask: false,
         }
     }
 
     fn check(line: &str) -> Result<Routing, String> {
-        parse_response(line)?.into_routing(&hs(), (3, 1, 2), None)
+        let asked = Asked { id: 3, batch: 1, seq_len: 2, padding: None, logits: None };
+        parse_response(line)?.into_routing(&hs(), &asked)
     }
 
     #[test]
@@ -274,8 +526,8 @@ mod tests {
             Err("handshake: input `hidden` needs hidden_size >= 1".into())
         );
         assert_eq!(
-            Handshake { protocol: "moe-audit/2".into(), ..hs() }.validate(),
-            Err("handshake: protocol `moe-audit/2`, expected `moe-audit/1`".into())
+            Handshake { protocol: "moe-audit/3".into(), ..hs() }.validate(),
+            Err("handshake: protocol `moe-audit/3`, expected `moe-audit/1` or `moe-audit/2`".into())
         );
         assert_eq!(Handshake { top_k: None, ..hs() }.validate(), Ok(()));
     }

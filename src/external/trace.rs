@@ -11,7 +11,7 @@
 //! against a recorder that routes every token to e, and writes the union of the calls: whatever
 //! the real router answers, every call it is asked is in the plan.
 
-use super::protocol::{parse_response, Handshake, InputKind, Mode, Response, RouteOut};
+use super::protocol::{parse_response, Asked, Handshake, InputKind, Mode, Response, RouteOut};
 use super::{Answers, External};
 use crate::analyze::{audit, AuditOptions, Subject};
 use crate::error::{Error, Result};
@@ -19,7 +19,7 @@ use crate::memory::CallSizes;
 use crate::progress::Silent;
 use crate::routing::Routing;
 use candle_core::{Device, Tensor};
-use ndarray::{Array3, ArrayView3};
+use ndarray::{Array3, ArrayView2, ArrayView3};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -83,13 +83,14 @@ impl Answers for Recorder {
         &self.hs
     }
 
-    fn answer(&self, mode: Mode, rows: ArrayView3<f32>) -> Result<Routing> {
+    fn answer(&self, mode: Mode, rows: ArrayView3<f32>, _: Option<ArrayView2<bool>>) -> Result<Routing> {
         let (b, s, _) = rows.dim();
         self.log.lock().expect("log").push((mode, rows.as_standard_layout().into_owned()));
         let route = RouteOut { expert: self.answer as i64, weight: 1.0, kept: true };
         let response = Response { id: 0, tokens: vec![vec![route]; b * s], capacity: None };
         let hs = Handshake { top_k: None, ..self.hs.clone() };
-        response.into_routing(&hs, (0, b, s), None).map_err(|e| Error::Usage(format!("plan: {e}")))
+        let asked = Asked { id: 0, batch: b, seq_len: s, padding: None, logits: None };
+        response.into_routing(&hs, &asked).map_err(|e| Error::Usage(format!("plan: {e}")))
     }
 }
 
@@ -122,6 +123,7 @@ pub fn plan(router: &Handshake, options: &AuditOptions, dir: &Path, max_memory: 
         let recorder = External::new(
             Recorder { hs: router.clone(), answer, log: Arc::clone(&log) },
             options.seed,
+            Mode::Train,
             false,
             max_memory,
         )?;
@@ -248,7 +250,8 @@ impl TraceRouter {
                 )
             })?;
             let logits = (hs.input == InputKind::Logits).then(|| rows.as_slice().expect("standard layout"));
-            let routing = response.into_routing(&hs, (call.id, call.batch, call.seq_len), logits).map_err(|e| {
+            let asked = Asked { id: call.id, batch: call.batch, seq_len: call.seq_len, padding: None, logits };
+            let routing = response.into_routing(&hs, &asked).map_err(|e| {
                 Error::input(
                     &decisions_path,
                     format!("call {} ({}, batch {} x seq_len {}): {e}", call.id, call.mode, call.batch, call.seq_len),
@@ -262,7 +265,7 @@ impl TraceRouter {
         let seed = manifest.options.seed;
         let replay = Replay { hs, dir: dir.to_path_buf(), options: manifest.options, answers, used: Mutex::default() };
         // The plan's targeted rows are untargeted pool rows (no answers existed when planning).
-        External::new(replay, seed, false, max_memory)
+        External::new(replay, seed, Mode::Train, false, max_memory)
     }
 
     /// The audit the traces were planned for.
@@ -276,7 +279,7 @@ impl Answers for Replay {
         &self.hs
     }
 
-    fn answer(&self, mode: Mode, rows: ArrayView3<f32>) -> Result<Routing> {
+    fn answer(&self, mode: Mode, rows: ArrayView3<f32>, _: Option<ArrayView2<bool>>) -> Result<Routing> {
         let k = (mode, content(rows));
         let mut used = self.used.lock().expect("replay");
         let n = used.entry(k.clone()).or_default();

@@ -24,7 +24,10 @@ fn percent(rate: f64) -> String {
 /// Why, in a few words: what changed, where, what caused it.
 pub(crate) fn why(f: &Finding) -> String {
     if !matches!(f.verdict, Verdict::Leak | Verdict::Drift) {
-        return f.note.clone();
+        return match f.capacity_changed {
+            true => format!("{}; the capacity in force changed, no decision did", f.note),
+            false => f.note.clone(),
+        };
     }
     let mut parts = Vec::new();
     // D's note says the router is random (and the fix), S's when the same call changed.
@@ -33,8 +36,6 @@ pub(crate) fn why(f: &Finding) -> String {
     }
     if let Some(w) = &f.witness {
         parts.push(format!("{} changed", w.differs));
-    } else if f.capacity_changed && f.affected == 0 {
-        parts.push("capacity changed".into());
     }
     if let Some(p) = f.first_position {
         parts.push(format!("first at position {p}"));

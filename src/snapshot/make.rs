@@ -68,7 +68,8 @@ pub fn make(router: &RouterSource, input: &InputSpec, traces: Option<&Path>, max
                     Setting::Timeout
                 )));
             }
-            let r = ExternalRouter::spawn(command, Duration::from_secs_f64(*timeout), input.seed, max_memory)?;
+            let r =
+                ExternalRouter::spawn(command, Duration::from_secs_f64(*timeout), input.seed, Mode::Train, max_memory)?;
             input.hidden = None;
             let rows = rows(&mut input, r.handshake(), max_memory)?;
             let inference = r.inference()?.expect("an external router has an inference mode");
@@ -170,6 +171,8 @@ fn config_routings(
         top_k: router.config().and_then(|c| c.top_k),
         input: if logits { InputKind::Logits } else { InputKind::Hidden },
         hidden_size: router.hidden_size(),
+        responses: None,
+        padding_mask: false,
     };
     let rows = rows(input, &hs, max_memory)?;
     let inference = router.inference()?;

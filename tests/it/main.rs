@@ -16,6 +16,7 @@ mod mpi;
 mod noise;
 mod parallel;
 mod progress;
+mod protocol2;
 mod readme;
 mod routers;
 mod search;

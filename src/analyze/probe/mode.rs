@@ -28,7 +28,11 @@ impl Rule for Mode {
         };
         let case = Case::aligned(&ctx.base, Call::clone(&ctx.base));
         let served = ctx.base.routes(inference.as_ref())?;
-        let note = "training versus [inference] configuration on the same input";
+        // An external router has no `[inference]` table: it is asked in its other mode.
+        let note = match ctx.router.config() {
+            Some(_) => "training versus [inference] configuration on the same input",
+            None => "the router's two modes (`mode: train` and `mode: inference` requests) on the same input",
+        };
         let modes = (CallMode::Train, CallMode::Inference);
         run_repeat(ctx, Probe::M, &case, (&ctx.base_routing, &served), modes, note)
     }
