@@ -18,8 +18,8 @@ pub mod witness;
 
 pub use crate::parallel::Layer;
 pub use case::{Call, Case};
-pub use noise::FIX as RANDOM_ROUTER_FIX;
 pub use explain::Explanation;
+pub use noise::FIX as RANDOM_ROUTER_FIX;
 pub use probe::{numerics, Probe};
 pub use witness::Witness;
 
@@ -372,12 +372,7 @@ pub fn audit(subject: &Subject, options: &AuditOptions, progress: &dyn Progress)
 
 /// Runs one probe with its reference routed fresh (a router whose calls may change it: its
 /// verdict must not depend on the calls before it), and checks its layer sample.
-fn run_probe(
-    ctx: &mut Ctx,
-    probe: Probe,
-    subject: &Subject,
-    sample: Option<&layer_check::Sample>,
-) -> Result<Finding> {
+fn run_probe(ctx: &mut Ctx, probe: Probe, subject: &Subject, sample: Option<&layer_check::Sample>) -> Result<Finding> {
     ctx.progress.probe(&format!("{} {}", ctx.router.name(), probe.name()));
     if !ctx.pure {
         ctx.base_routing = ctx.base.routes(ctx.router)?;

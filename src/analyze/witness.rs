@@ -556,7 +556,6 @@ impl Witness {
         Ok(hasher.finalize().iter().map(|b| format!("{b:02x}")).collect())
     }
 
-
     /// The router's name (its config's, or its handshake's).
     pub fn name(&self) -> Option<&str> {
         match (&self.router, &self.handshake) {

@@ -301,7 +301,13 @@ fn replay(args: &CheckArgs, path: &Path, max_memory: u64, out: &mut dyn Write) -
         [] => witness.replay(path)?,
         [command] => {
             let timeout = crate::external::process::timeout(args.external.timeout)?;
-            let router = crate::external::ExternalRouter::spawn(command, timeout, args.seed, args.external.mode.into(), max_memory)?;
+            let router = crate::external::ExternalRouter::spawn(
+                command,
+                timeout,
+                args.seed,
+                args.external.mode.into(),
+                max_memory,
+            )?;
             witness.replay_on(path, &router)?
         }
         _ => return Err(Error::Usage("--replay takes one --router-cmd".into())),

@@ -87,8 +87,16 @@ impl<A: Answers> Router for External<A> {
         Some(self)
     }
 
+    /// The router's identity for its witnesses: the handshake without its transport (protocol
+    /// version, response encoding, padding mask), so a witness replays over either protocol.
     fn handshake(&self) -> Option<serde_json::Value> {
-        serde_json::to_value(External::handshake(self)).ok()
+        let mut value = serde_json::to_value(External::handshake(self)).ok()?;
+        if let Some(fields) = value.as_object_mut() {
+            for transport in ["protocol", "responses", "padding_mask"] {
+                fields.remove(transport);
+            }
+        }
+        Some(value)
     }
 
     /// The router's gate lives elsewhere: its rows pass through unchanged.

@@ -285,7 +285,7 @@ impl BinaryHeader {
     /// before this.
     pub fn payload_len(&self, hs: &Handshake, tokens: usize, limit: u64) -> Result<usize, String> {
         let per_token = hs.top_k.unwrap_or(hs.experts) as u64;
-        let most = (tokens as u64).checked_mul(per_token).unwrap_or(u64::MAX);
+        let most = (tokens as u64).saturating_mul(per_token);
         if self.routes > most {
             return Err(format!(
                 "{} routes, more than {tokens} tokens x {per_token} routes each can hold",

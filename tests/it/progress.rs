@@ -55,7 +55,9 @@ fn an_audit_reports_each_probe_and_its_cases_without_changing_a_bit() {
     let seen = counting.finish();
 
     let labels: Vec<&str> = seen.iter().map(|(l, _, _)| l.as_str()).collect();
-    let want: Vec<String> = Probe::ALL.iter().map(|p| format!("megatron-probs {}", p.name())).collect();
+    // Training-mode probes first, then M, then S (which reads the calls around the other mode).
+    let order = Probe::ALL.iter().filter(|p| !matches!(p, Probe::M | Probe::S)).chain([&Probe::M, &Probe::S]);
+    let want: Vec<String> = order.map(|p| format!("megatron-probs {}", p.name())).collect();
     assert_eq!(labels, want);
     for (label, planned, done) in &seen {
         assert_eq!(planned, done, "{label}: every planned case is done");
