@@ -26,7 +26,7 @@ fuzz_target!(|data: &[u8]| {
     match assign(&config, logits.view()) {
         Ok(routing) => {
             assert!(logits.iter().all(|v| v.is_finite()), "non-finite scores must be rejected");
-            common::check_routing(&routing);
+            common::check_routing(&routing, config.routed_scaling);
             assert_eq!(Routing { stats: routing.stats, ..routes.expect("assign succeeded") }, routing);
         }
         Err(e) => assert_eq!(routes.expect_err("assign failed").to_string(), e.to_string()),

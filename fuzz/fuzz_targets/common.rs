@@ -2,8 +2,9 @@
 
 use moe_audit::Routing;
 
-/// Panics (a fuzz finding) when `r` breaks an invariant of its router.
-pub fn check_routing(r: &Routing) {
+/// Panics (a fuzz finding) when `r` breaks an invariant of its router; `scale` is the router's
+/// `routed_scaling`, the largest a gate can be.
+pub fn check_routing(r: &Routing, scale: f32) {
     assert_eq!(r.tokens.len(), r.batch * r.seq_len, "one entry per token");
     for t in &r.tokens {
         if let Some(k) = r.top_k {
@@ -11,7 +12,8 @@ pub fn check_routing(r: &Routing) {
         }
         for x in &t.routes {
             assert!(x.expert < r.experts, "expert out of range");
-            assert!(x.weight.is_finite() && (0.0..=1.0).contains(&x.weight), "weight {} outside [0, 1]", x.weight);
+            let ok = x.weight.is_finite() && (0.0..=scale).contains(&x.weight);
+            assert!(ok, "weight {} outside [0, {scale}]", x.weight);
         }
     }
     for (g, group) in r.scope.groups.iter().enumerate() {

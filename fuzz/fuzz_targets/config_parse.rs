@@ -15,11 +15,11 @@ fuzz_target!(|data: &[u8]| {
     }
     let logits = Logits::from_shape_fn((2, 8, config.experts), |(b, s, e)| ((b * 31 + s * 7 + e * 13) % 17) as f32 / 4.0 - 2.0);
     if let Ok(routing) = assign(&config, logits.view()) {
-        common::check_routing(&routing);
+        common::check_routing(&routing, config.routed_scaling);
     }
     if let Ok(Some(inference)) = config.inference_config() {
         if let Ok(routing) = assign(&inference, logits.view()) {
-            common::check_routing(&routing);
+            common::check_routing(&routing, inference.routed_scaling);
         }
     }
 });
