@@ -247,4 +247,38 @@ mod tests {
         assert!(fix(Probe::D, Some(&ec)).starts_with("make routing deterministic"), "D's fix is the probe's");
         assert!(fix(Probe::P, None).contains("tokens <= t of its own sequence"), "an external router");
     }
+
+    /// The fixes quote the committed sweep: every figure they cite must be that table's, so a
+    /// regenerated sweep that moves one fails here instead of leaving the advice stale.
+    #[test]
+    fn the_cited_figures_are_the_committed_sweeps() {
+        let table = include_str!("../../docs/sweep/sweep.md");
+        let mut lines = table.lines().filter(|l| l.starts_with('|'));
+        let cells = |l: &'static str| l.split('|').map(str::trim).skip(1).collect::<Vec<_>>();
+        let header = cells(lines.next().expect("a header"));
+        let rows: Vec<Vec<&str>> = lines.skip(1).map(cells).collect();
+        let value = |router: &str, cf: &str, k: &str, column: &str| -> String {
+            let c = header.iter().position(|h| *h == column).expect(column);
+            let row = rows.iter().find(|r| r[0] == router && r[1] == cf && r[2] == k);
+            row.unwrap_or_else(|| panic!("no row {router} cf {cf} k {k}"))[c].to_string()
+        };
+        let cited = [
+            ("mixtral", "–", "1", "max/mean routed", "1.406"),
+            ("mixtral", "–", "2", "max/mean routed", "1.234"),
+            ("mixtral", "–", "2", "P %", "0.0"),
+            ("causal-capacity", "1.25", "1", "drop %", "14.8"),
+            ("causal-capacity", "1.25", "2", "drop %", "6.8"),
+            ("causal-capacity", "1.25", "2", "P %", "0.0"),
+            ("megatron-probs", "2", "1", "N %", "2.0"),
+            ("megatron-probs", "2", "2", "P %", "0.1"),
+            ("expert-choice", "1", "–", "P %", "9.7"),
+            ("expert-choice", "1", "–", "max/mean routed", "1.000"),
+            ("aux-loss-free", "–", "2", "max/mean routed", "1.109"),
+            ("sinkhorn", "–", "2", "P %", "9.4"),
+            ("sinkhorn", "–", "2", "max/mean routed", "1.156"),
+        ];
+        for (router, cf, k, column, figure) in cited {
+            assert_eq!(value(router, cf, k, column), figure, "{router} cf {cf} k {k}: {column}");
+        }
+    }
 }
