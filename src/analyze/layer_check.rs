@@ -6,6 +6,7 @@ use super::{Finding, Layer, Probe, Verdict};
 use crate::analyze::compare::diff_token;
 use crate::error::Result;
 use crate::layer::Seeded;
+use crate::parallel::RankTraffic;
 use crate::router::{logits_to_host, Router};
 use crate::routing::{Logits, Routing};
 use candle_core::{Device, Tensor};
@@ -45,11 +46,13 @@ pub(super) fn scores_per_token(router: &dyn Router, x: &Tensor, logits: &Logits)
     Ok(out)
 }
 
-/// The layer sample: the first (up to) [`SAMPLE_SEQS`] sequences × [`SAMPLE_LEN`] positions of the
-/// audit's hidden states, and the layer's output on them, computed once. Each probe then runs the
-/// whole layer on one changed version of the sample: a small fixed cost per probe, so the audit
-/// stays a few forward passes however long the input (routing is probed at full size anyway).
-pub(super) struct Sample<'a> {
+/// The layer sample: the first (up to) [`SAMPLE_SEQS`] sequences, or one per expert-parallel rank
+/// when there are more ranks, × [`SAMPLE_LEN`] positions of the audit's hidden states, and the
+/// layer's output on them, computed once. Each probe then runs the whole layer on one changed
+/// version of the sample (L: the sample itself, expert-parallel): a small fixed cost per probe, so
+/// the audit stays a few forward passes however long the input (routing is probed at full size
+/// anyway).
+pub(crate) struct Sample<'a> {
     layer: &'a dyn Layer,
     x: Tensor,
     y: Tensor,
@@ -63,9 +66,11 @@ const SAMPLE_SEQS: usize = 2;
 const SAMPLE_LEN: usize = 16;
 
 impl<'a> Sample<'a> {
-    pub(super) fn new(layer: &'a dyn Layer, x: &Tensor, seed: u64) -> Result<Self> {
+    /// The sample of `x`, with a sequence for each of `ranks` when they split the batch.
+    pub(super) fn new(layer: &'a dyn Layer, x: &Tensor, seed: u64, ranks: usize) -> Result<Self> {
         let (b, s, _) = x.dims3()?;
-        let x = x.narrow(0, 0, b.min(SAMPLE_SEQS))?.narrow(1, 0, s.min(SAMPLE_LEN))?.contiguous()?;
+        let seqs = if ranks >= 2 && b % ranks == 0 { SAMPLE_SEQS.max(ranks) } else { b.min(SAMPLE_SEQS) };
+        let x = x.narrow(0, 0, seqs)?.narrow(1, 0, s.min(SAMPLE_LEN))?.contiguous()?;
         let (y, routing) = layer.forward(&x)?;
         Ok(Sample { layer, x, y, routing, seed })
     }
@@ -79,14 +84,30 @@ impl<'a> Sample<'a> {
         let input = SampleInput { layer: self.layer, x: &self.x, seed: self.seed };
         let Some(change) = probe.rule().sample(&input)? else { return Ok(()) };
         let (yb, rb) = self.layer.forward(&change.x.contiguous()?)?;
-        let (leaks, drift) =
-            compare_outputs(&self.y, &self.routing, &yb, &rb, &change.seq_map, &change.compare, change.exact)?;
-        finding.output_leaks += leaks;
-        finding.output_drift = drift;
-        if leaks > 0 {
-            finding.verdict = Verdict::Leak;
-        }
+        let compared =
+            compare_outputs(&self.y, &self.routing, &yb, &rb, &change.seq_map, &change.compare, change.exact);
+        fold(compared?, finding);
         Ok(())
+    }
+
+    /// Runs the sample expert-parallel on `ranks` ranks (they split its sequences) and folds the
+    /// comparison with the single-device output into `finding`: the ranks' traffic, or `None` for
+    /// a layer that cannot run expert-parallel.
+    pub(super) fn expert_parallel(&self, ranks: usize, finding: &mut Finding) -> Result<Option<Vec<RankTraffic>>> {
+        let Some(ep) = self.layer.forward_parallel(&self.x, ranks)? else { return Ok(None) };
+        let (b, s, _) = self.x.dims3()?;
+        let all: Vec<_> = (0..b).map(Some).collect();
+        fold(compare_outputs(&self.y, &self.routing, &ep.y, &ep.routing, &all, &vec![s; b], false)?, finding);
+        Ok(Some(ep.traffic))
+    }
+}
+
+/// Folds a layer comparison's (leaking tokens, drift) into `finding`.
+fn fold((leaks, drift): (usize, Option<f64>), finding: &mut Finding) {
+    finding.output_leaks += leaks;
+    finding.output_drift = drift;
+    if leaks > 0 {
+        finding.verdict = Verdict::Leak;
     }
 }
 

@@ -342,7 +342,7 @@ pub fn audit(subject: &Subject, options: &AuditOptions, progress: &dyn Progress)
     let other = probe::other_call(&ctx)?;
     ctx.repeats = Some(repeats::Repeats::train(router, &ctx.base, &ctx.base_routing, &other)?);
     let sample = match (subject.layer, &hidden) {
-        (Some(layer), Some(x)) => Some(layer_check::Sample::new(layer, x, options.seed)?),
+        (Some(layer), Some(x)) => Some(layer_check::Sample::new(layer, x, options.seed, options.ranks)?),
         _ => None,
     };
     let load = ctx.base_routing.stats;
@@ -352,14 +352,14 @@ pub fn audit(subject: &Subject, options: &AuditOptions, progress: &dyn Progress)
     let later = |p: &Probe| matches!(p, Probe::M | Probe::S);
     let mut findings = Vec::new();
     for &probe in options.probes.iter().filter(|p| !later(p)) {
-        findings.push(run_probe(&mut ctx, probe, subject, sample.as_ref())?);
+        findings.push(run_probe(&mut ctx, probe, sample.as_ref())?);
     }
     if options.probes.contains(&Probe::M) {
-        findings.push(run_probe(&mut ctx, Probe::M, subject, sample.as_ref())?);
+        findings.push(run_probe(&mut ctx, Probe::M, sample.as_ref())?);
     }
     ctx.repeats.as_mut().expect("made above").modes(router, &ctx.base, &other)?;
     if options.probes.contains(&Probe::S) {
-        findings.push(run_probe(&mut ctx, Probe::S, subject, sample.as_ref())?);
+        findings.push(run_probe(&mut ctx, Probe::S, sample.as_ref())?);
     }
     findings.sort_by_key(|f| options.probes.iter().position(|&p| p == f.probe));
     let noise = ctx.repeats().repeat.tally();
@@ -372,12 +372,12 @@ pub fn audit(subject: &Subject, options: &AuditOptions, progress: &dyn Progress)
 
 /// Runs one probe with its reference routed fresh (a router whose calls may change it: its
 /// verdict must not depend on the calls before it), and checks its layer sample.
-fn run_probe(ctx: &mut Ctx, probe: Probe, subject: &Subject, sample: Option<&layer_check::Sample>) -> Result<Finding> {
+fn run_probe(ctx: &mut Ctx, probe: Probe, sample: Option<&layer_check::Sample>) -> Result<Finding> {
     ctx.progress.probe(&format!("{} {}", ctx.router.name(), probe.name()));
     if !ctx.pure {
         ctx.base_routing = ctx.base.routes(ctx.router)?;
     }
-    let mut finding = probe.rule().run(ctx, subject.layer)?;
+    let mut finding = probe.rule().run(ctx, sample)?;
     if let Some(sample) = sample {
         sample.check(probe, &mut finding)?;
     }

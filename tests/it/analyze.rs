@@ -5,6 +5,7 @@ use candle_core::{DType, Device, Tensor};
 use moe_audit::analyze::{audit, AuditOptions, Layer, Probe, RouterReport, Subject, Verdict, Witness};
 use moe_audit::config::{preset, RouterConfig};
 use moe_audit::layer::MoeLayer;
+use moe_audit::parallel::Gathered;
 use moe_audit::progress::Silent;
 use moe_audit::router::{ConfigRouter, Router};
 use moe_audit::Routing;
@@ -347,6 +348,44 @@ fn an_output_that_changes_while_routing_does_not_is_a_leak() {
     let r = audit(&Subject { router: layer.0.router(), layer: Some(&layer) }, &options(&[N, D]), &Silent).unwrap();
     assert_eq!(verdicts(&r), [Leak, Pass]);
     assert!(r.finding(N).unwrap().output_leaks > 0);
+}
+
+/// A layer whose expert-parallel run scales the last rank's outputs (a combine bug on one rank).
+struct LastRankScaled(MoeLayer);
+
+impl Layer for LastRankScaled {
+    fn forward(&self, x: &Tensor) -> moe_audit::Result<(Tensor, Routing)> {
+        self.0.forward(x)
+    }
+
+    fn forward_parallel(&self, x: &Tensor, ranks: usize) -> moe_audit::Result<Option<Gathered>> {
+        let mut ep = moe_audit::parallel::forward_in_process(&self.0, x, ranks)?;
+        let b = x.dims()[0];
+        let last = ep.y.narrow(0, b - b / ranks, b / ranks)?;
+        ep.y = Tensor::cat(&[ep.y.narrow(0, 0, b - b / ranks)?, (last * 1.5)?], 0)?;
+        Ok(Some(ep))
+    }
+}
+
+#[test]
+fn an_expert_parallel_run_that_differs_from_one_device_is_a_leak() {
+    // Mixtral is dropless: its routing passes L, so only the layer run can fail it, on 2 ranks
+    // (the sample's two sequences) and on 4 (the sample grows to one sequence per rank).
+    for ranks in [2, 4] {
+        let layer = LastRankScaled(layer_of(config("mixtral")));
+        let options = AuditOptions { ranks, ..options(&[L]) };
+        let r = audit(&Subject { router: layer.0.router(), layer: Some(&layer) }, &options, &Silent).unwrap();
+        let f = r.finding(L).unwrap();
+        assert_eq!((f.verdict, f.affected), (Leak, 0), "{ranks} ranks: {}", f.note);
+        assert!(
+            f.output_leaks > 0 && f.note.contains(&format!("expert-parallel layer on {ranks} ranks")),
+            "{}",
+            f.note
+        );
+    }
+    let layer = layer_of(config("mixtral"));
+    let r = audit(&Subject::layer(&layer), &options(&[L]), &Silent).unwrap();
+    assert_eq!(verdicts(&r), [Pass]);
 }
 
 #[test]

@@ -1,10 +1,10 @@
 //! F, future (C-content): the same length, only the tokens after t of one sequence changed;
 //! half the trials random, half targeted at the experts token t uses.
 
-use super::{build, run_cases, Cases, Ctx, Rows, Rule};
+use super::{build, run_cases, Cases, Ctx, Rows, Rule, Sample};
 use crate::analyze::case::{Call, Case};
 use crate::analyze::layer_check::{SampleCase, SampleInput};
-use crate::analyze::{Finding, Layer, Probe, Property};
+use crate::analyze::{Finding, Probe, Property};
 use crate::error::Result;
 use candle_core::Tensor;
 use ndarray::s;
@@ -22,7 +22,7 @@ impl Rule for Future {
         Property::CContent
     }
 
-    fn run(&self, ctx: &Ctx, _layer: Option<&dyn Layer>) -> Result<Finding> {
+    fn run(&self, ctx: &Ctx, _sample: Option<&Sample>) -> Result<Finding> {
         run_cases(ctx, Probe::F, Cases::Built(cases(ctx)?), "needs a sequence of 2 or more tokens")
     }
 

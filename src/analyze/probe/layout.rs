@@ -1,22 +1,18 @@
 //! The layout probe (L): the same batch under 1 versus R expert-parallel ranks (each rank routes
 //! its own block of sequences, as Megatron-LM and DeepSpeed do), and under [S,B] versus [B,S]
 //! flattening. Capacity computed per rank makes a token's routing depend on which tokens share
-//! its rank (docs/SCENARIOS.md, scenario 10). With a layer, the layer itself runs expert-parallel on
-//! R ranks on the first positions of every sequence and its outputs are checked against the
-//! single-device layer.
+//! its rank (docs/SCENARIOS.md, scenario 10). With a layer, the layer sample (one or more
+//! sequences per rank) runs expert-parallel on R ranks and its outputs are checked against the
+//! single-device layer's.
 
-use super::{Ctx, Rule};
+use super::{Ctx, Rule, Sample};
 use crate::analyze::case::{CallMode, Case};
-use crate::analyze::layer_check::compare_outputs;
 use crate::analyze::tally::{pick_witness_token, Tally};
-use crate::analyze::{witness, Finding, Layer, Probe, Property, Verdict};
+use crate::analyze::{witness, Finding, Probe, Property, Verdict};
 use crate::config::{Flatten, RouterConfig, ScopeGroup};
 use crate::error::Result;
 use crate::parallel::RankTraffic;
 use crate::routing::assign_routes;
-
-/// Positions per sequence of the expert-parallel layer run.
-const SAMPLE_POSITIONS: usize = 32;
 
 /// Probe L.
 pub(crate) struct Layout;
@@ -30,16 +26,16 @@ impl Rule for Layout {
         Property::L
     }
 
-    fn run(&self, ctx: &Ctx, layer: Option<&dyn Layer>) -> Result<Finding> {
-        probe(ctx, layer)
+    fn run(&self, ctx: &Ctx, sample: Option<&Sample>) -> Result<Finding> {
+        probe(ctx, sample)
     }
 }
 
 /// Runs L: one case per rank (its sequences routed alone versus within the whole batch), one
-/// case with the flattening order flipped, and the expert-parallel layer run.
-fn probe(ctx: &Ctx, layer: Option<&dyn Layer>) -> Result<Finding> {
+/// case with the flattening order flipped, and the layer sample run expert-parallel.
+fn probe(ctx: &Ctx, sample: Option<&Sample>) -> Result<Finding> {
     let mut finding = Finding::empty(Probe::L);
-    let (b, s) = ctx.base.dims();
+    let b = ctx.base.dims().0;
     let r = ctx.ranks;
     let split = r >= 2 && b % r == 0;
     let mut notes = Vec::new();
@@ -87,29 +83,9 @@ fn probe(ctx: &Ctx, layer: Option<&dyn Layer>) -> Result<Finding> {
             "layer not run expert-parallel: {} experts do not split over {r} ranks",
             ctx.router.experts()
         ));
-    } else if let (true, Some((layer, x))) = (split, layer.zip(ctx.hidden.as_ref())) {
-        // The first positions of every sequence: each rank keeps its sequences, the layer runs
-        // twice on a sample rather than the whole call (more than 32 tokens per rank, where
-        // candle's CPU gate matmul takes the same kernel as for the whole batch).
-        let n = s.min(SAMPLE_POSITIONS);
-        let x = x.narrow(1, 0, n)?;
-        if let Some(ep) = layer.forward_parallel(&x, r)? {
-            let (y, routing) = layer.forward(&x)?;
-            let (leaks, drift) = compare_outputs(
-                &y,
-                &routing,
-                &ep.y,
-                &ep.routing,
-                &(0..b).map(Some).collect::<Vec<_>>(),
-                &vec![n; b],
-                false,
-            )?;
-            finding.output_leaks += leaks;
-            finding.output_drift = drift;
-            if leaks > 0 {
-                finding.verdict = Verdict::Leak;
-            }
-            notes.push(traffic_note(&ep.traffic));
+    } else if let (true, Some(sample)) = (split, sample) {
+        if let Some(traffic) = sample.expert_parallel(r, &mut finding)? {
+            notes.push(traffic_note(&traffic));
         }
     }
     finding.note = notes.join("; ");

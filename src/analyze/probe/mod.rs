@@ -6,11 +6,11 @@
 //! changes: later or neighbouring tokens pushed hard toward the experts a token uses.
 
 use super::case::{Affected, Call, CallMode, Case};
-use super::layer_check::{SampleCase, SampleInput};
+use super::layer_check::{Sample, SampleCase, SampleInput};
 use super::repeats::Repeats;
 use super::tally::{pick_witness_token, Tally};
 use super::witness::{self, Replayer};
-use super::{Finding, Layer, Property, Verdict};
+use super::{Finding, Property, Verdict};
 use crate::error::{Error, Result};
 use crate::layer::Seeded;
 use crate::router::{logits_to_host, Router};
@@ -94,9 +94,9 @@ pub(crate) trait Rule: Sync {
     fn property(&self) -> Property;
 
     /// Runs the probe on the audit's base call: its finding, with a witness when it leaks.
-    /// `layer` is the layer around the router, when one is audited (the layout probe runs it
+    /// `sample` is the layer sample, when a layer is audited (the layout probe runs it
     /// expert-parallel); it stays out of [`Ctx`], which cases share across threads.
-    fn run(&self, ctx: &Ctx, layer: Option<&dyn Layer>) -> Result<Finding>;
+    fn run(&self, ctx: &Ctx, sample: Option<&Sample>) -> Result<Finding>;
 
     /// The layer sample changed as the probe prescribes; `None`: the layer is not sampled.
     fn sample(&self, input: &SampleInput) -> Result<Option<SampleCase>> {

@@ -1,9 +1,9 @@
 //! M, mode (T/I): the training configuration against the `[inference]` one on the same input.
 
-use super::{run_repeat, Ctx, Rule};
+use super::{run_repeat, Ctx, Rule, Sample};
 use crate::analyze::case::{Call, CallMode, Case};
 use crate::analyze::witness::Replayer;
-use crate::analyze::{Finding, Layer, Probe, Property, Verdict};
+use crate::analyze::{Finding, Probe, Property, Verdict};
 use crate::error::Result;
 use crate::routing::Routing;
 
@@ -19,7 +19,7 @@ impl Rule for Mode {
         Property::TI
     }
 
-    fn run(&self, ctx: &Ctx, _layer: Option<&dyn Layer>) -> Result<Finding> {
+    fn run(&self, ctx: &Ctx, _sample: Option<&Sample>) -> Result<Finding> {
         let Some(inference) = ctx.router.inference()? else {
             let mut finding = Finding::empty(Probe::M);
             finding.verdict = Verdict::NotApplicable;

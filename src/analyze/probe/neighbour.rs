@@ -1,10 +1,10 @@
 //! N, neighbour (B): one other sequence of the batch changed (random, or every token pushed
 //! toward the experts of a token of another sequence); the untouched sequences compared.
 
-use super::{build, run_cases, Cases, Ctx, Rows, Rule};
+use super::{build, run_cases, Cases, Ctx, Rows, Rule, Sample};
 use crate::analyze::case::{Call, Case};
 use crate::analyze::layer_check::{SampleCase, SampleInput};
-use crate::analyze::{Finding, Layer, Probe, Property};
+use crate::analyze::{Finding, Probe, Property};
 use crate::error::Result;
 use candle_core::Tensor;
 use ndarray::s;
@@ -22,7 +22,7 @@ impl Rule for Neighbour {
         Property::B
     }
 
-    fn run(&self, ctx: &Ctx, _layer: Option<&dyn Layer>) -> Result<Finding> {
+    fn run(&self, ctx: &Ctx, _sample: Option<&Sample>) -> Result<Finding> {
         run_cases(ctx, Probe::N, Cases::Built(cases(ctx)?), "needs a batch of 2 or more")
     }
 

@@ -13,10 +13,10 @@
 //! bf16 and f32 and pairwise in f16 and bf16, against the exact sum (f64 is exact here), for a
 //! growing number of terms: the combine of many experts, a reduction across many ranks.
 
-use super::{Ctx, Rule};
+use super::{Ctx, Rule, Sample};
 use crate::analyze::case::{Call, Case};
 use crate::analyze::compare::diff_token;
-use crate::analyze::{witness, Finding, Layer, Probe, Property, Verdict};
+use crate::analyze::{witness, Finding, Probe, Property, Verdict};
 use crate::error::Result;
 use crate::router::logits_to_host;
 use crate::routing::{Logits, Routing};
@@ -99,7 +99,7 @@ impl Rule for NumericsProbe {
         Property::TI
     }
 
-    fn run(&self, ctx: &Ctx, _layer: Option<&dyn Layer>) -> Result<Finding> {
+    fn run(&self, ctx: &Ctx, _sample: Option<&Sample>) -> Result<Finding> {
         probe(ctx, Finding::empty(Probe::X))
     }
 }

@@ -22,12 +22,12 @@
 //! [`Router::prefix_stable`]: crate::router::Router::prefix_stable
 
 
-use super::{run_cases, Cases, Ctx, Rule};
+use super::{run_cases, Cases, Ctx, Rule, Sample};
 use crate::analyze::case::{Affected, Call, Case};
 use crate::analyze::tally::{pick_witness_token, Tally};
 use crate::analyze::witness;
 use crate::analyze::layer_check::{SampleCase, SampleInput};
-use crate::analyze::{Finding, Layer, Probe, Property};
+use crate::analyze::{Finding, Probe, Property};
 use crate::error::Result;
 use rayon::prelude::*;
 use std::collections::BTreeMap;
@@ -45,7 +45,7 @@ impl Rule for Prefix {
         Property::CLength
     }
 
-    fn run(&self, ctx: &Ctx, _layer: Option<&dyn Layer>) -> Result<Finding> {
+    fn run(&self, ctx: &Ctx, _sample: Option<&Sample>) -> Result<Finding> {
         let (base, count) = (&ctx.base, ctx.base.dims().1.saturating_sub(1));
         let cases = Cases::OnDemand(count, &|t| case(base, t));
         if count > 0 && ctx.pure && !ctx.exhaustive {

@@ -1,10 +1,10 @@
 //! R, re-batch (B): the sequences permuted, one dropped, one added, padding appended and (for
 //! routers that take a padding mask) padding on the left.
 
-use super::{run_cases, Cases, Ctx, Rule};
+use super::{run_cases, Cases, Ctx, Rule, Sample};
 use crate::analyze::case::{Call, Case};
 use crate::analyze::layer_check::{SampleCase, SampleInput};
-use crate::analyze::{Finding, Layer, Probe, Property};
+use crate::analyze::{Finding, Probe, Property};
 use crate::error::Result;
 use ndarray::{Array2, Array3, Axis};
 use rand::Rng;
@@ -21,7 +21,7 @@ impl Rule for Rebatch {
         Property::B
     }
 
-    fn run(&self, ctx: &Ctx, _layer: Option<&dyn Layer>) -> Result<Finding> {
+    fn run(&self, ctx: &Ctx, _sample: Option<&Sample>) -> Result<Finding> {
         run_cases(ctx, Probe::R, Cases::Built(cases(ctx)?), "needs a sequence of 2 or more tokens")
     }
 

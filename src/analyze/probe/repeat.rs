@@ -3,11 +3,11 @@
 //! router is random, and the noise test (`analyze/noise.rs`) weighs every other probe's leak
 //! against D's rate.
 
-use super::{run_repeat, Ctx, Rule};
+use super::{run_repeat, Ctx, Rule, Sample};
 use crate::analyze::case::{Call, CallMode};
 use crate::analyze::layer_check::{SampleCase, SampleInput};
 use crate::analyze::witness::Replayer;
-use crate::analyze::{Finding, Layer, Probe, Property};
+use crate::analyze::{Finding, Probe, Property};
 use crate::error::Result;
 use crate::routing::Routing;
 
@@ -23,7 +23,7 @@ impl Rule for Repeat {
         Property::D
     }
 
-    fn run(&self, ctx: &Ctx, _layer: Option<&dyn Layer>) -> Result<Finding> {
+    fn run(&self, ctx: &Ctx, _sample: Option<&Sample>) -> Result<Finding> {
         let o = &ctx.repeats().repeat;
         run_repeat(ctx, Probe::D, &o.case, (&o.first, &o.second), o.modes, "the same call twice")
     }

@@ -4,12 +4,12 @@
 //! (`analyze/repeats.rs`), so a router that mutates itself in an inference call (HF's NLLB-MoE
 //! overwrites its capacity) leaks here, whichever probes run.
 
-use super::{Ctx, Rule};
+use super::{Ctx, Rule, Sample};
 use crate::analyze::case::{Call, CallMode};
 use crate::analyze::layer_check::{SampleCase, SampleInput};
 use crate::analyze::tally::{pick_witness_token, Tally};
 use crate::analyze::witness::{self, Replayer};
-use crate::analyze::{Finding, Layer, Probe, Property};
+use crate::analyze::{Finding, Probe, Property};
 use crate::error::Result;
 use crate::routing::Routing;
 use candle_core::Tensor;
@@ -26,7 +26,7 @@ impl Rule for Replay {
         Property::S
     }
 
-    fn run(&self, ctx: &Ctx, _layer: Option<&dyn Layer>) -> Result<Finding> {
+    fn run(&self, ctx: &Ctx, _sample: Option<&Sample>) -> Result<Finding> {
         let mut finding = Finding::empty(Probe::S);
         let mut tally = Tally::default();
         let mut differs = Vec::new();
