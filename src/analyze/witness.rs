@@ -34,6 +34,8 @@ const MAX_SHRINK_STEPS: usize = 4000;
 const SHRINK_WORK: usize = 64;
 /// The floor of the shrinking budget in routed tokens.
 const MIN_SHRINK_TOKENS: usize = 1 << 22;
+/// Pairs of this many tokens or more try [`window`]s before removing positions in chunks.
+const WINDOW_FROM_TOKENS: usize = 1 << 14;
 
 /// One call as stored in a witness.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -289,6 +291,16 @@ fn shrink(mut pair: Pair, probe: Probe, leaks: &dyn Fn(&Pair) -> bool) -> Pair {
                 progress = true;
             }
         }
+        // A long pair: the witness token and the first changed row with 0, 1, 4, 16, ... positions
+        // around them, up to the first window that still leaks. Where capacity scales with the
+        // tokens routed, removing large chunks rarely keeps a leak, so ddmin alone would route a
+        // long pair hundreds of times (F at 4 × 8192: 2.3 M tokens); a window costs its size.
+        if tokens(&pair) >= WINDOW_FROM_TOKENS {
+            let mut w = 0;
+            while !attempt(window(&pair, w), &mut pair) && w < pair.a.dims().1 {
+                w = (w * 4).max(1);
+            }
+        }
         // Positions, then changes undone (rows of b back to their aligned row of a), each in
         // halving chunks: big inputs shrink in a few tries.
         progress |= ddmin(&mut pair, &coordinates, &drop_coordinates, &attempt, &spent);
@@ -333,6 +345,19 @@ fn ddmin<T: Clone>(
         chunk = chunk.div_ceil(2);
     }
     progress
+}
+
+/// The pair cut to the positions within `w` of the witness token or of the first changed row;
+/// `None` when that keeps every position.
+fn window(pair: &Pair, w: usize) -> Option<Pair> {
+    let p = pair.token.1 as isize;
+    let c = changed_rows(pair).iter().map(|&(_, q)| q as isize).min().unwrap_or(p);
+    let near = |x: isize, y: isize| (x - y).unsigned_abs() <= w;
+    let outside: Vec<isize> = coordinates(pair).into_iter().filter(|&x| !near(x, p) && !near(x, c)).collect();
+    if outside.is_empty() {
+        return None;
+    }
+    drop_coordinates(pair, &outside)
 }
 
 fn drop_sequence(pair: &Pair, k: usize) -> Option<Pair> {
