@@ -8,8 +8,10 @@ impl AuditOptions {
     /// in a seeded layer of hidden size `hidden` and expert FFN size `ffn`.
     ///
     /// The base call with its layer, plus the cases of the largest probe (F and N hold
-    /// `trials` calls of the base size, R fewer calls of up to twice the size) and two routing
-    /// records per worker thread. Measured peaks stay below it (BENCHMARKS.md, "Memory").
+    /// `trials` calls of the base size for a stateful router, which gets them made up front; R
+    /// fewer calls of up to twice the size) and two routing records per worker thread. A pure
+    /// router's F and N cases are made on demand, so its peak stays well below (BENCHMARKS.md,
+    /// "Memory", and issue #15's scaling table).
     pub fn memory_estimate(&self, experts: usize, routes: usize, hidden: usize, ffn: usize) -> u64 {
         let call = CallSizes { batch: self.batch, seq_len: self.seq_len, experts, routes, hidden, ffn };
         let trials = self.trials as u64;

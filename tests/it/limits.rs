@@ -88,5 +88,8 @@ fn the_estimate_holds_at_the_largest_shape_ci_affords() {
             AuditOptions { batch: 4, seq_len: 2048, ..AuditOptions::default() }.memory_estimate(256, 8, 64, 128);
         assert!(peak <= estimate, "{router}: peak {peak} over the estimate {estimate}");
         assert!(peak > estimate / 4, "{router}: peak {peak}, estimate {estimate}: the estimate is no bound if far off");
+        // The estimate holds F's and N's 32 cases at once, as a stateful router needs; a
+        // config's routing is pure, so they are made on demand and the peak is about half.
+        assert!(peak < estimate / 3 * 2, "{router}: peak {peak}, estimate {estimate}: F and N's cases held at once?");
     }
 }

@@ -1,7 +1,7 @@
 //! F, future (C-content): the same length, only the tokens after t of one sequence changed;
 //! half the trials random, half targeted at the experts token t uses.
 
-use super::{build, run_cases, Cases, Ctx, Rows, Rule, Sample};
+use super::{run_cases, Cases, Ctx, Rows, Rule, Sample};
 use crate::analyze::case::{Call, Case};
 use crate::analyze::layer_check::{SampleCase, SampleInput};
 use crate::analyze::{Finding, Probe, Property};
@@ -23,7 +23,9 @@ impl Rule for Future {
     }
 
     fn run(&self, ctx: &Ctx, _sample: Option<&Sample>) -> Result<Finding> {
-        run_cases(ctx, Probe::F, Cases::Built(cases(ctx)?), "needs a sequence of 2 or more tokens")
+        let plans = plans(ctx);
+        let make = |trial: usize| case(ctx, trial, plans[trial]);
+        run_cases(ctx, Probe::F, Cases::of_trials(ctx, plans.len(), &make)?, "needs a sequence of 2 or more tokens")
     }
 
     /// The first sequence's positions after the middle replaced by fresh rows.
@@ -45,28 +47,31 @@ impl Rule for Future {
     }
 }
 
-/// One case per trial: a random sequence and position t, the tokens after t replaced; every
-/// trial's random choices drawn in order, its rows built in parallel.
-fn cases(ctx: &Ctx) -> Result<Vec<Case>> {
+/// One plan per trial: a random sequence and position t, and the rows for the tokens after t;
+/// every trial's random choices drawn in order.
+fn plans(ctx: &Ctx) -> Vec<(usize, usize, Rows)> {
     let (b, s) = ctx.base.dims();
     if s < 2 {
-        return Ok(Vec::new());
+        return Vec::new();
     }
     let mut rng = ctx.rng(Probe::F);
-    let plans: Vec<_> = (0..ctx.trials)
+    (0..ctx.trials)
         .map(|trial| {
             let seq = rng.random_range(0..b);
             let t = rng.random_range(0..s - 1);
             (seq, t, if trial % 2 == 0 { Rows::Fresh(rng.random()) } else { Rows::Toward(seq, t) })
         })
-        .collect();
-    build(ctx, plans, |trial, (seq, t, rows)| {
-        let mut changed = Call::clone(&ctx.base);
-        changed.logits.slice_mut(s![seq, t + 1.., ..]).assign(&rows.make(ctx, s - t - 1, trial)?);
-        let mut compare = vec![0; b];
-        compare[seq] = t + 1;
-        let mut change_from = vec![None; b];
-        change_from[seq] = Some(t + 1);
-        Ok(Case { compare, change_from, ..Case::aligned(&ctx.base, changed) })
-    })
+        .collect()
+}
+
+/// A trial's case: the tokens after t in its sequence replaced.
+fn case(ctx: &Ctx, trial: usize, (seq, t, rows): (usize, usize, Rows)) -> Result<Case> {
+    let (b, s) = ctx.base.dims();
+    let mut changed = Call::clone(&ctx.base);
+    changed.logits.slice_mut(s![seq, t + 1.., ..]).assign(&rows.make(ctx, s - t - 1, trial)?);
+    let mut compare = vec![0; b];
+    compare[seq] = t + 1;
+    let mut change_from = vec![None; b];
+    change_from[seq] = Some(t + 1);
+    Ok(Case { compare, change_from, ..Case::aligned(&ctx.base, changed) })
 }

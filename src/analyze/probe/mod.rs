@@ -284,16 +284,6 @@ impl Rows {
     }
 }
 
-/// The case of each trial's plan (its random choices drawn in trial order beforehand), built
-/// in parallel for a router whose calls may run concurrently (the score stage makes rows).
-fn build<P: Send>(ctx: &Ctx, plans: Vec<P>, case: impl Fn(usize, P) -> Result<Case> + Sync) -> Result<Vec<Case>> {
-    if ctx.pure {
-        plans.into_par_iter().enumerate().map(|(i, p)| case(i, p)).collect()
-    } else {
-        plans.into_iter().enumerate().map(|(i, p)| case(i, p)).collect()
-    }
-}
-
 /// The call S makes in between: fresh rows of the base call's sizes (at least 2 positions).
 pub(crate) fn other_call(ctx: &Ctx) -> Result<Call> {
     let (b, s) = ctx.base.dims();
@@ -310,16 +300,27 @@ pub(crate) fn hidden_states(router: &dyn Router, (b, s): (usize, usize), h: usiz
     }
 }
 
-/// A probe's cases: built up front, or made on demand one index at a time (P: one per position,
-/// so memory stays O(T·E)).
+/// A probe's cases: built up front, or made on demand one index at a time (P: one per position;
+/// F and N: one per trial), so memory stays O(T·E) whatever their number.
 pub(crate) enum Cases<'a> {
     /// `count` cases, case `i` made by the function when needed.
-    OnDemand(usize, &'a (dyn Fn(usize) -> Case + Sync)),
+    OnDemand(usize, &'a (dyn Fn(usize) -> Result<Case> + Sync)),
     /// Cases built up front.
     Built(Vec<Case>),
 }
 
-impl Cases<'_> {
+impl<'a> Cases<'a> {
+    /// The cases of `count` trials, each made by `make` from its plan (the trials' random choices
+    /// drawn in order beforehand): on demand for a router that looks pure (each worker holds the
+    /// case it routes; a case is made again for its witness), else every case up front, in trial
+    /// order, so a stateful router sees every case's score calls before any routing, as always.
+    fn of_trials(ctx: &Ctx, count: usize, make: &'a (dyn Fn(usize) -> Result<Case> + Sync)) -> Result<Self> {
+        if ctx.pure {
+            return Ok(Cases::OnDemand(count, make));
+        }
+        (0..count).map(make).collect::<Result<_>>().map(Cases::Built)
+    }
+
     fn len(&self) -> usize {
         match self {
             Cases::OnDemand(count, _) => *count,
@@ -327,11 +328,11 @@ impl Cases<'_> {
         }
     }
 
-    fn get(&self, i: usize) -> std::borrow::Cow<'_, Case> {
-        match self {
-            Cases::OnDemand(_, make) => std::borrow::Cow::Owned(make(i)),
+    fn get(&self, i: usize) -> Result<std::borrow::Cow<'_, Case>> {
+        Ok(match self {
+            Cases::OnDemand(_, make) => std::borrow::Cow::Owned(make(i)?),
             Cases::Built(cases) => std::borrow::Cow::Borrowed(&cases[i]),
-        }
+        })
     }
 }
 
@@ -356,7 +357,7 @@ fn run_cases(ctx: &Ctx, probe: Probe, cases: Cases, not_applicable: &str) -> Res
     let keep = router.config().is_none();
     ctx.progress.plan(count);
     let run = |i: usize| -> Result<CaseSeen> {
-        let case = cases.get(i);
+        let case = cases.get(i)?;
         let routed = case.b.routes(router)?;
         let outcome = case.compare(base_routing, &routed);
         ctx.progress.done(1);
@@ -381,7 +382,7 @@ fn run_cases(ctx: &Ctx, probe: Probe, cases: Cases, not_applicable: &str) -> Res
     finding.note = format!("{count} cases");
     tally.finish(&mut finding);
     if let Some((i, (hit, routed))) = first_leak {
-        let case = cases.get(i);
+        let case = cases.get(i)?;
         let routed = routed.as_ref().unwrap_or(base_routing);
         let modes = (CallMode::Train, CallMode::Train);
         let routed = Some((base_routing, routed));

@@ -1,7 +1,7 @@
 //! N, neighbour (B): one other sequence of the batch changed (random, or every token pushed
 //! toward the experts of a token of another sequence); the untouched sequences compared.
 
-use super::{build, run_cases, Cases, Ctx, Rows, Rule, Sample};
+use super::{run_cases, Cases, Ctx, Rows, Rule, Sample};
 use crate::analyze::case::{Call, Case};
 use crate::analyze::layer_check::{SampleCase, SampleInput};
 use crate::analyze::{Finding, Probe, Property};
@@ -23,7 +23,9 @@ impl Rule for Neighbour {
     }
 
     fn run(&self, ctx: &Ctx, _sample: Option<&Sample>) -> Result<Finding> {
-        run_cases(ctx, Probe::N, Cases::Built(cases(ctx)?), "needs a batch of 2 or more")
+        let plans = plans(ctx);
+        let make = |trial: usize| case(ctx, trial, plans[trial]);
+        run_cases(ctx, Probe::N, Cases::of_trials(ctx, plans.len(), &make)?, "needs a batch of 2 or more")
     }
 
     /// The last sequence of the sample replaced by fresh rows (nothing with one sequence).
@@ -40,15 +42,15 @@ impl Rule for Neighbour {
     }
 }
 
-/// One case per trial: a random sequence replaced; every trial's random choices drawn in
-/// order, its rows built in parallel.
-fn cases(ctx: &Ctx) -> Result<Vec<Case>> {
+/// One plan per trial: a random sequence and the rows that replace it; every trial's random
+/// choices drawn in order.
+fn plans(ctx: &Ctx) -> Vec<(usize, Rows)> {
     let (b, s) = ctx.base.dims();
     if b < 2 {
-        return Ok(Vec::new());
+        return Vec::new();
     }
     let mut rng = ctx.rng(Probe::N);
-    let plans: Vec<_> = (0..ctx.trials)
+    (0..ctx.trials)
         .map(|trial| {
             let seq = rng.random_range(0..b);
             let rows = if trial % 2 == 0 {
@@ -59,12 +61,15 @@ fn cases(ctx: &Ctx) -> Result<Vec<Case>> {
             };
             (seq, rows)
         })
-        .collect();
-    build(ctx, plans, |trial, (seq, rows)| {
-        let mut changed = Call::clone(&ctx.base);
-        changed.logits.slice_mut(s![seq, .., ..]).assign(&rows.make(ctx, s, trial)?);
-        let mut compare = vec![s; b];
-        compare[seq] = 0;
-        Ok(Case { compare, ..Case::aligned(&ctx.base, changed) })
-    })
+        .collect()
+}
+
+/// A trial's case: its sequence replaced, the others compared.
+fn case(ctx: &Ctx, trial: usize, (seq, rows): (usize, Rows)) -> Result<Case> {
+    let (b, s) = ctx.base.dims();
+    let mut changed = Call::clone(&ctx.base);
+    changed.logits.slice_mut(s![seq, .., ..]).assign(&rows.make(ctx, s, trial)?);
+    let mut compare = vec![s; b];
+    compare[seq] = 0;
+    Ok(Case { compare, ..Case::aligned(&ctx.base, changed) })
 }

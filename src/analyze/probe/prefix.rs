@@ -47,7 +47,7 @@ impl Rule for Prefix {
 
     fn run(&self, ctx: &Ctx, _sample: Option<&Sample>) -> Result<Finding> {
         let (base, count) = (&ctx.base, ctx.base.dims().1.saturating_sub(1));
-        let cases = Cases::OnDemand(count, &|t| case(base, t));
+        let cases = Cases::OnDemand(count, &|t| Ok(case(base, t)));
         if count > 0 && ctx.pure && !ctx.exhaustive {
             return search(ctx, &cases);
         }
@@ -138,7 +138,7 @@ fn search(ctx: &Ctx, cases: &Cases) -> Result<Finding> {
         format!("{count} cases, {routed} routed: up to the first leak and at log-spaced lengths")
     };
     if let Some((&t, (_, Some(hit)))) = seen.iter().find(|(_, (_, hit))| hit.is_some()) {
-        finding.witness = witness::build(ctx.router, Probe::P, &cases.get(t), (hit.batch, hit.pos))?;
+        finding.witness = witness::build(ctx.router, Probe::P, &*cases.get(t)?, (hit.batch, hit.pos))?;
     }
     Ok(finding)
 }
@@ -148,7 +148,7 @@ fn route(ctx: &Ctx, cases: &Cases, ts: &[usize]) -> Result<BTreeMap<usize, Seen>
     ctx.progress.plan(ts.len());
     ts.par_iter()
         .map(|&t| {
-            let case = cases.get(t);
+            let case = cases.get(t)?;
             let outcome = case.compare(&ctx.base_routing, &case.b.routes(ctx.router)?);
             ctx.progress.done(1);
             Ok((t, (Tally::of(&outcome), pick_witness_token(&outcome))))
