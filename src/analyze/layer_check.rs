@@ -85,8 +85,8 @@ impl<'a> Sample<'a> {
         let Some(change) = probe.rule().sample(&input)? else { return Ok(()) };
         let (yb, rb) = self.layer.forward(&change.x.contiguous()?)?;
         let compared =
-            compare_outputs(&self.y, &self.routing, &yb, &rb, &change.seq_map, &change.compare, change.exact);
-        fold(compared?, finding);
+            compare_outputs(&self.y, &self.routing, &yb, &rb, &change.seq_map, &change.compare, change.exact)?;
+        fold(compared, finding);
         Ok(())
     }
 

@@ -10,7 +10,6 @@ mod faults;
 mod hand_computed;
 mod invariants;
 mod layer;
-mod limits;
 #[cfg(feature = "mpi")]
 mod mpi;
 mod noise;

@@ -1,5 +1,9 @@
 //! Resource limits: runs estimate their memory before allocating and refuse, at once, to go
 //! over `--max-memory` (default: half of physical memory).
+//!
+//! A test binary of its own: a child's peak resident set includes its parent's at the moment it
+//! was spawned (the child shares or copies the parent's memory until `exec`), so the peaks
+//! measured here need a parent that holds little, not one running the `it` tests beside them.
 
 use moe_audit::analyze::AuditOptions;
 use moe_audit::memory::{limit, physical_memory};
