@@ -295,12 +295,7 @@ fn shrink(mut pair: Pair, probe: Probe, leaks: &dyn Fn(&Pair) -> bool) -> Pair {
         // around them, up to the first window that still leaks. Where capacity scales with the
         // tokens routed, removing large chunks rarely keeps a leak, so ddmin alone would route a
         // long pair hundreds of times (F at 4 × 8192: 2.3 M tokens); a window costs its size.
-        if tokens(&pair) >= WINDOW_FROM_TOKENS {
-            let mut w = 0;
-            while !attempt(window(&pair, w), &mut pair) && w < pair.a.dims().1 {
-                w = (w * 4).max(1);
-            }
-        }
+        progress |= tokens(&pair) >= WINDOW_FROM_TOKENS && windows(&mut pair, &attempt);
         // Positions, then changes undone (rows of b back to their aligned row of a), each in
         // halving chunks: big inputs shrink in a few tries.
         progress |= ddmin(&mut pair, &coordinates, &drop_coordinates, &attempt, &spent);
@@ -345,6 +340,20 @@ fn ddmin<T: Clone>(
         chunk = chunk.div_ceil(2);
     }
     progress
+}
+
+/// Tries [`window`]s 0, 1, 4, 16, ... positions wide, keeping the first that leaks: whether one did.
+fn windows(pair: &mut Pair, attempt: &dyn Fn(Option<Pair>, &mut Pair) -> bool) -> bool {
+    let mut w = 0;
+    loop {
+        if attempt(window(pair, w), pair) {
+            return true;
+        }
+        if w >= pair.a.dims().1 {
+            return false;
+        }
+        w = (w * 4).max(1);
+    }
 }
 
 /// The pair cut to the positions within `w` of the witness token or of the first changed row;

@@ -393,14 +393,14 @@ fn witnesses_of_long_calls_stay_small_and_replay() {
     // 4 × 2048: every pair is long enough for shrinking to try windows around the witness token
     // (8192 tokens a side; without windows these witnesses are 2 to 44 tokens a side).
     let options = AuditOptions { seq_len: 2048, ..options(&[P, F, N, R]) };
+    let dir = std::env::temp_dir().join(format!("moe-audit-long-witness-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
     for name in ["megatron-probs", "deepspeed-top2"] {
         let layer = layer_of(config(name));
         let r = audit(&Subject::layer(&layer), &options, &Silent).unwrap();
         for f in &r.findings {
             let w = f.witness.as_ref().unwrap_or_else(|| panic!("{name} {}: {:?}", f.probe, f.verdict));
             assert!(w.a.batch * w.a.seq_len <= 48, "{name} {}: {}x{}", f.probe, w.a.batch, w.a.seq_len);
-            let dir = std::env::temp_dir().join(format!("moe-audit-long-witness-{}", std::process::id()));
-            std::fs::create_dir_all(&dir).unwrap();
             let path = dir.join(format!("{name}-{}.json", f.probe));
             std::fs::write(&path, serde_json::to_string(w).unwrap()).unwrap();
             assert!(Witness::read(&path).unwrap().replay(&path).unwrap().diff.any(), "{name} {}", f.probe);
