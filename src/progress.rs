@@ -41,11 +41,7 @@ impl AuditBar {
     /// A bar for `probes` probe runs in all (routers × probes), hidden unless stderr is a
     /// terminal.
     pub fn stderr(probes: usize) -> AuditBar {
-        let bar = on_terminal(0);
-        bar.set_style(
-            ProgressStyle::with_template("{prefix} {bar:30} {pos}/{len} cases {elapsed}").expect("valid template"),
-        );
-        AuditBar { bar, probes, started: AtomicUsize::new(0) }
+        AuditBar { bar: ProgressBar::hidden(), probes, started: AtomicUsize::new(0) }
     }
 
     /// Clears the bar.
@@ -57,12 +53,22 @@ impl AuditBar {
 impl Progress for AuditBar {
     fn probe(&self, label: &str) {
         let i = self.started.fetch_add(1, Ordering::Relaxed) + 1;
-        self.bar.set_prefix(format!("{label} ({i}/{})", self.probes));
+        // No bar until the probe plans cases (D, S, M and L plan none). Drawn from the first
+        // probe on, so no line without its label appears.
         self.bar.set_length(0);
         self.bar.set_position(0);
+        self.bar.set_style(ProgressStyle::with_template("{prefix} {elapsed}").expect("valid template"));
+        self.bar.set_prefix(format!("{label} ({i}/{})", self.probes));
+        if i == 1 && std::io::stderr().is_terminal() {
+            self.bar.set_draw_target(ProgressDrawTarget::stderr());
+        }
     }
 
     fn plan(&self, n: usize) {
+        if self.bar.length() == Some(0) {
+            let cases = ProgressStyle::with_template("{prefix} {bar:30} {pos}/{len} cases {elapsed}");
+            self.bar.set_style(cases.expect("valid template"));
+        }
         self.bar.inc_length(n as u64);
     }
 
