@@ -314,7 +314,9 @@ fn replay(args: &CheckArgs, path: &Path, max_memory: u64, out: &mut dyn Write) -
     };
     let text = render_replay(&replay);
     out.write_all(text.as_bytes()).map_err(io_error)?;
-    Ok(u8::from(replay.diff.any()))
+    // An X witness is drift: it fails as the audit that wrote it did, under `--fail-on drift`.
+    let fails = if replay.witness.probe == Probe::X { args.fail_on.drift } else { args.fail_on.leak };
+    Ok(u8::from(replay.diff.any() && fails))
 }
 
 /// Arguments of `moe-audit zoo`.

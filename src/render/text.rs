@@ -210,13 +210,15 @@ pub fn render_zoo(report: &Report) -> String {
     out
 }
 
-/// The outcome of `check --replay`: the leak reproduced (before and after routes) or gone.
+/// The outcome of `check --replay`: the leak (X: the drift) reproduced, with the before and
+/// after routes, or gone.
 pub fn render_replay(replay: &Replay) -> String {
     let w = &replay.witness;
     let token = format!("batch {}, position {}", w.token_a.batch, w.token_a.pos);
+    let (found, gone) = if w.probe == Probe::X { ("DRIFT", "no drift") } else { ("LEAK", "no leak") };
     if replay.diff.any() {
         format!(
-            "LEAK reproduced: router {}, probe {} ({}), property {}: token {token} routes differently ({})\n  before: {}\n  after:  {}\n",
+            "{found} reproduced: router {}, probe {} ({}), property {}: token {token} routes differently ({})\n  before: {}\n  after:  {}\n",
             w.name().unwrap_or_default(),
             w.probe,
             w.probe.name(),
@@ -226,7 +228,7 @@ pub fn render_replay(replay: &Replay) -> String {
             serde_json::to_string(&replay.after.routes).expect("serialises"),
         )
     } else {
-        format!("no leak: router {} now routes token {token} alike in both calls\n", w.name().unwrap_or_default())
+        format!("{gone}: router {} now routes token {token} alike in both calls\n", w.name().unwrap_or_default())
     }
 }
 

@@ -293,6 +293,21 @@ fn witnesses_are_written_and_replay_with_exit_1() {
 }
 
 #[test]
+fn a_drift_witness_replays_as_drift_and_fails_only_on_drift() {
+    let dir = tmp_dir().join("drift-witnesses");
+    let _ = std::fs::remove_dir_all(&dir);
+    let args = ["check", "mixtral", "--probes", "X", "--seq-len", "256", "--witness-dir", dir.to_str().unwrap()];
+    assert_eq!(check(&args).0, 0, "drift is reported, not failed");
+    let witness = dir.join("mixtral-X.json");
+    let witness = witness.to_str().unwrap();
+    let (code, text) = check(&["check", "--replay", witness]);
+    assert_eq!(code, 0, "{text}");
+    assert!(text.starts_with("DRIFT reproduced: router mixtral, probe X (numerics), property T/I: token "), "{text}");
+    let (code, text) = check(&["check", "--replay", witness, "--fail-on", "leak,drift"]);
+    assert_eq!(code, 1, "{text}");
+}
+
+#[test]
 fn replay_of_a_file_that_is_not_a_witness() {
     let path = file("not_a_witness.json", "{\"format\": \"moe-audit-witness/1\"}");
     let err = fail(&["check", "--replay", &path]);
