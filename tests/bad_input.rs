@@ -461,6 +461,10 @@ fn catalogue() -> Vec<(&'static str, Vec<String>)> {
             check(&["--traces", &traces_with("t_probes", |m| m["options"]["probes"] = serde_json::json!([]))]),
         ),
         ("traces: batch 0", check(&["--traces", &traces_with("t_batch", |m| m["options"]["batch"] = 0.into())])),
+        (
+            "traces: a call id twice",
+            check(&["--traces", &traces_with("t_dup", |m| m["calls"][1]["id"] = m["calls"][0]["id"].clone())]),
+        ),
         ("weights: gate of shape [8, 0]", check(&["mixtral", "--weights", &empty_gate, "--gate", "gate"])),
         (
             "witness: stored routing on an expert out of range",
@@ -733,6 +737,8 @@ fn every_bad_input_exits_2_with_one_line_and_no_panic() {
       error: [TMP]/t_probes/manifest.json: options.probes: is empty: an audit that runs no probe cannot pass
     traces: batch 0
       error: [TMP]/t_batch/manifest.json: options.batch: must be at least 1, got 0
+    traces: a call id twice
+      error: [TMP]/t_dup/manifest.json: calls: id 1 appears twice (every call has its own id)
     weights: gate of shape [8, 0]
       error: [TMP]/empty.safetensors: tensor `gate` has shape [8, 0]: a gate needs a hidden size of at least 1
     witness: stored routing on an expert out of range

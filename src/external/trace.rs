@@ -185,6 +185,10 @@ fn read_manifest(dir: &Path, max_memory: u64) -> Result<Manifest> {
     }
     manifest.router.validate().map_err(|e| Error::input(&path, e))?;
     manifest.options.check().map_err(|(field, m)| Error::input(&path, format!("options.{field}: {m}")))?;
+    let mut ids = std::collections::HashSet::new();
+    if let Some(call) = manifest.calls.iter().find(|c| !ids.insert(c.id)) {
+        return Err(Error::input(&path, format!("calls: id {} appears twice (every call has its own id)", call.id)));
+    }
     Ok(manifest)
 }
 
