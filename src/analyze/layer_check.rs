@@ -69,7 +69,7 @@ impl<'a> Sample<'a> {
     /// The sample of `x`, with a sequence for each of `ranks` when they split the batch.
     pub(super) fn new(layer: &'a dyn Layer, x: &Tensor, seed: u64, ranks: usize) -> Result<Self> {
         let (b, s, _) = x.dims3()?;
-        let seqs = if ranks >= 2 && b % ranks == 0 { SAMPLE_SEQS.max(ranks) } else { b.min(SAMPLE_SEQS) };
+        let seqs = if ranks_split(b, ranks) { SAMPLE_SEQS.max(ranks) } else { b.min(SAMPLE_SEQS) };
         let x = x.narrow(0, 0, seqs)?.narrow(1, 0, s.min(SAMPLE_LEN))?.contiguous()?;
         let (y, routing) = layer.forward(&x)?;
         Ok(Sample { layer, x, y, routing, seed })
@@ -100,6 +100,12 @@ impl<'a> Sample<'a> {
         fold(compare_outputs(&self.y, &self.routing, &ep.y, &ep.routing, &all, &vec![s; b], false)?, finding);
         Ok(Some(ep.traffic))
     }
+}
+
+/// Whether `ranks` expert-parallel ranks split a batch of `batch` sequences, so L compares them
+/// with one device.
+pub(super) fn ranks_split(batch: usize, ranks: usize) -> bool {
+    ranks >= 2 && batch % ranks == 0
 }
 
 /// Folds a layer comparison's (leaking tokens, drift) into `finding`.

@@ -344,9 +344,11 @@ fn ddmin<T: Clone>(
 
 /// Tries [`window`]s 0, 1, 4, 16, ... positions wide, keeping the first that leaks: whether one did.
 fn windows(pair: &mut Pair, attempt: &dyn Fn(Option<Pair>, &mut Pair) -> bool) -> bool {
+    let p = pair.token.1 as isize;
+    let c = changed_rows(pair).iter().map(|&(_, q)| q as isize).min().unwrap_or(p);
     let mut w = 0;
     loop {
-        if attempt(window(pair, w), pair) {
+        if attempt(window(pair, (p, c), w), pair) {
             return true;
         }
         if w >= pair.a.dims().1 {
@@ -356,11 +358,9 @@ fn windows(pair: &mut Pair, attempt: &dyn Fn(Option<Pair>, &mut Pair) -> bool) -
     }
 }
 
-/// The pair cut to the positions within `w` of the witness token or of the first changed row;
-/// `None` when that keeps every position.
-fn window(pair: &Pair, w: usize) -> Option<Pair> {
-    let p = pair.token.1 as isize;
-    let c = changed_rows(pair).iter().map(|&(_, q)| q as isize).min().unwrap_or(p);
+/// The pair cut to the positions within `w` of `p` (the witness token's) or `c` (the first
+/// changed row's); `None` when that keeps every position.
+fn window(pair: &Pair, (p, c): (isize, isize), w: usize) -> Option<Pair> {
     let near = |x: isize, y: isize| (x - y).unsigned_abs() <= w;
     let outside: Vec<isize> = coordinates(pair).into_iter().filter(|&x| !near(x, p) && !near(x, c)).collect();
     if outside.is_empty() {

@@ -7,6 +7,7 @@
 
 use super::{Ctx, Rule, Sample};
 use crate::analyze::case::{CallMode, Case};
+use crate::analyze::layer_check::ranks_split;
 use crate::analyze::tally::{pick_witness_token, Tally};
 use crate::analyze::{witness, Finding, Probe, Property, Verdict};
 use crate::config::{Flatten, RouterConfig, ScopeGroup};
@@ -37,7 +38,7 @@ fn probe(ctx: &Ctx, sample: Option<&Sample>) -> Result<Finding> {
     let mut finding = Finding::empty(Probe::L);
     let b = ctx.base.dims().0;
     let r = ctx.ranks;
-    let split = r >= 2 && b % r == 0;
+    let split = ranks_split(b, r);
     let mut notes = Vec::new();
     let mut tally = Tally::default();
     let mut first_leak = None;
