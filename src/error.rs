@@ -8,6 +8,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Everything that can go wrong in moe-audit, with enough context to act on it.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// A router configuration failed to parse or validate.
     #[error("{source_name}: {field}: {message}")]
@@ -59,6 +60,14 @@ pub enum Error {
     /// [`Setting`]s, so that the command line can write them as its flags.
     #[error("{0}")]
     Usage(String),
+    /// A setting out of its range, named as a value: the command line writes it as its flag.
+    #[error("{setting}: {message}")]
+    Setting {
+        /// The setting.
+        setting: Setting,
+        /// What is wrong, including the offending value.
+        message: String,
+    },
     /// An expert-parallel rank failed; every rank stops with this error.
     #[error("rank {rank} failed: {message}")]
     Rank {
@@ -81,7 +90,8 @@ impl Error {
         Error::Shape { context: context.to_string(), message: message.into() }
     }
 
-    pub(crate) fn input(path: impl Into<PathBuf>, message: impl Into<String>) -> Self {
+    /// An [`Error::Input`]: what is wrong with the file at `path`.
+    pub fn input(path: impl Into<PathBuf>, message: impl Into<String>) -> Self {
         Error::Input { path: path.into(), message: message.into() }
     }
 }
@@ -119,11 +129,25 @@ pub enum Setting {
     Logits,
     /// A file of hidden-state rows.
     HiddenStates,
+    /// Vocabulary size of the exploit decoder.
+    Vocab,
+    /// Training steps.
+    Steps,
+    /// Independent training runs.
+    Seeds,
+    /// Peak learning rate.
+    Lr,
+    /// Held-out evaluation batches.
+    EvalBatches,
+    /// Points on the learning curve.
+    CurvePoints,
+    /// Batches of the untrained probe.
+    ProbeBatches,
 }
 
 impl Setting {
     /// Every setting.
-    pub const ALL: [Setting; 14] = [
+    pub const ALL: [Setting; 21] = [
         Setting::Batch,
         Setting::SeqLen,
         Setting::Hidden,
@@ -138,6 +162,13 @@ impl Setting {
         Setting::Plan,
         Setting::Logits,
         Setting::HiddenStates,
+        Setting::Vocab,
+        Setting::Steps,
+        Setting::Seeds,
+        Setting::Lr,
+        Setting::EvalBatches,
+        Setting::CurvePoints,
+        Setting::ProbeBatches,
     ];
 
     /// The library's name for it.
@@ -157,13 +188,33 @@ impl Setting {
             Setting::Plan => "plan",
             Setting::Logits => "logits",
             Setting::HiddenStates => "hidden_states",
+            Setting::Vocab => "vocab",
+            Setting::Steps => "steps",
+            Setting::Seeds => "seeds",
+            Setting::Lr => "lr",
+            Setting::EvalBatches => "eval_batches",
+            Setting::CurvePoints => "curve_points",
+            Setting::ProbeBatches => "probe_batches",
         }
     }
 }
 
+/// How messages name settings, when a front end (the command line) names them its own way.
+static NAMES: std::sync::OnceLock<fn(Setting) -> &'static str> = std::sync::OnceLock::new();
+
+/// Makes every message name each setting as `names` says (the binary: its flag, `--max-memory`)
+/// instead of `` setting `max_memory` ``. Call once, before any error is made; later calls are
+/// ignored. Messages are built with the name, so no message is rewritten afterwards.
+pub fn name_settings(names: fn(Setting) -> &'static str) {
+    let _ = NAMES.set(names);
+}
+
 impl fmt::Display for Setting {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "setting `{}`", self.name())
+        match NAMES.get() {
+            Some(names) => f.write_str(names(*self)),
+            None => write!(f, "setting `{}`", self.name()),
+        }
     }
 }
 

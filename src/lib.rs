@@ -7,7 +7,6 @@
 #![warn(missing_docs)]
 
 pub mod analyze;
-pub mod cli;
 pub mod config;
 pub mod error;
 pub mod exploit;
@@ -22,7 +21,8 @@ pub mod progress;
 pub mod render;
 pub mod router;
 pub mod routing;
-pub mod runtime;
+pub mod seeds;
+pub mod sizes;
 pub mod snapshot;
 pub mod sweep;
 
@@ -30,4 +30,5 @@ pub use config::RouterConfig;
 pub use error::{Error, Result};
 pub use router::{ConfigRouter, Router};
 pub use routing::{assign, assign_masked, Logits, Routing};
+pub use sizes::RunSizes;
 pub use snapshot::snapshot;

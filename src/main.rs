@@ -1,8 +1,11 @@
 //! The `moe-audit` binary: parse, run, map errors to exit codes (0 ok, 1 leak, 2 error).
 
+mod cli;
+mod runtime;
+
 use clap::Parser;
-use moe_audit::cli::{message, run, Cli};
-use moe_audit::runtime::{self, one_line};
+use cli::{flag, run, Cli};
+use runtime::one_line;
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
@@ -20,8 +23,10 @@ fn main() -> ExitCode {
         eprintln!("error: internal error (a bug, please report it): {}{at}", one_line(&what));
         std::process::exit(2);
     }));
+    // Messages name each setting as the flag that sets it.
+    moe_audit::error::name_settings(flag);
     if let Err(e) = runtime::init() {
-        eprintln!("error: {}", one_line(&message(&e)));
+        eprintln!("error: {}", one_line(&e.to_string()));
         return ExitCode::from(2);
     }
     let cli = match Cli::try_parse() {
@@ -47,7 +52,7 @@ fn main() -> ExitCode {
             while runtime::interrupted_by_signal() {
                 std::thread::park();
             }
-            eprintln!("error: {}", one_line(&message(&e)));
+            eprintln!("error: {}", one_line(&e.to_string()));
             ExitCode::from(2)
         }
     }

@@ -7,7 +7,7 @@
 //! `RAYON_NUM_THREADS` is capped, so a typo (`1000000`) cannot stall the machine spawning
 //! threads; results do not depend on the thread count anyway.
 
-use crate::error::{Error, Result};
+use moe_audit::error::{Error, Result};
 
 /// Threads per core the pool may have at most (`RAYON_NUM_THREADS` above it is capped).
 pub const THREADS_PER_CORE: usize = 4;
@@ -86,8 +86,8 @@ pub fn interrupted_by_signal() -> bool {
 /// Kills the external routers and removes temporary outputs: every way out of the process that
 /// skips destructors (a signal, a panic) goes through here.
 pub fn clean_up() {
-    crate::external::process::kill_all();
-    crate::files::abandon_partial_files();
+    moe_audit::external::process::kill_all();
+    moe_audit::files::abandon_partial_files();
 }
 
 /// `message` on one line: newlines and other control characters escaped (`\n`), so a name or

@@ -20,6 +20,7 @@ pub use crate::parallel::Layer;
 pub use case::{Call, Case};
 pub use explain::Explanation;
 pub use noise::FIX as RANDOM_ROUTER_FIX;
+pub(crate) use probe::TARGET_LOGIT;
 pub use probe::{numerics, Probe};
 pub use witness::Witness;
 
@@ -294,6 +295,42 @@ impl<'a> Subject<'a> {
     pub fn layer(layer: &'a MoeLayer) -> Self {
         Subject { router: layer.router(), layer: Some(layer) }
     }
+}
+
+/// Audits each config with a seeded layer of `hidden` × `ffn`, telling `progress` each probe;
+/// fails before allocating anything when an audit is estimated to need more than `max_memory`
+/// bytes. With `comm`, the layout probe runs the layer expert-parallel over it (every rank audits
+/// alike).
+pub fn audit_configs(
+    configs: Vec<crate::RouterConfig>,
+    options: &AuditOptions,
+    (hidden, ffn): (usize, usize),
+    max_memory: u64,
+    comm: Option<&dyn crate::parallel::Communicator>,
+    progress: &dyn Progress,
+) -> Result<Report> {
+    for config in &configs {
+        let estimate = options.memory_estimate(config.experts, config.k(), hidden, ffn);
+        crate::memory::ensure_fits(&format!("the audit of `{}`", config.name), estimate, max_memory)?;
+    }
+    let mut routers = Vec::new();
+    for config in configs {
+        let layer = MoeLayer::seeded(config, hidden, ffn, options.seed, candle_core::DType::F32, &Device::Cpu)?;
+        let report = match comm {
+            Some(comm) => {
+                let on_comm = crate::parallel::OnComm::new(&layer, comm);
+                audit(&Subject { router: layer.router(), layer: Some(&on_comm) }, options, progress)?
+            }
+            None => audit(&Subject::layer(&layer), options, progress)?,
+        };
+        routers.push(report);
+    }
+    Ok(Report { options: options.clone(), routers })
+}
+
+/// Verdicts of one audited router, for tests and tools.
+pub fn verdicts(r: &RouterReport) -> Vec<(Probe, Verdict)> {
+    r.findings.iter().map(|f| (f.probe, f.verdict)).collect()
 }
 
 /// Audits one subject, telling `progress` each probe and its cases as they run.

@@ -1,21 +1,19 @@
 //! `moe-audit check` (the CI gate) and `moe-audit zoo` (every preset at default sizes).
 
+use super::bars::AuditBar;
 use super::external::ExternalArgs;
-use super::io_error;
-use crate::analyze::{audit, AuditOptions, Probe, Report, RouterReport, Subject, Verdict, Witness};
-use crate::config::{presets, RouterConfig};
-use crate::error::{ensure_positive, Error, Result, Setting};
-use crate::layer::MoeLayer;
-use crate::memory;
-use crate::parallel::{split_batch, Communicator, OnComm};
-use crate::progress::AuditBar;
-use crate::render::{
+use super::{io_error, MemoryArgs, SizeArgs};
+use clap::{Args, ValueEnum};
+use moe_audit::analyze::{audit_configs, AuditOptions, Probe, Report, RouterReport, Witness};
+use moe_audit::config::{presets, RouterConfig};
+use moe_audit::error::{Error, Result};
+use moe_audit::memory;
+use moe_audit::parallel::{split_batch, Communicator};
+use moe_audit::render::{
     json, render_github, render_junit, render_markdown, render_replay, render_text, render_zoo, witness_path,
     write_witnesses,
 };
-use bytesize::ByteSize;
-use candle_core::{DType, Device};
-use clap::{Args, ValueEnum};
+use moe_audit::RunSizes;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -34,14 +32,11 @@ pub struct CheckArgs {
     /// opt-in.
     #[arg(long, default_value_t = Probe::default_list(), help_heading = "Audit")]
     pub probes: String,
-    /// Sequences per call.
-    #[arg(long, default_value_t = 4, help_heading = "Audit")]
-    pub batch: usize,
-    /// Tokens per sequence.
-    #[arg(long, default_value_t = 128, help_heading = "Audit")]
-    pub seq_len: usize,
+    /// Sizes of the seeded layer's calls.
+    #[command(flatten, next_help_heading = "Audit")]
+    pub sizes: SizeArgs,
     /// Trials of the randomised probes.
-    #[arg(long, default_value_t = 32, help_heading = "Audit")]
+    #[arg(long, default_value_t = RunSizes::default().trials, help_heading = "Audit")]
     pub trials: usize,
     /// Seed of the layer, the inputs and every random choice.
     #[arg(long, default_value_t = 0, help_heading = "Audit")]
@@ -54,12 +49,6 @@ pub struct CheckArgs {
     /// verdicts and witnesses are the same, the counts cover every prefix.
     #[arg(long, help_heading = "Audit")]
     pub exhaustive: bool,
-    /// Hidden size of the seeded layer.
-    #[arg(long, default_value_t = 64, help_heading = "Audit")]
-    pub hidden: usize,
-    /// Expert FFN size of the seeded layer.
-    #[arg(long, default_value_t = 128, help_heading = "Audit")]
-    pub ffn: usize,
     /// Report format.
     #[arg(long, value_enum, default_value_t = CheckFormat::Text, help_heading = "Output")]
     pub format: CheckFormat,
@@ -69,10 +58,9 @@ pub struct CheckArgs {
     /// Write one witness file per leak here (`<router>-<probe>.json`).
     #[arg(long, value_name = "DIR", help_heading = "Output")]
     pub witness_dir: Option<PathBuf>,
-    /// Refuse to start an audit estimated to need more memory (e.g. `4GiB`; default: half of
-    /// physical memory).
-    #[arg(long, value_name = "SIZE", value_parser = crate::memory::parse_size, allow_hyphen_values = true, help_heading = "Audit")]
-    pub max_memory: Option<ByteSize>,
+    /// The memory limit.
+    #[command(flatten)]
+    pub memory: MemoryArgs,
     /// Also print GitHub Actions `::error::` annotations, one per leak, on stdout.
     #[arg(long, help_heading = "Output")]
     pub github: bool,
@@ -114,22 +102,16 @@ pub enum CheckFormat {
 
 impl CheckArgs {
     fn options(&self) -> Result<AuditOptions> {
-        ensure_positive(&[
-            (Setting::Batch, self.batch),
-            (Setting::SeqLen, self.seq_len),
-            (Setting::Trials, self.trials),
-            (Setting::Hidden, self.hidden),
-            (Setting::Ffn, self.ffn),
-        ])?;
-        let ranks = self.ranks.unwrap_or(2);
+        let ranks = self.ranks.unwrap_or(RunSizes::default().ranks);
+        let sizes = self.sizes.validated(self.trials, ranks)?;
         if self.ranks.is_some() {
-            split_batch(self.batch, ranks)?;
+            split_batch(sizes.batch, ranks)?;
         }
         Ok(AuditOptions {
             probes: Probe::parse_list(&self.probes)?,
-            batch: self.batch,
-            seq_len: self.seq_len,
-            trials: self.trials,
+            batch: sizes.batch,
+            seq_len: sizes.seq_len,
+            trials: sizes.trials,
             seed: self.seed,
             ranks,
             exhaustive: self.exhaustive,
@@ -137,41 +119,23 @@ impl CheckArgs {
     }
 }
 
-/// Audits each config with a seeded layer, with a progress bar on a terminal; fails before
-/// allocating anything when an audit is estimated to need more than `max_memory` bytes. With
-/// `comm`, the layout probe runs the layer expert-parallel over it (every rank audits alike).
-pub(crate) fn audit_all(
+/// `analyze::audit_configs` with a progress bar on a terminal.
+fn audit_all(
     configs: Vec<RouterConfig>,
     options: &AuditOptions,
-    hidden: usize,
-    ffn: usize,
+    sizes: (usize, usize),
     max_memory: u64,
     comm: Option<&dyn Communicator>,
 ) -> Result<Report> {
-    for config in &configs {
-        let estimate = options.memory_estimate(config.experts, config.k(), hidden, ffn);
-        memory::ensure_fits(&format!("the audit of `{}`", config.name), estimate, max_memory)?;
-    }
     let bar = AuditBar::stderr(configs.len() * options.probes.len());
-    let mut routers = Vec::new();
-    for config in configs {
-        let layer = MoeLayer::seeded(config, hidden, ffn, options.seed, DType::F32, &Device::Cpu)?;
-        let report = match comm {
-            Some(comm) => {
-                let on_comm = OnComm::new(&layer, comm);
-                audit(&Subject { router: layer.router(), layer: Some(&on_comm) }, options, &bar)?
-            }
-            None => audit(&Subject::layer(&layer), options, &bar)?,
-        };
-        routers.push(report);
-    }
+    let report = audit_configs(configs, options, sizes, max_memory, comm, &bar);
     bar.finish();
-    Ok(Report { options: options.clone(), routers })
+    report
 }
 
 pub(super) fn run(args: &CheckArgs, out: &mut dyn Write) -> Result<u8> {
     if let Some(path) = &args.replay {
-        return replay(args, path, memory::limit(args.max_memory), out);
+        return replay(args, path, args.memory.limit(), out);
     }
     match args.comm {
         CommKind::InProcess => audit_and_report(args, out, None),
@@ -183,7 +147,7 @@ pub(super) fn run(args: &CheckArgs, out: &mut dyn Write) -> Result<u8> {
 /// failing rank aborts every rank with its error and exit code 2.
 #[cfg(feature = "mpi")]
 fn run_mpi(args: &CheckArgs, out: &mut dyn Write) -> Result<u8> {
-    let comm = crate::parallel::mpi::MpiComm::init()?;
+    let comm = moe_audit::parallel::mpi::MpiComm::init()?;
     let size = comm.size();
     let result = match args.ranks {
         Some(r) if r != size => {
@@ -205,28 +169,28 @@ pub(super) fn no_mpi() -> Error {
 }
 
 fn audit_and_report(args: &CheckArgs, out: &mut dyn Write, comm: Option<&dyn Communicator>) -> Result<u8> {
-    let max_memory = memory::limit(args.max_memory);
+    let max_memory = args.memory.limit();
     let mut options = args.external.options(args.options()?, max_memory)?;
     if let Some(comm) = comm {
         options.ranks = comm.size();
         split_batch(options.batch, comm.size())?;
     }
     let configs = args.routers.iter().map(|r| RouterConfig::load(r)).collect::<Result<Vec<_>>>()?;
-    crate::names::check_unique(configs.iter().map(|c| c.name.as_str())).map_err(Error::Usage)?;
+    moe_audit::names::check_unique(configs.iter().map(|c| c.name.as_str())).map_err(Error::Usage)?;
     let mut report = if args.external.real_gate() {
         Report { options: options.clone(), routers: Vec::new() }
     } else {
-        audit_all(configs.clone(), &options, args.hidden, args.ffn, max_memory, comm)?
+        audit_all(configs.clone(), &options, (args.sizes.hidden, args.sizes.ffn), max_memory, comm)?
     };
     report.routers.extend(args.external.audit(configs, &options, max_memory)?);
     name_exhaustive(&mut report);
     // Routers named in their handshake or manifest too, before any file is written.
-    crate::names::check_unique(report.routers.iter().map(|r| r.router.as_str())).map_err(Error::Usage)?;
+    moe_audit::names::check_unique(report.routers.iter().map(|r| r.router.as_str())).map_err(Error::Usage)?;
     if comm.is_some_and(|c| c.rank() != 0) {
         return Ok(u8::from(args.fail_on.fails(&report)));
     }
     // The witnesses and the report file are one set, renamed into place together.
-    let mut staged = crate::files::Staged::new();
+    let mut staged = moe_audit::files::Staged::new();
     if let Some(dir) = &args.witness_dir {
         write_witnesses(&report, dir, &mut staged)?;
     }
@@ -297,11 +261,11 @@ fn name_exhaustive(report: &mut Report) {
 /// Replays a witness from its file, or, with `--router-cmd`, against the live router.
 fn replay(args: &CheckArgs, path: &Path, max_memory: u64, out: &mut dyn Write) -> Result<u8> {
     let witness = Witness::read_within(path, max_memory)?;
-    let replay = match args.external.router_cmd.as_slice() {
+    let replay = match args.external.cmd.router_cmd.as_slice() {
         [] => witness.replay(path)?,
         [command] => {
-            let timeout = crate::external::process::timeout(args.external.timeout)?;
-            let router = crate::external::ExternalRouter::spawn(
+            let timeout = args.external.cmd.timeout()?;
+            let router = moe_audit::external::ExternalRouter::spawn(
                 command,
                 timeout,
                 args.seed,
@@ -330,14 +294,9 @@ pub struct ZooArgs {
 pub(super) fn zoo(args: &ZooArgs, out: &mut dyn Write) -> Result<u8> {
     let options = AuditOptions { seed: args.seed, ..AuditOptions::default() };
     let configs = presets().iter().map(|p| p.config()).collect::<Result<Vec<_>>>()?;
-    let report = audit_all(configs, &options, 64, 128, memory::limit(None), None)?;
+    let report = audit_all(configs, &options, (64, 128), memory::limit(None), None)?;
     out.write_all(render_zoo(&report).as_bytes()).map_err(io_error)?;
     Ok(0)
-}
-
-/// Verdicts of one audited router, for tests and tools.
-pub fn verdicts(r: &RouterReport) -> Vec<(Probe, Verdict)> {
-    r.findings.iter().map(|f| (f.probe, f.verdict)).collect()
 }
 
 #[cfg(test)]

@@ -3,18 +3,15 @@
 //! §1). Exit 1 when a configuration's bias exceeds `--max-bias`.
 
 use super::check::CommKind;
-use super::io_error;
-use crate::error::{Error, Result};
-use crate::memory;
-use crate::parallel::reduce::{Algorithm, Precision, ReducePlan};
-use crate::parallel::run_ranks;
-use crate::parallel::swamping::{audit, AuditPlan, Figures, Payload};
-use crate::render::{collectives_chart, collectives_config_name, json, render_collectives, CollectivesReport};
-use bytesize::ByteSize;
-use candle_core::{DType, Device};
+use super::{io_error, MemoryArgs};
 use clap::{Args, ValueEnum};
+use moe_audit::error::{Error, Result};
+use moe_audit::memory;
+use moe_audit::parallel::reduce::{Algorithm, Precision, ReducePlan};
+use moe_audit::parallel::swamping::{audit_in_process, sort_figures, AuditPlan, Figures, Payload};
+use moe_audit::render::{collectives_chart, collectives_config_name, json, render_collectives, CollectivesReport};
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 /// Most in-process ranks (one thread each).
 const MAX_RANKS: usize = 1024;
@@ -69,10 +66,9 @@ pub struct CollectivesArgs {
     /// range, into this directory (SVG and PNG).
     #[arg(long, value_name = "DIR")]
     pub chart: Option<PathBuf>,
-    /// Refuse to start a run estimated to need more memory (e.g. `4GiB`; default: half of
-    /// physical memory).
-    #[arg(long, value_name = "SIZE")]
-    pub max_memory: Option<ByteSize>,
+    /// The memory limit.
+    #[command(flatten)]
+    pub memory: MemoryArgs,
 }
 
 /// Output formats of `collectives`.
@@ -86,22 +82,16 @@ pub enum CollectivesFormat {
 
 pub(super) fn run(args: &CollectivesArgs, out: &mut dyn Write) -> Result<u8> {
     let (payload, plan) = validate(args)?;
-    let mut results = Vec::new();
-    match args.comm {
-        CommKind::InProcess => {
-            for &r in &args.ranks {
-                let got = run_ranks(r, |comm| audit(comm, &payload, &plan))?;
-                results.extend(got.into_iter().next().flatten().unwrap_or_default());
-            }
-        }
+    let results = match args.comm {
+        CommKind::InProcess => audit_in_process(&args.ranks, &payload, &plan)?,
         CommKind::Mpi => match on_mpi(args, &payload, &plan)? {
-            Some(r) => results = r,
+            Some(mut r) => {
+                sort_figures(&plan, &mut r);
+                r
+            }
             None => return Ok(0),
         },
-    }
-    // Range, then configuration, then ranks: the order the tables and charts read.
-    let key = |f: &Figures| (plan.ranges.iter().position(|&r| r == f.range), config_index(&plan, f), f.ranks);
-    results.sort_by_key(key);
+    };
     // A NaN bias (an overflowed sum) counts as over.
     let mut over: Vec<String> = Vec::new();
     if let Some(max) = args.max_bias {
@@ -136,12 +126,12 @@ pub(super) fn run(args: &CollectivesArgs, out: &mut dyn Write) -> Result<u8> {
 
 #[cfg(feature = "mpi")]
 fn on_mpi(args: &CollectivesArgs, payload: &Payload, plan: &AuditPlan) -> Result<Option<Vec<Figures>>> {
-    use crate::parallel::Communicator as _;
-    let comm = crate::parallel::mpi::MpiComm::init()?;
+    use moe_audit::parallel::Communicator as _;
+    let comm = moe_audit::parallel::mpi::MpiComm::init()?;
     let result = if args.ranks.len() != 1 || args.ranks[0] != comm.size() {
         Err(Error::Usage(format!("--ranks must be the MPI world size {} under --comm mpi (mpirun -np)", comm.size())))
     } else {
-        audit(&comm, payload, plan)
+        moe_audit::parallel::swamping::audit(&comm, payload, plan)
     };
     Ok(result.unwrap_or_else(|e| comm.abort(&e)))
 }
@@ -184,13 +174,13 @@ fn validate(args: &CollectivesArgs) -> Result<(Payload, AuditPlan)> {
         }
     }
     let max_ranks = *args.ranks.iter().max().expect("not empty");
-    let limit = memory::limit(args.max_memory);
+    let limit = args.memory.limit();
     let (payload, elements, ranges) = match &args.gradients {
         Some(path) => {
             // The file's own size bounds what reading it allocates.
             let size = std::fs::metadata(path).map_err(|e| Error::input(path, format!("cannot read: {e}")))?.len();
             memory::ensure_fits("reading the gradients", size.saturating_mul(3), limit)?;
-            let rows = read_gradients(path)?;
+            let rows = moe_audit::parallel::swamping::read_gradients(path)?;
             if let Some(&r) = args.ranks.iter().find(|&&r| r > rows.len()) {
                 return usage(format!("--ranks {r}: {} holds gradients of {} ranks", path.display(), rows.len()));
             }
@@ -235,46 +225,4 @@ fn validate(args: &CollectivesArgs) -> Result<(Payload, AuditPlan)> {
         }
     }
     Ok((payload, AuditPlan { elements, ranges, plans, tolerance: args.tolerance }))
-}
-
-/// Row r of every tensor of a safetensors file, in name order, concatenated: rank r's gradients.
-fn read_gradients(path: &Path) -> Result<Vec<Vec<f32>>> {
-    let bad = |m: String| Error::input(path, m);
-    let tensors =
-        candle_core::safetensors::load(path, &Device::Cpu).map_err(|e| bad(format!("not a safetensors file: {e}")))?;
-    let mut names: Vec<&String> = tensors.keys().collect();
-    names.sort();
-    let Some(first) = names.first() else { return Err(bad("holds no tensors".into())) };
-    let ranks = tensors[*first].dims().first().copied().unwrap_or(0);
-    if ranks == 0 {
-        return Err(bad(format!("tensor `{first}` has no rank dimension (shape {:?})", tensors[*first].dims())));
-    }
-    let mut rows = vec![Vec::new(); ranks];
-    for name in names {
-        let t = &tensors[name];
-        if t.dims().first() != Some(&ranks) {
-            return Err(bad(format!(
-                "tensor `{name}` has shape {:?}, expected {ranks} ranks as its first dimension",
-                t.dims()
-            )));
-        }
-        let values = t.to_dtype(DType::F32).and_then(|t| t.reshape((ranks, ())))?.to_vec2::<f32>()?;
-        for (r, v) in values.into_iter().enumerate() {
-            if let Some(i) = v.iter().position(|x| !x.is_finite()) {
-                return Err(bad(format!("tensor `{name}` holds a non-finite value at rank {r}, element {i}")));
-            }
-            rows[r].extend(v);
-        }
-    }
-    if rows[0].is_empty() {
-        return Err(bad("holds no values".into()));
-    }
-    Ok(rows)
-}
-
-fn config_index(plan: &AuditPlan, f: &Figures) -> usize {
-    plan.plans
-        .iter()
-        .position(|p| (p.algorithm, p.wire, p.accumulate) == (f.algorithm, f.wire, f.accumulate))
-        .unwrap_or(usize::MAX)
 }

@@ -1,34 +1,46 @@
 //! The `check` flags for routers outside moe-audit (a subprocess, trace files, a real gate),
 //! and `moe-audit plan`.
 
-use crate::analyze::{audit, AuditOptions, Probe, RouterReport, Subject};
-use crate::config::RouterConfig;
-use crate::error::{ensure_positive, Error, Result, Setting};
-use crate::external::{plan, planned_options, ExternalRouter, Handshake, InputKind, Mode, TraceRouter};
-use crate::layer::gate::GateSource;
-use crate::memory;
-use crate::progress::AuditBar;
-use crate::router::Router;
+use super::bars::AuditBar;
+use super::MemoryArgs;
 use clap::Args;
+use moe_audit::analyze::{audit, AuditOptions, Probe, RouterReport, Subject};
+use moe_audit::config::RouterConfig;
+use moe_audit::error::{ensure_positive, Error, Result, Setting};
+use moe_audit::external::{plan, planned_options, ExternalRouter, Handshake, InputKind, Mode, TraceRouter};
+use moe_audit::layer::gate::GateSource;
+use moe_audit::memory;
+use moe_audit::router::Router;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+
+/// `--router-cmd` and `--timeout`: routers run as subprocesses, declared once for `check` and
+/// `snapshot`.
+#[derive(Debug, Args)]
+#[command(next_help_heading = "External routers")]
+pub struct RouterCmdArgs {
+    /// A command speaking the moe-audit/1 or /2 protocol on stdin/stdout (docs/PROTOCOL.md), run
+    /// with `sh -c`; `check` takes it repeated, for several routers.
+    #[arg(long, value_name = "COMMAND")]
+    pub router_cmd: Vec<String>,
+    /// Seconds to wait for a router's handshake and for each answer.
+    #[arg(long, default_value_t = 60.0, value_name = "SECS", allow_hyphen_values = true)]
+    pub timeout: f64,
+}
+
+impl RouterCmdArgs {
+    /// The timeout as a duration, checked.
+    pub fn timeout(&self) -> Result<std::time::Duration> {
+        moe_audit::external::process::timeout(self.timeout)
+    }
+}
 
 /// Routers that live outside moe-audit.
 #[derive(Debug, Args)]
 pub struct ExternalArgs {
-    /// A command speaking the moe-audit/1 or /2 protocol on stdin/stdout (docs/PROTOCOL.md), run
-    /// with `sh -c`; repeat for several routers.
-    #[arg(long, value_name = "COMMAND", help_heading = "External routers")]
-    pub router_cmd: Vec<String>,
-    /// Seconds to wait for a router's handshake and for each answer.
-    #[arg(
-        long,
-        default_value_t = 60.0,
-        value_name = "SECS",
-        allow_hyphen_values = true,
-        help_heading = "External routers"
-    )]
-    pub timeout: f64,
+    /// A router run as a subprocess.
+    #[command(flatten)]
+    pub cmd: RouterCmdArgs,
     /// The mode --router-cmd routers are audited in: every probe's requests carry it (M compares
     /// it with the other mode); `inference` audits the serving path.
     #[arg(long, value_enum, default_value_t = ModeArg::Train, help_heading = "External routers")]
@@ -63,13 +75,13 @@ impl ExternalArgs {
     /// The audit options: the plan's when auditing traces (from its manifest; the traces
     /// themselves are read once, by the audit).
     pub(super) fn options(&self, options: AuditOptions, max_memory: u64) -> Result<AuditOptions> {
-        crate::external::process::timeout(self.timeout)?;
-        if self.mode != ModeArg::Train && self.router_cmd.is_empty() {
+        self.cmd.timeout()?;
+        if self.mode != ModeArg::Train && self.cmd.router_cmd.is_empty() {
             return Err(Error::Usage(
                 "--mode sets the mode of --router-cmd routers; built-in routers and traces have their own".into(),
             ));
         }
-        if self.traces.is_some() && !self.router_cmd.is_empty() {
+        if self.traces.is_some() && !self.cmd.router_cmd.is_empty() {
             return Err(Error::Usage(
                 "--traces replays one planned audit; audit --router-cmd routers in another run".into(),
             ));
@@ -114,8 +126,8 @@ impl ExternalArgs {
                 reports.push(audit_router(&router)?);
             }
         }
-        for command in &self.router_cmd {
-            let timeout = crate::external::process::timeout(self.timeout)?;
+        for command in &self.cmd.router_cmd {
+            let timeout = self.cmd.timeout()?;
             let router = ExternalRouter::spawn(command, timeout, options.seed, self.mode.into(), max_memory)?;
             reports.push(audit_router(&router)?);
         }
@@ -181,10 +193,9 @@ pub struct PlanArgs {
     /// Seed of the inputs and every random choice.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Refuse to start a plan estimated to need more memory (e.g. `4GiB`; default: half of
-    /// physical memory).
-    #[arg(long, value_name = "SIZE", value_parser = crate::memory::parse_size, allow_hyphen_values = true)]
-    pub max_memory: Option<bytesize::ByteSize>,
+    /// The memory limit.
+    #[command(flatten)]
+    pub memory: MemoryArgs,
 }
 
 /// `--input` of `plan`.
@@ -202,7 +213,7 @@ pub(super) fn run_plan(args: &PlanArgs, out: &mut dyn Write) -> Result<u8> {
         InputArg::Hidden => InputKind::Hidden,
     };
     let router = Handshake {
-        protocol: crate::external::protocol::PROTOCOL.into(),
+        protocol: moe_audit::external::protocol::PROTOCOL.into(),
         name: args.name.clone(),
         experts: args.experts,
         top_k: args.top_k,
@@ -213,7 +224,7 @@ pub(super) fn run_plan(args: &PlanArgs, out: &mut dyn Write) -> Result<u8> {
     };
     // Each flag named in its own words (the handshake's checks would blame the handshake).
     ensure_positive(&[(Setting::Batch, args.batch), (Setting::SeqLen, args.seq_len), (Setting::Trials, args.trials)])?;
-    let max = crate::external::protocol::MAX_SIZE;
+    let max = moe_audit::external::protocol::MAX_SIZE;
     if !(1..=max).contains(&args.experts) {
         return Err(Error::Usage(format!("--experts must be in 1..={max}, got {}", args.experts)));
     }
@@ -226,7 +237,7 @@ pub(super) fn run_plan(args: &PlanArgs, out: &mut dyn Write) -> Result<u8> {
         }
         _ => {}
     }
-    crate::names::check(&args.name).map_err(|m| Error::Usage(format!("--name {m}")))?;
+    moe_audit::names::check(&args.name).map_err(|m| Error::Usage(format!("--name {m}")))?;
     let options = AuditOptions {
         probes: Probe::parse_list(&args.probes)?,
         batch: args.batch,
@@ -235,7 +246,7 @@ pub(super) fn run_plan(args: &PlanArgs, out: &mut dyn Write) -> Result<u8> {
         seed: args.seed,
         ..AuditOptions::default()
     };
-    let calls = plan(&router, &options, &args.output, memory::limit(args.max_memory))?;
+    let calls = plan(&router, &options, &args.output, args.memory.limit())?;
     writeln!(
         out,
         "planned {calls} calls in {}: answer each call of manifest.json, in order, with one response line in decisions.jsonl, then run `moe-audit check --traces {}`",

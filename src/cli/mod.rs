@@ -1,5 +1,6 @@
 //! The command line: clap structs (dumb), one function per command, output formats.
 
+mod bars;
 mod check;
 mod collectives;
 mod ep;
@@ -9,19 +10,20 @@ mod route;
 mod snapshot;
 mod sweep;
 
-use crate::config::presets;
-use crate::error::{Result, Setting};
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
+use moe_audit::config::presets;
+use moe_audit::error::{Result, Setting};
+use moe_audit::RunSizes;
 use std::io::Write;
 
-pub use check::{verdicts, CheckArgs, CommKind, ZooArgs};
-pub use collectives::{CollectivesArgs, CollectivesFormat};
-pub use ep::{EpArgs, EpFormat};
-pub use exploit::{ExploitArgs, ExploitFormat};
-pub use external::{ExternalArgs, PlanArgs};
-pub use route::RouteArgs;
-pub use snapshot::SnapshotArgs;
-pub use sweep::SweepArgs;
+use check::{CheckArgs, ZooArgs};
+use collectives::CollectivesArgs;
+use ep::EpArgs;
+use exploit::ExploitArgs;
+use external::PlanArgs;
+use route::RouteArgs;
+use snapshot::SnapshotArgs;
+use sweep::SweepArgs;
 
 /// Audit Mixture-of-Experts routers for train/inference causality leaks.
 #[derive(Debug, Parser)]
@@ -83,14 +85,8 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<u8> {
     }
 }
 
-/// An error as the command line says it: each setting the library names (`` setting `max_memory` ``)
-/// written as its flag (`--max-memory`).
-pub fn message(e: &crate::Error) -> String {
-    Setting::ALL.iter().fold(e.to_string(), |text, &s| text.replace(&s.to_string(), flag(s)))
-}
-
 /// The flag that sets `setting`.
-fn flag(setting: Setting) -> &'static str {
+pub fn flag(setting: Setting) -> &'static str {
     match setting {
         Setting::Batch => "--batch",
         Setting::SeqLen => "--seq-len",
@@ -106,11 +102,62 @@ fn flag(setting: Setting) -> &'static str {
         Setting::Plan => "--plan",
         Setting::Logits => "--logits",
         Setting::HiddenStates => "--hidden-states",
+        Setting::Vocab => "--vocab",
+        Setting::Steps => "--steps",
+        Setting::Seeds => "--seeds",
+        Setting::Lr => "--lr",
+        Setting::EvalBatches => "--eval-batches",
+        Setting::CurvePoints => "--curve-points",
+        Setting::ProbeBatches => "--probe-batches",
     }
 }
 
-pub(crate) fn io_error(e: std::io::Error) -> crate::Error {
-    crate::Error::input("<stdout>", e.to_string())
+/// `--batch`, `--seq-len`, `--hidden`, `--ffn`: a seeded layer's call, declared once for `check`
+/// and `ep`, with [`RunSizes`]' defaults.
+#[derive(Debug, Args)]
+pub struct SizeArgs {
+    /// Sequences per call (split evenly over expert-parallel ranks).
+    #[arg(long, default_value_t = RunSizes::default().batch)]
+    pub batch: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = RunSizes::default().seq_len)]
+    pub seq_len: usize,
+    /// Hidden size of the seeded layer.
+    #[arg(long, default_value_t = RunSizes::default().hidden)]
+    pub hidden: usize,
+    /// Expert FFN size of the seeded layer.
+    #[arg(long, default_value_t = RunSizes::default().ffn)]
+    pub ffn: usize,
+}
+
+impl SizeArgs {
+    /// These sizes with `trials` and `ranks`, checked.
+    pub fn validated(&self, trials: usize, ranks: usize) -> Result<RunSizes> {
+        let sizes =
+            RunSizes { batch: self.batch, seq_len: self.seq_len, hidden: self.hidden, ffn: self.ffn, trials, ranks };
+        sizes.validate()?;
+        Ok(sizes)
+    }
+}
+
+/// `--max-memory`, declared once for every command.
+#[derive(Debug, Args)]
+pub struct MemoryArgs {
+    /// Refuse to start a run estimated to need more memory (e.g. `4GiB`; default: half of
+    /// physical memory).
+    #[arg(long, value_name = "SIZE", value_parser = moe_audit::memory::parse_size, allow_hyphen_values = true)]
+    pub max_memory: Option<bytesize::ByteSize>,
+}
+
+impl MemoryArgs {
+    /// The limit in force, in bytes.
+    pub fn limit(&self) -> u64 {
+        moe_audit::memory::limit(self.max_memory)
+    }
+}
+
+pub(crate) fn io_error(e: std::io::Error) -> moe_audit::Error {
+    moe_audit::Error::input("<stdout>", e.to_string())
 }
 
 #[cfg(test)]
@@ -124,15 +171,9 @@ mod tests {
     }
 
     #[test]
-    fn library_errors_name_settings_and_the_cli_names_flags() {
-        let e = crate::error::ensure_positive(&[(Setting::Batch, 2), (Setting::SeqLen, 0)]).unwrap_err();
-        assert_eq!(e.to_string(), "setting `seq_len` must be at least 1");
-        assert_eq!(message(&e), "--seq-len must be at least 1");
-        // Field names that merely look like settings stay as they are.
-        let e = crate::Error::Usage("unknown field `seq_len`".into());
-        assert_eq!(message(&e), "unknown field `seq_len`");
-        // Every setting has its own flag.
+    fn every_setting_has_its_own_flag() {
         let flags: std::collections::BTreeSet<_> = Setting::ALL.iter().map(|&s| flag(s)).collect();
         assert_eq!(flags.len(), Setting::ALL.len());
+        assert!(flags.iter().all(|f| f.starts_with("--")));
     }
 }

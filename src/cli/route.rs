@@ -1,15 +1,14 @@
 //! `moe-audit route`: one call through a router, shown as a table or the JSON record.
 
-use super::io_error;
-use crate::config::RouterConfig;
-use crate::error::{ensure_positive, Result, Setting};
-use crate::layer::{MoeLayer, Seeded};
-use crate::memory::{self, CallSizes};
-use crate::render::json;
-use crate::routing::{assign, render_table};
-use bytesize::ByteSize;
+use super::{io_error, MemoryArgs};
 use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};
+use moe_audit::config::RouterConfig;
+use moe_audit::error::{ensure_positive, Result, Setting};
+use moe_audit::layer::{MoeLayer, Seeded};
+use moe_audit::memory::{self, CallSizes};
+use moe_audit::render::json;
+use moe_audit::routing::{assign, render_table};
 use std::io::Write;
 use std::path::PathBuf;
 
@@ -40,10 +39,9 @@ pub struct RouteArgs {
     /// Output format.
     #[arg(long, value_enum, default_value_t = RouteFormat::Table, help_heading = "Output")]
     pub format: RouteFormat,
-    /// Refuse to start a call estimated to need more memory (e.g. `4GiB`; default: half of
-    /// physical memory).
-    #[arg(long, value_name = "SIZE", value_parser = crate::memory::parse_size, allow_hyphen_values = true, help_heading = "Sizes")]
-    pub max_memory: Option<ByteSize>,
+    /// The memory limit.
+    #[command(flatten)]
+    pub memory: MemoryArgs,
 }
 
 /// Output formats of `route`.
@@ -57,12 +55,12 @@ pub enum RouteFormat {
 
 pub(super) fn run(args: &RouteArgs, out: &mut dyn Write) -> Result<u8> {
     let config = RouterConfig::load(&args.router)?;
-    let max_memory = memory::limit(args.max_memory);
+    let max_memory = args.memory.limit();
     let routing = match &args.logits {
         Some(path) => {
             let expected = format!("the router has {} experts", config.experts);
             let logits =
-                crate::files::read_rows(path, args.batch, args.seq_len, config.experts, &expected, max_memory)?;
+                moe_audit::files::read_rows(path, args.batch, args.seq_len, config.experts, &expected, max_memory)?;
             let (batch, seq_len, _) = logits.dim();
             let sizes = CallSizes { batch, seq_len, experts: config.experts, routes: config.k(), hidden: 0, ffn: 0 };
             memory::ensure_fits("this call", sizes.estimate(), max_memory)?;
@@ -89,8 +87,8 @@ pub(super) fn run(args: &RouteArgs, out: &mut dyn Write) -> Result<u8> {
             let layer = MoeLayer::seeded(config, args.hidden, args.ffn, args.seed, DType::F32, &device)?;
             // Hidden states from a stream of their own, so changing the weights' seed and the
             // input's seed are independent choices.
-            let x =
-                Seeded::new(args.seed ^ 0x9e37_79b9_7f4a_7c15).normal(&[args.batch, seq_len, args.hidden], &device)?;
+            let x = Seeded::new(args.seed ^ moe_audit::seeds::INPUT)
+                .normal(&[args.batch, seq_len, args.hidden], &device)?;
             layer.forward(&x)?.1
         }
     };

@@ -1,16 +1,15 @@
 //! `moe-audit snapshot`: a router's decisions on fixed inputs to a `.snap` file, `--check` and
 //! `--update` of one, and `--plan` (inputs for a harness such as the Python helper).
 
-use super::external::InputArg;
-use super::io_error;
-use crate::config::presets;
-use crate::error::{Error, Result};
-use crate::external::protocol::PROTOCOL;
-use crate::external::{Handshake, InputKind};
-use crate::memory;
-use crate::snapshot::{check, make, write_atomic, write_plan, Header, InputSpec, RouterSource, Rows, SnapshotFile};
-use bytesize::ByteSize;
+use super::external::{InputArg, RouterCmdArgs};
+use super::{io_error, MemoryArgs};
 use clap::Args;
+use moe_audit::config::presets;
+use moe_audit::error::{Error, Result};
+use moe_audit::external::protocol::PROTOCOL;
+use moe_audit::external::{Handshake, InputKind};
+use moe_audit::memory;
+use moe_audit::snapshot::{check, make, write_atomic, write_plan, Header, InputSpec, RouterSource, Rows, SnapshotFile};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -29,12 +28,9 @@ pub struct SnapshotArgs {
     /// Make the snapshot FILE's header describes again and rewrite FILE.
     #[arg(long, value_name = "FILE.snap", help_heading = "Output")]
     pub update: Option<PathBuf>,
-    /// A command speaking moe-audit/1 (docs/PROTOCOL.md), run with `sh -c`.
-    #[arg(long, value_name = "COMMAND", help_heading = "External routers")]
-    pub router_cmd: Option<String>,
-    /// Seconds to wait for the router command's handshake and each answer.
-    #[arg(long, default_value_t = 60.0, value_name = "SECS", help_heading = "External routers")]
-    pub timeout: f64,
+    /// A router run as a subprocess (one).
+    #[command(flatten)]
+    pub cmd: RouterCmdArgs,
     /// A trace directory answered by a harness (`moe-audit plan`, or `snapshot --plan`): the
     /// first call of each mode is snapshotted. With --check/--update: where the answers are now.
     #[arg(long, value_name = "DIR", help_heading = "External routers")]
@@ -86,9 +82,9 @@ pub struct SnapshotArgs {
     /// Hidden size H (with --plan --input hidden).
     #[arg(long, requires = "plan", help_heading = "Harness")]
     pub hidden_size: Option<usize>,
-    /// Refuse to start when the inputs are estimated to need more memory (e.g. `4GiB`).
-    #[arg(long, value_name = "SIZE")]
-    pub max_memory: Option<ByteSize>,
+    /// The memory limit.
+    #[command(flatten)]
+    pub memory: MemoryArgs,
 }
 
 impl SnapshotArgs {
@@ -97,7 +93,7 @@ impl SnapshotArgs {
         let given = [
             ("ROUTER", self.router.is_some()),
             ("--output", self.output.is_some()),
-            ("--router-cmd", self.router_cmd.is_some()),
+            ("--router-cmd", !self.cmd.router_cmd.is_empty()),
             ("--weights", self.weights.is_some()),
             ("--batch", self.batch.is_some()),
             ("--seq-len", self.seq_len.is_some()),
@@ -130,8 +126,9 @@ impl SnapshotArgs {
 
     /// The one router to snapshot.
     fn source(&self) -> Result<RouterSource> {
-        let sources = [self.router.is_some(), self.router_cmd.is_some(), self.traces.is_some()];
-        if sources.iter().filter(|&&s| s).count() != 1 {
+        let sources =
+            usize::from(self.router.is_some()) + self.cmd.router_cmd.len() + usize::from(self.traces.is_some());
+        if sources != 1 {
             return Err(Error::Usage(
                 "snapshot one router: a preset or TOML file (with --weights, on that gate), --router-cmd, or --traces"
                     .into(),
@@ -149,7 +146,7 @@ impl SnapshotArgs {
             .iter()
             .find(|(_, given)| *given)
             .map(|(flag, _)| (*flag, "--traces snapshots the plan's own inputs")),
-            _ if self.hidden.is_some() && (self.router_cmd.is_some() || self.weights.is_some()) => {
+            _ if self.hidden.is_some() && (!self.cmd.router_cmd.is_empty() || self.weights.is_some()) => {
                 Some(("--hidden", "the router's hidden size is its own"))
             }
             _ => None,
@@ -157,8 +154,8 @@ impl SnapshotArgs {
         if let Some((flag, why)) = unused {
             return Err(Error::Usage(format!("{why}: drop {flag}")));
         }
-        if let Some(command) = &self.router_cmd {
-            return Ok(RouterSource::Command { command: command.clone(), timeout: self.timeout });
+        if let Some(command) = self.cmd.router_cmd.first() {
+            return Ok(RouterSource::Command { command: command.clone(), timeout: self.cmd.timeout });
         }
         if let Some(dir) = &self.traces {
             return Ok(RouterSource::Traces { dir: utf8(dir, "--traces")?, sha256: String::new() });
@@ -179,7 +176,7 @@ impl SnapshotArgs {
             Ok(RouterSource::Config { path: router, sha256: String::new() })
         } else {
             // The unknown-router error, listing the presets.
-            crate::config::RouterConfig::load(&router).map(|_| unreachable!("neither a preset nor a file"))
+            moe_audit::config::RouterConfig::load(&router).map(|_| unreachable!("neither a preset nor a file"))
         }
     }
 }
@@ -189,7 +186,7 @@ fn utf8(path: &Path, flag: &str) -> Result<String> {
 }
 
 pub(super) fn run(args: &SnapshotArgs, out: &mut dyn Write) -> Result<u8> {
-    let max_memory = memory::limit(args.max_memory);
+    let max_memory = args.memory.limit();
     let again = args.check.as_ref().or(args.update.as_ref());
     if let Some(path) = again {
         let flag = if args.check.is_some() { "--check" } else { "--update" };
@@ -203,8 +200,8 @@ pub(super) fn run(args: &SnapshotArgs, out: &mut dyn Write) -> Result<u8> {
         if let Ok(meta) = std::fs::metadata(path) {
             memory::ensure_fits(&format!("reading {}", path.display()), meta.len().saturating_mul(4), max_memory)?;
         }
-        let why = format!("a quarter of {}", crate::error::Setting::MaxMemory);
-        let text = crate::files::read_text(path, max_memory / 4, &why)?;
+        let why = format!("a quarter of {}", moe_audit::error::Setting::MaxMemory);
+        let text = moe_audit::files::read_text(path, max_memory / 4, &why)?;
         let stored = SnapshotFile::parse(&text, path);
         if args.update.is_some() {
             // The header says how to remake it; the sections may be anything.
@@ -237,7 +234,7 @@ pub(super) fn run(args: &SnapshotArgs, out: &mut dyn Write) -> Result<u8> {
         return Ok(u8::from(outcome.changed));
     }
     if let Some(dir) = &args.plan {
-        if args.router.is_some() || args.router_cmd.is_some() || args.traces.is_some() || args.weights.is_some() {
+        if args.router.is_some() || !args.cmd.router_cmd.is_empty() || args.traces.is_some() || args.weights.is_some() {
             return Err(Error::Usage(
                 "--plan writes inputs for a router outside moe-audit: describe it with --name, --experts, --top-k, --input, --hidden-size".into(),
             ));

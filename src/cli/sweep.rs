@@ -1,12 +1,10 @@
 //! `moe-audit sweep`: the grid of routers × sizes, load balance against leaks, with charts.
 
-use super::io_error;
-use crate::error::Result;
-use crate::memory;
-use crate::progress::bar as progress_bar;
-use crate::sweep::{self, Grid};
-use bytesize::ByteSize;
+use super::bars::bar as progress_bar;
+use super::{io_error, MemoryArgs};
 use clap::Args;
+use moe_audit::error::Result;
+use moe_audit::sweep::{self, Grid};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -19,10 +17,9 @@ pub struct SweepArgs {
     /// Where sweep.json, sweep.csv, sweep.md and the charts go.
     #[arg(long, value_name = "DIR", default_value = "sweep-results")]
     pub output_dir: PathBuf,
-    /// Refuse to start a sweep whose largest cell is estimated to need more memory (e.g.
-    /// `4GiB`; default: half of physical memory).
-    #[arg(long, value_name = "SIZE", value_parser = crate::memory::parse_size, allow_hyphen_values = true)]
-    pub max_memory: Option<ByteSize>,
+    /// The memory limit.
+    #[command(flatten)]
+    pub memory: MemoryArgs,
 }
 
 pub(super) fn run(args: &SweepArgs, out: &mut dyn Write) -> Result<u8> {
@@ -33,13 +30,13 @@ pub(super) fn run(args: &SweepArgs, out: &mut dyn Write) -> Result<u8> {
         None => (Grid::default(), "<default grid>".to_string(), PathBuf::from(".")),
     };
     let bar = progress_bar(sweep::cell_count(&grid, &source, &base)? as u64);
-    let report = sweep::run(&grid, &source, &base, memory::limit(args.max_memory), &mut |router| {
+    let report = sweep::run(&grid, &source, &base, args.memory.limit(), &mut |router| {
         bar.set_message(router.to_string());
         bar.inc(1);
     })?;
     bar.finish_and_clear();
-    let written = crate::render::write_sweep(&report, &args.output_dir)?;
-    let mut text = crate::render::sweep_markdown(&report);
+    let written = moe_audit::render::write_sweep(&report, &args.output_dir)?;
+    let mut text = moe_audit::render::sweep_markdown(&report);
     text.push('\n');
     for path in written {
         text.push_str(&format!("wrote {}\n", path.display()));

@@ -183,7 +183,9 @@ impl ExternalRows {
     /// `[1, POOL_PER_EXPERT * E, H]` standard-normal rows from the audit seed.
     fn pool(&self) -> Array3<f32> {
         let n = POOL_PER_EXPERT * self.experts;
-        let t = Seeded::new(self.seed ^ 0x9001).normal(&[1, n, self.width], &Device::Cpu).expect("host tensor");
+        let t = Seeded::new(self.seed ^ crate::seeds::EXTERNAL_HIDDEN)
+            .normal(&[1, n, self.width], &Device::Cpu)
+            .expect("host tensor");
         Array3::from_shape_vec((1, n, self.width), t.flatten_all().and_then(|t| t.to_vec1()).expect("host tensor"))
             .expect("shape")
     }

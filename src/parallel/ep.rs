@@ -81,6 +81,59 @@ pub struct RankOutput {
     pub traffic: RankTraffic,
 }
 
+/// What `ep` reports (the JSON contract).
+#[derive(Debug, Serialize)]
+pub struct EpReport {
+    /// The router.
+    pub router: String,
+    /// Expert-parallel ranks.
+    pub ranks: usize,
+    /// Sequences.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq_len: usize,
+    /// Hidden size.
+    pub hidden: usize,
+    /// Experts E.
+    pub experts: usize,
+    /// FNV-1a 64 of the output's f32 bits, sequence-major: equal outputs, equal checksums.
+    pub output_checksum: String,
+    /// The output equals the single-device layer's on the ranks' routing, bit for bit.
+    pub equals_single_device: bool,
+    /// Tokens whose routing differs from the single-device layer's on the whole batch (per-rank
+    /// routing scope: 0 unless capacity or expert choice depends on which tokens share a rank).
+    pub tokens_routed_differently: usize,
+    /// Every rank's traffic, in rank order.
+    pub traffic: Vec<RankTraffic>,
+    /// Present with a low-precision combine.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub low_precision_combine: Option<CombineFigures>,
+}
+
+/// A low-precision combine against the f32 combine, with `collectives`' figures.
+#[derive(Debug, Serialize)]
+pub struct CombineFigures {
+    /// The dtype the combined rows travel in.
+    pub wire: Precision,
+    /// The dtype they are summed in.
+    pub accumulate: Precision,
+    /// ‖y − y_f32‖₂ / ‖y_f32‖₂.
+    pub relative_error: f64,
+    /// Share of output values off by more than 1% of the f32 combine's.
+    pub swamped_share: f64,
+    /// Mean signed error over mean |y_f32|.
+    pub bias: f64,
+}
+
+/// FNV-1a 64 of a tensor's `f32` bits, in order: equal outputs, equal checksums.
+pub fn checksum(y: &Tensor) -> Result<u64> {
+    let bits = y.flatten_all()?.to_vec1::<f32>()?;
+    Ok(bits
+        .iter()
+        .flat_map(|v| v.to_bits().to_le_bytes())
+        .fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)))
+}
+
 /// The whole batch after an expert-parallel forward, gathered on every rank.
 #[derive(Debug, Clone)]
 pub struct Gathered {
@@ -112,6 +165,44 @@ impl<'a> ExpertParallel<'a> {
     /// same order (ascending expert) as the f32 combine.
     pub fn with_combine(self, wire: Precision, accumulate: Precision) -> Self {
         ExpertParallel { combine: (wire, accumulate), ..self }
+    }
+
+    /// What `ep` reports of the gathered forward `g` of `x` over `ranks`: the output against the
+    /// single-device layer on the same routing (bit for bit), tokens routed otherwise than on
+    /// the whole batch, each rank's traffic and, with a low-precision combine, its error.
+    pub fn report(&self, x: &Tensor, g: Gathered, ranks: usize) -> Result<EpReport> {
+        let layer = self.layer;
+        let (_, whole) = layer.forward(x)?;
+        let single = layer.apply(x, &g.routing)?;
+        let (wire, accumulate) = self.combine;
+        let low_precision_combine = if self.combine != (Precision::F32, Precision::F32) {
+            let reference: Vec<f64> = single.flatten_all()?.to_vec1::<f32>()?.into_iter().map(f64::from).collect();
+            let f = super::swamping::compare(&g.y.flatten_all()?.to_vec1::<f32>()?, &reference, 0.01);
+            Some(CombineFigures {
+                wire,
+                accumulate,
+                relative_error: f.relative_error,
+                swamped_share: f.swamped_share,
+                bias: f.bias,
+            })
+        } else {
+            None
+        };
+        let differ = (whole.tokens.iter().zip(&g.routing.tokens)).filter(|(a, b)| a.routes != b.routes).count();
+        let (batch, seq_len, _) = x.dims3()?;
+        Ok(EpReport {
+            router: layer.router().name().to_string(),
+            ranks,
+            batch,
+            seq_len,
+            hidden: layer.dims().hidden,
+            experts: layer.dims().experts,
+            output_checksum: format!("{:016x}", checksum(&g.y)?),
+            equals_single_device: checksum(&g.y)? == checksum(&single)?,
+            tokens_routed_differently: differ,
+            traffic: g.traffic,
+            low_precision_combine,
+        })
     }
 
     /// Experts per rank, or an error when E does not split over `ranks`.

@@ -16,7 +16,9 @@ pub mod reduce;
 pub mod swamping;
 
 pub use comm::{run_ranks, Communicator, InProcess};
-pub use ep::{split_batch, ExpertParallel, Gathered, RankOutput, RankTraffic, Traffic};
+pub use ep::{
+    checksum, split_batch, CombineFigures, EpReport, ExpertParallel, Gathered, RankOutput, RankTraffic, Traffic,
+};
 pub use layer::{Layer, OnComm};
 
 use crate::error::Result;

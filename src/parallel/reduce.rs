@@ -18,7 +18,8 @@ use std::cell::Cell;
 use std::ops::Range;
 
 /// A floating-point format on the wire or in the accumulator.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 #[serde(rename_all = "lowercase")]
 pub enum Precision {
     /// IEEE binary32.
@@ -92,7 +93,8 @@ impl Precision {
 }
 
 /// How the partial sums travel.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 #[serde(rename_all = "lowercase")]
 pub enum Algorithm {
     /// Ring (NCCL, Horovod): reduce-scatter then all-gather around the ring; each chunk's partial
@@ -159,6 +161,13 @@ pub fn chunk(len: usize, parts: usize, i: usize) -> Range<usize> {
     at(i)..at(i + 1)
 }
 
+/// Chunk `i` (modulo the group's size) of `seg` split over `group`'s members.
+fn ring_chunk(seg: &Range<usize>, group: &Group, i: isize) -> Range<usize> {
+    let g = group.len() as isize;
+    let c = chunk(seg.len(), g as usize, i.rem_euclid(g) as usize);
+    seg.start + c.start..seg.start + c.end
+}
+
 /// What one rank did in a reduction: bytes it sent, and what it holds.
 #[derive(Debug, Clone)]
 pub struct Reduced {
@@ -222,32 +231,31 @@ impl Rank<'_> {
     /// Ring reduce-scatter of `buf[seg]` over `group`: member i ends with chunk i summed (in the
     /// accumulator); chunk c is summed in the order c+1, c+2, …, c.
     fn ring_reduce_scatter(&self, group: &Group, buf: &mut [f32], seg: Range<usize>) -> Result<Range<usize>> {
-        let g = group.len() as isize;
-        let part = |i: isize| {
-            let c = chunk(seg.len(), g as usize, i.rem_euclid(g) as usize);
-            seg.start + c.start..seg.start + c.end
-        };
-        let me = group.me as isize;
-        for s in 0..g - 1 {
-            let (out, inc) = (part(me - s - 1), part(me - s - 2));
-            let got = self.swap(&buf[out], group.at(1), group.at(-1), inc.len())?;
-            self.add(&mut buf[inc], &got);
-        }
-        Ok(part(me))
+        self.ring(group, buf, seg.clone(), 1, |acc, got| self.add(acc, got))?;
+        Ok(ring_chunk(&seg, group, group.me as isize))
     }
 
     /// Ring all-gather of `buf[seg]` over `group`: member i holds chunk i; every member ends with all.
     fn ring_all_gather(&self, group: &Group, buf: &mut [f32], seg: Range<usize>) -> Result<()> {
-        let g = group.len() as isize;
-        let part = |i: isize| {
-            let c = chunk(seg.len(), g as usize, i.rem_euclid(g) as usize);
-            seg.start + c.start..seg.start + c.end
-        };
+        self.ring(group, buf, seg, 0, |dst, got| dst.copy_from_slice(got))
+    }
+
+    /// The ring loop both ring phases share: g − 1 steps; at step s a member sends its chunk
+    /// `me − s − lag` to the next member and folds (`take`) the chunk `me − s − lag − 1` the
+    /// previous member sent.
+    fn ring(
+        &self,
+        group: &Group,
+        buf: &mut [f32],
+        seg: Range<usize>,
+        lag: isize,
+        take: impl Fn(&mut [f32], &[f32]),
+    ) -> Result<()> {
         let me = group.me as isize;
-        for s in 0..g - 1 {
-            let (out, inc) = (part(me - s), part(me - s - 1));
+        for s in 0..group.len() as isize - 1 {
+            let (out, inc) = (ring_chunk(&seg, group, me - s - lag), ring_chunk(&seg, group, me - s - lag - 1));
             let got = self.swap(&buf[out], group.at(1), group.at(-1), inc.len())?;
-            buf[inc].copy_from_slice(&got);
+            take(&mut buf[inc], &got);
         }
         Ok(())
     }

@@ -212,3 +212,61 @@ fn checksum(values: &[f32]) -> u64 {
         .flat_map(|v| v.to_bits().to_le_bytes())
         .fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
 }
+
+/// [`audit`] over in-process ranks, once per rank count, the figures in the order the tables
+/// and charts read them: range, then configuration (the plan's order), then ranks.
+pub fn audit_in_process(ranks: &[usize], payload: &Payload, plan: &AuditPlan) -> Result<Vec<Figures>> {
+    let mut results = Vec::new();
+    for &r in ranks {
+        let got = super::run_ranks(r, |comm| audit(comm, payload, plan))?;
+        results.extend(got.into_iter().next().flatten().unwrap_or_default());
+    }
+    sort_figures(plan, &mut results);
+    Ok(results)
+}
+
+/// Sorts figures by range, then configuration (the plan's order), then ranks.
+pub fn sort_figures(plan: &AuditPlan, results: &mut [Figures]) {
+    let config = |f: &Figures| {
+        plan.plans
+            .iter()
+            .position(|p| (p.algorithm, p.wire, p.accumulate) == (f.algorithm, f.wire, f.accumulate))
+            .unwrap_or(usize::MAX)
+    };
+    results.sort_by_key(|f| (plan.ranges.iter().position(|&r| r == f.range), config(f), f.ranks));
+}
+
+/// Row r of every tensor of a safetensors file, in name order, concatenated: rank r's gradients.
+pub fn read_gradients(path: &std::path::Path) -> Result<Vec<Vec<f32>>> {
+    let bad = |m: String| Error::input(path, m);
+    let tensors = candle_core::safetensors::load(path, &candle_core::Device::Cpu)
+        .map_err(|e| bad(format!("not a safetensors file: {e}")))?;
+    let mut names: Vec<&String> = tensors.keys().collect();
+    names.sort();
+    let Some(first) = names.first() else { return Err(bad("holds no tensors".into())) };
+    let ranks = tensors[*first].dims().first().copied().unwrap_or(0);
+    if ranks == 0 {
+        return Err(bad(format!("tensor `{first}` has no rank dimension (shape {:?})", tensors[*first].dims())));
+    }
+    let mut rows = vec![Vec::new(); ranks];
+    for name in names {
+        let t = &tensors[name];
+        if t.dims().first() != Some(&ranks) {
+            return Err(bad(format!(
+                "tensor `{name}` has shape {:?}, expected {ranks} ranks as its first dimension",
+                t.dims()
+            )));
+        }
+        let values = t.to_dtype(candle_core::DType::F32).and_then(|t| t.reshape((ranks, ())))?.to_vec2::<f32>()?;
+        for (r, v) in values.into_iter().enumerate() {
+            if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+                return Err(bad(format!("tensor `{name}` holds a non-finite value at rank {r}, element {i}")));
+            }
+            rows[r].extend(v);
+        }
+    }
+    if rows[0].is_empty() {
+        return Err(bad("holds no values".into()));
+    }
+    Ok(rows)
+}

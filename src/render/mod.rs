@@ -15,10 +15,11 @@ mod json;
 mod sweep;
 mod text;
 
+pub use crate::parallel::{CombineFigures, EpReport};
 pub use ci::{render_github, render_junit};
 pub use collectives::{collectives_chart, collectives_config_name, render_collectives, CollectivesReport};
-pub use ep::{render_ep, CombineFigures, EpReport};
-pub use exploit::{exploit_markdown, exploit_text, learning_curve};
+pub use ep::render_ep;
+pub use exploit::{exploit_markdown, exploit_text, learning_curve, write_exploit};
 pub use json::{json, witness_path, write_witnesses};
 pub use sweep::{csv as sweep_csv, markdown as sweep_markdown, write_sweep};
 pub use text::{render_markdown, render_replay, render_text, render_zoo};

@@ -23,10 +23,6 @@ use std::time::Duration;
 /// router and inputs rather than a temporary directory.
 pub const PLAN_RECIPE: &str = "snapshot.toml";
 
-/// The seeded inputs' own stream (the `route` command's): changing the gate's seed and the
-/// input's seed are independent choices.
-const INPUT_STREAM: u64 = 0x9e37_79b9_7f4a_7c15;
-
 /// A plan directory's recipe.
 #[derive(serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -204,7 +200,7 @@ fn rows(input: &mut InputSpec, hs: &Handshake, max_memory: u64) -> Result<Array3
     let want = match input.rows {
         Rows::Seeded => {
             let (b, s) = (input.batch, input.seq_len);
-            let t = Seeded::new(input.seed ^ INPUT_STREAM).normal(&[b, s, width], &Device::Cpu)?;
+            let t = Seeded::new(input.seed ^ crate::seeds::INPUT).normal(&[b, s, width], &Device::Cpu)?;
             return Ok(Array3::from_shape_vec((b, s, width), t.flatten_all()?.to_vec1()?).expect("shape"));
         }
         Rows::Logits => InputKind::Logits,

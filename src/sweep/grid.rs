@@ -189,10 +189,12 @@ impl Grid {
         if !self.routers.contains(&self.heatmap) {
             return Err(("heatmap".into(), format!("`{}` is not one of `routers`", self.heatmap)));
         }
-        if let Some(Err(Error::Usage(message))) = self.exploit.as_ref().map(ExploitOptions::validate) {
-            // `--seq-len: why` names the flag; here the key is `exploit.seq_len`.
-            let (flag, why) = message.split_once(": ").unwrap_or(("", &message));
-            return Err((format!("exploit.{}", flag.trim_start_matches('-').replace('-', "_")), why.to_string()));
+        match self.exploit.as_ref().map(ExploitOptions::validate) {
+            Some(Err(Error::Setting { setting, message })) => {
+                return Err((format!("exploit.{}", setting.name()), message))
+            }
+            Some(Err(e)) => return Err(("exploit".into(), e.to_string())),
+            _ => {}
         }
         Ok(())
     }

@@ -4,6 +4,7 @@
 
 use super::grid::Cell;
 use crate::analyze::compare::diff_token;
+use crate::analyze::TARGET_LOGIT;
 use crate::error::Result;
 use crate::router::Router;
 use crate::routing::Logits;
@@ -12,9 +13,6 @@ use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, StandardNormal};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
-
-/// Logit of the targeted expert in a crafted row (the others 0), as the F probe crafts them.
-const TARGET_LOGIT: f32 = 8.0;
 
 /// The position × distance picture of one router configuration.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -46,7 +44,7 @@ pub(super) fn heatmap(router: &dyn Router, logits: &Logits, cell: &Cell, seed: u
     let per_source: Vec<Vec<usize>> = (1..s)
         .into_par_iter()
         .map(|u| -> Result<Vec<usize>> {
-            let mut rng = ChaCha8Rng::seed_from_u64(seed ^ (0x4ea7_0000 + u as u64));
+            let mut rng = ChaCha8Rng::seed_from_u64(seed ^ (crate::seeds::HEATMAP + u as u64));
             let mut counts = vec![0usize; u];
             for bi in 0..b {
                 for variant in 0..=e {

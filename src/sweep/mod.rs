@@ -180,7 +180,7 @@ fn trained_layer(grid: &Grid, cell: &Cell) -> Result<MoeLayer> {
     let mut layer = MoeLayer::seeded(cell.config.clone(), grid.hidden, grid.ffn, grid.seed, DType::F32, &Device::Cpu)?;
     if has_state(&cell.config) {
         for step in 0..grid.balance_steps as u64 {
-            let x = Seeded::new(grid.seed ^ (0xba1a_0000 + step))
+            let x = Seeded::new(grid.seed ^ (crate::seeds::BALANCE_STEP + step))
                 .normal(&[cell.batch, cell.seq_len, grid.hidden], &Device::Cpu)?;
             if cell.config.threshold.is_some() {
                 let logits = crate::router::logits_to_host(&layer.router().scores(&x)?)?;
@@ -308,7 +308,7 @@ fn output_change(
     if half == 0 {
         return Ok((None, None));
     }
-    let later = Seeded::new(grid.seed ^ 0xf0_7e).normal(&[b, s - half, h], &Device::Cpu)?;
+    let later = Seeded::new(grid.seed ^ crate::seeds::SWEEP_LATER_HALF).normal(&[b, s - half, h], &Device::Cpu)?;
     let changed = Tensor::cat(&[&x.narrow(1, 0, half)?, &later], 1)?;
     let (y2, r2) = layer.forward(&changed)?;
     let (ya, yb) = (y.to_vec3::<f32>()?, y2.to_vec3::<f32>()?);

@@ -73,7 +73,7 @@ fn check_json(args: &[&str]) -> (i32, Report) {
 }
 
 fn verdicts(report: &Report) -> Vec<(Probe, Verdict)> {
-    report.routers.iter().flat_map(moe_audit::cli::verdicts).collect()
+    report.routers.iter().flat_map(moe_audit::analyze::verdicts).collect()
 }
 
 const MEGATRON_VERDICTS: [(Probe, Verdict); 8] = [

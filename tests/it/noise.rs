@@ -94,7 +94,7 @@ fn check(router: &Path, env: &[(&str, &str)], extra: &[&str]) -> (i32, Report, O
 }
 
 fn verdicts(report: &Report) -> Vec<(Probe, Verdict)> {
-    report.routers.iter().flat_map(moe_audit::cli::verdicts).collect()
+    report.routers.iter().flat_map(moe_audit::analyze::verdicts).collect()
 }
 
 #[test]

@@ -34,7 +34,7 @@ impl Rule for Future {
         let (b, s, h) = x.dims3()?;
         let t = s / 2;
         let mut v = x.flatten_all()?.to_vec1::<f32>()?;
-        let later = input.fresh(s - t - 1, 0xf)?.flatten_all()?.to_vec1::<f32>()?;
+        let later = input.fresh(s - t - 1, crate::seeds::FUTURE_SAMPLE)?.flatten_all()?.to_vec1::<f32>()?;
         v[(t + 1) * h..s * h].copy_from_slice(&later);
         let mut compare = vec![0; b];
         compare[0] = t + 1;

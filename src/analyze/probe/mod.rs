@@ -1,4 +1,4 @@
-//! The probes (DOMAIN.md §3). Each file owns one probe's rule ([`Rule`]): the cases it builds
+//! The probes (docs/PROPERTIES.md, "Probes"). Each file owns one probe's rule ([`Rule`]): the cases it builds
 //! on logits, how it changes the layer sample, and how its witness replays. The `probes!` table
 //! below is the registry: adding a probe is its file plus one entry there.
 //!
@@ -179,7 +179,7 @@ impl fmt::Display for Probe {
 
 /// Logit given to the targeted expert of a crafted token (the others get 0): strong enough to win
 /// every gate comparison (softmax gate ≈ 0.999 over 8 experts).
-const TARGET_LOGIT: f32 = 8.0;
+pub(crate) const TARGET_LOGIT: f32 = 8.0;
 
 /// What the probes share: the router, the base call and its routing, seeded randomness, and
 /// what the layout probe runs on.
@@ -211,7 +211,7 @@ impl Ctx<'_> {
 
     /// The random stream of `probe`.
     pub fn rng(&self, probe: Probe) -> ChaCha8Rng {
-        ChaCha8Rng::seed_from_u64(self.seed ^ (0x5eed_0000 + probe as u64))
+        ChaCha8Rng::seed_from_u64(self.seed ^ (crate::seeds::PROBE + probe as u64))
     }
 
     /// Width of an input row: E logits, or H hidden values (see [`crate::router::Hints::row_width`]).
@@ -287,7 +287,7 @@ impl Rows {
 /// The call S makes in between: fresh rows of the base call's sizes (at least 2 positions).
 pub(crate) fn other_call(ctx: &Ctx) -> Result<Call> {
     let (b, s) = ctx.base.dims();
-    let mut rng = ChaCha8Rng::seed_from_u64(ctx.seed ^ 0x5);
+    let mut rng = ChaCha8Rng::seed_from_u64(ctx.seed ^ crate::seeds::REPLAY_OTHER_CALL);
     let rows = ctx.fresh(s.max(2) * b, &mut rng)?;
     Ok(Call::new(rows.into_shape_with_order((b, s.max(2), ctx.width())).expect("shape")))
 }

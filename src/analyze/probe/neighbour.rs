@@ -35,7 +35,7 @@ impl Rule for Neighbour {
         if b < 2 {
             return Ok(None);
         }
-        let replaced = Tensor::cat(&[&x.narrow(0, 0, b - 1)?, &input.fresh(s, 0xa)?], 0)?;
+        let replaced = Tensor::cat(&[&x.narrow(0, 0, b - 1)?, &input.fresh(s, crate::seeds::NEIGHBOUR_SAMPLE)?], 0)?;
         let mut compare = vec![s; b];
         compare[b - 1] = 0;
         Ok(Some(SampleCase { x: replaced, seq_map: input.all(), compare, exact: false }))

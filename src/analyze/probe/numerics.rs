@@ -243,7 +243,7 @@ fn median(mut v: Vec<f64>) -> Option<f64> {
 /// The swamping experiment for every count in [`SWAMPING_TERMS`], on seeded terms in [0.5, 1.5)
 /// rounded to f16 (so every accumulator sums the same values and f64 sums them exactly).
 pub fn swamping(seed: u64) -> Vec<Swamping> {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x5a4d);
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ crate::seeds::NUMERICS);
     let max = *SWAMPING_TERMS.last().expect("not empty");
     let terms: Vec<f16> = (0..max).map(|_| f16::from_f32(rng.random_range(0.5f32..1.5))).collect();
     SWAMPING_TERMS

@@ -59,7 +59,7 @@ impl Rule for Replay {
     /// The sample again after the layer ran on other input: outputs must be equal bit for bit.
     fn sample(&self, input: &SampleInput) -> Result<Option<SampleCase>> {
         let (b, s, h) = input.x.dims3()?;
-        let other: Tensor = input.fresh(s, 0x5)?.broadcast_as((b, s, h))?.contiguous()?;
+        let other: Tensor = input.fresh(s, crate::seeds::REPLAY_OTHER_CALL)?.broadcast_as((b, s, h))?.contiguous()?;
         input.layer.forward(&other)?;
         Ok(Some(input.again()?))
     }
