@@ -112,6 +112,12 @@ pub trait Hints: Send + Sync {
     fn concurrent(&self) -> bool {
         true
     }
+    /// Whether the router is audited in its serving mode, its [`Router::inference`] being the
+    /// training one (an external router under `check --mode inference`): reports name the modes
+    /// of the calls they compare by it.
+    fn serving(&self) -> bool {
+        false
+    }
 }
 
 /// The [`Hints`] of any router, with the built-in defaults when it gives none.
@@ -131,6 +137,10 @@ impl dyn Router + '_ {
     /// Whether calls may run concurrently ([`Hints::concurrent`]).
     pub fn concurrent(&self) -> bool {
         self.hints().is_none_or(Hints::concurrent)
+    }
+    /// Whether the router is audited in its serving mode ([`Hints::serving`]).
+    pub fn serving(&self) -> bool {
+        self.hints().is_some_and(Hints::serving)
     }
 }
 

@@ -24,7 +24,10 @@ pub struct TokenDiff {
 }
 
 impl TokenDiff {
-    /// The token's routing decision changed (capacity alone does not count).
+    /// The token's routing decision changed (capacity alone does not count): the one rule that
+    /// judges a leak, for the audit ([`crate::analyze::tally`] counts these tokens), witness
+    /// shrinking and witness replay alike. A capacity in force that changed while no decision
+    /// did is reported, never judged a leak (docs/PROTOCOL.md, "Capacity").
     pub fn decision(&self) -> bool {
         self.experts || self.kept || self.padded || self.weight
     }

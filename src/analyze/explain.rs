@@ -31,14 +31,20 @@ pub struct Explanation {
 }
 
 /// The explanation of a leak or a drift (none for a pass or a probe that does not apply).
-pub(crate) fn explain(f: &Finding, options: &AuditOptions, config: Option<&RouterConfig>) -> Option<Explanation> {
+/// `serving`: the router is audited in its serving mode (M's calls are inference, then training).
+pub(crate) fn explain(
+    f: &Finding,
+    options: &AuditOptions,
+    config: Option<&RouterConfig>,
+    serving: bool,
+) -> Option<Explanation> {
     if !matches!(f.verdict, Verdict::Leak | Verdict::Drift) {
         return None;
     }
     let w = f.witness.as_ref();
     Some(Explanation {
         token: w.map(|w| w.token_a),
-        calls: calls(f.probe, w, options, config.is_some()),
+        calls: calls(f.probe, w, options, config.is_some(), serving),
         changed: w.map(|w| changed(&w.differs, &w.before, &w.after)),
         cause: cause(f),
         fix: fix(f.probe, config),
@@ -54,7 +60,7 @@ fn plural(n: usize, one: &str) -> String {
 }
 
 /// The two calls of a probe, sized from the witness when there is one.
-fn calls(probe: Probe, w: Option<&Witness>, options: &AuditOptions, configured: bool) -> [String; 2] {
+fn calls(probe: Probe, w: Option<&Witness>, options: &AuditOptions, configured: bool, serving: bool) -> [String; 2] {
     let (a, b) = (w.map(|w| &w.a), w.map(|w| &w.b));
     match probe {
         Probe::P => [
@@ -77,6 +83,8 @@ fn calls(probe: Probe, w: Option<&Witness>, options: &AuditOptions, configured: 
         Probe::S => ["the call alone".into(), "the same call after another call".into()],
         // An external router has modes, not an `[inference]` table.
         Probe::M if configured => ["the training configuration".into(), "the [inference] configuration".into()],
+        // The router's own mode first: the witness's `before` is its routing.
+        Probe::M if serving => ["inference mode".into(), "training mode".into()],
         Probe::M => ["training mode".into(), "inference mode".into()],
         Probe::L => ["1 rank".into(), format!("{} expert-parallel ranks (or the other flattening)", options.ranks)],
         Probe::X => ["f32 routing".into(), "bf16 or f16 routing".into()],
@@ -164,7 +172,8 @@ const SWEEP: &str = "docs/sweep/sweep.md, 4x64 tokens, 8 experts";
 /// How to fix, from the design family; the probes whose fix does not depend on it first.
 fn fix(probe: Probe, config: Option<&RouterConfig>) -> String {
     match probe {
-        Probe::D => return "make routing deterministic: no random selection or sampling at inference".into(),
+        // D runs in training mode: the router may be random there only (jitter, sampling).
+        Probe::D => return "random only in training (jitter, sampling): seed every training call or audit --mode inference; random when serving: make it deterministic, no random selection or sampling at inference".into(),
         Probe::S => return "keep forward stateless: update capacity or expert bias in an explicit training step, not in forward".into(),
         Probe::M => return "train and serve with one routing rule, or audit the serving rule as a router of its own".into(),
         Probe::X => return "compute the router's scores and top-k in f32 (the gate may stay in low precision)".into(),

@@ -402,7 +402,7 @@ pub fn audit(subject: &Subject, options: &AuditOptions, progress: &dyn Progress)
     let noise = ctx.repeats().repeat.tally();
     noise::separate(&mut findings, (noise.affected, noise.compared()), noise.differs());
     for finding in &mut findings {
-        finding.explain = explain::explain(finding, options, router.config());
+        finding.explain = explain::explain(finding, options, router.config(), router.serving());
     }
     Ok(RouterReport { router: router.name().to_string(), load, invariants, findings })
 }

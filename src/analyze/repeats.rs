@@ -75,11 +75,19 @@ impl Repeats {
         let before = self.state.last().expect("made by train").second.clone();
         let served = base.routes(inference.as_ref())?;
         let after = base.routes(router)?;
-        let label = "after an inference call";
+        // The router audited in its serving mode (`check --mode inference`) has training as its
+        // other mode: the labels name the modes the calls were really made in.
+        let serving = router.serving();
+        let label = if serving { "after a training call" } else { "after an inference call" };
         self.state.push(observed(label, same(), before, after, (CallMode::Train, CallMode::Inference)));
         other.routes(router)?;
         let served_again = base.routes(inference.as_ref())?;
-        let (label, around) = ("in inference mode, after a training call", Case { b: other.clone(), ..same() });
+        let label = if serving {
+            "in training mode, after an inference call"
+        } else {
+            "in inference mode, after a training call"
+        };
+        let around = Case { b: other.clone(), ..same() };
         self.state.push(observed(label, around, served, served_again, (CallMode::Inference, CallMode::Train)));
         Ok(())
     }

@@ -8,6 +8,17 @@ pub(crate) fn pick_witness_token(outcome: &Outcome) -> Option<Affected> {
     outcome.affected.iter().find(|a| a.diff.decision()).or(outcome.affected.first()).copied()
 }
 
+/// The hit a probe builds its witness for, of those its cases found in order: the first, unless
+/// it shows only a capacity change and a later one a changed decision (the witness must replay
+/// with the probe's verdict, a leak when some decision changed). `hit` reads a hit's token.
+pub(crate) fn witness_hit<T>(kept: Option<T>, next: Option<T>, hit: fn(&T) -> &Affected) -> Option<T> {
+    let decides = |t: &Option<T>| t.as_ref().is_some_and(|t| hit(t).diff.decision());
+    match kept {
+        Some(_) if decides(&kept) || !decides(&next) => kept,
+        _ => next.or(kept),
+    }
+}
+
 /// What a probe saw, summed over its cases: O(1) per case whatever the number of affected tokens.
 #[derive(Default)]
 pub(crate) struct Tally {

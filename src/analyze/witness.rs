@@ -11,7 +11,7 @@
 //! and replays against the live router (`check --replay W --router-cmd CMD`).
 
 use super::case::{Call, CallMode, Case};
-use super::compare::{diff_token, TokenDiff};
+use super::compare::{capacity_of, diff_token, TokenDiff};
 use super::{Probe, Property};
 use crate::config::RouterConfig;
 use crate::error::{Error, Result};
@@ -217,10 +217,14 @@ pub(crate) fn build_routed(
             .then(|| witness(&pair, (routed.0, routed.1, diff), probe, None, Some(handshake), modes, tb))
             .transpose();
     };
-    let leaks = |p: &Pair| replay_pair(config, probe, p, modes).map(|(_, _, d)| d.any()).unwrap_or(false);
-    if !leaks(&pair) {
+    // Shrinking keeps what the audit judged: a changed decision stays one (a capacity-only
+    // pair would replay as no leak), a capacity-only change stays at least that.
+    let Ok((_, _, found)) = replay_pair(config, probe, &pair, modes) else { return Ok(None) };
+    if !found.any() {
         return Ok(None);
     }
+    let same_judgement = |d: TokenDiff| d.any() && d.decision() == found.decision();
+    let leaks = |p: &Pair| replay_pair(config, probe, p, modes).is_ok_and(|(_, _, d)| same_judgement(d));
     let pair = shrink(pair, probe, &leaks);
     let (ra, rb, diff) = replay_pair(config, probe, &pair, modes)?;
     let tb = pair.token_b().expect("kept by shrinking");
@@ -503,6 +507,16 @@ pub struct Replay {
     pub before: TokenRouting,
     /// The token's routing in the changed run now.
     pub after: TokenRouting,
+    /// The capacity in force for the token in each run now (its own, else its group's).
+    pub capacity: (Option<usize>, Option<usize>),
+}
+
+impl Replay {
+    /// Whether the leak (X: the drift) reproduces, judged by the audit's rule
+    /// ([`TokenDiff::decision`]): a capacity in force that changed while no decision did is no leak.
+    pub fn reproduces(&self) -> bool {
+        self.diff.decision()
+    }
 }
 
 impl Witness {
@@ -678,6 +692,8 @@ impl Witness {
         let pair = Pair { a, b, seq_map, offset, token: ta };
         let (ra, rb, diff) = replay_pair(with, self.probe, &pair, (self.a_mode, self.b_mode))?;
         let tb = pair.token_b().expect("mapped");
-        Ok(Replay { before: ra.token(ta.0, ta.1).clone(), after: rb.token(tb.0, tb.1).clone(), diff, witness: self })
+        let (before, after) = (ra.token(ta.0, ta.1).clone(), rb.token(tb.0, tb.1).clone());
+        let capacity = (capacity_of(&ra, &before), capacity_of(&rb, &after));
+        Ok(Replay { before, after, capacity, diff, witness: self })
     }
 }

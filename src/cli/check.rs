@@ -280,7 +280,7 @@ fn replay(args: &CheckArgs, path: &Path, max_memory: u64, out: &mut dyn Write) -
     out.write_all(text.as_bytes()).map_err(io_error)?;
     // An X witness is drift: it fails as the audit that wrote it did, under `--fail-on drift`.
     let fails = if replay.witness.probe == Probe::X { args.fail_on.drift } else { args.fail_on.leak };
-    Ok(u8::from(replay.diff.any() && fails))
+    Ok(u8::from(replay.reproduces() && fails))
 }
 
 /// Arguments of `moe-audit zoo`.

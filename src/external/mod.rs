@@ -139,6 +139,10 @@ impl<A: Answers> Hints for External<A> {
     fn concurrent(&self) -> bool {
         false
     }
+
+    fn serving(&self) -> bool {
+        self.mode == Mode::Inference
+    }
 }
 
 /// Pool rows per expert when looking for targeted hidden rows.

@@ -3,7 +3,7 @@
 //! form of [`Report`].
 
 use crate::analyze::witness::Replay;
-use crate::analyze::{Finding, Probe, Report, Verdict};
+use crate::analyze::{Finding, Probe, Report, RouterReport, Verdict};
 use std::fmt::Write;
 
 pub(crate) fn verdict_word(v: Verdict) -> &'static str {
@@ -103,12 +103,26 @@ pub fn render_text(report: &Report, witness_paths: &dyn Fn(&str, Probe) -> Optio
             let _ = writeln!(out, "{:<22} invariant    FAIL    {v}", r.router);
         }
     }
-    let leaking: Vec<&str> = report.routers.iter().filter(|r| r.leaks()).map(|r| r.router.as_str()).collect();
-    let _ = if leaking.is_empty() {
-        writeln!(out, "no leak found in {} router(s)", report.routers.len())
-    } else {
-        writeln!(out, "{} of {} router(s) leak: {}", leaking.len(), report.routers.len(), leaking.join(", "))
-    };
+    // A router whose probes all passed but whose invariant failed is said as such, apart.
+    let probe_leak = |r: &&RouterReport| r.findings.iter().any(|f| f.verdict == Verdict::Leak);
+    let names = |rs: Vec<&RouterReport>| rs.iter().map(|r| r.router.as_str()).collect::<Vec<_>>().join(", ");
+    let (leaking, broken): (Vec<&RouterReport>, Vec<&RouterReport>) =
+        report.routers.iter().filter(|r| r.leaks()).partition(probe_leak);
+    let n = report.routers.len();
+    if leaking.is_empty() && broken.is_empty() {
+        let _ = writeln!(out, "no leak found in {n} router(s)");
+    }
+    if !leaking.is_empty() {
+        let _ = writeln!(out, "{} of {n} router(s) leak: {}", leaking.len(), names(leaking));
+    }
+    if !broken.is_empty() {
+        let _ = writeln!(
+            out,
+            "{} of {n} router(s) break an invariant while every probe passed: {} (a capacity per sequence must be stated with its scope: moe-audit/2)",
+            broken.len(),
+            names(broken)
+        );
+    }
     if let Some(line) = inconclusive_line(report) {
         let _ = writeln!(out, "{line}");
     }
@@ -216,10 +230,10 @@ pub fn render_replay(replay: &Replay) -> String {
     let w = &replay.witness;
     let token = format!("batch {}, position {}", w.token_a.batch, w.token_a.pos);
     let (found, gone) = if w.probe == Probe::X { ("DRIFT", "no drift") } else { ("LEAK", "no leak") };
-    if replay.diff.any() {
+    let name = w.name().unwrap_or_default();
+    if replay.reproduces() {
         format!(
-            "{found} reproduced: router {}, probe {} ({}), property {}: token {token} routes differently ({})\n  before: {}\n  after:  {}\n",
-            w.name().unwrap_or_default(),
+            "{found} reproduced: router {name}, probe {} ({}), property {}: token {token} routes differently ({})\n  before: {}\n  after:  {}\n",
             w.probe,
             w.probe.name(),
             w.property,
@@ -227,8 +241,15 @@ pub fn render_replay(replay: &Replay) -> String {
             serde_json::to_string(&replay.before.routes).expect("serialises"),
             serde_json::to_string(&replay.after.routes).expect("serialises"),
         )
+    } else if replay.diff.capacity {
+        let capacity = |c: Option<usize>| c.map_or("none".to_string(), |c| c.to_string());
+        format!(
+            "{gone}: router {name} routes token {token} alike in both calls; the capacity in force changed ({} -> {}), no decision did\n",
+            capacity(replay.capacity.0),
+            capacity(replay.capacity.1),
+        )
     } else {
-        format!("{gone}: router {} now routes token {token} alike in both calls\n", w.name().unwrap_or_default())
+        format!("{gone}: router {name} now routes token {token} alike in both calls\n")
     }
 }
 
@@ -237,6 +258,25 @@ mod tests {
     use super::*;
     use crate::analyze::{AuditOptions, RouterReport};
     use crate::routing::LoadStats;
+
+    #[test]
+    fn an_invariant_failure_alone_is_summarised_as_such() {
+        let report = Report {
+            options: AuditOptions { probes: Vec::new(), ..AuditOptions::default() },
+            routers: vec![RouterReport {
+                router: "switch-v1".into(),
+                load: LoadStats::default(),
+                invariants: vec!["group 0: expert 1 keeps 3 routes over its capacity 2".into()],
+                findings: vec![Finding { verdict: Verdict::Pass, ..Finding::empty(Probe::P) }],
+            }],
+        };
+        let text = render_text(&report, &|_, _| None);
+        assert!(!text.contains("router(s) leak"), "{text}");
+        assert!(
+            text.ends_with("1 of 1 router(s) break an invariant while every probe passed: switch-v1 (a capacity per sequence must be stated with its scope: moe-audit/2)\n"),
+            "{text}"
+        );
+    }
 
     #[test]
     fn the_zoo_counts_a_broken_invariant_as_a_leak() {

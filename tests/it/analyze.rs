@@ -403,7 +403,7 @@ fn witnesses_of_long_calls_stay_small_and_replay() {
             assert!(w.a.batch * w.a.seq_len <= 48, "{name} {}: {}x{}", f.probe, w.a.batch, w.a.seq_len);
             let path = dir.join(format!("{name}-{}.json", f.probe));
             std::fs::write(&path, serde_json::to_string(w).unwrap()).unwrap();
-            assert!(Witness::read(&path).unwrap().replay(&path).unwrap().diff.any(), "{name} {}", f.probe);
+            assert!(Witness::read(&path).unwrap().replay(&path).unwrap().reproduces(), "{name} {}", f.probe);
         }
     }
 }
@@ -426,7 +426,7 @@ fn every_witness_replays_from_its_file_alone() {
             let path = dir.join(format!("{name}-{}.json", f.probe));
             std::fs::write(&path, serde_json::to_string(w).unwrap()).unwrap();
             let replay = Witness::read(&path).unwrap().replay(&path).unwrap();
-            assert!(replay.diff.any(), "{name} {}", f.probe);
+            assert!(replay.reproduces(), "{name} {}", f.probe);
             assert_eq!((&replay.before, &replay.after), (&w.before, &w.after));
             // The same witness against a dropless router does not reproduce.
             let mut fixed = w.clone();
@@ -441,7 +441,7 @@ fn every_witness_replays_from_its_file_alone() {
             assert!(err.contains("does not match its `sha256`"), "{err}");
             fixed.seal().unwrap();
             std::fs::write(&path, serde_json::to_string(&fixed).unwrap()).unwrap();
-            assert!(!Witness::read(&path).unwrap().replay(&path).unwrap().diff.any());
+            assert!(!Witness::read(&path).unwrap().replay(&path).unwrap().reproduces());
         }
     }
     std::fs::remove_dir_all(&dir).unwrap();
@@ -481,5 +481,92 @@ fn json_reports() {
         let layer = layer_of(config(name));
         let report = audit(&Subject::layer(&layer), &options, &Silent).unwrap();
         insta::assert_json_snapshot!(format!("report_{name}"), rounded(serde_json::to_value(&report).unwrap()));
+    }
+}
+
+/// Megatron-LM's `probs` dropping with a capacity factor so large that nothing drops: the
+/// capacity in force still follows the tokens routed, no decision does.
+fn capacity_only(factor: f64) -> RouterConfig {
+    let mut c = config("megatron-probs");
+    c.capacity.as_mut().unwrap().factor = Some(factor);
+    c
+}
+
+#[test]
+fn a_capacity_only_witness_replays_as_no_leak_as_the_audit_passes() {
+    // The audit passes P (capacity changed, no decision did); its witness must replay alike:
+    // no leak, exit 0, with the capacities, never "LEAK reproduced" on identical routes.
+    let r = audit_config(capacity_only(64.0), &[P]);
+    let f = &r.findings[0];
+    assert_eq!((f.verdict, f.capacity_changed), (Pass, true), "{}", f.note);
+    let w = f.witness.as_ref().expect("a witness of the capacity change");
+    assert_eq!(w.before.routes, w.after.routes);
+    let path = std::env::temp_dir().join(format!("moe-audit-capacity-only-{}.json", std::process::id()));
+    std::fs::write(&path, serde_json::to_string(w).unwrap()).unwrap();
+    let replay = Witness::read(&path).unwrap().replay(&path).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    assert!(!replay.reproduces() && replay.diff.capacity);
+    let text = moe_audit::render::render_replay(&replay);
+    assert!(text.starts_with("no leak: router megatron-probs routes token batch "), "{text}");
+    assert!(
+        text.contains("alike in both calls; the capacity in force changed (") && text.ends_with("no decision did\n"),
+        "{text}"
+    );
+}
+
+#[test]
+fn l_on_a_batch_the_ranks_do_not_split_runs_on_its_largest_prefix_that_does() {
+    // Batch 3 over the default 2 ranks: L said "pass, 0 tokens differ" without comparing a
+    // single rank layout. It compares the first 2 sequences now, and leaks as at batch 4.
+    let at = |batch| {
+        let layer = layer_of(config("megatron-probs"));
+        audit(&Subject::layer(&layer), &AuditOptions { batch, ..options(&[L]) }, &Silent).unwrap().findings[0].clone()
+    };
+    let (three, four) = (at(3), at(4));
+    assert_eq!((three.verdict, four.verdict), (Leak, Leak), "{} | {}", three.note, four.note);
+    assert!(three.note.contains("2 ranks of 1 sequence; on the first 2 of 3 sequences"), "{}", three.note);
+    // One sequence cannot be laid out over 2 ranks: n/a with the reason, never a pass.
+    let one = at(1);
+    assert_eq!(one.verdict, NotApplicable, "{}", one.note);
+    assert!(one.note.starts_with("rank layouts not compared: needs a batch of at least 2 sequences"), "{}", one.note);
+}
+
+mod witness_props {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 8, failure_persistence: None, ..ProptestConfig::default() })]
+
+        /// Every witness an audit writes replays with the audit's verdict (a leak reproduces,
+        /// a capacity-only change does not), and after a fix that changes capacity only (a
+        /// factor under which nothing drops) with no leak: exit 0.
+        #[test]
+        fn every_witness_replays_with_the_audits_verdict(
+            name in prop::sample::select(vec!["megatron-probs", "megatron-position", "deepspeed-top2", "deepspeed-top1"]),
+            factor in prop::sample::select(vec![1.0, 1.5, 64.0]),
+            seed in 0u64..1000,
+            batch in 2usize..5,
+        ) {
+            let mut c = config(name);
+            c.capacity.as_mut().unwrap().factor = Some(factor);
+            let layer = MoeLayer::seeded(c, 32, 32, seed, DType::F32, &Device::Cpu).unwrap();
+            let options = AuditOptions { seed, batch, seq_len: 12, trials: 4, ..options(&[P, F, N, R, L, D, S]) };
+            let r = audit(&Subject::layer(&layer), &options, &Silent).unwrap();
+            let path = std::env::temp_dir().join(format!("moe-audit-prop-{}-{name}.json", std::process::id()));
+            for f in &r.findings {
+                let Some(w) = &f.witness else { continue };
+                std::fs::write(&path, serde_json::to_string(w).unwrap()).unwrap();
+                let replay = Witness::read(&path).unwrap().replay(&path).unwrap();
+                prop_assert_eq!(replay.reproduces(), f.verdict == Leak, "{} {}: {}", name, f.probe, f.note);
+                let mut fixed = w.clone();
+                fixed.router.as_mut().unwrap().capacity.as_mut().unwrap().factor = Some(1e4);
+                fixed.seal().unwrap();
+                std::fs::write(&path, serde_json::to_string(&fixed).unwrap()).unwrap();
+                let replay = Witness::read(&path).unwrap().replay(&path).unwrap();
+                prop_assert!(!replay.reproduces(), "{} {} after the fix: {:?}", name, f.probe, replay.diff);
+            }
+            let _ = std::fs::remove_file(&path);
+        }
     }
 }

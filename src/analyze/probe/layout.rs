@@ -8,12 +8,13 @@
 use super::{Ctx, Rule, Sample};
 use crate::analyze::case::{CallMode, Case};
 use crate::analyze::layer_check::ranks_split;
-use crate::analyze::tally::{pick_witness_token, Tally};
+use crate::analyze::tally::{pick_witness_token, witness_hit, Tally};
 use crate::analyze::{witness, Finding, Probe, Property, Verdict};
 use crate::config::{Flatten, RouterConfig, ScopeGroup};
 use crate::error::Result;
 use crate::parallel::RankTraffic;
 use crate::routing::assign_routes;
+use std::sync::Arc;
 
 /// Probe L.
 pub(crate) struct Layout;
@@ -33,30 +34,50 @@ impl Rule for Layout {
 }
 
 /// Runs L: one case per rank (its sequences routed alone versus within the whole batch), one
-/// case with the flattening order flipped, and the layer sample run expert-parallel.
+/// case with the flattening order flipped, and the layer sample run expert-parallel. A batch
+/// that does not split over the ranks is compared on its largest prefix of sequences that
+/// does; one smaller than the ranks leaves the rank layouts uncompared, and the probe `n/a`
+/// unless the flattening leaks (it never passes on a comparison it did not make).
 fn probe(ctx: &Ctx, sample: Option<&Sample>) -> Result<Finding> {
     let mut finding = Finding::empty(Probe::L);
     let b = ctx.base.dims().0;
     let r = ctx.ranks;
     let split = ranks_split(b, r);
+    // The sequences laid out over the ranks: the batch, or its largest prefix that splits.
+    let used = if r >= 2 { b - b % r } else { 0 };
     let mut notes = Vec::new();
     let mut tally = Tally::default();
     let mut first_leak = None;
-    if split {
-        let per = b / r;
+    let prefix;
+    let (whole, reference) = if split {
+        (&ctx.base, std::borrow::Cow::Borrowed(&ctx.base_routing))
+    } else {
+        prefix = Arc::new(ctx.base.select(&(0..used).collect::<Vec<_>>()));
+        let routed = if used > 0 { Some(prefix.routes(ctx.router)?) } else { None };
+        (&prefix, routed.map_or(std::borrow::Cow::Borrowed(&ctx.base_routing), std::borrow::Cow::Owned))
+    };
+    if used > 0 {
+        let per = used / r;
         for rank in 0..r {
             let seqs: Vec<usize> = (rank * per..(rank + 1) * per).collect();
             // Sequences on other ranks have no counterpart: not compared.
-            let seq_map = (0..b).map(|i| seqs.contains(&i).then(|| i - rank * per)).collect();
-            let case = Case::whole(&ctx.base, ctx.base.select(&seqs), seq_map);
+            let seq_map = (0..used).map(|i| seqs.contains(&i).then(|| i - rank * per)).collect();
+            let case = Case::whole(whole, whole.select(&seqs), seq_map);
             let routed = case.b.routes(ctx.router)?;
-            let outcome = case.compare(&ctx.base_routing, &routed);
+            let outcome = case.compare(&reference, &routed);
             tally.merge(&Tally::of(&outcome));
-            if first_leak.is_none() {
-                first_leak = pick_witness_token(&outcome).map(|hit| (case, hit, routed));
-            }
+            let hit = pick_witness_token(&outcome).map(|hit| (case, hit, routed));
+            first_leak = witness_hit(first_leak, hit, |(_, hit, _)| hit);
         }
         notes.push(format!("{r} ranks of {per} {}", if per == 1 { "sequence" } else { "sequences" }));
+        if !split {
+            notes.push(format!("on the first {used} of {b} sequences (a batch of {b} does not split over {r} ranks)"));
+        }
+    } else {
+        notes.push(format!(
+            "rank layouts not compared: needs a batch of at least {} sequences to split over {r} ranks, has {b}",
+            r.max(2)
+        ));
     }
     if let Some(flipped) = ctx.router.config().and_then(flipped_flatten) {
         let base = &ctx.base;
@@ -67,16 +88,14 @@ fn probe(ctx: &Ctx, sample: Option<&Sample>) -> Result<Finding> {
         tally.merge(&Tally::of(&outcome));
         notes.push(format!("[S,B] vs [B,S] flattening: {affected} tokens differ"));
     }
-    if notes.is_empty() {
+    if used == 0 && tally.affected == 0 {
         finding.verdict = Verdict::NotApplicable;
-        finding.note = format!(
-            "needs a batch divisible by {r} ranks (2 or more), or a router config whose scope is not per sequence"
-        );
+        finding.note = notes.join("; ");
         return Ok(finding);
     }
     tally.finish(&mut finding);
     if let Some((case, hit, routed)) = first_leak {
-        let (routed, modes) = (Some((&ctx.base_routing, &routed)), (CallMode::Train, CallMode::Train));
+        let (routed, modes) = (Some((reference.as_ref(), &routed)), (CallMode::Train, CallMode::Train));
         finding.witness = witness::build_routed(ctx.router, Probe::L, &case, (hit.batch, hit.pos), routed, modes)?;
     }
     if split && ctx.router.experts() % r != 0 {

@@ -8,7 +8,7 @@
 use super::case::{Affected, Call, CallMode, Case};
 use super::layer_check::{Sample, SampleCase, SampleInput};
 use super::repeats::Repeats;
-use super::tally::{pick_witness_token, Tally};
+use super::tally::{pick_witness_token, witness_hit, Tally};
 use super::witness::{self, Replayer};
 use super::{Finding, Property, Verdict};
 use crate::error::{Error, Result};
@@ -368,9 +368,7 @@ fn run_cases(ctx: &Ctx, probe: Probe, cases: Cases, not_applicable: &str) -> Res
     let mut fold = |i: usize, result: Result<CaseSeen>| -> Result<()> {
         let (t, hit) = result?;
         tally.merge(&t);
-        if first_leak.is_none() {
-            first_leak = hit.map(|hit| (i, hit));
-        }
+        first_leak = witness_hit(first_leak.take(), hit.map(|hit| (i, hit)), |(_, (hit, _))| hit);
         Ok(())
     };
     if ctx.pure {

@@ -24,7 +24,7 @@
 
 use super::{run_cases, Cases, Ctx, Rule, Sample};
 use crate::analyze::case::{Affected, Call, Case};
-use crate::analyze::tally::{pick_witness_token, Tally};
+use crate::analyze::tally::{pick_witness_token, witness_hit, Tally};
 use crate::analyze::witness;
 use crate::analyze::layer_check::{SampleCase, SampleInput};
 use crate::analyze::{Finding, Probe, Property};
@@ -98,7 +98,9 @@ fn search(ctx: &Ctx, cases: &Cases) -> Result<Finding> {
     let mut finding = Finding::empty(Probe::P);
     let count = cases.len();
     let mut seen = route(ctx, cases, &planned(count))?;
-    let first_leak = |seen: &BTreeMap<usize, Seen>| seen.iter().find(|(_, (_, hit))| hit.is_some()).map(|(&t, _)| t);
+    // A leak is a changed decision (a capacity alone is none): the scan looks for the first.
+    let leaks = |hit: &Option<Affected>| hit.is_some_and(|h| h.diff.decision());
+    let first_leak = |seen: &BTreeMap<usize, Seen>| seen.iter().find(|(_, (_, hit))| leaks(hit)).map(|(&t, _)| t);
     let unrouted = |seen: &BTreeMap<usize, Seen>, below: usize| -> Vec<usize> {
         (0..below).filter(|t| !seen.contains_key(t)).collect()
     };
@@ -109,7 +111,7 @@ fn search(ctx: &Ctx, cases: &Cases) -> Result<Finding> {
             // The exhaustive probe's first leak is at or below `first`: route upward until found.
             for chunk in unrouted(&seen, first).chunks(SCAN_CHUNK) {
                 seen.extend(route(ctx, cases, chunk)?);
-                if chunk.iter().any(|t| seen[t].1.is_some()) {
+                if chunk.iter().any(|t| leaks(&seen[t].1)) {
                     break;
                 }
             }
@@ -137,7 +139,8 @@ fn search(ctx: &Ctx, cases: &Cases) -> Result<Finding> {
     } else {
         format!("{count} cases, {routed} routed: up to the first leak and at log-spaced lengths")
     };
-    if let Some((&t, (_, Some(hit)))) = seen.iter().find(|(_, (_, hit))| hit.is_some()) {
+    let hits = seen.iter().filter_map(|(&t, (_, hit))| hit.map(|hit| (t, hit)));
+    if let Some((t, hit)) = hits.fold(None, |kept, next| witness_hit(kept, Some(next), |(_, hit)| hit)) {
         finding.witness = witness::build(ctx.router, Probe::P, &*cases.get(t)?, (hit.batch, hit.pos))?;
     }
     Ok(finding)

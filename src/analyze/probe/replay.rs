@@ -7,7 +7,7 @@
 use super::{Ctx, Rule, Sample};
 use crate::analyze::case::{Call, CallMode};
 use crate::analyze::layer_check::{SampleCase, SampleInput};
-use crate::analyze::tally::{pick_witness_token, Tally};
+use crate::analyze::tally::{pick_witness_token, witness_hit, Tally};
 use crate::analyze::witness::{self, Replayer};
 use crate::analyze::{Finding, Probe, Property};
 use crate::error::Result;
@@ -30,21 +30,20 @@ impl Rule for Replay {
         let mut finding = Finding::empty(Probe::S);
         let mut tally = Tally::default();
         let mut differs = Vec::new();
+        let mut hit = None;
         for o in &ctx.repeats().state {
             let outcome = o.case.compare(&o.first, &o.second);
             let t = Tally::of(&outcome);
-            if t.differs() {
+            // "Routes differently" only where a decision changed; a capacity alone is said apart.
+            if t.affected > 0 {
                 differs.push(o.label);
-                if finding.witness.is_none() {
-                    if let Some(hit) = pick_witness_token(&outcome) {
-                        let token = (hit.batch, hit.pos);
-                        let routed = Some((&o.first, &o.second));
-                        finding.witness =
-                            witness::build_routed(ctx.router, Probe::S, &o.case, token, routed, o.modes)?;
-                    }
-                }
             }
+            hit = witness_hit(hit, pick_witness_token(&outcome).map(|h| (o, h)), |(_, h)| h);
             tally.merge(&t);
+        }
+        if let Some((o, h)) = hit {
+            let routed = Some((&o.first, &o.second));
+            finding.witness = witness::build_routed(ctx.router, Probe::S, &o.case, (h.batch, h.pos), routed, o.modes)?;
         }
         tally.finish(&mut finding);
         let modes = if ctx.repeats().state.len() > 2 { ", and around a call of the other mode" } else { "" };
