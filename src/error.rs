@@ -107,6 +107,8 @@ pub enum Setting {
     Probes,
     /// How long an external router may take to answer.
     Timeout,
+    /// The command of an external router.
+    RouterCmd,
     /// The memory limit.
     MaxMemory,
     /// Rewriting a snapshot in place.
@@ -123,7 +125,7 @@ pub enum Setting {
 
 impl Setting {
     /// Every setting.
-    pub const ALL: [Setting; 14] = [
+    pub const ALL: [Setting; 15] = [
         Setting::Batch,
         Setting::SeqLen,
         Setting::Hidden,
@@ -132,6 +134,7 @@ impl Setting {
         Setting::Ranks,
         Setting::Probes,
         Setting::Timeout,
+        Setting::RouterCmd,
         Setting::MaxMemory,
         Setting::Update,
         Setting::Traces,
@@ -151,6 +154,7 @@ impl Setting {
             Setting::Ranks => "ranks",
             Setting::Probes => "probes",
             Setting::Timeout => "timeout",
+            Setting::RouterCmd => "router_cmd",
             Setting::MaxMemory => "max_memory",
             Setting::Update => "update",
             Setting::Traces => "traces",
