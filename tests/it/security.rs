@@ -68,7 +68,8 @@ fn a_snapshot_header_never_runs_its_command() {
         e,
         "error: r.snap: [router] command = \"python3 r.py\" is a record for the reader, never run from the file: give the router's command with --router-cmd"
     );
-    // An edited command: refused without and with --router-cmd (either one), nothing created.
+    // A hand-edited command: the seal refuses the header before anything runs, with or without
+    // --router-cmd (either command), and --update rewrites nothing.
     let edited = text.replace("command = \"python3 r.py\"", "command = \"touch PWNED; python3 r.py\"");
     std::fs::write(dir.join("r.snap"), &edited).unwrap();
     for args in [
@@ -79,20 +80,27 @@ fn a_snapshot_header_never_runs_its_command() {
         &["snapshot", "--check", "r.snap", "--router-cmd", "touch PWNED; python3 r.py"],
     ] {
         let e = refused(&dir, args);
-        assert!(e.starts_with("error: r.snap: "), "{args:?}: {e}");
+        assert!(e.starts_with("error: r.snap: the header does not match its `header_sha256`"), "{args:?}: {e}");
         assert!(!dir.join("PWNED").exists(), "{args:?} ran the header's command");
     }
     assert_eq!(std::fs::read_to_string(dir.join("r.snap")).unwrap(), edited, "--update rewrote an edited file");
-    assert!(
-        refused(&dir, &["snapshot", "--check", "r.snap"]).contains("[router] command = \"touch PWNED; python3 r.py\"")
-    );
-    assert_eq!(
-        refused(&dir, &["snapshot", "--check", "r.snap", "--router-cmd", "python3 r.py"]),
-        "error: r.snap: --router-cmd \"python3 r.py\" is not the header's [router] command = \"touch PWNED; python3 r.py\": neither is run"
-    );
-    // Given the edited command itself, the seal refuses the edited header before anything runs.
-    assert!(refused(&dir, &["snapshot", "--check", "r.snap", "--router-cmd", "touch PWNED; python3 r.py"])
-        .contains("the header does not match its `header_sha256` (edited or corrupted)"));
+    // Resealed by the stranger: the command is still only named, and a different one given is
+    // refused naming both.
+    let mut f = SnapshotFile::parse(&text, Path::new("r.snap")).unwrap();
+    f.header.router =
+        moe_audit::snapshot::RouterSource::Command { command: "touch PWNED; python3 r.py".into(), timeout: 60.0 };
+    std::fs::write(dir.join("r.snap"), f.render()).unwrap();
+    for flag in ["--check", "--update"] {
+        assert_eq!(
+            refused(&dir, &["snapshot", flag, "r.snap"]),
+            "error: r.snap: [router] command = \"touch PWNED; python3 r.py\" is a record for the reader, never run from the file: give the router's command with --router-cmd"
+        );
+        assert_eq!(
+            refused(&dir, &["snapshot", flag, "r.snap", "--router-cmd", "python3 r.py"]),
+            "error: r.snap: --router-cmd \"python3 r.py\" is not the header's [router] command = \"touch PWNED; python3 r.py\": neither is run"
+        );
+    }
+    assert!(!dir.join("PWNED").exists());
     // --timeout has the bounds of every other router command.
     let e = refused(&dir, &["snapshot", "--router-cmd", "python3 r.py", "--timeout", "1e30"]);
     assert_eq!(e, "error: --timeout must be a number of seconds in (0, 86400], got 1e30");
