@@ -91,7 +91,7 @@ fn the_exploit_column_measures_each_cell_when_the_grid_asks() {
     // A grid names router files inside its own folder (docs/SECURITY.md): a copy beside it.
     let leaky = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/exploit/expert-choice-sequence.toml");
     file("expert-choice-sequence.toml", &std::fs::read_to_string(leaky).unwrap());
-    let grid = format!(
+    let grid = String::from(
         "routers = [\"mixtral\", \"expert-choice-sequence.toml\"]\ncapacity_factor = [2.0]\ntop_k = [2]\nexperts = [4]\nseq_len = [8]\n\
          batch = [2]\ntrials = 2\nnumerics = false\nheatmap = \"mixtral\"\n\n[exploit]\nseq_len = 2\nsteps = 300\n\
          seeds = 1\neval_batches = 32\ncurve_points = 2\nprobe_batches = 0\n"
