@@ -46,7 +46,7 @@ pub struct Header {
     pub weight_decimals: u32,
     /// The modes routed, one section each.
     pub modes: Vec<Mode>,
-    /// Hex sha256 of the header as written with this field empty ([`Header::seal`]): any edit
+    /// Hex sha256 of the header as written with this field empty ([`Header::sealed`]): any edit
     /// of a value of the header (router, command, sizes, seed, modes, hashes) breaks it, so a
     /// check refuses an edited header instead of making what it now says. Empty in the unsealed
     /// format.
