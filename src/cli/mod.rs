@@ -96,6 +96,7 @@ pub fn flag(setting: Setting) -> &'static str {
         Setting::Ranks => "--ranks",
         Setting::Probes => "--probes",
         Setting::Timeout => "--timeout",
+        Setting::RouterCmd => "--router-cmd",
         Setting::MaxMemory => "--max-memory",
         Setting::Update => "--update",
         Setting::Traces => "--traces",

@@ -19,6 +19,7 @@ mod protocol2;
 mod readme;
 mod routers;
 mod search;
+mod security;
 mod snapshot_cli;
 mod snapshots;
 mod sweep;
