@@ -21,6 +21,7 @@ pub mod parallel;
 pub mod progress;
 pub mod render;
 pub mod router;
+pub mod routes;
 pub mod routing;
 pub mod runtime;
 pub mod snapshot;

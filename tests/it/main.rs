@@ -18,6 +18,7 @@ mod progress;
 mod protocol2;
 mod readme;
 mod routers;
+mod routes;
 mod search;
 mod snapshot_cli;
 mod snapshots;
