@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import adapter, v1, v2
+from .. import adapter, v1, v2
 
 
 @dataclass(frozen=True)
