@@ -199,6 +199,8 @@ def _capacity_top2(router, inputs, output, dispatch):
     weights = torch.where(kept, combine.gather(1, experts), before)
     present = None
     padding = inputs[1] if len(inputs) > 1 and isinstance(inputs[1], torch.Tensor) else None
+    if padding is not None and padding.ndim == 4:  # an attention mask: its last query row, as the router reads it
+        padding = padding[:, :, -1, :].reshape(-1)[-probs.shape[0]:]
     if padding is not None and not getattr(router, "router_ignore_padding_tokens", True):
         present = ~padding.bool().reshape(-1, 1)  # the router masks padding out of both choices
     capacity = [int(router.expert_capacity)] * probs.shape[-1]
@@ -229,14 +231,15 @@ def _sorted_dispatch(router, inputs, output, dispatch):
 def _generic_accepts(router, output):
     e = _experts_of(router)
     t = _tensors(output)
-    return any(x.is_floating_point() and x.shape[-1] == e for x in t)
+    return any(x.is_floating_point() and x.shape[-1] in (e, e + 1) for x in t)
 
 
 def _generic(router, inputs, output, dispatch):
     e = _experts_of(router)
     tokens = _tokens(inputs)
     out = _tensors(output)
-    dense = _by_width(out, tokens, e, True)
+    # [T, E] logits or scores ([T, E + 1]: a router that also scores a skip or shared expert).
+    dense = _by_width(out, tokens, e, True) or _by_width(out, tokens, e + 1, True)
     logits = dense[-1] if len(dense) > 1 and _sparse(dense[0]) else (dense[0] if dense else None)
     ids = [t for t in out if not t.is_floating_point() and t.ndim >= 1 and t.shape[-1] < e
            and t.numel() % tokens == 0 and t.numel() // tokens == t.shape[-1]]
@@ -330,8 +333,8 @@ def _unread(router, output):
 #: Config fields that give the number of routed experts, and experts per token.
 EXPERT_FIELDS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts", "num_routed_experts",
                  "n_experts")
-TOP_K_FIELDS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_top_k", "top_k", "router_top_k",
-                "n_activated_experts")
+TOP_K_FIELDS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_top_k", "moe_k", "top_k",
+                "router_top_k", "n_activated_experts")
 #: The first index in a module path: the decoder layer (``model.layers.3.mlp.gate``: 3).
 _LAYER = re.compile(r"^(.*?)(?:^|\.)(\d+)(?:\.|$)")
 _MTP = re.compile(r"(?:^|\.)(?:mtp|nextn)\w*(?:\.|$)", re.I)
@@ -348,8 +351,9 @@ def _expert_count(module):
     if isinstance(module, torch.nn.modules.conv._ConvNd):
         return None  # [channels, 1, kernel]: a depthwise convolution, not stacked experts
     stacked = {p.shape[0] for p in module.parameters(recurse=False) if p.ndim == 3}
-    if len(stacked) == 1:
-        return stacked.pop()
+    if stacked:
+        # LongCat stacks one more up-projection than down-projections: its identity expert.
+        return max(stacked)
     n = getattr(module, "num_experts", None)
     try:
         takes = len(inspect.signature(module.forward).parameters)
@@ -368,10 +372,10 @@ def _gate(module, experts):
 
 
 def _is_router(module, experts):
-    """Whether module is a gate to E experts: an [E, H] weight, and little else (a bias, a
-    selection bias), not a stack of layers."""
-    gate = _gate(module, experts)
-    return gate is not None and sum(p.numel() for p in module.parameters()) <= 4 * gate.numel()
+    """Whether module is a gate to E experts: an [E, H] weight (a Linear, a parameter, a small
+    MLP), not a stack of layers."""
+    return _gate(module, experts) is not None and not any(
+        isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict)) for m in module.modules())
 
 
 def _holds_router(container, experts):

@@ -33,11 +33,11 @@ _SIZES = (
     (2, ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "linear_num_key_heads", "n_group", "n_groups",
         "mamba_n_groups", "num_experts_per_group")),
     (1, ("topk_group", "first_k_dense_replace", "num_shared_experts", "n_shared_experts", "moe_num_shared_experts",
-        "num_nextn_predict_layers")),
+        "num_nextn_predict_layers", "zero_expert_num", "num_dense_layers")),
     (16, ("head_dim", "qk_nope_head_dim", "v_head_dim", "kv_lora_rank", "linear_key_head_dim", "linear_value_head_dim",
-         "mamba_head_dim", "ssm_state_size", "mamba_d_state", "attention_head_dim", "global_head_dim",
+         "mamba_head_dim", "ssm_state_size", "qk_rope_head_dim", "mamba_d_state", "attention_head_dim", "global_head_dim",
          "index_head_dim", "d_kv")),
-    (8, ("qk_rope_head_dim", "rotary_dim", "index_n_heads")),
+    (8, ("rotary_dim", "index_n_heads")),
     (32, ("q_lora_rank",)),
     (EXPERTS, EXPERT_FIELDS),
     (TOP_K, TOP_K_FIELDS),
@@ -91,7 +91,7 @@ def _pick(family, types):
     """The model type whose model takes token ids: one with a causal LM, else a *_text one."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as causal
 
-    ranked = sorted(types, key=lambda t: (t not in causal, not t.endswith("_text"), t != family, t))
+    ranked = sorted(types, key=lambda t: (t not in causal, not t.endswith("_text"), t != family, len(t), t))
     return ranked[0]
 
 
@@ -101,16 +101,55 @@ def _shrink(d, depth=0):
     layers = next((d[f] for f, v in _FIELD_SIZE.items() if v == LAYERS and "layer" in f and isinstance(d.get(f), int)), None)
     out = {}
     for k, v in d.items():
-        if isinstance(v, dict) and depth < 3:
+        if isinstance(v, dict) and v and all(str(i).isdigit() for i in v):
+            v = {i: x for i, x in v.items() if int(i) < LAYERS}  # per-layer settings
+        elif isinstance(v, dict) and depth < 3:
             v = _shrink(v, depth + 1)
+        elif k in TOP_K_FIELDS and v is None and any(isinstance(d.get(f), int) for f in EXPERT_FIELDS):
+            v = TOP_K
         elif k in _FIELD_SIZE and isinstance(v, int) and not isinstance(v, bool) and v > 0:
             v = min(v, _FIELD_SIZE[k]) if k == "topk_group" else _FIELD_SIZE[k]
         elif _TOKEN_IDS.match(str(k)) and isinstance(v, int) and v >= VOCAB:
             v = VOCAB - 1
         elif isinstance(v, (list, str)) and layers and len(v) == layers and layers > LAYERS:
-            v = v[:LAYERS]
+            cut = v[:LAYERS]
+            if isinstance(v, list) and not any("att" in str(x) for x in cut):
+                # keep one attention layer, so the KV cache has one to measure (generation path)
+                cut = cut[:-1] + [next((x for x in v if "att" in str(x)), cut[-1])]
+            v = cut
         out[k] = v
     return out
+
+
+#: What a family's shrunk config needs before it builds in transformers 5.23: fields set when
+#: the config is made (a constraint of the family), or a fix applied after (a bug of 5.23).
+SETTINGS = {
+    # Mamba heads * head dim must equal expand * hidden.
+    "granitemoehybrid": {"mamba_d_head": 32},
+    # ZAYA routes one expert per token only.
+    "zaya": {"num_experts_per_tok": 1},
+    # Doge's default config has no MoE layer.
+    "doge": {"is_moe": True},
+    # Attention at layer 1 and 3, experts at layer 1 and 3 (of 4).
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
+    # The default layer_types is None, which the decoder layers index.
+    "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv", "full_attention"]},
+}
+def _dbrx(c):
+    # DbrxAttentionConfig has no rope_theta, which DbrxAttention reads, and no clip_qkv value,
+    # which it clamps with.
+    c.attn_config.rope_theta = c.rope_parameters["rope_theta"]
+    c.attn_config.clip_qkv = 8.0
+
+
+def _sliding_window(c):
+    # Its attention reads a sliding window, which the default config leaves unset.
+    for sub in (c, getattr(c, "text_config", None)):
+        if sub is not None:
+            sub.sliding_window = 64
+
+
+FIXES = {"dbrx": _dbrx, "step3p7": _sliding_window}
 
 
 def config(model_type):
@@ -118,18 +157,49 @@ def config(model_type):
     from transformers import AutoConfig
 
     default = AutoConfig.for_model(model_type)
-    c = type(default).from_dict(_shrink(default.to_dict()))
+    before = default.to_dict()
+    after = _shrink(before)
+    changed = {k: v for k, v in after.items() if v != before[k]}
+    if before.get("num_key_value_heads") == before.get("num_attention_heads") and "num_attention_heads" in changed:
+        changed["num_key_value_heads"] = changed["num_attention_heads"]  # multi-head (MLA): keep kv = heads
+    changed.update(SETTINGS.get(model_type, {}))
+    try:
+        c = AutoConfig.for_model(model_type, **changed)
+    except Exception as e:  # noqa: BLE001 - one retry for families that tie kv heads to heads
+        if "key_value_heads" not in str(e):
+            raise
+        changed["num_key_value_heads"] = changed.get("num_attention_heads", 4)
+        c = AutoConfig.for_model(model_type, **changed)
+    fix = FIXES.get(model_type)
+    if fix is not None:
+        fix(c)
     c.use_cache = True
     return c
 
 
+def model_class(model_type, config):
+    """The class that builds ``model_type`` from token ids: its causal LM, else its base model,
+    else the model class of its modeling module made for this config."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) or MODEL_MAPPING_NAMES.get(model_type)
+    if name:
+        return getattr(transformers, name)
+    family = _family_of(model_type)
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    made = [c for c in vars(module).values()
+            if isinstance(c, type) and issubclass(c, transformers.PreTrainedModel) and c.config_class is type(config)
+            and not c.__name__.endswith("PreTrainedModel")]
+    made.sort(key=lambda c: (not c.__name__.endswith("ForCausalLM"), not c.__name__.endswith("Model"), c.__name__))
+    if not made:
+        raise LookupError(f"transformers has no model class for {type(config).__name__}")
+    return made[0]
+
+
 def build(model_type, seed=0):
     """(model, config): the tiny random model of ``model_type`` in eval mode, float32."""
-    from transformers import AutoModel, AutoModelForCausalLM
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as causal
-
     c = config(model_type)
     torch.manual_seed(seed)
-    auto = AutoModelForCausalLM if model_type in causal else AutoModel
-    model = auto.from_config(c, torch_dtype=torch.float32)
+    model = model_class(model_type, c)._from_config(c, torch_dtype=torch.float32)
     return model.eval(), c

@@ -75,7 +75,6 @@ class WholeModel:
             with torch.no_grad():
                 self.encoder = module.get_encoder()(input_ids=torch.as_tensor(ids)).last_hidden_state
         self.model = discover(audited, config=getattr(module, "config", None))
-        self.model.root = module
         _initialise_blank_gates(self.model, seed)
         if outputs not in ("hidden", "logits", None):
             raise ValueError(f"outputs must be 'hidden', 'logits' or None, got {outputs!r}")
@@ -108,10 +107,13 @@ class WholeModel:
             if isinstance(m, torch.nn.modules.dropout._DropoutNd):
                 m.eval()
 
-    def _call(self, ids, mask, past=None, use_cache=False):
+    def _call(self, ids, mask, past=None, use_cache=False, start=0):
         kwargs = {"input_ids": ids, "attention_mask": mask, "use_cache": use_cache, "output_hidden_states": True}
         if past is not None:
-            kwargs["past_key_values"] = past
+            # Positions given: a cache of linear-attention layers alone cannot say its length.
+            positions = torch.arange(start, start + ids.shape[1])
+            kwargs.update(past_key_values=past, cache_position=positions,
+                          position_ids=positions.expand(ids.shape[0], -1))
         if self.encoder is not None:
             kwargs["encoder_hidden_states"] = self.encoder.expand(ids.shape[0], -1, -1)
             kwargs.pop("output_hidden_states")
@@ -156,10 +158,12 @@ class WholeModel:
         KV cache (teacher-forced), every step recorded; returned in forward's layout."""
         b, s = x.shape
         out = self._call(x[:, :prefill], mask[:, :prefill], use_cache=True)
-        past = out.past_key_values
+        past = getattr(out, "past_key_values", None)
+        if past is None:
+            raise NotCovered(f"{type(self.module).__name__} returns no KV cache: it has no generation path")
         rows = [self._rows(out)]
         for t in range(prefill, s):
-            out = self._call(x[:, t:t + 1], mask[:, :t + 1], past=past, use_cache=True)
+            out = self._call(x[:, t:t + 1], mask[:, :t + 1], past=past, use_cache=True, start=t)
             past = out.past_key_values
             rows.append(self._rows(out))
         steps = [prefill] + [1] * (s - prefill)
