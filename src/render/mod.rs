@@ -12,6 +12,7 @@ mod collectives;
 mod ep;
 mod exploit;
 mod json;
+mod model;
 mod sweep;
 mod text;
 
@@ -20,5 +21,6 @@ pub use collectives::{collectives_chart, collectives_config_name, render_collect
 pub use ep::{render_ep, CombineFigures, EpReport};
 pub use exploit::{exploit_markdown, exploit_text, learning_curve};
 pub use json::{json, witness_path, write_witnesses};
+pub use model::render_model_text;
 pub use sweep::{csv as sweep_csv, markdown as sweep_markdown, write_sweep};
 pub use text::{render_markdown, render_replay, render_text, render_zoo};
