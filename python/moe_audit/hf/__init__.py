@@ -19,7 +19,7 @@ Needs torch and transformers.
 
 from .block import FAMILIES, Family, Router, find_router
 from .capture import Recorder, capture
-from .discover import Decoded, Model, NotCovered, Site, discover, register_decoder
+from .routers import Decoded, Model, NotCovered, Site, discover, register_decoder, unregister_decoder
 from .model import WholeModel, _takes_token_ids
 
 
@@ -37,4 +37,4 @@ def run(module, argv=None, **options):
 
 
 __all__ = ["FAMILIES", "Decoded", "Family", "Model", "NotCovered", "Recorder", "Router", "Site", "WholeModel",
-           "capture", "discover", "find_router", "register_decoder", "run", "wrap"]
+           "capture", "discover", "find_router", "register_decoder", "run", "unregister_decoder", "wrap"]

@@ -4,7 +4,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .discover import decoder_for
+from .routers import decoder_for
 
 
 def _dispatch(site, args, kwargs):

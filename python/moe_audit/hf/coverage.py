@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from . import families as fam
-from .discover import NotCovered
+from .routers import NotCovered
 
 SIZES = ("--batch", "2", "--seq-len", "16", "--trials", "4")
 

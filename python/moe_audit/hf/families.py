@@ -11,7 +11,7 @@ import re
 
 import torch
 
-from .discover import EXPERT_FIELDS, TOP_K_FIELDS
+from .routers import EXPERT_FIELDS, TOP_K_FIELDS
 
 HIDDEN = 64
 LAYERS = 4

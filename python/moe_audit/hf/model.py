@@ -1,5 +1,7 @@
 """A whole model (token ids in) served to ``moe-audit check`` over ``moe-audit/3``."""
 
+import inspect
+import json
 import math
 import sys
 
@@ -8,16 +10,19 @@ import torch
 
 from . import wire3
 from .capture import capture
-from .discover import NotCovered, discover
+from .routers import NotCovered, discover
+
+
+def _takes(module, name):
+    """Whether module.forward takes the keyword ``name``."""
+    try:
+        return name in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _takes_token_ids(module):
-    import inspect
-
-    try:
-        return "input_ids" in inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
-        return False
+    return _takes(module, "input_ids")
 
 
 def _vocab(module):
@@ -75,6 +80,8 @@ class WholeModel:
             with torch.no_grad():
                 self.encoder = module.get_encoder()(input_ids=torch.as_tensor(ids)).last_hidden_state
         self.model = discover(audited, config=getattr(module, "config", None))
+        self._positions = _takes(audited, "position_ids") or any(
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(audited.forward).parameters.values())
         _initialise_blank_gates(self.model, seed)
         if outputs not in ("hidden", "logits", None):
             raise ValueError(f"outputs must be 'hidden', 'logits' or None, got {outputs!r}")
@@ -108,17 +115,19 @@ class WholeModel:
                 m.eval()
 
     def _call(self, ids, mask, past=None, use_cache=False, start=0):
-        kwargs = {"input_ids": ids, "attention_mask": mask, "use_cache": use_cache, "output_hidden_states": True}
+        """One forward of positions start.. of ids; mask covers positions 0.. of the cache too."""
+        # Positions count the real tokens before each one (left padding moves none), as generate does.
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, start:start + ids.shape[1]]
+        kwargs = {"input_ids": ids, "attention_mask": mask, "use_cache": use_cache, "output_hidden_states": True,
+                  "position_ids": positions}
         if past is not None:
-            # Positions given: a cache of linear-attention layers alone cannot say its length.
-            positions = torch.arange(start, start + ids.shape[1])
-            kwargs.update(past_key_values=past, cache_position=positions,
-                          position_ids=positions.expand(ids.shape[0], -1))
+            # The cache slots given: a cache of linear-attention layers alone cannot say its length.
+            kwargs.update(past_key_values=past, cache_position=torch.arange(start, start + ids.shape[1]))
         if self.encoder is not None:
             kwargs["encoder_hidden_states"] = self.encoder.expand(ids.shape[0], -1, -1)
-            kwargs.pop("output_hidden_states")
-            return self.module.get_decoder()(**kwargs, output_hidden_states=True)
-        return self.module(**kwargs)
+        if not self._positions:
+            kwargs.pop("position_ids")  # a model that numbers positions itself (sinusoidal from the ids)
+        return self.model.root(**kwargs)
 
     def _rows(self, out):
         if self.outputs is None:
@@ -176,8 +185,6 @@ class WholeModel:
 
     def serve(self, stdin=None, stdout=None):
         """Speaks moe-audit/3 on binary streams (default stdin/stdout) until the input closes."""
-        import json
-
         inp = stdin or sys.stdin.buffer
         out = stdout or sys.stdout.buffer
         hs = self.handshake()
@@ -210,7 +217,7 @@ class WholeModel:
 
 def _interleave(parts, steps, batch):
     """Decoded of the steps of a generation ([batch * step] tokens each) in forward's layout."""
-    from .discover import Decoded
+    from .routers import Decoded
 
     def join(name):
         arrays = [getattr(p, name) for p in parts]

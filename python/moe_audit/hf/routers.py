@@ -296,13 +296,18 @@ def register_decoder(router, decode, name=None):
         return decode(module, inputs, output, dispatch) if takes_dispatch else decode(module, inputs, output)
 
     decoder = Decoder(name or getattr(decode, "__name__", "registered"), lambda m, out: True, call)
-    _REGISTERED.insert(0, (match, decoder))
+    _REGISTERED.insert(0, (router, match, decoder))
     return decoder
+
+
+def unregister_decoder(router):
+    """Forgets the decoders registered for ``router`` (the class or predicate given)."""
+    _REGISTERED[:] = [r for r in _REGISTERED if r[0] is not router]
 
 
 def decoder_for(router, output):
     """The decoder that reads this router's output (registered ones first)."""
-    for match, decoder in _REGISTERED:
+    for _, match, decoder in _REGISTERED:
         if match(router):
             return decoder
     for decoder in _DECODERS:
