@@ -87,11 +87,15 @@ class WholeModel:
             raise ValueError(f"outputs must be 'hidden', 'logits' or None, got {outputs!r}")
         self.outputs = outputs
         self.name = name or f"hf-{getattr(getattr(module, 'config', None), 'model_type', type(module).__name__)}"
-        # One forward finds each router's decoder, whether all routers expose logits, and the width D.
-        probe = self.forward(np.array([[1, 2, 3]]) % self.vocab, "inference", seed)
+        # One forward finds each router's decoder, whether all routers expose logits, the routes
+        # per token of a router that does not say (a capacity router), and the width D. Training
+        # mode: an inference call may set state (NLLB-MoE's capacity).
+        probe = self.forward(np.array([[1, 2, 3]]) % self.vocab, "train", seed)
         missing = [s.layer for s in self.model.sites if s.layer not in probe[0]]
         if missing:
             raise NotCovered(f"{type(module).__name__}: the routers of layers {missing} did not run in a forward")
+        for s in self.model.sites:
+            s.top_k = s.top_k or int(probe[0][s.layer].experts.shape[1])
         self.logits = logits and all(d.logits is not None for d in probe[0].values())
         self.width = 0 if probe[1] is None else probe[1].shape[1]
         torch.manual_seed(seed)
