@@ -16,6 +16,7 @@ pub mod files;
 mod font;
 pub mod layer;
 pub mod memory;
+pub mod model;
 pub mod names;
 pub mod parallel;
 pub mod progress;

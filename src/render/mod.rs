@@ -12,6 +12,7 @@ mod collectives;
 mod ep;
 mod exploit;
 mod json;
+mod model;
 mod routes;
 mod sweep;
 mod text;
@@ -21,6 +22,7 @@ pub use collectives::{collectives_chart, collectives_config_name, render_collect
 pub use ep::{render_ep, CombineFigures, EpReport};
 pub use exploit::{exploit_markdown, exploit_text, learning_curve};
 pub use json::{json, witness_path, write_witnesses};
+pub use model::render_model_text;
 pub use routes::{
     routes_chart, routes_github, routes_junit, routes_markdown, routes_text, show_text, PAPER_DECISIONS, PAPER_TOKENS,
 };
