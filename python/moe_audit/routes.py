@@ -14,10 +14,9 @@ The file is ``moe-audit-routes/1`` (docs/ROUTES.md): ``experts`` int32 ``[tokens
 ``layers`` (the global numbers of axis 1), ``source`` (``hf-forward`` or ``hf-generate``),
 ``dtype`` (the router's parameters) and ``mode`` (``train`` or ``eval``).
 
-Routers are found with ``moe_audit.hf.discover`` when it is there (every router, MoE and MTP
-layers numbered globally); otherwise by forward hooks on the top-k routers of the families this
-module knows (``Qwen3MoeTopKRouter`` and its relatives that return ``(logits, weights, indices)``
-and live at ``...layers.N.mlp.gate``).
+Routers are found by ``moe_audit.hf.discover`` (every router of every covered family, MoE and
+MTP layers numbered globally) and recorded by ``moe_audit.hf.capture`` (one ``{layer: Decoded}``
+per forward of the model).
 
 ``generate=True`` records as an inference engine does: the first ``prefill`` positions in one
 forward with a KV cache, then every later given token fed one at a time through the cache
@@ -26,78 +25,13 @@ the tokens are the ones given, so both records cover the same tokens.
 """
 
 import json
-import re
+import os
 import struct
 
 import numpy as np
 import torch
 
 FORMAT = "moe-audit-routes/1"
-
-
-def _sites(model):
-    """[(global layer, module, decode)] for every router: decode(inputs, output) -> (ids [T, k], logits [T, E] or None)."""
-    try:
-        from . import hf
-
-        discover = getattr(hf, "discover", None)
-    except ImportError:  # pragma: no cover - torch present, transformers absent
-        discover = None
-    if discover is not None:
-        found = discover(model)
-
-        def decoder(site):
-            def decode(inputs, output):
-                d = site.decode(inputs, output)
-                return np.asarray(d.experts, dtype=np.int32), None if d.logits is None else np.asarray(d.logits, np.float32)
-
-            return decode
-
-        return [(s.layer, s.module, decoder(s)) for s in found.sites]
-    sites = []
-    for name, module in model.named_modules():
-        if not type(module).__name__.endswith("TopKRouter"):
-            continue
-        m = re.search(r"layers\.(\d+)\.", name)
-        if m is None:
-            continue
-
-        def decode(inputs, output):
-            logits, _, indices = output
-            return (
-                indices.detach().reshape(-1, indices.shape[-1]).to(torch.int32).cpu().numpy(),
-                logits.detach().reshape(-1, logits.shape[-1]).float().cpu().numpy(),
-            )
-
-        sites.append((int(m.group(1)), module, decode))
-    if not sites:
-        raise TypeError(
-            f"{type(model).__name__}: no router found (moe_audit.hf.discover is not available and no "
-            "`*TopKRouter` module sits under `layers.N`)"
-        )
-    return sorted(sites, key=lambda s: s[0])
-
-
-class _Capture:
-    """Forward hooks on every router; each call of a router appends (ids, logits) to its list."""
-
-    def __init__(self, sites):
-        self.sites = sites
-        self.calls = {layer: [] for layer, _, _ in sites}
-        self.handles = []
-
-    def __enter__(self):
-        for layer, module, decode in self.sites:
-
-            def hook(_module, inputs, output, layer=layer, decode=decode):
-                self.calls[layer].append(decode(inputs, output))
-
-            self.handles.append(module.register_forward_hook(hook))
-        return self
-
-    def __exit__(self, *exc):
-        for h in self.handles:
-            h.remove()
 
 
 def _stack(calls, batch, steps):
@@ -124,12 +58,14 @@ def record(model, input_ids, path=None, *, mode="train", attention_mask=None, ge
         raise ValueError(f"input_ids must be [batch, seq] token ids, got shape {tuple(ids.shape)}")
     batch, seq = ids.shape
     mask = None if attention_mask is None else torch.as_tensor(attention_mask).reshape(batch, seq)
-    sites = _sites(model)
+    from . import hf
+
+    found = hf.discover(model)
     model.train(mode == "train")
     device = next(model.parameters()).device
     ids = ids.to(device)
     steps = []
-    with torch.no_grad(), _Capture(sites) as cap:
+    with torch.no_grad(), hf.capture(found) as cap:
         if not generate:
             model(input_ids=ids, attention_mask=None if mask is None else mask.to(device), use_cache=False)
             steps.append(seq)
@@ -149,15 +85,18 @@ def record(model, input_ids, path=None, *, mode="train", attention_mask=None, ge
                 )
                 past = out.past_key_values
                 steps.append(1)
-    layers = [layer for layer, _, _ in sites]
+    layers = [site.layer for site in found.sites]
+    if len(cap.calls) != len(steps):
+        raise RuntimeError(f"{len(cap.calls)} recorded forwards for {len(steps)} calls of the model")
     experts, router_logits = [], []
     for layer in layers:
-        calls = cap.calls[layer]
-        if len(calls) != len(steps):
-            raise RuntimeError(f"layer {layer}: {len(calls)} router calls for {len(steps)} forwards")
-        experts.append(_stack([c[0] for c in calls], batch, steps))
-        if logits and all(c[1] is not None for c in calls):
-            router_logits.append(_stack([c[1] for c in calls], batch, steps))
+        missing = [i for i, call in enumerate(cap.calls) if layer not in call]
+        if missing:
+            raise RuntimeError(f"layer {layer}: no routes in forward {missing[0]}")
+        decoded = [call[layer] for call in cap.calls]
+        experts.append(_stack([np.asarray(d.experts, dtype=np.int32) for d in decoded], batch, steps))
+        if logits and all(d.logits is not None for d in decoded):
+            router_logits.append(_stack([np.asarray(d.logits, dtype=np.float32) for d in decoded], batch, steps))
     e = np.stack(experts, axis=2).reshape(batch * seq, len(layers), -1).astype(np.int32)
     arrays = {"experts": e}
     if len(router_logits) == len(layers):
@@ -207,6 +146,4 @@ def save(path, arrays, metadata):
         f.write(text)
         for blob in blobs:
             f.write(blob)
-    import os
-
     os.replace(tmp, path)

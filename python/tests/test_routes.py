@@ -99,5 +99,5 @@ def test_bad_arguments_are_refused(model):
         routes.record(model, ids(), mode="serve")
     with pytest.raises(ValueError, match="prefill must be"):
         routes.record(model, ids(), generate=True, prefill=0)
-    with pytest.raises(TypeError, match="no router found"):
+    with pytest.raises(TypeError, match="no router in Linear"):
         routes.record(torch.nn.Linear(2, 2), ids())

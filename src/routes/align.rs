@@ -395,7 +395,7 @@ pub(super) fn align(a: &Record, b: &Record, budget: &mut Budget) -> Result<(Alig
             final_segments.push(Segment {
                 sequence: s.sequence,
                 rollout: s.rollout + lo,
-                trainer: (s.trainer as i64 + d) as usize + lo,
+                trainer: (s.trainer as i64 + d + lo as i64) as usize,
                 len: hi - lo,
                 offset: d,
             });

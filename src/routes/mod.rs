@@ -41,7 +41,7 @@ impl Budget {
     pub fn take(&mut self, what: &str, bytes: u64) -> Result<()> {
         if bytes > self.left {
             // Said as the whole run's need against the limit.
-            crate::memory::ensure_fits(what, self.limit - self.left + bytes + (32 << 20), self.limit)?;
+            crate::memory::ensure_fits(what, (self.limit - self.left).saturating_add(bytes), self.limit)?;
         }
         self.left = self.left.saturating_sub(bytes);
         Ok(())

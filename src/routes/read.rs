@@ -118,8 +118,13 @@ pub struct ShapeHint {
 /// Reads a record, checking it (and against `layout` when given). `hint` shapes a flat SGLang
 /// record when no layout is given.
 pub fn load(path: &Path, layout: Option<&Layout>, hint: Option<ShapeHint>, budget: &mut Budget) -> Result<Record> {
+    // A regular file's size is known before reading: say it against the limit.
+    let what = format!("reading {}", path.display());
+    if let Some(size) = std::fs::metadata(path).ok().filter(|m| m.is_file()).map(|m| m.len()) {
+        Budget::clone(budget).take(&what, size)?;
+    }
     let bytes = read_bounded(path, budget.left(), &Setting::MaxMemory.to_string())?;
-    budget.take(&format!("reading {}", path.display()), bytes.len() as u64)?;
+    budget.take(&what, bytes.len() as u64)?;
     let record = if bytes.starts_with(b"\x93NUMPY") {
         let a = array::npy(&bytes, "experts", path)?;
         from_arrays(path, Format::Npy, vec![a], BTreeMap::new(), budget)?
