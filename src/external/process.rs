@@ -13,9 +13,7 @@
 //! run them concurrently, so request ids and the order a stateful router sees are the same on
 //! every run.
 
-use super::protocol::{
-    frame_request, parse_response, Asked, BinaryHeader, Handshake, InputKind, Mode, Request,
-};
+use super::protocol::{frame_request, parse_response, Asked, BinaryHeader, Handshake, InputKind, Mode, Request};
 use super::{Answers, External};
 use crate::error::{Error, Result};
 use crate::routing::Routing;

@@ -188,7 +188,9 @@ impl ModelInfo {
         let got: Vec<usize> = out.layers.iter().map(|l| l.layer).collect();
         if want != got {
             return Err(match want.iter().find(|l| !got.contains(l)) {
-                Some(missing) => format!("layer {missing} is missing (the response has layers {got:?}, the handshake {want:?})"),
+                Some(missing) => {
+                    format!("layer {missing} is missing (the response has layers {got:?}, the handshake {want:?})")
+                }
                 None => format!("the response has layers {got:?}, the handshake {want:?}"),
             });
         }
@@ -205,7 +207,9 @@ impl ModelInfo {
             match (&l.logits, self.logits) {
                 (Some(v), true) if v.len() == t * experts => {}
                 (None, false) => {}
-                _ => return Err(format!("layer {}: router logits are not {t} x {experts} values as declared", l.layer)),
+                _ => {
+                    return Err(format!("layer {}: router logits are not {t} x {experts} values as declared", l.layer))
+                }
             }
         }
         match (&out.outputs, self.outputs) {

@@ -236,9 +236,11 @@ mod tests {
     fn a_response_becomes_every_layer_s_record() {
         let call = TokenCall::forward(1, 2, 0, vec![1, 2]);
         let p = payload();
-        let header =
-            ResponseHeader::parse(&format!(r#"{{"id": 4, "layers": [{{"layer": 1, "routes": 2}}], "bytes": {}}}"#, p.len()))
-                .unwrap();
+        let header = ResponseHeader::parse(&format!(
+            r#"{{"id": 4, "layers": [{{"layer": 1, "routes": 2}}], "bytes": {}}}"#,
+            p.len()
+        ))
+        .unwrap();
         assert_eq!(header.payload_len(&info(), 4, 2, 1 << 20), Ok(p.len()));
         let out = header.decode(&info(), &call, &p).unwrap();
         assert_eq!(info().check_output(&call, &out), Ok(()));

@@ -103,7 +103,7 @@ pub fn routes_text(c: &Comparison) -> String {
     if !c.diagnoses.is_empty() {
         out.push('\n');
     }
-    let _ = writeln!(out, "{:<40} {:>10}   {}", "", "measured", "R3 paper (Qwen3-30B-A3B, no replay)");
+    let _ = writeln!(out, "{:<40} {:>10}   R3 paper (Qwen3-30B-A3B, no replay)", "", "measured");
     let _ = writeln!(
         out,
         "{:<40} {:>10}   ~{}",

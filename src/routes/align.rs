@@ -518,9 +518,13 @@ fn offset_diagnosis(
     ))
 }
 
+/// A declared segment and the trainer rows of its sequence that carry routes (the bounds a
+/// shifted pairing stays within).
+type Declared = (Segment, std::ops::Range<usize>);
+
 /// The declared pairing: sequence by sequence, by position, past padding rows; with the notes
 /// on padding, length and start that it took.
-fn declared_segments(a: &Record, b: &Record) -> Result<(Vec<(Segment, std::ops::Range<usize>)>, Vec<Diagnosis>)> {
+fn declared_segments(a: &Record, b: &Record) -> Result<(Vec<Declared>, Vec<Diagnosis>)> {
     let mismatch =
         |m: String| Error::input(&b.path, format!("tokens do not match the rollout's ({}): {m}", a.path.display()));
     let split = |r: &Record, other: &Record| -> Option<Vec<super::read::Sequence>> {

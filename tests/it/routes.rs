@@ -556,7 +556,9 @@ fn threat_model_npy() {
     assert!(bounded(&["routes", "compare", &over, &good]).contains("overflows"));
     // A real array over the memory limit is refused before it is converted.
     let big = put(&d, "big.npy", npy("<i4", &[40_000, 60, 8], &vec![0; 40_000 * 60 * 8 * 4]));
-    assert!(bounded(&["routes", "compare", &big, &good, "--max-memory", "80MiB"]).contains("over the limit of 80.0 MiB"));
+    assert!(
+        bounded(&["routes", "compare", &big, &good, "--max-memory", "80MiB"]).contains("over the limit of 80.0 MiB")
+    );
     // A file that never ends.
     assert!(bounded(&["routes", "compare", "/dev/zero", &good, "--max-memory", "64MiB"]).contains("larger than"));
 }
