@@ -8,7 +8,9 @@ use crate::config::RouterConfig;
 use crate::error::{Error, Result};
 use crate::memory;
 use crate::model::audit::{replay, TokenWitness};
-use crate::model::{audit_model, Builtin, BuiltinSpec, Model, ModelAuditOptions, ModelProcess, ModelReport, TokenProbe};
+use crate::model::{
+    audit_model, Builtin, BuiltinSpec, Model, ModelAuditOptions, ModelProcess, ModelReport, TokenProbe,
+};
 use crate::render::render_model_text;
 use clap::Args;
 use std::io::Write;
@@ -55,6 +57,17 @@ pub(super) fn run(args: &CheckArgs, out: &mut dyn Write) -> Result<Option<u8>> {
     }
     if !args.routers.is_empty() || !args.external.router_cmd.is_empty() || args.external.traces.is_some() {
         return Err(Error::Usage("--model and --model-cmd audit one model: name no router beside it".into()));
+    }
+    let router_only = [
+        ("--exhaustive", args.exhaustive),
+        ("--ranks", args.ranks.is_some()),
+        ("--comm", args.comm != super::check::CommKind::InProcess),
+        ("--github", args.github),
+        ("--mode", args.external.mode != super::external::ModeArg::Train),
+        ("--weights", args.external.weights.is_some()),
+    ];
+    if let Some((flag, _)) = router_only.iter().find(|(_, set)| *set) {
+        return Err(Error::Usage(format!("{flag} applies to routers, not to --model or --model-cmd")));
     }
     let max_memory = memory::limit(args.max_memory);
     let model = open(args, max_memory)?;
@@ -126,15 +139,23 @@ fn write_witnesses(report: &ModelReport, dir: &Path, staged: &mut crate::files::
     crate::files::create_dir(dir)?;
     for w in report.findings.iter().filter_map(|f| f.witness.as_ref()) {
         let path = dir.join(format!("{}-{:?}.json", crate::names::file_stem(&w.model), w.probe));
-        staged.write(&path, (serde_json::to_string_pretty(w).expect("a witness always serialises") + "\n").as_bytes())?;
+        staged
+            .write(&path, (serde_json::to_string_pretty(w).expect("a witness always serialises") + "\n").as_bytes())?;
     }
     Ok(())
 }
 
 /// Replays a model witness: exit 1 when the token still changes, 0 when not.
-fn replay_witness(model: &dyn Model, path: &Path, max_memory: u64, args: &CheckArgs, out: &mut dyn Write) -> Result<u8> {
+fn replay_witness(
+    model: &dyn Model,
+    path: &Path,
+    max_memory: u64,
+    args: &CheckArgs,
+    out: &mut dyn Write,
+) -> Result<u8> {
     let text = crate::files::read_text(path, max_memory / 4, "a witness")?;
-    let w: TokenWitness = serde_json::from_str(&text).map_err(|e| Error::input(path, format!("not a model witness: {e}")))?;
+    let w: TokenWitness =
+        serde_json::from_str(&text).map_err(|e| Error::input(path, format!("not a model witness: {e}")))?;
     let still = replay(model, &w)?;
     let at = w.layer.map_or("its output row".to_string(), |l| format!("layer {l}"));
     let verdict = if still { "LEAK reproduced" } else { "no longer leaks" };

@@ -13,9 +13,7 @@
 //! run them concurrently, so request ids and the order a stateful router sees are the same on
 //! every run.
 
-use super::protocol::{
-    frame_request, parse_response, Asked, BinaryHeader, Handshake, InputKind, Mode, Request,
-};
+use super::protocol::{frame_request, parse_response, Asked, BinaryHeader, Handshake, InputKind, Mode, Request};
 use super::{Answers, External};
 use crate::error::{Error, Result};
 use crate::routing::Routing;
@@ -125,11 +123,7 @@ impl ExternalRouter {
     /// router is audited in `mode` (M compares it with the other one).
     pub fn spawn(command: &str, timeout: Duration, seed: u64, mode: Mode, max_memory: u64) -> Result<Self> {
         let peer = Peer::spawn("router", command, timeout, max_memory)?;
-        let line = peer.receive_line("its handshake")?;
-        let handshake: Handshake = serde_json::from_str(&line)
-            .map_err(|e| e.to_string())
-            .and_then(|h: Handshake| h.validate().map(|()| h))
-            .map_err(|e| peer.fail(format!("bad handshake ({e}): `{}`", line.chars().take(120).collect::<String>())))?;
+        let handshake = peer.handshake(Handshake::validate)?;
         External::new(Subprocess { peer, seed, handshake }, seed, mode, true, max_memory)
     }
 }
@@ -361,6 +355,19 @@ impl Peer {
             ),
         };
         Err(self.fail(message))
+    }
+
+    /// The first line, parsed as a handshake and checked by `validate`; the process is killed
+    /// and the error quotes the line when it is not one.
+    pub(crate) fn handshake<H: serde::de::DeserializeOwned>(
+        &self,
+        validate: impl Fn(&H) -> std::result::Result<(), String>,
+    ) -> Result<H> {
+        let line = self.receive_line("its handshake")?;
+        serde_json::from_str(&line)
+            .map_err(|e| e.to_string())
+            .and_then(|h: H| validate(&h).map(|()| h))
+            .map_err(|e| self.fail(format!("bad handshake ({e}): `{}`", line.chars().take(120).collect::<String>())))
     }
 
     /// The next request id, or the error that stopped the conversation.

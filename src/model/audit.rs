@@ -257,7 +257,10 @@ pub fn audit_model(model: &dyn Model, options: &ModelAuditOptions) -> Result<Mod
         (Setting::Trials, options.trials),
     ])?;
     if options.prefill > options.seq_len {
-        return Err(Error::Usage(format!("prefill {} is over the sequence length {}", options.prefill, options.seq_len)));
+        return Err(Error::Usage(format!(
+            "prefill {} is over the sequence length {}",
+            options.prefill, options.seq_len
+        )));
     }
     let mut rng = ChaCha8Rng::seed_from_u64(options.seed);
     let (b, s) = (options.batch, options.seq_len);
@@ -313,7 +316,8 @@ fn plan(
         TokenProbe::P => {
             // Prefix lengths 1, 2, 4, ... and s - 1: one call each (a shorter call cannot be
             // packed with others without padding, which is R's question).
-            let mut lengths: Vec<usize> = std::iter::successors(Some(1usize), |n| Some(n * 2)).take_while(|&n| n < s).collect();
+            let mut lengths: Vec<usize> =
+                std::iter::successors(Some(1usize), |n| Some(n * 2)).take_while(|&n| n < s).collect();
             if s > 1 && lengths.last() != Some(&(s - 1)) {
                 lengths.push(s - 1);
             }
@@ -385,9 +389,15 @@ fn plan(
         TokenProbe::S => {
             let other: Vec<u32> = (0..b * s).map(|_| rng.random_range(0..vocab)).collect();
             let other = TokenCall { tokens: other, ..base.clone() };
-            (vec![Case { before: vec![other], b: base.clone(), pairs: every }], "the base call after another call".into())
+            (
+                vec![Case { before: vec![other], b: base.clone(), pairs: every }],
+                "the base call after another call".into(),
+            )
         }
-        TokenProbe::M => (vec![one(TokenCall { mode: Mode::Inference, ..base.clone() }, every)], "inference mode against training mode".into()),
+        TokenProbe::M => (
+            vec![one(TokenCall { mode: Mode::Inference, ..base.clone() }, every)],
+            "inference mode against training mode".into(),
+        ),
         TokenProbe::G if info.generate => {
             let call = TokenCall { path: Path::Generate { prefill: options.prefill }, ..base.clone() };
             let note = format!("prefill {} positions, then one token at a time through the KV cache", options.prefill);
@@ -532,7 +542,9 @@ fn witness(
     let (ia, ib) = case.pairs[i];
     let token_a = (ia / base.seq_len, ia % base.seq_len);
     let token_b = (ib / case.b.seq_len, ib % case.b.seq_len);
-    let routes = |o: &ModelOutput, (s, p): (usize, usize)| layer.map_or(Vec::new(), |l| o.layers[l].routing.token(s, p).routes.clone());
+    let routes = |o: &ModelOutput, (s, p): (usize, usize)| {
+        layer.map_or(Vec::new(), |l| o.layers[l].routing.token(s, p).routes.clone())
+    };
     TokenWitness {
         model: info.name.clone(),
         probe,
@@ -564,7 +576,9 @@ pub fn replay(model: &dyn Model, w: &TokenWitness) -> Result<bool> {
     let layer = match w.layer {
         Some(layer) => match info.routed().position(|l| l.layer == layer) {
             Some(i) => Some(i),
-            None => return Err(Error::Usage(format!("the witness's layer {layer} is not a routed layer of the model"))),
+            None => {
+                return Err(Error::Usage(format!("the witness's layer {layer} is not a routed layer of the model")))
+            }
         },
         None => None,
     };

@@ -141,10 +141,8 @@ impl Builtin {
         let dev = &Device::Cpu;
         let ids: Vec<u32> = (0..b).flat_map(|i| call.tokens[i * s + from..i * s + to].iter().copied()).collect();
         let positions = positions(call);
-        let pe: Vec<f32> = (0..b)
-            .flat_map(|i| (from..to).map(move |p| i * s + p))
-            .flat_map(|t| sinusoid(positions[t], h))
-            .collect();
+        let pe: Vec<f32> =
+            (0..b).flat_map(|i| (from..to).map(move |p| i * s + p)).flat_map(|t| sinusoid(positions[t], h)).collect();
         let x = self.embed.index_select(&Tensor::new(ids.as_slice(), dev)?, 0)?.reshape((b, n, h))?;
         let mut x = (x + Tensor::from_vec(pe, (b, n, h), dev)?)?;
         let mask = |causal: bool| -> Result<Tensor> {
@@ -233,9 +231,16 @@ impl Model for Builtin {
         for (i, info) in self.info.routed().enumerate() {
             let e = info.experts.unwrap_or(0);
             let parts: Vec<&Routing> = steps.iter().map(|st| &st.layers[i].0).collect();
-            let logits =
-                join_positions(call.batch, spans.iter().zip(&steps).map(|(&(a, b), st)| (b - a, &st.layers[i].1[..])), e);
-            layers.push(LayerOutput { layer: info.layer, routing: join_routings(&parts, call.batch), logits: Some(logits) });
+            let logits = join_positions(
+                call.batch,
+                spans.iter().zip(&steps).map(|(&(a, b), st)| (b - a, &st.layers[i].1[..])),
+                e,
+            );
+            layers.push(LayerOutput {
+                layer: info.layer,
+                routing: join_routings(&parts, call.batch),
+                logits: Some(logits),
+            });
         }
         let out = ModelOutput { layers, outputs: Some(outputs) };
         self.info.check_output(call, &out).map_err(|e| Error::shape(&format!("model `{}`", self.info.name), e))?;

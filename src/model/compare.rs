@@ -75,7 +75,8 @@ fn relative_difference(a: &[f32], b: &[f32]) -> f64 {
 
 fn classify(diff: TokenDiff, la: &LayerOutput, ia: usize, lb: &LayerOutput, ib: usize) -> Change {
     let e = la.routing.experts;
-    let rows = la.logits.as_ref().zip(lb.logits.as_ref()).map(|(x, y)| (&x[ia * e..(ia + 1) * e], &y[ib * e..(ib + 1) * e]));
+    let rows =
+        la.logits.as_ref().zip(lb.logits.as_ref()).map(|(x, y)| (&x[ia * e..(ia + 1) * e], &y[ib * e..(ib + 1) * e]));
     let Some((xa, xb)) = rows else {
         return Change { diff, numerics: false, margin: None };
     };
@@ -86,7 +87,11 @@ fn classify(diff: TokenDiff, la: &LayerOutput, ia: usize, lb: &LayerOutput, ib: 
     let numerics = delta > 0.0
         && !diff.kept
         && !diff.padded
-        && if diff.experts { margin.is_some_and(|m| m <= 2.0 * delta) } else { f64::from(delta / scale) <= OUTPUT_TOLERANCE };
+        && if diff.experts {
+            margin.is_some_and(|m| m <= 2.0 * delta)
+        } else {
+            f64::from(delta / scale) <= OUTPUT_TOLERANCE
+        };
     Change { diff, numerics, margin }
 }
 

@@ -95,16 +95,7 @@ impl ResponseHeader {
         if self.id != id {
             return Err(format!("response id {} does not match", self.id));
         }
-        let want: Vec<usize> = info.routed().map(|l| l.layer).collect();
-        let got: Vec<usize> = self.layers.iter().map(|l| l.layer).collect();
-        if want != got {
-            return Err(match want.iter().find(|l| !got.contains(l)) {
-                Some(missing) => {
-                    format!("layer {missing} is missing (the response lists layers {got:?}, the handshake {want:?})")
-                }
-                None => format!("the response lists layers {got:?}, the handshake {want:?}"),
-            });
-        }
+        info.check_layers(self.layers.iter().map(|l| l.layer))?;
         let t = tokens as u64;
         let mut total = 0u64;
         for (l, h) in info.routed().zip(&self.layers) {
@@ -236,9 +227,11 @@ mod tests {
     fn a_response_becomes_every_layer_s_record() {
         let call = TokenCall::forward(1, 2, 0, vec![1, 2]);
         let p = payload();
-        let header =
-            ResponseHeader::parse(&format!(r#"{{"id": 4, "layers": [{{"layer": 1, "routes": 2}}], "bytes": {}}}"#, p.len()))
-                .unwrap();
+        let header = ResponseHeader::parse(&format!(
+            r#"{{"id": 4, "layers": [{{"layer": 1, "routes": 2}}], "bytes": {}}}"#,
+            p.len()
+        ))
+        .unwrap();
         assert_eq!(header.payload_len(&info(), 4, 2, 1 << 20), Ok(p.len()));
         let out = header.decode(&info(), &call, &p).unwrap();
         assert_eq!(info().check_output(&call, &out), Ok(()));

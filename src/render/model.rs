@@ -76,7 +76,8 @@ pub fn render_model_text(report: &ModelReport) -> String {
     .into_iter()
     .flatten()
     .collect();
-    let _ = writeln!(s, "model {}: vocab {}; layers {}; {}", info.name, info.vocab, layers_line(info), extras.join(", "));
+    let _ =
+        writeln!(s, "model {}: vocab {}; layers {}; {}", info.name, info.vocab, layers_line(info), extras.join(", "));
     let _ = writeln!(s, "audit: batch {} x seq_len {}, {} trials, seed {}\n", o.batch, o.seq_len, o.trials, o.seed);
     let routed: Vec<usize> = info.routed().map(|l| l.layer).collect();
     let mut header = format!("{:<14} {:<9} {:<7} {:>5} {:>6}", "probe", "property", "verdict", "cases", "first");

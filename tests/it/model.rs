@@ -116,9 +116,13 @@ fn toy(how: &str) -> (i32, String, String) {
 
 #[test]
 fn check_model_builtin_through_the_binary() {
-    let (code, out, err) = run(&["check", "--model", "expert-choice", "--layers", "3", "--batch", "2", "--seq-len", "8", "--trials", "2"]);
+    let (code, out, err) =
+        run(&["check", "--model", "expert-choice", "--layers", "3", "--batch", "2", "--seq-len", "8", "--trials", "2"]);
     assert_eq!(code, 1, "{err}");
-    assert!(out.starts_with("model builtin-expert-choice: vocab 256; layers 0 dense, 1-2 moe (8 experts, expert choice)"), "{out}");
+    assert!(
+        out.starts_with("model builtin-expert-choice: vocab 256; layers 0 dense, 1-2 moe (8 experts, expert choice)"),
+        "{out}"
+    );
     assert!(out.contains("first at layer 1"), "{out}");
     let (code, _, err) = run(&["check", "--model", "mixtral", "--layers", "1"]);
     assert_eq!(code, 2);
@@ -165,7 +169,21 @@ fn a_witness_with_token_ids_beyond_the_vocabulary_is_refused() {
     let path = dir.join("w.json");
     std::fs::write(&path, serde_json::to_string(&w).unwrap()).unwrap();
     let path = path.to_str().unwrap();
-    let (code, _, err) = run(&["check", "--model", "expert-choice", "--hidden", "32", "--ffn", "32", "--vocab", "64", "--seed", "3", "--replay", path]);
+    let (code, _, err) = run(&[
+        "check",
+        "--model",
+        "expert-choice",
+        "--hidden",
+        "32",
+        "--ffn",
+        "32",
+        "--vocab",
+        "64",
+        "--seed",
+        "3",
+        "--replay",
+        path,
+    ]);
     assert_eq!(code, 2, "{err}");
     assert_eq!(err.trim().lines().count(), 1, "{err}");
     assert!(err.contains("token id 1000 at batch 0, position 0 is not below vocab 64"), "{err}");
