@@ -58,6 +58,17 @@ pub(super) fn run(args: &CheckArgs, out: &mut dyn Write) -> Result<Option<u8>> {
     if !args.routers.is_empty() || !args.external.router_cmd.is_empty() || args.external.traces.is_some() {
         return Err(Error::Usage("--model and --model-cmd audit one model: name no router beside it".into()));
     }
+    let router_only = [
+        ("--exhaustive", args.exhaustive),
+        ("--ranks", args.ranks.is_some()),
+        ("--comm", args.comm != super::check::CommKind::InProcess),
+        ("--github", args.github),
+        ("--mode", args.external.mode != super::external::ModeArg::Train),
+        ("--weights", args.external.weights.is_some()),
+    ];
+    if let Some((flag, _)) = router_only.iter().find(|(_, set)| *set) {
+        return Err(Error::Usage(format!("{flag} applies to routers, not to --model or --model-cmd")));
+    }
     let max_memory = memory::limit(args.max_memory);
     let model = open(args, max_memory)?;
     if let Some(path) = &args.replay {

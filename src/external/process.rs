@@ -92,6 +92,8 @@ struct Conversation {
 /// A process spoken to over stdin and stdout, a line or a payload at a time, every wait
 /// bounded (the conversation of every protocol version: `/1`, `/2` and the whole-model `/3`).
 pub(crate) struct Peer {
+    /// What the process is in messages: `router` or `model`.
+    role: &'static str,
     command: String,
     timeout: Duration,
     /// The longest line or payload the process may send.
@@ -120,12 +122,8 @@ impl ExternalRouter {
     /// payload the router sends). `timeout` bounds the handshake and every write and read; the
     /// router is audited in `mode` (M compares it with the other one).
     pub fn spawn(command: &str, timeout: Duration, seed: u64, mode: Mode, max_memory: u64) -> Result<Self> {
-        let peer = Peer::spawn(command, timeout, max_memory)?;
-        let line = peer.receive_line("its handshake")?;
-        let handshake: Handshake = serde_json::from_str(&line)
-            .map_err(|e| e.to_string())
-            .and_then(|h: Handshake| h.validate().map(|()| h))
-            .map_err(|e| peer.fail(format!("bad handshake ({e}): `{}`", line.chars().take(120).collect::<String>())))?;
+        let peer = Peer::spawn("router", command, timeout, max_memory)?;
+        let handshake = peer.handshake(Handshake::validate)?;
         External::new(Subprocess { peer, seed, handshake }, seed, mode, true, max_memory)
     }
 }
@@ -134,7 +132,8 @@ impl Peer {
     /// Spawns `command` with `sh -c` in its own process group, tagged, with the threads that
     /// write its stdin and read its stdout and stderr. A line or payload it sends may take at
     /// most a quarter of `max_memory` (at least 64 KiB); `timeout` bounds every write and read.
-    pub(crate) fn spawn(command: &str, timeout: Duration, max_memory: u64) -> Result<Self> {
+    /// `role` names it in messages (`router`, `model`).
+    pub(crate) fn spawn(role: &'static str, command: &str, timeout: Duration, max_memory: u64) -> Result<Self> {
         let tag = tag();
         let mut child = Command::new("sh");
         // Its own process group, so killing it also kills what `sh -c` started.
@@ -150,7 +149,7 @@ impl Peer {
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .spawn()
-                .map_err(|e| Error::input(format!("router `{command}`"), format!("cannot start: {e}")))?;
+                .map_err(|e| Error::input(format!("{role} `{command}`"), format!("cannot start: {e}")))?;
             live.push((child.id() as i32, tag.clone()));
             child
         };
@@ -210,6 +209,7 @@ impl Peer {
             stopped: false,
         };
         Ok(Peer {
+            role,
             command: command.to_string(),
             timeout,
             read_limit,
@@ -231,7 +231,7 @@ fn tag() -> String {
 
 impl Peer {
     pub(crate) fn error(&self, message: String) -> Error {
-        Error::input(format!("router `{}`", self.command), message)
+        Error::input(format!("{} `{}`", self.role, self.command), message)
     }
 
     fn conversation(&self) -> std::sync::MutexGuard<'_, Conversation> {
@@ -295,23 +295,24 @@ impl Peer {
                             None => wait_briefly(&mut conv.child),
                         }
                     };
-                    return Err(self.fail(format!("the router exited ({status}) before {before}")));
+                    return Err(self.fail(format!("the {} exited ({status}) before {before}", self.role)));
                 }
                 Err(RecvTimeoutError::Timeout) => {}
             }
             let now = Instant::now();
             if let Some((at, status)) = &exited {
                 if now >= *at + EXIT_GRACE {
-                    return Err(self.fail(format!("the router exited ({status}) before {before}")));
+                    return Err(self.fail(format!("the {} exited ({status}) before {before}", self.role)));
                 }
             } else if let Ok(Some(status)) = self.conversation().child.try_wait() {
                 exited = Some((now, status.to_string()));
             }
             if now >= deadline {
                 return Err(self.fail(format!(
-                    "timed out after {} s ({}) waiting for {waiting_for}; the router was killed",
+                    "timed out after {} s ({}) waiting for {waiting_for}; the {} was killed",
                     self.timeout.as_secs_f64(),
-                    crate::error::Setting::Timeout
+                    crate::error::Setting::Timeout,
+                    self.role
                 )));
             }
         }
@@ -344,15 +345,29 @@ impl Peer {
             Err(e) => e,
         };
         let message = match (message, exit_status(&mut self.conversation().child)) {
-            (_, Some(status)) => format!("the router exited ({status}) before answering {what}"),
+            (_, Some(status)) => format!("the {} exited ({status}) before answering {what}", self.role),
             (Some(e), None) => format!("{what}: cannot send: {e}"),
             (None, None) => format!(
-                "timed out after {} s ({}) sending {what}: the router stopped reading its stdin; the router was killed",
+                "timed out after {} s ({}) sending {what}: the {role} stopped reading its stdin; the {role} was killed",
                 self.timeout.as_secs_f64(),
-                crate::error::Setting::Timeout
+                crate::error::Setting::Timeout,
+                role = self.role
             ),
         };
         Err(self.fail(message))
+    }
+
+    /// The first line, parsed as a handshake and checked by `validate`; the process is killed
+    /// and the error quotes the line when it is not one.
+    pub(crate) fn handshake<H: serde::de::DeserializeOwned>(
+        &self,
+        validate: impl Fn(&H) -> std::result::Result<(), String>,
+    ) -> Result<H> {
+        let line = self.receive_line("its handshake")?;
+        serde_json::from_str(&line)
+            .map_err(|e| e.to_string())
+            .and_then(|h: H| validate(&h).map(|()| h))
+            .map_err(|e| self.fail(format!("bad handshake ({e}): `{}`", line.chars().take(120).collect::<String>())))
     }
 
     /// The next request id, or the error that stopped the conversation.

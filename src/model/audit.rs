@@ -237,6 +237,9 @@ impl ModelReport {
     }
 }
 
+/// Seed offset of the probes' random streams.
+const PROBE_SALT: u64 = 0x746f_6b65_6e00;
+
 /// One case: call `b` (after the calls `before`, whose answers are ignored) against the base
 /// call, and the token pairs `(index in base, index in b)` that must not change.
 struct Case {
@@ -265,8 +268,9 @@ pub fn audit_model(model: &dyn Model, options: &ModelAuditOptions) -> Result<Mod
     let base = TokenCall::forward(b, s, options.seed, tokens);
     let base_out = model.call(&base)?;
     let mut findings = Vec::new();
-    for (i, &probe) in options.probes.iter().enumerate() {
-        let mut rng = ChaCha8Rng::seed_from_u64(options.seed ^ (0x746f_6b65_6e00 + i as u64));
+    for &probe in &options.probes {
+        // One stream per probe, whichever others run.
+        let mut rng = ChaCha8Rng::seed_from_u64(options.seed ^ (PROBE_SALT + probe as u64));
         let (cases, note) = plan(probe, info, &base, options, &mut rng);
         findings.push(run_probe(model, probe, &base, &base_out, cases, note)?);
     }

@@ -54,7 +54,7 @@ struct Block {
 enum Ffn {
     Dense(Expert),
     /// The MoE layer, and the router it serves with when its config has an `[inference]` table.
-    Moe(MoeLayer, Option<Box<dyn Router>>),
+    Moe(Box<MoeLayer>, Option<Box<dyn Router>>),
 }
 
 /// The built-in decoder.
@@ -107,7 +107,7 @@ impl Builtin {
                 infos.push(LayerInfo { layer: l, kind, experts: Some(router.real_experts()), top_k: router.top_k });
                 let layer = MoeLayer::seeded(router.clone(), h, ffn, layer_seed, DType::F32, dev)?;
                 let serve = layer.router().inference()?;
-                Ffn::Moe(layer, serve)
+                Ffn::Moe(Box::new(layer), serve)
             };
             blocks.push(Block { wq, wk, wv, wo, ffn });
         }

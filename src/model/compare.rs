@@ -3,10 +3,10 @@
 //!
 //! Two calls of a model that differ in shape (a prefix, a KV cache step) may give a token router
 //! logits that differ in the last bits. A top-k choice that flips then is a near-tie, not a leak:
-//! the flip is **numerics** when the token's logits differ (by `delta`, their largest absolute
-//! difference) and its top-k margin (the k-th best logit less the (k+1)-th, the smaller of the
-//! two calls') is at most `2 delta`, or when only its combine weights moved on logits within
-//! f32 noise. Anything else (a drop, a change on identical logits, a flip by more than the
+//! the flip is **numerics** when the token's logits differ by f32 noise only (`delta`, their
+//! largest absolute difference, > 0 and within 1e-4 relative) and its top-k margin (the k-th
+//! best logit less the (k+1)-th, the smaller of the two calls') is at most `2 delta`, or when
+//! only its combine weights moved on such logits. Anything else (a drop, a change on identical logits, a flip by more than the
 //! logits moved) is **real**. Later layers inherit a flip's consequences, so a case whose
 //! earliest change is numerics is drift as a whole.
 
@@ -84,14 +84,10 @@ fn classify(diff: TokenDiff, la: &LayerOutput, ia: usize, lb: &LayerOutput, ib: 
     let k = la.routing.top_k;
     let margin = k.and_then(|k| Some(top_k_margin(xa, k)?.min(top_k_margin(xb, k)?)));
     let scale = xa.iter().fold(1f32, |m, v| m.max(v.abs()));
-    let numerics = delta > 0.0
-        && !diff.kept
-        && !diff.padded
-        && if diff.experts {
-            margin.is_some_and(|m| m <= 2.0 * delta)
-        } else {
-            f64::from(delta / scale) <= OUTPUT_TOLERANCE
-        };
+    // Rounding moves logits by float noise only; a flip on logits that moved more was caused.
+    let rounding = delta > 0.0 && f64::from(delta / scale) <= OUTPUT_TOLERANCE;
+    let numerics =
+        rounding && !diff.kept && !diff.padded && (!diff.experts || margin.is_some_and(|m| m <= 2.0 * delta));
     Change { diff, numerics, margin }
 }
 

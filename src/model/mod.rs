@@ -180,28 +180,37 @@ impl ModelInfo {
         Ok(())
     }
 
+    /// Checks that a response lists exactly the routed layers, in order (the layer list may
+    /// not change between calls); the error names a missing layer.
+    pub(crate) fn check_layers(&self, layers: impl Iterator<Item = usize>) -> std::result::Result<(), String> {
+        let want: Vec<usize> = self.routed().map(|l| l.layer).collect();
+        let got: Vec<usize> = layers.collect();
+        if want == got {
+            return Ok(());
+        }
+        Err(match want.iter().find(|l| !got.contains(l)) {
+            Some(missing) => {
+                format!("layer {missing} is missing (the response lists layers {got:?}, the handshake {want:?})")
+            }
+            None => format!("the response lists layers {got:?}, the handshake {want:?}"),
+        })
+    }
+
     /// Checks what a model answered against the call and the handshake: every routed layer, in
     /// order, each routing `[batch, seq_len]` over its experts, logits and outputs as declared.
     /// The error says what is missing or wrong (a built-in model is held to it too).
     pub fn check_output(&self, call: &TokenCall, out: &ModelOutput) -> std::result::Result<(), String> {
-        let want: Vec<usize> = self.routed().map(|l| l.layer).collect();
-        let got: Vec<usize> = out.layers.iter().map(|l| l.layer).collect();
-        if want != got {
-            return Err(match want.iter().find(|l| !got.contains(l)) {
-                Some(missing) => {
-                    format!("layer {missing} is missing (the response has layers {got:?}, the handshake {want:?})")
-                }
-                None => format!("the response has layers {got:?}, the handshake {want:?}"),
-            });
-        }
+        self.check_layers(out.layers.iter().map(|l| l.layer))?;
         let t = call.tokens.len();
         for (info, l) in self.routed().zip(&out.layers) {
             let r = &l.routing;
             let experts = info.experts.unwrap_or(0);
-            if (r.batch, r.seq_len, r.experts, r.top_k) != (call.batch, call.seq_len, experts, info.top_k) {
+            // The record's own top_k may differ from the handshake's in the other mode (expert
+            // choice trained, token choice served).
+            if (r.batch, r.seq_len, r.experts) != (call.batch, call.seq_len, experts) {
                 return Err(format!(
-                    "layer {}: a routing of batch {} x seq_len {} over {} experts (top_k {:?}), expected {} x {} over {experts} (top_k {:?})",
-                    l.layer, r.batch, r.seq_len, r.experts, r.top_k, call.batch, call.seq_len, info.top_k
+                    "layer {}: a routing of batch {} x seq_len {} over {} experts, expected {} x {} over {experts}",
+                    l.layer, r.batch, r.seq_len, r.experts, call.batch, call.seq_len
                 ));
             }
             match (&l.logits, self.logits) {

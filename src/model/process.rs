@@ -19,12 +19,8 @@ impl ModelProcess {
     /// Spawns `command` with `sh -c` and reads its handshake. `timeout` bounds the handshake and
     /// every write and read; a line or payload it sends is bounded by `max_memory`.
     pub fn spawn(command: &str, timeout: Duration, max_memory: u64) -> Result<Self> {
-        let peer = Peer::spawn(command, timeout, max_memory)?;
-        let line = peer.receive_line("its handshake")?;
-        let info: ModelInfo = serde_json::from_str(&line)
-            .map_err(|e| e.to_string())
-            .and_then(|h: ModelInfo| h.validate().map(|()| h))
-            .map_err(|e| peer.fail(format!("bad handshake ({e}): `{}`", line.chars().take(120).collect::<String>())))?;
+        let peer = Peer::spawn("model", command, timeout, max_memory)?;
+        let info = peer.handshake(ModelInfo::validate)?;
         Ok(ModelProcess { peer, info })
     }
 }

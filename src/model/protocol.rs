@@ -95,16 +95,7 @@ impl ResponseHeader {
         if self.id != id {
             return Err(format!("response id {} does not match", self.id));
         }
-        let want: Vec<usize> = info.routed().map(|l| l.layer).collect();
-        let got: Vec<usize> = self.layers.iter().map(|l| l.layer).collect();
-        if want != got {
-            return Err(match want.iter().find(|l| !got.contains(l)) {
-                Some(missing) => {
-                    format!("layer {missing} is missing (the response lists layers {got:?}, the handshake {want:?})")
-                }
-                None => format!("the response lists layers {got:?}, the handshake {want:?}"),
-            });
-        }
+        info.check_layers(self.layers.iter().map(|l| l.layer))?;
         let t = tokens as u64;
         let mut total = 0u64;
         for (l, h) in info.routed().zip(&self.layers) {

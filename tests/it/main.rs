@@ -10,6 +10,7 @@ mod faults;
 mod hand_computed;
 mod invariants;
 mod layer;
+mod model;
 #[cfg(feature = "mpi")]
 mod mpi;
 mod noise;
