@@ -352,7 +352,7 @@ fn flips_at_near_ties_are_told_from_real_differences() {
             // The flipped row's k-th and (k+1)-th experts 0.001 apart.
             let l = &mut logits[row * E..(row + 1) * E];
             for &e in y {
-                l[e as usize] = l[e as usize].max(1.0).min(1.0 + 0.5);
+                l[e as usize] = l[e as usize].clamp(1.0, 1.5);
             }
             let low = *y.iter().min_by(|p, q| l[**p as usize].total_cmp(&l[**q as usize])).unwrap();
             l[low as usize] = 1.0;
