@@ -23,7 +23,8 @@ def _unblock(requests, responses):
 
 
 def check(router, *args, timeout=900, **spec):
-    """Runs ``moe-audit check --router-cmd RELAY ARGS...`` against ``router`` served from this
+    """Runs ``moe-audit check --router-cmd RELAY ARGS...`` (``--model-cmd`` for a whole model)
+    against ``router`` served from this
     process, and returns the ``subprocess.CompletedProcess`` (text stdout and stderr; exit code 0
     no leak, 1 leak, 2 error).
 
@@ -34,9 +35,16 @@ def check(router, *args, timeout=900, **spec):
     (after moe-audit has stopped). ``timeout`` bounds the whole audit, in seconds.
     """
     spec = dict(spec)
-    route, hs = describe(router, spec)
-    if spec:
-        raise TypeError(f"unknown options: {', '.join(sorted(spec))}")
+    if callable(getattr(router, "serve", None)):
+        # A whole model (moe_audit.hf.wrap of a model taking token ids) serves moe-audit/3 itself.
+        if spec:
+            raise TypeError(f"unknown options: {', '.join(sorted(spec))}")
+        flag, answer_streams = "--model-cmd", router.serve
+    else:
+        route, hs = describe(router, spec)
+        if spec:
+            raise TypeError(f"unknown options: {', '.join(sorted(spec))}")
+        flag, answer_streams = "--router-cmd", lambda inp, out: serve(route, stdin=inp, stdout=out, **hs)
     with tempfile.TemporaryDirectory(prefix="moe-audit-check-") as directory:
         requests = os.path.join(directory, "requests")
         responses = os.path.join(directory, "responses")
@@ -47,7 +55,7 @@ def check(router, *args, timeout=900, **spec):
         def answer():
             try:
                 with open(requests, "rb") as inp, open(responses, "wb") as out:
-                    serve(route, stdin=inp, stdout=out, **hs)
+                    answer_streams(inp, out)
             except BrokenPipeError:
                 pass  # moe-audit stopped reading: it reports why
             except BaseException as e:  # noqa: BLE001 - handed to the caller
@@ -58,7 +66,7 @@ def check(router, *args, timeout=900, **spec):
         relay = f"cat {shlex.quote(responses)} & exec cat > {shlex.quote(requests)}"
         try:
             proc = subprocess.run(
-                [binary(), "check", "--router-cmd", relay, *map(str, args)],
+                [binary(), "check", flag, relay, *map(str, args)],
                 capture_output=True, text=True, timeout=timeout,
             )
         finally:
