@@ -124,7 +124,7 @@ mod tests {
 
     #[test]
     fn margins_are_between_the_kth_and_the_next() {
-        assert_eq!(top_k_margin(&[0.1, 0.9, 0.5, 0.4], 2), Some(0.1));
+        assert_eq!(top_k_margin(&[0.25, 1.0, 0.75, 0.5], 2), Some(0.25));
         assert_eq!(top_k_margin(&[0.1, 0.9], 2), None);
     }
 }
