@@ -3,6 +3,7 @@
 
 use super::check::{CheckArgs, CheckFormat};
 use super::io_error;
+use clap::Args;
 use moe_audit::analyze::Probe;
 use moe_audit::config::RouterConfig;
 use moe_audit::error::{Error, Result};
@@ -12,7 +13,6 @@ use moe_audit::model::{
     audit_model, Builtin, BuiltinSpec, Model, ModelAuditOptions, ModelProcess, ModelReport, TokenProbe,
 };
 use moe_audit::render::render_model_text;
-use clap::Args;
 use std::io::Write;
 use std::path::Path;
 

@@ -2,14 +2,14 @@
 //! record summarised (`show`).
 
 use super::io_error;
+use bytesize::ByteSize;
+use clap::{Args, Subcommand, ValueEnum};
 use moe_audit::error::{Error, Result};
 use moe_audit::files::Staged;
 use moe_audit::memory;
 use moe_audit::render::{json, routes_chart, routes_github, routes_junit, routes_markdown, routes_text, show_text};
 use moe_audit::routes::read::ShapeHint;
 use moe_audit::routes::{self, Budget, CompareOptions, Layout, Record};
-use bytesize::ByteSize;
-use clap::{Args, Subcommand, ValueEnum};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
