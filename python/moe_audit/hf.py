@@ -43,7 +43,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import adapter, v1, v2
+from . import adapter
+from ._wire import v1, v2
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,16 @@
 """moe-audit/1: JSON lines both ways (docs/PROTOCOL.md, "Messages")."""
 
+from __future__ import annotations
+
 import json
 import sys
 from dataclasses import dataclass
+from typing import Any, BinaryIO, Dict, Iterable, List, Optional, Set, Tuple
 
 import numpy as np
+
+#: Routes flattened in token order: (count [T], expert [R], weight [R], kept [R]).
+Columns = Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 PROTOCOL = "moe-audit/1"
 
@@ -17,18 +23,18 @@ class Request:
     id: int
     mode: str
     data: np.ndarray
-    seed: object = None
-    padding: object = None
+    seed: Optional[int] = None
+    padding: Optional[np.ndarray] = None
 
 
-def handshake(hs, padding_mask):
+def handshake(hs: Dict[str, Any], padding_mask: bool) -> Dict[str, Any]:
     """The /1 handshake: no padding mask."""
     if padding_mask:
         raise ValueError("a padding mask needs protocol moe-audit/2")
     return hs
 
 
-def read_request(stream, width):
+def read_request(stream: Iterable[bytes], width: int) -> Optional[Request]:
     """The next request from a binary stream, or None at its end."""
     for line in stream:
         if line.strip():
@@ -38,10 +44,10 @@ def read_request(stream, width):
     return None
 
 
-_warned = set()
+_warned: Set[str] = set()
 
 
-def capacity_list(capacity, experts):
+def capacity_list(capacity: Any, experts: int) -> Optional[List[int]]:
     """A capacity as /1 states it: E slot counts for the call, or None."""
     if capacity is None:
         return None
@@ -60,7 +66,7 @@ def capacity_list(capacity, experts):
     return [int(c) for c in capacity]
 
 
-def line(request_id, columns, capacity):
+def line(request_id: int, columns: Columns, capacity: Any) -> str:
     """The response line (no newline) for routes given as (count, expert, weight, kept), with
     the capacity field as it is to be written (None, a list, or /2's scoped dict)."""
     count, expert, weight, kept = columns
@@ -70,11 +76,11 @@ def line(request_id, columns, capacity):
     return json.dumps({"id": request_id, "tokens": tokens, "capacity": capacity}, allow_nan=False)
 
 
-def response(request_id, columns, capacity, experts):
+def response(request_id: int, columns: Columns, capacity: Any, experts: int) -> str:
     """The /1 response line (no newline): the capacity as /1 states it."""
     return line(request_id, columns, capacity_list(capacity, experts))
 
 
-def write_response(stream, request_id, columns, capacity, experts):
+def write_response(stream: BinaryIO, request_id: int, columns: Columns, capacity: Any, experts: int) -> None:
     """Writes one response line to a binary stream."""
     stream.write(response(request_id, columns, capacity, experts).encode() + b"\n")

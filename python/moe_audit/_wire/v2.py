@@ -2,17 +2,20 @@
 "moe-audit/2"). Requests carry the data as float32 bytes, a seed and optionally a padding mask;
 responses are binary: counts, experts, weights and kept flags, plus a capacity with its scope."""
 
+from __future__ import annotations
+
 import json
+from typing import Any, BinaryIO, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
 from . import v1
-from .v1 import Request
+from .v1 import Columns, Request
 
 PROTOCOL = "moe-audit/2"
 
 
-def handshake(hs, padding_mask):
+def handshake(hs: Dict[str, Any], padding_mask: bool) -> Dict[str, Any]:
     """The /2 handshake: binary responses, and the padding mask when the router takes one."""
     hs = dict(hs, responses="binary")
     if padding_mask:
@@ -20,14 +23,14 @@ def handshake(hs, padding_mask):
     return hs
 
 
-def _read_exactly(stream, n):
+def _read_exactly(stream: BinaryIO, n: int) -> bytes:
     buf = stream.read(n)
     if buf is None or len(buf) != n:
         raise EOFError(f"{PROTOCOL}: a payload of {n} bytes ended after {0 if buf is None else len(buf)}")
     return buf
 
 
-def read_request(stream, width):
+def read_request(stream: BinaryIO, width: int) -> Optional[Request]:
     """The next request from a binary stream, or None at its end."""
     for line in stream:
         if not line.strip():
@@ -49,7 +52,7 @@ def read_request(stream, width):
     return None
 
 
-def capacity_field(capacity, experts):
+def capacity_field(capacity: Any, experts: int) -> Union[None, List[int], Dict[str, Any]]:
     """A capacity as /2 states it: None, E counts for the call, or a scope with its groups."""
     if isinstance(capacity, dict):
         out = {"scope": str(capacity["scope"]), "slots": [int(c) for c in capacity["slots"]]}
@@ -59,7 +62,7 @@ def capacity_field(capacity, experts):
     return v1.capacity_list(capacity, experts)
 
 
-def response(request_id, columns, capacity, experts):
+def response(request_id: int, columns: Columns, capacity: Any, experts: int) -> Tuple[bytes, bytes]:
     """The header line (with its newline) and the payload of a binary response."""
     count, expert, weight, kept = columns
     payload = b"".join((
@@ -73,7 +76,7 @@ def response(request_id, columns, capacity, experts):
     return json.dumps(header, allow_nan=False).encode() + b"\n", payload
 
 
-def write_response(stream, request_id, columns, capacity, experts):
+def write_response(stream: BinaryIO, request_id: int, columns: Columns, capacity: Any, experts: int) -> None:
     """Writes one binary response (header line, then payload) to a binary stream."""
     header, payload = response(request_id, columns, capacity, experts)
     stream.write(header)
