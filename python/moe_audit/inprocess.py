@@ -2,17 +2,20 @@
 command relays the protocol through two named pipes to a thread here. A test suite then imports
 torch and builds its models once, not once per audited router."""
 
+from __future__ import annotations
+
 import os
 import shlex
 import subprocess
 import tempfile
 import threading
+from typing import Any, List
 
 from .adapter import describe, serve
 from .binary import binary
 
 
-def _unblock(requests, responses):
+def _unblock(requests: str, responses: str) -> None:
     """Releases a serving thread still waiting to open the pipes (moe-audit never started the
     router): opening the other ends without blocking lets its open return, then it reads EOF."""
     for path, flags in ((requests, os.O_WRONLY), (responses, os.O_RDONLY)):
@@ -22,7 +25,7 @@ def _unblock(requests, responses):
             pass
 
 
-def check(router, *args, timeout=900, **spec):
+def check(router: Any, *args: Any, timeout: float = 900, **spec: Any) -> "subprocess.CompletedProcess[str]":
     """Runs ``moe-audit check --router-cmd RELAY ARGS...`` (``--model-cmd`` for a whole model)
     against ``router`` served from this
     process, and returns the ``subprocess.CompletedProcess`` (text stdout and stderr; exit code 0
@@ -50,9 +53,9 @@ def check(router, *args, timeout=900, **spec):
         responses = os.path.join(directory, "responses")
         os.mkfifo(requests)
         os.mkfifo(responses)
-        failure = []
+        failure: List[BaseException] = []
 
-        def answer():
+        def answer() -> None:
             try:
                 with open(requests, "rb") as inp, open(responses, "wb") as out:
                     answer_streams(inp, out)

@@ -37,7 +37,8 @@ import math
 import numpy as np
 import torch
 
-from .. import adapter, v1, v2
+from .. import adapter
+from .._wire import v1, v2
 from .routers import _DECODERS, Decoder, _gate, decoder_for, discover
 
 #: Deprecated: routers are found by structure and read by decoders (:data:`FAMILIES` lists the

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import v2
+from .._wire import v2
 
 PROTOCOL = "moe-audit/3"
 #: The largest request payload read (token ids and mask): 256 MiB.
