@@ -15,10 +15,9 @@ import time
 MODEL = """
 import torch, transformers
 transformers.logging.set_verbosity_error()
-config = transformers.Qwen3MoeConfig(
-    hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=4,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=64,
-    num_experts_per_tok=8, vocab_size=1000)
+# The README's model.
+config = transformers.Qwen3MoeConfig(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=32, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=64, vocab_size=1000)
 torch.manual_seed(0)
 model = transformers.AutoModelForCausalLM.from_config(config)
 """

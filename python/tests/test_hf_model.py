@@ -6,6 +6,8 @@ Needs torch and transformers; models are tiny, random and seeded (no download).
 
 import io
 import json
+import os
+import re
 
 import numpy as np
 import pytest
@@ -198,3 +200,18 @@ def test_bad_input_is_one_clear_error():
     with pytest.raises(ValueError, match="says 12 bytes, expected 32"):
         h, p = wire3.request(3, ids(2, 4))
         serve(wrapped, (h.replace(b'"bytes": 32', b'"bytes": 12'), p[:12]))
+
+
+def test_the_readmes_whole_model_audit_is_at_most_five_lines_and_wraps_every_layer(monkeypatch):
+    readme = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "README.md")
+    with open(readme) as f:
+        block = re.search(r"```python\n(import moe_audit, moe_audit.hf, transformers\n.*?)```", f.read(), re.S).group(1)
+    assert len([line for line in block.splitlines() if line.strip()]) <= 5, block
+    import moe_audit
+
+    audited = []
+    monkeypatch.setattr(moe_audit, "check", lambda wrapped: audited.append(wrapped) or type("P", (), {"stdout": ""}))
+    exec(block, {})
+    hs = audited[0].handshake()
+    assert [(x["kind"], x["experts"], x["top_k"]) for x in hs["layers"]] == [("moe", 64, 8)] * 4
+    assert hs["vocab"] == 1000 and hs["outputs"] == 128 and hs["generate"]

@@ -119,6 +119,8 @@ def _shrink(d, depth=0):
                 cut = cut[:-1] + full[:1]
             v = cut
         out[k] = v
+    if d.get("num_key_value_heads") == d.get("num_attention_heads") and "num_attention_heads" in out:
+        out["num_key_value_heads"] = out["num_attention_heads"]  # multi-head (MLA): keep kv = heads
     return out
 
 
@@ -163,8 +165,6 @@ def config(model_type):
     before = default.to_dict()
     after = _shrink(before)
     changed = {k: v for k, v in after.items() if v != before[k]}
-    if before.get("num_key_value_heads") == before.get("num_attention_heads") and "num_attention_heads" in changed:
-        changed["num_key_value_heads"] = changed["num_attention_heads"]  # multi-head (MLA): keep kv = heads
     changed.update(SETTINGS.get(model_type, {}))
     try:
         c = AutoConfig.for_model(model_type, **changed)

@@ -98,6 +98,12 @@ class WholeModel:
             s.top_k = s.top_k or int(probe[0][s.layer].experts.shape[1])
         self.logits = logits and all(d.logits is not None for d in probe[0].values())
         self.width = 0 if probe[1] is None else probe[1].shape[1]
+        # The generation path, offered when the model runs it (a KV cache; an encoder has none).
+        try:
+            self.forward(np.array([[1, 2, 3]]) % self.vocab, "train", seed, path="generate", prefill=2)
+            self.generate, self.no_generate = True, None
+        except Exception as e:  # noqa: BLE001 - kept, and the audit runs without G
+            self.generate, self.no_generate = False, f"{type(e).__name__}: {e}"
         torch.manual_seed(seed)
 
     def handshake(self):
@@ -108,7 +114,7 @@ class WholeModel:
                 site = self.model.site(n)
                 entry.update(experts=site.experts, top_k=site.top_k)
             layers.append(entry)
-        return wire3.handshake(self.name, self.vocab, layers, self.width, self.logits)
+        return wire3.handshake(self.name, self.vocab, layers, self.width, self.logits, generate=self.generate)
 
     def _set_mode(self, mode):
         train = mode == "train"
@@ -199,6 +205,8 @@ class WholeModel:
             sys.stdout = sys.stderr
         try:
             while (req := wire3.read_request(inp, self.vocab)) is not None:
+                if req.path == "generate" and not self.generate:
+                    raise ValueError(f"request {req.id}: the generation path was not offered ({self.no_generate})")
                 layers, rows = self.forward(req.ids, req.mode, req.seed, req.padding, req.path, req.prefill)
                 missing = [s.layer for s in self.model.sites if s.layer not in layers]
                 if missing:
