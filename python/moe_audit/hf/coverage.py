@@ -62,7 +62,8 @@ def check_decode(site, decoded, config, ids=None):
     experts = torch.as_tensor(decoded.experts, dtype=torch.long)
     routed = (experts >= 0).all(1)
     k = experts.shape[1]
-    candidates = {"top-k of the logits": logits}
+    # softmax and sigmoid keep the logits' order, but not the sums that rank expert groups.
+    candidates = {"top-k of the logits": logits, "softmax": logits.softmax(-1), "sigmoid": logits.sigmoid()}
     for i, b in enumerate(_selection_biases(site.module, e)):
         candidates[f"sigmoid + bias {i}"] = logits.sigmoid() + b
         candidates[f"softmax + bias {i}"] = logits.softmax(-1) + b

@@ -31,7 +31,7 @@ _SIZES = (
     (4, ("num_attention_heads", "n_head", "n_heads", "encoder_attention_heads", "decoder_attention_heads",
         "linear_num_value_heads", "mamba_n_heads", "num_heads")),
     (2, ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "linear_num_key_heads", "n_group", "n_groups",
-        "mamba_n_groups", "num_experts_per_group")),
+        "mamba_n_groups", "num_experts_per_group", "num_expert_group")),
     (1, ("topk_group", "first_k_dense_replace", "num_shared_experts", "n_shared_experts", "moe_num_shared_experts",
         "num_nextn_predict_layers", "zero_expert_num", "num_dense_layers")),
     (16, ("head_dim", "qk_nope_head_dim", "v_head_dim", "kv_lora_rank", "linear_key_head_dim", "linear_value_head_dim",
