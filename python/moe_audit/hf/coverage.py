@@ -87,7 +87,7 @@ def check_decode(site, decoded, config, ids=None):
     return None, float(routed.float().mean())
 
 
-def audit(wrapped, *args):
+def audit_model(wrapped, *args):
     """({probe: verdict}, {probe: first leaking layer}, error) of ``moe-audit check`` on a
     wrapped model at the sizes of :data:`SIZES` (or ``args``)."""
     import moe_audit
@@ -146,7 +146,7 @@ def cover(family, model_type, audit=True, seed=0):
         traceback.print_exc(limit=3, file=sys.stderr)
         return _done(row, start)
     if audit and not row["reason"]:
-        verdicts, first, error = audit(wrapped)
+        verdicts, first, error = audit_model(wrapped)
         if verdicts is None:
             row["reason"] = f"the audit stops: {_short(error)}"
         else:
