@@ -32,7 +32,7 @@ def main():
         with open(script, "w") as f:
             f.write(MODEL + "import moe_audit.hf\nmoe_audit.hf.run(model)\n")
         start = time.perf_counter()
-        proc = subprocess.run([binary(), "check", "--model-cmd", f"{sys.executable} {script}"],
+        proc = subprocess.run([binary(), "check", "--model-cmd", f"{sys.executable} {script}", "--timeout", "600"],
                               capture_output=True, text=True, env=env)
         took = time.perf_counter() - start
     last = (proc.stdout.strip().splitlines() or [""])[-1]

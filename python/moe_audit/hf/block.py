@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from .. import adapter, v1, v2
+from .capture import _dispatch
 from .routers import _DECODERS, Decoder, _gate, decoder_for, discover
 
 #: Deprecated: routers are found by structure and read by decoders (:data:`FAMILIES` lists the
@@ -126,8 +127,6 @@ class Router:
                 raise _Routed
 
         def experts_hook(module, args, kwargs):
-            from .capture import _dispatch
-
             seen["dispatch"] = _dispatch(self.site, args, kwargs)
             raise _Routed
 

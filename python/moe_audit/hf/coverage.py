@@ -29,6 +29,8 @@ from . import families as fam
 from .routers import NotCovered, _config_value
 
 SIZES = ("--batch", "2", "--seq-len", "16", "--trials", "4")
+#: Seconds one family's audit may take.
+AUDIT_TIMEOUT = 600
 
 
 def _selection_biases(router, experts):
@@ -90,9 +92,14 @@ def check_decode(site, decoded, config, ids=None):
 def audit_model(wrapped, *args):
     """({probe: verdict}, {probe: first leaking layer}, error) of ``moe-audit check`` on a
     wrapped model at the sizes of :data:`SIZES` (or ``args``)."""
+    import subprocess
+
     import moe_audit
 
-    proc = moe_audit.check(wrapped, "--format", "json", *(args or SIZES))
+    try:
+        proc = moe_audit.check(wrapped, "--format", "json", *(args or SIZES), timeout=AUDIT_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return None, None, f"over {AUDIT_TIMEOUT} s"
     if proc.returncode not in (0, 1):
         lines = proc.stderr.strip().splitlines()
         return None, None, lines[-1] if lines else f"exit {proc.returncode}"
