@@ -28,7 +28,7 @@ import torch
 from . import families as fam
 from .routers import NotCovered, _config_value
 
-SIZES = ("--batch", "2", "--seq-len", "16", "--trials", "4")
+SIZES = ("--batch", "2", "--seq-len", "16", "--trials", "4", "--timeout", "600")
 #: Seconds one family's audit may take.
 AUDIT_TIMEOUT = 600
 
