@@ -98,7 +98,8 @@ def response(request_id, layers, outputs, logits):
                   np.ascontiguousarray(decoded.weights[present], dtype="<f4").tobytes(),
                   np.ascontiguousarray(decoded.kept[present], dtype=np.uint8).tobytes()]
         if logits:
-            parts.append(np.ascontiguousarray(decoded.logits, dtype="<f4").tobytes())
+            # [T, E]: a router that also scores a skip expert (ZAYA: E + 1) sends the E routed ones.
+            parts.append(np.ascontiguousarray(decoded.logits[:, :experts], dtype="<f4").tobytes())
         header_layers.append({"layer": int(layer), "routes": int(present.sum()),
                               "capacity": v2.capacity_field(decoded.capacity, experts)})
     if outputs is not None:
