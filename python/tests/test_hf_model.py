@@ -6,6 +6,8 @@ Needs torch and transformers; models are tiny, random and seeded (no download).
 
 import io
 import json
+import os
+import re
 
 import numpy as np
 import pytest
@@ -198,3 +200,76 @@ def test_bad_input_is_one_clear_error():
     with pytest.raises(ValueError, match="says 12 bytes, expected 32"):
         h, p = wire3.request(3, ids(2, 4))
         serve(wrapped, (h.replace(b'"bytes": 32', b'"bytes": 12'), p[:12]))
+
+
+def test_the_readmes_whole_model_audit_is_at_most_five_lines_and_wraps_every_layer(monkeypatch):
+    readme = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "README.md")
+    with open(readme) as f:
+        block = re.search(r"```python\n(import moe_audit, moe_audit.hf, transformers\n.*?)```", f.read(), re.S).group(1)
+    assert len([line for line in block.splitlines() if line.strip()]) <= 5, block
+    import moe_audit
+
+    audited = []
+    monkeypatch.setattr(moe_audit, "check", lambda wrapped: audited.append(wrapped) or type("P", (), {"stdout": ""}))
+    exec(block, {})
+    hs = audited[0].handshake()
+    assert [(x["kind"], x["experts"], x["top_k"]) for x in hs["layers"]] == [("moe", 64, 8)] * 4
+    assert hs["vocab"] == 1000 and hs["outputs"] == 128 and hs["generate"]
+
+
+# Whole-model audits by the binary (moe-audit/3), at small sizes.
+SIZES = ("--batch", "2", "--seq-len", "16", "--trials", "4")
+
+
+def audit(model, **options):
+    from moe_audit.hf import coverage
+
+    verdicts, first, error = coverage.audit_model(hf.wrap(model, **options), *SIZES)
+    assert error is None, error
+    return verdicts, first
+
+
+def test_a_dropless_model_passes_every_probe_at_every_layer():
+    verdicts, _ = audit(qwen3(mlp_only_layers=[0]))
+    assert verdicts == dict.fromkeys("PFNRDSMG", "pass")
+
+
+def nllb(capacity):
+    config = transformers.NllbMoeConfig(
+        d_model=H, encoder_layers=2, decoder_layers=4, encoder_attention_heads=4, decoder_attention_heads=4,
+        encoder_ffn_dim=32, decoder_ffn_dim=32, num_experts=E, expert_capacity=capacity, encoder_sparse_step=2,
+        decoder_sparse_step=2, vocab_size=V, dropout=0.0)
+    torch.manual_seed(0)
+    return transformers.NllbMoeModel(config).eval()
+
+
+def test_nllb_moe_capacity_leaks_first_at_its_moe_layer():
+    # Sparse decoder layers 1 and 3 (every second); capacity 4 per expert for the whole call.
+    model = nllb(capacity=4)
+    assert hf.discover(model.get_decoder()).layers == {0: "dense", 1: "moe", 2: "dense", 3: "moe"}
+    verdicts, first = audit(model)
+    leaking = {p for p, v in verdicts.items() if v == "leak"}
+    assert {"P", "F", "N", "R"} <= leaking, verdicts
+    assert all(first[p] == 1 for p in leaking), first
+
+
+def test_switch_with_binding_per_sequence_capacity_is_causal():
+    config = transformers.SwitchTransformersConfig(
+        d_model=H, d_ff=32, d_kv=8, num_heads=4, num_layers=2, num_decoder_layers=2, num_sparse_encoder_layers=1,
+        num_sparse_decoder_layers=2, num_experts=E, expert_capacity=2, router_jitter_noise=0.0, vocab_size=V,
+        dropout_rate=0.0)
+    torch.manual_seed(0)
+    model = transformers.SwitchTransformersModel(config).eval()
+    wrapped = hf.wrap(model)
+    x = ids(2, 16)
+    layers, _ = wrapped.forward(x, "train", 0)
+    assert any(not d.kept.all() for d in layers.values()), "the capacity must bind in this test"
+    assert all(d.capacity == {"scope": "sequence", "slots": [2, 2]} for d in layers.values())
+    verdicts, _ = audit(model)
+    # First come first served within each sequence: causal (P F), batch-invariant (N),
+    # deterministic (D S), the same rule in both modes (M); P may see near-ties (drift).
+    assert all(verdicts[p] in ("pass", "drift") for p in "PFNDSM"), verdicts
+    # Measured, and real: left padding takes capacity slots from the real tokens after it (the
+    # router gets no padding mask), and generating one token at a time never fills the capacity
+    # the full forward fills.
+    assert verdicts["R"] == "leak" and verdicts["G"] == "leak", verdicts

@@ -39,6 +39,7 @@ import torch
 
 from .. import adapter
 from .._wire import v1, v2
+from .capture import _dispatch
 from .routers import _DECODERS, Decoder, _gate, decoder_for, discover
 
 #: Deprecated: routers are found by structure and read by decoders (:data:`FAMILIES` lists the
@@ -127,8 +128,6 @@ class Router:
                 raise _Routed
 
         def experts_hook(module, args, kwargs):
-            from .capture import _dispatch
-
             seen["dispatch"] = _dispatch(self.site, args, kwargs)
             raise _Routed
 

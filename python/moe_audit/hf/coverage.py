@@ -26,9 +26,11 @@ import numpy as np
 import torch
 
 from . import families as fam
-from .routers import NotCovered
+from .routers import NotCovered, _config_value
 
-SIZES = ("--batch", "2", "--seq-len", "16", "--trials", "4")
+SIZES = ("--batch", "2", "--seq-len", "16", "--trials", "4", "--timeout", "600")
+#: Seconds one family's audit may take.
+AUDIT_TIMEOUT = 600
 
 
 def _selection_biases(router, experts):
@@ -45,9 +47,15 @@ def _group_topk(scores, k, groups, topk_group):
     return masked.topk(k, dim=-1)
 
 
-def check_decode(site, decoded, config):
+def check_decode(site, decoded, config, ids=None):
     """(name of the score function whose top k are the decoded experts on every token, or None;
-    share of tokens checked). Near-ties are skipped."""
+    share of tokens checked). Near-ties are skipped. A hash router (an integer table [vocab, k]
+    of experts per token id) is checked against its table for the token ids given."""
+    k = decoded.experts.shape[1]
+    tables = [b for b in site.module.buffers() if not b.is_floating_point() and b.ndim == 2 and b.shape[1] == k]
+    if tables and ids is not None:
+        expected = np.sort(tables[0][torch.as_tensor(ids).reshape(-1)].numpy(), 1)
+        return ("token-id table", 1.0) if np.array_equal(expected, np.sort(decoded.experts, 1)) else (None, 1.0)
     if decoded.logits is None:
         return None, 0.0
     logits = torch.as_tensor(decoded.logits, dtype=torch.float64)
@@ -56,12 +64,13 @@ def check_decode(site, decoded, config):
     experts = torch.as_tensor(decoded.experts, dtype=torch.long)
     routed = (experts >= 0).all(1)
     k = experts.shape[1]
-    candidates = {"top-k of the logits": logits}
+    # softmax and sigmoid keep the logits' order, but not the sums that rank expert groups.
+    candidates = {"top-k of the logits": logits, "softmax": logits.softmax(-1), "sigmoid": logits.sigmoid()}
     for i, b in enumerate(_selection_biases(site.module, e)):
         candidates[f"sigmoid + bias {i}"] = logits.sigmoid() + b
         candidates[f"softmax + bias {i}"] = logits.softmax(-1) + b
-    groups = getattr(site.module, "n_group", None) or getattr(config, "n_group", None)
-    topk_group = getattr(site.module, "topk_group", None) or getattr(config, "topk_group", None)
+    groups = getattr(site.module, "n_group", None) or _config_value(config, ("n_group",))
+    topk_group = getattr(site.module, "topk_group", None) or _config_value(config, ("topk_group",))
     for name, scores in list(candidates.items()):
         if groups and topk_group and groups > 1 and e % groups == 0:
             candidates[f"{name}, group-limited"] = scores  # marker: computed below
@@ -80,18 +89,24 @@ def check_decode(site, decoded, config):
     return None, float(routed.float().mean())
 
 
-def _audit(wrapped):
+def audit_model(wrapped, *args):
+    """({probe: verdict}, {probe: first leaking layer}, error) of ``moe-audit check`` on a
+    wrapped model at the sizes of :data:`SIZES` (or ``args``)."""
+    import subprocess
+
     import moe_audit
 
-    proc = moe_audit.check(wrapped, "--format", "json", *SIZES)
+    try:
+        proc = moe_audit.check(wrapped, "--format", "json", *(args or SIZES), timeout=AUDIT_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return None, None, f"over {AUDIT_TIMEOUT} s"
     if proc.returncode not in (0, 1):
-        return None, proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
-    report = json.loads(proc.stdout)
-    verdicts = {}
-    for router in report.get("routers", [report]):
-        for f in router.get("findings", []):
-            verdicts.setdefault(f["probe"], set()).add(f["verdict"])
-    return {p: "leak" if "leak" in v else sorted(v)[0] for p, v in verdicts.items()}, None
+        lines = proc.stderr.strip().splitlines()
+        return None, None, lines[-1] if lines else f"exit {proc.returncode}"
+    findings = json.loads(proc.stdout)["findings"]
+    verdicts = {f["probe"]: f["verdict"] for f in findings}
+    first = {f["probe"]: f["first_layer"] for f in findings if f["verdict"] == "leak"}
+    return verdicts, first, None
 
 
 def cover(family, model_type, audit=True, seed=0):
@@ -124,7 +139,7 @@ def cover(family, model_type, audit=True, seed=0):
     ids = np.random.default_rng(seed).integers(0, wrapped.vocab, (2, 12))
     try:
         forward, _ = wrapped.forward(ids, "inference", seed)
-        matched = [check_decode(s, forward[s.layer], config) for s in sites]
+        matched = [check_decode(s, forward[s.layer], config, ids) for s in sites]
         names = {m for m, _ in matched}
         row["decode"] = "; ".join(sorted(n for n in names if n)) if None not in names else "unverified"
         if None in names:
@@ -138,14 +153,23 @@ def cover(family, model_type, audit=True, seed=0):
         traceback.print_exc(limit=3, file=sys.stderr)
         return _done(row, start)
     if audit and not row["reason"]:
-        verdicts, error = _audit(wrapped)
+        verdicts, first, error = audit_model(wrapped)
         if verdicts is None:
-            row["verdicts"] = f"not audited: {error}"
+            row["reason"] = f"the audit stops: {_short(error)}"
         else:
-            leaks = "".join(p for p, v in verdicts.items() if v == "leak")
-            row["verdicts"] = "pass" if not leaks and all(v == "pass" for v in verdicts.values()) else (
-                f"leak {leaks}" if leaks else ", ".join(f"{p} {v}" for p, v in verdicts.items() if v != "pass"))
+            row["verdicts"] = summary(verdicts, first)
     return _done(row, start)
+
+
+def summary(verdicts, first):
+    """"pass", or what did not pass: "leak P@3 F@3, drift G" (@: first leaking layer)."""
+    out = []
+    for verdict in ("leak", "drift", "inconclusive", "not-applicable"):
+        probes = [p + (f"@{first[p]}" if verdict == "leak" and first.get(p) is not None else "")
+                  for p, v in verdicts.items() if v == verdict]
+        if probes:
+            out.append(f"{verdict} {' '.join(probes)}")
+    return ", ".join(out) or "pass"
 
 
 def _short(e):
@@ -181,15 +205,23 @@ def _version():
     return transformers.__version__
 
 
-def read_table(path):
-    """{family: covered?} of a committed table."""
+_COLUMNS = ("family", "model", "router", "layers", "decode", "generate", "verdicts", "seconds", "reason")
+
+
+def read_rows(path):
+    """{family: row} of a written table (cells as text)."""
     out = {}
     with open(path) as f:
         for line in f:
             cells = [c.strip() for c in line.strip().strip("|").split("|")]
-            if len(cells) == 9 and cells[0] not in ("family", "---"):
-                out[cells[0]] = cells[8] == ""
+            if len(cells) == len(_COLUMNS) and cells[0] not in ("family", "---"):
+                out[cells[0]] = dict(zip(_COLUMNS, cells))
     return out
+
+
+def read_table(path):
+    """{family: covered?} of a written table."""
+    return {f: row["reason"] == "" for f, row in read_rows(path).items()}
 
 
 PREAMBLE = """# Hugging Face MoE families: coverage

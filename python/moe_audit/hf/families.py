@@ -31,7 +31,7 @@ _SIZES = (
     (4, ("num_attention_heads", "n_head", "n_heads", "encoder_attention_heads", "decoder_attention_heads",
         "linear_num_value_heads", "mamba_n_heads", "num_heads")),
     (2, ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "linear_num_key_heads", "n_group", "n_groups",
-        "mamba_n_groups", "num_experts_per_group")),
+        "mamba_n_groups", "num_experts_per_group", "num_expert_group")),
     (1, ("topk_group", "first_k_dense_replace", "num_shared_experts", "n_shared_experts", "moe_num_shared_experts",
         "num_nextn_predict_layers", "zero_expert_num", "num_dense_layers")),
     (16, ("head_dim", "qk_nope_head_dim", "v_head_dim", "kv_lora_rank", "linear_key_head_dim", "linear_value_head_dim",
@@ -113,19 +113,24 @@ def _shrink(d, depth=0):
             v = VOCAB - 1
         elif isinstance(v, (list, str)) and layers and len(v) == layers and layers > LAYERS:
             cut = v[:LAYERS]
-            if isinstance(v, list) and not any("att" in str(x) for x in cut):
+            full = [x for x in v if str(x) in ("attention", "full_attention")] if isinstance(v, list) else []
+            if full and full[0] not in cut:
                 # keep one attention layer, so the KV cache has one to measure (generation path)
-                cut = cut[:-1] + [next((x for x in v if "att" in str(x)), cut[-1])]
+                cut = cut[:-1] + full[:1]
             v = cut
         out[k] = v
+    if d.get("num_key_value_heads") == d.get("num_attention_heads") and "num_attention_heads" in out:
+        out["num_key_value_heads"] = out["num_attention_heads"]  # multi-head (MLA): keep kv = heads
     return out
 
 
 #: What a family's shrunk config needs before it builds in transformers 5.23: fields set when
 #: the config is made (a constraint of the family), or a fix applied after (a bug of 5.23).
 SETTINGS = {
-    # Mamba heads * head dim must equal expand * hidden.
-    "granitemoehybrid": {"mamba_d_head": 32},
+    # Mamba heads * head dim must equal expand * hidden; its default has no attention layer (one
+    # here, so the KV cache can say its length on the generation path).
+    "granitemoehybrid": {"mamba_d_head": 32,
+                         "layer_types": ["linear_attention", "attention", "linear_attention", "linear_attention"]},
     # ZAYA routes one expert per token only.
     "zaya": {"num_experts_per_tok": 1},
     # Doge's default config has no MoE layer.
@@ -160,8 +165,6 @@ def config(model_type):
     before = default.to_dict()
     after = _shrink(before)
     changed = {k: v for k, v in after.items() if v != before[k]}
-    if before.get("num_key_value_heads") == before.get("num_attention_heads") and "num_attention_heads" in changed:
-        changed["num_key_value_heads"] = changed["num_attention_heads"]  # multi-head (MLA): keep kv = heads
     changed.update(SETTINGS.get(model_type, {}))
     try:
         c = AutoConfig.for_model(model_type, **changed)
@@ -197,9 +200,22 @@ def model_class(model_type, config):
     return made[0]
 
 
+def _hash_tables(model, seed):
+    """A hash router's token-id -> experts table is a checkpoint buffer, all zeros at random
+    init (every token to expert 0, k times): filled with k distinct seeded experts per id."""
+    g = torch.Generator().manual_seed(seed)
+    for m in model.modules():
+        table = getattr(m, "tid2eid", None)
+        experts = getattr(m, "num_experts", None)
+        if isinstance(table, torch.Tensor) and experts:
+            with torch.no_grad():
+                table.copy_(torch.rand(table.shape[0], experts, generator=g).argsort(1)[:, :table.shape[1]])
+
+
 def build(model_type, seed=0):
     """(model, config): the tiny random model of ``model_type`` in eval mode, float32."""
     c = config(model_type)
     torch.manual_seed(seed)
     model = model_class(model_type, c)._from_config(c, torch_dtype=torch.float32)
+    _hash_tables(model, seed)
     return model.eval(), c

@@ -4,6 +4,7 @@ import inspect
 import json
 import math
 import sys
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -98,6 +99,12 @@ class WholeModel:
             s.top_k = s.top_k or int(probe[0][s.layer].experts.shape[1])
         self.logits = logits and all(d.logits is not None for d in probe[0].values())
         self.width = 0 if probe[1] is None else probe[1].shape[1]
+        # The generation path, offered when the model runs it (a KV cache; an encoder has none).
+        try:
+            self.forward(np.arange(1, 9)[None] % self.vocab, "train", seed, path="generate", prefill=2)
+            self.generate, self.no_generate = True, None
+        except Exception as e:  # noqa: BLE001 - kept, and the audit runs without G
+            self.generate, self.no_generate = False, f"{type(e).__name__}: {e}"
         torch.manual_seed(seed)
 
     def handshake(self):
@@ -108,15 +115,28 @@ class WholeModel:
                 site = self.model.site(n)
                 entry.update(experts=site.experts, top_k=site.top_k)
             layers.append(entry)
-        return wire3.handshake(self.name, self.vocab, layers, self.width, self.logits)
+        return wire3.handshake(self.name, self.vocab, layers, self.width, self.logits, generate=self.generate)
 
-    def _set_mode(self, mode):
-        train = mode == "train"
-        self.module.train(train)
-        # Dropout off in both modes: the audit compares calls, and dropout draws per shape.
+    @contextmanager
+    def _mode(self, mode):
+        """The model in training or eval mode, dropout off: the audit compares calls, and dropout
+        draws per shape. Dropout modules get p = 0, and so do the float attributes that
+        functional dropout reads (``attention_dropout``, ``dropout_rate``, ...), restored after."""
+        self.module.train(mode == "train")
+        saved = []
         for m in self.module.modules():
-            if isinstance(m, torch.nn.modules.dropout._DropoutNd):
-                m.eval()
+            for name, value in vars(m).items():
+                if "drop" in name and isinstance(value, float) and value > 0:
+                    saved.append((m, name, value))
+            if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0:
+                saved.append((m, "p", m.p))
+        for m, name, _ in saved:
+            setattr(m, name, 0.0)
+        try:
+            yield
+        finally:
+            for m, name, value in saved:
+                setattr(m, name, value)
 
     def _call(self, ids, mask, past=None, use_cache=False, start=0):
         """One forward of positions start.. of ids; mask covers positions 0.. of the cache too."""
@@ -157,10 +177,9 @@ class WholeModel:
         if ids.min() < 0 or ids.max() >= self.vocab:
             raise ValueError(f"token ids must be in 0..{self.vocab - 1} (the vocabulary), got {ids.min()}..{ids.max()}")
         torch.manual_seed(self.seed if seed is None else seed)
-        self._set_mode(mode)
         x = torch.as_tensor(ids, dtype=torch.long)
         mask = torch.ones_like(x) if padding is None else torch.as_tensor(~np.asarray(padding, dtype=bool)).long()
-        with capture(self.model) as rec:
+        with self._mode(mode), capture(self.model) as rec:
             if path == "forward":
                 out = self._call(x, mask)
                 return rec.calls[-1], self._rows(out)
@@ -199,6 +218,8 @@ class WholeModel:
             sys.stdout = sys.stderr
         try:
             while (req := wire3.read_request(inp, self.vocab)) is not None:
+                if req.path == "generate" and not self.generate:
+                    raise ValueError(f"request {req.id}: the generation path was not offered ({self.no_generate})")
                 layers, rows = self.forward(req.ids, req.mode, req.seed, req.padding, req.path, req.prefill)
                 missing = [s.layer for s in self.model.sites if s.layer not in layers]
                 if missing:

@@ -98,7 +98,8 @@ def response(request_id, layers, outputs, logits):
                   np.ascontiguousarray(decoded.weights[present], dtype="<f4").tobytes(),
                   np.ascontiguousarray(decoded.kept[present], dtype=np.uint8).tobytes()]
         if logits:
-            parts.append(np.ascontiguousarray(decoded.logits, dtype="<f4").tobytes())
+            # [T, E]: a router that also scores a skip expert (ZAYA: E + 1) sends the E routed ones.
+            parts.append(np.ascontiguousarray(decoded.logits[:, :experts], dtype="<f4").tobytes())
         header_layers.append({"layer": int(layer), "routes": int(present.sum()),
                               "capacity": v2.capacity_field(decoded.capacity, experts)})
     if outputs is not None:
@@ -134,12 +135,11 @@ def read_response(stream, hs):
         return a
 
     routed = [entry for entry in hs["layers"] if entry["kind"] != "dense"]
+    # T is not in the header: every layer has 9 bytes per route, the rest is per token.
+    per_token = sum(4 + (4 * e["experts"] if hs["logits"] else 0) for e in routed) + 4 * hs["outputs"]
+    tokens = (len(payload) - sum(9 * lh["routes"] for lh in h["layers"])) // per_token
     layers = []
-    tokens = None
     for entry, lh in zip(routed, h["layers"]):
-        if tokens is None:
-            # T is not in the header: every layer has one count per token, and R routes.
-            tokens = (len(payload) - _rest(h, hs, routed)) // _per_token(hs, routed)
         count = take("<u4", tokens)
         r = lh["routes"]
         layer = {"layer": lh["layer"], "capacity": lh["capacity"], "count": count, "expert": take("<i4", r),
@@ -151,11 +151,3 @@ def read_response(stream, hs):
     if at != len(payload):
         raise ValueError(f"{PROTOCOL}: response {h['id']} has {len(payload) - at} bytes left over")
     return {"id": h["id"], "layers": layers, "outputs": outputs}
-
-
-def _per_token(hs, routed):
-    return sum(4 + (4 * e["experts"] if hs["logits"] else 0) for e in routed) + 4 * hs["outputs"]
-
-
-def _rest(h, hs, routed):
-    return sum(9 * lh["routes"] for lh in h["layers"])
