@@ -117,6 +117,8 @@ pub enum Setting {
     Probes,
     /// How long an external router may take to answer.
     Timeout,
+    /// The command of an external router.
+    RouterCmd,
     /// The memory limit.
     MaxMemory,
     /// Rewriting a snapshot in place.
@@ -147,7 +149,7 @@ pub enum Setting {
 
 impl Setting {
     /// Every setting.
-    pub const ALL: [Setting; 21] = [
+    pub const ALL: [Setting; 22] = [
         Setting::Batch,
         Setting::SeqLen,
         Setting::Hidden,
@@ -156,6 +158,7 @@ impl Setting {
         Setting::Ranks,
         Setting::Probes,
         Setting::Timeout,
+        Setting::RouterCmd,
         Setting::MaxMemory,
         Setting::Update,
         Setting::Traces,
@@ -182,6 +185,7 @@ impl Setting {
             Setting::Ranks => "ranks",
             Setting::Probes => "probes",
             Setting::Timeout => "timeout",
+            Setting::RouterCmd => "router_cmd",
             Setting::MaxMemory => "max_memory",
             Setting::Update => "update",
             Setting::Traces => "traces",

@@ -38,6 +38,39 @@ pub fn read_bounded(path: &Path, limit: u64, why: &str) -> Result<Vec<u8>> {
     Ok(bytes)
 }
 
+/// `name` inside `dir`, for a path that a data file names (a snapshot header's router or rows
+/// file, a trace folder's own files): refused when it is absolute, climbs with `..`, or leads out
+/// of `dir` through a symlink, so data cannot make moe-audit read (and echo in an error, or hash)
+/// a file outside the folder it was pointed at. `what` names the field in the error. A path
+/// that does not exist is returned as is: reading it fails naming it.
+pub fn inside(dir: &Path, name: &Path, what: &str) -> Result<PathBuf> {
+    use std::path::Component;
+    if name.components().any(|c| !matches!(c, Component::Normal(_) | Component::CurDir)) {
+        return Err(Error::input(
+            name,
+            format!("{what}: an absolute path or `..` leads out of {}; data names files inside it", shown(dir)),
+        ));
+    }
+    let path = dir.join(name);
+    if let (Ok(real), Ok(base)) = (path.canonicalize(), dir.canonicalize()) {
+        if !real.starts_with(&base) {
+            return Err(Error::input(
+                &path,
+                format!("{what}: a symlink leads out of {} (to {})", shown(dir), real.display()),
+            ));
+        }
+    }
+    Ok(if dir == Path::new(".") { name.to_path_buf() } else { path })
+}
+
+fn shown(dir: &Path) -> String {
+    if dir == Path::new(".") {
+        "the working directory".into()
+    } else {
+        dir.display().to_string()
+    }
+}
+
 /// Opens `path` without waiting on it: a FIFO with no writer opens at once (and reads as empty),
 /// one with no reader fails (ENXIO) instead of hanging; reads and writes then block as usual.
 fn open_unblocked(path: &Path, write: bool) -> std::io::Result<std::fs::File> {
@@ -276,6 +309,26 @@ mod tests {
         assert_eq!(read_text(&d.join("f"), 5, "test").unwrap(), "hello");
         assert!(read_text(&d.join("f"), 4, "test").is_err());
         assert!(read_text(&d, 100, "test").unwrap_err().to_string().contains("is a directory"));
+    }
+
+    #[test]
+    fn named_files_stay_inside_their_folder() {
+        let d = dir("inside");
+        std::fs::create_dir_all(d.join("sub")).unwrap();
+        std::fs::write(d.join("sub/f"), "x").unwrap();
+        let _ = std::fs::remove_file(d.join("out"));
+        std::os::unix::fs::symlink("/etc/hostname", d.join("out")).unwrap();
+        let _ = std::fs::remove_file(d.join("sub/up"));
+        std::os::unix::fs::symlink("../sub/f", d.join("sub/up")).unwrap();
+        assert_eq!(inside(&d, Path::new("sub/f"), "f").unwrap(), d.join("sub/f"));
+        assert_eq!(inside(&d, Path::new("sub/up"), "f").unwrap(), d.join("sub/up"));
+        assert_eq!(inside(&d, Path::new("missing"), "f").unwrap(), d.join("missing"));
+        for bad in ["/etc/hostname", "../x", "sub/../../x"] {
+            let e = inside(&d, Path::new(bad), "[input] file").unwrap_err().to_string();
+            assert!(e.contains("[input] file: an absolute path or `..` leads out of"), "{bad}: {e}");
+        }
+        let e = inside(&d, Path::new("out"), "f").unwrap_err().to_string();
+        assert!(e.contains("f: a symlink leads out of"), "{e}");
     }
 
     #[test]

@@ -8,15 +8,21 @@
 - :func:`check`: audits a router object of this process (no subprocess to re-import torch);
 - ``moe_audit.hf``: a Hugging Face ``transformers`` MoE block or router in one call
   (``moe_audit.hf.run(block)``; needs torch and transformers);
-- ``moe_audit.snapshot``: snapshot tests of a router's routing decisions.
+- ``moe_audit.snapshot``: snapshot tests of a router's routing decisions, also as the pytest
+  fixture ``moe_audit_snapshot`` (``moe_audit.pytest_plugin``, with ``--moe-audit-update``).
+
+The wire codecs are private (``moe_audit._wire``); ``moe_audit.v1`` and ``moe_audit.v2`` remain
+as deprecated aliases.
 """
 
-from .adapter import Routes, answer_plan, read_safetensors, routes_from_arrays, run, serve
+from .adapter import PROTOCOL_V1, PROTOCOL_V2, Routes, answer_plan, read_safetensors, routes_from_arrays, run, serve
 from .binary import binary
 from .inprocess import check
 from .snapshot import SnapshotError, assert_routing_snapshot, routing_snapshot
 
 __all__ = [
+    "PROTOCOL_V1",
+    "PROTOCOL_V2",
     "Routes",
     "SnapshotError",
     "answer_plan",

@@ -28,19 +28,41 @@ writing ``DIR/decisions.jsonl``. Only numpy is needed. While ``route`` runs, ``p
 stderr: stdout carries the protocol only.
 """
 
+from __future__ import annotations
+
+import argparse
+import contextlib
 import inspect
 import json
+import os
 import struct
 import sys
+from typing import Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from . import v1, v2
+from ._wire import v1, v2
+from ._wire.v1 import Columns
 
+#: The protocols' names, for ``protocol=`` (``1`` and ``2`` work too).
+PROTOCOL_V1: str = v1.PROTOCOL
+PROTOCOL_V2: str = v2.PROTOCOL
 PROTOCOLS = {v1.PROTOCOL: v1, v2.PROTOCOL: v2}
 
+#: A protocol as a router may name it: 1, 2, "moe-audit/1" or "moe-audit/2".
+Protocol = Union[int, str]
+#: One route: (expert, weight, kept), or a dict with those keys.
+Route = Union[Tuple[int, float, bool], Dict[str, Any]]
+#: A route function's tokens: :class:`Routes`, or a list of routes per token.
+Tokens = Union["Routes", Sequence[Sequence[Route]]]
+#: A capacity: None (dropless), one slot count per expert, or ``{"scope": ..., "slots": [...]}``.
+Capacity = Union[None, Sequence[int], Dict[str, Any]]
+#: ``route(data, mode)`` (optionally with ``seed`` and ``padding`` keywords): tokens, or
+#: (tokens, capacity).
+RouteFn = Callable[..., Union[Tokens, Tuple[Tokens, Capacity]]]
 
-def protocol_name(protocol):
+
+def protocol_name(protocol: Protocol) -> str:
     """The protocol's name: 1, 2, "moe-audit/1" or "moe-audit/2" (what a router may pass)."""
     name = {1: v1.PROTOCOL, 2: v2.PROTOCOL}.get(protocol, protocol)
     if name not in PROTOCOLS:
@@ -56,7 +78,7 @@ class Routes:
     routes one token at a time; the protocol encoders take the arrays as they are.
     """
 
-    def __init__(self, experts, weights, kept=None, present=None):
+    def __init__(self, experts: Any, weights: Any, kept: Any = None, present: Any = None) -> None:
         self.experts = np.asarray(experts, dtype=np.int64)
         self.weights = np.asarray(weights, dtype=np.float64)
         self.kept = np.ones(self.experts.shape, dtype=bool) if kept is None else np.asarray(kept, dtype=bool)
@@ -67,15 +89,15 @@ class Routes:
                 f"{self.experts.shape}, {self.weights.shape}, {self.kept.shape}"
             )
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.experts)
 
-    def __getitem__(self, t):
+    def __getitem__(self, t: int) -> List[Tuple[int, float, bool]]:
         routes = zip(self.experts[t], self.weights[t], self.kept[t])
         present = np.ones(self.experts.shape[1], dtype=bool) if self.present is None else self.present[t]
         return [(int(e), float(w), bool(k)) for (e, w, k), p in zip(routes, present) if p]
 
-    def columns(self):
+    def columns(self) -> Columns:
         """(count [T], expert [R], weight [R], kept [R]): the routes flattened in token order."""
         t, k = self.experts.shape
         if self.present is None:
@@ -84,14 +106,14 @@ class Routes:
         return p.sum(axis=1), self.experts[p], self.weights[p], self.kept[p]
 
 
-def routes_from_arrays(experts, weights, kept=None, present=None):
+def routes_from_arrays(experts: Any, weights: Any, kept: Any = None, present: Any = None) -> Routes:
     """The routes of arrays [T, k]: expert ids, weights, kept flags (all kept when None), and
     which routes exist (all when None; a token whose routes are all absent has none, as a
     padding token a router leaves out)."""
     return Routes(experts, weights, kept, present)
 
 
-def columns(tokens):
+def columns(tokens: Tokens) -> Columns:
     """(count, expert, weight, kept) of a route function's tokens: Routes or lists of routes."""
     if isinstance(tokens, Routes):
         return tokens.columns()
@@ -107,12 +129,12 @@ def columns(tokens):
             np.asarray(weight, dtype=np.float64), np.asarray(kept, dtype=bool))
 
 
-def _split(result):
+def _split(result: Any) -> Tuple[Tokens, Capacity]:
     """(tokens, capacity) of what a route function returned."""
     return result if isinstance(result, tuple) else (result, None)
 
 
-def _caller(route):
+def _caller(route: RouteFn) -> Callable[[np.ndarray, str, Optional[int], Optional[np.ndarray]], Any]:
     """route as f(data, mode, seed, padding): the keywords it does not take are dropped."""
     try:
         params = inspect.signature(route).parameters
@@ -126,7 +148,7 @@ def _caller(route):
     )
 
 
-def describe(router, options):
+def describe(router: Any, options: Dict[str, Any]) -> Tuple[RouteFn, Dict[str, Any]]:
     """(route, spec) of a router given as a function or an object with a ``route`` method: spec
     holds name, experts, top_k, input, hidden_size, protocol and padding_mask, each taken (and
     removed) from the options dict, else the router's attribute of that name, else its default."""
@@ -135,7 +157,7 @@ def describe(router, options):
         raise TypeError("router must be route(data, mode) or have a route(data, mode) method")
     defaults = {"name": "router", "experts": None, "top_k": None, "input": "logits", "hidden_size": None,
                 "protocol": v2.PROTOCOL, "padding_mask": False}
-    spec = {}
+    spec: Dict[str, Any] = {}
     for key, default in defaults.items():
         value = options.pop(key, getattr(router, key, None))
         spec[key] = default if value is None else value
@@ -144,22 +166,24 @@ def describe(router, options):
     return route, spec
 
 
-def handshake(name, experts, top_k, input, hidden_size, protocol=v2.PROTOCOL, padding_mask=False):
+def handshake(name: str, experts: int, top_k: Optional[int], input: str, hidden_size: Optional[int],
+              protocol: Protocol = v2.PROTOCOL, padding_mask: bool = False) -> Dict[str, Any]:
     """The handshake object of a router (checked here, so a mistake fails before moe-audit runs)."""
     protocol = protocol_name(protocol)
     if input not in ("logits", "hidden"):
         raise ValueError("input must be 'logits' or 'hidden'")
     if input == "hidden" and not hidden_size:
         raise ValueError("input='hidden' needs hidden_size")
-    hs = {"protocol": protocol, "name": name, "experts": int(experts),
+    hs: Dict[str, Any] = {"protocol": protocol, "name": name, "experts": int(experts),
           "top_k": None if top_k is None else int(top_k), "input": input}
     if hidden_size is not None:
         hs["hidden_size"] = int(hidden_size)
     return PROTOCOLS[protocol].handshake(hs, padding_mask)
 
 
-def serve(route, name, experts, top_k, input="logits", hidden_size=None, stdin=None, stdout=None,
-          protocol=v2.PROTOCOL, padding_mask=False):
+def serve(route: RouteFn, name: str, experts: int, top_k: Optional[int], input: str = "logits",
+          hidden_size: Optional[int] = None, stdin: Optional[BinaryIO] = None, stdout: Optional[BinaryIO] = None,
+          protocol: Protocol = v2.PROTOCOL, padding_mask: bool = False) -> None:
     """Speaks the protocol on binary streams (default stdin/stdout) until the input closes."""
     hs = handshake(name, experts, top_k, input, hidden_size, protocol, padding_mask)
     wire = PROTOCOLS[hs["protocol"]]
@@ -170,36 +194,57 @@ def serve(route, name, experts, top_k, input="logits", hidden_size=None, stdin=N
     out.write(json.dumps(hs).encode() + b"\n")
     out.flush()
     # While the router runs, print() must not reach the protocol stream.
-    user_out = sys.stdout
-    if stdout is None:
-        sys.stdout = sys.stderr
-    try:
+    quiet = contextlib.redirect_stdout(sys.stderr) if stdout is None else contextlib.nullcontext()
+    with quiet:
         while (req := wire.read_request(inp, width)) is not None:
             tokens, capacity = _split(call(req.data, req.mode, req.seed, req.padding))
             wire.write_response(out, req.id, columns(tokens), capacity, experts=hs["experts"])
             out.flush()
-    finally:
-        sys.stdout = user_out
 
 
-def read_safetensors(path):
-    """Tensors of a safetensors file as numpy arrays (F32, F16 and F64 only; numpy alone)."""
-    dtypes = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
+def _bf16(raw: np.ndarray) -> np.ndarray:
+    """bfloat16 bits (uint16) as float32: they are a float32's upper half."""
+    return (raw.astype(np.uint32) << 16).view(np.float32)
+
+
+# Each dtype the reader takes: its element type in the file, and how it becomes float32.
+_DTYPES: Dict[str, Tuple[str, Callable[[np.ndarray], np.ndarray]]] = {
+    "F32": ("<f4", lambda a: a.astype(np.float32)),
+    "F16": ("<f2", lambda a: a.astype(np.float32)),
+    "F64": ("<f8", lambda a: a.astype(np.float32)),
+    "BF16": ("<u2", _bf16),
+}
+
+
+def read_safetensors(path: Union[str, "os.PathLike[str]"]) -> Dict[str, np.ndarray]:
+    """Tensors of a safetensors file as float32 numpy arrays (F32, F16, BF16 and F64; numpy
+    alone). The file is mapped, not read whole: each tensor is copied out once, as float32."""
+    size = os.path.getsize(path)
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
+        if 8 + n > size:
+            raise ValueError(f"{path}: a header of {n} bytes does not fit in a file of {size}")
         header = json.loads(f.read(n))
-        body = f.read()
+    start_of_body = 8 + n
+    body = (np.memmap(path, dtype=np.uint8, mode="r", offset=start_of_body) if size > start_of_body
+            else np.zeros(0, dtype=np.uint8))
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
+        if info["dtype"] not in _DTYPES:
+            raise ValueError(f"{path}: tensor {name} has dtype {info['dtype']}, expected one of {', '.join(_DTYPES)}")
+        dtype, to_f32 = _DTYPES[info["dtype"]]
         start, end = info["data_offsets"]
-        dtype = dtypes[info["dtype"]]
-        out[name] = np.frombuffer(body[start:end], dtype=dtype).reshape(info["shape"]).astype(np.float32)
+        if not 0 <= start <= end <= body.size:
+            raise ValueError(f"{path}: tensor {name} has bytes {start}..{end}, past the file's {body.size}")
+        raw = np.frombuffer(body[start:end], dtype=dtype)
+        out[name] = to_f32(raw).reshape(info["shape"])
+    del body  # closes the map: every tensor is a copy
     return out
 
 
-def answer_plan(route, directory, protocol=v2.PROTOCOL):
+def answer_plan(route: RouteFn, directory: Union[str, "os.PathLike[str]"], protocol: Protocol = v2.PROTOCOL) -> None:
     """Answers every call of DIR/manifest.json, in order, into DIR/decisions.jsonl (JSON lines;
     with ``moe-audit/2`` a capacity keeps its scope)."""
     with open(f"{directory}/manifest.json") as f:
@@ -208,23 +253,29 @@ def answer_plan(route, directory, protocol=v2.PROTOCOL):
     experts = manifest["router"]["experts"]
     call = _caller(route)
     field = v2.capacity_field if protocol_name(protocol) == v2.PROTOCOL else v1.capacity_list
-    user_out, sys.stdout = sys.stdout, sys.stderr
+    # Written beside and renamed into place: a router that fails leaves no partial answers.
+    partial = f"{directory}/decisions.jsonl.partial"
     try:
-        with open(f"{directory}/decisions.jsonl", "w") as out:
+        with contextlib.redirect_stdout(sys.stderr), open(partial, "w") as out:
             for c in manifest["calls"]:
                 tokens, capacity = _split(call(inputs[c["tensor"]], c["mode"], None, None))
                 out.write(v1.line(c["id"], columns(tokens), field(capacity, experts)) + "\n")
+        os.replace(partial, f"{directory}/decisions.jsonl")
     finally:
-        sys.stdout = user_out
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(partial)
 
 
-def run(route, name, experts, top_k, input="logits", hidden_size=None, argv=None,
-        protocol=v2.PROTOCOL, padding_mask=False):
+def run(route: RouteFn, name: str, experts: int, top_k: Optional[int], input: str = "logits",
+        hidden_size: Optional[int] = None, argv: Optional[Sequence[str]] = None,
+        protocol: Protocol = v2.PROTOCOL, padding_mask: bool = False) -> None:
     """Serves the router, or with ``--answer-plan DIR`` answers a trace plan."""
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--answer-plan"] and len(argv) == 2:
-        answer_plan(route, argv[1], protocol)
-    elif argv:
-        sys.exit(f"usage: {sys.argv[0]} [--answer-plan DIR]")
+    parser = argparse.ArgumentParser(
+        description=f"Serves the router {name} to moe-audit on stdin/stdout (docs/PROTOCOL.md).")
+    parser.add_argument("--answer-plan", metavar="DIR",
+                        help="answer the trace plan in DIR (moe-audit plan) into DIR/decisions.jsonl instead")
+    args = parser.parse_args(argv)
+    if args.answer_plan is not None:
+        answer_plan(route, args.answer_plan, protocol)
     else:
         serve(route, name, experts, top_k, input, hidden_size, protocol=protocol, padding_mask=padding_mask)

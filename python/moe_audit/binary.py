@@ -1,12 +1,14 @@
 """Where the moe-audit binary is."""
 
+from __future__ import annotations
+
 import os
 import shutil
 import sys
 import sysconfig
 
 
-def binary():
+def binary() -> str:
     """The moe-audit binary: ``$MOE_AUDIT_BIN``, else the one this package's wheel installed
     beside the interpreter's scripts, else ``moe-audit`` on the PATH. FileNotFoundError if none."""
     path = os.environ.get("MOE_AUDIT_BIN")

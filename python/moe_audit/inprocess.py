@@ -2,17 +2,20 @@
 command relays the protocol through two named pipes to a thread here. A test suite then imports
 torch and builds its models once, not once per audited router."""
 
+from __future__ import annotations
+
 import os
 import shlex
 import subprocess
 import tempfile
 import threading
+from typing import Any, List
 
 from .adapter import describe, serve
 from .binary import binary
 
 
-def _unblock(requests, responses):
+def _unblock(requests: str, responses: str) -> None:
     """Releases a serving thread still waiting to open the pipes (moe-audit never started the
     router): opening the other ends without blocking lets its open return, then it reads EOF."""
     for path, flags in ((requests, os.O_WRONLY), (responses, os.O_RDONLY)):
@@ -22,8 +25,9 @@ def _unblock(requests, responses):
             pass
 
 
-def check(router, *args, timeout=900, **spec):
-    """Runs ``moe-audit check --router-cmd RELAY ARGS...`` against ``router`` served from this
+def check(router: Any, *args: Any, timeout: float = 900, **spec: Any) -> "subprocess.CompletedProcess[str]":
+    """Runs ``moe-audit check --router-cmd RELAY ARGS...`` (``--model-cmd`` for a whole model)
+    against ``router`` served from this
     process, and returns the ``subprocess.CompletedProcess`` (text stdout and stderr; exit code 0
     no leak, 1 leak, 2 error).
 
@@ -34,20 +38,27 @@ def check(router, *args, timeout=900, **spec):
     (after moe-audit has stopped). ``timeout`` bounds the whole audit, in seconds.
     """
     spec = dict(spec)
-    route, hs = describe(router, spec)
-    if spec:
-        raise TypeError(f"unknown options: {', '.join(sorted(spec))}")
+    if callable(getattr(router, "serve", None)):
+        # A whole model (moe_audit.hf.wrap of a model taking token ids) serves moe-audit/3 itself.
+        if spec:
+            raise TypeError(f"unknown options: {', '.join(sorted(spec))}")
+        flag, answer_streams = "--model-cmd", router.serve
+    else:
+        route, hs = describe(router, spec)
+        if spec:
+            raise TypeError(f"unknown options: {', '.join(sorted(spec))}")
+        flag, answer_streams = "--router-cmd", lambda inp, out: serve(route, stdin=inp, stdout=out, **hs)
     with tempfile.TemporaryDirectory(prefix="moe-audit-check-") as directory:
         requests = os.path.join(directory, "requests")
         responses = os.path.join(directory, "responses")
         os.mkfifo(requests)
         os.mkfifo(responses)
-        failure = []
+        failure: List[BaseException] = []
 
-        def answer():
+        def answer() -> None:
             try:
                 with open(requests, "rb") as inp, open(responses, "wb") as out:
-                    serve(route, stdin=inp, stdout=out, **hs)
+                    answer_streams(inp, out)
             except BrokenPipeError:
                 pass  # moe-audit stopped reading: it reports why
             except BaseException as e:  # noqa: BLE001 - handed to the caller
@@ -58,7 +69,7 @@ def check(router, *args, timeout=900, **spec):
         relay = f"cat {shlex.quote(responses)} & exec cat > {shlex.quote(requests)}"
         try:
             proc = subprocess.run(
-                [binary(), "check", "--router-cmd", relay, *map(str, args)],
+                [binary(), "check", flag, relay, *map(str, args)],
                 capture_output=True, text=True, timeout=timeout,
             )
         finally:

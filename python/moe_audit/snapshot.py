@@ -21,20 +21,38 @@ each token's change and how many tokens moved.
 The binary is ``$MOE_AUDIT_BIN``, else the one ``pip install moe-audit`` put beside the
 interpreter, else ``moe-audit`` on the PATH (``cargo install --path .``).
 
+Under pytest the fixture ``moe_audit_snapshot`` does the same, with the snapshot at
+``snapshots/TEST.snap`` beside the test file unless a path is given::
+
+    def test_router_routing(moe_audit_snapshot):
+        moe_audit_snapshot(route, experts=8, top_k=2)
+
+(``moe_audit.pytest_plugin``: pytest loads it from the installed package; with the package only
+on ``PYTHONPATH``, ``pytest -p moe_audit.pytest_plugin``.)
+
 Updating, as insta and syrupy users expect:
 
 - a missing snapshot is written, except when ``CI`` is set (then the test fails);
-- ``MOE_AUDIT_UPDATE=1`` or ``INSTA_UPDATE=always`` rewrites every snapshot the tests touch;
-- ``INSTA_UPDATE=new`` writes a changed or missing snapshot beside it as ``FILE.new`` for
-  review, and fails; ``INSTA_UPDATE=no`` never writes.
+- ``pytest --moe-audit-update``, ``MOE_AUDIT_UPDATE=1`` or ``INSTA_UPDATE=always`` rewrites every
+  snapshot the tests touch;
+- ``--moe-audit-update=new`` or ``INSTA_UPDATE=new`` writes a changed or missing snapshot beside
+  it as ``FILE.new`` for review, and fails; ``--moe-audit-update=no`` or ``INSTA_UPDATE=no`` never
+  writes. The option wins over the variables.
 """
+
+from __future__ import annotations
 
 import os
 import subprocess
 import tempfile
+from typing import Any, Dict, Optional, Sequence, Union
 
 from .adapter import answer_plan, describe
 from .binary import binary
+
+#: The update modes: ``auto`` (write a missing snapshot unless ``CI`` is set), ``always``,
+#: ``new`` (write ``FILE.new`` and fail) and ``no``.
+UPDATE_MODES = ("auto", "always", "new", "no")
 
 # Seconds any one moe-audit call may take (it only writes inputs or renders and compares).
 TIMEOUT = 300
@@ -44,7 +62,7 @@ class SnapshotError(RuntimeError):
     """moe-audit could not make or read a snapshot (a bad file, bad options, no binary)."""
 
 
-def _moe_audit(*args, codes=(0,)):
+def _moe_audit(*args: Any, codes: Sequence[int] = (0,)) -> "subprocess.CompletedProcess[str]":
     try:
         path = binary()
     except FileNotFoundError as e:
@@ -63,7 +81,7 @@ def _moe_audit(*args, codes=(0,)):
     return proc
 
 
-def _plan(router, directory, options):
+def _plan(router: Any, directory: str, options: Dict[str, Any]) -> None:
     """Writes the inputs into directory and answers them with the router; returns nothing."""
     options = dict(options)
     route, spec = describe(router, options)
@@ -85,7 +103,7 @@ def _plan(router, directory, options):
     answer_plan(route, directory)
 
 
-def routing_snapshot(router, **options):
+def routing_snapshot(router: Any, **options: Any) -> str:
     """The snapshot text of the router's routing (what assert_routing_snapshot stores).
 
     options: experts, top_k, name, input ("logits" or "hidden"), hidden_size (the router's
@@ -97,19 +115,25 @@ def routing_snapshot(router, **options):
         return _moe_audit("--traces", directory).stdout
 
 
-def _update_mode():
+def update_mode(option: Optional[str] = None) -> str:
+    """The update mode: ``option`` when given (``--moe-audit-update``), else from the variables."""
+    if option is not None:
+        if option not in UPDATE_MODES:
+            raise ValueError(f"update mode must be one of {', '.join(UPDATE_MODES)}, got {option!r}")
+        return option
     if os.environ.get("MOE_AUDIT_UPDATE", "") not in ("", "0"):
         return "always"
     insta = os.environ.get("INSTA_UPDATE", "auto")
     return {"1": "always", "always": "always", "new": "new", "no": "no", "0": "no"}.get(insta, "auto")
 
 
-def assert_routing_snapshot(router, path, **options):
+def assert_routing_snapshot(router: Any, path: Union[str, "os.PathLike[str]"], *, update: Optional[str] = None,
+                            **options: Any) -> None:
     """Fails (AssertionError with the diff) when the router's routing differs from the snapshot
-    at path; writes it when missing or when updating (see the module docstring). Options as
-    routing_snapshot."""
+    at path; writes it when missing or when updating (see the module docstring; ``update`` is an
+    update mode that wins over the variables). Options as routing_snapshot."""
     path = os.fspath(path)
-    mode = _update_mode()
+    mode = update_mode(update)
     exists = os.path.exists(path)
     with tempfile.TemporaryDirectory(prefix="moe-audit-snapshot-") as directory:
         _plan(router, directory, options)
@@ -122,11 +146,11 @@ def assert_routing_snapshot(router, path, **options):
             if mode == "new":
                 _moe_audit("--traces", directory, "--output", path + ".new")
             raise AssertionError(
-                f"{path}: no snapshot; write it with MOE_AUDIT_UPDATE=1 (or INSTA_UPDATE=always)"
+                f"{path}: no snapshot; write it with MOE_AUDIT_UPDATE=1 (or INSTA_UPDATE=always, or pytest --moe-audit-update)"
             )
         proc = _moe_audit("--check", path, "--traces", directory, codes=(0, 1))
         if proc.returncode == 1:
-            hint = "rewrite it with MOE_AUDIT_UPDATE=1 (or INSTA_UPDATE=always)"
+            hint = "rewrite it with MOE_AUDIT_UPDATE=1 (or INSTA_UPDATE=always, or pytest --moe-audit-update)"
             if mode == "new":
                 _moe_audit("--traces", directory, "--output", path + ".new")
                 hint = f"the new snapshot is {path}.new"

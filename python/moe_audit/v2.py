@@ -1,80 +1,14 @@
-"""moe-audit/2: a JSON header line, then little-endian binary frames (docs/PROTOCOL.md,
-"moe-audit/2"). Requests carry the data as float32 bytes, a seed and optionally a padding mask;
-responses are binary: counts, experts, weights and kept flags, plus a capacity with its scope."""
+"""Deprecated: the moe-audit/2 wire codec is private now, as ``moe_audit._wire.v2``. Pass
+``protocol=2`` (or ``moe_audit.PROTOCOL_V2``) to the adapter instead of using it."""
 
-import json
+import warnings
 
-import numpy as np
+from ._wire.v2 import *  # noqa: F401,F403
+from ._wire.v2 import PROTOCOL  # noqa: F401
 
-from . import v1
-from .v1 import Request
-
-PROTOCOL = "moe-audit/2"
-
-
-def handshake(hs, padding_mask):
-    """The /2 handshake: binary responses, and the padding mask when the router takes one."""
-    hs = dict(hs, responses="binary")
-    if padding_mask:
-        hs["padding_mask"] = True
-    return hs
-
-
-def _read_exactly(stream, n):
-    buf = stream.read(n)
-    if buf is None or len(buf) != n:
-        raise EOFError(f"{PROTOCOL}: a payload of {n} bytes ended after {0 if buf is None else len(buf)}")
-    return buf
-
-
-def read_request(stream, width):
-    """The next request from a binary stream, or None at its end."""
-    for line in stream:
-        if not line.strip():
-            continue
-        h = json.loads(line)
-        b, s = h["batch"], h["seq_len"]
-        if h["width"] != width:
-            raise ValueError(f"{PROTOCOL}: request {h['id']} has width {h['width']}, the handshake {width}")
-        n = b * s * width
-        expected = 4 * n + (b * s if h["padding"] else 0)
-        if h["bytes"] != expected:
-            raise ValueError(f"{PROTOCOL}: request {h['id']} says {h['bytes']} bytes, expected {expected}")
-        payload = _read_exactly(stream, expected)
-        data = np.frombuffer(payload, dtype="<f4", count=n).reshape(b, s, width)
-        padding = None
-        if h["padding"]:
-            padding = np.frombuffer(payload, dtype=np.uint8, offset=4 * n).reshape(b, s).astype(bool)
-        return Request(h["id"], h["mode"], data, h["seed"], padding)
-    return None
-
-
-def capacity_field(capacity, experts):
-    """A capacity as /2 states it: None, E counts for the call, or a scope with its groups."""
-    if isinstance(capacity, dict):
-        out = {"scope": str(capacity["scope"]), "slots": [int(c) for c in capacity["slots"]]}
-        if "flatten" in capacity:
-            out["flatten"] = capacity["flatten"]
-        return out
-    return v1.capacity_list(capacity, experts)
-
-
-def response(request_id, columns, capacity, experts):
-    """The header line (with its newline) and the payload of a binary response."""
-    count, expert, weight, kept = columns
-    payload = b"".join((
-        np.ascontiguousarray(count, dtype="<u4").tobytes(),
-        np.ascontiguousarray(expert, dtype="<i4").tobytes(),
-        np.ascontiguousarray(weight, dtype="<f4").tobytes(),
-        np.ascontiguousarray(kept, dtype=np.uint8).tobytes(),
-    ))
-    header = {"id": request_id, "routes": int(len(expert)), "capacity": capacity_field(capacity, experts),
-              "bytes": len(payload)}
-    return json.dumps(header, allow_nan=False).encode() + b"\n", payload
-
-
-def write_response(stream, request_id, columns, capacity, experts):
-    """Writes one binary response (header line, then payload) to a binary stream."""
-    header, payload = response(request_id, columns, capacity, experts)
-    stream.write(header)
-    stream.write(payload)
+warnings.warn(
+    "moe_audit.v2 is deprecated: the wire codec is private (moe_audit._wire.v2); "
+    "pass protocol=2 or moe_audit.PROTOCOL_V2 to the adapter",
+    DeprecationWarning,
+    stacklevel=2,
+)

@@ -1,18 +1,21 @@
 """The adapter: its protocol codecs byte for byte (docs/PROTOCOL.md), and audits of the numpy
 example routers through the installed binary, served from this process. Needs numpy."""
 
+import importlib
 import io
 import json
 import os
 import runpy
 import struct
+import sys
+import warnings
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import moe_audit
-from moe_audit import v1, v2
+from moe_audit._wire import v1, v2
 from moe_audit.adapter import columns, serve
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples")
@@ -174,3 +177,85 @@ def test_the_old_moe_audit_router_module_is_a_deprecated_alias_speaking_v1():
     hs, response = out.getvalue().decode().splitlines()
     assert json.loads(hs)["protocol"] == "moe-audit/1"
     assert json.loads(response)["id"] == 7 and json.loads(response)["tokens"][1][0]["expert"] == 1
+
+
+def safetensors(path, tensors):
+    """Writes tensors given as name -> (dtype, shape, raw bytes) as a safetensors file."""
+    header, body = {}, b""
+    for name, (dtype, shape, raw) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [len(body), len(body) + len(raw)]}
+        body += raw
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + body)
+
+
+def test_safetensors_are_read_as_float32_from_bf16_f16_f32_and_f64(tmp_path):
+    values = np.array([[1.0, -2.5], [0.15625, 3.0e38]], dtype=np.float32)
+    # bf16 is the upper half of a float32: these values have exact bf16 forms.
+    bf16 = (values.view(np.uint32) >> 16).astype("<u2").tobytes()
+    path = tmp_path / "t.safetensors"
+    safetensors(path, {
+        "b": ("BF16", [2, 2], bf16),
+        "h": ("F16", [4], values[:1].astype("<f2").tobytes() + np.array([0.5, 1], "<f2").tobytes()),
+        "f": ("F32", [2, 2], values.astype("<f4").tobytes()),
+        "d": ("F64", [1, 2], values[0].astype("<f8").tobytes()),
+    })
+    t = moe_audit.read_safetensors(path)
+    assert all(a.dtype == np.float32 for a in t.values())
+    assert t["b"].tolist() == [[1.0, -2.5], [0.15625, float(bf16_round(3.0e38))]]
+    assert t["h"].tolist() == [1.0, -2.5, 0.5, 1.0]
+    assert t["f"].tolist() == values.tolist() and t["d"].tolist() == [[1.0, -2.5]]
+
+
+def bf16_round(x):
+    """x truncated to bf16 (the test writes bf16 by truncation)."""
+    return (np.array([x], np.float32).view(np.uint32) >> 16 << 16).view(np.float32)[0]
+
+
+def test_bad_safetensors_say_what_is_wrong(tmp_path):
+    path = tmp_path / "t.safetensors"
+    safetensors(path, {"q": ("I8", [2], b"\x01\x02")})
+    with pytest.raises(ValueError, match="tensor q has dtype I8"):
+        moe_audit.read_safetensors(path)
+    text = json.dumps({"f": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + bytes(8))
+    with pytest.raises(ValueError, match="past the file"):
+        moe_audit.read_safetensors(path)
+    path.write_bytes(struct.pack("<Q", 1 << 40))
+    with pytest.raises(ValueError, match="does not fit"):
+        moe_audit.read_safetensors(path)
+
+
+def test_the_old_codec_modules_warn_and_name_the_replacement():
+    for v in ("v1", "v2"):
+        sys.modules.pop(f"moe_audit.{v}", None)
+        with pytest.warns(DeprecationWarning, match=f"moe_audit._wire.{v}.*protocol="):
+            old = importlib.import_module(f"moe_audit.{v}")
+        assert old.PROTOCOL == f"moe-audit/{v[1]}" and old.response is getattr(moe_audit._wire, v).response
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        importlib.reload(moe_audit.adapter)  # the package itself uses the private codecs
+
+
+def test_run_parses_its_arguments(tmp_path, capsys):
+    route = example("mixtral_router").route
+    with pytest.raises(SystemExit) as e:
+        moe_audit.run(route, "r", 8, 2, argv=["--answer-plan"])
+    assert e.value.code == 2 and "--answer-plan: expected one argument" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        moe_audit.run(route, "r", 8, 2, argv=["--help"])
+    assert e.value.code == 0 and "--answer-plan DIR" in capsys.readouterr().out
+
+
+def test_a_failing_router_leaves_no_answers(tmp_path):
+    manifest = {"router": {"experts": 4}, "calls": [{"id": 1, "mode": "train", "tensor": "t0"}]}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    safetensors(tmp_path / "inputs.safetensors", {"t0": ("F32", [1, 2, 4], bytes(32))})
+
+    def route(data, mode):
+        print("to stderr, not the answers")
+        raise RuntimeError("the router failed")
+
+    with pytest.raises(RuntimeError, match="the router failed"):
+        moe_audit.answer_plan(route, str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["inputs.safetensors", "manifest.json"]

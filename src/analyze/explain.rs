@@ -3,7 +3,7 @@
 //! to fix this class of leak given the router's design. Every report format prints the same
 //! [`Explanation`]; it is computed once, here, from the finding and the router's configuration.
 
-use super::witness::{TokenRef, Witness};
+use super::witness::TokenRef;
 use super::{AuditOptions, Finding, Probe, Verdict};
 use crate::config::{Family, RouterConfig};
 use crate::routing::{Route, TokenRouting};
@@ -44,50 +44,18 @@ pub(crate) fn explain(
     let w = f.witness.as_ref();
     Some(Explanation {
         token: w.map(|w| w.token_a),
-        calls: calls(f.probe, w, options, config.is_some(), serving),
+        calls: f.probe.rule().calls(w, options, config.is_some(), serving),
         changed: w.map(|w| changed(&w.differs, &w.before, &w.after)),
         cause: cause(f),
         fix: fix(f.probe, config),
     })
 }
 
-fn plural(n: usize, one: &str) -> String {
+pub(crate) fn plural(n: usize, one: &str) -> String {
     if n == 1 {
         format!("1 {one}")
     } else {
         format!("{n} {one}s")
-    }
-}
-
-/// The two calls of a probe, sized from the witness when there is one.
-fn calls(probe: Probe, w: Option<&Witness>, options: &AuditOptions, configured: bool, serving: bool) -> [String; 2] {
-    let (a, b) = (w.map(|w| &w.a), w.map(|w| &w.b));
-    match probe {
-        Probe::P => [
-            a.map_or("the full sequence".into(), |a| format!("the sequence of {}", plural(a.seq_len, "token"))),
-            b.map_or("a prefix of it".into(), |b| format!("its prefix of {}", plural(b.seq_len, "token"))),
-        ],
-        Probe::F => ["the sequence".into(), "the same sequence with later tokens changed".into()],
-        Probe::N => ["the batch".into(), "the same batch with another sequence changed".into()],
-        Probe::R => [
-            a.map_or("the batch".into(), |a| format!("a batch of {}", plural(a.batch, "sequence"))),
-            b.map_or("the batch re-ordered, resized or re-padded".into(), |b| {
-                format!(
-                    "the batch re-ordered, resized or re-padded ({} of {} tokens)",
-                    plural(b.batch, "sequence"),
-                    b.seq_len
-                )
-            }),
-        ],
-        Probe::D => ["the call".into(), "the same call again".into()],
-        Probe::S => ["the call alone".into(), "the same call after another call".into()],
-        // An external router has modes, not an `[inference]` table.
-        Probe::M if configured => ["the training configuration".into(), "the [inference] configuration".into()],
-        // The router's own mode first: the witness's `before` is its routing.
-        Probe::M if serving => ["inference mode".into(), "training mode".into()],
-        Probe::M => ["training mode".into(), "inference mode".into()],
-        Probe::L => ["1 rank".into(), format!("{} expert-parallel ranks (or the other flattening)", options.ranks)],
-        Probe::X => ["f32 routing".into(), "bf16 or f16 routing".into()],
     }
 }
 
@@ -139,8 +107,8 @@ fn changed(differs: &str, before: &TokenRouting, after: &TokenRouting) -> String
     parts.join("; ")
 }
 
-/// The nearest same-sequence cause, exact when its bucket holds one distance.
-fn positions_later(f: &Finding) -> Option<String> {
+/// The nearest same-sequence cause (P, F), exact when its bucket holds one distance.
+pub(crate) fn positions_later(f: &Finding) -> Option<String> {
     let b = f.influence.first()?;
     Some(if b.from == b.to {
         format!("{} later", plural(b.from, "position"))
@@ -151,33 +119,16 @@ fn positions_later(f: &Finding) -> Option<String> {
 
 /// Where the cause was, in words.
 fn cause(f: &Finding) -> String {
-    match f.probe {
-        Probe::P => {
-            positions_later(f).map_or("later tokens removed".into(), |d| format!("the nearest removed token, {d}"))
-        }
-        Probe::F => positions_later(f).map_or("a later token changed".into(), |d| format!("a token {d} changed")),
-        Probe::N => "another sequence of the batch".into(),
-        Probe::R => "the batch re-ordered, resized or re-padded".into(),
-        Probe::D => "nothing: the same call routes differently".into(),
-        Probe::S => "an earlier call (state kept between calls)".into(),
-        Probe::M => "the configuration: training and inference route differently".into(),
-        Probe::L => "the parallel layout (ranks or flattening order)".into(),
-        Probe::X => "the precision of the router's arithmetic".into(),
-    }
+    f.probe.rule().cause(f)
 }
 
 /// Where the figures below come from.
 const SWEEP: &str = "docs/sweep/sweep.md, 4x64 tokens, 8 experts";
 
-/// How to fix, from the design family; the probes whose fix does not depend on it first.
+/// How to fix: the probe's own fix, or else the design family's.
 fn fix(probe: Probe, config: Option<&RouterConfig>) -> String {
-    match probe {
-        // D runs in training mode: the router may be random there only (jitter, sampling).
-        Probe::D => return "random only in training (jitter, sampling): seed every training call or audit --mode inference; random when serving: make it deterministic, no random selection or sampling at inference".into(),
-        Probe::S => return "keep forward stateless: update capacity or expert bias in an explicit training step, not in forward".into(),
-        Probe::M => return "train and serve with one routing rule, or audit the serving rule as a router of its own".into(),
-        Probe::X => return "compute the router's scores and top-k in f32 (the gate may stay in low precision)".into(),
-        _ => {}
+    if let Some(fix) = probe.rule().fix() {
+        return fix.into();
     }
     let Some(config) = config else {
         return "token t's routing must depend only on tokens <= t of its own sequence: dropless token choice, or capacity per sequence kept by position".into();
@@ -253,7 +204,7 @@ mod tests {
         assert!(fix(Probe::N, Some(&megatron)).starts_with("capacity is shared by the whole batch"));
         let ec = crate::config::preset("expert-choice").unwrap().config().unwrap();
         assert!(fix(Probe::P, Some(&ec)).contains("use token choice"));
-        assert!(fix(Probe::D, Some(&ec)).starts_with("make routing deterministic"), "D's fix is the probe's");
+        assert!(fix(Probe::D, Some(&ec)).starts_with("random only in training"), "D's fix is the probe's");
         assert!(fix(Probe::P, None).contains("tokens <= t of its own sequence"), "an external router");
     }
 

@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 #[derive(Debug, Args)]
 pub struct CheckArgs {
     /// Preset names or router TOML files.
-    #[arg(required_unless_present_any = ["replay", "router_cmd", "traces"], conflicts_with = "replay")]
+    #[arg(required_unless_present_any = ["replay", "router_cmd", "traces", "model", "model_cmd"], conflicts_with = "replay")]
     pub routers: Vec<String>,
     /// Replay a witness file: exit 1 if it still shows the leak, 0 if not (a witness of an
     /// external router replays against `--router-cmd`).
@@ -67,6 +67,9 @@ pub struct CheckArgs {
     /// Routers outside moe-audit.
     #[command(flatten)]
     pub external: ExternalArgs,
+    /// Whole models on token ids.
+    #[command(flatten)]
+    pub model: super::model::ModelArgs,
     /// Expert-parallel ranks of the layout probe (L), which runs the layer on them [default: 2;
     /// with --comm mpi, the MPI world size].
     #[arg(long, help_heading = "Parallel")]
@@ -134,6 +137,9 @@ fn audit_all(
 }
 
 pub(super) fn run(args: &CheckArgs, out: &mut dyn Write) -> Result<u8> {
+    if let Some(code) = super::model::run(args, out)? {
+        return Ok(code);
+    }
     if let Some(path) = &args.replay {
         return replay(args, path, args.memory.limit(), out);
     }

@@ -6,7 +6,9 @@ mod collectives;
 mod ep;
 mod exploit;
 mod external;
+mod model;
 mod route;
+mod routes;
 mod snapshot;
 mod sweep;
 
@@ -22,6 +24,7 @@ use ep::EpArgs;
 use exploit::ExploitArgs;
 use external::PlanArgs;
 use route::RouteArgs;
+use routes::RoutesArgs;
 use snapshot::SnapshotArgs;
 use sweep::SweepArgs;
 
@@ -61,6 +64,9 @@ pub enum Command {
     /// Train a tiny decoder through each router on i.i.d. tokens: does its training-mode loss go
     /// below the causal floor ln V? (exit 0 no, 1 yes, 2 error)
     Exploit(ExploitArgs),
+    /// Rollout against trainer routing records: align, diagnose replay bugs, measure the
+    /// disagreement (exit 0 ok, 1 a defect or over --max-disagreement, 2 bad input).
+    Routes(RoutesArgs),
 }
 
 /// Runs a parsed command, writing its output to `out`. Returns the process exit code.
@@ -82,6 +88,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<u8> {
         Command::Snapshot(args) => snapshot::run(&args, out),
         Command::Collectives(args) => collectives::run(&args, out),
         Command::Exploit(args) => exploit::run(&args, out),
+        Command::Routes(args) => routes::run(&args, out),
     }
 }
 
@@ -96,6 +103,7 @@ pub fn flag(setting: Setting) -> &'static str {
         Setting::Ranks => "--ranks",
         Setting::Probes => "--probes",
         Setting::Timeout => "--timeout",
+        Setting::RouterCmd => "--router-cmd",
         Setting::MaxMemory => "--max-memory",
         Setting::Update => "--update",
         Setting::Traces => "--traces",

@@ -9,7 +9,9 @@ use moe_audit::error::{Error, Result};
 use moe_audit::external::protocol::PROTOCOL;
 use moe_audit::external::{Handshake, InputKind};
 use moe_audit::memory;
-use moe_audit::snapshot::{check, make, write_atomic, write_plan, Header, InputSpec, RouterSource, Rows, SnapshotFile};
+use moe_audit::snapshot::{
+    check, make, remake, write_atomic, write_plan, Header, InputSpec, RouterSource, Rows, SnapshotFile,
+};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -22,7 +24,8 @@ pub struct SnapshotArgs {
     #[arg(long, value_name = "FILE.snap", help_heading = "Output")]
     pub output: Option<PathBuf>,
     /// Make the snapshot FILE's header describes again and compare: exit 0 when unchanged, 1
-    /// with a diff when the routing changed, 2 for a bad file.
+    /// with a diff when the routing changed, 2 for a bad or edited file. A router command runs
+    /// only when given here with --router-cmd (the header's is never run).
     #[arg(long, value_name = "FILE.snap", conflicts_with = "update", help_heading = "Output")]
     pub check: Option<PathBuf>,
     /// Make the snapshot FILE's header describes again and rewrite FILE.
@@ -93,7 +96,6 @@ impl SnapshotArgs {
         let given = [
             ("ROUTER", self.router.is_some()),
             ("--output", self.output.is_some()),
-            ("--router-cmd", !self.cmd.router_cmd.is_empty()),
             ("--weights", self.weights.is_some()),
             ("--batch", self.batch.is_some()),
             ("--seq-len", self.seq_len.is_some()),
@@ -104,6 +106,15 @@ impl SnapshotArgs {
             ("--plan", self.plan.is_some()),
         ];
         given.iter().filter(|(_, g)| *g).map(|(f, _)| *f).collect()
+    }
+
+    /// The `--router-cmd` a `--check`/`--update` may run: at most one.
+    fn one_router_cmd(&self) -> Result<Option<&str>> {
+        match self.cmd.router_cmd.as_slice() {
+            [] => Ok(None),
+            [one] => Ok(Some(one)),
+            _ => Err(Error::Usage("a snapshot holds one router: give --router-cmd once".into())),
+        }
     }
 
     fn input(&self) -> Result<InputSpec> {
@@ -192,7 +203,7 @@ pub(super) fn run(args: &SnapshotArgs, out: &mut dyn Write) -> Result<u8> {
         let flag = if args.check.is_some() { "--check" } else { "--update" };
         if let Some(f) = args.making_flags().first() {
             return Err(Error::Usage(format!(
-                "{flag} makes the snapshot its header describes: drop {f} (only --traces DIR and --max-memory go with it)"
+                "{flag} makes the snapshot its header describes: drop {f} (only --router-cmd, --traces DIR and --max-memory go with it)"
             )));
         }
         // The file, its parsed copy and the fresh one stay in memory together; read bounded, as
@@ -204,10 +215,11 @@ pub(super) fn run(args: &SnapshotArgs, out: &mut dyn Write) -> Result<u8> {
         let text = moe_audit::files::read_text(path, max_memory / 4, &why)?;
         let stored = SnapshotFile::parse(&text, path);
         if args.update.is_some() {
-            // The header says how to remake it; the sections may be anything.
+            // The header says how to remake it (the unsealed format too: this migrates it); the
+            // sections may be anything.
             let end = text.find("\n=== ").map_or(text.len(), |i| i + 1);
-            let header = Header::parse(&text[..end], path)?;
-            let fresh = remake(&header, args, max_memory)?;
+            let header = Header::parse_unsealed(&text[..end], path)?;
+            let fresh = remake(path, &header, args.one_router_cmd()?, args.traces.as_deref(), max_memory)?;
             let bytes = fresh.render();
             if text != bytes {
                 write_atomic(path, bytes.as_bytes())?;
@@ -221,13 +233,7 @@ pub(super) fn run(args: &SnapshotArgs, out: &mut dyn Write) -> Result<u8> {
             return Ok(0);
         }
         let stored = stored?;
-        if matches!(stored.header.router, RouterSource::Harness { .. }) && args.traces.is_none() {
-            return Err(Error::input(
-                path,
-                "answered by a harness (the Python helper): re-run its test, or pass --traces DIR that `snapshot --plan` wrote and the router answered",
-            ));
-        }
-        let fresh = remake(&stored.header, args, max_memory)?;
+        let fresh = remake(path, &stored.header, args.one_router_cmd()?, args.traces.as_deref(), max_memory)?;
         let outcome = check(path, &stored, &fresh)?;
         let verdict = if outcome.changed { "routing changed" } else { "unchanged" };
         write!(out, "{}: {verdict}\n{}", path.display(), outcome.report).map_err(io_error)?;
@@ -277,9 +283,4 @@ pub(super) fn run(args: &SnapshotArgs, out: &mut dyn Write) -> Result<u8> {
         None => out.write_all(bytes.as_bytes()).map_err(io_error)?,
     }
     Ok(0)
-}
-
-/// Makes the snapshot `header` describes, the answers from --traces when given.
-fn remake(header: &Header, args: &SnapshotArgs, max_memory: u64) -> Result<SnapshotFile> {
-    make(&header.router, &header.input, args.traces.as_deref(), max_memory)
 }

@@ -13,9 +13,7 @@
 //! run them concurrently, so request ids and the order a stateful router sees are the same on
 //! every run.
 
-use super::protocol::{
-    frame_request, parse_response, Asked, BinaryHeader, Handshake, InputKind, Mode, Request, PROTOCOL,
-};
+use super::protocol::{frame_request, parse_response, Asked, BinaryHeader, Handshake, InputKind, Mode, Request};
 use super::{Answers, External};
 use crate::error::{Error, Result};
 use crate::routing::Routing;
@@ -91,20 +89,28 @@ struct Conversation {
     stopped: bool,
 }
 
-/// A router process and the conversation with it.
-pub struct Subprocess {
+/// A process spoken to over stdin and stdout, a line or a payload at a time, every wait
+/// bounded (the conversation of every protocol version: `/1`, `/2` and the whole-model `/3`).
+pub(crate) struct Peer {
+    /// What the process is in messages: `router` or `model`.
+    role: &'static str,
     command: String,
     timeout: Duration,
-    /// The `seed` of every `/2` request: the audit's seed.
-    seed: u64,
-    /// The longest line or payload the router may send.
+    /// The longest line or payload the process may send.
     read_limit: usize,
     tag: String,
-    handshake: Handshake,
     stderr: Arc<Mutex<Vec<u8>>>,
     /// Disconnects when the stderr reader has seen the end of the pipe.
     stderr_done: Mutex<Receiver<()>>,
     conversation: Mutex<Conversation>,
+}
+
+/// A router process and the conversation with it.
+pub struct Subprocess {
+    peer: Peer,
+    /// The `seed` of every `/2` request: the audit's seed.
+    seed: u64,
+    handshake: Handshake,
 }
 
 /// A router behind a command (`--router-cmd "python3 my_router.py"`).
@@ -116,6 +122,18 @@ impl ExternalRouter {
     /// payload the router sends). `timeout` bounds the handshake and every write and read; the
     /// router is audited in `mode` (M compares it with the other one).
     pub fn spawn(command: &str, timeout: Duration, seed: u64, mode: Mode, max_memory: u64) -> Result<Self> {
+        let peer = Peer::spawn("router", command, timeout, max_memory)?;
+        let handshake = peer.handshake(Handshake::validate)?;
+        External::new(Subprocess { peer, seed, handshake }, seed, mode, true, max_memory)
+    }
+}
+
+impl Peer {
+    /// Spawns `command` with `sh -c` in its own process group, tagged, with the threads that
+    /// write its stdin and read its stdout and stderr. A line or payload it sends may take at
+    /// most a quarter of `max_memory` (at least 64 KiB); `timeout` bounds every write and read.
+    /// `role` names it in messages (`router`, `model`).
+    pub(crate) fn spawn(role: &'static str, command: &str, timeout: Duration, max_memory: u64) -> Result<Self> {
         let tag = tag();
         let mut child = Command::new("sh");
         // Its own process group, so killing it also kills what `sh -c` started.
@@ -131,7 +149,7 @@ impl ExternalRouter {
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .spawn()
-                .map_err(|e| Error::input(format!("router `{command}`"), format!("cannot start: {e}")))?;
+                .map_err(|e| Error::input(format!("{role} `{command}`"), format!("cannot start: {e}")))?;
             live.push((child.id() as i32, tag.clone()));
             child
         };
@@ -180,16 +198,6 @@ impl ExternalRouter {
                 tail.drain(..excess);
             }
         });
-        let placeholder = Handshake {
-            protocol: PROTOCOL.into(),
-            name: String::new(),
-            experts: 1,
-            top_k: None,
-            input: InputKind::Logits,
-            hidden_size: None,
-            responses: None,
-            padding_mask: false,
-        };
         let conversation = Conversation {
             child,
             requests: Some(requests),
@@ -200,26 +208,16 @@ impl ExternalRouter {
             failed: None,
             stopped: false,
         };
-        let mut shared = Subprocess {
+        Ok(Peer {
+            role,
             command: command.to_string(),
             timeout,
-            seed,
             read_limit,
             tag,
-            handshake: placeholder,
             stderr,
             stderr_done: Mutex::new(stderr_done),
             conversation: Mutex::new(conversation),
-        };
-        let line = shared.receive_line("its handshake")?;
-        let handshake: Handshake = serde_json::from_str(&line)
-            .map_err(|e| e.to_string())
-            .and_then(|h: Handshake| h.validate().map(|()| h))
-            .map_err(|e| {
-                shared.fail(format!("bad handshake ({e}): `{}`", line.chars().take(120).collect::<String>()))
-            })?;
-        shared.handshake = handshake;
-        External::new(shared, seed, mode, true, max_memory)
+        })
     }
 }
 
@@ -231,9 +229,9 @@ fn tag() -> String {
     format!("{}-{}-{nanos}", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
 }
 
-impl Subprocess {
-    fn error(&self, message: String) -> Error {
-        Error::input(format!("router `{}`", self.command), message)
+impl Peer {
+    pub(crate) fn error(&self, message: String) -> Error {
+        Error::input(format!("{} `{}`", self.role, self.command), message)
     }
 
     fn conversation(&self) -> std::sync::MutexGuard<'_, Conversation> {
@@ -241,7 +239,7 @@ impl Subprocess {
     }
 
     /// Kills the router's tree and returns the error (with the tail of its stderr, if any).
-    fn fail(&self, message: String) -> Error {
+    pub(crate) fn fail(&self, message: String) -> Error {
         let mut conv = self.conversation();
         stop(&mut conv, &self.tag);
         // The tree is dead: its stderr ends at once; read what it said last.
@@ -256,7 +254,7 @@ impl Subprocess {
     }
 
     /// The next line; `what` is `its handshake` or `request N (...)`.
-    fn receive_line(&self, what: &str) -> Result<String> {
+    pub(crate) fn receive_line(&self, what: &str) -> Result<String> {
         match self.receive(Want::Line, what)? {
             Got::Line(line) => Ok(line),
             Got::Bytes(_) => unreachable!("a line was asked"),
@@ -264,7 +262,7 @@ impl Subprocess {
     }
 
     /// The next `n` bytes (a `/2` payload, `n` checked against the memory limit).
-    fn receive_bytes(&self, n: usize, what: &str) -> Result<Vec<u8>> {
+    pub(crate) fn receive_bytes(&self, n: usize, what: &str) -> Result<Vec<u8>> {
         match self.receive(Want::Bytes(n), what)? {
             Got::Bytes(bytes) => Ok(bytes),
             Got::Line(_) => unreachable!("bytes were asked"),
@@ -297,30 +295,31 @@ impl Subprocess {
                             None => wait_briefly(&mut conv.child),
                         }
                     };
-                    return Err(self.fail(format!("the router exited ({status}) before {before}")));
+                    return Err(self.fail(format!("the {} exited ({status}) before {before}", self.role)));
                 }
                 Err(RecvTimeoutError::Timeout) => {}
             }
             let now = Instant::now();
             if let Some((at, status)) = &exited {
                 if now >= *at + EXIT_GRACE {
-                    return Err(self.fail(format!("the router exited ({status}) before {before}")));
+                    return Err(self.fail(format!("the {} exited ({status}) before {before}", self.role)));
                 }
             } else if let Ok(Some(status)) = self.conversation().child.try_wait() {
                 exited = Some((now, status.to_string()));
             }
             if now >= deadline {
                 return Err(self.fail(format!(
-                    "timed out after {} s ({}) waiting for {waiting_for}; the router was killed",
+                    "timed out after {} s ({}) waiting for {waiting_for}; the {} was killed",
                     self.timeout.as_secs_f64(),
-                    crate::error::Setting::Timeout
+                    crate::error::Setting::Timeout,
+                    self.role
                 )));
             }
         }
     }
 
     /// Writes one line to the router within the timeout.
-    fn send(&self, line: Vec<u8>, what: &str) -> Result<()> {
+    pub(crate) fn send(&self, line: Vec<u8>, what: &str) -> Result<()> {
         let deadline = Instant::now() + self.timeout;
         let result = {
             let conv = self.conversation();
@@ -346,17 +345,49 @@ impl Subprocess {
             Err(e) => e,
         };
         let message = match (message, exit_status(&mut self.conversation().child)) {
-            (_, Some(status)) => format!("the router exited ({status}) before answering {what}"),
+            (_, Some(status)) => format!("the {} exited ({status}) before answering {what}", self.role),
             (Some(e), None) => format!("{what}: cannot send: {e}"),
             (None, None) => format!(
-                "timed out after {} s ({}) sending {what}: the router stopped reading its stdin; the router was killed",
+                "timed out after {} s ({}) sending {what}: the {role} stopped reading its stdin; the {role} was killed",
                 self.timeout.as_secs_f64(),
-                crate::error::Setting::Timeout
+                crate::error::Setting::Timeout,
+                role = self.role
             ),
         };
         Err(self.fail(message))
     }
 
+    /// The first line, parsed as a handshake and checked by `validate`; the process is killed
+    /// and the error quotes the line when it is not one.
+    pub(crate) fn handshake<H: serde::de::DeserializeOwned>(
+        &self,
+        validate: impl Fn(&H) -> std::result::Result<(), String>,
+    ) -> Result<H> {
+        let line = self.receive_line("its handshake")?;
+        serde_json::from_str(&line)
+            .map_err(|e| e.to_string())
+            .and_then(|h: H| validate(&h).map(|()| h))
+            .map_err(|e| self.fail(format!("bad handshake ({e}): `{}`", line.chars().take(120).collect::<String>())))
+    }
+
+    /// The next request id, or the error that stopped the conversation.
+    pub(crate) fn next_id(&self) -> Result<u64> {
+        let mut conv = self.conversation();
+        if let Some(failed) = &conv.failed {
+            return Err(self.error(format!("stopped after an earlier error: {failed}")));
+        }
+        let id = conv.next_id;
+        conv.next_id += 1;
+        Ok(id)
+    }
+
+    /// The longest line or payload the process may send.
+    pub(crate) fn read_limit(&self) -> usize {
+        self.read_limit
+    }
+}
+
+impl Subprocess {
     /// One request and its answer, in the handshake's protocol.
     fn call(&self, mode: Mode, rows: ArrayView3<f32>, padding: Option<ArrayView2<bool>>) -> Result<Routing> {
         let (batch, seq_len, width) = rows.dim();
@@ -377,31 +408,23 @@ impl Subprocess {
         let rows = rows.as_standard_layout();
         let flat = rows.as_slice().expect("standard layout");
         let mask: Option<Vec<bool>> = padding.map(|m| m.iter().copied().collect());
-        let (id, message) = {
-            let mut conv = self.conversation();
-            if let Some(failed) = &conv.failed {
-                return Err(self.error(format!("stopped after an earlier error: {failed}")));
-            }
-            let id = conv.next_id;
-            conv.next_id += 1;
-            let message = if hs.framed() {
-                frame_request((id, mode, self.seed), (batch, seq_len, width), flat, mask.as_deref())
-            } else {
-                let request = Request { id, mode, batch, seq_len, data: flat.chunks(width.max(1)).collect() };
-                let mut line = serde_json::to_vec(&request).expect("a request always serialises");
-                line.push(b'\n');
-                line
-            };
-            (id, message)
+        let id = self.peer.next_id()?;
+        let message = if hs.framed() {
+            frame_request((id, mode, self.seed), (batch, seq_len, width), flat, mask.as_deref())
+        } else {
+            let request = Request { id, mode, batch, seq_len, data: flat.chunks(width.max(1)).collect() };
+            let mut line = serde_json::to_vec(&request).expect("a request always serialises");
+            line.push(b'\n');
+            line
         };
         let what = format!("request {id} ({mode}, batch {batch} x seq_len {seq_len})");
-        self.send(message, &what)?;
-        let line = self.receive_line(&what)?;
-        let fail = |e: String| self.fail(format!("{what}: {e}"));
+        self.peer.send(message, &what)?;
+        let line = self.peer.receive_line(&what)?;
+        let fail = |e: String| self.peer.fail(format!("{what}: {e}"));
         let response = if hs.binary_responses() {
             let header = BinaryHeader::parse(&line).map_err(fail)?;
-            let len = header.payload_len(hs, batch * seq_len, self.read_limit as u64).map_err(fail)?;
-            let payload = self.receive_bytes(len, &what)?;
+            let len = header.payload_len(hs, batch * seq_len, self.peer.read_limit as u64).map_err(fail)?;
+            let payload = self.peer.receive_bytes(len, &what)?;
             header.decode(&payload, batch * seq_len).map_err(fail)?
         } else {
             parse_response(&line).map_err(fail)?
@@ -525,7 +548,7 @@ fn tree(root: i32, tag: &str) -> Vec<i32> {
     out
 }
 
-impl Drop for Subprocess {
+impl Drop for Peer {
     fn drop(&mut self) {
         // A panic mid-call poisons the lock; the child must still be killed, and a panic in
         // drop during unwinding would abort.
@@ -569,16 +592,16 @@ mod tests {
         )
         .expect("handshake");
         let source = router.source();
-        let pid = source.conversation.lock().expect("fresh lock").child.id();
+        let pid = source.peer.conversation.lock().expect("fresh lock").child.id();
         // A panic while holding the conversation poisons its lock.
         let panicked = std::thread::scope(|s| {
             s.spawn(|| {
-                let _held = source.conversation.lock();
+                let _held = source.peer.conversation.lock();
                 panic!("a call panicked");
             })
             .join()
         });
-        assert!(panicked.is_err() && source.conversation.is_poisoned());
+        assert!(panicked.is_err() && source.peer.conversation.is_poisoned());
         drop(router);
         // The child was killed and reaped: its pid is gone (or at least no longer a sleeper).
         let alive = std::fs::read_to_string(format!("/proc/{pid}/status")).is_ok_and(|s| !s.contains("(zombie)"));

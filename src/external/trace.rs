@@ -171,9 +171,14 @@ pub fn planned_options(dir: &Path, max_memory: u64) -> Result<AuditOptions> {
     Ok(read_manifest(dir, max_memory)?.options)
 }
 
+/// A trace folder's own file `name`: a symlink out of the folder is refused.
+pub(crate) fn file_in(dir: &Path, name: &str) -> Result<PathBuf> {
+    crate::files::inside(dir, Path::new(name), name)
+}
+
 /// Reads and checks `manifest.json`: its format and the router it describes.
-fn read_manifest(dir: &Path, max_memory: u64) -> Result<Manifest> {
-    let path = dir.join(MANIFEST);
+pub(crate) fn read_manifest(dir: &Path, max_memory: u64) -> Result<Manifest> {
+    let path = file_in(dir, MANIFEST)?;
     std::fs::metadata(&path)
         .map_err(|e| Error::input(&path, format!("cannot read (write it with `moe-audit plan`): {e}")))?;
     let text =
@@ -208,9 +213,9 @@ impl TraceRouter {
     pub fn open(dir: &Path, max_memory: u64) -> Result<Self> {
         let manifest = read_manifest(dir, max_memory)?;
         let hs = manifest.router;
-        let inputs_path = dir.join(INPUTS);
+        let inputs_path = file_in(dir, INPUTS)?;
         let inputs = crate::layer::load_safetensors(&inputs_path, &Device::Cpu, max_memory / 2)?;
-        let decisions_path = dir.join(DECISIONS);
+        let decisions_path = file_in(dir, DECISIONS)?;
         std::fs::metadata(&decisions_path).map_err(|e| {
             Error::input(
                 &decisions_path,

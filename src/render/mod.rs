@@ -1,7 +1,7 @@
 //! Every output format in one place: the check report as text, markdown, JSON, JUnit XML and
 //! GitHub annotations; the zoo table; a witness replay; the sweep's CSV, markdown and charts
 //! (SVG, PNG); the `ep` traffic table; the `collectives` tables and charts; the `exploit` text,
-//! markdown and learning curve. (The routing table, [`crate::routing::render_table`],
+//! markdown and learning curve; the `routes` comparison and its per-layer chart. (The routing table, [`crate::routing::render_table`],
 //! stays beside the record it draws.) Renderers take the library's report types and return
 //! strings; the CLI picks one by its flag and writes it. Adding a format is a function here and
 //! the flag that selects it.
@@ -12,6 +12,8 @@ mod collectives;
 mod ep;
 mod exploit;
 mod json;
+mod model;
+mod routes;
 mod sweep;
 mod text;
 
@@ -21,5 +23,9 @@ pub use collectives::{collectives_chart, collectives_config_name, render_collect
 pub use ep::render_ep;
 pub use exploit::{exploit_markdown, exploit_text, learning_curve, write_exploit};
 pub use json::{json, witness_path, write_witnesses};
+pub use model::render_model_text;
+pub use routes::{
+    routes_chart, routes_github, routes_junit, routes_markdown, routes_text, show_text, PAPER_DECISIONS, PAPER_TOKENS,
+};
 pub use sweep::{csv as sweep_csv, markdown as sweep_markdown, write_sweep};
 pub use text::{render_markdown, render_replay, render_text, render_zoo};

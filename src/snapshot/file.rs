@@ -3,7 +3,9 @@
 //!
 //! ```text
 //! # moe-audit routing snapshot. Compare: moe-audit snapshot --check FILE; rewrite: --update FILE.
-//! format = "moe-audit-snapshot/1"
+//! format = "moe-audit-snapshot/2"
+//! ...
+//! header_sha256 = "…"
 //! ...
 //! [router]
 //! source = "preset"
@@ -21,7 +23,10 @@ use serde::{Deserialize, Serialize};
 use std::path::Path;
 
 /// The format tag of a snapshot file.
-pub const FORMAT: &str = "moe-audit-snapshot/1";
+pub const FORMAT: &str = "moe-audit-snapshot/2";
+/// The format before the header seal: `--update` migrates it, `--check` refuses it (an unsealed
+/// header could be edited unnoticed).
+pub const FORMAT_UNSEALED: &str = "moe-audit-snapshot/1";
 /// Decimals of the weights in the routing text ([`render_table`](crate::routing::render_table)).
 pub const WEIGHT_DECIMALS: u32 = 4;
 
@@ -41,6 +46,12 @@ pub struct Header {
     pub weight_decimals: u32,
     /// The modes routed, one section each.
     pub modes: Vec<Mode>,
+    /// Hex sha256 of the header as written with this field empty ([`Header::sealed`]): any edit
+    /// of a value of the header (router, command, sizes, seed, modes, hashes) breaks it, so a
+    /// check refuses an edited header instead of making what it now says. Empty in the unsealed
+    /// format.
+    #[serde(default)]
+    pub header_sha256: String,
     /// The router.
     pub router: RouterSource,
     /// The inputs it routed.
@@ -48,12 +59,29 @@ pub struct Header {
 }
 
 impl Header {
-    /// Parses the header part of a file (up to its first section); errors name `path`.
+    /// Parses the header part of a file (up to its first section) and checks its seal; errors
+    /// name `path`. The unsealed format is refused, naming how to migrate it.
     pub fn parse(text: &str, path: &Path) -> Result<Self> {
+        let header = Self::parse_unsealed(text, path)?;
+        if header.format == FORMAT_UNSEALED {
+            return Err(Error::input(
+                path,
+                format!(
+                    "format `{FORMAT_UNSEALED}` has no header seal (an edit of it would go unnoticed): read its header, then migrate it with `moe-audit snapshot --update {}`",
+                    path.display()
+                ),
+            ));
+        }
+        Ok(header)
+    }
+
+    /// [`Header::parse`], also reading the unsealed format (to migrate it with `--update`); a
+    /// sealed header must still match its seal.
+    pub fn parse_unsealed(text: &str, path: &Path) -> Result<Self> {
         let bad = |message: String| Error::input(path, message);
         let header: Header = toml::from_str(text)
             .map_err(|e| bad(format!("not a moe-audit snapshot header: {}", e.to_string().replace('\n', " "))))?;
-        if header.format != FORMAT {
+        if header.format != FORMAT && header.format != FORMAT_UNSEALED {
             return Err(bad(format!("format `{}`, this moe-audit reads `{FORMAT}`", header.format)));
         }
         if header.weight_decimals != WEIGHT_DECIMALS {
@@ -62,7 +90,22 @@ impl Header {
                 header.weight_decimals
             )));
         }
+        if header.format == FORMAT && header.header_sha256 != header.sealed().header_sha256 {
+            return Err(bad(
+                "the header does not match its `header_sha256` (edited or corrupted): nothing is made from it; make the snapshot again with `moe-audit snapshot ... --output FILE`".into(),
+            ));
+        }
         Ok(header)
+    }
+
+    /// This header in the current format with its seal set: the sha256 of its TOML with
+    /// `header_sha256` empty. A seal is no signature (anyone can reseal an edit): it makes a
+    /// hand edit, a bad merge or corruption an error rather than a silent new recipe, and a
+    /// reviewer sees a resealed header change in the diff.
+    pub fn sealed(&self) -> Self {
+        let mut h = Header { format: FORMAT.into(), header_sha256: String::new(), ..self.clone() };
+        h.header_sha256 = sha256(toml::to_string(&h).expect("a header always serialises").as_bytes());
+        h
     }
 }
 
@@ -184,7 +227,7 @@ impl SnapshotFile {
     /// The file's text.
     pub fn render(&self) -> String {
         let mut out = String::from(COMMENT);
-        out.push_str(&toml::to_string(&self.header).expect("a header always serialises"));
+        out.push_str(&toml::to_string(&self.header.sealed()).expect("a header always serialises"));
         for (mode, text) in &self.sections {
             out.push_str(&section_line(*mode));
             out.push_str(text);
@@ -239,13 +282,34 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 /// Hex sha256 of bytes.
 pub(crate) fn sha256(bytes: &[u8]) -> String {
     use sha2::{Digest, Sha256};
-    Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+    hex(&Sha256::digest(bytes))
 }
 
-/// Hex sha256 of a file's content.
+/// Hex sha256 of a file's content, read in fixed chunks: memory stays bounded whatever the size
+/// (a checkpoint may be far larger than memory). Only a regular file is hashed: a FIFO or a
+/// device (`/dev/zero`) has no end to reach.
 pub(crate) fn file_sha256(path: &Path) -> Result<String> {
-    let bytes = std::fs::read(path).map_err(|e| Error::input(path, format!("cannot read: {e}")))?;
-    Ok(sha256(&bytes))
+    use sha2::{Digest, Sha256};
+    use std::io::Read;
+    let cannot = |e: std::io::Error| Error::input(path, format!("cannot read: {e}"));
+    if !std::fs::metadata(path).map_err(cannot)?.is_file() {
+        return Err(Error::input(path, "not a regular file"));
+    }
+    let mut file = std::fs::File::open(path).map_err(cannot)?;
+    let (mut hasher, mut chunk) = (Sha256::new(), vec![0u8; 1 << 16]);
+    loop {
+        match file.read(&mut chunk) {
+            Ok(0) => break,
+            Ok(n) => hasher.update(&chunk[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(cannot(e)),
+        }
+    }
+    Ok(hex(&hasher.finalize()))
+}
+
+fn hex(digest: &[u8]) -> String {
+    digest.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[cfg(test)]
@@ -259,6 +323,7 @@ mod tests {
                 moe_audit: "0.1.0".into(),
                 weight_decimals: 4,
                 modes: vec![Mode::Train, Mode::Inference],
+                header_sha256: String::new(),
                 router: RouterSource::Harness {
                     name: "r".into(),
                     experts: 4,
@@ -284,7 +349,36 @@ mod tests {
     fn a_file_round_trips() {
         let text = file().render();
         assert!(text.contains("[router]\nsource = \"harness\"\n"), "{text}");
-        assert_eq!(SnapshotFile::parse(&text, Path::new("x.snap")).unwrap(), file());
+        let sealed = SnapshotFile { header: file().header.sealed(), ..file() };
+        assert_eq!(SnapshotFile::parse(&text, Path::new("x.snap")).unwrap(), sealed);
+        assert_eq!(sealed.render(), text);
+    }
+
+    #[test]
+    fn every_edit_of_a_header_value_breaks_its_seal() {
+        let p = Path::new("x.snap");
+        let text = file().render();
+        for (from, to) in [
+            ("seed = 0", "seed = 1"),
+            ("batch = 1", "batch = 1000000000"),
+            ("name = \"r\"", "name = \"s\""),
+            ("modes = [\"train\", \"inference\"]", "modes = [\"inference\", \"train\"]"),
+            ("sha256 = \"ab\"", "sha256 = \"cd\""),
+            ("moe_audit = \"0.1.0\"", "moe_audit = \"9.9.9\""),
+        ] {
+            assert!(text.contains(from), "{from}");
+            let err = SnapshotFile::parse(&text.replace(from, to), p).unwrap_err().to_string();
+            assert!(err.starts_with("x.snap: the header does not match its `header_sha256`"), "{to}: {err}");
+        }
+        // Layout is not content: a blank line or a comment changes no value.
+        assert!(SnapshotFile::parse(&text.replace("seed = 0", "# a comment\nseed = 0\n"), p).is_ok());
+        // The unsealed format: refused by a check, read to migrate.
+        let old = text.replace(FORMAT, FORMAT_UNSEALED).replace("seed = 0", "seed = 1");
+        let old: String = old.lines().filter(|l| !l.starts_with("header_sha256")).map(|l| format!("{l}\n")).collect();
+        let err = SnapshotFile::parse(&old, p).unwrap_err().to_string();
+        assert!(err.contains("`moe-audit-snapshot/1` has no header seal") && err.contains("--update x.snap"), "{err}");
+        let end = old.find("=== ").unwrap();
+        assert_eq!(Header::parse_unsealed(&old[..end], p).unwrap().input.seed, 1);
     }
 
     #[test]
@@ -295,7 +389,7 @@ mod tests {
         assert!(err("hello\n").starts_with("x.snap: not a moe-audit snapshot header"));
         assert!(err(&text.replace("source = \"harness\"", "source = \"nope\"")).contains("unknown variant `nope`"));
         assert!(err(&text.replace("seed = 0", "seed = 0\nextra = 1")).contains("unknown field `extra`"));
-        assert!(err(&text.replace("snapshot/1", "snapshot/9")).contains("format `moe-audit-snapshot/9`"));
+        assert!(err(&text.replace("snapshot/2", "snapshot/9")).contains("format `moe-audit-snapshot/9`"));
         assert_eq!(
             err(&text.replace("=== inference ===\n", "")),
             "x.snap: the header lists modes [train, inference], the file has sections [train]"

@@ -7,7 +7,7 @@ use crate::analyze::{AuditOptions, Probe};
 use crate::config::RouterConfig;
 use crate::error::{ensure_positive, Error, Result, Setting};
 use crate::external::protocol::PROTOCOL;
-use crate::external::trace::{Manifest, PlannedCall, DECISIONS, INPUTS, MANIFEST};
+use crate::external::trace::{file_in, read_manifest, Manifest, PlannedCall, DECISIONS, INPUTS, MANIFEST};
 use crate::external::{ExternalRouter, Handshake, InputKind, Mode, TraceRouter};
 use crate::layer::gate::GateSource;
 use crate::layer::{MoeLayer, Seeded};
@@ -17,7 +17,6 @@ use candle_core::{DType, Device, Tensor};
 use ndarray::Array3;
 use std::collections::HashMap;
 use std::path::Path;
-use std::time::Duration;
 
 /// The recipe a `snapshot --plan` directory carries, so the snapshot of its answers records the
 /// router and inputs rather than a temporary directory.
@@ -58,14 +57,8 @@ pub fn make(router: &RouterSource, input: &InputSpec, traces: Option<&Path>, max
             config_routings(config, &mut input, Some(&source), max_memory)?
         }
         RouterSource::Command { command, timeout } => {
-            if !(timeout.is_finite() && *timeout > 0.0) {
-                return Err(Error::Usage(format!(
-                    "{} must be a positive number of seconds, got {timeout}",
-                    Setting::Timeout
-                )));
-            }
-            let r =
-                ExternalRouter::spawn(command, Duration::from_secs_f64(*timeout), input.seed, Mode::Train, max_memory)?;
+            let timeout = crate::external::process::timeout(*timeout)?;
+            let r = ExternalRouter::spawn(command, timeout, input.seed, Mode::Train, max_memory)?;
             input.hidden = None;
             let rows = rows(&mut input, r.handshake(), max_memory)?;
             let inference = r.inference()?.expect("an external router has an inference mode");
@@ -79,7 +72,7 @@ pub fn make(router: &RouterSource, input: &InputSpec, traces: Option<&Path>, max
             if is_snapshot_plan(&dir) {
                 harness(&dir, &mut router, &mut input, max_memory)?
             } else {
-                *sha256 = file_sha256(&dir.join(DECISIONS))?;
+                *sha256 = file_sha256(&file_in(&dir, DECISIONS)?)?;
                 input = InputSpec { rows: Rows::Traces, hidden: None, file: None, ..input };
                 trace_routings(&dir, &mut input, max_memory)?
             }
@@ -105,6 +98,7 @@ pub fn make(router: &RouterSource, input: &InputSpec, traces: Option<&Path>, max
             moe_audit: env!("CARGO_PKG_VERSION").into(),
             weight_decimals: WEIGHT_DECIMALS,
             modes: routed.iter().map(|(m, _, _)| *m).collect(),
+            header_sha256: String::new(),
             router,
             input,
         },
@@ -151,6 +145,10 @@ fn config_routings(
                     .ok_or_else(|| Error::Usage("[input] hidden: the seeded gate needs a hidden size".into()))?
             };
             ensure_positive(&[(Setting::Hidden, hidden)])?;
+            // The gate and its experts are made before the rows: bound them first.
+            let (batch, seq_len) = (input.batch, input.seq_len);
+            let sizes = CallSizes { batch, seq_len, experts, routes: config.k(), hidden, ffn: 1 };
+            memory::ensure_fits("this snapshot", sizes.estimate(), max_memory)?;
             // The gate is the layer's first seeded tensor, so the expert sizes do not change it:
             // the same gate as `moe-audit route --seed S --hidden H`.
             let layer = MoeLayer::seeded(config, hidden, 1, input.seed, DType::F32, &Device::Cpu)?;
@@ -231,13 +229,10 @@ fn rows(input: &mut InputSpec, hs: &Handshake, max_memory: u64) -> Result<Array3
 
 /// The first call of each mode of a trace directory, routed by its answers.
 fn trace_routings(dir: &Path, input: &mut InputSpec, max_memory: u64) -> Result<Routed> {
-    let path = dir.join(MANIFEST);
-    let text = std::fs::read_to_string(&path).map_err(|e| Error::input(&path, format!("cannot read: {e}")))?;
-    let manifest: Manifest =
-        serde_json::from_str(&text).map_err(|e| Error::input(&path, format!("not a plan manifest: {e}")))?;
     let router = TraceRouter::open(dir, max_memory)?;
-    let inputs_path = dir.join(INPUTS);
-    let inputs = crate::layer::load_safetensors(&inputs_path, &Device::Cpu, max_memory / 2)?;
+    let path = dir.join(MANIFEST);
+    let manifest = read_manifest(dir, max_memory)?;
+    let inputs = crate::layer::load_safetensors(&file_in(dir, INPUTS)?, &Device::Cpu, max_memory / 2)?;
     let width = router.handshake().row_width();
     let mut out = Vec::new();
     for mode in [Mode::Train, Mode::Inference] {
@@ -260,11 +255,11 @@ fn trace_routings(dir: &Path, input: &mut InputSpec, max_memory: u64) -> Result<
 }
 
 fn read_recipe(dir: &Path) -> Result<Option<PlanRecipe>> {
-    let path = dir.join(PLAN_RECIPE);
+    let path = crate::files::inside(dir, Path::new(PLAN_RECIPE), PLAN_RECIPE)?;
     if !path.is_file() {
         return Ok(None);
     }
-    let text = std::fs::read_to_string(&path).map_err(|e| Error::input(&path, format!("cannot read: {e}")))?;
+    let text = crate::files::read_text(&path, crate::files::TEXT_LIMIT, "the most a snapshot recipe may hold")?;
     toml::from_str(&text)
         .map(Some)
         .map_err(|e| Error::input(&path, format!("not a snapshot recipe: {}", e.to_string().replace('\n', " "))))

@@ -3,8 +3,9 @@
 //! - [`snapshot()`]: stable text of a routing record for `insta::assert_snapshot!` in your crate;
 //! - [`SnapshotFile`]: a `.snap` file, a header saying how the routing was made (router, inputs,
 //!   sizes, seed, modes, weight precision, content hashes) and, per mode, exactly that text;
-//! - [`make`]: makes the file from a header (`moe-audit snapshot`), and [`check`] compares a
-//!   stored file with a fresh one as values: a printed weight may move by one unit of its last
+//! - [`make`]: makes the file (`moe-audit snapshot`), [`remake`] makes it again from a stored
+//!   header, which is data: it runs no command the caller did not give and reads no file outside
+//!   the working directory; and [`check`] compares a stored file with a fresh one as values: a printed weight may move by one unit of its last
 //!   decimal (float noise rounding across a boundary), anything more is a change;
 //! - [`write_plan`]: the inputs for a harness that routes in-process (the Python helper
 //!   `moe_audit.snapshot`), whose answers `moe-audit snapshot --traces DIR` turns into the same
@@ -15,10 +16,12 @@ mod file;
 mod make;
 
 pub use compare::{compare, TableDiff};
-pub use file::{write_atomic, Header, InputSpec, RouterSource, Rows, SnapshotFile, FORMAT, WEIGHT_DECIMALS};
+pub use file::{
+    write_atomic, Header, InputSpec, RouterSource, Rows, SnapshotFile, FORMAT, FORMAT_UNSEALED, WEIGHT_DECIMALS,
+};
 pub use make::{is_snapshot_plan, make, write_plan, PLAN_RECIPE};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, Setting};
 use crate::routing::{render_table, Routing};
 use std::fmt::Write;
 use std::path::Path;
@@ -59,6 +62,8 @@ pub struct Outcome {
 fn recipe(h: &Header) -> String {
     let mut h = h.clone();
     h.moe_audit.clear();
+    h.format.clear();
+    h.header_sha256.clear();
     h.input.sha256.clear();
     match &mut h.router {
         RouterSource::Config { sha256, .. }
@@ -67,6 +72,70 @@ fn recipe(h: &Header) -> String {
         _ => {}
     }
     toml::to_string(&h).expect("a header always serialises")
+}
+
+/// Makes again the snapshot `header` (read from `path`) describes, taking from the header only
+/// data. A router command is never run from it: `router_cmd` (the caller's) must be given and
+/// be the header's, else nothing runs. The files it names (router TOML, weights, rows, trace
+/// folder) must lie inside the working directory: no absolute path, no `..`, no symlink out.
+/// `traces` answers a `traces` or `harness` router instead of the recorded folder.
+pub fn remake(
+    path: &Path,
+    header: &Header,
+    router_cmd: Option<&str>,
+    traces: Option<&Path>,
+    max_memory: u64,
+) -> Result<SnapshotFile> {
+    let here = Path::new(".");
+    let inside = |name: &str, what: &str| crate::files::inside(here, Path::new(name), what).map(drop);
+    match (&header.router, router_cmd) {
+        (RouterSource::Command { command, .. }, None) => {
+            return Err(Error::input(
+                path,
+                format!(
+                    "[router] command = {command:?} is a record for the reader, never run from the file: give the router's command with {}",
+                    Setting::RouterCmd
+                ),
+            ))
+        }
+        (RouterSource::Command { command, .. }, Some(given)) if given != command => {
+            return Err(Error::input(
+                path,
+                format!("{} {given:?} is not the header's [router] command = {command:?}: neither is run", Setting::RouterCmd),
+            ))
+        }
+        (RouterSource::Command { .. }, Some(_)) => {}
+        (_, Some(_)) => {
+            return Err(Error::Usage(format!("{}: this snapshot's router is not a command", Setting::RouterCmd)))
+        }
+        (RouterSource::Harness { .. }, None) if traces.is_none() => {
+            return Err(Error::input(
+                path,
+                format!(
+                    "answered by a harness (the Python helper): re-run its test, or pass {} DIR that `snapshot --plan` wrote and the router answered",
+                    Setting::Traces
+                ),
+            ))
+        }
+        (RouterSource::Preset { name }, None) if crate::config::preset(name).is_none() => {
+            return Err(Error::input(path, format!("[router] name = {name:?} is not a preset")))
+        }
+        (RouterSource::Config { path, .. }, None) => inside(path, "[router] path")?,
+        (RouterSource::Gate { router, weights, .. }, None) => {
+            if crate::config::preset(router).is_none() {
+                inside(router, "[router] router")?;
+            }
+            inside(weights, "[router] weights")?;
+        }
+        (RouterSource::Traces { dir, .. }, None) if traces.is_none() => inside(dir, "[router] dir")?,
+        _ => {}
+    }
+    // A harness's rows come from the plan it answered, not from the recorded file.
+    match (&header.router, &header.input.file) {
+        (RouterSource::Harness { .. }, _) | (_, None) => {}
+        (_, Some(file)) => inside(file, "[input] file")?,
+    }
+    make(&header.router, &header.input, traces, max_memory)
 }
 
 fn router_hash(h: &Header) -> Option<&str> {

@@ -199,20 +199,21 @@ impl Grid {
         Ok(())
     }
 
-    /// Resolves the routers: presets by name, files relative to `base` (the grid file's folder).
+    /// Resolves the routers: presets by name, files inside `base` (the grid file's folder; no
+    /// absolute path, `..` or symlink out of it: a grid is data, it points at no other file).
     pub fn load_routers(&self, source_name: &str, base: &Path) -> Result<Vec<RouterConfig>> {
         (self.routers.iter().enumerate())
             .map(|(i, name)| {
-                let path = base.join(name);
-                let resolved = if crate::config::preset(name).is_none() && path.is_file() {
-                    path.display().to_string()
-                } else {
-                    name.clone()
-                };
-                RouterConfig::load(&resolved).map_err(|e| match e {
-                    Error::UnknownRouter { .. } => Error::config(source_name, &format!("routers[{i}]"), e.to_string()),
-                    other => other,
-                })
+                if crate::config::preset(name).is_some() {
+                    return RouterConfig::load(name);
+                }
+                let path = crate::files::inside(base, Path::new(name), &format!("{source_name}: routers[{i}]"))?;
+                if !path.is_file() {
+                    let known = crate::config::presets().iter().map(|p| p.name).collect::<Vec<_>>().join(", ");
+                    let e = Error::UnknownRouter { name: name.clone(), known };
+                    return Err(Error::config(source_name, &format!("routers[{i}]"), e.to_string()));
+                }
+                RouterConfig::from_file(&path)
             })
             .collect()
     }

@@ -10,6 +10,7 @@ mod faults;
 mod hand_computed;
 mod invariants;
 mod layer;
+mod model;
 #[cfg(feature = "mpi")]
 mod mpi;
 mod noise;
@@ -18,7 +19,9 @@ mod progress;
 mod protocol2;
 mod readme;
 mod routers;
+mod routes;
 mod search;
+mod security;
 mod snapshot_cli;
 mod snapshots;
 mod sweep;

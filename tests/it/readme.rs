@@ -102,8 +102,9 @@ fn the_readme_workflow_is_the_file_it_names() {
     }
     for check in checks {
         let file = check.split_whitespace().next().expect("a snapshot file");
-        let out = Command::new(BIN)
-            .args(["snapshot", "--check", file])
+        // The step as written (its flags and quoting), run by a shell as CI runs it.
+        let out = Command::new("sh")
+            .args(["-c", &format!("\"$0\" snapshot --check {check}"), BIN])
             .current_dir(env!("CARGO_MANIFEST_DIR"))
             .envs(crate::external::python_env())
             .output()

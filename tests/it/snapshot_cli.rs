@@ -248,10 +248,11 @@ fn a_changed_tie_rule_fails_and_an_external_router_round_trips() {
     assert!(std::fs::read_to_string(dir.join("t.snap"))
         .unwrap()
         .contains("source = \"command\"\ncommand = \"python3 tie.py\""));
-    expect(&dir, &["snapshot", "--check", "t.snap"], 0);
+    let check = ["snapshot", "--check", "t.snap", "--router-cmd", "python3 tie.py"];
+    expect(&dir, &check, 0);
     // Ties to the highest id now: tokens with tied logits change order or experts.
     tie_router(&dir, false);
-    let diff = expect(&dir, &["snapshot", "--check", "t.snap"], 1);
+    let diff = expect(&dir, &check, 1);
     assert!(diff.contains("train: 12 of 12 tokens moved (experts 0, order 12, kept flag 0, weight 0)\n"), "{diff}");
     assert!(diff.contains("  batch 0 pos 0: order e1 e5 -> e5 e1\n"), "{diff}");
 }
@@ -294,7 +295,8 @@ assert_routing_snapshot(m.route, "py.snap", name="megatron-probs-py", experts=8,
         .unwrap();
     assert!(answer.status.success(), "{}", stderr(&answer));
     expect(&dir, &["snapshot", "--traces", t, "--output", "traces.snap"], 0);
-    expect(&dir, &["snapshot", "--check", "traces.snap"], 0);
+    // The header records the folder as given (here absolute): a check names it again.
+    expect(&dir, &["snapshot", "--check", "traces.snap", "--traces", t], 0);
     let traced = std::fs::read_to_string(dir.join("traces.snap")).unwrap();
     assert!(traced.contains("source = \"traces\"") && traced.contains("rows = \"traces\""), "{traced}");
     // A harness snapshot needs its harness: a clear error without one.
@@ -404,11 +406,15 @@ fn bad_snapshots_and_flags_exit_2_with_one_line() {
     let out = run_in(&dir, &["snapshot", "--check", "l.snap"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(stderr(&out).contains("l.snap: the inputs are not those the snapshot was made from"), "{}", stderr(&out));
-    // A hand-edited header that cannot be made: an error naming the field.
+    // A hand-edited header: refused by its seal before anything is made.
     std::fs::write(dir.join("edited.snap"), good.replace("rows = \"logits\"", "rows = \"traces\"")).unwrap();
     let out = run_in(&dir, &["snapshot", "--check", "edited.snap"]);
     assert_eq!(out.status.code(), Some(2));
-    assert_eq!(stderr(&out), "error: [input] rows = \"traces\": router `mixtral` is not a trace directory\n");
+    assert!(
+        stderr(&out).starts_with("error: edited.snap: the header does not match its `header_sha256`"),
+        "{}",
+        stderr(&out)
+    );
     // A missing directory is made, as insta does.
     expect(&dir, &["snapshot", "mixtral", "--output", "snapshots/new/m.snap"], 0);
     assert!(dir.join("snapshots/new/m.snap").is_file());

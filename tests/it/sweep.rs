@@ -88,9 +88,11 @@ fn bad_grid_files_name_file_field_and_value() {
 fn the_exploit_column_measures_each_cell_when_the_grid_asks() {
     // A leaky router (expert choice within each sequence) beside a dropless one, exploit sizes
     // the CI can afford: the column carries each cell's verdict, and appears only when asked.
+    // A grid names router files inside its own folder (docs/SECURITY.md): a copy beside it.
     let leaky = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/exploit/expert-choice-sequence.toml");
-    let grid = format!(
-        "routers = [\"mixtral\", {leaky:?}]\ncapacity_factor = [2.0]\ntop_k = [2]\nexperts = [4]\nseq_len = [8]\n\
+    file("expert-choice-sequence.toml", &std::fs::read_to_string(leaky).unwrap());
+    let grid = String::from(
+        "routers = [\"mixtral\", \"expert-choice-sequence.toml\"]\ncapacity_factor = [2.0]\ntop_k = [2]\nexperts = [4]\nseq_len = [8]\n\
          batch = [2]\ntrials = 2\nnumerics = false\nheatmap = \"mixtral\"\n\n[exploit]\nseq_len = 2\nsteps = 300\n\
          seeds = 1\neval_batches = 32\ncurve_points = 2\nprobe_batches = 0\n"
     );

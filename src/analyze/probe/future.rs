@@ -1,10 +1,12 @@
 //! F, future (C-content): the same length, only the tokens after t of one sequence changed;
 //! half the trials random, half targeted at the experts token t uses.
 
+use crate::analyze::explain::positions_later;
+use crate::analyze::witness::Witness;
 use super::{run_cases, Cases, Ctx, Rows, Rule, Sample};
 use crate::analyze::case::{Call, Case};
 use crate::analyze::layer_check::{SampleCase, SampleInput};
-use crate::analyze::{Finding, Probe, Property};
+use crate::analyze::{AuditOptions, Finding, Probe, Property};
 use crate::error::Result;
 use candle_core::Tensor;
 use ndarray::s;
@@ -20,6 +22,14 @@ impl Rule for Future {
 
     fn property(&self) -> Property {
         Property::CContent
+    }
+
+    fn calls(&self, _: Option<&Witness>, _: &AuditOptions, _: bool, _: bool) -> [String; 2] {
+        ["the sequence".into(), "the same sequence with later tokens changed".into()]
+    }
+
+    fn cause(&self, f: &Finding) -> String {
+        positions_later(f).map_or("a later token changed".into(), |d| format!("a token {d} changed"))
     }
 
     fn run(&self, ctx: &Ctx, _sample: Option<&Sample>) -> Result<Finding> {

@@ -9,7 +9,10 @@ use super::{Ctx, Rule, Sample};
 use crate::analyze::case::{CallMode, Case};
 use crate::analyze::layer_check::ranks_split;
 use crate::analyze::tally::{pick_witness_token, witness_hit, Tally};
-use crate::analyze::{witness, Finding, Probe, Property, Verdict};
+use crate::analyze::{
+    witness::{self, Witness},
+    AuditOptions, Finding, Probe, Property, Verdict,
+};
 use crate::config::{Flatten, RouterConfig, ScopeGroup};
 use crate::error::Result;
 use crate::parallel::RankTraffic;
@@ -26,6 +29,14 @@ impl Rule for Layout {
 
     fn property(&self) -> Property {
         Property::L
+    }
+
+    fn calls(&self, _: Option<&Witness>, options: &AuditOptions, _: bool, _: bool) -> [String; 2] {
+        ["1 rank".into(), format!("{} expert-parallel ranks (or the other flattening)", options.ranks)]
+    }
+
+    fn cause(&self, _: &Finding) -> String {
+        "the parallel layout (ranks or flattening order)".into()
     }
 
     fn run(&self, ctx: &Ctx, sample: Option<&Sample>) -> Result<Finding> {

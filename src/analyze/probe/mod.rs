@@ -9,8 +9,8 @@ use super::case::{Affected, Call, CallMode, Case};
 use super::layer_check::{Sample, SampleCase, SampleInput};
 use super::repeats::Repeats;
 use super::tally::{pick_witness_token, witness_hit, Tally};
-use super::witness::{self, Replayer};
-use super::{Finding, Property, Verdict};
+use super::witness::{self, Replayer, Witness};
+use super::{AuditOptions, Finding, Property, Verdict};
 use crate::error::{Error, Result};
 use crate::layer::Seeded;
 use crate::router::{logits_to_host, Router};
@@ -92,6 +92,20 @@ pub(crate) trait Rule: Sync {
 
     /// The property the probe tests.
     fn property(&self) -> Property;
+
+    /// The two calls the probe compares, in words, reference first: sized from the witness when
+    /// there is one; `configured`: the router has a configuration (not an external router);
+    /// `serving`: it is audited in its serving mode (`check --mode inference`).
+    fn calls(&self, w: Option<&Witness>, options: &AuditOptions, configured: bool, serving: bool) -> [String; 2];
+
+    /// Where a leak's cause was, in words.
+    fn cause(&self, f: &Finding) -> String;
+
+    /// How to fix a leak when that does not depend on the router's design; `None`: the design
+    /// family's fix (`analyze/explain.rs`).
+    fn fix(&self) -> Option<&'static str> {
+        None
+    }
 
     /// Runs the probe on the audit's base call: its finding, with a witness when it leaks.
     /// `sample` is the layer sample, when a layer is audited (the layout probe runs it

@@ -2,8 +2,8 @@
 
 use super::{run_repeat, Ctx, Rule, Sample};
 use crate::analyze::case::{Call, CallMode, Case};
-use crate::analyze::witness::Replayer;
-use crate::analyze::{Finding, Probe, Property, Verdict};
+use crate::analyze::witness::{Replayer, Witness};
+use crate::analyze::{AuditOptions, Finding, Probe, Property, Verdict};
 use crate::error::Result;
 use crate::routing::Routing;
 
@@ -17,6 +17,28 @@ impl Rule for Mode {
 
     fn property(&self) -> Property {
         Property::TI
+    }
+
+    fn calls(&self, _: Option<&Witness>, _: &AuditOptions, configured: bool, serving: bool) -> [String; 2] {
+        if configured {
+            ["the training configuration".into(), "the [inference] configuration".into()]
+        } else {
+            // An external router has modes, not an `[inference]` table; the mode audited comes
+            // first (the witness's `before` is its routing).
+            if serving {
+                ["inference mode".into(), "training mode".into()]
+            } else {
+                ["training mode".into(), "inference mode".into()]
+            }
+        }
+    }
+
+    fn cause(&self, _: &Finding) -> String {
+        "the configuration: training and inference route differently".into()
+    }
+
+    fn fix(&self) -> Option<&'static str> {
+        Some("train and serve with one routing rule, or audit the serving rule as a router of its own")
     }
 
     fn run(&self, ctx: &Ctx, _sample: Option<&Sample>) -> Result<Finding> {

@@ -1,10 +1,11 @@
 //! N, neighbour (B): one other sequence of the batch changed (random, or every token pushed
 //! toward the experts of a token of another sequence); the untouched sequences compared.
 
+use crate::analyze::witness::Witness;
 use super::{run_cases, Cases, Ctx, Rows, Rule, Sample};
 use crate::analyze::case::{Call, Case};
 use crate::analyze::layer_check::{SampleCase, SampleInput};
-use crate::analyze::{Finding, Probe, Property};
+use crate::analyze::{AuditOptions, Finding, Probe, Property};
 use crate::error::Result;
 use candle_core::Tensor;
 use ndarray::s;
@@ -20,6 +21,14 @@ impl Rule for Neighbour {
 
     fn property(&self) -> Property {
         Property::B
+    }
+
+    fn calls(&self, _: Option<&Witness>, _: &AuditOptions, _: bool, _: bool) -> [String; 2] {
+        ["the batch".into(), "the same batch with another sequence changed".into()]
+    }
+
+    fn cause(&self, _: &Finding) -> String {
+        "another sequence of the batch".into()
     }
 
     fn run(&self, ctx: &Ctx, _sample: Option<&Sample>) -> Result<Finding> {

@@ -16,7 +16,7 @@
 use super::{Ctx, Rule, Sample};
 use crate::analyze::case::{Call, Case};
 use crate::analyze::compare::diff_token;
-use crate::analyze::{witness, Finding, Probe, Property, Verdict};
+use crate::analyze::{witness::{self, Witness}, AuditOptions, Finding, Probe, Property, Verdict};
 use crate::error::Result;
 use crate::router::logits_to_host;
 use crate::routing::{Logits, Routing};
@@ -97,6 +97,18 @@ impl Rule for NumericsProbe {
 
     fn property(&self) -> Property {
         Property::TI
+    }
+
+    fn calls(&self, _: Option<&Witness>, _: &AuditOptions, _: bool, _: bool) -> [String; 2] {
+        ["f32 routing".into(), "bf16 or f16 routing".into()]
+    }
+
+    fn cause(&self, _: &Finding) -> String {
+        "the precision of the router's arithmetic".into()
+    }
+
+    fn fix(&self) -> Option<&'static str> {
+        Some("compute the router's scores and top-k in f32 (the gate may stay in low precision)")
     }
 
     fn run(&self, ctx: &Ctx, _sample: Option<&Sample>) -> Result<Finding> {

@@ -22,12 +22,14 @@
 //! [`Router::prefix_stable`]: crate::router::Router::prefix_stable
 
 
+use crate::analyze::explain::{plural, positions_later};
+use crate::analyze::witness::Witness;
 use super::{run_cases, Cases, Ctx, Rule, Sample};
 use crate::analyze::case::{Affected, Call, Case};
 use crate::analyze::tally::{pick_witness_token, witness_hit, Tally};
 use crate::analyze::witness;
 use crate::analyze::layer_check::{SampleCase, SampleInput};
-use crate::analyze::{Finding, Probe, Property};
+use crate::analyze::{AuditOptions, Finding, Probe, Property};
 use crate::error::Result;
 use rayon::prelude::*;
 use std::collections::BTreeMap;
@@ -43,6 +45,17 @@ impl Rule for Prefix {
 
     fn property(&self) -> Property {
         Property::CLength
+    }
+
+    fn calls(&self, w: Option<&Witness>, _: &AuditOptions, _: bool, _: bool) -> [String; 2] {
+        [
+            w.map_or("the full sequence".into(), |w| format!("the sequence of {}", plural(w.a.seq_len, "token"))),
+            w.map_or("a prefix of it".into(), |w| format!("its prefix of {}", plural(w.b.seq_len, "token"))),
+        ]
+    }
+
+    fn cause(&self, f: &Finding) -> String {
+        positions_later(f).map_or("later tokens removed".into(), |d| format!("the nearest removed token, {d}"))
     }
 
     fn run(&self, ctx: &Ctx, _sample: Option<&Sample>) -> Result<Finding> {

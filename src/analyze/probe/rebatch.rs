@@ -1,10 +1,12 @@
 //! R, re-batch (B): the sequences permuted, one dropped, one added, padding appended and (for
 //! routers that take a padding mask) padding on the left.
 
+use crate::analyze::explain::plural;
+use crate::analyze::witness::Witness;
 use super::{run_cases, Cases, Ctx, Rule, Sample};
 use crate::analyze::case::{Call, Case};
 use crate::analyze::layer_check::{SampleCase, SampleInput};
-use crate::analyze::{Finding, Probe, Property};
+use crate::analyze::{AuditOptions, Finding, Probe, Property};
 use crate::error::Result;
 use ndarray::{Array2, Array3, Axis};
 use rand::Rng;
@@ -19,6 +21,23 @@ impl Rule for Rebatch {
 
     fn property(&self) -> Property {
         Property::B
+    }
+
+    fn calls(&self, w: Option<&Witness>, _: &AuditOptions, _: bool, _: bool) -> [String; 2] {
+        [
+            w.map_or("the batch".into(), |w| format!("a batch of {}", plural(w.a.batch, "sequence"))),
+            w.map_or("the batch re-ordered, resized or re-padded".into(), |w| {
+                format!(
+                    "the batch re-ordered, resized or re-padded ({} of {} tokens)",
+                    plural(w.b.batch, "sequence"),
+                    w.b.seq_len
+                )
+            }),
+        ]
+    }
+
+    fn cause(&self, _: &Finding) -> String {
+        "the batch re-ordered, resized or re-padded".into()
     }
 
     fn run(&self, ctx: &Ctx, _sample: Option<&Sample>) -> Result<Finding> {

@@ -6,8 +6,8 @@
 use super::{run_repeat, Ctx, Rule, Sample};
 use crate::analyze::case::{Call, CallMode};
 use crate::analyze::layer_check::{SampleCase, SampleInput};
-use crate::analyze::witness::Replayer;
-use crate::analyze::{Finding, Probe, Property};
+use crate::analyze::witness::{Replayer, Witness};
+use crate::analyze::{AuditOptions, Finding, Probe, Property};
 use crate::error::Result;
 use crate::routing::Routing;
 
@@ -21,6 +21,19 @@ impl Rule for Repeat {
 
     fn property(&self) -> Property {
         Property::D
+    }
+
+    fn calls(&self, _: Option<&Witness>, _: &AuditOptions, _: bool, _: bool) -> [String; 2] {
+        ["the call".into(), "the same call again".into()]
+    }
+
+    fn cause(&self, _: &Finding) -> String {
+        "nothing: the same call routes differently".into()
+    }
+
+    fn fix(&self) -> Option<&'static str> {
+        // D runs in the audited mode: a router may be random in training only (jitter, sampling).
+        Some("random only in training (jitter, sampling): seed every training call or audit --mode inference; random when serving: make it deterministic, no random selection or sampling at inference")
     }
 
     fn run(&self, ctx: &Ctx, _sample: Option<&Sample>) -> Result<Finding> {

@@ -8,8 +8,8 @@ use super::{Ctx, Rule, Sample};
 use crate::analyze::case::{Call, CallMode};
 use crate::analyze::layer_check::{SampleCase, SampleInput};
 use crate::analyze::tally::{pick_witness_token, witness_hit, Tally};
-use crate::analyze::witness::{self, Replayer};
-use crate::analyze::{Finding, Probe, Property};
+use crate::analyze::witness::{self, Replayer, Witness};
+use crate::analyze::{AuditOptions, Finding, Probe, Property};
 use crate::error::Result;
 use crate::routing::Routing;
 use candle_core::Tensor;
@@ -24,6 +24,18 @@ impl Rule for Replay {
 
     fn property(&self) -> Property {
         Property::S
+    }
+
+    fn calls(&self, _: Option<&Witness>, _: &AuditOptions, _: bool, _: bool) -> [String; 2] {
+        ["the call alone".into(), "the same call after another call".into()]
+    }
+
+    fn cause(&self, _: &Finding) -> String {
+        "an earlier call (state kept between calls)".into()
+    }
+
+    fn fix(&self) -> Option<&'static str> {
+        Some("keep forward stateless: update capacity or expert bias in an explicit training step, not in forward")
     }
 
     fn run(&self, ctx: &Ctx, _sample: Option<&Sample>) -> Result<Finding> {

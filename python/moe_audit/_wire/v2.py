@@ -1,0 +1,83 @@
+"""moe-audit/2: a JSON header line, then little-endian binary frames (docs/PROTOCOL.md,
+"moe-audit/2"). Requests carry the data as float32 bytes, a seed and optionally a padding mask;
+responses are binary: counts, experts, weights and kept flags, plus a capacity with its scope."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, BinaryIO, Dict, List, Optional, Tuple, Union
+
+import numpy as np
+
+from . import v1
+from .v1 import Columns, Request
+
+PROTOCOL = "moe-audit/2"
+
+
+def handshake(hs: Dict[str, Any], padding_mask: bool) -> Dict[str, Any]:
+    """The /2 handshake: binary responses, and the padding mask when the router takes one."""
+    hs = dict(hs, responses="binary")
+    if padding_mask:
+        hs["padding_mask"] = True
+    return hs
+
+
+def _read_exactly(stream: BinaryIO, n: int) -> bytes:
+    buf = stream.read(n)
+    if buf is None or len(buf) != n:
+        raise EOFError(f"{PROTOCOL}: a payload of {n} bytes ended after {0 if buf is None else len(buf)}")
+    return buf
+
+
+def read_request(stream: BinaryIO, width: int) -> Optional[Request]:
+    """The next request from a binary stream, or None at its end."""
+    for line in stream:
+        if not line.strip():
+            continue
+        h = json.loads(line)
+        b, s = h["batch"], h["seq_len"]
+        if h["width"] != width:
+            raise ValueError(f"{PROTOCOL}: request {h['id']} has width {h['width']}, the handshake {width}")
+        n = b * s * width
+        expected = 4 * n + (b * s if h["padding"] else 0)
+        if h["bytes"] != expected:
+            raise ValueError(f"{PROTOCOL}: request {h['id']} says {h['bytes']} bytes, expected {expected}")
+        payload = _read_exactly(stream, expected)
+        data = np.frombuffer(payload, dtype="<f4", count=n).reshape(b, s, width)
+        padding = None
+        if h["padding"]:
+            padding = np.frombuffer(payload, dtype=np.uint8, offset=4 * n).reshape(b, s).astype(bool)
+        return Request(h["id"], h["mode"], data, h["seed"], padding)
+    return None
+
+
+def capacity_field(capacity: Any, experts: int) -> Union[None, List[int], Dict[str, Any]]:
+    """A capacity as /2 states it: None, E counts for the call, or a scope with its groups."""
+    if isinstance(capacity, dict):
+        out = {"scope": str(capacity["scope"]), "slots": [int(c) for c in capacity["slots"]]}
+        if "flatten" in capacity:
+            out["flatten"] = capacity["flatten"]
+        return out
+    return v1.capacity_list(capacity, experts)
+
+
+def response(request_id: int, columns: Columns, capacity: Any, experts: int) -> Tuple[bytes, bytes]:
+    """The header line (with its newline) and the payload of a binary response."""
+    count, expert, weight, kept = columns
+    payload = b"".join((
+        np.ascontiguousarray(count, dtype="<u4").tobytes(),
+        np.ascontiguousarray(expert, dtype="<i4").tobytes(),
+        np.ascontiguousarray(weight, dtype="<f4").tobytes(),
+        np.ascontiguousarray(kept, dtype=np.uint8).tobytes(),
+    ))
+    header = {"id": request_id, "routes": int(len(expert)), "capacity": capacity_field(capacity, experts),
+              "bytes": len(payload)}
+    return json.dumps(header, allow_nan=False).encode() + b"\n", payload
+
+
+def write_response(stream: BinaryIO, request_id: int, columns: Columns, capacity: Any, experts: int) -> None:
+    """Writes one binary response (header line, then payload) to a binary stream."""
+    header, payload = response(request_id, columns, capacity, experts)
+    stream.write(header)
+    stream.write(payload)

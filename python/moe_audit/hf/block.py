@@ -1,0 +1,158 @@
+"""Audit one Hugging Face ``transformers`` MoE router block on hidden states (``moe-audit/2``).
+
+::
+
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    import moe_audit.hf
+
+    moe_audit.hf.run(MixtralSparseMoeBlock(MixtralConfig(hidden_size=64, num_local_experts=8)))
+
+serves the block to ``moe-audit check --router-cmd "python3 this_file.py"``;
+``moe_audit.check(moe_audit.hf.wrap(block), "--format", "json")`` audits it from this process.
+
+``wrap`` finds the router inside the module it is given by structure (:func:`moe_audit.hf.discover`:
+a router, an MoE block, or a layer holding one: the first router found), and per call:
+
+- switches the module to ``.train()`` or ``.eval()`` from the request's mode;
+- feeds the hidden states through the MoE block that holds the router (so what the block does
+  before routing, such as Mixtral's jitter, is audited too), or through the router alone when
+  given one, and stops where the block hands the routes to its experts (the experts never run);
+- decodes the router's outputs into routes in choice order with kept flags, and its capacity with
+  its scope (per sequence for Switch, per call for NLLB-MoE).
+
+A router whose gate was never initialised (built from a config, not loaded: ``torch.empty`` or
+zeros) gets a seeded normal gate (std ``1/sqrt(hidden)``) and zero bias, so every run routes
+alike; ``init=False`` keeps the weights as they are, ``init=True`` always re-initialises. The
+global torch generator is seeded with ``seed`` once, so a whole audit is reproducible; a random
+router (jitter, sampled second experts) still draws fresh noise on every call, which the audit's
+D probe reports. ``seed_calls=True`` (``moe-audit/2``) seeds it with the request's seed before
+every call instead: the same call then draws the same noise. A block that takes a
+``padding_mask`` (NLLB-MoE) gets the request's over ``moe-audit/2``. Needs torch and transformers.
+"""
+
+import inspect
+import math
+
+import numpy as np
+import torch
+
+from .. import adapter
+from .._wire import v1, v2
+from .capture import _dispatch
+from .routers import _DECODERS, Decoder, _gate, decoder_for, discover
+
+#: Deprecated: routers are found by structure and read by decoders (:data:`FAMILIES` lists the
+#: built-in ones); kept so code naming them still imports.
+Family = Decoder
+FAMILIES = tuple(_DECODERS)
+
+
+def find_router(module):
+    """Deprecated: (path, router, site) of the first router in module (module itself included);
+    use :func:`moe_audit.hf.discover`."""
+    site = discover(module).sites[0]
+    return site.name, site.module, site
+
+
+class _Routed(Exception):
+    """Raised by a hook once the routes are known: the experts need not run."""
+
+
+def _initialise(router, gate, seed, init):
+    if init is None:
+        # transformers marks the parameters it loaded from a checkpoint.
+        loaded = getattr(gate, "_is_hf_initialized", False)
+        with torch.no_grad():
+            blank = not bool(torch.isfinite(gate).all()) or not bool(gate.any())
+        init = blank or not loaded
+    if init:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            gate.copy_(torch.randn(gate.shape, generator=g) / math.sqrt(gate.shape[1]))
+            for m in router.modules():
+                if isinstance(m, torch.nn.Linear) and m.weight is gate and m.bias is not None:
+                    m.bias.zero_()
+
+
+class Router:
+    """A wrapped transformers router: ``route(data, mode, seed, padding)`` and the handshake
+    attributes (``name``, ``experts``, ``top_k``, ``input``, ``hidden_size``, ``protocol``,
+    ``padding_mask``) that ``moe_audit.run``, ``moe_audit.check`` and the snapshot helper read."""
+
+    input = "hidden"
+
+    def __init__(self, module, *, seed=0, init=None, name=None, protocol=v2.PROTOCOL, seed_calls=False):
+        self.site = discover(module).sites[0]
+        self.module = module
+        self.router = self.site.module
+        # The block that holds the router (what a model calls), or the router when given alone.
+        self.block = self.site.block
+        self.experts = self.site.experts
+        gate = _gate(self.router, self.experts)
+        self.hidden_size = int(gate.shape[1])
+        self.protocol = adapter.protocol_name(protocol)
+        takes = inspect.signature(self.block.forward).parameters
+        # moe-audit/2 sends a padding mask to a block that takes one.
+        self.padding_mask = "padding_mask" in takes and self.protocol != v1.PROTOCOL
+        self.seed_calls = seed_calls
+        _initialise(self.router, gate, seed, init)
+        # One call (training mode: an inference call may set state, as NLLB's capacity) finds
+        # the decoder and the routes per token.
+        self.top_k = self.site.top_k
+        x = np.zeros((1, 2, self.hidden_size), dtype=np.float32)
+        routes, _ = self.route(x, "train")
+        self.top_k = self.top_k or routes.experts.shape[1]
+        self.name = name or f"hf-{type(self.router).__name__}"
+        torch.manual_seed(seed)
+
+    def __repr__(self):
+        return (f"moe_audit.hf.Router({type(self.router).__name__} in {type(self.block).__name__}: "
+                f"{self.experts} experts, top {self.top_k}, hidden {self.hidden_size})")
+
+    @torch.no_grad()
+    def route(self, data, mode, seed=None, padding=None):
+        """Routes data [batch, seq_len, hidden] (float32) in mode "train" or "inference"; with
+        ``seed_calls``, seeds torch with the request's seed (``moe-audit/2``) first."""
+        if self.seed_calls and seed is not None:
+            torch.manual_seed(seed)
+        self.module.train(mode == "train")
+        dtype = _gate(self.router, self.experts).dtype
+        # A copy: blocks scale their input in place (jitter).
+        x = torch.tensor(np.asarray(data), dtype=dtype)
+        seen = {}
+
+        def router_hook(module, args, output):
+            seen["inputs"], seen["output"] = args, output
+            if self.block is self.router:
+                raise _Routed
+
+        def experts_hook(module, args, kwargs):
+            seen["dispatch"] = _dispatch(self.site, args, kwargs)
+            raise _Routed
+
+        kwargs = {}
+        if padding is not None and self.padding_mask:
+            kwargs["padding_mask"] = torch.from_numpy(np.asarray(padding, dtype=bool).reshape(-1))
+        handles = [self.router.register_forward_hook(router_hook)]
+        if self.site.experts_module is not None:
+            handles.append(self.site.experts_module.register_forward_pre_hook(experts_hook, with_kwargs=True))
+        try:
+            self.block(x, **kwargs)
+        except _Routed:
+            pass
+        finally:
+            for h in handles:
+                h.remove()
+        if "output" not in seen:
+            raise RuntimeError(f"{type(self.block).__name__} did not call its router")
+        if self.site.decoder is None:
+            self.site.decoder = decoder_for(self.router, seen["output"])
+        d = self.site.decode(seen["inputs"], seen["output"], seen.get("dispatch"))
+        return adapter.routes_from_arrays(d.experts, d.weights, d.kept, d.experts >= 0), d.capacity
+
+    def run(self, argv=None):
+        """Serves the router on stdin/stdout (``moe-audit check --router-cmd``), or with
+        ``--answer-plan DIR`` answers a trace plan."""
+        adapter.run(self.route, self.name, self.experts, self.top_k, self.input, self.hidden_size,
+                    argv=argv, protocol=self.protocol, padding_mask=self.padding_mask)

@@ -1,0 +1,262 @@
+"""A whole model (token ids in) served to ``moe-audit check`` over ``moe-audit/3``."""
+
+import inspect
+import json
+import math
+import sys
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from . import wire3
+from .capture import capture
+from .routers import NotCovered, discover
+
+
+def _takes(module, name):
+    """Whether module.forward takes the keyword ``name``."""
+    try:
+        return name in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _takes_token_ids(module):
+    return _takes(module, "input_ids")
+
+
+def _vocab(module):
+    emb = module.get_input_embeddings() if hasattr(module, "get_input_embeddings") else None
+    if emb is not None and hasattr(emb, "num_embeddings"):
+        return int(emb.num_embeddings)
+    v = getattr(getattr(module, "config", None), "vocab_size", None)
+    if not v:
+        raise NotCovered(f"{type(module).__name__} has no input embeddings and no config.vocab_size: "
+                         "the vocabulary size is unknown")
+    return int(v)
+
+
+def _initialise_blank_gates(model, seed):
+    """A gate never initialised (torch.empty or zeros: built from a config without init, not
+    loaded) gets a seeded normal gate (std 1/sqrt(hidden))."""
+    g = torch.Generator().manual_seed(seed)
+    for site in model.sites:
+        for p in site.module.parameters():
+            if p.ndim != 2:
+                continue
+            with torch.no_grad():
+                blank = not bool(torch.isfinite(p).all()) or not bool(p.any())
+                if blank:
+                    p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
+
+
+class WholeModel:
+    """A model taking ``input_ids`` (a ``...ForCausalLM``, a base model, an encoder-decoder whose
+    decoder is audited), its routers found by :func:`discover`. ``forward(ids, mode, seed,
+    padding, path, prefill)`` returns every routed layer's :class:`Decoded` and the output rows;
+    ``serve``/``run`` speak ``moe-audit/3``; ``moe_audit.check(wrap(model))`` audits it here.
+
+    ``outputs``: "hidden" (the final hidden state, default), "logits" (log-probabilities of the
+    last layer: vocabulary-wide rows), or None. ``logits``: send each router's logits.
+    ``encoder_input_ids``: for an encoder-decoder, the fixed encoder input every call is
+    conditioned on (default: 8 tokens 1..8), computed once so only the decoder is audited.
+    """
+
+    protocol = wire3.PROTOCOL
+
+    def __init__(self, module, *, seed=0, name=None, outputs="hidden", logits=True, encoder_input_ids=None):
+        if not _takes_token_ids(module):
+            raise NotCovered(f"{type(module).__name__}.forward takes no input_ids: wrap a model that takes token "
+                             "ids (a ...ForCausalLM or a base model), or a router block to audit it on hidden states")
+        self.module = module
+        self.seed = seed
+        self.vocab = _vocab(module)
+        self.encoder = None
+        audited = module
+        if getattr(getattr(module, "config", None), "is_encoder_decoder", False):
+            decoder = module.get_decoder()
+            audited = decoder
+            ids = encoder_input_ids if encoder_input_ids is not None else [list(range(1, 9))]
+            with torch.no_grad():
+                self.encoder = module.get_encoder()(input_ids=torch.as_tensor(ids)).last_hidden_state
+        self.model = discover(audited, config=getattr(module, "config", None))
+        self._positions = _takes(audited, "position_ids") or any(
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(audited.forward).parameters.values())
+        _initialise_blank_gates(self.model, seed)
+        if outputs not in ("hidden", "logits", None):
+            raise ValueError(f"outputs must be 'hidden', 'logits' or None, got {outputs!r}")
+        self.outputs = outputs
+        self.name = name or f"hf-{getattr(getattr(module, 'config', None), 'model_type', type(module).__name__)}"
+        # One forward finds each router's decoder, whether all routers expose logits, the routes
+        # per token of a router that does not say (a capacity router), and the width D. Training
+        # mode: an inference call may set state (NLLB-MoE's capacity).
+        probe = self.forward(np.array([[1, 2, 3]]) % self.vocab, "train", seed)
+        missing = [s.layer for s in self.model.sites if s.layer not in probe[0]]
+        if missing:
+            raise NotCovered(f"{type(module).__name__}: the routers of layers {missing} did not run in a forward")
+        for s in self.model.sites:
+            s.top_k = s.top_k or int(probe[0][s.layer].experts.shape[1])
+        self.logits = logits and all(d.logits is not None for d in probe[0].values())
+        self.width = 0 if probe[1] is None else probe[1].shape[1]
+        # The generation path, offered when the model runs it (a KV cache; an encoder has none).
+        try:
+            self.forward(np.arange(1, 9)[None] % self.vocab, "train", seed, path="generate", prefill=2)
+            self.generate, self.no_generate = True, None
+        except Exception as e:  # noqa: BLE001 - kept, and the audit runs without G
+            self.generate, self.no_generate = False, f"{type(e).__name__}: {e}"
+        torch.manual_seed(seed)
+
+    def handshake(self):
+        layers = []
+        for n, kind in self.model.layers.items():
+            entry = {"layer": n, "kind": kind}
+            if kind != "dense":
+                site = self.model.site(n)
+                entry.update(experts=site.experts, top_k=site.top_k)
+            layers.append(entry)
+        return wire3.handshake(self.name, self.vocab, layers, self.width, self.logits, generate=self.generate)
+
+    @contextmanager
+    def _mode(self, mode):
+        """The model in training or eval mode, dropout off: the audit compares calls, and dropout
+        draws per shape. Dropout modules get p = 0, and so do the float attributes that
+        functional dropout reads (``attention_dropout``, ``dropout_rate``, ...), restored after."""
+        self.module.train(mode == "train")
+        saved = []
+        for m in self.module.modules():
+            for name, value in vars(m).items():
+                if "drop" in name and isinstance(value, float) and value > 0:
+                    saved.append((m, name, value))
+            if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0:
+                saved.append((m, "p", m.p))
+        for m, name, _ in saved:
+            setattr(m, name, 0.0)
+        try:
+            yield
+        finally:
+            for m, name, value in saved:
+                setattr(m, name, value)
+
+    def _call(self, ids, mask, past=None, use_cache=False, start=0):
+        """One forward of positions start.. of ids; mask covers positions 0.. of the cache too."""
+        # Positions count the real tokens before each one (left padding moves none), as generate does.
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, start:start + ids.shape[1]]
+        kwargs = {"input_ids": ids, "attention_mask": mask, "use_cache": use_cache, "output_hidden_states": True,
+                  "position_ids": positions}
+        if past is not None:
+            # The cache slots given: a cache of linear-attention layers alone cannot say its length.
+            kwargs.update(past_key_values=past, cache_position=torch.arange(start, start + ids.shape[1]))
+        if self.encoder is not None:
+            kwargs["encoder_hidden_states"] = self.encoder.expand(ids.shape[0], -1, -1)
+        if not self._positions:
+            kwargs.pop("position_ids")  # a model that numbers positions itself (sinusoidal from the ids)
+        return self.model.root(**kwargs)
+
+    def _rows(self, out):
+        if self.outputs is None:
+            return None
+        if self.outputs == "logits" and getattr(out, "logits", None) is not None:
+            x = torch.log_softmax(out.logits.float(), dim=-1)
+        else:
+            hs = getattr(out, "hidden_states", None)
+            x = hs[-1] if hs else getattr(out, "last_hidden_state", None)
+            if x is None:
+                return None
+        return x.float().reshape(-1, x.shape[-1]).numpy()
+
+    @torch.no_grad()
+    def forward(self, ids, mode="train", seed=None, padding=None, path="forward", prefill=0):
+        """({layer: Decoded}, output rows [T, D] or None) of token ids [batch, seq_len]."""
+        ids = np.asarray(ids)
+        if ids.ndim != 2 or ids.size == 0:
+            raise ValueError(f"token ids must be a non-empty [batch, seq_len] array, got shape {ids.shape}")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise TypeError(f"token ids must be integers, got {ids.dtype} (a model without a tokenizer takes ids, "
+                            "not text)")
+        if ids.min() < 0 or ids.max() >= self.vocab:
+            raise ValueError(f"token ids must be in 0..{self.vocab - 1} (the vocabulary), got {ids.min()}..{ids.max()}")
+        torch.manual_seed(self.seed if seed is None else seed)
+        x = torch.as_tensor(ids, dtype=torch.long)
+        mask = torch.ones_like(x) if padding is None else torch.as_tensor(~np.asarray(padding, dtype=bool)).long()
+        with self._mode(mode), capture(self.model) as rec:
+            if path == "forward":
+                out = self._call(x, mask)
+                return rec.calls[-1], self._rows(out)
+            return self._generate(rec, x, mask, max(prefill, 1))
+
+    def _generate(self, rec, x, mask, prefill):
+        """Prefill the first positions in one forward, then one token at a time through the
+        KV cache (teacher-forced), every step recorded; returned in forward's layout."""
+        b, s = x.shape
+        out = self._call(x[:, :prefill], mask[:, :prefill], use_cache=True)
+        past = getattr(out, "past_key_values", None)
+        if past is None:
+            raise NotCovered(f"{type(self.module).__name__} returns no KV cache: it has no generation path")
+        rows = [self._rows(out)]
+        for t in range(prefill, s):
+            out = self._call(x[:, t:t + 1], mask[:, :t + 1], past=past, use_cache=True, start=t)
+            past = out.past_key_values
+            rows.append(self._rows(out))
+        steps = [prefill] + [1] * (s - prefill)
+        layers = {}
+        for n in rec.calls[0]:
+            parts = [call[n] for call in rec.calls]
+            layers[n] = _interleave(parts, steps, b)
+        outputs = None if rows[0] is None else _interleave_rows(rows, steps, b)
+        return layers, outputs
+
+    def serve(self, stdin=None, stdout=None):
+        """Speaks moe-audit/3 on binary streams (default stdin/stdout) until the input closes."""
+        inp = stdin or sys.stdin.buffer
+        out = stdout or sys.stdout.buffer
+        hs = self.handshake()
+        out.write(json.dumps(hs).encode() + b"\n")
+        out.flush()
+        user_out = sys.stdout
+        if stdout is None:
+            sys.stdout = sys.stderr
+        try:
+            while (req := wire3.read_request(inp, self.vocab)) is not None:
+                if req.path == "generate" and not self.generate:
+                    raise ValueError(f"request {req.id}: the generation path was not offered ({self.no_generate})")
+                layers, rows = self.forward(req.ids, req.mode, req.seed, req.padding, req.path, req.prefill)
+                missing = [s.layer for s in self.model.sites if s.layer not in layers]
+                if missing:
+                    raise RuntimeError(f"request {req.id}: the routers of layers {missing} did not run")
+                routed = [(s.layer, (layers[s.layer], s.experts)) for s in self.model.sites]
+                header, payload = wire3.response(req.id, routed, rows if self.width else None, self.logits)
+                out.write(header)
+                out.write(payload)
+                out.flush()
+        finally:
+            sys.stdout = user_out
+
+    def run(self, argv=None):
+        """Serves the model on stdin/stdout (``moe-audit check --router-cmd``)."""
+        argv = sys.argv[1:] if argv is None else argv
+        if argv:
+            sys.exit(f"usage: {sys.argv[0]} (serves {wire3.PROTOCOL} on stdin/stdout)")
+        self.serve()
+
+
+def _interleave(parts, steps, batch):
+    """Decoded of the steps of a generation ([batch * step] tokens each) in forward's layout."""
+    from .routers import Decoded
+
+    def join(name):
+        arrays = [getattr(p, name) for p in parts]
+        if any(a is None for a in arrays):
+            return None
+        per = [a.reshape(batch, n, *a.shape[1:]) for a, n in zip(arrays, steps)]
+        cat = np.concatenate(per, axis=1)
+        return cat.reshape(-1, *cat.shape[2:])
+
+    # A capacity router's capacity is the prefill's (each step has its own).
+    return Decoded(join("experts"), join("weights"), join("kept"), join("logits"), parts[0].capacity)
+
+
+def _interleave_rows(rows, steps, batch):
+    per = [r.reshape(batch, n, -1) for r, n in zip(rows, steps)]
+    cat = np.concatenate(per, axis=1)
+    return cat.reshape(-1, cat.shape[-1])

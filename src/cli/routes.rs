@@ -1,0 +1,168 @@
+//! `moe-audit routes`: rollout against trainer routing records (`compare`, the gate) and one
+//! record summarised (`show`).
+
+use super::io_error;
+use bytesize::ByteSize;
+use clap::{Args, Subcommand, ValueEnum};
+use moe_audit::error::{Error, Result};
+use moe_audit::files::Staged;
+use moe_audit::memory;
+use moe_audit::render::{json, routes_chart, routes_github, routes_junit, routes_markdown, routes_text, show_text};
+use moe_audit::routes::read::ShapeHint;
+use moe_audit::routes::{self, Budget, CompareOptions, Layout, Record};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// Arguments of `moe-audit routes`.
+#[derive(Debug, Args)]
+pub struct RoutesArgs {
+    /// What to do with routing records.
+    #[command(subcommand)]
+    pub command: RoutesCommand,
+}
+
+/// The `routes` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum RoutesCommand {
+    /// Align a rollout record against a trainer record, diagnose the alignment, measure their
+    /// disagreement (exit 0 ok, 1 a defect or over --max-disagreement, 2 bad input).
+    Compare(CompareArgs),
+    /// Summarise one record: load per layer and expert.
+    Show(ShowArgs),
+}
+
+/// Arguments of `routes compare`.
+#[derive(Debug, Args)]
+pub struct CompareArgs {
+    /// The engine's record: SGLang response JSON, vLLM `.npy`, or the generic format.
+    pub rollout: PathBuf,
+    /// The trainer's record: the generic format (`moe_audit.routes.record`), a Megatron
+    /// `RouterReplay` dump (`layer.N`), or any rollout format.
+    pub trainer: PathBuf,
+    /// The model's Hugging Face config.json: which layers are MoE, dense or MTP, experts, top-k.
+    #[arg(long, value_name = "config.json")]
+    pub config: Option<PathBuf>,
+    /// Fail when more than this share (0..1) of router decisions differ; 0 checks a replay.
+    #[arg(long, value_name = "R")]
+    pub max_disagreement: Option<f64>,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = CompareFormat::Text)]
+    pub format: CompareFormat,
+    /// Also draw the disagreement per layer (`.png` or `.svg`).
+    #[arg(long, value_name = "FILE")]
+    pub chart: Option<PathBuf>,
+    /// Refuse records that need more memory (e.g. `4GiB`; default: half of physical memory).
+    #[arg(long, value_name = "SIZE", value_parser = memory::parse_size, allow_hyphen_values = true)]
+    pub max_memory: Option<ByteSize>,
+}
+
+/// Output formats of `routes compare`.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum CompareFormat {
+    /// Diagnoses, headline numbers, the per-layer table.
+    Text,
+    /// The whole comparison as JSON.
+    Json,
+    /// A markdown report.
+    Markdown,
+    /// JUnit XML (one test case per check).
+    Junit,
+    /// GitHub Actions annotations.
+    Github,
+}
+
+/// Arguments of `routes show`.
+#[derive(Debug, Args)]
+pub struct ShowArgs {
+    /// The record.
+    pub file: PathBuf,
+    /// The model's config.json (layer numbers, expert count, top-k; needed for SGLang JSON).
+    #[arg(long, value_name = "config.json")]
+    pub config: Option<PathBuf>,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = ShowFormat::Text)]
+    pub format: ShowFormat,
+    /// Refuse records that need more memory (e.g. `4GiB`; default: half of physical memory).
+    #[arg(long, value_name = "SIZE", value_parser = memory::parse_size, allow_hyphen_values = true)]
+    pub max_memory: Option<ByteSize>,
+}
+
+/// Output formats of `routes show`.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum ShowFormat {
+    /// One line per layer.
+    Text,
+    /// The summary as JSON.
+    Json,
+}
+
+pub(super) fn run(args: &RoutesArgs, out: &mut dyn Write) -> Result<u8> {
+    match &args.command {
+        RoutesCommand::Compare(a) => compare(a, out),
+        RoutesCommand::Show(a) => show(a, out),
+    }
+}
+
+fn layout(config: &Option<PathBuf>) -> Result<Option<Layout>> {
+    config.as_deref().map(Layout::load).transpose()
+}
+
+fn hint(r: &Record) -> ShapeHint {
+    ShapeHint { layers: r.layers.iter().max().map_or(0, |&l| l + 1), top_k: r.top_k }
+}
+
+fn is_json(path: &Path) -> bool {
+    path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json"))
+}
+
+fn compare(args: &CompareArgs, out: &mut dyn Write) -> Result<u8> {
+    if let Some(m) = args.max_disagreement.filter(|m| !(0.0..=1.0).contains(m)) {
+        return Err(Error::Usage(format!("--max-disagreement must be a share between 0 and 1, got {m}")));
+    }
+    if let Some(chart) = &args.chart {
+        let ext = chart.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase);
+        if !matches!(ext.as_deref(), Some("png" | "svg")) {
+            return Err(Error::input(chart, "--chart takes a .png or .svg file"));
+        }
+    }
+    let layout = layout(&args.config)?;
+    let mut budget = Budget::new(memory::limit(args.max_memory));
+    // A flat SGLang record without a config takes its shape from the other record.
+    let (rollout, trainer) = if is_json(&args.rollout) && !is_json(&args.trainer) {
+        let trainer = routes::load(&args.trainer, layout.as_ref(), None, &mut budget)?;
+        (routes::load(&args.rollout, layout.as_ref(), Some(hint(&trainer)), &mut budget)?, trainer)
+    } else {
+        let rollout = routes::load(&args.rollout, layout.as_ref(), None, &mut budget)?;
+        let trainer = routes::load(&args.trainer, layout.as_ref(), Some(hint(&rollout)), &mut budget)?;
+        (rollout, trainer)
+    };
+    let options = CompareOptions { max_disagreement: args.max_disagreement };
+    let c = routes::compare(&rollout, &trainer, layout.as_ref(), &options, &mut budget)?;
+    let text = match args.format {
+        CompareFormat::Text => routes_text(&c),
+        CompareFormat::Json => json(&c),
+        CompareFormat::Markdown => routes_markdown(&c),
+        CompareFormat::Junit => routes_junit(&c),
+        CompareFormat::Github => routes_github(&c),
+    };
+    let mut staged = Staged::new();
+    if let Some(chart) = &args.chart {
+        routes_chart(&c, chart, &mut staged)?;
+    }
+    staged.commit()?;
+    out.write_all(text.as_bytes()).map_err(io_error)?;
+    Ok(c.exit_code())
+}
+
+fn show(args: &ShowArgs, out: &mut dyn Write) -> Result<u8> {
+    let layout = layout(&args.config)?;
+    let mut budget = Budget::new(memory::limit(args.max_memory));
+    let record = routes::load(&args.file, layout.as_ref(), None, &mut budget)?;
+    let summary = routes::show(&record, layout.as_ref().map(|l| l.experts));
+    let text = match args.format {
+        ShowFormat::Text => show_text(&summary),
+        ShowFormat::Json => json(&summary),
+    };
+    out.write_all(text.as_bytes()).map_err(io_error)?;
+    Ok(0)
+}

@@ -1,0 +1,264 @@
+//! The measures on aligned pairs: per layer the share of tokens whose expert set differs and
+//! the mean top-k overlap; per token the first layer that differs; overall the R3 paper's two
+//! headline numbers (share of router decisions that differ, share of tokens that differ in at
+//! least one layer); with logits, the margin at each flip against the median margin.
+//!
+//! A decision is one (token, layer) pair where at least one side routes; its expert *set* is
+//! compared (slot order is counted apart, as `order_only`). Counts are integers summed per
+//! chunk, so the result is the same whatever the thread count.
+
+use super::align::Alignment;
+use super::read::Record;
+use super::Budget;
+use crate::error::Result;
+use rayon::prelude::*;
+use serde::Serialize;
+
+/// One compared layer.
+#[derive(Debug, Clone, Serialize)]
+pub struct LayerMeasure {
+    /// The rollout layer's global number.
+    pub rollout: usize,
+    /// The trainer layer's global number.
+    pub trainer: usize,
+    /// Decisions compared.
+    pub decisions: usize,
+    /// Share of them whose expert set differs.
+    pub differ: f64,
+    /// Mean share of the top-k both sides chose.
+    pub overlap: f64,
+    /// Tokens whose first differing layer (in trainer order) is this one.
+    pub first_differing: usize,
+}
+
+/// Router margins at flips against all margins (the gap between the k-th and the (k+1)-th
+/// logit of the side that recorded logits).
+#[derive(Debug, Clone, Serialize)]
+pub struct Margins {
+    /// `trainer` or `rollout`: whose logits.
+    pub side: &'static str,
+    /// Decisions whose set differs.
+    pub flips: usize,
+    /// Median margin over the flips.
+    pub median_flip: f64,
+    /// Median margin over every compared decision.
+    pub median_all: f64,
+    /// Share of flips whose margin is under a tenth of the median margin.
+    pub near_ties: f64,
+}
+
+/// Everything measured on the aligned pairs.
+#[derive(Debug, Clone, Serialize)]
+pub struct Measures {
+    /// Tokens compared.
+    pub tokens: usize,
+    /// Decisions compared.
+    pub decisions: usize,
+    /// Share of decisions whose expert set differs (headline 1).
+    pub decisions_differ: f64,
+    /// Share of tokens that differ in at least one layer (headline 2).
+    pub tokens_differ: f64,
+    /// Mean share of the top-k both sides chose, over all decisions.
+    pub overlap: f64,
+    /// Decisions with the same set in another slot order (counted as agreeing).
+    pub order_only: usize,
+    /// Per layer, in the trainer's order.
+    pub layers: Vec<LayerMeasure>,
+    /// Mean index (in trainer layer order, 0-based) of the first differing layer of the tokens
+    /// that differ.
+    pub mean_first_differing: Option<f64>,
+    /// With logits: margins at flips against all margins.
+    pub margins: Option<Margins>,
+}
+
+/// Counts of one chunk of tokens, summed afterwards.
+#[derive(Default, Clone)]
+struct Counts {
+    decisions: Vec<u64>,
+    differ: Vec<u64>,
+    common: Vec<u64>,
+    width: Vec<u64>,
+    first: Vec<u64>,
+    order_only: u64,
+    tokens_differ: u64,
+    first_sum: u64,
+    margins: Vec<(f32, bool)>,
+}
+
+impl Counts {
+    fn new(layers: usize) -> Self {
+        let z = vec![0; layers];
+        Counts {
+            decisions: z.clone(),
+            differ: z.clone(),
+            common: z.clone(),
+            width: z.clone(),
+            first: z,
+            ..Default::default()
+        }
+    }
+
+    fn add(mut self, o: Counts) -> Counts {
+        for (x, y) in [
+            (&mut self.decisions, &o.decisions),
+            (&mut self.differ, &o.differ),
+            (&mut self.common, &o.common),
+            (&mut self.width, &o.width),
+            (&mut self.first, &o.first),
+        ] {
+            x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
+        }
+        self.order_only += o.order_only;
+        self.tokens_differ += o.tokens_differ;
+        self.first_sum += o.first_sum;
+        self.margins.extend(o.margins);
+        self
+    }
+}
+
+/// The non-negative ids of a row, sorted, into `out`.
+fn sorted(row: &[i32], out: &mut Vec<i32>) {
+    out.clear();
+    out.extend(row.iter().copied().filter(|&e| e >= 0));
+    out.sort_unstable();
+}
+
+/// Size of the intersection of two sorted lists.
+fn common(x: &[i32], y: &[i32]) -> usize {
+    let (mut i, mut j, mut n) = (0, 0, 0);
+    while i < x.len() && j < y.len() {
+        match x[i].cmp(&y[j]) {
+            std::cmp::Ordering::Less => i += 1,
+            std::cmp::Ordering::Greater => j += 1,
+            std::cmp::Ordering::Equal => {
+                n += 1;
+                i += 1;
+                j += 1;
+            }
+        }
+    }
+    n
+}
+
+/// The gap between the k-th and (k+1)-th largest of `row` (`scratch` reused).
+fn margin(row: &[f32], k: usize, scratch: &mut Vec<f32>) -> f32 {
+    if k == 0 || k >= row.len() {
+        return f32::INFINITY;
+    }
+    scratch.clear();
+    scratch.extend_from_slice(row);
+    scratch.select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a));
+    let kth = scratch[k - 1];
+    let next = scratch[k..].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    kth - next
+}
+
+fn median(values: &mut [f32]) -> f64 {
+    if values.is_empty() {
+        return f64::NAN;
+    }
+    let mid = values.len() / 2;
+    let (_, m, _) = values.select_nth_unstable_by(mid, f32::total_cmp);
+    *m as f64
+}
+
+/// Tokens per parallel chunk.
+const CHUNK: usize = 1024;
+
+pub(super) fn measure(a: &Record, b: &Record, al: &Alignment, budget: &mut Budget) -> Result<Measures> {
+    let n = al.layers.len();
+    // With logits, one margin per decision.
+    let logits = match (&b.logits, b.num_experts, &a.logits, a.num_experts) {
+        (Some(l), Some(w), _, _) => Some(("trainer", b, l, w)),
+        (_, _, Some(l), Some(w)) => Some(("rollout", a, l, w)),
+        _ => None,
+    };
+    if logits.is_some() {
+        budget.take("margins", (al.tokens * n) as u64 * 8)?;
+    }
+    // Every compared (rollout row, trainer row), in order.
+    let rows: Vec<(usize, usize)> =
+        al.segments.iter().flat_map(|s| (0..s.len).map(move |k| (s.rollout + k, s.trainer + k))).collect();
+    let counts = rows
+        .par_chunks(CHUNK)
+        .map(|chunk| {
+            let mut c = Counts::new(n);
+            let (mut x, mut y, mut scratch) = (Vec::new(), Vec::new(), Vec::new());
+            for &(ta, tb) in chunk {
+                let mut first = None;
+                for (p, pair) in al.layers.iter().enumerate() {
+                    let (ra, rb) = (a.row(ta, pair.rollout_index), b.row(tb, pair.trainer_index));
+                    sorted(ra, &mut x);
+                    sorted(rb, &mut y);
+                    if x.is_empty() && y.is_empty() {
+                        continue;
+                    }
+                    c.decisions[p] += 1;
+                    let same = x == y;
+                    if same {
+                        c.order_only += u64::from(ra != rb);
+                    } else {
+                        c.differ[p] += 1;
+                        first.get_or_insert(p);
+                    }
+                    c.common[p] += common(&x, &y) as u64;
+                    c.width[p] += x.len().max(y.len()) as u64;
+                    if let Some((side, r, l, w)) = logits {
+                        let (t, i) =
+                            if side == "trainer" { (tb, pair.trainer_index) } else { (ta, pair.rollout_index) };
+                        let at = (t * r.layers.len() + i) * w;
+                        c.margins.push((margin(&l[at..at + w], r.top_k, &mut scratch), !same));
+                    }
+                }
+                if let Some(p) = first {
+                    c.tokens_differ += 1;
+                    c.first[p] += 1;
+                    c.first_sum += p as u64;
+                }
+            }
+            c
+        })
+        .reduce(|| Counts::new(n), Counts::add);
+    let share = |x: u64, of: u64| if of == 0 { 0.0 } else { x as f64 / of as f64 };
+    let layers = al
+        .layers
+        .iter()
+        .enumerate()
+        .map(|(p, pair)| LayerMeasure {
+            rollout: pair.rollout,
+            trainer: pair.trainer,
+            decisions: counts.decisions[p] as usize,
+            differ: share(counts.differ[p], counts.decisions[p]),
+            overlap: share(counts.common[p], counts.width[p]),
+            first_differing: counts.first[p] as usize,
+        })
+        .collect();
+    let decisions: u64 = counts.decisions.iter().sum();
+    let differ: u64 = counts.differ.iter().sum();
+    let margins = logits.map(|(side, ..)| {
+        let mut flips: Vec<f32> = counts.margins.iter().filter(|m| m.1).map(|m| m.0).collect();
+        let threshold = {
+            let mut all: Vec<f32> = counts.margins.iter().map(|m| m.0).collect();
+            median(&mut all)
+        };
+        let near = flips.iter().filter(|&&m| (m as f64) < threshold / 10.0).count();
+        Margins {
+            side,
+            flips: flips.len(),
+            near_ties: share(near as u64, flips.len() as u64),
+            median_flip: median(&mut flips),
+            median_all: threshold,
+        }
+    });
+    Ok(Measures {
+        tokens: rows.len(),
+        decisions: decisions as usize,
+        decisions_differ: share(differ, decisions),
+        tokens_differ: share(counts.tokens_differ, rows.len() as u64),
+        overlap: share(counts.common.iter().sum(), counts.width.iter().sum()),
+        order_only: counts.order_only as usize,
+        layers,
+        mean_first_differing: (counts.tokens_differ > 0).then(|| counts.first_sum as f64 / counts.tokens_differ as f64),
+        margins,
+    })
+}

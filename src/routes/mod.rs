@@ -1,0 +1,155 @@
+//! Rollout against trainer: routing records from an inference engine (SGLang, vLLM) and from a
+//! trainer (Megatron, FSDP, a Hugging Face model recorded by `moe_audit.routes`), aligned,
+//! diagnosed for the silent bugs of routing replay (R3), then measured.
+//!
+//! The data flows through one file per step: [`read`] (every record format, bounded) and
+//! [`config`] (a Hugging Face layer layout) → `align` (token and layer alignment, the
+//! diagnoses) → `measure` (disagreement per layer, per token, overall; margins at flips) →
+//! [`Comparison`], rendered by `render::routes`. docs/ROUTES.md explains every diagnosis.
+
+mod align;
+mod array;
+pub mod config;
+mod measure;
+pub mod read;
+mod show;
+
+pub use align::{Alignment, Diagnosis, DiagnosisKind, LayerPair, Segment};
+pub use config::{LayerKind, Layout};
+pub use measure::{LayerMeasure, Margins, Measures};
+pub use read::{load, Format, Record};
+pub use show::{show, LayerLoad, Summary};
+
+use crate::error::Result;
+use serde::Serialize;
+
+/// What is left of `--max-memory` for one run: every reader and step takes its share before it
+/// allocates, so the whole comparison stays within the limit.
+#[derive(Debug, Clone)]
+pub struct Budget {
+    left: u64,
+    limit: u64,
+}
+
+impl Budget {
+    /// A budget of `limit` bytes, less what the process itself takes (32 MiB).
+    pub fn new(limit: u64) -> Self {
+        Budget { left: limit.saturating_sub(32 << 20), limit }
+    }
+
+    /// Takes `bytes` for `what`, or fails naming the limit (nothing taken).
+    pub fn take(&mut self, what: &str, bytes: u64) -> Result<()> {
+        if bytes > self.left {
+            // Said as the whole run's need against the limit.
+            crate::memory::ensure_fits(what, (self.limit - self.left).saturating_add(bytes), self.limit)?;
+        }
+        self.left = self.left.saturating_sub(bytes);
+        Ok(())
+    }
+
+    /// Bytes not yet taken.
+    pub fn left(&self) -> u64 {
+        self.left
+    }
+}
+
+/// The two records compared, as the report names them.
+#[derive(Debug, Clone, Serialize)]
+pub struct Side {
+    /// `rollout` or `trainer`.
+    pub role: &'static str,
+    /// The file.
+    pub path: String,
+    /// Its format.
+    pub format: Format,
+    /// Tokens (rows) in the record.
+    pub tokens: usize,
+    /// Global layer numbers of its layer axis.
+    pub layers: Vec<usize>,
+    /// Whether those numbers were written in the file (else assumed, see the alignment notes).
+    pub layers_declared: bool,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Whether it carries router logits.
+    pub logits: bool,
+}
+
+impl Side {
+    fn of(role: &'static str, r: &Record) -> Self {
+        Side {
+            role,
+            path: r.path.display().to_string(),
+            format: r.format,
+            tokens: r.tokens,
+            layers: r.layers.clone(),
+            layers_declared: r.layers_declared,
+            top_k: r.top_k,
+            logits: r.logits.is_some(),
+        }
+    }
+}
+
+/// Options of a comparison.
+#[derive(Debug, Clone, Default)]
+pub struct CompareOptions {
+    /// Fail when more than this share of router decisions differ; `Some(0.0)` is a replay check.
+    pub max_disagreement: Option<f64>,
+}
+
+/// A comparison of a rollout record against a trainer record: the alignment with its
+/// diagnoses, then the measures taken on the aligned pairs.
+#[derive(Debug, Clone, Serialize)]
+pub struct Comparison {
+    /// The rollout (engine) record.
+    pub rollout: Side,
+    /// The trainer record.
+    pub trainer: Side,
+    /// The layout from `config.json`, when given.
+    pub layout: Option<Layout>,
+    /// How tokens and layers were paired.
+    pub alignment: Alignment,
+    /// What alignment found, defects first.
+    pub diagnoses: Vec<Diagnosis>,
+    /// The measures on the aligned pairs.
+    pub measures: Measures,
+    /// The threshold given, if any.
+    pub max_disagreement: Option<f64>,
+    /// Whether the gate fails: a defect, or disagreement over the threshold.
+    pub failed: bool,
+}
+
+impl Comparison {
+    /// The exit code of the gate: 1 when it failed, else 0.
+    pub fn exit_code(&self) -> u8 {
+        u8::from(self.failed)
+    }
+}
+
+/// Aligns `rollout` against `trainer` (with the model's `layout` when known), diagnoses, measures.
+pub fn compare(
+    rollout: &Record,
+    trainer: &Record,
+    layout: Option<&Layout>,
+    options: &CompareOptions,
+    budget: &mut Budget,
+) -> Result<Comparison> {
+    let (alignment, mut diagnoses) = align::align(rollout, trainer, budget)?;
+    let measures = measure::measure(rollout, trainer, &alignment, budget)?;
+    if options.max_disagreement == Some(0.0) {
+        diagnoses.extend(align::replay_check(&measures));
+    }
+    diagnoses.extend(align::order_note(&measures));
+    diagnoses.sort_by_key(|d| !d.defect);
+    let over = options.max_disagreement.is_some_and(|max| measures.decisions_differ > max);
+    let failed = over || diagnoses.iter().any(|d| d.defect);
+    Ok(Comparison {
+        rollout: Side::of("rollout", rollout),
+        trainer: Side::of("trainer", trainer),
+        layout: layout.cloned(),
+        alignment,
+        diagnoses,
+        measures,
+        max_disagreement: options.max_disagreement,
+        failed,
+    })
+}
