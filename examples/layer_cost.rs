@@ -152,12 +152,12 @@ fn fma_flops(iters: usize) -> f64 {
     // Twelve chains, each its own local, so they stay in registers (an array would be kept in
     // memory, and the loop would time store-to-load forwarding instead of the FMA units).
     macro_rules! chains {
-        ($c:ident => $fma:expr, $v:expr) => {
-            chains!($c => $fma, $v, c0 c1 c2 c3 c4 c5 c6 c7 c8 c9 c10 c11)
+        ($n:expr, $c:ident => $fma:expr, $v:expr) => {
+            chains!($n, $c => $fma, $v, c0 c1 c2 c3 c4 c5 c6 c7 c8 c9 c10 c11)
         };
-        ($c:ident => $fma:expr, $v:expr, $($x:ident)*) => {{
+        ($n:expr, $c:ident => $fma:expr, $v:expr, $($x:ident)*) => {{
             $(let mut $x = $v;)*
-            for _ in 0..iters {
+            for _ in 0..$n {
                 $($x = { let $c = $x; $fma };)*
             }
             std::hint::black_box(($($x,)*));
@@ -169,12 +169,12 @@ fn fma_flops(iters: usize) -> f64 {
         #[target_feature(enable = "avx512f")]
         fn avx512(iters: usize) {
             let (a, b) = (_mm512_set1_ps(0.999_999), _mm512_set1_ps(1e-7));
-            chains!(c => _mm512_fmadd_ps(c, a, b), _mm512_set1_ps(1.0));
+            chains!(iters, c => _mm512_fmadd_ps(c, a, b), _mm512_set1_ps(1.0));
         }
         #[target_feature(enable = "avx2,fma")]
         fn avx2(iters: usize) {
             let (a, b) = (_mm256_set1_ps(0.999_999), _mm256_set1_ps(1e-7));
-            chains!(c => _mm256_fmadd_ps(c, a, b), _mm256_set1_ps(1.0));
+            chains!(iters, c => _mm256_fmadd_ps(c, a, b), _mm256_set1_ps(1.0));
         }
         if Kernel::Avx512.available() {
             // SAFETY: the CPU has AVX-512F.
@@ -187,7 +187,7 @@ fn fma_flops(iters: usize) -> f64 {
             return (iters * 12 * 8 * 2) as f64;
         }
     }
-    chains!(c => c.mul_add(0.999_999, 1e-7), 1f32);
+    chains!(iters, c => c.mul_add(0.999_999, 1e-7), 1f32);
     (iters * 12 * 2) as f64
 }
 

@@ -157,12 +157,14 @@ impl PackedMatrix {
         n.div_ceil(NR)
     }
 
-    /// Bytes a packed `[n, k]` matrix takes (for memory estimates).
+    /// Bytes a packed `[n, k]` matrix takes (for memory estimates; none for an empty one).
     pub fn bytes_for(n: usize, k: usize) -> u64 {
-        (Self::panel_count(n) as u64)
-            .saturating_mul(NR as u64 * 4)
-            .saturating_mul(k as u64)
-            .saturating_add(ALIGN as u64)
+        let values = (Self::panel_count(n) as u64).saturating_mul(NR as u64 * 4).saturating_mul(k as u64);
+        if values == 0 {
+            0
+        } else {
+            values.saturating_add(ALIGN as u64)
+        }
     }
 
     /// Outputs (`n`).
