@@ -248,6 +248,7 @@ pub(super) fn matmul(kernel: Kernel, a: &PackedRows, w: &PackedMatrix, dst: &mut
 /// # Safety
 /// `a` covers `k × MR` values, `b` `k × NR`, and `c` every element of `rows` rows `ldc` apart,
 /// `cols` each; `kernel` runs on this CPU.
+#[allow(clippy::too_many_arguments)]
 unsafe fn tile(
     kernel: Kernel,
     rows: usize,
@@ -323,7 +324,8 @@ const EXP_LO: f32 = -87.0;
 const EXP_HI: f32 = 88.0;
 const LN2_HI: f32 = 0.693_359_4;
 const LN2_LO: f32 = -2.121_944_4e-4;
-/// Cephes' `expf` coefficients, highest degree first.
+/// Cephes' `expf` coefficients, highest degree first (as published).
+#[allow(clippy::excessive_precision)]
 const EXP_POLY: [f32; 6] =
     [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5.000_000_1e-1];
 
