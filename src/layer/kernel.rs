@@ -130,7 +130,7 @@ impl Aligned {
 }
 
 /// A weight matrix `W` (`[n, k]`, row-major: `n` outputs of `k` inputs) stored as the kernel
-/// reads it: panels of [`NR`] outputs, each `[k][NR]` (the last padded with zeros).
+/// reads it: panels of 32 outputs, each `[k][32]` (the last padded with zeros).
 #[derive(Debug, Clone)]
 pub struct PackedMatrix {
     n: usize,
