@@ -1,7 +1,7 @@
 //! MoE layer forward on CPU, f32, against its references side by side (see
 //! `common/layer_case.rs`): `layer/E{E}/moe` (ours), `layer/E{E}/dense` (a dense SwiGLU FFN
-//! with the same active FLOPs, candle ops), `layer/E{E}/dense-host` (the same FFN on our host
-//! kernel), `layer/E{E}/mixtral` (the algorithm of candle-transformers' Mixtral
+//! with the same active FLOPs on our kernel), `layer/E{E}/dense-candle` (the same FFN through
+//! candle's ops), `layer/E{E}/mixtral` (the algorithm of candle-transformers' Mixtral
 //! `SparseMoeBlock`), at T 2048, H 512, FFN 1024, k 2, E 8 and 64.
 //!
 //! Run: `cargo bench --bench layer`.
@@ -26,7 +26,7 @@ fn bench_layer(c: &mut Criterion) {
             .throughput(Throughput::Elements((BATCH * SEQ) as u64));
         group.bench_function("moe", |b| b.iter(|| case.moe().unwrap()));
         group.bench_function("dense", |b| b.iter(|| case.dense().unwrap()));
-        group.bench_function("dense-host", |b| b.iter(|| case.dense_host().unwrap()));
+        group.bench_function("dense-candle", |b| b.iter(|| case.dense_candle().unwrap()));
         group.bench_function("mixtral", |b| b.iter(|| case.mixtral().unwrap()));
         group.finish();
     }

@@ -265,7 +265,7 @@ pub fn read_rows(
     let rows: Vec<Vec<f64>> = serde_json::from_str(&text)
         .map_err(|e| Error::input(path, format!("expected a JSON array of rows of numbers: {e}")))?;
     ensure_positive(&[(Setting::Batch, batch)])?;
-    if rows.is_empty() || rows.len() % batch != 0 {
+    if rows.is_empty() || !rows.len().is_multiple_of(batch) {
         return Err(Error::input(
             path,
             format!("{} rows cannot be split into {} {batch} sequences", rows.len(), Setting::Batch),

@@ -81,14 +81,12 @@ impl CallSizes {
     }
 
     /// The call with the layer: the process itself (32 MiB), logits, one routing record, the
-    /// hidden states and their output, and the expert and gate weights.
+    /// hidden states and their output, and the expert (packed, as f32 layers keep them) and gate
+    /// weights.
     pub fn estimate(&self) -> u64 {
         let hidden = product(&[self.batch, self.seq_len, self.hidden, 4, 2]);
-        let weights = product(&[self.experts, 3, self.hidden, self.ffn, 4]).saturating_add(product(&[
-            self.experts,
-            self.hidden,
-            4,
-        ]));
+        let experts = (self.experts as u64).saturating_mul(crate::layer::Expert::bytes_f32(self.hidden, self.ffn));
+        let weights = experts.saturating_add(product(&[self.experts, self.hidden, 4]));
         [32 << 20, self.logits_bytes(), self.routing_bytes(), hidden, weights]
             .iter()
             .fold(0u64, |a, &b| a.saturating_add(b))

@@ -105,7 +105,7 @@ impl<'a> Sample<'a> {
 /// Whether `ranks` expert-parallel ranks split a batch of `batch` sequences, so L compares them
 /// with one device.
 pub(super) fn ranks_split(batch: usize, ranks: usize) -> bool {
-    ranks >= 2 && batch % ranks == 0
+    ranks >= 2 && batch.is_multiple_of(ranks)
 }
 
 /// Folds a layer comparison's (leaking tokens, drift) into `finding`.

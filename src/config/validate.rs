@@ -124,7 +124,7 @@ impl RouterConfig {
             }
         }
         if let Some(g) = &self.group_limit {
-            ensure(g.groups > 0 && e % g.groups == 0, "group_limit.groups", || {
+            ensure(g.groups > 0 && e.is_multiple_of(g.groups), "group_limit.groups", || {
                 format!("{} does not divide experts = {e}", g.groups)
             })?;
             ensure(g.top_groups >= 1 && g.top_groups <= g.groups, "group_limit.top_groups", || {

@@ -1,13 +1,14 @@
-//! The layer's CPU f32 path: dispatch, experts and combine on host memory, each expert one
-//! task on one thread.
+//! The layer's CPU f32 path: dispatch, experts and combine on host memory, each block of an
+//! expert's rows one task on one thread.
 //!
-//! Candle's CPU matmul splits even a 64-row product over every core; with the experts already
-//! running as parallel tasks, that nesting cost E = 64 experts about a sixth of their time, and
-//! the gather, concatenation, scaling and `index_add` between tensors another tenth of the layer
-//! (BENCHMARKS.md). This path calls the same matmul kernel (`gemm`, candle's own) without
-//! threads and applies the same elementwise formulas in the same order as the candle ops of the
-//! device-generic path, so both give the same bits (tests compare them).
+//! Candle's CPU matmul splits even a 64-row product over every core and packs the weights again
+//! on every call; the gather, concatenation, scaling and `index_add` between tensors cost another
+//! tenth of the layer (BENCHMARKS.md). This path gathers rows straight into the kernel's layout,
+//! multiplies by weights packed once at load (`kernel.rs`), and applies the elementwise formulas
+//! of the device-generic path in the same order; the two differ only in the matmuls' summation
+//! order (tests bound the difference).
 
+use super::kernel::{self, Kernel, PackedMatrix, PackedRows, MR};
 use super::Expert;
 use candle_core::{Storage, Tensor};
 use rayon::prelude::*;
@@ -22,19 +23,32 @@ pub(super) fn with_cpu_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Option
     }
 }
 
+/// Rows of one expert a task runs at most: a multiple of [`MR`], small enough that E = 8's
+/// ≈ 512 rows per expert make several tasks for the pool, large enough that each task's pass
+/// over the expert's weights serves many rows.
+pub(super) const TASK_ROWS: usize = 16 * MR;
+
 /// Dispatch → experts → combine for `x` (`[tokens, hidden]`, row-major) and each expert's kept
-/// `(token, weight)` rows; `None` unless `x` and every busy expert's weights are f32 on the CPU.
+/// `(token, weight)` rows, on `kernel`; `None` unless every busy expert has packed weights (f32 on the CPU).
 ///
-/// The combine adds the weighted outputs in ascending expert order, as the generic path's
-/// `index_add` does, so each token's sum has the same fixed order.
-pub(super) fn apply(experts: &[Expert], x: &[f32], hidden: usize, rows: &[Vec<(usize, f32)>]) -> Option<Vec<f32>> {
-    let busy: Vec<(&Expert, &[(usize, f32)])> =
-        experts.iter().zip(rows).filter(|(_, r)| !r.is_empty()).map(|(e, r)| (e, r.as_slice())).collect();
-    let outputs = busy
+/// Each task gathers up to [`TASK_ROWS`] of one expert's rows straight into the kernel's
+/// layout, runs the expert and scales; the combine adds the weighted outputs in ascending
+/// expert order, as the generic path's `index_add` does, so each token's sum has the same
+/// fixed order.
+pub(super) fn apply(
+    kernel: Kernel,
+    experts: &[Expert],
+    x: &[f32],
+    hidden: usize,
+    rows: &[Vec<(usize, f32)>],
+) -> Option<Vec<f32>> {
+    let tasks: Vec<(&Expert, &[(usize, f32)])> =
+        experts.iter().zip(rows).flat_map(|(e, r)| r.chunks(TASK_ROWS).map(move |r| (e, r))).collect();
+    let outputs = tasks
         .par_iter()
         .map(|&(expert, rows)| {
-            let input: Vec<f32> = rows.iter().flat_map(|&(t, _)| &x[t * hidden..(t + 1) * hidden]).copied().collect();
-            let mut out = expert.forward_host(&input, rows.len())?;
+            let input = PackedRows::gather(x, hidden, rows.iter().map(|&(t, _)| t));
+            let mut out = expert.forward_packed(kernel, &input)?;
             for (row, &(_, w)) in out.chunks_exact_mut(hidden).zip(rows) {
                 row.iter_mut().for_each(|v| *v *= w);
             }
@@ -42,7 +56,7 @@ pub(super) fn apply(experts: &[Expert], x: &[f32], hidden: usize, rows: &[Vec<(u
         })
         .collect::<Option<Vec<_>>>()?;
     let mut y = vec![0f32; x.len()];
-    for (out, &(_, rows)) in outputs.iter().zip(&busy) {
+    for (out, &(_, rows)) in outputs.iter().zip(&tasks) {
         for (row, &(t, _)) in out.chunks_exact(hidden).zip(rows) {
             y[t * hidden..(t + 1) * hidden].iter_mut().zip(row).for_each(|(acc, v)| *acc += v);
         }
@@ -50,68 +64,47 @@ pub(super) fn apply(experts: &[Expert], x: &[f32], hidden: usize, rows: &[Vec<(u
     Some(y)
 }
 
-/// `w2 · (silu(w1 x) * w3 x)` for `tokens` rows on the calling thread.
+/// `w2 · (silu(w1 x) * w3 x)` for the rows of `x` on the calling thread.
 ///
-/// `x`: `[tokens, hidden]`, `w13`: `[2*ffn, hidden]`, `w2`: `[hidden, ffn]`, all row-major.
-pub(super) fn swiglu(x: &[f32], tokens: usize, w13: &[f32], w2: &[f32], ffn: usize) -> Vec<f32> {
-    let hidden = w2.len() / ffn;
-    assert!(
-        x.len() == tokens * hidden && w13.len() == 2 * ffn * hidden && w2.len() == hidden * ffn,
-        "SwiGLU operand sizes"
-    );
+/// `w13`: `[2*ffn, hidden]` (gate rows, then up rows), `w2`: `[hidden, ffn]`, both packed.
+/// Returns `[rows, hidden]`, row-major.
+pub(super) fn swiglu(kernel: Kernel, x: &PackedRows, w13: &PackedMatrix, w2: &PackedMatrix) -> Vec<f32> {
+    let (tokens, ffn, hidden) = (x.rows(), w2.inputs(), w2.outputs());
+    assert!(w13.outputs() == 2 * ffn && w13.inputs() == hidden, "SwiGLU operand sizes");
     // h = x · w13ᵀ, [tokens, 2*ffn]: gate in the first ffn columns, up in the rest.
     let mut h = vec![0f32; tokens * 2 * ffn];
-    // SAFETY: every pointer covers the rows × columns its strides address (asserted above).
-    unsafe { matmul_t(tokens, 2 * ffn, hidden, x.as_ptr(), hidden, w13.as_ptr(), h.as_mut_ptr(), 2 * ffn) };
-    for row in h.chunks_exact_mut(2 * ffn) {
-        let (gate, up) = row.split_at_mut(ffn);
-        for (g, &u) in gate.iter_mut().zip(up.iter()) {
-            *g = *g / (1.0 + (-*g).exp()) * u; // candle's silu for f32, then its mul
-        }
-    }
+    kernel::matmul(kernel, x, w13, &mut h);
+    let act = PackedRows::from_rows(tokens, ffn, |i, out| {
+        let (gate, up) = h[i * 2 * ffn..(i + 1) * 2 * ffn].split_at(ffn);
+        kernel::silu_mul(kernel, gate, up, out);
+    });
     let mut y = vec![0f32; tokens * hidden];
-    // SAFETY: as above; the activation is the gate half of each h row (row stride 2*ffn).
-    unsafe { matmul_t(tokens, hidden, ffn, h.as_ptr(), 2 * ffn, w2.as_ptr(), y.as_mut_ptr(), hidden) };
+    kernel::matmul(kernel, &act, w2, &mut y);
     y
 }
 
-/// `dst[m, n] = lhs[m, k] · rhs[n, k]ᵀ` on the calling thread; `rhs` row-major, `lhs` and `dst`
-/// rows `lhs_stride` and `dst_stride` apart.
-///
-/// # Safety
-/// The pointers must cover every element these shapes and strides address.
-#[allow(clippy::too_many_arguments)]
-unsafe fn matmul_t(
-    m: usize,
-    n: usize,
-    k: usize,
-    lhs: *const f32,
-    lhs_stride: usize,
-    rhs: *const f32,
-    dst: *mut f32,
-    dst_stride: usize,
-) {
-    // gemm's arguments: dst (col, row strides), read_dst, lhs strides, rhs strides, alpha
-    // (ignored as read_dst is false), beta (scales the product), conjugations, threads.
-    gemm::gemm(
-        m,
-        n,
-        k,
-        dst,
-        1,
-        dst_stride as isize,
-        false,
-        lhs,
-        1,
-        lhs_stride as isize,
-        rhs,
-        k as isize,
-        1,
-        0.0,
-        1.0,
-        false,
-        false,
-        false,
-        gemm::Parallelism::None,
-    )
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layer::{MoeLayer, Seeded};
+    use crate::router::Router;
+    use candle_core::{DType, Device};
+
+    /// Forcing a kernel (as `MOE_AUDIT_KERNEL` does) changes no bit of the layer's output: the
+    /// fallback a binary takes on an AVX2-only machine gives what AVX-512 gives.
+    #[test]
+    fn every_kernel_gives_the_same_layer_output() {
+        let (h, f) = (40, 72); // neither a multiple of a tile
+        let config = crate::config::preset("mixtral").unwrap().config().unwrap();
+        let layer = MoeLayer::seeded(config, h, f, 9, DType::F32, &Device::Cpu).unwrap();
+        let x = Seeded::new(4).normal(&[2, 150, h], &Device::Cpu).unwrap();
+        let routing = layer.router().route(&x).unwrap();
+        let x = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let rows = routing.expert_rows();
+        let run = |k: Kernel| apply(k, layer.experts(), &x, h, &rows).unwrap();
+        let want: Vec<u32> = run(Kernel::Portable).iter().map(|v| v.to_bits()).collect();
+        for kernel in Kernel::ALL.into_iter().filter(|k| k.available()) {
+            assert_eq!(run(kernel).iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want, "{}", kernel.name());
+        }
+    }
 }

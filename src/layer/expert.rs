@@ -1,21 +1,37 @@
 //! One SwiGLU expert: `w2(silu(w1 x) * w3 x)`, Mixtral's expert MLP.
 
 use super::cpu::{self, with_cpu_f32};
+use super::kernel::{Kernel, PackedMatrix, PackedRows};
 use crate::error::Result;
 use candle_core::{Device, Module, Tensor, D};
 use candle_nn::VarBuilder;
+use rayon::prelude::*;
 
 /// A SwiGLU feed-forward expert. `w1` and `w3` are stored fused (`[2*ffn, hidden]`) so one
 /// matmul computes both projections.
 ///
-/// The weights stay `[out, in]` and enter the matmul transposed (`x · Wᵀ`, as
-/// `candle_nn::Linear` does): for the few rows an expert sees, that is the layout the CPU
-/// kernel reads fastest (BENCHMARKS.md).
+/// In f32 on the CPU the weights are packed once, here, into the host kernel's panels
+/// (`kernel.rs`), so that no forward packs them; they are kept in that form only. Any other
+/// dtype or device keeps candle tensors `[out, in]` that enter the matmul transposed (`x · Wᵀ`,
+/// as `candle_nn::Linear` does).
 #[derive(Debug, Clone)]
 pub struct Expert {
-    w13: Tensor,
-    w2: Tensor,
+    weights: Weights,
+    hidden: usize,
     ffn: usize,
+}
+
+#[derive(Debug, Clone)]
+enum Weights {
+    /// f32 on the CPU.
+    Packed {
+        w13: PackedMatrix,
+        w2: PackedMatrix,
+    },
+    Tensors {
+        w13: Tensor,
+        w2: Tensor,
+    },
 }
 
 impl Expert {
@@ -25,39 +41,89 @@ impl Expert {
         let w1 = vb.get((ffn, hidden), "w1.weight")?;
         let w3 = vb.get((ffn, hidden), "w3.weight")?;
         let w2 = vb.get((hidden, ffn), "w2.weight")?;
-        Ok(Self { w13: Tensor::cat(&[&w1, &w3], 0)?, w2: w2.contiguous()?, ffn })
+        let (w13, w2) = (Tensor::cat(&[&w1, &w3], 0)?, w2.contiguous()?);
+        let packed = with_cpu_f32(&w13, |w13| PackedMatrix::pack(w13, 2 * ffn, hidden))
+            .zip(with_cpu_f32(&w2, |w2| PackedMatrix::pack(w2, hidden, ffn)));
+        let weights = match packed {
+            Some((w13, w2)) => Weights::Packed { w13, w2 },
+            None => Weights::Tensors { w13, w2 },
+        };
+        Ok(Self { weights, hidden, ffn })
     }
 
-    /// [`Module::forward`], bit for bit, for callers that already run experts as parallel
-    /// tasks: in f32 on the CPU it runs on the calling thread (the host path of `cpu.rs`);
-    /// anything else goes through candle's ops.
+    /// Bytes an expert of these sizes holds in f32 on the CPU (its packed weights).
+    pub fn bytes_f32(hidden: usize, ffn: usize) -> u64 {
+        PackedMatrix::bytes_for(ffn.saturating_mul(2), hidden).saturating_add(PackedMatrix::bytes_for(hidden, ffn))
+    }
+
+    /// [`Module::forward`] for callers that already run experts as parallel tasks: with packed
+    /// weights it runs on the calling thread; anything else goes through candle's ops.
     ///
     /// # Shapes
     /// `x`: `[tokens, hidden]` → `[tokens, hidden]`.
     pub fn forward_on_this_thread(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let (tokens, hidden) = x.dims2()?;
-        if hidden == self.w2.dim(0)? {
-            if let Some(y) = with_cpu_f32(x, |x| self.forward_host(x, tokens)).flatten() {
-                return Tensor::from_vec(y, (tokens, hidden), &Device::Cpu);
-            }
+        match &self.weights {
+            Weights::Packed { .. } => self.forward_host(x, |tokens, x| self.swiglu_rows(x, 0..tokens)),
+            Weights::Tensors { .. } => self.forward(x),
         }
-        self.forward(x)
     }
 
-    /// The expert on `tokens` host rows (`[tokens, hidden]`, row-major) on the calling thread;
-    /// `None` unless the weights are f32 on the CPU.
-    pub(super) fn forward_host(&self, x: &[f32], tokens: usize) -> Option<Vec<f32>> {
-        with_cpu_f32(&self.w13, |w13| with_cpu_f32(&self.w2, |w2| cpu::swiglu(x, tokens, w13, w2, self.ffn))).flatten()
+    /// The expert on packed rows on the calling thread (`[rows, hidden]`, row-major out);
+    /// `None` unless the weights are packed (f32 on the CPU).
+    pub(super) fn forward_packed(&self, kernel: Kernel, x: &PackedRows) -> Option<Vec<f32>> {
+        match &self.weights {
+            Weights::Packed { w13, w2 } => Some(cpu::swiglu(kernel, x, w13, w2)),
+            Weights::Tensors { .. } => None,
+        }
+    }
+
+    /// Rows `rows` of host `x` (`[_, hidden]`) through the packed expert.
+    fn swiglu_rows(&self, x: &[f32], rows: std::ops::Range<usize>) -> Vec<f32> {
+        let packed = PackedRows::gather(x, self.hidden, rows);
+        self.forward_packed(Kernel::selected(), &packed).expect("called with packed weights")
+    }
+
+    /// Runs `f(tokens, values)` on `x` as a contiguous f32 CPU tensor; an error for any other
+    /// input (the weights are f32 on the CPU).
+    fn forward_host(&self, x: &Tensor, f: impl FnOnce(usize, &[f32]) -> Vec<f32>) -> candle_core::Result<Tensor> {
+        let (tokens, hidden) = x.dims2()?;
+        if hidden != self.hidden {
+            return Err(candle_core::Error::Msg(format!(
+                "expert input has {hidden} features, the expert takes {}",
+                self.hidden
+            )));
+        }
+        let x = x.contiguous()?;
+        let y = with_cpu_f32(&x, |x| f(tokens, x)).ok_or_else(|| {
+            candle_core::Error::Msg(format!(
+                "the expert's weights are f32 on the CPU, its input is {:?} on {:?}",
+                x.dtype(),
+                x.device().location()
+            ))
+        })?;
+        Tensor::from_vec(y, (tokens, hidden), &Device::Cpu)
     }
 }
 
 impl Module for Expert {
+    /// With packed weights: the rows in blocks over the thread pool, each block on the host
+    /// kernel; otherwise candle's ops.
+    ///
     /// # Shapes
     /// `x`: `[tokens, hidden]` → `[tokens, hidden]`.
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let h = x.matmul(&self.w13.t()?)?;
-        let gate = h.narrow(D::Minus1, 0, self.ffn)?;
-        let up = h.narrow(D::Minus1, self.ffn, self.ffn)?;
-        (candle_nn::ops::silu(&gate)? * up)?.matmul(&self.w2.t()?)
+        match &self.weights {
+            Weights::Packed { .. } => self.forward_host(x, |tokens, x| {
+                let block = cpu::TASK_ROWS.min(tokens.div_ceil(rayon::current_num_threads()).max(1));
+                let starts: Vec<usize> = (0..tokens).step_by(block).collect();
+                starts.into_par_iter().flat_map_iter(|s| self.swiglu_rows(x, s..(s + block).min(tokens))).collect()
+            }),
+            Weights::Tensors { w13, w2 } => {
+                let h = x.matmul(&w13.t()?)?;
+                let gate = h.narrow(D::Minus1, 0, self.ffn)?;
+                let up = h.narrow(D::Minus1, self.ffn, self.ffn)?;
+                (candle_nn::ops::silu(&gate)? * up)?.matmul(&w2.t()?)
+            }
+        }
     }
 }

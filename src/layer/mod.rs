@@ -3,14 +3,17 @@
 //! Dispatch gathers every expert's kept rows (padding slots included) in one `index_select`;
 //! combine adds the weighted outputs back with one `index_add` in ascending expert order, so
 //! each token's sum has a fixed order (deterministic, and reproducible by expert-parallel code).
-//! f32 on the CPU takes the same steps on host memory (`cpu.rs`), with the same bits.
+//! f32 on the CPU takes the same steps on host memory (`cpu.rs`) with the experts' weights packed
+//! once at load (`kernel.rs`): the same results up to the matmuls' summation order.
 
 mod cpu;
 mod expert;
 pub mod gate;
+pub mod kernel;
 mod weights;
 
 pub use expert::Expert;
+pub use kernel::Kernel;
 pub use weights::{infer_dims, load_safetensors, seeded_weights, tensor_names, LayerDims, Seeded};
 
 use crate::config::RouterConfig;
@@ -75,8 +78,8 @@ impl MoeLayer {
 
     /// Loads Mixtral-style weights from a safetensors file within the memory limit `max_memory`
     /// (see [`crate::memory::limit`]): the file may hold half of it (it is read whole, then its
-    /// tensors are a second copy), and the tensors as stored plus their copies in `dtype` must fit
-    /// before they are converted.
+    /// tensors are a second copy), and the tensors as stored plus their copies in `dtype` (and,
+    /// in f32, the experts' packed copy) must fit before they are converted.
     pub fn from_safetensors(
         config: RouterConfig,
         path: &Path,
@@ -92,9 +95,13 @@ impl MoeLayer {
                 c.saturating_add(n.saturating_mul(dtype.size_in_bytes() as u64)),
             )
         });
+        let packed = match (dtype, infer_dims(&tensors, &path.display().to_string())) {
+            (DType::F32, Ok(d)) => (d.experts as u64).saturating_mul(Expert::bytes_f32(d.hidden, d.ffn)),
+            _ => 0,
+        };
         crate::memory::ensure_fits(
             &format!("the weights in {}", path.display()),
-            stored.saturating_add(converted),
+            stored.saturating_add(converted).saturating_add(packed),
             max_memory,
         )?;
         Self::from_tensors(config, tensors, dtype, device).map_err(|e| Error::input(path, e.to_string()))
@@ -160,7 +167,9 @@ impl MoeLayer {
         if index.is_empty() {
             return Ok(x.zeros_like()?.reshape((b, s, h))?);
         }
-        if let Some(y) = cpu::with_cpu_f32(&x, |x| cpu::apply(&self.experts, x, h, &rows)).flatten() {
+        if let Some(y) =
+            cpu::with_cpu_f32(&x, |x| cpu::apply(kernel::Kernel::selected(), &self.experts, x, h, &rows)).flatten()
+        {
             return Ok(Tensor::from_vec(y, (b, s, h), x.device())?);
         }
         let device = x.device();

@@ -208,7 +208,7 @@ impl<'a> ExpertParallel<'a> {
     /// Experts per rank, or an error when E does not split over `ranks`.
     pub fn local_experts(&self, ranks: usize) -> Result<usize> {
         let e = self.layer.dims().experts;
-        if ranks == 0 || e % ranks != 0 {
+        if ranks == 0 || !e.is_multiple_of(ranks) {
             return Err(Error::Usage(format!("{e} experts do not split evenly over {ranks} ranks")));
         }
         Ok(e / ranks)
@@ -369,7 +369,7 @@ fn gather(parts: Vec<RankResult>, x: &Tensor) -> Result<Gathered> {
 
 /// Sequences per rank, or an error when the batch does not split evenly.
 pub fn split_batch(batch: usize, ranks: usize) -> Result<usize> {
-    if ranks == 0 || batch % ranks != 0 {
+    if ranks == 0 || !batch.is_multiple_of(ranks) {
         return Err(Error::Usage(format!(
             "{} {ranks}: the batch of {batch} sequences must split evenly over the ranks",
             crate::error::Setting::Ranks

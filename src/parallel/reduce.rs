@@ -145,7 +145,7 @@ impl ReducePlan {
     /// Checks the plan against a world of `ranks` ranks.
     pub fn check(&self, ranks: usize) -> Result<()> {
         crate::error::ensure_positive(&[(crate::error::Setting::Ranks, ranks)])?;
-        if self.algorithm == Algorithm::Hierarchical && (self.domain == 0 || ranks % self.domain != 0) {
+        if self.algorithm == Algorithm::Hierarchical && (self.domain == 0 || !ranks.is_multiple_of(self.domain)) {
             return Err(Error::Usage(format!(
                 "domain size {} does not divide {ranks} ranks (hierarchical reduction)",
                 self.domain

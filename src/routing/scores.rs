@@ -185,7 +185,7 @@ impl Choices {
     /// Choices given whole: `experts` and `gates` hold `k` per token.
     #[cfg(test)]
     pub fn from_parts(k: usize, experts: Vec<usize>, gates: Vec<f32>) -> Choices {
-        assert!(k > 0 && experts.len() == gates.len() && experts.len() % k == 0);
+        assert!(k > 0 && experts.len() == gates.len() && experts.len().is_multiple_of(k));
         Choices { k, experts, gates, scratch: Scratch::default() }
     }
 

@@ -261,6 +261,30 @@ fn json_is_byte_identical_across_thread_counts() {
 }
 
 #[test]
+fn json_is_byte_identical_across_kernels() {
+    // The layer's kernels (MOE_AUDIT_KERNEL) give the same bits, so an AVX2-only machine writes
+    // what an AVX-512 one does; a kernel this CPU lacks, or a misspelt one, is refused.
+    let args = [&["check", "mixtral", "megatron-probs", "--format", "json"], &SMALL[..]].concat();
+    let with_kernel =
+        |k: &str| Command::new(BIN).args(&args).env("MOE_AUDIT_KERNEL", k).output().expect("run moe-audit");
+    let auto = with_kernel("auto");
+    assert_eq!(auto.status.code(), Some(1), "{}", String::from_utf8_lossy(&auto.stderr));
+    for kernel in moe_audit::layer::Kernel::ALL {
+        let out = with_kernel(kernel.name());
+        if kernel.available() {
+            assert_eq!(out.stdout, auto.stdout, "{} vs auto", kernel.name());
+        } else {
+            assert_eq!(out.status.code(), Some(2));
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(err, format!("error: MOE_AUDIT_KERNEL={0}: this CPU has no {0} instructions\n", kernel.name()));
+        }
+    }
+    let out = with_kernel("avx3");
+    assert_eq!(out.status.code(), Some(2));
+    insta::assert_snapshot!(String::from_utf8_lossy(&out.stderr), @"error: MOE_AUDIT_KERNEL must be auto, avx512, avx2 or portable, got \"avx3\"");
+}
+
+#[test]
 fn check_markdown_and_output_file() {
     let out = tmp_dir().join("report.md");
     let out = out.to_str().unwrap();

@@ -109,7 +109,7 @@ fn probe(ctx: &Ctx, sample: Option<&Sample>) -> Result<Finding> {
         let (routed, modes) = (Some((reference.as_ref(), &routed)), (CallMode::Train, CallMode::Train));
         finding.witness = witness::build_routed(ctx.router, Probe::L, &case, (hit.batch, hit.pos), routed, modes)?;
     }
-    if split && ctx.router.experts() % r != 0 {
+    if split && !ctx.router.experts().is_multiple_of(r) {
         notes.push(format!(
             "layer not run expert-parallel: {} experts do not split over {r} ranks",
             ctx.router.experts()
