@@ -678,11 +678,11 @@ fn every_bad_input_exits_2_with_one_line_and_no_panic() {
     witness: invalid router
       error: [TMP]/w_router.json: router.top_k: 99 exceeds experts = 8
     witness: ragged logits
-      error: [TMP]/w_rows.json: call `a`: expected 5 rows of equal length
+      error: [TMP]/w_rows.json: call `a`: expected 4 rows of equal length
     witness: token outside
       error: [TMP]/w_token.json: the witness token lies outside its calls
     witness: logit beyond f32
-      error: [TMP]/w_huge.json: not a witness: number out of range at line 1 column 698
+      error: [TMP]/w_huge.json: not a witness: number out of range at line 1 column 606
     --trials 0
       error: --trials must be at least 1
     plan --trials 0

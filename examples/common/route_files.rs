@@ -107,7 +107,7 @@ pub fn safetensors(tensors: &[Tensor<'_>], metadata: &BTreeMap<&str, String>) ->
         offset += t.data.len();
     }
     let mut text = serde_json::to_string(&header).expect("json");
-    while text.len() % 8 != 0 {
+    while !text.len().is_multiple_of(8) {
         text.push(' ');
     }
     let mut out = (text.len() as u64).to_le_bytes().to_vec();

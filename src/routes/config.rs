@@ -110,9 +110,9 @@ impl Layout {
         let mtp = int("num_nextn_predict_layers")?.unwrap_or(0);
         let moe = |l: usize| {
             l >= first_dense
-                && l % freq == 0
-                && (l + 1) % sparse_step == 0
-                && (l + 1) % interleave == 0
+                && l.is_multiple_of(freq)
+                && (l + 1).is_multiple_of(sparse_step)
+                && (l + 1).is_multiple_of(interleave)
                 && !mlp_only.contains(&l)
         };
         let mut kinds: Vec<LayerKind> =
