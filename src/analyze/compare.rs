@@ -25,7 +25,7 @@ pub struct TokenDiff {
 
 impl TokenDiff {
     /// The token's routing decision changed (capacity alone does not count): the one rule that
-    /// judges a leak, for the audit ([`crate::analyze::tally`] counts these tokens), witness
+    /// judges a leak, for the audit (the tally counts these tokens), witness
     /// shrinking and witness replay alike. A capacity in force that changed while no decision
     /// did is reported, never judged a leak (docs/PROTOCOL.md, "Capacity").
     pub fn decision(&self) -> bool {
