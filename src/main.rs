@@ -45,7 +45,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    match run(cli, &mut std::io::stdout().lock()) {
+    match run(cli, &mut ClosedPipeOk::new(std::io::stdout().lock())) {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
             // The signal thread is ending the process with its own message.
@@ -55,5 +55,47 @@ fn main() -> ExitCode {
             eprintln!("error: {}", one_line(&e.to_string()));
             ExitCode::from(2)
         }
+    }
+}
+
+/// Stdout that a reader may close early (`moe-audit presets | head -1`): the rest of the output
+/// is dropped quietly, as standard tools do, and the command still ends with its own exit code
+/// (a gate's verdict does not depend on who reads it).
+struct ClosedPipeOk<W> {
+    inner: W,
+    closed: bool,
+}
+
+impl<W: std::io::Write> ClosedPipeOk<W> {
+    fn new(inner: W) -> Self {
+        Self { inner, closed: false }
+    }
+
+    fn quiet<T>(&mut self, result: std::io::Result<T>, dropped: T) -> std::io::Result<T> {
+        match result {
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
+                self.closed = true;
+                Ok(dropped)
+            }
+            other => other,
+        }
+    }
+}
+
+impl<W: std::io::Write> std::io::Write for ClosedPipeOk<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.closed {
+            return Ok(buf.len());
+        }
+        let result = self.inner.write(buf);
+        self.quiet(result, buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        if self.closed {
+            return Ok(());
+        }
+        let result = self.inner.flush();
+        self.quiet(result, ())
     }
 }

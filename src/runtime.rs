@@ -85,10 +85,11 @@ pub fn interrupted_by_signal() -> bool {
 }
 
 /// Kills the external routers and removes temporary outputs: every way out of the process that
-/// skips destructors (a signal, a panic) goes through here.
-pub fn clean_up() {
-    moe_audit::external::process::kill_all();
+/// skips destructors (a signal, a panic) goes through here. How many routers were killed.
+pub fn clean_up() -> usize {
+    let killed = moe_audit::external::process::kill_all();
     moe_audit::files::abandon_partial_files();
+    killed
 }
 
 /// `message` on one line: newlines and other control characters escaped (`\n`), so a name or
@@ -100,13 +101,19 @@ pub fn one_line(message: &str) -> String {
 /// Ends the process after a signal: routers killed, temporary outputs removed.
 fn interrupted(signal: libc::c_int) -> ! {
     INTERRUPTED.store(true, std::sync::atomic::Ordering::SeqCst);
-    clean_up();
+    let killed = clean_up();
     let name = match signal {
         libc::SIGINT => "SIGINT",
         libc::SIGTERM => "SIGTERM",
         _ => "SIGHUP",
     };
-    eprintln!("error: interrupted by {name}: external routers killed, no partial output left");
+    // Routers are named only when there were some (a preset-only run starts none).
+    let routers = match killed {
+        0 => String::new(),
+        1 => "the external router killed, ".into(),
+        n => format!("{n} external routers killed, "),
+    };
+    eprintln!("error: interrupted by {name}: {routers}no partial output left");
     std::process::exit(128 + signal)
 }
 

@@ -648,11 +648,11 @@ fn every_bad_input_exits_2_with_one_line_and_no_panic() {
     weights: NaN gate
       error: [TMP]/nan.safetensors: tensor `gate` has a non-finite value NaN at flat index 0
     protocol: handshake not JSON
-      error: router `echo hello`: bad handshake (expected value at line 1 column 1): `hello`
+      error: router `echo hello`: wrote `hello` on stdout before its handshake: stdout carries the protocol only; print to stderr instead (Python: print(..., file=sys.stderr))
     protocol: wrong version
       error: router `echo '{"protocol": "moe-audit/3", "name": "sh", "experts": 2, "top_k": 1, "input": "logits"}'`: bad handshake (handshake: protocol `moe-audit/3`, expected `moe-audit/1` or `moe-audit/2`): `{"protocol": "moe-audit/3", "name": "sh", "experts": 2, "top_k": 1, "input": "logits"}`
     protocol: absurd expert count
-      error: router `echo '{"protocol": "moe-audit/1", "name": "sh", "experts": 433333333333333, "top_k": 1, "input": "logits"}'`: bad handshake (handshake: experts 433333333333333 is not in 1..=1048576): `{"protocol": "moe-audit/1", "name": "sh", "experts": 433333333333333, "top_k": 1, "input": "logits"}`
+      error: router `echo '{"protocol": "moe-audit/1", "name": "sh", "experts": 433333333333333, "top_k": 1, "input": "logits"}'`: bad handshake (handshake: experts 433333333333333 is not from 1 to 1048576): `{"protocol": "moe-audit/1", "name": "sh", "experts": 433333333333333, "top_k": 1, "input": "logits"}`
     protocol: hidden-row pool over --max-memory
       error: the targeted-row pool of router `sh` needs about 16.0 MiB of memory, over the limit of 1.0 MiB (--max-memory; the default is half of physical memory): use smaller sizes or raise the limit
     protocol: response not JSON
@@ -660,7 +660,7 @@ fn every_bad_input_exits_2_with_one_line_and_no_panic() {
     protocol: wrong id
       error: router `printf '%s\n' '{"protocol": "moe-audit/1", "name": "sh", "experts": 2, "top_k": 1, "input": "logits"}'; while read -r line; do printf '%s\n' '{"id": 9, "tokens": [[{"expert": 0, "weight": 1.0, "kept": true}]], "capacity": null}'; done`: request 1 (train, batch 1 x seq_len 1): response id 9 does not match
     protocol: expert out of range
-      error: router `printf '%s\n' '{"protocol": "moe-audit/1", "name": "sh", "experts": 2, "top_k": 1, "input": "logits"}'; while read -r line; do printf '%s\n' '{"id": 1, "tokens": [[{"expert": 5, "weight": 1.0, "kept": true}]], "capacity": null}'; done`: request 1 (train, batch 1 x seq_len 1): token 0 (batch 0, position 0): expert 5 is out of range 0..2
+      error: router `printf '%s\n' '{"protocol": "moe-audit/1", "name": "sh", "experts": 2, "top_k": 1, "input": "logits"}'; while read -r line; do printf '%s\n' '{"id": 1, "tokens": [[{"expert": 5, "weight": 1.0, "kept": true}]], "capacity": null}'; done`: request 1 (train, batch 1 x seq_len 1): token 0 (batch 0, position 0): expert 5 is out of range 0 to 1
     protocol: unknown field
       error: router `printf '%s\n' '{"protocol": "moe-audit/1", "name": "sh", "experts": 2, "top_k": 1, "input": "logits"}'; while read -r line; do printf '%s\n' '{"id": 1, "tokens": [], "capacity": null, "extra": 1}'; done`: request 1 (train, batch 1 x seq_len 1): not a response (unknown field `extra`, expected one of `id`, `tokens`, `capacity` at line 1 column 49): `{"id": 1, "tokens": [], "capacity": null, "extra": 1}`
     protocol: router crashes
@@ -688,9 +688,9 @@ fn every_bad_input_exits_2_with_one_line_and_no_panic() {
     plan --trials 0
       error: --trials must be at least 1
     plan --experts 0
-      error: --experts must be in 1..=1048576, got 0
+      error: --experts must be from 1 to 1048576, got 0
     plan --top-k over --experts
-      error: --top-k must be in 1..=2 (--experts), got 3
+      error: --top-k must be from 1 to 2 (--experts), got 3
     plan --name with a newline
       error: --name holds the control character '\n': names appear in one-line reports
     --timeout NaN
@@ -742,7 +742,7 @@ fn every_bad_input_exits_2_with_one_line_and_no_panic() {
     weights: gate of shape [8, 0]
       error: [TMP]/empty.safetensors: tensor `gate` has shape [8, 0]: a gate needs a hidden size of at least 1
     witness: stored routing on an expert out of range
-      error: [TMP]/w_stored.json: `after` routes to expert 99 twice or out of range 0..8
+      error: [TMP]/w_stored.json: `after` routes to expert 99 twice or out of range 0 to 7
     capacity factor 1e308
       error: [TMP]/factor_huge.toml: capacity.factor: 1e308 is over 1000000.0: no token is dropped long before; use a fixed capacity or a smaller factor
     X: f16 overflows a finite gate

@@ -71,14 +71,27 @@ fn route(r: &Route) -> String {
     format!("e{} {:.4}{state}", r.expert, r.weight)
 }
 
-/// What changed for a token, route by route when the experts are the same.
-fn changed(differs: &str, before: &TokenRouting, after: &TokenRouting) -> String {
-    let own = |t: &TokenRouting| t.routes.iter().filter(|r| !r.padded).copied().collect::<Vec<_>>();
-    let (x, y) = (own(before), own(after));
-    let list = |rs: &[Route]| match rs {
+/// `[e6 0.6496, e3 0.3504 dropped]`, or `none`.
+fn list(rs: &[Route]) -> String {
+    match rs {
         [] => "none".to_string(),
         _ => format!("[{}]", rs.iter().map(route).collect::<Vec<_>>().join(", ")),
-    };
+    }
+}
+
+/// A token's own routes (padding slots left out).
+fn own(t: &TokenRouting) -> Vec<Route> {
+    t.routes.iter().filter(|r| !r.padded).copied().collect()
+}
+
+/// A token's routes as the report writes them: `[e6 0.6496, e3 0.3504 dropped]`.
+pub(crate) fn routes(t: &TokenRouting) -> String {
+    list(&own(t))
+}
+
+/// What changed for a token, route by route when the experts are the same.
+fn changed(differs: &str, before: &TokenRouting, after: &TokenRouting) -> String {
+    let (x, y) = (own(before), own(after));
     let mut parts = Vec::new();
     if x.iter().map(|r| r.expert).ne(y.iter().map(|r| r.expert)) {
         parts.push(format!("experts {} -> {}", list(&x), list(&y)));

@@ -8,7 +8,7 @@
 mod budget;
 mod case;
 pub mod compare;
-mod explain;
+pub(crate) mod explain;
 mod layer_check;
 mod noise;
 mod probe;

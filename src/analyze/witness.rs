@@ -573,7 +573,11 @@ impl Witness {
             let mut seen = vec![false; experts];
             for r in &t.routes {
                 if r.expert >= experts || std::mem::replace(&mut seen[r.expert], true) {
-                    return Err(format!("`{name}` routes to expert {} twice or out of range 0..{experts}", r.expert));
+                    return Err(format!(
+                        "`{name}` routes to expert {} twice or out of range 0 to {}",
+                        r.expert,
+                        experts.saturating_sub(1)
+                    ));
                 }
             }
         }

@@ -226,14 +226,14 @@ pub(super) fn run_plan(args: &PlanArgs, out: &mut dyn Write) -> Result<u8> {
     ensure_positive(&[(Setting::Batch, args.batch), (Setting::SeqLen, args.seq_len), (Setting::Trials, args.trials)])?;
     let max = moe_audit::external::protocol::MAX_SIZE;
     if !(1..=max).contains(&args.experts) {
-        return Err(Error::Usage(format!("--experts must be in 1..={max}, got {}", args.experts)));
+        return Err(Error::Usage(format!("--experts must be from 1 to {max}, got {}", args.experts)));
     }
     if let Some(k) = args.top_k.filter(|&k| k == 0 || k > args.experts) {
-        return Err(Error::Usage(format!("--top-k must be in 1..={} (--experts), got {k}", args.experts)));
+        return Err(Error::Usage(format!("--top-k must be from 1 to {} (--experts), got {k}", args.experts)));
     }
     match (input, args.hidden_size) {
         (InputKind::Hidden, h) if !(1..=max).contains(&h.unwrap_or(0)) => {
-            return Err(Error::Usage(format!("--input hidden needs --hidden-size in 1..={max}")));
+            return Err(Error::Usage(format!("--input hidden needs --hidden-size from 1 to {max}")));
         }
         _ => {}
     }

@@ -11,6 +11,8 @@ mod route;
 mod routes;
 mod snapshot;
 mod sweep;
+#[cfg(test)]
+mod synopsis;
 
 use clap::{Args, Parser, Subcommand};
 use moe_audit::config::presets;

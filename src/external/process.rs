@@ -50,12 +50,13 @@ pub fn timeout(secs: f64) -> Result<Duration> {
 /// Routers alive in this process: (process group, tag), for [`kill_all`].
 static LIVE: Mutex<Vec<(i32, String)>> = Mutex::new(Vec::new());
 
-/// Kills every router tree this process started (a signal ends the run).
-pub fn kill_all() {
+/// Kills every router tree this process started (a signal ends the run); how many there were.
+pub fn kill_all() -> usize {
     let live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
     for (pid, tag) in live.iter() {
         kill_tree(*pid, tag);
     }
+    live.len()
 }
 
 /// What the reader thread reads next from the router's stdout.
@@ -364,10 +365,17 @@ impl Peer {
         validate: impl Fn(&H) -> std::result::Result<(), String>,
     ) -> Result<H> {
         let line = self.receive_line("its handshake")?;
+        let shown = line.chars().take(120).collect::<String>();
+        if !line.trim_start().starts_with('{') {
+            // Almost always a print() in the router's own code: stdout is the protocol channel.
+            return Err(self.fail(format!(
+                "wrote `{shown}` on stdout before its handshake: stdout carries the protocol only; print to stderr instead (Python: print(..., file=sys.stderr))"
+            )));
+        }
         serde_json::from_str(&line)
             .map_err(|e| e.to_string())
             .and_then(|h: H| validate(&h).map(|()| h))
-            .map_err(|e| self.fail(format!("bad handshake ({e}): `{}`", line.chars().take(120).collect::<String>())))
+            .map_err(|e| self.fail(format!("bad handshake ({e}): `{shown}`")))
     }
 
     /// The next request id, or the error that stopped the conversation.

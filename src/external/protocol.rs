@@ -76,14 +76,14 @@ impl Handshake {
             return Err(format!("handshake: name {e}"));
         }
         if !(1..=MAX_SIZE).contains(&self.experts) {
-            return Err(format!("handshake: experts {} is not in 1..={MAX_SIZE}", self.experts));
+            return Err(format!("handshake: experts {} is not from 1 to {MAX_SIZE}", self.experts));
         }
         if let Some(h) = self.hidden_size.filter(|&h| h > MAX_SIZE) {
             return Err(format!("handshake: hidden_size {h} is over {MAX_SIZE}"));
         }
         if let Some(k) = self.top_k {
             if k == 0 || k > self.experts {
-                return Err(format!("handshake: top_k {k} is not in 1..={}", self.experts));
+                return Err(format!("handshake: top_k {k} is not from 1 to {}", self.experts));
             }
         }
         match (self.input, self.hidden_size) {
@@ -376,7 +376,7 @@ impl Response {
             for r in routes {
                 let expert = usize::try_from(r.expert).ok().filter(|&x| x < e);
                 let Some(expert) = expert else {
-                    return Err(format!("{}: expert {} is out of range 0..{e}", at(), r.expert));
+                    return Err(format!("{}: expert {} is out of range 0 to {}", at(), r.expert, e.saturating_sub(1)));
                 };
                 if std::mem::replace(&mut seen[expert], true) {
                     return Err(format!("{}: expert {expert} appears twice", at()));
@@ -506,7 +506,7 @@ mod tests {
             ),
             (
                 format!(r#"{{"id": 3, "tokens": [{}, {}], "capacity": null}}"#, two(-1, 1), two(2, 3)),
-                "token 0 (batch 0, position 0): expert -1 is out of range 0..4",
+                "token 0 (batch 0, position 0): expert -1 is out of range 0 to 3",
             ),
             (
                 format!(r#"{{"id": 3, "tokens": [{}, {}], "capacity": null, "extra": 1}}"#, two(0, 1), two(2, 3)),

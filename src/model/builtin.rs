@@ -83,7 +83,10 @@ impl Builtin {
         let BuiltinSpec { router, layers, vocab, hidden: h, ffn, seed, non_causal } = spec;
         let what = || format!("built-in model with router `{}`", router.name);
         if let Some(l) = non_causal.filter(|&l| l >= layers) {
-            return Err(Error::shape(&what(), format!("non-causal layer {l}: the model has layers 0..{layers}")));
+            return Err(Error::shape(
+                &what(),
+                format!("non-causal layer {l}: the model has layers 0 to {}", layers - 1),
+            ));
         }
         if vocab == 0 || vocab > super::MAX_VOCAB || h == 0 || ffn == 0 {
             return Err(Error::shape(&what(), format!("vocab {vocab}, hidden {h} and ffn {ffn} must be positive")));

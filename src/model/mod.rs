@@ -104,7 +104,7 @@ impl ModelInfo {
             return Err(format!("handshake: name {e}"));
         }
         if !(1..=MAX_VOCAB).contains(&self.vocab) {
-            return Err(format!("handshake: vocab {} is not in 1..={MAX_VOCAB}", self.vocab));
+            return Err(format!("handshake: vocab {} is not from 1 to {MAX_VOCAB}", self.vocab));
         }
         if self.outputs > MAX_SIZE {
             return Err(format!("handshake: outputs {} is over {MAX_SIZE}", self.outputs));
@@ -122,10 +122,10 @@ impl ModelInfo {
                 (false, ..) => return Err(format!("{at}: a dense layer has no experts or top_k")),
                 (true, None, _) => return Err(format!("{at}: a routed layer needs experts")),
                 (true, Some(e), _) if !(1..=MAX_SIZE).contains(&e) => {
-                    return Err(format!("{at}: experts {e} is not in 1..={MAX_SIZE}"))
+                    return Err(format!("{at}: experts {e} is not from 1 to {MAX_SIZE}"))
                 }
                 (true, Some(e), Some(k)) if k == 0 || k > e => {
-                    return Err(format!("{at}: top_k {k} is not in 1..={e}"))
+                    return Err(format!("{at}: top_k {k} is not from 1 to {e}"))
                 }
                 _ => {}
             }

@@ -149,6 +149,8 @@ pub fn render_markdown(report: &Report) -> String {
     let _ = writeln!(out, "batch {} × seq {}, {} trials, seed {}\n", o.batch, o.seq_len, o.trials, o.seed);
     out.push_str("| router | probe | verdict | property | rate | why |\n|---|---|---|---|---|---|\n");
     for r in &report.routers {
+        // As in the text table: a fix is written once per router, then "as above".
+        let mut fixes: Vec<String> = Vec::new();
         for f in &r.findings {
             let verdict = match f.verdict {
                 Verdict::Leak => "❌ leak",
@@ -166,7 +168,13 @@ pub fn render_markdown(report: &Report) -> String {
                 f.property,
                 if f.verdict == Verdict::NotApplicable { "–".into() } else { percent(f.rate) },
                 std::iter::once(why(f))
-                    .chain(details(f).into_iter().map(|(label, text)| format!("{label}: {text}")))
+                    .chain(details(f).into_iter().map(|(label, text)| {
+                        if label == "fix" && fixes.contains(&text) {
+                            return format!("{label}: as above");
+                        }
+                        fixes.extend((label == "fix").then(|| text.clone()));
+                        format!("{label}: {text}")
+                    }))
                     .collect::<Vec<_>>()
                     .join("<br>")
                     .replace('|', "\\|")
@@ -238,8 +246,8 @@ pub fn render_replay(replay: &Replay) -> String {
             w.probe.name(),
             w.property,
             replay.diff.describe(),
-            serde_json::to_string(&replay.before.routes).expect("serialises"),
-            serde_json::to_string(&replay.after.routes).expect("serialises"),
+            crate::analyze::explain::routes(&replay.before),
+            crate::analyze::explain::routes(&replay.after),
         )
     } else if replay.diff.capacity {
         let capacity = |c: Option<usize>| c.map_or("none".to_string(), |c| c.to_string());

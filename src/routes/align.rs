@@ -213,9 +213,9 @@ pub(super) fn align(a: &Record, b: &Record, budget: &mut Budget) -> Result<(Alig
             diagnoses.push(note(
                 DiagnosisKind::LayerNumbers,
                 format!(
-                    "the {role} file gives no layer numbers: its {} layers are taken as 0..{}",
+                    "the {role} file gives no layer numbers: its {} layers are taken as 0 to {}",
                     r.layers.len(),
-                    r.layers.len()
+                    r.layers.len().saturating_sub(1)
                 ),
                 "give --config (config.json) so dense and MTP layers are known, or write `layers` in the file",
             ));

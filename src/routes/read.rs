@@ -436,7 +436,7 @@ fn check(mut r: Record, layout: Option<&Layout>) -> Result<Record> {
         let (layers, note) = if n == routed.len() {
             (routed.clone(), format!("its {n} layers are the config's routed layers {}", ranges(&routed)))
         } else if n == backbone || n == layout.kinds.len() {
-            ((0..n).collect(), format!("its {n} layers are every decoder layer 0..{n}"))
+            ((0..n).collect(), format!("its {n} layers are every decoder layer 0 to {}", n - 1))
         } else {
             return Err(contradicts(format!(
                 "{n} layers in the record; the config has {} routed layers and {} decoder layers",
@@ -474,7 +474,7 @@ pub(crate) fn ranges(layers: &[usize]) -> String {
         while j + 1 < layers.len() && layers[j + 1] == layers[j] + 1 {
             j += 1;
         }
-        out.push(if j > i { format!("{}..={}", layers[i], layers[j]) } else { layers[i].to_string() });
+        out.push(if j > i { format!("{} to {}", layers[i], layers[j]) } else { layers[i].to_string() });
         i = j + 1;
     }
     out.join(", ")

@@ -87,7 +87,20 @@ pub fn remake(
     max_memory: u64,
 ) -> Result<SnapshotFile> {
     let here = Path::new(".");
-    let inside = |name: &str, what: &str| crate::files::inside(here, Path::new(name), what).map(drop);
+    let inside = |name: &str, what: &str| {
+        let file = crate::files::inside(here, Path::new(name), what)?;
+        // Named from the snapshot that refers to it: checked from another folder, the bare
+        // "cannot read" would not say which snapshot or where the name is looked up.
+        if file.symlink_metadata().is_err() {
+            return Err(Error::input(
+                path,
+                format!(
+                    "{what} = {name:?} is not in the working directory (paths in a snapshot header are relative to the directory it is checked from: run there)"
+                ),
+            ));
+        }
+        Ok(())
+    };
     match (&header.router, router_cmd) {
         (RouterSource::Command { command, .. }, None) => {
             return Err(Error::input(

@@ -92,6 +92,20 @@ fn presets_lists_all_with_descriptions() {
 }
 
 #[test]
+fn a_reader_that_closes_stdout_early_ends_the_command_quietly() {
+    // `moe-audit presets | head -0`, without the race: the reading end is closed before the start.
+    for (args, code) in
+        [(&["presets"][..], 0), (&["check", "megatron-probs", "--trials", "2", "--seq-len", "16"][..], 1)]
+    {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let out = Command::new(BIN).args(args).stdout(writer).output().unwrap();
+        assert_eq!(out.status.code(), Some(code), "{args:?}: the verdict stands");
+        assert_eq!(String::from_utf8_lossy(&out.stderr), "", "{args:?}");
+    }
+}
+
+#[test]
 fn route_prints_the_table() {
     let out = stdout(&["route", "megatron-probs"]);
     let mut lines = out.lines();
@@ -295,6 +309,10 @@ fn check_markdown_and_output_file() {
     assert!(md.starts_with("## moe-audit\n"), "{md}");
     assert!(md.contains("| `megatron-position` | P prefix | ❌ leak | C-length |"), "{md}");
     assert!(md.contains("| `megatron-position` | F future | ✅ pass | C-content |"), "{md}");
+    // The fix is written in full once per router, then "as above".
+    let fixes: Vec<&str> = md.split("<br>fix: ").skip(1).map(|rest| rest.split(" |").next().unwrap()).collect();
+    let full: Vec<&&str> = fixes.iter().filter(|f| **f != "as above").collect();
+    assert!(fixes.len() > full.len() && full.iter().all(|f| fixes.iter().filter(|g| g == f).count() == 1), "{md}");
 }
 
 #[test]
@@ -313,6 +331,10 @@ fn witnesses_are_written_and_replay_with_exit_1() {
         text.starts_with("LEAK reproduced: router megatron-probs, probe F (future), property C-content: token "),
         "{text}"
     );
+    // The routes as the report writes them, not JSON.
+    let routes = text.lines().skip(1).map(|l| l.split_once(": ").map_or(l, |(label, _)| label)).collect::<Vec<_>>();
+    assert_eq!(routes, ["  before", "  after"], "{text}");
+    assert!(text.contains("\n  before: [e") && text.contains("\n  after:  [e") && !text.contains('{'), "{text}");
     assert!(dir.join("megatron-probs-N.json").is_file());
 }
 

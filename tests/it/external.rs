@@ -269,7 +269,7 @@ fn misbehaving_routers_are_clear_errors() {
         (sh_router(HS, r#"printf '%s\n' '{"id": 1, "tokens": [], "capacity": null}'"#), "request 1 (train, batch 1 x seq_len 1): 0 tokens, expected batch 1 x seq_len 1 = 1"),
         (
             sh_router(HS, r#"printf '%s\n' '{"id": 1, "tokens": [[{"expert": 2, "weight": 1.0, "kept": true}]], "capacity": null}'"#),
-            "request 1 (train, batch 1 x seq_len 1): token 0 (batch 0, position 0): expert 2 is out of range 0..2",
+            "request 1 (train, batch 1 x seq_len 1): token 0 (batch 0, position 0): expert 2 is out of range 0 to 1",
         ),
         (
             sh_router(HS, r#"printf '%s\n' '{"id": 1, "tokens": [[{"expert": 0, "weight": 1.0, "kept": true}]], "capacity": [1]}'"#),
@@ -285,7 +285,7 @@ fn misbehaving_routers_are_clear_errors() {
             "the router exited (exit status: 0) before answering request 2 (train, batch 1 x seq_len 1)",
         ),
         ("echo '{\"protocol\": \"moe-audit/0\"}'".to_string(), "bad handshake (missing field `name` at line 1 column 27)"),
-        (sh_router(&HS.replace("\"top_k\": 1", "\"top_k\": 3"), "true"), "bad handshake (handshake: top_k 3 is not in 1..=2)"),
+        (sh_router(&HS.replace("\"top_k\": 1", "\"top_k\": 3"), "true"), "bad handshake (handshake: top_k 3 is not from 1 to 2)"),
         ("true".to_string(), "the router exited (exit status: 0) before its handshake"),
     ];
     for (command, want) in cases {

@@ -176,6 +176,19 @@ fn a_changed_capacity_formula_fails_with_a_diff_naming_it() {
 }
 
 #[test]
+fn checked_from_another_folder_the_error_names_the_snapshot_and_where_paths_are_looked_up() {
+    let dir = tmp("elsewhere");
+    megatron_toml(&dir, |t| t);
+    expect(&dir, &["snapshot", "router.toml", "--output", "r.snap"], 0);
+    let out = run_in(dir.parent().unwrap(), &["snapshot", "--check", "elsewhere/r.snap"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(
+        stderr(&out),
+        "error: elsewhere/r.snap: [router] path = \"router.toml\" is not in the working directory (paths in a snapshot header are relative to the directory it is checked from: run there)\n"
+    );
+}
+
+#[test]
 fn a_renormalised_weight_fails_with_a_diff_naming_it() {
     let dir = tmp("renormalised");
     megatron_toml(&dir, |t| t);

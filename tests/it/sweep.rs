@@ -114,7 +114,7 @@ fn the_exploit_column_measures_each_cell_when_the_grid_asks() {
     let json = std::fs::read_to_string(a_small_grid_dir().join("sweep.json")).unwrap();
     assert!(!json.contains("exploit"), "sweeps without [exploit] keep their bytes");
     let bad = fail(&["sweep", &file("sweep-exploit-bad.toml", "[exploit]\nseq_len = 1\n")]);
-    insta::assert_snapshot!(bad, @"error: [TMP]/sweep-exploit-bad.toml: exploit.seq_len: must be in 2..=1024, got 1");
+    insta::assert_snapshot!(bad, @"error: [TMP]/sweep-exploit-bad.toml: exploit.seq_len: must be from 2 to 1024, got 1");
 }
 
 /// A small grid's outputs, without `[exploit]`.

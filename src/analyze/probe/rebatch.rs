@@ -27,17 +27,13 @@ impl Rule for Rebatch {
         [
             w.map_or("the batch".into(), |w| format!("a batch of {}", plural(w.a.batch, "sequence"))),
             w.map_or("the batch re-ordered, resized or re-padded".into(), |w| {
-                format!(
-                    "the batch re-ordered, resized or re-padded ({} of {} tokens)",
-                    plural(w.b.batch, "sequence"),
-                    w.b.seq_len
-                )
+                format!("the batch {} ({} of {} tokens)", change(w), plural(w.b.batch, "sequence"), w.b.seq_len)
             }),
         ]
     }
 
-    fn cause(&self, _: &Finding) -> String {
-        "the batch re-ordered, resized or re-padded".into()
+    fn cause(&self, f: &Finding) -> String {
+        f.witness.as_ref().map_or("the batch re-ordered, resized or re-padded".into(), |w| format!("the batch {}", change(w)))
     }
 
     fn run(&self, ctx: &Ctx, _sample: Option<&Sample>) -> Result<Finding> {
@@ -53,6 +49,19 @@ impl Rule for Rebatch {
             compare: vec![s; b],
             exact: false,
         }))
+    }
+}
+
+/// Which of R's changes a witness's second call made, read off the two calls' shapes (every
+/// case changes one thing: the order, the number of sequences, or the padding).
+fn change(w: &Witness) -> &'static str {
+    use std::cmp::Ordering::*;
+    match (w.b.batch.cmp(&w.a.batch), w.b.seq_len.cmp(&w.a.seq_len)) {
+        (Less, _) => "with a sequence dropped",
+        (Greater, _) => "with a sequence added",
+        (Equal, Greater) if w.token_b.pos > w.token_a.pos => "padded on the left",
+        (Equal, Greater) => "padded on the right",
+        _ => "re-ordered",
     }
 }
 

@@ -1,0 +1,126 @@
+//! Every command's synopsis, written from the clap definition (an option shows its choices, else
+//! its default, else its value's name): the README's synopsis block is
+//! this text (a test keeps the two equal), so a flag or a value added to clap cannot be missing
+//! from the README.
+
+use clap::{Arg, ArgAction, Command};
+
+/// The lines of the README's synopsis block: one entry per command (subcommands of `routes`
+/// included), wrapped at `width` columns with continuation lines indented by two spaces.
+pub fn synopsis(cli: &Command, width: usize) -> String {
+    let mut out = String::new();
+    for command in cli.get_subcommands() {
+        let mut path = vec![cli.get_name().to_string(), command.get_name().to_string()];
+        if command.has_subcommands() {
+            for sub in command.get_subcommands() {
+                path.push(sub.get_name().to_string());
+                out.push_str(&entry(&path, sub, width));
+                path.pop();
+            }
+        } else {
+            out.push_str(&entry(&path, command, width));
+        }
+    }
+    out
+}
+
+/// One command's synopsis: its name, positionals, then each option in declaration order.
+fn entry(path: &[String], command: &Command, width: usize) -> String {
+    let visible = |a: &&Arg| !a.is_hide_set() && !matches!(a.get_action(), ArgAction::Help | ArgAction::Version);
+    let positionals = command.get_positionals().filter(visible).map(positional);
+    let options = command.get_arguments().filter(visible).filter(|a| !a.is_positional()).map(option);
+    let words: Vec<String> = std::iter::once(path.join(" ")).chain(positionals).chain(options).collect();
+    wrap(&words, width)
+}
+
+fn positional(a: &Arg) -> String {
+    let name =
+        a.get_value_names().and_then(|n| n.first()).map_or(a.get_id().as_str().to_uppercase(), |n| n.to_string());
+    let many = if matches!(a.get_action(), ArgAction::Append) || a.get_num_args().is_some_and(|n| n.max_values() > 1) {
+        "..."
+    } else {
+        ""
+    };
+    if a.is_required_set() {
+        format!("<{name}>{many}")
+    } else {
+        format!("[{name}]{many}")
+    }
+}
+
+fn option(a: &Arg) -> String {
+    let long = format!("--{}", a.get_long().expect("options have a long name"));
+    let text = if a.get_action().takes_values() {
+        let values: Vec<String> =
+            a.get_possible_values().iter().filter(|v| !v.is_hide_set()).map(|v| v.get_name().to_string()).collect();
+        // The choices, else the default (as `--batch 4`), else the value's name.
+        let default = a.get_default_values().first().map(|v| v.to_string_lossy().into_owned());
+        let name = || {
+            a.get_value_names().and_then(|n| n.first()).map_or(a.get_id().as_str().to_uppercase(), |n| n.to_string())
+        };
+        let value = if values.is_empty() { default.unwrap_or_else(name) } else { values.join("|") };
+        format!("{long} {value}")
+    } else {
+        long
+    };
+    if a.is_required_set() {
+        text
+    } else {
+        format!("[{text}]")
+    }
+}
+
+/// Words joined by spaces, a new line (indented two spaces) before a word that would pass `width`.
+fn wrap(words: &[String], width: usize) -> String {
+    let mut out = String::new();
+    let mut line = String::new();
+    for word in words {
+        if !line.is_empty() && line.len() + 1 + word.len() > width {
+            out.push_str(&line);
+            out.push('\n');
+            line = "  ".into();
+        } else if !line.is_empty() {
+            line.push(' ');
+        }
+        line.push_str(word);
+    }
+    out.push_str(&line);
+    out.push('\n');
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    const START: &str = "<!-- synopsis: written from the clap definition; MOE_AUDIT_UPDATE_README=1 cargo test synopsis rewrites it -->\n```\n";
+    const END: &str = "```\n<!-- synopsis end -->";
+
+    #[test]
+    fn the_readme_synopsis_is_the_clap_definition() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/README.md");
+        let readme = std::fs::read_to_string(path).unwrap();
+        let start = readme.find(START).expect("the README has a synopsis block") + START.len();
+        let end = start + readme[start..].find(END).expect("the synopsis block ends");
+        let want = synopsis(&crate::cli::Cli::command(), 100);
+        if std::env::var_os("MOE_AUDIT_UPDATE_README").is_some() {
+            std::fs::write(path, format!("{}{want}{}", &readme[..start], &readme[end..])).unwrap();
+            return;
+        }
+        assert_eq!(
+            &readme[start..end],
+            want,
+            "README.md's synopsis: rewrite it with MOE_AUDIT_UPDATE_README=1 cargo test synopsis"
+        );
+    }
+
+    #[test]
+    fn options_show_their_values_and_lines_wrap() {
+        let text = synopsis(&crate::cli::Cli::command(), 100);
+        assert!(text.contains("[--format text|json|markdown|junit|github]"), "{text}");
+        assert!(text.starts_with("moe-audit presets\nmoe-audit route "), "{text}");
+        assert!(text.lines().all(|l| l.len() <= 100 || !l.trim_start().contains(' ')), "{text}");
+        assert!(text.contains("\nmoe-audit routes compare "), "{text}");
+    }
+}
