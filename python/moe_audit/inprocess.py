@@ -43,11 +43,13 @@ def check(router: Any, *args: Any, timeout: float = 900, **spec: Any) -> "subpro
         if spec:
             raise TypeError(f"unknown options: {', '.join(sorted(spec))}")
         flag, answer_streams = "--model-cmd", router.serve
+        name = getattr(router, "name", None) or type(router).__name__
     else:
         route, hs = describe(router, spec)
         if spec:
             raise TypeError(f"unknown options: {', '.join(sorted(spec))}")
         flag, answer_streams = "--router-cmd", lambda inp, out: serve(route, stdin=inp, stdout=out, **hs)
+        name = hs["name"]
     with tempfile.TemporaryDirectory(prefix="moe-audit-check-") as directory:
         requests = os.path.join(directory, "requests")
         responses = os.path.join(directory, "responses")
@@ -77,4 +79,7 @@ def check(router: Any, *args: Any, timeout: float = 900, **spec: Any) -> "subpro
             thread.join(timeout=60)
         if failure:
             raise failure[0]
+        # Messages name the router's command: here the relay, which means nothing to the user.
+        label = f"{name} (served in this Python process)"
+        proc.stdout, proc.stderr = (text.replace(relay, label) for text in (proc.stdout, proc.stderr))
         return proc
