@@ -1,9 +1,9 @@
 //! A probe case: two calls whose aligned tokens must route alike, and the machinery to run
 //! and compare them.
 
-use super::compare::{diff_token, TokenDiff};
 use crate::error::Result;
 use crate::router::Router;
+use crate::routing::{diff_token, TokenDiff};
 use crate::routing::{Logits, Routing};
 use ndarray::{s, Array2, Axis};
 use std::sync::Arc;

@@ -1,82 +1,25 @@
-//! Comparing two routing records token by token: the full record (ids, choice order, weights,
-//! kept and padded flags, capacity in force), never ids alone.
+//! Moved: the routing diff is a pure function of two routing records, so it lives with the record
+//! in [`crate::routing`] now. These deprecated aliases keep the old paths compiling for a release
+//! (a `#[deprecated]` on a `pub use` warns nobody, hence an alias, a constant and two wrappers).
 
 use crate::routing::{Routing, TokenRouting};
-use serde::{Deserialize, Serialize};
 
-/// Absolute tolerance on combine weights: weights of an unchanged token are computed from the
-/// same logits by the same formula, so anything above float noise is a real change.
-pub const WEIGHT_TOLERANCE: f32 = 1e-6;
+/// Moved to [`crate::routing::WEIGHT_TOLERANCE`], the value's one home.
+#[deprecated(note = "moved to moe_audit::routing::WEIGHT_TOLERANCE")]
+pub const WEIGHT_TOLERANCE: f32 = crate::routing::WEIGHT_TOLERANCE;
 
-/// What differs between two routings of one token.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct TokenDiff {
-    /// Expert ids or their choice order differ.
-    pub experts: bool,
-    /// A route was kept in one and dropped in the other.
-    pub kept: bool,
-    /// Padding slots differ.
-    pub padded: bool,
-    /// A combine weight differs beyond [`WEIGHT_TOLERANCE`].
-    pub weight: bool,
-    /// The capacity in force for the token's group differs.
-    pub capacity: bool,
-}
+/// Moved to [`crate::routing::TokenDiff`].
+#[deprecated(note = "moved to moe_audit::routing::TokenDiff")]
+pub type TokenDiff = crate::routing::TokenDiff;
 
-impl TokenDiff {
-    /// The token's routing decision changed (capacity alone does not count): the one rule that
-    /// judges a leak, for the audit (the tally counts these tokens), witness
-    /// shrinking and witness replay alike. A capacity in force that changed while no decision
-    /// did is reported, never judged a leak (docs/PROTOCOL.md, "Capacity").
-    pub fn decision(&self) -> bool {
-        self.experts || self.kept || self.padded || self.weight
-    }
-
-    /// Anything changed.
-    pub fn any(&self) -> bool {
-        self.decision() || self.capacity
-    }
-
-    /// Short words for reports, e.g. `kept, weight`.
-    pub fn describe(&self) -> String {
-        let parts: Vec<&str> = [
-            (self.experts, "experts"),
-            (self.kept, "kept"),
-            (self.padded, "padding"),
-            (self.weight, "weight"),
-            (self.capacity, "capacity"),
-        ]
-        .iter()
-        .filter(|(on, _)| *on)
-        .map(|(_, name)| *name)
-        .collect();
-        parts.join(", ")
-    }
-}
-
-/// The capacity in force for a token: its own (causal capacity), else its group's.
+/// Moved to [`crate::routing::capacity_of`].
+#[deprecated(note = "moved to moe_audit::routing::capacity_of")]
 pub fn capacity_of(r: &Routing, t: &TokenRouting) -> Option<usize> {
-    t.capacity.or_else(|| r.scope.groups.get(t.group).and_then(|g| g.capacity))
+    crate::routing::capacity_of(r, t)
 }
 
-/// Compares token `(ba, pa)` of `a` with token `(bb, pb)` of `b`.
-pub fn diff_token(a: &Routing, (ba, pa): (usize, usize), b: &Routing, (bb, pb): (usize, usize)) -> TokenDiff {
-    let (ta, tb) = (a.token(ba, pa), b.token(bb, pb));
-    fn experts_of(t: &TokenRouting, padded: bool) -> impl Iterator<Item = usize> + '_ {
-        t.routes.iter().filter(move |r| r.padded == padded).map(|r| r.expert)
-    }
-    let experts = !experts_of(ta, false).eq(experts_of(tb, false));
-    let (kept, weight) = if experts {
-        (false, false)
-    } else {
-        let pairs = || ta.routes.iter().filter(|r| !r.padded).zip(tb.routes.iter().filter(|r| !r.padded));
-        (pairs().any(|(x, y)| x.kept != y.kept), pairs().any(|(x, y)| (x.weight - y.weight).abs() > WEIGHT_TOLERANCE))
-    };
-    TokenDiff {
-        experts,
-        kept,
-        padded: !experts_of(ta, true).eq(experts_of(tb, true)),
-        weight,
-        capacity: capacity_of(a, ta) != capacity_of(b, tb),
-    }
+/// Moved to [`crate::routing::diff_token`].
+#[deprecated(note = "moved to moe_audit::routing::diff_token")]
+pub fn diff_token(a: &Routing, ta: (usize, usize), b: &Routing, tb: (usize, usize)) -> crate::routing::TokenDiff {
+    crate::routing::diff_token(a, ta, b, tb)
 }

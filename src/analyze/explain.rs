@@ -101,7 +101,7 @@ fn changed(differs: &str, before: &TokenRouting, after: &TokenRouting) -> String
                 let word = |kept| if kept { "kept" } else { "dropped" };
                 parts.push(format!("expert {} {} -> {}", p.expert, word(p.kept), word(q.kept)));
             }
-            if (p.weight - q.weight).abs() > super::compare::WEIGHT_TOLERANCE {
+            if (p.weight - q.weight).abs() > crate::routing::WEIGHT_TOLERANCE {
                 parts.push(format!("weight of expert {} {:.4} -> {:.4}", p.expert, p.weight, q.weight));
             }
         }

@@ -3,11 +3,11 @@
 //! not (a layer bug) is caught. Output differences within f32 summation noise are drift.
 
 use super::{Finding, Layer, Probe, Verdict};
-use crate::analyze::compare::diff_token;
 use crate::error::Result;
 use crate::layer::Seeded;
 use crate::parallel::RankTraffic;
 use crate::router::{logits_to_host, Router};
+use crate::routing::diff_token;
 use crate::routing::{Logits, Routing};
 use candle_core::{Device, Tensor};
 

@@ -7,6 +7,7 @@
 
 mod budget;
 mod case;
+#[deprecated(note = "moved to moe_audit::routing (TokenDiff, diff_token, capacity_of, WEIGHT_TOLERANCE)")]
 pub mod compare;
 pub(crate) mod explain;
 mod layer_check;

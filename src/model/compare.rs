@@ -11,7 +11,7 @@
 //! earliest change is numerics is drift as a whole.
 
 use super::{LayerOutput, ModelOutput};
-use crate::analyze::compare::{diff_token, TokenDiff};
+use crate::routing::{diff_token, TokenDiff};
 use serde::{Deserialize, Serialize};
 
 /// Relative tolerance on output rows and on logits for weight-only changes: matmuls of

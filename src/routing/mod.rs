@@ -3,9 +3,11 @@
 //! The assignment stage is pure host code over `f32` logits: exact, deterministic and the same
 //! on every device. Scopes split the call into groups (`scope.rs`); each group is routed by token
 //! choice, expert choice or expert threshold; capacity and dropping live in [`capacity`].
+//! Two records are compared token by token with [`diff_token`] (`diff.rs`).
 
 pub mod balance;
 pub mod capacity;
+mod diff;
 mod expert_choice;
 mod prefix;
 mod record;
@@ -17,6 +19,7 @@ mod table;
 pub mod threshold;
 mod token_choice;
 
+pub use diff::{capacity_of, diff_token, TokenDiff, WEIGHT_TOLERANCE};
 pub use prefix::prefix_stable;
 pub(crate) use record::Decisions;
 pub use record::{ExpertLoad, GroupRecord, LoadStats, Route, Routing, ScopeRecord, TokenRouting};

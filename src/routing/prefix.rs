@@ -44,9 +44,9 @@ pub fn prefix_stable(config: &RouterConfig, batch: usize) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::analyze::compare::diff_token;
     use crate::config::{preset, presets};
     use crate::routing::assign_routes;
+    use crate::routing::diff_token;
     use ndarray::{s, Array3};
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;

@@ -3,10 +3,10 @@
 //! once at random) and every earlier token t of that sequence is checked for a changed routing.
 
 use super::grid::Cell;
-use crate::analyze::compare::diff_token;
 use crate::analyze::TARGET_LOGIT;
 use crate::error::Result;
 use crate::router::Router;
+use crate::routing::diff_token;
 use crate::routing::Logits;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;

@@ -13,7 +13,6 @@ pub use crate::config::Family;
 pub use grid::{Cell, Grid, Skipped};
 pub use heatmap::Heatmap;
 
-use crate::analyze::compare::diff_token;
 use crate::analyze::numerics::{swamping, Swamping};
 use crate::analyze::{audit, AuditOptions, Probe, RouterReport, Subject, Verdict};
 use crate::error::Result;
@@ -21,6 +20,7 @@ use crate::exploit::{ExploitOptions, RouterExploit};
 use crate::layer::{MoeLayer, Seeded};
 use crate::progress::Silent;
 use crate::router::{logits_to_host, Router};
+use crate::routing::diff_token;
 use crate::routing::Routing;
 use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};

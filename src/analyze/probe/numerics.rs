@@ -15,7 +15,7 @@
 
 use super::{Ctx, Rule, Sample};
 use crate::analyze::case::{Call, Case};
-use crate::analyze::compare::diff_token;
+use crate::routing::diff_token;
 use crate::analyze::{witness::{self, Witness}, AuditOptions, Finding, Probe, Property, Verdict};
 use crate::error::Result;
 use crate::router::logits_to_host;
