@@ -38,7 +38,7 @@ fn main() -> Result<(), String> {
     let st_path = write("trainer.safetensors", g.bytes())?;
     let config = serde_json::from_str(&config(layers, 0, experts, k)).map_err(|e| e.to_string())?;
     let layout = Layout::from_json(&config)?;
-    let limit: u64 = 1 << 30;
+    let limit = moe_audit::MemoryBudget::new(1 << 30);
     println!(
         "{tokens} tokens x {layers} layers x top-{k} ({} MB per record), {experts} experts, {flipped} decisions flipped; {reps} reps, median",
         tokens * layers * k * 4 / 1_000_000
@@ -76,7 +76,7 @@ fn main() -> Result<(), String> {
         let mut budget = Budget::new(limit);
         let c = routes::compare(&a, &b, Some(&layout), &options, &mut budget).map_err(err)?;
         assert!((c.measures.decisions_differ - flipped as f64 / (tokens * layers) as f64).abs() < 1e-12);
-        used = limit - budget.left();
+        used = limit.bytes() - budget.left();
         Ok(())
     })?;
     let mut whole = 0;
@@ -85,7 +85,7 @@ fn main() -> Result<(), String> {
         let a = routes::load(&npy_path, Some(&layout), None, &mut budget).map_err(err)?;
         let b = routes::load(&st_path, Some(&layout), None, &mut budget).map_err(err)?;
         routes::compare(&a, &b, Some(&layout), &options, &mut budget).map_err(err)?;
-        whole = limit - budget.left();
+        whole = limit.bytes() - budget.left();
         Ok(())
     })?;
     println!(

@@ -7,6 +7,7 @@
 //! (or a run interrupted by a signal) sees the previous set or the new one, never a torn file.
 
 use crate::error::{ensure_positive, Error, Result, Setting};
+use crate::MemoryBudget;
 use bytesize::ByteSize;
 use ndarray::Array3;
 use std::io::{BufRead, Read};
@@ -244,22 +245,22 @@ pub fn create_dir(dir: &Path) -> Result<()> {
 /// Reads a rows file (logits, or hidden states): a JSON array of rows, each `width` numbers
 /// (`expected` says why, for errors), split into `batch` sequences (of `seq_len` tokens when
 /// given). The file and what parsing it takes must fit
-/// in `max_memory` bytes, checked before parsing.
+/// in `budget` bytes, checked before parsing.
 pub fn read_rows(
     path: &Path,
     batch: usize,
     seq_len: Option<usize>,
     width: usize,
     expected: &str,
-    max_memory: u64,
+    budget: MemoryBudget,
 ) -> Result<Array3<f32>> {
-    let text = read_text(path, max_memory, &Setting::MaxMemory.to_string())?;
+    let text = read_text(path, budget.bytes(), &Setting::MaxMemory.to_string())?;
     // Parsed, every value is an f64 in a row vector (twice over while they grow) and every row
     // a vector: count them in the text before allocating them.
     let values = text.bytes().filter(|&b| b == b',').count() as u64 + 1;
     let rows = text.bytes().filter(|&b| b == b'[').count() as u64;
     let parsed = (text.len() as u64).saturating_add(values.saturating_mul(20)).saturating_add(rows.saturating_mul(48));
-    crate::memory::ensure_fits(&format!("reading {}", path.display()), parsed, max_memory)?;
+    budget.ensure_fits(&format!("reading {}", path.display()), parsed)?;
     // Read as f64 and narrow: a value beyond f32 becomes inf, which routing rejects naming the
     // batch, position and expert (more useful than a parse error).
     let rows: Vec<Vec<f64>> = serde_json::from_str(&text)

@@ -30,6 +30,7 @@ pub mod sweep;
 
 pub use config::RouterConfig;
 pub use error::{Error, Result};
+pub use memory::MemoryBudget;
 pub use router::{ConfigRouter, Router};
 pub use routing::{assign, assign_masked, Logits, Routing};
 pub use sizes::RunSizes;

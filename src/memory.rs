@@ -18,9 +18,65 @@ pub fn physical_memory() -> Option<u64> {
     Some(kib * 1024)
 }
 
+/// The memory a run may take (`--max-memory`). Estimates are checked against the whole before
+/// anything is allocated; what reads a file whole gets a share of it, because the parsed form
+/// costs more than the bytes read. The shares are defined here and nowhere else.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryBudget {
+    bytes: u64,
+}
+
+impl MemoryBudget {
+    /// A budget of `bytes`.
+    pub fn new(bytes: u64) -> Self {
+        MemoryBudget { bytes }
+    }
+
+    /// The budget in force: `requested`, or half of physical memory.
+    pub fn from_request(requested: Option<ByteSize>) -> Self {
+        Self::new(
+            requested.map_or_else(|| physical_memory().unwrap_or(FALLBACK_PHYSICAL) / DEFAULT_SHARE, |b| b.as_u64()),
+        )
+    }
+
+    /// The whole budget, in bytes.
+    pub fn bytes(self) -> u64 {
+        self.bytes
+    }
+
+    /// Fails with the estimate when `estimate` bytes exceed the budget.
+    pub fn ensure_fits(self, what: &str, estimate: u64) -> Result<()> {
+        ensure_fits(what, estimate, self.bytes)
+    }
+
+    /// What a text file read whole and parsed (JSON, JSON lines) may hold: a quarter, since its
+    /// parsed values take up to three times its bytes.
+    pub fn text(self) -> u64 {
+        self.bytes / 4
+    }
+
+    /// [`Self::text`] in the words an error gives for it.
+    pub fn text_why(self) -> String {
+        format!("a quarter of {}", crate::error::Setting::MaxMemory)
+    }
+
+    /// What the tensors of a safetensors file may hold: half, since they are read whole and
+    /// then converted (dtype, device) into a copy.
+    pub fn tensors(self) -> u64 {
+        self.bytes / 2
+    }
+
+    /// The longest line or payload a peer process (a router, a model) may send: a quarter, and
+    /// at least 64 KiB so a tiny budget still carries a handshake.
+    pub fn message(self) -> usize {
+        usize::try_from(self.text()).unwrap_or(usize::MAX).max(1 << 16)
+    }
+}
+
 /// The limit in force: `requested`, or half of physical memory.
+#[deprecated(note = "use MemoryBudget::from_request")]
 pub fn limit(requested: Option<ByteSize>) -> u64 {
-    requested.map_or_else(|| physical_memory().unwrap_or(FALLBACK_PHYSICAL) / DEFAULT_SHARE, |b| b.as_u64())
+    MemoryBudget::from_request(requested).bytes()
 }
 
 /// Parses `--max-memory` (`512MiB`, `4GiB`, `2000000000`): a positive size, said clearly when not.

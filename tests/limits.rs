@@ -6,7 +6,8 @@
 //! measured here need a parent that holds little, not one running the `it` tests beside them.
 
 use moe_audit::analyze::AuditOptions;
-use moe_audit::memory::{limit, physical_memory};
+use moe_audit::memory::physical_memory;
+use moe_audit::MemoryBudget;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -55,7 +56,7 @@ fn the_default_limit_is_half_of_physical_memory_and_estimates_grow_with_size() {
         assert!(err.contains(&format!("over the limit of {half} (")), "half of {total} bytes is {half}: {err}");
     }
     // An explicit limit is taken as given.
-    assert_eq!(limit(Some(bytesize::ByteSize::mib(3))), 3 << 20);
+    assert_eq!(MemoryBudget::from_request(Some(bytesize::ByteSize::mib(3))).bytes(), 3 << 20);
     let small = AuditOptions::default().memory_estimate(8, 2, 64, 128);
     let long = AuditOptions { seq_len: 1 << 20, ..AuditOptions::default() }.memory_estimate(8, 2, 64, 128);
     assert!(small < 64 << 20, "default audit estimate {small}");

@@ -30,6 +30,7 @@ use crate::layer::{MoeLayer, Seeded};
 use crate::progress::Progress;
 use crate::router::{logits_to_host, Router};
 use crate::routing::{LoadStats, Routing};
+use crate::MemoryBudget;
 use candle_core::Device;
 use probe::Ctx;
 use serde::{Deserialize, Serialize};
@@ -299,20 +300,20 @@ impl<'a> Subject<'a> {
 }
 
 /// Audits each config with a seeded layer of `hidden` × `ffn`, telling `progress` each probe;
-/// fails before allocating anything when an audit is estimated to need more than `max_memory`
+/// fails before allocating anything when an audit is estimated to need more than `budget`
 /// bytes. With `comm`, the layout probe runs the layer expert-parallel over it (every rank audits
 /// alike).
 pub fn audit_configs(
     configs: Vec<crate::RouterConfig>,
     options: &AuditOptions,
     (hidden, ffn): (usize, usize),
-    max_memory: u64,
+    budget: MemoryBudget,
     comm: Option<&dyn crate::parallel::Communicator>,
     progress: &dyn Progress,
 ) -> Result<Report> {
     for config in &configs {
         let estimate = options.memory_estimate(config.experts, config.k(), hidden, ffn);
-        crate::memory::ensure_fits(&format!("the audit of `{}`", config.name), estimate, max_memory)?;
+        budget.ensure_fits(&format!("the audit of `{}`", config.name), estimate)?;
     }
     let mut routers = Vec::new();
     for config in configs {

@@ -7,12 +7,12 @@ use clap::{Args, ValueEnum};
 use moe_audit::analyze::{audit_configs, AuditOptions, Probe, Report, RouterReport, Witness};
 use moe_audit::config::{presets, RouterConfig};
 use moe_audit::error::{Error, Result};
-use moe_audit::memory;
 use moe_audit::parallel::{split_batch, Communicator};
 use moe_audit::render::{
     json, render_github, render_junit, render_markdown, render_replay, render_text, render_zoo, witness_path,
     write_witnesses,
 };
+use moe_audit::MemoryBudget;
 use moe_audit::RunSizes;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -127,11 +127,11 @@ fn audit_all(
     configs: Vec<RouterConfig>,
     options: &AuditOptions,
     sizes: (usize, usize),
-    max_memory: u64,
+    budget: MemoryBudget,
     comm: Option<&dyn Communicator>,
 ) -> Result<Report> {
     let bar = AuditBar::stderr(configs.len() * options.probes.len());
-    let report = audit_configs(configs, options, sizes, max_memory, comm, &bar);
+    let report = audit_configs(configs, options, sizes, budget, comm, &bar);
     bar.finish();
     report
 }
@@ -141,7 +141,7 @@ pub(super) fn run(args: &CheckArgs, out: &mut dyn Write) -> Result<u8> {
         return Ok(code);
     }
     if let Some(path) = &args.replay {
-        return replay(args, path, args.memory.limit(), out);
+        return replay(args, path, args.memory.budget(), out);
     }
     match args.comm {
         CommKind::InProcess => audit_and_report(args, out, None),
@@ -175,8 +175,8 @@ pub(super) fn no_mpi() -> Error {
 }
 
 fn audit_and_report(args: &CheckArgs, out: &mut dyn Write, comm: Option<&dyn Communicator>) -> Result<u8> {
-    let max_memory = args.memory.limit();
-    let mut options = args.external.options(args.options()?, max_memory)?;
+    let budget = args.memory.budget();
+    let mut options = args.external.options(args.options()?, budget)?;
     if let Some(comm) = comm {
         options.ranks = comm.size();
         split_batch(options.batch, comm.size())?;
@@ -186,9 +186,9 @@ fn audit_and_report(args: &CheckArgs, out: &mut dyn Write, comm: Option<&dyn Com
     let mut report = if args.external.real_gate() {
         Report { options: options.clone(), routers: Vec::new() }
     } else {
-        audit_all(configs.clone(), &options, (args.sizes.hidden, args.sizes.ffn), max_memory, comm)?
+        audit_all(configs.clone(), &options, (args.sizes.hidden, args.sizes.ffn), budget, comm)?
     };
-    report.routers.extend(args.external.audit(configs, &options, max_memory)?);
+    report.routers.extend(args.external.audit(configs, &options, budget)?);
     name_exhaustive(&mut report);
     // Routers named in their handshake or manifest too, before any file is written.
     moe_audit::names::check_unique(report.routers.iter().map(|r| r.router.as_str())).map_err(Error::Usage)?;
@@ -265,8 +265,8 @@ fn name_exhaustive(report: &mut Report) {
 }
 
 /// Replays a witness from its file, or, with `--router-cmd`, against the live router.
-fn replay(args: &CheckArgs, path: &Path, max_memory: u64, out: &mut dyn Write) -> Result<u8> {
-    let witness = Witness::read_within(path, max_memory)?;
+fn replay(args: &CheckArgs, path: &Path, budget: MemoryBudget, out: &mut dyn Write) -> Result<u8> {
+    let witness = Witness::read_within(path, budget)?;
     let replay = match args.external.cmd.router_cmd.as_slice() {
         [] => witness.replay(path)?,
         [command] => {
@@ -276,7 +276,7 @@ fn replay(args: &CheckArgs, path: &Path, max_memory: u64, out: &mut dyn Write) -
                 timeout,
                 args.seed,
                 args.external.mode.into(),
-                max_memory,
+                budget,
             )?;
             witness.replay_on(path, &router)?
         }
@@ -300,7 +300,7 @@ pub struct ZooArgs {
 pub(super) fn zoo(args: &ZooArgs, out: &mut dyn Write) -> Result<u8> {
     let options = AuditOptions { seed: args.seed, ..AuditOptions::default() };
     let configs = presets().iter().map(|p| p.config()).collect::<Result<Vec<_>>>()?;
-    let report = audit_all(configs, &options, (64, 128), memory::limit(None), None)?;
+    let report = audit_all(configs, &options, (64, 128), MemoryBudget::from_request(None), None)?;
     out.write_all(render_zoo(&report).as_bytes()).map_err(io_error)?;
     Ok(0)
 }

@@ -6,7 +6,6 @@ use super::check::CommKind;
 use super::{io_error, MemoryArgs};
 use clap::{Args, ValueEnum};
 use moe_audit::error::{Error, Result};
-use moe_audit::memory;
 use moe_audit::parallel::reduce::{Algorithm, Precision, ReducePlan};
 use moe_audit::parallel::swamping::{audit_in_process, sort_figures, AuditPlan, Figures, Payload};
 use moe_audit::render::{collectives_chart, collectives_config_name, json, render_collectives, CollectivesReport};
@@ -174,12 +173,12 @@ fn validate(args: &CollectivesArgs) -> Result<(Payload, AuditPlan)> {
         }
     }
     let max_ranks = *args.ranks.iter().max().expect("not empty");
-    let limit = args.memory.limit();
+    let budget = args.memory.budget();
     let (payload, elements, ranges) = match &args.gradients {
         Some(path) => {
             // The file's own size bounds what reading it allocates.
             let size = std::fs::metadata(path).map_err(|e| Error::input(path, format!("cannot read: {e}")))?.len();
-            memory::ensure_fits("reading the gradients", size.saturating_mul(3), limit)?;
+            budget.ensure_fits("reading the gradients", size.saturating_mul(3))?;
             let rows = moe_audit::parallel::swamping::read_gradients(path)?;
             if let Some(&r) = args.ranks.iter().find(|&&r| r > rows.len()) {
                 return usage(format!("--ranks {r}: {} holds gradients of {} ranks", path.display(), rows.len()));
@@ -211,11 +210,7 @@ fn validate(args: &CollectivesArgs) -> Result<(Payload, AuditPlan)> {
     // Per rank: its payload, the buffer, a rounded copy, the message and what arrives (5 × 4
     // bytes per element); rank 0 also holds every rank's payload and the exact sums.
     let per_element = (max_ranks as u64).saturating_mul(20 + 4).saturating_add(8);
-    memory::ensure_fits(
-        "this reduction",
-        (elements as u64).saturating_mul(per_element).saturating_add(32 << 20),
-        limit,
-    )?;
+    budget.ensure_fits("this reduction", (elements as u64).saturating_mul(per_element).saturating_add(32 << 20))?;
     let mut plans = Vec::new();
     for &algorithm in &args.algorithms {
         for &wire in &args.wire {

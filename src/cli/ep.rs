@@ -8,7 +8,7 @@ use clap::{Args, ValueEnum};
 use moe_audit::config::RouterConfig;
 use moe_audit::error::Result;
 use moe_audit::layer::{MoeLayer, Seeded};
-use moe_audit::memory::{self, CallSizes};
+use moe_audit::memory::CallSizes;
 use moe_audit::parallel::reduce::Precision;
 use moe_audit::parallel::{split_batch, Communicator, ExpertParallel};
 use moe_audit::render::{json, render_ep, EpReport};
@@ -73,18 +73,18 @@ pub(super) fn run(args: &EpArgs, out: &mut dyn Write) -> Result<u8> {
         hidden: run.hidden,
         ffn: run.ffn,
     };
-    let max_memory = args.memory.limit();
+    let budget = args.memory.budget();
     // The input's real sizes (a file's, not --seq-len) decide the estimate.
     let input = match &args.input {
         Some(path) => {
             let expected = format!("--hidden is {}", run.hidden);
-            Some(moe_audit::files::read_rows(path, run.batch, None, run.hidden, &expected, max_memory)?)
+            Some(moe_audit::files::read_rows(path, run.batch, None, run.hidden, &expected, budget)?)
         }
         None => None,
     };
     let sizes = CallSizes { seq_len: input.as_ref().map_or(sizes.seq_len, |rows| rows.dim().1), ..sizes };
     // The expert-parallel forward, its gathered outputs and the single-device forward.
-    memory::ensure_fits("this forward", sizes.estimate().saturating_mul(3), max_memory)?;
+    budget.ensure_fits("this forward", sizes.estimate().saturating_mul(3))?;
     let layer = MoeLayer::seeded(config, run.hidden, run.ffn, args.seed, DType::F32, &Device::Cpu)?;
     let x = match input {
         Some(rows) => {

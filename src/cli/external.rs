@@ -9,8 +9,8 @@ use moe_audit::config::RouterConfig;
 use moe_audit::error::{ensure_positive, Error, Result, Setting};
 use moe_audit::external::{plan, planned_options, ExternalRouter, Handshake, InputKind, Mode, TraceRouter};
 use moe_audit::layer::gate::GateSource;
-use moe_audit::memory;
 use moe_audit::router::Router;
+use moe_audit::MemoryBudget;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -74,7 +74,7 @@ impl ExternalArgs {
 
     /// The audit options: the plan's when auditing traces (from its manifest; the traces
     /// themselves are read once, by the audit).
-    pub(super) fn options(&self, options: AuditOptions, max_memory: u64) -> Result<AuditOptions> {
+    pub(super) fn options(&self, options: AuditOptions, budget: MemoryBudget) -> Result<AuditOptions> {
         self.cmd.timeout()?;
         if self.mode != ModeArg::Train && self.cmd.router_cmd.is_empty() {
             return Err(Error::Usage(
@@ -87,7 +87,7 @@ impl ExternalArgs {
             ));
         }
         match &self.traces {
-            Some(dir) => planned_options(dir, max_memory),
+            Some(dir) => planned_options(dir, budget),
             None => Ok(options),
         }
     }
@@ -97,14 +97,14 @@ impl ExternalArgs {
         &self,
         configs: Vec<RouterConfig>,
         options: &AuditOptions,
-        max_memory: u64,
+        budget: MemoryBudget,
     ) -> Result<Vec<RouterReport>> {
         let mut reports = Vec::new();
         // Routers without a layer; their routes per token are unknown before they answer, so
         // the estimate counts one.
         let audit_router = |router: &dyn Router| -> Result<RouterReport> {
             let estimate = options.memory_estimate(router.row_width(), 1, 0, 0);
-            memory::ensure_fits(&format!("the audit of `{}`", router.name()), estimate, max_memory)?;
+            budget.ensure_fits(&format!("the audit of `{}`", router.name()), estimate)?;
             let bar = AuditBar::stderr(options.probes.len());
             let report = audit(&Subject { router, layer: None }, options, &bar);
             bar.finish();
@@ -120,7 +120,7 @@ impl ExternalArgs {
                 Some((file, tensor)) if !Path::new(spec).is_file() => (Path::new(file), Some(tensor)),
                 _ => (Path::new(spec), None),
             });
-            let source = GateSource { weights, gate, bias: self.bias.as_deref(), hidden_states, max_memory };
+            let source = GateSource { weights, gate, bias: self.bias.as_deref(), hidden_states, budget };
             for config in configs {
                 let router = source.router(config)?;
                 reports.push(audit_router(&router)?);
@@ -128,11 +128,11 @@ impl ExternalArgs {
         }
         for command in &self.cmd.router_cmd {
             let timeout = self.cmd.timeout()?;
-            let router = ExternalRouter::spawn(command, timeout, options.seed, self.mode.into(), max_memory)?;
+            let router = ExternalRouter::spawn(command, timeout, options.seed, self.mode.into(), budget)?;
             reports.push(audit_router(&router)?);
         }
         if let Some(dir) = &self.traces {
-            let router = TraceRouter::open(dir, max_memory)?;
+            let router = TraceRouter::open(dir, budget)?;
             reports.push(audit_router(&router)?);
         }
         Ok(reports)
@@ -246,7 +246,7 @@ pub(super) fn run_plan(args: &PlanArgs, out: &mut dyn Write) -> Result<u8> {
         seed: args.seed,
         ..AuditOptions::default()
     };
-    let calls = plan(&router, &options, &args.output, args.memory.limit())?;
+    let calls = plan(&router, &options, &args.output, args.memory.budget())?;
     writeln!(
         out,
         "planned {calls} calls in {}: answer each call of manifest.json, in order, with one response line in decisions.jsonl, then run `moe-audit check --traces {}`",

@@ -160,9 +160,9 @@ pub struct MemoryArgs {
 }
 
 impl MemoryArgs {
-    /// The limit in force, in bytes.
-    pub fn limit(&self) -> u64 {
-        moe_audit::memory::limit(self.max_memory)
+    /// The budget in force.
+    pub fn budget(&self) -> moe_audit::MemoryBudget {
+        moe_audit::MemoryBudget::from_request(self.max_memory)
     }
 }
 

@@ -7,12 +7,12 @@ use clap::Args;
 use moe_audit::analyze::Probe;
 use moe_audit::config::RouterConfig;
 use moe_audit::error::{Error, Result};
-use moe_audit::memory;
 use moe_audit::model::audit::{replay, TokenWitness};
 use moe_audit::model::{
     audit_model, Builtin, BuiltinSpec, Model, ModelAuditOptions, ModelProcess, ModelReport, TokenProbe,
 };
 use moe_audit::render::render_model_text;
+use moe_audit::MemoryBudget;
 use std::io::Write;
 use std::path::Path;
 
@@ -69,10 +69,10 @@ pub(super) fn run(args: &CheckArgs, out: &mut dyn Write) -> Result<Option<u8>> {
     if let Some((flag, _)) = router_only.iter().find(|(_, set)| *set) {
         return Err(Error::Usage(format!("{flag} applies to routers, not to --model or --model-cmd")));
     }
-    let max_memory = args.memory.limit();
-    let model = open(args, max_memory)?;
+    let budget = args.memory.budget();
+    let model = open(args, budget)?;
     if let Some(path) = &args.replay {
-        return replay_witness(model.as_ref(), path, max_memory, args, out).map(Some);
+        return replay_witness(model.as_ref(), path, budget, args, out).map(Some);
     }
     // The single-layer default list names L, which has no meaning here: the default is every
     // token probe.
@@ -111,11 +111,11 @@ pub(super) fn run(args: &CheckArgs, out: &mut dyn Write) -> Result<Option<u8>> {
 }
 
 /// The model the flags name, checked to fit in memory at the audit's sizes.
-fn open(args: &CheckArgs, max_memory: u64) -> Result<Box<dyn Model>> {
+fn open(args: &CheckArgs, budget: MemoryBudget) -> Result<Box<dyn Model>> {
     let m = &args.model;
     if let Some(command) = &m.model_cmd {
         let timeout = moe_audit::external::process::timeout(args.external.cmd.timeout)?;
-        return Ok(Box::new(ModelProcess::spawn(command, timeout, max_memory)?));
+        return Ok(Box::new(ModelProcess::spawn(command, timeout, budget)?));
     }
     let router = RouterConfig::load(m.model.as_deref().expect("selected"))?;
     let spec = BuiltinSpec {
@@ -130,7 +130,7 @@ fn open(args: &CheckArgs, max_memory: u64) -> Result<Box<dyn Model>> {
     let model = Builtin::new(spec)?;
     // R pads a quarter of the sequence on.
     let estimate = model.call_bytes(args.sizes.batch, args.sizes.seq_len + args.sizes.seq_len / 4 + 1);
-    memory::ensure_fits(&format!("the audit of model `{}`", model.info().name), estimate, max_memory)?;
+    budget.ensure_fits(&format!("the audit of model `{}`", model.info().name), estimate)?;
     Ok(Box::new(model))
 }
 
@@ -149,11 +149,11 @@ fn write_witnesses(report: &ModelReport, dir: &Path, staged: &mut moe_audit::fil
 fn replay_witness(
     model: &dyn Model,
     path: &Path,
-    max_memory: u64,
+    budget: MemoryBudget,
     args: &CheckArgs,
     out: &mut dyn Write,
 ) -> Result<u8> {
-    let text = moe_audit::files::read_text(path, max_memory / 4, "a witness")?;
+    let text = moe_audit::files::read_text(path, budget.text(), "a witness")?;
     let w: TokenWitness =
         serde_json::from_str(&text).map_err(|e| Error::input(path, format!("not a model witness: {e}")))?;
     let still = replay(model, &w)?;

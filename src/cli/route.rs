@@ -6,7 +6,7 @@ use clap::{Args, ValueEnum};
 use moe_audit::config::RouterConfig;
 use moe_audit::error::{ensure_positive, Result, Setting};
 use moe_audit::layer::{MoeLayer, Seeded};
-use moe_audit::memory::{self, CallSizes};
+use moe_audit::memory::CallSizes;
 use moe_audit::render::json;
 use moe_audit::routing::{assign, render_table};
 use std::io::Write;
@@ -55,15 +55,15 @@ pub enum RouteFormat {
 
 pub(super) fn run(args: &RouteArgs, out: &mut dyn Write) -> Result<u8> {
     let config = RouterConfig::load(&args.router)?;
-    let max_memory = args.memory.limit();
+    let budget = args.memory.budget();
     let routing = match &args.logits {
         Some(path) => {
             let expected = format!("the router has {} experts", config.experts);
             let logits =
-                moe_audit::files::read_rows(path, args.batch, args.seq_len, config.experts, &expected, max_memory)?;
+                moe_audit::files::read_rows(path, args.batch, args.seq_len, config.experts, &expected, budget)?;
             let (batch, seq_len, _) = logits.dim();
             let sizes = CallSizes { batch, seq_len, experts: config.experts, routes: config.k(), hidden: 0, ffn: 0 };
-            memory::ensure_fits("this call", sizes.estimate(), max_memory)?;
+            budget.ensure_fits("this call", sizes.estimate())?;
             assign(&config, logits.view())?
         }
         None => {
@@ -82,7 +82,7 @@ pub(super) fn run(args: &RouteArgs, out: &mut dyn Write) -> Result<u8> {
                 hidden: args.hidden,
                 ffn: args.ffn,
             };
-            memory::ensure_fits("this call", sizes.estimate(), max_memory)?;
+            budget.ensure_fits("this call", sizes.estimate())?;
             let device = Device::Cpu;
             let layer = MoeLayer::seeded(config, args.hidden, args.ffn, args.seed, DType::F32, &device)?;
             // Hidden states from a stream of their own, so changing the weights' seed and the

@@ -2,11 +2,9 @@
 //! record summarised (`show`).
 
 use super::io_error;
-use bytesize::ByteSize;
 use clap::{Args, Subcommand, ValueEnum};
 use moe_audit::error::{Error, Result};
 use moe_audit::files::Staged;
-use moe_audit::memory;
 use moe_audit::render::{json, routes_chart, routes_github, routes_junit, routes_markdown, routes_text, show_text};
 use moe_audit::routes::read::ShapeHint;
 use moe_audit::routes::{self, Budget, CompareOptions, Layout, Record};
@@ -51,9 +49,9 @@ pub struct CompareArgs {
     /// Also draw the disagreement per layer (`.png` or `.svg`).
     #[arg(long, value_name = "FILE")]
     pub chart: Option<PathBuf>,
-    /// Refuse records that need more memory (e.g. `4GiB`; default: half of physical memory).
-    #[arg(long, value_name = "SIZE", value_parser = memory::parse_size, allow_hyphen_values = true)]
-    pub max_memory: Option<ByteSize>,
+    /// `--max-memory`.
+    #[command(flatten)]
+    pub memory: super::MemoryArgs,
 }
 
 /// Output formats of `routes compare`.
@@ -82,9 +80,9 @@ pub struct ShowArgs {
     /// Output format.
     #[arg(long, value_enum, default_value_t = ShowFormat::Text)]
     pub format: ShowFormat,
-    /// Refuse records that need more memory (e.g. `4GiB`; default: half of physical memory).
-    #[arg(long, value_name = "SIZE", value_parser = memory::parse_size, allow_hyphen_values = true)]
-    pub max_memory: Option<ByteSize>,
+    /// `--max-memory`.
+    #[command(flatten)]
+    pub memory: super::MemoryArgs,
 }
 
 /// Output formats of `routes show`.
@@ -126,7 +124,7 @@ fn compare(args: &CompareArgs, out: &mut dyn Write) -> Result<u8> {
         }
     }
     let layout = layout(&args.config)?;
-    let mut budget = Budget::new(memory::limit(args.max_memory));
+    let mut budget = Budget::new(args.memory.budget());
     // A flat SGLang record without a config takes its shape from the other record.
     let (rollout, trainer) = if is_json(&args.rollout) && !is_json(&args.trainer) {
         let trainer = routes::load(&args.trainer, layout.as_ref(), None, &mut budget)?;
@@ -156,7 +154,7 @@ fn compare(args: &CompareArgs, out: &mut dyn Write) -> Result<u8> {
 
 fn show(args: &ShowArgs, out: &mut dyn Write) -> Result<u8> {
     let layout = layout(&args.config)?;
-    let mut budget = Budget::new(memory::limit(args.max_memory));
+    let mut budget = Budget::new(args.memory.budget());
     let record = routes::load(&args.file, layout.as_ref(), None, &mut budget)?;
     let summary = routes::show(&record, layout.as_ref().map(|l| l.experts));
     let text = match args.format {

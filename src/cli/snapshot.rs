@@ -8,7 +8,6 @@ use moe_audit::config::presets;
 use moe_audit::error::{Error, Result};
 use moe_audit::external::protocol::PROTOCOL;
 use moe_audit::external::{Handshake, InputKind};
-use moe_audit::memory;
 use moe_audit::snapshot::{
     check, make, remake, write_atomic, write_plan, Header, InputSpec, RouterSource, Rows, SnapshotFile,
 };
@@ -197,7 +196,7 @@ fn utf8(path: &Path, flag: &str) -> Result<String> {
 }
 
 pub(super) fn run(args: &SnapshotArgs, out: &mut dyn Write) -> Result<u8> {
-    let max_memory = args.memory.limit();
+    let budget = args.memory.budget();
     let again = args.check.as_ref().or(args.update.as_ref());
     if let Some(path) = again {
         let flag = if args.check.is_some() { "--check" } else { "--update" };
@@ -209,17 +208,17 @@ pub(super) fn run(args: &SnapshotArgs, out: &mut dyn Write) -> Result<u8> {
         // The file, its parsed copy and the fresh one stay in memory together; read bounded, as
         // a FIFO or `/dev/zero` has no size to check beforehand.
         if let Ok(meta) = std::fs::metadata(path) {
-            memory::ensure_fits(&format!("reading {}", path.display()), meta.len().saturating_mul(4), max_memory)?;
+            budget.ensure_fits(&format!("reading {}", path.display()), meta.len().saturating_mul(4))?;
         }
         let why = format!("a quarter of {}", moe_audit::error::Setting::MaxMemory);
-        let text = moe_audit::files::read_text(path, max_memory / 4, &why)?;
+        let text = moe_audit::files::read_text(path, budget.text(), &why)?;
         let stored = SnapshotFile::parse(&text, path);
         if args.update.is_some() {
             // The header says how to remake it (the unsealed format too: this migrates it); the
             // sections may be anything.
             let end = text.find("\n=== ").map_or(text.len(), |i| i + 1);
             let header = Header::parse_unsealed(&text[..end], path)?;
-            let fresh = remake(path, &header, args.one_router_cmd()?, args.traces.as_deref(), max_memory)?;
+            let fresh = remake(path, &header, args.one_router_cmd()?, args.traces.as_deref(), budget)?;
             let bytes = fresh.render();
             if text != bytes {
                 write_atomic(path, bytes.as_bytes())?;
@@ -233,7 +232,7 @@ pub(super) fn run(args: &SnapshotArgs, out: &mut dyn Write) -> Result<u8> {
             return Ok(0);
         }
         let stored = stored?;
-        let fresh = remake(path, &stored.header, args.one_router_cmd()?, args.traces.as_deref(), max_memory)?;
+        let fresh = remake(path, &stored.header, args.one_router_cmd()?, args.traces.as_deref(), budget)?;
         let outcome = check(path, &stored, &fresh)?;
         let verdict = if outcome.changed { "routing changed" } else { "unchanged" };
         write!(out, "{}: {verdict}\n{}", path.display(), outcome.report).map_err(io_error)?;
@@ -258,7 +257,7 @@ pub(super) fn run(args: &SnapshotArgs, out: &mut dyn Write) -> Result<u8> {
             responses: None,
             padding_mask: false,
         };
-        write_plan(dir, &hs, &args.input()?, max_memory)?;
+        write_plan(dir, &hs, &args.input()?, budget)?;
         writeln!(
             out,
             "wrote the inputs of a snapshot in {}: answer its 2 calls in decisions.jsonl, then run `moe-audit snapshot --traces {}`",
@@ -268,7 +267,7 @@ pub(super) fn run(args: &SnapshotArgs, out: &mut dyn Write) -> Result<u8> {
         .map_err(io_error)?;
         return Ok(0);
     }
-    let made = make(&args.source()?, &args.input()?, None, max_memory)?;
+    let made = make(&args.source()?, &args.input()?, None, budget)?;
     let bytes = made.render();
     match &args.output {
         Some(path) => {

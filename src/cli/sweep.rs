@@ -30,7 +30,7 @@ pub(super) fn run(args: &SweepArgs, out: &mut dyn Write) -> Result<u8> {
         None => (Grid::default(), "<default grid>".to_string(), PathBuf::from(".")),
     };
     let bar = progress_bar(sweep::cell_count(&grid, &source, &base)? as u64);
-    let report = sweep::run(&grid, &source, &base, args.memory.limit(), &mut |router| {
+    let report = sweep::run(&grid, &source, &base, args.memory.budget(), &mut |router| {
         bar.set_message(router.to_string());
         bar.inc(1);
     })?;

@@ -21,6 +21,7 @@ use crate::error::{Error, Result};
 use crate::layer::Seeded;
 use crate::router::{Hints, Router};
 use crate::routing::Routing;
+use crate::MemoryBudget;
 use candle_core::{Device, Tensor};
 use ndarray::{Array3, ArrayView2, ArrayView3};
 use std::sync::Arc;
@@ -47,12 +48,12 @@ pub struct External<A> {
 impl<A: Answers> External<A> {
     /// The router in `mode`; for `input: hidden`, asks `source` once (in `mode`) to route a
     /// seeded pool and keeps the targeted rows it finds (see [`ExternalRows`]) when `target` is
-    /// set. Fails first when that pool would take more than `max_memory` bytes.
-    fn new(source: A, seed: u64, mode: Mode, target: bool, max_memory: u64) -> Result<Self> {
+    /// set. Fails first when that pool would take more than `budget` bytes.
+    fn new(source: A, seed: u64, mode: Mode, target: bool, budget: MemoryBudget) -> Result<Self> {
         let hs = source.handshake();
         if hs.input == InputKind::Hidden {
             let pool = (POOL_PER_EXPERT * hs.experts) as u64 * hs.row_width() as u64 * 4;
-            crate::memory::ensure_fits(&format!("the targeted-row pool of router `{}`", hs.name), pool, max_memory)?;
+            budget.ensure_fits(&format!("the targeted-row pool of router `{}`", hs.name), pool)?;
         }
         let mut rows = ExternalRows::new(hs, seed);
         if target && hs.input == InputKind::Hidden {

@@ -17,6 +17,7 @@ use super::protocol::{frame_request, parse_response, Asked, BinaryHeader, Handsh
 use super::{Answers, External};
 use crate::error::{Error, Result};
 use crate::routing::Routing;
+use crate::MemoryBudget;
 use ndarray::{ArrayView2, ArrayView3};
 use std::io::{BufReader, Read, Write};
 use std::process::{Child, Command, Stdio};
@@ -119,22 +120,22 @@ pub type ExternalRouter = External<Subprocess>;
 
 impl ExternalRouter {
     /// Spawns `command` with `sh -c`, reads its handshake, and (for `input: hidden`) finds the
-    /// targeted rows from a seeded pool (at most `max_memory` bytes, which also bounds a line or
+    /// targeted rows from a seeded pool (at most `budget` bytes, which also bounds a line or
     /// payload the router sends). `timeout` bounds the handshake and every write and read; the
     /// router is audited in `mode` (M compares it with the other one).
-    pub fn spawn(command: &str, timeout: Duration, seed: u64, mode: Mode, max_memory: u64) -> Result<Self> {
-        let peer = Peer::spawn("router", command, timeout, max_memory)?;
+    pub fn spawn(command: &str, timeout: Duration, seed: u64, mode: Mode, budget: MemoryBudget) -> Result<Self> {
+        let peer = Peer::spawn("router", command, timeout, budget)?;
         let handshake = peer.handshake(Handshake::validate)?;
-        External::new(Subprocess { peer, seed, handshake }, seed, mode, true, max_memory)
+        External::new(Subprocess { peer, seed, handshake }, seed, mode, true, budget)
     }
 }
 
 impl Peer {
     /// Spawns `command` with `sh -c` in its own process group, tagged, with the threads that
     /// write its stdin and read its stdout and stderr. A line or payload it sends may take at
-    /// most a quarter of `max_memory` (at least 64 KiB); `timeout` bounds every write and read.
+    /// most a quarter of `budget` (at least 64 KiB); `timeout` bounds every write and read.
     /// `role` names it in messages (`router`, `model`).
-    pub(crate) fn spawn(role: &'static str, command: &str, timeout: Duration, max_memory: u64) -> Result<Self> {
+    pub(crate) fn spawn(role: &'static str, command: &str, timeout: Duration, budget: MemoryBudget) -> Result<Self> {
         let tag = tag();
         let mut child = Command::new("sh");
         // Its own process group, so killing it also kills what `sh -c` started.
@@ -154,7 +155,7 @@ impl Peer {
             live.push((child.id() as i32, tag.clone()));
             child
         };
-        let read_limit = usize::try_from(max_memory / 4).unwrap_or(usize::MAX).max(1 << 16);
+        let read_limit = budget.message();
         let stdout = child.stdout.take().expect("piped");
         let (wants, want) = mpsc::channel::<Want>();
         let (tx, got) = mpsc::sync_channel(1);
@@ -596,7 +597,7 @@ mod tests {
             Duration::from_secs(10),
             0,
             Mode::Train,
-            u64::MAX,
+            MemoryBudget::new(u64::MAX),
         )
         .expect("handshake");
         let source = router.source();

@@ -18,6 +18,7 @@ use crate::error::{Error, Result};
 use crate::memory::CallSizes;
 use crate::progress::Silent;
 use crate::routing::Routing;
+use crate::MemoryBudget;
 use candle_core::{Device, Tensor};
 use ndarray::{Array3, ArrayView2, ArrayView3};
 use serde::{Deserialize, Serialize};
@@ -95,8 +96,8 @@ impl Answers for Recorder {
 }
 
 /// Writes the plan of `options` for a router described by `router` into `dir`; returns the
-/// number of calls. Fails first when it is estimated to need more than `max_memory` bytes.
-pub fn plan(router: &Handshake, options: &AuditOptions, dir: &Path, max_memory: u64) -> Result<usize> {
+/// number of calls. Fails first when it is estimated to need more than `budget` bytes.
+pub fn plan(router: &Handshake, options: &AuditOptions, dir: &Path, budget: MemoryBudget) -> Result<usize> {
     router.validate().map_err(Error::Usage)?;
     // One audit at a time, plus every call it makes, kept until written: P's S prefixes (half
     // the call on average), F's and N's trials, R's cases at up to twice the size, a few more.
@@ -112,7 +113,7 @@ pub fn plan(router: &Handshake, options: &AuditOptions, dir: &Path, max_memory: 
         .memory_estimate(width, routes, 0, 0)
         .saturating_add(call.logits_bytes().saturating_mul(logged))
         .saturating_add(call.logits_bytes().saturating_mul(distinct).saturating_mul(4));
-    crate::memory::ensure_fits("this plan", estimate, max_memory)?;
+    budget.ensure_fits("this plan", estimate)?;
     let mut calls: Vec<PlannedCall> = Vec::new();
     let mut names: HashMap<Content, String> = HashMap::new();
     let mut tensors: HashMap<String, Tensor> = HashMap::new();
@@ -125,7 +126,7 @@ pub fn plan(router: &Handshake, options: &AuditOptions, dir: &Path, max_memory: 
             options.seed,
             Mode::Train,
             false,
-            max_memory,
+            budget,
         )?;
         audit(&Subject { router: &recorder, layer: None }, options, &Silent)?;
         drop(recorder);
@@ -167,8 +168,8 @@ pub type TraceRouter = External<Replay>;
 
 /// The audit a trace directory was planned for, from its manifest alone (the inputs and the
 /// decisions are read by [`TraceRouter::open`]).
-pub fn planned_options(dir: &Path, max_memory: u64) -> Result<AuditOptions> {
-    Ok(read_manifest(dir, max_memory)?.options)
+pub fn planned_options(dir: &Path, budget: MemoryBudget) -> Result<AuditOptions> {
+    Ok(read_manifest(dir, budget)?.options)
 }
 
 /// A trace folder's own file `name`: a symlink out of the folder is refused.
@@ -177,12 +178,11 @@ pub(crate) fn file_in(dir: &Path, name: &str) -> Result<PathBuf> {
 }
 
 /// Reads and checks `manifest.json`: its format and the router it describes.
-pub(crate) fn read_manifest(dir: &Path, max_memory: u64) -> Result<Manifest> {
+pub(crate) fn read_manifest(dir: &Path, budget: MemoryBudget) -> Result<Manifest> {
     let path = file_in(dir, MANIFEST)?;
     std::fs::metadata(&path)
         .map_err(|e| Error::input(&path, format!("cannot read (write it with `moe-audit plan`): {e}")))?;
-    let text =
-        crate::files::read_text(&path, max_memory / 4, &format!("a quarter of {}", crate::error::Setting::MaxMemory))?;
+    let text = crate::files::read_text(&path, budget.text(), &budget.text_why())?;
     let manifest: Manifest =
         serde_json::from_str(&text).map_err(|e| Error::input(&path, format!("not a plan manifest: {e}")))?;
     if manifest.format != FORMAT {
@@ -209,12 +209,12 @@ pub struct Replay {
 impl TraceRouter {
     /// Opens a trace directory: the manifest, the inputs and the decisions, all checked against
     /// each other before anything is analyzed. Its hidden-row pool (for `input: hidden`) may
-    /// take at most `max_memory` bytes.
-    pub fn open(dir: &Path, max_memory: u64) -> Result<Self> {
-        let manifest = read_manifest(dir, max_memory)?;
+    /// take at most `budget` bytes.
+    pub fn open(dir: &Path, budget: MemoryBudget) -> Result<Self> {
+        let manifest = read_manifest(dir, budget)?;
         let hs = manifest.router;
         let inputs_path = file_in(dir, INPUTS)?;
-        let inputs = crate::layer::load_safetensors(&inputs_path, &Device::Cpu, max_memory / 2)?;
+        let inputs = crate::layer::load_safetensors(&inputs_path, &Device::Cpu, budget.tensors())?;
         let decisions_path = file_in(dir, DECISIONS)?;
         std::fs::metadata(&decisions_path).map_err(|e| {
             Error::input(
@@ -222,11 +222,7 @@ impl TraceRouter {
                 format!("cannot read (your harness writes one response line per call of {MANIFEST}): {e}"),
             )
         })?;
-        let decisions = crate::files::read_text(
-            &decisions_path,
-            max_memory / 4,
-            &format!("a quarter of {}", crate::error::Setting::MaxMemory),
-        )?;
+        let decisions = crate::files::read_text(&decisions_path, budget.text(), &budget.text_why())?;
         let mut responses = HashMap::new();
         for (n, line) in decisions.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
             let at = |m: String| Error::input(&decisions_path, format!("line {}: {m}", n + 1));
@@ -274,7 +270,7 @@ impl TraceRouter {
         let seed = manifest.options.seed;
         let replay = Replay { hs, dir: dir.to_path_buf(), options: manifest.options, answers, used: Mutex::default() };
         // The plan's targeted rows are untargeted pool rows (no answers existed when planning).
-        External::new(replay, seed, Mode::Train, false, max_memory)
+        External::new(replay, seed, Mode::Train, false, budget)
     }
 
     /// The audit the traces were planned for.

@@ -6,6 +6,7 @@ use crate::config::RouterConfig;
 use crate::error::{Error, Result};
 use crate::router::{ConfigRouter, Hints, Router};
 use crate::routing::Routing;
+use crate::MemoryBudget;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use ndarray::{ArrayView2, ArrayView3};
@@ -27,7 +28,7 @@ pub struct GateSource<'a> {
     /// the tensor, which may be left out when the file holds one); standard normal without.
     pub hidden_states: Option<(&'a Path, Option<&'a str>)>,
     /// The memory limit (`--max-memory`): the files are read whole, within half of it.
-    pub max_memory: u64,
+    pub budget: MemoryBudget,
 }
 
 impl GateSource<'_> {
@@ -37,7 +38,7 @@ impl GateSource<'_> {
         let states = match self.hidden_states {
             None => None,
             Some((path, name)) => {
-                let tensors = crate::layer::load_safetensors(path, &Device::Cpu, self.max_memory / 2)?;
+                let tensors = crate::layer::load_safetensors(path, &Device::Cpu, self.budget.tensors())?;
                 let name = match name {
                     Some(name) => name.to_string(),
                     None if tensors.len() == 1 => tensors.keys().next().expect("one tensor").clone(),
@@ -68,7 +69,7 @@ impl GateSource<'_> {
 
     fn config_router(&self, mut config: RouterConfig) -> Result<ConfigRouter> {
         let path = self.weights;
-        let tensors = crate::layer::load_safetensors(path, &Device::Cpu, self.max_memory / 2)?;
+        let tensors = crate::layer::load_safetensors(path, &Device::Cpu, self.budget.tensors())?;
         let gate = float_tensor(&tensors, path, self.gate)?;
         let (experts, hidden) = gate.dims2().map_err(|_| {
             Error::input(

@@ -20,6 +20,7 @@ use crate::config::RouterConfig;
 use crate::error::{Error, Result};
 use crate::router::{ConfigRouter, Router};
 use crate::routing::Routing;
+use crate::MemoryBudget;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::VarBuilder;
 use rayon::prelude::*;
@@ -76,7 +77,7 @@ impl MoeLayer {
         Self::from_tensors(config, tensors, dtype, device)
     }
 
-    /// Loads Mixtral-style weights from a safetensors file within the memory limit `max_memory`
+    /// Loads Mixtral-style weights from a safetensors file within the memory limit `budget`
     /// (see [`crate::memory::limit`]): the file may hold half of it (it is read whole, then its
     /// tensors are a second copy), and the tensors as stored plus their copies in `dtype` (and,
     /// in f32, the experts' packed copy) must fit before they are converted.
@@ -85,9 +86,9 @@ impl MoeLayer {
         path: &Path,
         dtype: DType,
         device: &Device,
-        max_memory: u64,
+        budget: MemoryBudget,
     ) -> Result<Self> {
-        let tensors = load_safetensors(path, device, max_memory / 2)?;
+        let tensors = load_safetensors(path, device, budget.tensors())?;
         let (stored, converted) = tensors.values().fold((0u64, 0u64), |(s, c), t| {
             let n = t.elem_count() as u64;
             (
@@ -99,10 +100,9 @@ impl MoeLayer {
             (DType::F32, Ok(d)) => (d.experts as u64).saturating_mul(Expert::bytes_f32(d.hidden, d.ffn)),
             _ => 0,
         };
-        crate::memory::ensure_fits(
+        budget.ensure_fits(
             &format!("the weights in {}", path.display()),
             stored.saturating_add(converted).saturating_add(packed),
-            max_memory,
         )?;
         Self::from_tensors(config, tensors, dtype, device).map_err(|e| Error::input(path, e.to_string()))
     }

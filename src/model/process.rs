@@ -7,6 +7,7 @@ use super::protocol::{frame_request, ResponseHeader};
 use super::{Model, ModelInfo, ModelOutput, TokenCall};
 use crate::error::Result;
 use crate::external::process::Peer;
+use crate::MemoryBudget;
 use std::time::Duration;
 
 /// A model behind a command (`check --model-cmd "python3 serve.py"`).
@@ -17,9 +18,9 @@ pub struct ModelProcess {
 
 impl ModelProcess {
     /// Spawns `command` with `sh -c` and reads its handshake. `timeout` bounds the handshake and
-    /// every write and read; a line or payload it sends is bounded by `max_memory`.
-    pub fn spawn(command: &str, timeout: Duration, max_memory: u64) -> Result<Self> {
-        let peer = Peer::spawn("model", command, timeout, max_memory)?;
+    /// every write and read; a line or payload it sends is bounded by `budget`.
+    pub fn spawn(command: &str, timeout: Duration, budget: MemoryBudget) -> Result<Self> {
+        let peer = Peer::spawn("model", command, timeout, budget)?;
         let info = peer.handshake(ModelInfo::validate)?;
         Ok(ModelProcess { peer, info })
     }

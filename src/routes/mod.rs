@@ -32,8 +32,10 @@ pub struct Budget {
 }
 
 impl Budget {
-    /// A budget of `limit` bytes, less what the process itself takes (32 MiB).
-    pub fn new(limit: u64) -> Self {
+    /// The whole of `budget`, less what the process itself takes (32 MiB), to be spent by
+    /// the records read.
+    pub fn new(budget: crate::MemoryBudget) -> Self {
+        let limit = budget.bytes();
         Budget { left: limit.saturating_sub(32 << 20), limit }
     }
 

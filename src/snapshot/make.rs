@@ -11,8 +11,9 @@ use crate::external::trace::{file_in, read_manifest, Manifest, PlannedCall, DECI
 use crate::external::{ExternalRouter, Handshake, InputKind, Mode, TraceRouter};
 use crate::layer::gate::GateSource;
 use crate::layer::{MoeLayer, Seeded};
-use crate::memory::{self, CallSizes};
+use crate::memory::CallSizes;
 use crate::router::Router;
+use crate::MemoryBudget;
 use candle_core::{DType, Device, Tensor};
 use ndarray::Array3;
 use std::collections::HashMap;
@@ -32,35 +33,35 @@ struct PlanRecipe {
 
 /// Routes what `router` and `input` describe in every mode and returns the snapshot, its hashes
 /// those of now. `traces` answers a `traces` or `harness` router instead of the recorded
-/// directory; `max_memory` bounds the inputs.
-pub fn make(router: &RouterSource, input: &InputSpec, traces: Option<&Path>, max_memory: u64) -> Result<SnapshotFile> {
+/// directory; `budget` bounds the inputs.
+pub fn make(
+    router: &RouterSource,
+    input: &InputSpec,
+    traces: Option<&Path>,
+    budget: MemoryBudget,
+) -> Result<SnapshotFile> {
     let mut router = router.clone();
     let mut input = input.clone();
     ensure_positive(&[(Setting::Batch, input.batch), (Setting::SeqLen, input.seq_len)])?;
     let routed: Vec<(Mode, Array3<f32>, crate::routing::Routing)> = match &mut router {
-        RouterSource::Preset { name } => config_routings(RouterConfig::load(name)?, &mut input, None, max_memory)?,
+        RouterSource::Preset { name } => config_routings(RouterConfig::load(name)?, &mut input, None, budget)?,
         RouterSource::Config { path, sha256 } => {
             *sha256 = file_sha256(Path::new(path))?;
-            config_routings(RouterConfig::from_file(Path::new(path))?, &mut input, None, max_memory)?
+            config_routings(RouterConfig::from_file(Path::new(path))?, &mut input, None, budget)?
         }
         RouterSource::Gate { router, weights, gate, bias, sha256 } => {
             *sha256 = file_sha256(Path::new(weights))?;
-            let source = GateSource {
-                weights: Path::new(weights),
-                gate,
-                bias: bias.as_deref(),
-                hidden_states: None,
-                max_memory,
-            };
+            let source =
+                GateSource { weights: Path::new(weights), gate, bias: bias.as_deref(), hidden_states: None, budget };
             let config = RouterConfig::load(router)?;
             input.hidden = None;
-            config_routings(config, &mut input, Some(&source), max_memory)?
+            config_routings(config, &mut input, Some(&source), budget)?
         }
         RouterSource::Command { command, timeout } => {
             let timeout = crate::external::process::timeout(*timeout)?;
-            let r = ExternalRouter::spawn(command, timeout, input.seed, Mode::Train, max_memory)?;
+            let r = ExternalRouter::spawn(command, timeout, input.seed, Mode::Train, budget)?;
             input.hidden = None;
-            let rows = rows(&mut input, r.handshake(), max_memory)?;
+            let rows = rows(&mut input, r.handshake(), budget)?;
             let inference = r.inference()?.expect("an external router has an inference mode");
             vec![
                 (Mode::Train, rows.clone(), r.assign(rows.view())?),
@@ -70,11 +71,11 @@ pub fn make(router: &RouterSource, input: &InputSpec, traces: Option<&Path>, max
         RouterSource::Traces { dir, sha256 } => {
             let dir = traces.unwrap_or(Path::new(dir.as_str())).to_path_buf();
             if is_snapshot_plan(&dir) {
-                harness(&dir, &mut router, &mut input, max_memory)?
+                harness(&dir, &mut router, &mut input, budget)?
             } else {
                 *sha256 = file_sha256(&file_in(&dir, DECISIONS)?)?;
                 input = InputSpec { rows: Rows::Traces, hidden: None, file: None, ..input };
-                trace_routings(&dir, &mut input, max_memory)?
+                trace_routings(&dir, &mut input, budget)?
             }
         }
         RouterSource::Harness { .. } => {
@@ -84,7 +85,7 @@ pub fn make(router: &RouterSource, input: &InputSpec, traces: Option<&Path>, max
                     Setting::Traces
                 )));
             };
-            harness(dir, &mut router, &mut input, max_memory)?
+            harness(dir, &mut router, &mut input, budget)?
         }
     };
     let mut hasher = Vec::new();
@@ -110,13 +111,13 @@ type Routed = Vec<(Mode, Array3<f32>, crate::routing::Routing)>;
 
 /// A `snapshot --plan` directory answered by a harness: the router and inputs its recipe
 /// records, routed by the answers.
-fn harness(dir: &Path, router: &mut RouterSource, input: &mut InputSpec, max_memory: u64) -> Result<Routed> {
+fn harness(dir: &Path, router: &mut RouterSource, input: &mut InputSpec, budget: MemoryBudget) -> Result<Routed> {
     let recipe = read_recipe(dir)?.ok_or_else(|| {
         Error::input(dir, format!("no {PLAN_RECIPE}: not a directory written by a snapshot's {}", Setting::Plan))
     })?;
     (*router, *input) = (recipe.router, recipe.input);
     let mut found = input.clone();
-    trace_routings(dir, &mut found, max_memory)
+    trace_routings(dir, &mut found, budget)
 }
 
 /// A preset or TOML router on a seeded gate (or `gate`): seeded or given hidden states through
@@ -126,7 +127,7 @@ fn config_routings(
     config: RouterConfig,
     input: &mut InputSpec,
     gate: Option<&GateSource>,
-    max_memory: u64,
+    budget: MemoryBudget,
 ) -> Result<Routed> {
     if input.rows == Rows::Traces {
         let name = &config.name;
@@ -148,7 +149,7 @@ fn config_routings(
             // The gate and its experts are made before the rows: bound them first.
             let (batch, seq_len) = (input.batch, input.seq_len);
             let sizes = CallSizes { batch, seq_len, experts, routes: config.k(), hidden, ffn: 1 };
-            memory::ensure_fits("this snapshot", sizes.estimate(), max_memory)?;
+            budget.ensure_fits("this snapshot", sizes.estimate())?;
             // The gate is the layer's first seeded tensor, so the expert sizes do not change it:
             // the same gate as `moe-audit route --seed S --hidden H`.
             let layer = MoeLayer::seeded(config, hidden, 1, input.seed, DType::F32, &Device::Cpu)?;
@@ -168,7 +169,7 @@ fn config_routings(
         responses: None,
         padding_mask: false,
     };
-    let rows = rows(input, &hs, max_memory)?;
+    let rows = rows(input, &hs, budget)?;
     let inference = router.inference()?;
     let serve = inference.as_deref().unwrap_or(router.as_ref());
     let route = |r: &dyn Router| -> Result<crate::routing::Routing> {
@@ -184,7 +185,7 @@ fn config_routings(
 
 /// The rows `input` describes for a router taking `hs.input` rows of `hs.row_width()`; fills in
 /// `seq_len` from a file.
-fn rows(input: &mut InputSpec, hs: &Handshake, max_memory: u64) -> Result<Array3<f32>> {
+fn rows(input: &mut InputSpec, hs: &Handshake, budget: MemoryBudget) -> Result<Array3<f32>> {
     let width = hs.row_width();
     let sizes = CallSizes {
         batch: input.batch,
@@ -194,7 +195,7 @@ fn rows(input: &mut InputSpec, hs: &Handshake, max_memory: u64) -> Result<Array3
         hidden: width,
         ffn: 0,
     };
-    memory::ensure_fits("this snapshot", sizes.estimate(), max_memory)?;
+    budget.ensure_fits("this snapshot", sizes.estimate())?;
     let want = match input.rows {
         Rows::Seeded => {
             let (b, s) = (input.batch, input.seq_len);
@@ -222,17 +223,17 @@ fn rows(input: &mut InputSpec, hs: &Handshake, max_memory: u64) -> Result<Array3
         InputKind::Logits => format!("the router has {} experts", hs.experts),
         InputKind::Hidden => format!("the router's hidden size is {width}"),
     };
-    let rows = crate::files::read_rows(Path::new(file), input.batch, None, width, &what, max_memory)?;
+    let rows = crate::files::read_rows(Path::new(file), input.batch, None, width, &what, budget)?;
     input.seq_len = rows.dim().1;
     Ok(rows)
 }
 
 /// The first call of each mode of a trace directory, routed by its answers.
-fn trace_routings(dir: &Path, input: &mut InputSpec, max_memory: u64) -> Result<Routed> {
-    let router = TraceRouter::open(dir, max_memory)?;
+fn trace_routings(dir: &Path, input: &mut InputSpec, budget: MemoryBudget) -> Result<Routed> {
+    let router = TraceRouter::open(dir, budget)?;
     let path = dir.join(MANIFEST);
-    let manifest = read_manifest(dir, max_memory)?;
-    let inputs = crate::layer::load_safetensors(&file_in(dir, INPUTS)?, &Device::Cpu, max_memory / 2)?;
+    let manifest = read_manifest(dir, budget)?;
+    let inputs = crate::layer::load_safetensors(&file_in(dir, INPUTS)?, &Device::Cpu, budget.tensors())?;
     let width = router.handshake().row_width();
     let mut out = Vec::new();
     for mode in [Mode::Train, Mode::Inference] {
@@ -274,10 +275,10 @@ pub fn is_snapshot_plan(dir: &Path) -> bool {
 /// Writes the inputs of a snapshot of the router `hs` describes into `dir`, for a harness to
 /// answer (`manifest.json` with one train and one inference call, `inputs.safetensors`) with the
 /// recipe of the snapshot beside them; `moe-audit snapshot --traces DIR` then makes the snapshot.
-pub fn write_plan(dir: &Path, hs: &Handshake, input: &InputSpec, max_memory: u64) -> Result<()> {
+pub fn write_plan(dir: &Path, hs: &Handshake, input: &InputSpec, budget: MemoryBudget) -> Result<()> {
     hs.validate().map_err(Error::Usage)?;
     let mut input = InputSpec { hidden: None, ..input.clone() };
-    let rows = rows(&mut input, hs, max_memory)?;
+    let rows = rows(&mut input, hs, budget)?;
     let bytes: Vec<u8> = rows.iter().flat_map(|v| v.to_le_bytes()).collect();
     input.sha256 = sha256(&[bytes.as_slice(), bytes.as_slice()].concat());
     let (batch, seq_len, _) = rows.dim();

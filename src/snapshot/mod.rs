@@ -23,6 +23,7 @@ pub use make::{is_snapshot_plan, make, write_plan, PLAN_RECIPE};
 
 use crate::error::{Error, Result, Setting};
 use crate::routing::{render_table, Routing};
+use crate::MemoryBudget;
 use std::fmt::Write;
 use std::path::Path;
 
@@ -84,7 +85,7 @@ pub fn remake(
     header: &Header,
     router_cmd: Option<&str>,
     traces: Option<&Path>,
-    max_memory: u64,
+    budget: MemoryBudget,
 ) -> Result<SnapshotFile> {
     let here = Path::new(".");
     let inside = |name: &str, what: &str| {
@@ -148,7 +149,7 @@ pub fn remake(
         (RouterSource::Harness { .. }, _) | (_, None) => {}
         (_, Some(file)) => inside(file, "[input] file")?,
     }
-    make(&header.router, &header.input, traces, max_memory)
+    make(&header.router, &header.input, traces, budget)
 }
 
 fn router_hash(h: &Header) -> Option<&str> {

@@ -22,6 +22,7 @@ use crate::progress::Silent;
 use crate::router::{logits_to_host, Router};
 use crate::routing::diff_token;
 use crate::routing::Routing;
+use crate::MemoryBudget;
 use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
 
@@ -113,12 +114,12 @@ pub struct CellResult {
 }
 
 /// Runs every cell (calling `tick` after each) and the heatmap; fails before running any when
-/// a cell's audit is estimated to need more than `max_memory` bytes.
+/// a cell's audit is estimated to need more than `budget` bytes.
 pub fn run(
     grid: &Grid,
     source_name: &str,
     base: &std::path::Path,
-    max_memory: u64,
+    budget: MemoryBudget,
     tick: &mut dyn FnMut(&str),
 ) -> Result<SweepReport> {
     let routers = grid.load_routers(source_name, base)?;
@@ -146,7 +147,7 @@ pub fn run(
         if let Some(exploit) = &grid.exploit {
             need = need.max(exploit.memory_estimate(&cell.config));
         }
-        crate::memory::ensure_fits(&what, need, max_memory)?;
+        budget.ensure_fits(&what, need)?;
     }
     let mut results = Vec::with_capacity(cells.len());
     let mut heat = None;

@@ -3,6 +3,7 @@
 use candle_core::{DType, Device, Module, Tensor};
 use moe_audit::config::preset;
 use moe_audit::layer::{seeded_weights, LayerDims, MoeLayer, Seeded};
+use moe_audit::MemoryBudget;
 
 const H: usize = 16;
 const F: usize = 32;
@@ -155,7 +156,9 @@ fn safetensors_weights_give_the_same_layer_as_the_seed() {
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("layer.safetensors");
     candle_core::safetensors::save(&tensors, &path).unwrap();
-    let from_file = MoeLayer::from_safetensors(config.clone(), &path, DType::F32, &Device::Cpu, 1 << 30).unwrap();
+    let from_file =
+        MoeLayer::from_safetensors(config.clone(), &path, DType::F32, &Device::Cpu, MemoryBudget::new(1 << 30))
+            .unwrap();
     let seeded = MoeLayer::seeded(config.clone(), H, F, 7, DType::F32, &Device::Cpu).unwrap();
     let x = input(2, 6);
     let (a, ra) = from_file.forward(&x).unwrap();
@@ -166,15 +169,17 @@ fn safetensors_weights_give_the_same_layer_as_the_seed() {
     // The limit given is the one checked: the file fits in half of it, its tensors plus their
     // f64 copies (three times the f32 data) do not.
     let bytes = std::fs::metadata(&path).unwrap().len();
-    let err =
-        MoeLayer::from_safetensors(config.clone(), &path, DType::F64, &Device::Cpu, 2 * bytes).unwrap_err().to_string();
+    let err = MoeLayer::from_safetensors(config.clone(), &path, DType::F64, &Device::Cpu, MemoryBudget::new(2 * bytes))
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("the weights in") && err.contains("over the limit"), "{err}");
 
     let mut missing = tensors.clone();
     missing.remove("experts.3.w2.weight");
     candle_core::safetensors::save(&missing, &path).unwrap();
-    let err =
-        MoeLayer::from_safetensors(config.clone(), &path, DType::F32, &Device::Cpu, 1 << 30).unwrap_err().to_string();
+    let err = MoeLayer::from_safetensors(config.clone(), &path, DType::F32, &Device::Cpu, MemoryBudget::new(1 << 30))
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("experts.3.w2.weight"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

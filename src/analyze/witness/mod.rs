@@ -23,6 +23,7 @@ use super::{Probe, Property};
 use crate::config::RouterConfig;
 use crate::error::{Error, Result};
 use crate::routing::{Logits, TokenRouting};
+use crate::MemoryBudget;
 use ndarray::Array2;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -138,17 +139,13 @@ fn load(call: &StoredCall, name: &str, path: &Path) -> Result<Call> {
 impl Witness {
     /// Reads a witness file (at most a quarter of the default memory limit).
     pub fn read(path: &Path) -> Result<Witness> {
-        Self::read_within(path, crate::memory::limit(None))
+        Self::read_within(path, MemoryBudget::from_request(None))
     }
 
-    /// Reads a witness file under the memory limit `max_memory`: the text, and the values parsed
+    /// Reads a witness file under the memory limit `budget`: the text, and the values parsed
     /// from it (about four times the text), must fit.
-    pub fn read_within(path: &Path, max_memory: u64) -> Result<Witness> {
-        let text = crate::files::read_text(
-            path,
-            max_memory / 4,
-            &format!("a quarter of {}", crate::error::Setting::MaxMemory),
-        )?;
+    pub fn read_within(path: &Path, budget: MemoryBudget) -> Result<Witness> {
+        let text = crate::files::read_text(path, budget.text(), &budget.text_why())?;
         Self::parse(&text, path)
     }
 
