@@ -1,8 +1,9 @@
 //! A sweep's outputs: `sweep.json` (the whole report), `sweep.csv` (one row per cell), `sweep.md`
 //! (the table the README shows) and the charts.
 
+use crate::analyze::Probe;
 use crate::error::Result;
-use crate::sweep::{CellResult, SweepReport};
+use crate::sweep::{leak_column, CellResult, SweepReport};
 use std::fmt::Write;
 
 /// Writes every output of a sweep into `dir` (created if needed); returns the paths written.
@@ -31,52 +32,63 @@ fn opt<T: ToString>(v: Option<T>) -> String {
     v.map_or(String::new(), |v| v.to_string())
 }
 
-/// One header line and one line per cell; empty fields where a value does not apply. Fields
-/// are quoted by the `csv` crate where they need it (a router name with a comma or a quote).
+/// One header line and one line per cell, both from one list of (column, value) per cell; empty
+/// fields where a value does not apply. Fields are quoted by the `csv` crate where they need it
+/// (a router name with a comma or a quote).
 pub fn csv(cells: &[CellResult]) -> String {
-    let mut out = csv::Writer::from_writer(Vec::new());
-    let header = "router,capacity_factor,top_k,experts,seq_len,batch,balance_steps,max_over_mean_load,load_cv,drop_rate,aux_loss,\
-         max_over_mean_kept,leak_p,leak_f,leak_n,leak_r,leak_d,leak_s,leak_l,leak_rate,leaking,mismatch,output_change,\
-         output_change_affected,flips_bf16,flips_f16";
     // The exploit columns only when the grid measured them: other sweeps keep their bytes.
     let exploit = cells.iter().any(|c| c.exploit.is_some());
-    let extra: &[&str] = if exploit { &["exploit_bits", "exploit_half_width", "exploited"] } else { &[] };
-    out.write_record(header.split(',').chain(extra.iter().copied())).expect("writing to memory");
-    for c in cells {
-        let mut fields = vec![
-            c.router.clone(),
-            opt(c.capacity_factor),
-            opt(c.top_k),
-            c.experts.to_string(),
-            c.seq_len.to_string(),
-            c.batch.to_string(),
-            c.balance_steps.to_string(),
-            c.max_over_mean_load.to_string(),
-            c.load_cv.to_string(),
-            c.drop_rate.to_string(),
-            c.aux_loss.to_string(),
-            c.max_over_mean_kept.to_string(),
-            c.leak_p.to_string(),
-            c.leak_f.to_string(),
-            c.leak_n.to_string(),
-            c.leak_r.to_string(),
-            c.leak_d.to_string(),
-            c.leak_s.to_string(),
-            opt(c.leak_l),
-            c.leak_rate.to_string(),
-            c.leaking.clone(),
-            opt(c.mismatch),
-            opt(c.output_change),
-            opt(c.output_change_affected),
-            opt(c.flips_bf16),
-            opt(c.flips_f16),
-        ];
-        if exploit {
-            fields.extend([opt(c.exploit.map(|i| i.estimate)), opt(c.exploit.map(|i| i.half_width)), opt(c.exploited)]);
-        }
-        out.write_record(&fields).expect("writing to memory");
+    let rows: Vec<_> = cells.iter().map(|c| row(c, exploit)).collect();
+    let mut out = csv::Writer::from_writer(Vec::new());
+    // Every cell ran the same probes: the first row's names are every row's.
+    if let Some(first) = rows.first() {
+        out.write_record(first.iter().map(|(name, _)| name)).expect("writing to memory");
+    }
+    for row in &rows {
+        out.write_record(row.iter().map(|(_, value)| value)).expect("writing to memory");
     }
     String::from_utf8(out.into_inner().expect("writing to memory")).expect("UTF-8 fields")
+}
+
+/// A cell's CSV fields, each with its column name: the one list the header and the row come from.
+fn row(c: &CellResult, exploit: bool) -> Vec<(String, String)> {
+    let mut row = Vec::from(named([
+        ("router", c.router.clone()),
+        ("capacity_factor", opt(c.capacity_factor)),
+        ("top_k", opt(c.top_k)),
+        ("experts", c.experts.to_string()),
+        ("seq_len", c.seq_len.to_string()),
+        ("batch", c.batch.to_string()),
+        ("balance_steps", c.balance_steps.to_string()),
+        ("max_over_mean_load", c.max_over_mean_load.to_string()),
+        ("load_cv", c.load_cv.to_string()),
+        ("drop_rate", c.drop_rate.to_string()),
+        ("aux_loss", c.aux_loss.to_string()),
+        ("max_over_mean_kept", c.max_over_mean_kept.to_string()),
+    ]));
+    row.extend(c.leaks.iter().map(|(p, rate)| (leak_column(*p), opt(*rate))));
+    row.extend(named([
+        ("leak_rate", c.leak_rate.to_string()),
+        ("leaking", c.leaking.clone()),
+        ("mismatch", opt(c.mismatch)),
+        ("output_change", opt(c.output_change)),
+        ("output_change_affected", opt(c.output_change_affected)),
+        ("flips_bf16", opt(c.flips_bf16)),
+        ("flips_f16", opt(c.flips_f16)),
+    ]));
+    if exploit {
+        row.extend(named([
+            ("exploit_bits", opt(c.exploit.map(|i| i.estimate))),
+            ("exploit_half_width", opt(c.exploit.map(|i| i.half_width))),
+            ("exploited", opt(c.exploited)),
+        ]));
+    }
+    row
+}
+
+/// Fields under fixed column names.
+fn named<const N: usize>(fields: [(&'static str, String); N]) -> [(String, String); N] {
+    fields.map(|(name, value)| (name.to_string(), value))
 }
 
 /// `+0.693 ± 0.048`, in bold when exploited; `–` where not measured.
@@ -120,11 +132,11 @@ pub fn markdown(report: &SweepReport) -> String {
             pct(c.drop_rate),
             c.aux_loss,
             c.max_over_mean_kept,
-            pct(c.leak_p),
-            pct(c.leak_f),
-            pct(c.leak_n),
-            pct(c.leak_r),
-            opt_pct(c.leak_l),
+            opt_pct(c.leak(Probe::P)),
+            opt_pct(c.leak(Probe::F)),
+            opt_pct(c.leak(Probe::N)),
+            opt_pct(c.leak(Probe::R)),
+            opt_pct(c.leak(Probe::L)),
             opt_pct(c.mismatch),
             opt_pct(c.output_change),
             opt_pct(c.flips_bf16),

@@ -25,6 +25,7 @@ use crate::routing::Routing;
 use crate::MemoryBudget;
 use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 
 /// The result of a sweep (`sweep.json`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -68,22 +69,13 @@ pub struct CellResult {
     pub aux_loss: f64,
     /// Kept load (what experts compute): max over mean. The imbalance the chart plots.
     pub max_over_mean_kept: f64,
-    /// Leak rate (affected / compared tokens) per causality probe: P, F, N, R.
-    pub leak_p: f64,
-    /// See `leak_p`.
-    pub leak_f: f64,
-    /// See `leak_p`.
-    pub leak_n: f64,
-    /// See `leak_p`.
-    pub leak_r: f64,
-    /// Determinism (D) and statelessness (S) leak rates.
-    pub leak_d: f64,
-    /// See `leak_d`.
-    pub leak_s: f64,
-    /// L: share of tokens routed differently when each of 2 expert-parallel ranks routes its own
-    /// sequences, or under the other flattening order (`None`: neither applies, e.g. an odd batch
-    /// and a scope per sequence).
-    pub leak_l: Option<f64>,
+    /// Leak rate (affected / compared tokens) of every probe the cell ran but those with columns
+    /// of their own (M, X), in report order; `None` where the probe does not apply (P, F: one
+    /// token; N: one sequence; L: an odd batch and a scope per sequence). Written as `leak_p`,
+    /// `leak_f`, … fields ([`leak_column`]): a probe added to the registry gets its column with
+    /// no edit to the sweep.
+    #[serde(flatten, with = "leak_columns")]
+    pub leaks: BTreeMap<Probe, Option<f64>>,
     /// The largest of P, F, N, R: the chart's leak rate.
     pub leak_rate: f64,
     /// Probes with a leak verdict, e.g. `P F N R`.
@@ -111,6 +103,62 @@ pub struct CellResult {
     /// The router's design family (the chart's marker shape; not written to JSON or CSV).
     #[serde(skip)]
     pub family: Family,
+}
+
+/// Probes with columns of their own, left out of [`CellResult::leaks`]: M's `mismatch`, X's
+/// `flips_bf16` and `flips_f16`.
+const OWN_COLUMNS: [Probe; 2] = [Probe::M, Probe::X];
+
+/// The sweep's column (JSON field, CSV header) of a probe's leak rate: `leak_p` for P.
+pub fn leak_column(probe: Probe) -> String {
+    format!("leak_{}", probe.to_string().to_lowercase())
+}
+
+impl CellResult {
+    /// A probe's leak rate; `None` where it does not apply or the cell has no such column.
+    pub fn leak(&self, probe: Probe) -> Option<f64> {
+        self.leaks.get(&probe).copied().flatten()
+    }
+}
+
+/// [`CellResult::leaks`] as flattened `leak_<letter>` fields, in the map's (report) order.
+mod leak_columns {
+    use super::{leak_column, Probe};
+    use serde::de::{Deserializer, IgnoredAny, MapAccess, Visitor};
+    use serde::Serializer;
+    use std::collections::BTreeMap;
+
+    type Leaks = BTreeMap<Probe, Option<f64>>;
+
+    pub fn serialize<S: Serializer>(leaks: &Leaks, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_map(leaks.iter().map(|(p, rate)| (leak_column(*p), rate)))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Leaks, D::Error> {
+        struct Columns;
+        impl<'de> Visitor<'de> for Columns {
+            type Value = Leaks;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("leak_<probe> fields")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Leaks, A::Error> {
+                let mut leaks = Leaks::new();
+                while let Some(key) = map.next_key::<String>()? {
+                    match Probe::KNOWN.iter().find(|p| leak_column(**p) == key) {
+                        Some(p) => {
+                            leaks.insert(*p, map.next_value()?);
+                        }
+                        // Not a probe's column: the cell's struct does not know it either.
+                        None => {
+                            map.next_value::<IgnoredAny>()?;
+                        }
+                    }
+                }
+                Ok(leaks)
+            }
+        }
+        d.deserialize_map(Columns)
+    }
 }
 
 /// Runs every cell (calling `tick` after each) and the heatmap; fails before running any when
@@ -235,7 +283,11 @@ fn run_cell(grid: &Grid, cell: &Cell, layer: &MoeLayer) -> Result<CellResult> {
     let (y, routing) = layer.forward(&x)?;
     let (output_change, output_change_affected) = output_change(grid, layer, &x, &y, &routing)?;
     let flips = |i: usize| report.finding(Probe::X).and_then(|f| f.numerics.as_ref()).map(|n| n.flips[i].rate);
-    let causal = [Probe::P, Probe::F, Probe::N, Probe::R].map(|p| rate(p).unwrap_or(0.0));
+    // Every probe the audit ran gets a column: the registry (`analyze/probe/mod.rs`) is the list,
+    // and `Probe`'s order (the map's) is its report order.
+    let leaks: BTreeMap<Probe, Option<f64>> =
+        report.findings.iter().filter(|f| !OWN_COLUMNS.contains(&f.probe)).map(|f| (f.probe, rate(f.probe))).collect();
+    let leak_rate = [Probe::P, Probe::F, Probe::N, Probe::R].into_iter().filter_map(rate).fold(0.0, f64::max);
     let exploit = grid.exploit.as_ref().map(|o| exploit_cell(cell, o)).transpose()?;
     let exploit = exploit.as_ref();
     Ok(CellResult {
@@ -251,14 +303,8 @@ fn run_cell(grid: &Grid, cell: &Cell, layer: &MoeLayer) -> Result<CellResult> {
         drop_rate: report.load.drop_rate,
         aux_loss: report.load.aux_loss,
         max_over_mean_kept: kept_imbalance(&routing),
-        leak_p: causal[0],
-        leak_f: causal[1],
-        leak_n: causal[2],
-        leak_r: causal[3],
-        leak_d: rate(Probe::D).unwrap_or(0.0),
-        leak_s: rate(Probe::S).unwrap_or(0.0),
-        leak_l: rate(Probe::L),
-        leak_rate: causal.iter().copied().fold(0.0, f64::max),
+        leaks,
+        leak_rate,
         leaking: leaking(&report),
         mismatch: rate(Probe::M),
         output_change,

@@ -1,6 +1,7 @@
 //! `moe-audit sweep`: outputs, determinism, the figures of a small grid, bad grid files.
 
 use super::cli::{fail, file, stdout, tmp_dir};
+use moe_audit::analyze::Probe;
 
 const SMALL: &str =
     "routers = [\"causal-capacity\", \"batch-prioritized\", \"sinkhorn\"]\ncapacity_factor = [1.0]\ntop_k = [1, 2]\n\
@@ -34,24 +35,27 @@ fn a_small_grid_writes_every_output_byte_identically() {
     assert!(std::fs::read(a.join("leak-vs-imbalance.png")).unwrap().starts_with(b"\x89PNG"));
     assert!(std::fs::read_to_string(a.join("leak-vs-imbalance.svg")).unwrap().starts_with("<svg"));
 
-    let report: moe_audit::sweep::SweepReport =
-        serde_json::from_str(&std::fs::read_to_string(a.join("sweep.json")).unwrap()).unwrap();
+    let json = std::fs::read_to_string(a.join("sweep.json")).unwrap();
+    let report: moe_audit::sweep::SweepReport = serde_json::from_str(&json).unwrap();
+    assert_eq!(moe_audit::render::json(&report), json, "the leak_<probe> fields read back as written");
     // 3 routers × k {1, 2}; one capacity factor.
     assert_eq!(report.cells.len(), 6);
     let csv = std::fs::read_to_string(a.join("sweep.csv")).unwrap();
     assert_eq!(csv.lines().count(), 7);
+    // One column per probe in the registry's order, M and X in columns of their own.
+    assert!(csv.contains(",max_over_mean_kept,leak_p,leak_f,leak_n,leak_r,leak_d,leak_s,leak_l,leak_rate,"), "{csv}");
     for c in &report.cells {
         match c.router.as_str() {
             "causal-capacity" => {
                 assert_eq!(c.leak_rate, 0.0, "{c:?}");
                 assert!(c.leaking.split(' ').all(|p| p == "X" || p.is_empty()), "only precision flips may show: {c:?}");
                 assert!(c.drop_rate > 0.0 && c.output_change == Some(0.0), "capacity binds, outputs stay: {c:?}");
-                assert_eq!(c.leak_l, Some(0.0), "per-token capacity does not depend on the rank split: {c:?}");
+                assert_eq!(c.leak(Probe::L), Some(0.0), "per-token capacity does not depend on the rank split: {c:?}");
             }
             "batch-prioritized" => assert!(c.leak_rate > 0.0 && c.mismatch.is_none(), "{c:?}"),
             _ => {
                 assert!(c.mismatch.is_some_and(|m| m > 0.0) && c.leak_rate > 0.0, "sinkhorn: M measured: {c:?}");
-                assert!(c.leak_l.is_some_and(|l| l > 0.0), "sinkhorn balances over the batch it sees: {c:?}");
+                assert!(c.leak(Probe::L).is_some_and(|l| l > 0.0), "sinkhorn balances over the batch it sees: {c:?}");
             }
         }
         assert!(c.flips_bf16.is_some() && c.max_over_mean_kept >= 1.0);
@@ -61,6 +65,24 @@ fn a_small_grid_writes_every_output_byte_identically() {
     assert!(h.rate.iter().enumerate().all(|(d, row)| row.len() == 16 - (d + 1)));
     assert!(h.rate.iter().flatten().any(|&r| r > 0.0), "later tokens affect earlier ones");
     assert_eq!(report.swamping.as_ref().unwrap().len(), moe_audit::analyze::numerics::SWAMPING_TERMS.len());
+}
+
+#[test]
+fn a_probe_that_does_not_apply_leaves_its_field_empty() {
+    // One sequence: N has no other sequence to change, so it measures nothing (not 0%).
+    let grid = "routers = [\"mixtral\"]\ntop_k = [1]\nexperts = [4]\nseq_len = [8]\nbatch = [1]\ntrials = 2\n\
+                numerics = false\nheatmap = \"mixtral\"\n";
+    let dir = tmp_dir().join("sweep-one-sequence");
+    stdout(&["sweep", &file("sweep-one-sequence.toml", grid), "--output-dir", dir.to_str().unwrap()]);
+    let json = std::fs::read_to_string(dir.join("sweep.json")).unwrap();
+    assert!(json.contains("\"leak_n\": null,"), "{json}");
+    let report: moe_audit::sweep::SweepReport = serde_json::from_str(&json).unwrap();
+    let c = &report.cells[0];
+    assert_eq!((c.leak(Probe::N), c.leak(Probe::P)), (None, Some(0.0)), "{c:?}");
+    let csv = std::fs::read_to_string(dir.join("sweep.csv")).unwrap();
+    let column = |line: &str| line.split(',').nth(14).unwrap().to_string();
+    let lines: Vec<&str> = csv.lines().collect();
+    assert_eq!((column(lines[0]).as_str(), column(lines[1]).as_str()), ("leak_n", ""), "{csv}");
 }
 
 #[test]
