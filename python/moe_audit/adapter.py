@@ -16,16 +16,27 @@ Write a function ``route(data, mode)`` and hand it to :func:`run`::
 ``b * seq_len + s``), its routes in choice order: :func:`routes_from_arrays` builds them from
 ``[T, k]`` arrays, and a list of ``(expert, weight, kept)`` tuples (or dicts with those keys) per
 token works too. ``weight`` is the combine weight, or for a dropped route the gate it had before
-dropping. ``capacity`` is None (dropless), one slot count per expert for the whole call, or
-``{"scope": "sequence" | "batch" | "tokens:N", "slots": [...]}`` (one count per group; needs
-``moe-audit/2``). Returning the routes alone means ``capacity = None``. A ``route`` that takes
-``seed`` or ``padding`` keywords gets them (``moe-audit/2``: the audit's seed, and the padding
-mask ``[batch, seq_len]`` bool or None).
+dropping. ``capacity`` is None (dropless), an int (the same slot count for every expert), one slot
+count per expert (E ints) for the whole call, or ``{"scope": "sequence" | "batch" | "tokens:N",
+"slots": [...]}`` (one count per group; needs ``moe-audit/2``). Returning the routes alone means
+``capacity = None``. A ``route`` that takes ``seed`` or ``padding`` keywords gets them
+(``moe-audit/2``: the audit's seed, and the padding mask ``[batch, seq_len]`` bool or None).
+
+Each answer is checked before it is sent: a wrong number of tokens, an expert id out of range or
+twice in one token, a weight that is not finite, a kept flag that is not a bool, a capacity of
+another form raise TypeError or ValueError with a one-line message naming the token (t, and its
+batch b and position s) and the field; the router exits with the traceback on stderr, whose last
+line moe-audit quotes.
 
 ``python3 my_router.py`` serves the router on stdin/stdout (``moe-audit check --router-cmd``);
 ``python3 my_router.py --answer-plan DIR`` answers a trace plan (``moe-audit plan``) instead,
-writing ``DIR/decisions.jsonl``. Only numpy is needed. While ``route`` runs, ``print`` goes to
-stderr: stdout carries the protocol only.
+writing ``DIR/decisions.jsonl``. Only numpy is needed.
+
+stdout carries the protocol only, starting with the handshake line. Once :func:`run` is called,
+``print`` goes to stderr (from any thread). Before that, at import time or while loading a model,
+print to stderr yourself (``print("loading my model...", file=sys.stderr)``): text printed to
+stdout before ``run()`` would come ahead of the handshake, and moe-audit stops at a first line that
+is not the handshake.
 """
 
 from __future__ import annotations
@@ -37,7 +48,7 @@ import json
 import os
 import struct
 import sys
-from typing import Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
 
 import numpy as np
 
@@ -55,8 +66,9 @@ Protocol = Union[int, str]
 Route = Union[Tuple[int, float, bool], Dict[str, Any]]
 #: A route function's tokens: :class:`Routes`, or a list of routes per token.
 Tokens = Union["Routes", Sequence[Sequence[Route]]]
-#: A capacity: None (dropless), one slot count per expert, or ``{"scope": ..., "slots": [...]}``.
-Capacity = Union[None, Sequence[int], Dict[str, Any]]
+#: A capacity: None (dropless), an int (the same slots for every expert), one slot count per
+#: expert, or ``{"scope": ..., "slots": [...]}``.
+Capacity = Union[None, int, Sequence[int], Dict[str, Any]]
 #: ``route(data, mode)`` (optionally with ``seed`` and ``padding`` keywords): tokens, or
 #: (tokens, capacity).
 RouteFn = Callable[..., Union[Tokens, Tuple[Tokens, Capacity]]]
@@ -70,6 +82,33 @@ def protocol_name(protocol: Protocol) -> str:
     return name
 
 
+_BUILD = "moe-audit adapter: routes_from_arrays():"
+
+
+def _ids(experts: np.ndarray) -> np.ndarray:
+    """Expert ids as int64: integers, or floats with whole values (an array made with np.zeros)."""
+    if experts.dtype.kind == "f":
+        whole = np.isfinite(experts) & (experts == np.floor(experts))
+        if not whole.all():
+            at = tuple(int(i) for i in np.argwhere(~whole)[0])
+            raise ValueError(f"{_BUILD} experts{list(at)} is {experts[at]}, not an expert id (an integer)")
+    elif experts.dtype.kind not in "iu":
+        raise TypeError(f"{_BUILD} experts must be integer expert ids, got a {experts.dtype} array")
+    return experts.astype(np.int64)
+
+
+def _flags(name: str, a: np.ndarray) -> np.ndarray:
+    """Flags as bool: bools, or numbers that are 0 or 1 (anything else would be truthy by accident)."""
+    if a.dtype.kind in "iuf":
+        bad = (a != 0) & (a != 1)
+        if bad.any():
+            at = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(f"{_BUILD} {name}{list(at)} is {a[at]}, not a bool (True/False or 1/0)")
+    elif a.dtype.kind != "b":
+        raise TypeError(f"{_BUILD} {name} must be bools, got a {a.dtype} array")
+    return a.astype(bool)
+
+
 class Routes:
     """Every token's routes as ``[T, k]`` arrays: expert ids, weights, kept flags, and which
     routes exist (all, unless some tokens have fewer, such as padding left unrouted).
@@ -79,15 +118,25 @@ class Routes:
     """
 
     def __init__(self, experts: Any, weights: Any, kept: Any = None, present: Any = None) -> None:
-        self.experts = np.asarray(experts, dtype=np.int64)
-        self.weights = np.asarray(weights, dtype=np.float64)
-        self.kept = np.ones(self.experts.shape, dtype=bool) if kept is None else np.asarray(kept, dtype=bool)
-        self.present = None if present is None else np.broadcast_to(np.asarray(present, dtype=bool), self.experts.shape)
+        self.experts = _ids(np.asarray(experts))
+        weights = np.asarray(weights)
+        if weights.dtype.kind not in "iuf":
+            raise TypeError(f"{_BUILD} weights must be numbers, got a {weights.dtype} array")
+        self.weights = weights.astype(np.float64)
+        self.kept = np.ones(self.experts.shape, dtype=bool) if kept is None else _flags("kept", np.asarray(kept))
         if not (self.experts.ndim == 2 and self.experts.shape == self.weights.shape == self.kept.shape):
             raise ValueError(
-                f"experts, weights and kept must be [tokens, k] arrays of one shape, got "
+                f"{_BUILD} experts, weights and kept must be [tokens, k] arrays of one shape, got "
                 f"{self.experts.shape}, {self.weights.shape}, {self.kept.shape}"
             )
+        self.present: Optional[np.ndarray] = None
+        if present is not None:
+            flags = _flags("present", np.asarray(present))
+            try:
+                self.present = np.broadcast_to(flags, self.experts.shape)
+            except ValueError:
+                raise ValueError(f"{_BUILD} present has shape {flags.shape}, which does not broadcast to the "
+                                 f"routes' {self.experts.shape}") from None
 
     def __len__(self) -> int:
         return len(self.experts)
@@ -129,9 +178,150 @@ def columns(tokens: Tokens) -> Columns:
             np.asarray(weight, dtype=np.float64), np.asarray(kept, dtype=bool))
 
 
+_RETURNED = "moe-audit adapter: route() returned"
+
+
 def _split(result: Any) -> Tuple[Tokens, Capacity]:
     """(tokens, capacity) of what a route function returned."""
-    return result if isinstance(result, tuple) else (result, None)
+    if not isinstance(result, tuple):
+        return result, None
+    if len(result) != 2:
+        raise TypeError(f"{_RETURNED} a tuple of {len(result)} items; expected the routes, or (routes, capacity)")
+    return result
+
+
+def _token(t: int, seq_len: int) -> str:
+    """Token t named with its place: tokens are sequence-major, t = b * seq_len + s."""
+    return f"token {t} (batch {t // seq_len}, position {t % seq_len})"
+
+
+def _route_error(t: int, j: int, seq_len: int, problem: str, kind: Type[Exception] = ValueError) -> Exception:
+    return kind(f"{_RETURNED} {_token(t, seq_len)}, route {j}: {problem}")
+
+
+def _out_of_range(e: int, experts: int) -> str:
+    return f"expert {e} is out of range 0 to {experts - 1}"
+
+
+def _token_count(n: int, batch: int, seq_len: int) -> None:
+    if n != batch * seq_len:
+        raise ValueError(f"{_RETURNED} {n} tokens, expected batch * seq_len = {batch} * {seq_len} = "
+                         f"{batch * seq_len} (sequence-major: token b * seq_len + s)")
+
+
+def _checked_arrays(routes: Routes, batch: int, seq_len: int, experts: int) -> Columns:
+    """Columns of a Routes, checked with whole-array operations (a call holds ~32k tokens)."""
+    e, w, k, p = routes.experts, routes.weights, routes.kept, routes.present
+    shapes = [e.shape, w.shape, k.shape] + ([] if p is None else [p.shape])
+    if e.ndim != 2 or len(set(shapes)) != 1:
+        named = ", ".join(f"{n} {sh}" for n, sh in zip(("experts", "weights", "kept", "present"), shapes))
+        raise ValueError(f"{_RETURNED} Routes whose arrays differ in shape ({named}); each must be [tokens, k]")
+    _token_count(len(e), batch, seq_len)
+    if e.dtype.kind not in "iu" or k.dtype != bool or w.dtype.kind != "f":
+        raise TypeError(f"{_RETURNED} Routes holding experts {e.dtype}, weights {w.dtype}, kept {k.dtype}; "
+                        "expected integers, floats and bools (build them with routes_from_arrays)")
+    cols = routes.columns()
+    count, expert, weight, _ = cols
+    # Whole-array tests on the routes as sent (absent ones left out); the first bad route is
+    # looked for only when one exists.
+    problem = ""
+    if expert.size and (expert.min() < 0 or expert.max() >= experts):
+        r = int(np.argmax((expert < 0) | (expert >= experts)))
+        problem = _out_of_range(int(expert[r]), experts)
+    elif not np.isfinite(weight).all():
+        r = int(np.argmax(~np.isfinite(weight)))
+        problem = f"weight {weight[r]} is not a finite number"
+    if problem:
+        t = int(np.searchsorted(np.cumsum(count), r, side="right"))
+        j = r - int(count[:t].sum())
+        j = j if p is None else int(np.flatnonzero(p[t])[j])  # the route's column in the arrays
+        raise _route_error(t, j, seq_len, problem)
+    if e.shape[1] > 1:
+        # Absent routes get distinct negative ids, so only present ones can repeat.
+        ids = e if p is None else np.where(p, e, -1 - np.arange(e.shape[1]))
+        ordered = np.sort(ids, axis=1)
+        twice = ordered[:, 1:] == ordered[:, :-1]
+        if twice.any():
+            t, i = (int(x) for x in np.argwhere(twice)[0])
+            first, second = (int(x) for x in np.flatnonzero(ids[t] == ordered[t, i])[:2])
+            raise _route_error(t, second, seq_len, f"expert {ordered[t, i]} appears twice (routes {first} and "
+                               f"{second}); a token routes to an expert at most once")
+    return cols
+
+
+def _is_flag(x: Any) -> bool:
+    try:
+        return bool(x in (False, True))
+    except (TypeError, ValueError):  # an array, or a type that refuses ==
+        return False
+
+
+def _checked_lists(tokens: Sequence[Any], batch: int, seq_len: int, experts: int) -> Columns:
+    """Columns of routes given as one list of (expert, weight, kept) per token, checked."""
+    _token_count(len(tokens), batch, seq_len)
+    count, expert, weight, kept = [], [], [], []
+    for t, token in enumerate(tokens):
+        if not isinstance(token, Sequence) or isinstance(token, (str, bytes)):
+            raise TypeError(f"{_RETURNED} {_token(t, seq_len)} as {v1.brief(token)}; a token is a list of "
+                            "(expert, weight, kept) routes")
+        seen: Dict[int, int] = {}
+        for j, r in enumerate(token):
+            if isinstance(r, dict) and {"expert", "weight", "kept"} <= r.keys():
+                e, w, k = r["expert"], r["weight"], r["kept"]
+            elif isinstance(r, Sequence) and not isinstance(r, (str, bytes)) and len(r) == 3:
+                e, w, k = r
+            else:
+                raise _route_error(t, j, seq_len, f"{v1.brief(r)} is not (expert, weight, kept) or a dict with "
+                                   "those keys", TypeError)
+            e_id = v1.count(e)
+            if e_id is None and isinstance(e, (float, np.floating)) and float(e).is_integer():
+                e_id = int(e)
+            if e_id is None:
+                raise _route_error(t, j, seq_len, f"expert {v1.brief(e)} is not an integer", TypeError)
+            if not 0 <= e_id < experts:
+                raise _route_error(t, j, seq_len, _out_of_range(e_id, experts))
+            if e_id in seen:
+                raise _route_error(t, j, seq_len, f"expert {e_id} appears twice (routes {seen[e_id]} and {j}); "
+                                   "a token routes to an expert at most once")
+            seen[e_id] = j
+            try:
+                w_value = None if isinstance(w, (str, bytes, bool, np.bool_)) else float(w)
+            except (TypeError, ValueError):
+                w_value = None
+            if w_value is None or not np.isfinite(w_value):
+                raise _route_error(t, j, seq_len, f"weight {v1.brief(w)} is not a finite number")
+            if not _is_flag(k):
+                raise _route_error(t, j, seq_len, f"kept {v1.brief(k)} is not a bool (True/False or 1/0)", TypeError)
+            expert.append(e_id)
+            weight.append(w_value)
+            kept.append(bool(k))
+        count.append(len(token))
+    return (np.asarray(count, dtype=np.int64), np.asarray(expert, dtype=np.int64),
+            np.asarray(weight, dtype=np.float64), np.asarray(kept, dtype=bool))
+
+
+def checked(result: Any, batch: int, seq_len: int, experts: int) -> Tuple[Columns, Capacity]:
+    """(columns, capacity) of what route returned for a call of [batch, seq_len] tokens, checked
+    before anything is encoded: a mistake raises TypeError or ValueError with a one-line message
+    naming the token, (batch, position) and field (moe-audit quotes the last line of stderr)."""
+    tokens, capacity = _split(result)
+    if isinstance(tokens, Routes):
+        cols = _checked_arrays(tokens, batch, seq_len, experts)
+    elif isinstance(tokens, Sequence) and not isinstance(tokens, (str, bytes)):
+        cols = _checked_lists(tokens, batch, seq_len, experts)
+    else:
+        raise TypeError(f"{_RETURNED} routes of type {type(tokens).__name__}; expected routes_from_arrays(experts, "
+                        "weights, kept) or one list of (expert, weight, kept) routes per token")
+    n = batch * seq_len
+    form = v1.capacity_form(capacity, experts)
+    if isinstance(form, dict):
+        scope = form["scope"]
+        groups = 1 if scope == "batch" else batch if scope == "sequence" else -(-n // int(scope[len("tokens:"):]))
+        if len(form["slots"]) != groups:
+            raise ValueError(f"{_RETURNED} capacity {v1.brief(capacity)}: scope {scope!r} makes {groups} group(s) "
+                             f"of batch {batch} * seq_len {seq_len}, so slots needs {groups} counts, not "
+                             f"{len(form['slots'])}")
+    return cols, form
 
 
 def _caller(route: RouteFn) -> Callable[[np.ndarray, str, Optional[int], Optional[np.ndarray]], Any]:
@@ -191,14 +381,20 @@ def serve(route: RouteFn, name: str, experts: int, top_k: Optional[int], input: 
     inp = stdin or sys.stdin.buffer
     out = stdout or sys.stdout.buffer
     call = _caller(route)
-    out.write(json.dumps(hs).encode() + b"\n")
-    out.flush()
-    # While the router runs, print() must not reach the protocol stream.
-    quiet = contextlib.redirect_stdout(sys.stderr) if stdout is None else contextlib.nullcontext()
+    quiet: Any = contextlib.nullcontext()
+    if stdout is None:
+        # Text printed before run() goes out now, ahead of the handshake (where moe-audit reports
+        # it), not later in the middle of a response. From here on print() goes to stderr, also
+        # from other threads; the handshake and responses go to the real stdout's buffer.
+        sys.stdout.flush()
+        quiet = contextlib.redirect_stdout(sys.stderr)
     with quiet:
+        out.write(json.dumps(hs).encode() + b"\n")
+        out.flush()
         while (req := wire.read_request(inp, width)) is not None:
-            tokens, capacity = _split(call(req.data, req.mode, req.seed, req.padding))
-            wire.write_response(out, req.id, columns(tokens), capacity, experts=hs["experts"])
+            batch, seq_len = req.data.shape[:2]
+            cols, capacity = checked(call(req.data, req.mode, req.seed, req.padding), batch, seq_len, hs["experts"])
+            wire.write_response(out, req.id, cols, capacity, experts=hs["experts"])
             out.flush()
 
 
@@ -258,8 +454,9 @@ def answer_plan(route: RouteFn, directory: Union[str, "os.PathLike[str]"], proto
     try:
         with contextlib.redirect_stdout(sys.stderr), open(partial, "w") as out:
             for c in manifest["calls"]:
-                tokens, capacity = _split(call(inputs[c["tensor"]], c["mode"], None, None))
-                out.write(v1.line(c["id"], columns(tokens), field(capacity, experts)) + "\n")
+                data = inputs[c["tensor"]]
+                cols, capacity = checked(call(data, c["mode"], None, None), data.shape[0], data.shape[1], experts)
+                out.write(v1.line(c["id"], cols, field(capacity, experts)) + "\n")
         os.replace(partial, f"{directory}/decisions.jsonl")
     finally:
         with contextlib.suppress(FileNotFoundError):

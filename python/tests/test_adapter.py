@@ -5,8 +5,10 @@ import importlib
 import io
 import json
 import os
+import re
 import runpy
 import struct
+import subprocess
 import sys
 import warnings
 from types import SimpleNamespace
@@ -259,3 +261,282 @@ def test_a_failing_router_leaves_no_answers(tmp_path):
     with pytest.raises(RuntimeError, match="the router failed"):
         moe_audit.answer_plan(route, str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == ["inputs.safetensors", "manifest.json"]
+
+
+# Issue 30: the adapter's first mistakes. The helpers serve a router in-process over byte streams.
+
+E8 = 8  # experts in these tests: ids 0 to 7
+
+
+def frame(protocol, i, batch=2, seq_len=4, width=E8):
+    """One request of zeros, as moe-audit writes it in that protocol."""
+    data = np.zeros((batch, seq_len, width), np.float32)
+    if protocol == 1:
+        req = {"id": i, "mode": "train", "batch": batch, "seq_len": seq_len, "data": data.tolist()}
+        return json.dumps(req).encode() + b"\n"
+    body = data.astype("<f4").tobytes()
+    head = {"id": i, "mode": "train", "batch": batch, "seq_len": seq_len, "width": width, "padding": False,
+            "seed": 0, "bytes": len(body)}
+    return json.dumps(head).encode() + b"\n" + body
+
+
+def answers(protocol, raw):
+    """(handshake, response lines or headers) of a router's stdout: anything else fails to parse."""
+    hs, rest = raw.split(b"\n", 1)
+    out = []
+    while rest:
+        line, rest = rest.split(b"\n", 1)
+        out.append(json.loads(line))
+        if protocol == 2:
+            rest = rest[out[-1]["bytes"]:]
+    return json.loads(hs), out
+
+
+def served(route, protocol, calls=1, **sizes):
+    inp = io.BufferedReader(io.BytesIO(b"".join(frame(protocol, i + 1, **sizes) for i in range(calls))))
+    out = io.BytesIO()
+    serve(route, "r", E8, 2, stdin=inp, stdout=out, protocol=protocol)
+    return answers(protocol, out.getvalue())
+
+
+def two_routes(data, mode):
+    t = data.shape[0] * data.shape[1]
+    return moe_audit.routes_from_arrays(np.tile([0, 1], (t, 1)), np.full((t, 2), 0.5))
+
+
+@pytest.mark.parametrize("protocol", [1, 2])
+@pytest.mark.parametrize("capacity", [3, np.int64(3), np.array(3)])
+def test_an_int_capacity_is_the_same_slots_for_every_expert(protocol, capacity):
+    _, (response,) = served(lambda data, mode: (two_routes(data, mode), capacity), protocol)
+    assert response["capacity"] == [3] * E8
+    codec = v1 if protocol == 1 else v2
+    encoded = codec.response(1, columns(ROUTES), capacity, experts=4)
+    assert json.loads(encoded if protocol == 1 else encoded[0])["capacity"] == [3] * 4
+
+
+def test_an_int_capacity_in_trace_answers(tmp_path):
+    manifest = {"router": {"experts": 4}, "calls": [{"id": 1, "mode": "train", "tensor": "t0"}]}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    safetensors(tmp_path / "inputs.safetensors", {"t0": ("F32", [1, 2, 4], bytes(32))})
+
+    def route(data, mode):
+        return moe_audit.routes_from_arrays([[0], [1]], [[1.0], [1.0]]), 0
+
+    for protocol in (1, 2):
+        moe_audit.answer_plan(route, str(tmp_path), protocol)
+        assert json.loads((tmp_path / "decisions.jsonl").read_text())["capacity"] == [0] * 4
+
+
+FORMS = ('a capacity is None (dropless), an int (the same slots for every expert), one int per expert (4 of them), '
+         'or {"scope": "sequence"|"batch"|"tokens:N", "slots": [...]}')
+
+
+@pytest.mark.parametrize("capacity, error, problem", [
+    (2.5, TypeError, "capacity 2.5: a float is not a capacity"),
+    (4.0, TypeError, "capacity 4.0: a float is not a capacity"),  # rounding is the router's choice
+    ("4", TypeError, "capacity '4': a str is not a capacity"),
+    (True, TypeError, "capacity True: a bool is not a capacity"),
+    ([2, 2, 2], ValueError, "capacity [2, 2, 2]: 3 slot counts, not one per expert (4)"),
+    (np.ones((2, 4), int), TypeError, "a 2-D array is not a capacity"),
+    ([2, 2.5, 2, 2], TypeError, "slot count 1 is 2.5, not an int"),
+    (-1, ValueError, "capacity -1: a negative count"),
+    ([2, -1, 2, 2], ValueError, "slot count 1 is -1, a negative count"),
+    ({"slots": [2]}, ValueError, "no 'scope' key"),
+    ({"scope": "batch"}, ValueError, "no 'slots' key"),
+    ({"scope": "sequence", "slots": [2], "slot": 2}, ValueError, "unknown key 'slot'"),
+    ({"scope": "seq", "slots": [2]}, ValueError, "scope 'seq' is not 'sequence', 'batch' or 'tokens:N' (N >= 1)"),
+    ({"scope": "tokens:0", "slots": [2]}, ValueError, "scope 'tokens:0' is not"),
+    ({"scope": "batch", "slots": 2}, TypeError, "slots 2 is not a list of ints"),
+])
+def test_a_capacity_of_another_form_names_the_accepted_forms(capacity, error, problem):
+    for encode in (v1.response, v2.response):
+        with pytest.raises(error) as e:
+            encode(1, columns(ROUTES), capacity, experts=4)
+        message = str(e.value)
+        assert message.startswith("moe-audit adapter: route() returned capacity ") and "\n" not in message
+        assert problem in message and message.endswith(FORMS), message
+
+
+def test_a_scoped_capacity_needs_one_count_per_group():
+    def route(data, mode):
+        return two_routes(data, mode), {"scope": "sequence", "slots": [2]}
+
+    with pytest.raises(ValueError, match=r"scope 'sequence' makes 2 group\(s\) of batch 2 \* seq_len 4, so slots "
+                                         r"needs 2 counts, not 1"):
+        served(route, 2)
+    _, (ok,) = served(lambda data, mode: (two_routes(data, mode), {"scope": "tokens:3", "slots": [1, 1, 1]}), 2)
+    assert ok["capacity"] == {"scope": "tokens:3", "slots": [1, 1, 1]}
+
+
+def listed(bad_route):
+    """A route answering lists of routes, with token 5 (batch 1, position 1)'s second route replaced."""
+    def route(data, mode):
+        tokens = [[(0, 0.5, True), (1, 0.5, False)] for _ in range(data.shape[0] * data.shape[1])]
+        tokens[5][1] = bad_route
+        return tokens
+    return route
+
+
+def arrays(field, value):
+    """A route answering [T, k] arrays, with token 5's second route's field set to value."""
+    def route(data, mode):
+        t = data.shape[0] * data.shape[1]
+        a = {"experts": np.tile([0, 1], (t, 1)), "weights": np.full((t, 2), 0.5), "kept": np.ones((t, 2), bool)}
+        a[field][5, 1] = value
+        return moe_audit.routes_from_arrays(a["experts"], a["weights"], a["kept"])
+    return route
+
+
+TOKEN5 = "moe-audit adapter: route() returned token 5 (batch 1, position 1), "
+AT = TOKEN5 + "route 1: "
+
+
+@pytest.mark.parametrize("route, error, problem", [
+    (listed((8, 0.5, True)), ValueError, "expert 8 is out of range 0 to 7"),
+    (listed((-1, 0.5, True)), ValueError, "expert -1 is out of range 0 to 7"),
+    (listed((1.5, 0.5, True)), TypeError, "expert 1.5 is not an integer"),
+    (listed(("1", 0.5, True)), TypeError, "expert '1' is not an integer"),
+    (listed((0, 0.5, True)), ValueError, "expert 0 appears twice (routes 0 and 1)"),
+    (listed((1, float("nan"), True)), ValueError, "weight nan is not a finite number"),
+    (listed((1, "0.5", True)), ValueError, "weight '0.5' is not a finite number"),
+    (listed((1, 0.5, "yes")), TypeError, "kept 'yes' is not a bool (True/False or 1/0)"),
+    (listed((1, 0.5)), TypeError, "(1, 0.5) is not (expert, weight, kept) or a dict with those keys"),
+    (listed({"expert": 1, "weight": 0.5}), TypeError, "is not (expert, weight, kept) or a dict with those keys"),
+    (arrays("experts", 8), ValueError, "expert 8 is out of range 0 to 7"),
+    (arrays("experts", 0), ValueError, "expert 0 appears twice (routes 0 and 1)"),
+    (arrays("weights", np.inf), ValueError, "weight inf is not a finite number"),
+])
+@pytest.mark.parametrize("protocol", [1, 2])
+def test_a_bad_route_is_named_by_token_position_and_field(route, error, problem, protocol):
+    with pytest.raises(error) as e:
+        served(route, protocol)
+    assert str(e.value).startswith(AT) and problem in str(e.value), str(e.value)
+    assert "\n" not in str(e.value) and ".." not in str(e.value)
+
+
+def test_routes_absent_from_a_token_are_not_checked():
+    def route(data, mode):
+        t = data.shape[0] * data.shape[1]
+        experts = np.tile([0, -1], (t, 1))  # -1: no second route (as moe_audit.hf writes padding)
+        weights = np.tile([1.0, np.nan], (t, 1))
+        return moe_audit.routes_from_arrays(experts, weights, present=experts >= 0), 2
+
+    _, (response,) = served(route, 1)
+    assert response["tokens"][0] == [{"expert": 0, "weight": 1.0, "kept": True}]
+
+    def route_past_a_gap(data, mode):
+        experts = np.tile([0, 1, 2], (8, 1))
+        experts[5, 2] = 8
+        present = np.ones((8, 3), bool)
+        present[5, 0] = False  # the bad route is the second sent, the array's column 2
+        return moe_audit.routes_from_arrays(experts, np.ones((8, 3)), present=present)
+
+    with pytest.raises(ValueError, match=r"^" + re.escape(TOKEN5 + "route 2: expert 8 is out of range 0 to 7") + "$"):
+        served(route_past_a_gap, 2)
+
+
+@pytest.mark.parametrize("route, error, message", [
+    (lambda data, mode: two_routes(data[:, :3], mode), ValueError,
+     "route() returned 6 tokens, expected batch * seq_len = 2 * 4 = 8 (sequence-major: token b * seq_len + s)"),
+    (lambda data, mode: listed((1, 0.5, True))(data, mode)[:7], ValueError, "route() returned 7 tokens, expected"),
+    (lambda data, mode: np.zeros((8, 2), int), TypeError,
+     "route() returned routes of type ndarray; expected routes_from_arrays(experts, weights, kept)"),
+    (lambda data, mode: (two_routes(data, mode), None, "extra"), TypeError,
+     "route() returned a tuple of 3 items; expected the routes, or (routes, capacity)"),
+    (lambda data, mode: [[(0, 0.5, True)]] * 5 + [3] + [[]] * 2, TypeError,
+     "route() returned token 5 (batch 1, position 1) as 3; a token is a list of (expert, weight, kept) routes"),
+])
+def test_a_bad_answer_as_a_whole_is_named(route, error, message):
+    with pytest.raises(error) as e:
+        served(route, 2)
+    assert str(e.value).startswith("moe-audit adapter: " + message), str(e.value)
+
+
+def test_routes_whose_shapes_differ_are_named():
+    def route(data, mode):
+        routes = two_routes(data, mode)
+        routes.weights = routes.weights[:, :1]  # changed after it was built
+        return routes
+
+    with pytest.raises(ValueError, match=r"route\(\) returned Routes whose arrays differ in shape \(experts \(8, 2\), "
+                                         r"weights \(8, 1\), kept \(8, 2\)\); each must be \[tokens, k\]"):
+        served(route, 2)
+
+
+@pytest.mark.parametrize("args, error, message", [
+    (([[0, 1.5]], [[0.5, 0.5]]), ValueError, "experts[0, 1] is 1.5, not an expert id (an integer)"),
+    (([[0, 1]], [[0.5, 0.5]], [[1, 2]]), ValueError, "kept[0, 1] is 2, not a bool (True/False or 1/0)"),
+    (([[0, 1]], [[0.5, 0.5]], [["y", "n"]]), TypeError, "kept must be bools, got a <U1 array"),
+    (([[0, 1]], [["a", "b"]]), TypeError, "weights must be numbers, got a <U1 array"),
+    (([[0, 1]], [[0.5]]), ValueError, "experts, weights and kept must be [tokens, k] arrays of one shape"),
+    (([[0, 1]], [[0.5, 0.5]], None, [[True], [False]]), ValueError,
+     "present has shape (2, 1), which does not broadcast to the routes' (1, 2)"),
+])
+def test_routes_from_arrays_refuses_what_it_would_have_to_guess(args, error, message):
+    with pytest.raises(error) as e:
+        moe_audit.routes_from_arrays(*args)
+    assert str(e.value).startswith("moe-audit adapter: routes_from_arrays(): " + message), str(e.value)
+    # Whole floats are ids (np.zeros makes them), 0/1 are flags.
+    routes = moe_audit.routes_from_arrays(np.ones((1, 2)) * [[0, 1]], [[0.5, 0.5]], [[1, 0]])
+    assert routes[0] == [(0, 0.5, True), (1, 0.5, False)]
+
+
+class Chatty(io.RawIOBase):
+    """stdin that prints once before its first bytes, as a thread of the router printing while
+    serve waits for moe-audit's first request."""
+
+    def __init__(self, data):
+        self.data = io.BytesIO(data)
+        self.said = False
+
+    def readable(self):
+        return True
+
+    def readinto(self, b):
+        if not self.said:
+            self.said = True
+            print("still warming up")
+        return self.data.readinto(b)
+
+
+@pytest.mark.parametrize("protocol", [1, 2])
+def test_print_never_reaches_the_protocol_stream(protocol, monkeypatch):
+    stdout, stderr = io.BytesIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(stdout, write_through=False))
+    monkeypatch.setattr(sys, "stderr", stderr)
+    frames = frame(protocol, 1) + frame(protocol, 2)
+    monkeypatch.setattr(sys, "stdin", SimpleNamespace(buffer=io.BufferedReader(Chatty(frames))))
+
+    def route(data, mode):
+        print("routing", data.shape)
+        return two_routes(data, mode), 2
+
+    print("loading my model...")  # at import time, before run(): it goes out ahead of the handshake
+    serve(route, "r", E8, 2, protocol=protocol)
+    sys.stdout.flush()
+    raw = stdout.getvalue()
+    assert raw.startswith(b"loading my model...\n")
+    hs, responses = answers(protocol, raw[len(b"loading my model...\n"):])
+    assert hs["name"] == "r" and [r["id"] for r in responses] == [1, 2]
+    assert stderr.getvalue() == "still warming up\nrouting (2, 4, 8)\nrouting (2, 4, 8)\n"
+
+
+def test_a_router_process_exits_with_the_message_as_its_last_line_of_stderr(tmp_path):
+    # moe-audit quotes the router's last line of stderr: the traceback must end with the message.
+    script = tmp_path / "router.py"
+    script.write_text(
+        "import numpy as np\n"
+        "from moe_audit import routes_from_arrays, run\n"
+        "def route(data, mode):\n"
+        "    t = data.shape[0] * data.shape[1]\n"
+        "    experts = np.tile([0, 1], (t, 1))\n"
+        "    experts[5, 1] = 8\n"
+        "    return routes_from_arrays(experts, np.full((t, 2), 0.5)), 2\n"
+        "run(route, name='r', experts=8, top_k=2)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(moe_audit.__file__)),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(script)], input=frame(2, 1), capture_output=True, env=env,
+                          timeout=60)
+    assert proc.returncode == 1
+    assert json.loads(proc.stdout)["protocol"] == "moe-audit/2"  # the handshake alone: no partial answer
+    assert proc.stderr.decode().splitlines()[-1] == "ValueError: " + AT + "expert 8 is out of range 0 to 7"

@@ -53,13 +53,9 @@ def read_request(stream: BinaryIO, width: int) -> Optional[Request]:
 
 
 def capacity_field(capacity: Any, experts: int) -> Union[None, List[int], Dict[str, Any]]:
-    """A capacity as /2 states it: None, E counts for the call, or a scope with its groups."""
-    if isinstance(capacity, dict):
-        out = {"scope": str(capacity["scope"]), "slots": [int(c) for c in capacity["slots"]]}
-        if "flatten" in capacity:
-            out["flatten"] = capacity["flatten"]
-        return out
-    return v1.capacity_list(capacity, experts)
+    """A capacity as /2 states it: None, E counts for the call, or a scope with its groups (an int
+    is the same count for every expert; a wrong form raises, naming the accepted ones)."""
+    return v1.capacity_form(capacity, experts)
 
 
 def response(request_id: int, columns: Columns, capacity: Any, experts: int) -> Tuple[bytes, bytes]:
