@@ -26,11 +26,18 @@ zeros) gets a seeded normal gate (std ``1/sqrt(hidden)``) and zero bias, so ever
 alike; ``init=False`` keeps the weights as they are, ``init=True`` always re-initialises. The
 global torch generator is seeded with ``seed`` once, so a whole audit is reproducible; a random
 router (jitter, sampled second experts) still draws fresh noise on every call, which the audit's
-D probe reports. ``seed_calls=True`` (``moe-audit/2``) seeds it with the request's seed before
-every call instead: the same call then draws the same noise. A block that takes a
-``padding_mask`` (NLLB-MoE) gets the request's over ``moe-audit/2``. Needs torch and transformers.
+D probe reports. ``seed_calls=True`` (``moe-audit/2``) makes every random draw of a call per
+token instead, from a generator keyed on the request's seed and the token's own input row
+(:mod:`moe_audit.hf.seeded`): a token's noise then depends on nothing but the token, so the same
+call draws the same noise (D) and the other probes see the router's own dependence on other
+tokens, not noise keyed on the call's shape (seeding torch once per call would shift every
+token's noise with the prefix, the batch or the layout: P, R and L "leaks"). A random draw that
+cannot be attributed to a token raises :class:`moe_audit.hf.seeded.NotKeyed`. A block that takes
+a ``padding_mask`` (NLLB-MoE) gets the request's over ``moe-audit/2``. Needs torch and
+transformers.
 """
 
+import contextlib
 import inspect
 import math
 
@@ -41,6 +48,7 @@ from .. import adapter
 from .._wire import v1, v2
 from .capture import _dispatch
 from .routers import _DECODERS, Decoder, _gate, decoder_for, discover
+from .seeded import PerToken
 
 #: Deprecated: routers are found by structure and read by decoders (:data:`FAMILIES` lists the
 #: built-in ones); kept so code naming them still imports.
@@ -113,9 +121,8 @@ class Router:
     @torch.no_grad()
     def route(self, data, mode, seed=None, padding=None):
         """Routes data [batch, seq_len, hidden] (float32) in mode "train" or "inference"; with
-        ``seed_calls``, seeds torch with the request's seed (``moe-audit/2``) first."""
-        if self.seed_calls and seed is not None:
-            torch.manual_seed(seed)
+        ``seed_calls`` and the request's seed (``moe-audit/2``), every random draw of the call is
+        keyed per token on the seed and the token's row (:class:`moe_audit.hf.seeded.PerToken`)."""
         self.module.train(mode == "train")
         dtype = _gate(self.router, self.experts).dtype
         # A copy: blocks scale their input in place (jitter).
@@ -137,10 +144,13 @@ class Router:
         handles = [self.router.register_forward_hook(router_hook)]
         if self.site.experts_module is not None:
             handles.append(self.site.experts_module.register_forward_pre_hook(experts_hook, with_kwargs=True))
+        seeded = PerToken(seed, data) if self.seed_calls and seed is not None else contextlib.nullcontext()
         try:
-            self.block(x, **kwargs)
-        except _Routed:
-            pass
+            with seeded:
+                try:
+                    self.block(x, **kwargs)
+                except _Routed:
+                    pass
         finally:
             for h in handles:
                 h.remove()
