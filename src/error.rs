@@ -145,11 +145,23 @@ pub enum Setting {
     CurvePoints,
     /// Batches of the untrained probe.
     ProbeBatches,
+    /// The share of routing decisions two records may disagree on.
+    MaxDisagreement,
+    /// The largest bias a low-precision reduction may have.
+    MaxBias,
+    /// The mode the audited calls are made in (training or inference).
+    Mode,
+    /// A model's `config.json`.
+    Config,
+    /// Where witnesses are written.
+    WitnessDir,
+    /// The output file.
+    Output,
 }
 
 impl Setting {
     /// Every setting.
-    pub const ALL: [Setting; 22] = [
+    pub const ALL: [Setting; 28] = [
         Setting::Batch,
         Setting::SeqLen,
         Setting::Hidden,
@@ -172,6 +184,12 @@ impl Setting {
         Setting::EvalBatches,
         Setting::CurvePoints,
         Setting::ProbeBatches,
+        Setting::MaxDisagreement,
+        Setting::MaxBias,
+        Setting::Mode,
+        Setting::Config,
+        Setting::WitnessDir,
+        Setting::Output,
     ];
 
     /// The library's name for it.
@@ -199,6 +217,12 @@ impl Setting {
             Setting::EvalBatches => "eval_batches",
             Setting::CurvePoints => "curve_points",
             Setting::ProbeBatches => "probe_batches",
+            Setting::MaxDisagreement => "max_disagreement",
+            Setting::MaxBias => "max_bias",
+            Setting::Mode => "mode",
+            Setting::Config => "config",
+            Setting::WitnessDir => "witness_dir",
+            Setting::Output => "output",
         }
     }
 }

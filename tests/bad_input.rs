@@ -748,13 +748,13 @@ fn every_bad_input_exits_2_with_one_line_and_no_panic() {
     X: f16 overflows a finite gate
       error: probe X: f16 overflows at batch 0, position 0, expert 0: the logit 621724.3 (f32) becomes inf in f16 (largest finite 65504); scale the gate down or leave X out
     witness: a logit edited (content hash)
-      error: [TMP]/w_edited.json: the content does not match its `sha256` (edited or corrupted): write the witness again with `check --witness-dir`
+      error: [TMP]/w_edited.json: the content does not match its `sha256` (edited or corrupted): write the witness again with --witness-dir
     witness: stored routing edited (content hash)
-      error: [TMP]/w_weight.json: the content does not match its `sha256` (edited or corrupted): write the witness again with `check --witness-dir`
+      error: [TMP]/w_weight.json: the content does not match its `sha256` (edited or corrupted): write the witness again with --witness-dir
     witness: no content hash
       error: [TMP]/w_nohash.json: no `sha256` content hash to check
     witness: the format before content hashes
-      error: [TMP]/w_old.json: format `moe-audit-witness/1` has no content hash to check: write the witness again with `check --witness-dir`
+      error: [TMP]/w_old.json: format `moe-audit-witness/1` has no content hash to check: write the witness again with --witness-dir
     sweep: capacity factor 1e308
       error: [TMP]/g_cf.toml: capacity_factor[1]: 1e308 is over 1000000.0: no token is dropped long before; use a smaller factor
     weights: a tensor named twice in the header

@@ -141,7 +141,7 @@ const SWEEP: &str = "docs/sweep/sweep.md, 4x64 tokens, 8 experts";
 /// How to fix: the probe's own fix, or else the design family's.
 fn fix(probe: Probe, config: Option<&RouterConfig>) -> String {
     if let Some(fix) = probe.rule().fix() {
-        return fix.into();
+        return fix;
     }
     let Some(config) = config else {
         return "token t's routing must depend only on tokens <= t of its own sequence: dropless token choice, or capacity per sequence kept by position".into();

@@ -20,6 +20,8 @@ pub mod witness;
 pub use crate::parallel::Layer;
 pub use case::{Call, Case};
 pub use explain::Explanation;
+pub use noise::fix as random_router_fix;
+#[allow(deprecated)]
 pub use noise::FIX as RANDOM_ROUTER_FIX;
 pub(crate) use probe::TARGET_LOGIT;
 pub use probe::{numerics, Probe};

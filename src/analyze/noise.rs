@@ -35,6 +35,15 @@ pub(crate) fn exceeds(affected: usize, compared: usize, noise_affected: usize, n
 }
 
 /// The fix a random router's messages offer.
+pub fn fix() -> String {
+    format!(
+        "seed every request (moe-audit/2 sends a `seed`; moe_audit applies it, keyed per token, with seed_calls=True) or audit {} inference",
+        crate::error::Setting::Mode
+    )
+}
+
+/// The fix a random router's messages offer.
+#[deprecated(note = "use analyze::random_router_fix(), which names the setting as the front end does")]
 pub const FIX: &str =
     "seed every request (moe-audit/2 sends a `seed`; moe_audit applies it with seed_calls=True) or audit --mode inference";
 
@@ -51,7 +60,7 @@ pub(crate) fn separate(findings: &mut [Finding], noise: (usize, usize), random: 
     let d = format!("{k} of {n} tokens ({:.1}%) route differently when the same call is routed twice", rate * 100.0);
     for f in findings {
         if f.probe == Probe::D {
-            f.note = format!("random router (or one that every call changes): {d}; fix: {FIX}");
+            f.note = format!("random router (or one that every call changes): {d}; fix: {}", fix());
         } else if f.verdict == Verdict::Leak && !exceeds(f.affected, f.compared, k, n) {
             f.verdict = Verdict::Inconclusive;
             f.note = format!(

@@ -119,6 +119,12 @@ pub fn flag(setting: Setting) -> &'static str {
         Setting::EvalBatches => "--eval-batches",
         Setting::CurvePoints => "--curve-points",
         Setting::ProbeBatches => "--probe-batches",
+        Setting::MaxDisagreement => "--max-disagreement",
+        Setting::MaxBias => "--max-bias",
+        Setting::Mode => "--mode",
+        Setting::Config => "--config",
+        Setting::WitnessDir => "--witness-dir",
+        Setting::Output => "--output",
     }
 }
 

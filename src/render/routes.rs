@@ -29,15 +29,21 @@ fn verdict(c: &Comparison) -> String {
         why.push(defects.join(", "));
     }
     if let Some(m) = over {
-        why.push(format!("{} of decisions differ, over --max-disagreement {}", pct(c.measures.decisions_differ), m));
+        why.push(format!(
+            "{} of decisions differ, over {} {}",
+            pct(c.measures.decisions_differ),
+            crate::error::Setting::MaxDisagreement,
+            m
+        ));
     }
     if why.is_empty() {
         match c.max_disagreement {
             Some(m) => format!(
-                "PASS ({} of decisions differ, within --max-disagreement {m})",
-                pct(c.measures.decisions_differ)
+                "PASS ({} of decisions differ, within {} {m})",
+                pct(c.measures.decisions_differ),
+                crate::error::Setting::MaxDisagreement
             ),
-            None => "PASS (no alignment defect; no --max-disagreement given)".to_string(),
+            None => format!("PASS (no alignment defect; no {} given)", crate::error::Setting::MaxDisagreement),
         }
     } else {
         format!("FAIL ({})", why.join("; "))
@@ -253,8 +259,9 @@ pub fn routes_github(c: &Comparison) -> String {
             "::error file={},title=moe-audit routes: disagreement::{}",
             esc(&c.trainer.path),
             esc(&format!(
-                "{} of router decisions differ, over --max-disagreement {m}",
-                pct(c.measures.decisions_differ)
+                "{} of router decisions differ, over {} {m}",
+                pct(c.measures.decisions_differ),
+                crate::error::Setting::MaxDisagreement
             ))
         );
     }

@@ -137,7 +137,7 @@ fn inconclusive_line(report: &Report) -> Option<String> {
             "{} router(s) random, verdicts inconclusive: {}; fix: {}",
             random.len(),
             random.join(", "),
-            crate::analyze::RANDOM_ROUTER_FIX
+            crate::analyze::random_router_fix()
         )
     })
 }

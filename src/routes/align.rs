@@ -217,7 +217,10 @@ pub(super) fn align(a: &Record, b: &Record, budget: &mut Budget) -> Result<(Alig
                     r.layers.len(),
                     r.layers.len().saturating_sub(1)
                 ),
-                "give --config (config.json) so dense and MTP layers are known, or write `layers` in the file",
+                &format!(
+                    "give {} (config.json) so dense and MTP layers are known, or write `layers` in the file",
+                    crate::error::Setting::Config
+                ),
             ));
         }
     }

@@ -336,15 +336,19 @@ fn sglang(
     budget.take(&format!("parsing {}", path.display()), bytes.len() as u64 * 2)?;
     let value: Value = serde_json::from_slice(bytes).map_err(|e| bad(path, format!("not JSON: {e}")))?;
     let payloads = sglang_payloads(&value, path)?;
-    let (n_layers, top_k) =
-        match (layout, hint) {
-            (Some(l), _) => (l.kinds.iter().filter(|k| **k != super::LayerKind::Mtp).count(), l.top_k),
-            (None, Some(h)) => (h.layers, h.top_k),
-            (None, None) => return Err(bad(
+    let (n_layers, top_k) = match (layout, hint) {
+        (Some(l), _) => (l.kinds.iter().filter(|k| **k != super::LayerKind::Mtp).count(), l.top_k),
+        (None, Some(h)) => (h.layers, h.top_k),
+        (None, None) => {
+            return Err(bad(
                 path,
-                "SGLang routes are flat int32: give the model's config.json (--config) to know its layers and top-k",
-            )),
-        };
+                format!(
+                    "SGLang routes are flat int32: give the model's config.json ({}) to know its layers and top-k",
+                    crate::error::Setting::Config
+                ),
+            ))
+        }
+    };
     let width = n_layers * top_k;
     let mut experts = Vec::new();
     let mut sequences = Vec::new();

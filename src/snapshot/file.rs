@@ -67,7 +67,8 @@ impl Header {
             return Err(Error::input(
                 path,
                 format!(
-                    "format `{FORMAT_UNSEALED}` has no header seal (an edit of it would go unnoticed): read its header, then migrate it with `moe-audit snapshot --update {}`",
+                    "format `{FORMAT_UNSEALED}` has no header seal (an edit of it would go unnoticed): read its header, then migrate it with {} {}",
+                    crate::error::Setting::Update,
                     path.display()
                 ),
             ));
@@ -92,7 +93,7 @@ impl Header {
         }
         if header.format == FORMAT && header.header_sha256 != header.sealed().header_sha256 {
             return Err(bad(
-                "the header does not match its `header_sha256` (edited or corrupted): nothing is made from it; make the snapshot again with `moe-audit snapshot ... --output FILE`".into(),
+                format!("the header does not match its `header_sha256` (edited or corrupted): nothing is made from it; make the snapshot again with {}", crate::error::Setting::Output),
             ));
         }
         Ok(header)
@@ -376,7 +377,8 @@ mod tests {
         let old = text.replace(FORMAT, FORMAT_UNSEALED).replace("seed = 0", "seed = 1");
         let old: String = old.lines().filter(|l| !l.starts_with("header_sha256")).map(|l| format!("{l}\n")).collect();
         let err = SnapshotFile::parse(&old, p).unwrap_err().to_string();
-        assert!(err.contains("`moe-audit-snapshot/1` has no header seal") && err.contains("--update x.snap"), "{err}");
+        let update = format!("{} x.snap", crate::error::Setting::Update);
+        assert!(err.contains("`moe-audit-snapshot/1` has no header seal") && err.contains(&update), "{err}");
         let end = old.find("=== ").unwrap();
         assert_eq!(Header::parse_unsealed(&old[..end], p).unwrap().input.seed, 1);
     }

@@ -126,8 +126,9 @@ pub fn remake(
             return Err(Error::input(
                 path,
                 format!(
-                    "answered by a harness (the Python helper): re-run its test, or pass {} DIR that `snapshot --plan` wrote and the router answered",
-                    Setting::Traces
+                    "answered by a harness (the Python helper): re-run its test, or pass {} DIR that {} wrote and the router answered",
+                    Setting::Traces,
+                    Setting::Plan
                 ),
             ))
         }

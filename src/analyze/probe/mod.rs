@@ -103,7 +103,7 @@ pub(crate) trait Rule: Sync {
 
     /// How to fix a leak when that does not depend on the router's design; `None`: the design
     /// family's fix (`analyze/explain.rs`).
-    fn fix(&self) -> Option<&'static str> {
+    fn fix(&self) -> Option<String> {
         None
     }
 

@@ -37,8 +37,8 @@ impl Rule for Mode {
         "the configuration: training and inference route differently".into()
     }
 
-    fn fix(&self) -> Option<&'static str> {
-        Some("train and serve with one routing rule, or audit the serving rule as a router of its own")
+    fn fix(&self) -> Option<String> {
+        Some("train and serve with one routing rule, or audit the serving rule as a router of its own".into())
     }
 
     fn run(&self, ctx: &Ctx, _sample: Option<&Sample>) -> Result<Finding> {

@@ -107,8 +107,8 @@ impl Rule for NumericsProbe {
         "the precision of the router's arithmetic".into()
     }
 
-    fn fix(&self) -> Option<&'static str> {
-        Some("compute the router's scores and top-k in f32 (the gate may stay in low precision)")
+    fn fix(&self) -> Option<String> {
+        Some("compute the router's scores and top-k in f32 (the gate may stay in low precision)".into())
     }
 
     fn run(&self, ctx: &Ctx, _sample: Option<&Sample>) -> Result<Finding> {

@@ -31,9 +31,9 @@ impl Rule for Repeat {
         "nothing: the same call routes differently".into()
     }
 
-    fn fix(&self) -> Option<&'static str> {
+    fn fix(&self) -> Option<String> {
         // D runs in the audited mode: a router may be random in training only (jitter, sampling).
-        Some("random only in training (jitter, sampling): seed every training call or audit --mode inference; random when serving: make it deterministic, no random selection or sampling at inference")
+        Some(format!("random only in training (jitter, sampling): seed every training call or audit {} inference; random when serving: make it deterministic, no random selection or sampling at inference", crate::error::Setting::Mode))
     }
 
     fn run(&self, ctx: &Ctx, _sample: Option<&Sample>) -> Result<Finding> {

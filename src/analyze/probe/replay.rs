@@ -34,8 +34,8 @@ impl Rule for Replay {
         "an earlier call (state kept between calls)".into()
     }
 
-    fn fix(&self) -> Option<&'static str> {
-        Some("keep forward stateless: update capacity or expert bias in an explicit training step, not in forward")
+    fn fix(&self) -> Option<String> {
+        Some("keep forward stateless: update capacity or expert bias in an explicit training step, not in forward".into())
     }
 
     fn run(&self, ctx: &Ctx, _sample: Option<&Sample>) -> Result<Finding> {

@@ -155,7 +155,10 @@ impl Witness {
         if w.format == FORMAT_UNSEALED {
             return Err(Error::input(
                 path,
-                format!("format `{FORMAT_UNSEALED}` has no content hash to check: write the witness again with `check --witness-dir`"),
+                format!(
+                    "format `{FORMAT_UNSEALED}` has no content hash to check: write the witness again with {}",
+                    crate::error::Setting::WitnessDir
+                ),
             ));
         }
         if w.format != FORMAT {

@@ -124,9 +124,10 @@ impl Witness {
     pub fn replay(self, path: &Path) -> Result<Replay> {
         let Some(config) = self.router.clone() else {
             return Err(Error::Usage(format!(
-                "{}: the witness is of router `{}` outside moe-audit: replay it with --router-cmd",
+                "{}: the witness is of router `{}` outside moe-audit: replay it with {}",
                 path.display(),
-                self.name().unwrap_or_default()
+                self.name().unwrap_or_default(),
+                crate::error::Setting::RouterCmd
             )));
         };
         self.replay_with(path, &config, config.experts)
@@ -137,8 +138,9 @@ impl Witness {
     pub fn replay_on(self, path: &Path, router: &dyn Router) -> Result<Replay> {
         let Some(stored) = &self.handshake else {
             return Err(Error::Usage(format!(
-                "{}: the witness holds a router config: replay it without --router-cmd",
-                path.display()
+                "{}: the witness holds a router config: replay it without {}",
+                path.display(),
+                crate::error::Setting::RouterCmd
             )));
         };
         let live = router.handshake().unwrap_or_default();
@@ -182,7 +184,10 @@ impl Witness {
         if stored != self.content_hash()? {
             return Err(Error::input(
                 path,
-                "the content does not match its `sha256` (edited or corrupted): write the witness again with `check --witness-dir`".to_string(),
+                format!(
+                    "the content does not match its `sha256` (edited or corrupted): write the witness again with {}",
+                    crate::error::Setting::WitnessDir
+                ),
             ));
         }
         self.sha256 = stored;
