@@ -8,11 +8,14 @@ as a whole model (:func:`moe_audit.hf.wrap`), and checked:
   the logits; sigmoid or softmax plus the router's selection bias; group-limited), token by token,
   near-ties (within 1e-5) excepted; which one matched is shown;
 - **gen = fwd**: the generation path (prefill 4, then one token at a time through the KV cache)
-  gives every layer the routes of one forward (share of tokens whose routes agree);
+  gives every layer the routes of one forward (share of tokens whose routes agree); "none": the
+  model has no generation path (an encoder): not covered, though still audited, so the row says
+  what the audit finds;
 - **audit**: ``moe-audit check`` on the model (``moe-audit/3``), verdicts per probe, when the
   binary speaks ``/3``.
 
-``--write docs/hf-coverage.md`` writes the table; ``--families a,b`` runs some only.
+A family not covered has its reason: what failed, after a note (:data:`NOTES`) where that says
+too little. ``--write docs/hf-coverage.md`` writes the table; ``--families a,b`` runs some only.
 """
 
 import argparse
@@ -144,10 +147,16 @@ def cover(family, model_type, audit=True, seed=0):
         row["decode"] = "; ".join(sorted(n for n in names if n)) if None not in names else "unverified"
         if None in names:
             row["reason"] = "decoded experts are not the top k of the logits under a known score function"
-        generated, _ = wrapped.forward(ids, "inference", seed, path="generate", prefill=4)
-        agree = np.mean([(np.sort(forward[n].experts, 1) == np.sort(generated[n].experts, 1)).all(1).mean()
-                         for n in forward])
-        row["generate"] = f"{agree:.3f}"
+        no_path = None
+        if wrapped.generate:
+            generated, _ = wrapped.forward(ids, "inference", seed, path="generate", prefill=4)
+            agree = np.mean([(np.sort(forward[n].experts, 1) == np.sort(generated[n].experts, 1)).all(1).mean()
+                             for n in forward])
+            row["generate"] = f"{agree:.3f}"
+        else:
+            # Not covered; still audited below, so the row shows what the audit says of it.
+            row["generate"] = "none"
+            no_path = f"no generation path: {_short(wrapped.no_generate)}"
     except Exception as e:  # noqa: BLE001
         row["reason"] = f"{type(e).__name__}: {_short(e)}"
         traceback.print_exc(limit=3, file=sys.stderr)
@@ -158,7 +167,24 @@ def cover(family, model_type, audit=True, seed=0):
             row["reason"] = f"the audit stops: {_short(error)}"
         else:
             row["verdicts"] = summary(verdicts, first)
+    row["reason"] = row["reason"] or no_path or ""
     return _done(row, start)
+
+
+#: Why a family is not covered, where what fails says too little: put before the failure seen.
+NOTES = {
+    "doge": (
+        "Doge's CDMoE is product-key routing, which discovery by structure cannot find or decode: router_gate "
+        "[2⌊√E⌋, H] scores two key sets, expert i·⌊√E⌋+j scores x_i + y_j, and the experts are rows of two E×H "
+        "embeddings (no experts container, no [E, H] gate); DogeCDMoE.forward picks the top k itself and returns "
+        "no expert ids. In a forward its view(2, T, -1) of the [T, 2⌊√E⌋] logits takes token t's x keys from token "
+        "⌊t/2⌋ and its y keys from token ⌊(T+t)/2⌋ (T = batch·seq_len): routes mix tokens across the batch and from "
+        "later positions (transformers notes it is not causal); one token at a time they do not."),
+    "openai_privacy_filter": (
+        "A bidirectional encoder (token classification: no causal mask, a sliding window both ways, no KV cache): "
+        "every token's routes depend on later tokens by design, so the causality probes P and F can only confirm "
+        "it (audit column), and there is no generation path to compare with a forward."),
+}
 
 
 def summary(verdicts, first):
@@ -172,13 +198,20 @@ def summary(verdicts, first):
     return ", ".join(out) or "pass"
 
 
+def _noted(row):
+    note = NOTES.get(row["family"])
+    if note and row["reason"]:
+        row["reason"] = f"{note} Seen: {row['reason']}".replace("|", "/")
+    return row
+
+
 def _short(e):
     return " ".join(str(e).split())[:160].replace("|", "/")
 
 
 def _done(row, start):
     row["seconds"] = round(time.perf_counter() - start, 1)
-    return row
+    return _noted(row)
 
 
 def covered(row):
@@ -232,7 +265,8 @@ layers, 8 experts, top 2, vocabulary 512, seed 0, no download), wrapped whole wi
 `moe_audit.hf.wrap`. *decode check*: the score function under which every routed layer's
 decoded experts are the top k of its logits; *gen = fwd*: share of tokens whose routes agree
 between the generation path (prefill 4, then one token at a time through the KV cache) and one
-forward; *audit*: `moe-audit check` verdicts (`moe-audit/3`); *s*: seconds for the row.
+forward ("none": no generation path, not covered); *audit*: `moe-audit check` verdicts
+(`moe-audit/3`); *s*: seconds for the row.
 `python/tests/test_hf_coverage.py` fails when a family covered here stops being covered.
 
 """

@@ -3,10 +3,15 @@
 A family is a model directory of transformers whose modeling code routes tokens to experts (a
 config field naming an expert count). :func:`build` makes its causal language model (or its
 text model, or the decoder of an encoder-decoder) from the family's default config shrunk to
-hidden 64, 4 layers, 8 experts, top 2, vocabulary 512, seeded random weights.
+hidden 64, 4 layers, 8 experts, top 2, vocabulary 512, seeded random weights. Sizes are shrunk by
+field name; those the default derives from others stay derived (an MLA head_dim that is
+qk_nope + qk_rope, a multimodal RoPE's sections that sum to the rotary half-dim, a sub-config's
+hidden size another one must match); a family that needs more has a setting of its own
+(:data:`SETTINGS`, :data:`FIXES`), each with why.
 """
 
 import importlib
+import inspect
 import re
 
 import torch
@@ -25,18 +30,19 @@ _SIZES = (
     (32, ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size", "ffn_hidden_size", "d_ff",
          "expert_intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "moe_ffn_hidden_size",
          "dense_intermediate_size", "expert_ffn_hidden_size", "shared_intermediate_size", "mlp_hidden_size",
-         "intermediate_size_mlp", "moe_shared_expert_intermediate_size", "kv_channels")),
+         "intermediate_size_mlp", "moe_shared_expert_intermediate_size", "kv_channels",
+         "shared_experts_intermediate_size")),
     (LAYERS, ("num_hidden_layers", "n_layers", "num_layers", "n_layer", "encoder_layers", "decoder_layers",
              "num_decoder_layers")),
     (4, ("num_attention_heads", "n_head", "n_heads", "encoder_attention_heads", "decoder_attention_heads",
-        "linear_num_value_heads", "mamba_n_heads", "num_heads")),
+        "linear_num_value_heads", "mamba_n_heads", "num_heads", "linear_num_heads")),
     (2, ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "linear_num_key_heads", "n_group", "n_groups",
         "mamba_n_groups", "num_experts_per_group", "num_expert_group")),
     (1, ("topk_group", "first_k_dense_replace", "num_shared_experts", "n_shared_experts", "moe_num_shared_experts",
         "num_nextn_predict_layers", "zero_expert_num", "num_dense_layers")),
     (16, ("head_dim", "qk_nope_head_dim", "v_head_dim", "kv_lora_rank", "linear_key_head_dim", "linear_value_head_dim",
          "mamba_head_dim", "ssm_state_size", "qk_rope_head_dim", "mamba_d_state", "attention_head_dim", "global_head_dim",
-         "index_head_dim", "d_kv")),
+         "index_head_dim", "d_kv", "linear_head_dim")),
     (8, ("rotary_dim", "index_n_heads")),
     (32, ("q_lora_rank",)),
     (EXPERTS, EXPERT_FIELDS),
@@ -95,18 +101,25 @@ def _pick(family, types):
     return ranked[0]
 
 
-def _shrink(d, depth=0):
+def _shrink(d, depth=0, base=None):
     """A config dict shrunk: sizes by field name, per-layer lists cut to LAYERS, token ids in
-    the vocabulary."""
+    the vocabulary, derived sizes kept consistent (:func:`_keep_ties`). ``base``: (before,
+    after) of the config a per-layer override dict belongs to."""
     layers = next((d[f] for f, v in _FIELD_SIZE.items() if v == LAYERS and "layer" in f and isinstance(d.get(f), int)), None)
+    if layers is None:  # no layer count: the layers are the entries of the per-layer types (NemotronH)
+        layers = max((len(v) for k, v in d.items()
+                      if isinstance(v, list) and re.fullmatch(r"layers?_\w*types?", str(k))), default=None)
     out = {}
     for k, v in d.items():
         if isinstance(v, dict) and v and all(str(i).isdigit() for i in v):
-            v = {i: x for i, x in v.items() if int(i) < LAYERS}  # per-layer settings
+            v = {i: x for i, x in v.items() if int(i) < LAYERS}  # per-layer settings (shrunk below)
         elif isinstance(v, dict) and depth < 3:
             v = _shrink(v, depth + 1)
         elif k in TOP_K_FIELDS and v is None and any(isinstance(d.get(f), int) for f in EXPERT_FIELDS):
             v = TOP_K
+        elif k == "mlp_layer_types" and v is None and any(isinstance(d.get(f), int) for f in EXPERT_FIELDS):
+            # left to the checkpoint, and indexed per layer: the usual dense first layer, then MoE
+            v = ["dense"] + ["sparse"] * (LAYERS - 1)
         elif k in _FIELD_SIZE and isinstance(v, int) and not isinstance(v, bool) and v > 0:
             v = min(v, _FIELD_SIZE[k]) if k == "topk_group" else _FIELD_SIZE[k]
         elif _TOKEN_IDS.match(str(k)) and isinstance(v, int) and v >= VOCAB:
@@ -121,7 +134,41 @@ def _shrink(d, depth=0):
         out[k] = v
     if d.get("num_key_value_heads") == d.get("num_attention_heads") and "num_attention_heads" in out:
         out["num_key_value_heads"] = out["num_attention_heads"]  # multi-head (MLA): keep kv = heads
+    _keep_ties(d, out, base)
+    for k, v in out.items():
+        if isinstance(v, dict) and v and all(str(i).isdigit() for i in v):
+            # each layer's overrides shrunk like its config, over the config's own values
+            out[k] = {i: _shrink(x, depth + 1, base=(d, out)) if isinstance(x, dict) else x for i, x in v.items()}
     return out
+
+
+def _keep_ties(before, after, base=None):
+    """Sizes the default config derives from others stay derived once those are shrunk, in
+    ``after`` (a per-layer override: merged over its config's, ``base``):
+
+    - ``head_dim`` (and ``qk_head_dim``) that is ``qk_nope_head_dim + qk_rope_head_dim`` (MLA);
+    - ``<part>_hidden_size`` that is the hidden size of the sibling ``<part>_config`` (a
+      validator ties them).
+    """
+    if base is not None:
+        eff_before, eff_after = {**base[0], **before}, {**base[1], **after}
+    else:
+        eff_before, eff_after = before, after
+    parts = [eff_before.get(f) for f in ("qk_nope_head_dim", "qk_rope_head_dim")]
+    if all(isinstance(x, int) and not isinstance(x, bool) for x in parts) and sum(parts) > 0:
+        tied = eff_after["qk_nope_head_dim"] + eff_after["qk_rope_head_dim"]
+        for f in ("head_dim", "qk_head_dim"):
+            if eff_before.get(f) == sum(parts) and eff_after.get(f) != tied:
+                after[f] = tied
+    # <part>_hidden_size beside <part>_config, in this config or in one of its sub-configs
+    for where_before, where_after in [(before, after)] + [
+            (v, after[k]) for k, v in before.items() if isinstance(v, dict) and isinstance(after.get(k), dict)]:
+        for k, v in where_before.items():
+            part = k[: -len("_hidden_size")] + "_config" if str(k).endswith("_hidden_size") else None
+            sub = before.get(part) if part else None
+            if (isinstance(v, int) and isinstance(sub, dict) and sub.get("hidden_size") == v
+                    and isinstance(after.get(part), dict)):
+                where_after[k] = after[part]["hidden_size"]
 
 
 #: What a family's shrunk config needs before it builds in transformers 5.23: fields set when
@@ -139,7 +186,14 @@ SETTINGS = {
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
     # The default layer_types is None, which the decoder layers index.
     "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv", "full_attention"]},
+    # Its default layer types include QSA-indexed attention, whose indexer sizes it leaves unset
+    # (None, which the indexer divides); one key head is required, and a budget of 2 blocks of 4
+    # tokens, so the selection is exercised at 16 tokens.
+    "qwen4_exp_text": {"indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8,
+                       "indexer_compress_ratio": 4},
 }
+
+
 def _dbrx(c):
     # DbrxAttentionConfig has no rope_theta, which DbrxAttention reads, and no clip_qkv value,
     # which it clamps with.
@@ -155,6 +209,49 @@ def _sliding_window(c):
 
 
 FIXES = {"dbrx": _dbrx, "step3p7": _sliding_window}
+
+_MROPE_DEFAULT = re.compile(r"""\.get\(\s*["']mrope_section["']\s*,\s*\[([\d,\s]+)\]""")
+
+
+def _mrope_sections(model_type, c):
+    """Multimodal RoPE splits the rotary half-dim into (t, h, w) sections, which must sum to it:
+    a section list the modeling code defaults to (for the full head_dim) is scaled to the
+    shrunk one, in proportion (largest remainders), on each config with flat rope_parameters.
+    Text positions are the same on the three axes, so the split only has to be valid."""
+    family = _family_of(model_type)
+    try:
+        source = inspect.getsource(importlib.import_module(f"transformers.models.{family}.modeling_{family}"))
+    except (ImportError, OSError, TypeError):
+        return
+    default = _MROPE_DEFAULT.search(source)
+    if default is None:
+        return
+    default = [int(x) for x in default.group(1).split(",") if x.strip()]
+    for sub in (c, getattr(c, "text_config", None)):
+        rope = getattr(sub, "rope_parameters", None)
+        if not isinstance(rope, dict) or "rope_theta" not in rope:
+            continue
+        head_dim = (getattr(sub, "head_dim", None)
+                    or getattr(sub, "hidden_size", 0) // getattr(sub, "num_attention_heads", 1))
+        half = int(head_dim * rope.get("partial_rotary_factor", 1.0)) // 2
+        sections = list(rope.get("mrope_section") or default)
+        if sum(sections) != half and half >= len(sections):
+            rope["mrope_section"] = _apportion(sections, half)
+
+
+def _apportion(weights, total):
+    """Integers >= 1 in proportion to weights, summing to total (largest remainders)."""
+    exact = [w * total / sum(weights) for w in weights]
+    out = [max(1, int(x)) for x in exact]
+    order = sorted(range(len(out)), key=lambda i: (-(exact[i] - int(exact[i])), i))
+    i = 0
+    while sum(out) < total:
+        out[order[i % len(out)]] += 1
+        i += 1
+    while sum(out) > total:
+        j = max(range(len(out)), key=lambda i: (out[i], i))
+        out[j] -= 1
+    return out
 
 
 def config(model_type):
@@ -173,6 +270,7 @@ def config(model_type):
             raise
         changed["num_key_value_heads"] = changed.get("num_attention_heads", 4)
         c = AutoConfig.for_model(model_type, **changed)
+    _mrope_sections(model_type, c)
     fix = FIXES.get(model_type)
     if fix is not None:
         fix(c)

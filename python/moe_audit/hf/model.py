@@ -91,7 +91,7 @@ class WholeModel:
         # One forward finds each router's decoder, whether all routers expose logits, the routes
         # per token of a router that does not say (a capacity router), and the width D. Training
         # mode: an inference call may set state (NLLB-MoE's capacity).
-        probe = self.forward(np.array([[1, 2, 3]]) % self.vocab, "train", seed)
+        probe = self._probe(np.array([[1, 2, 3]]) % self.vocab, seed)
         missing = [s.layer for s in self.model.sites if s.layer not in probe[0]]
         if missing:
             raise NotCovered(f"{type(module).__name__}: the routers of layers {missing} did not run in a forward")
@@ -106,6 +106,30 @@ class WholeModel:
         except Exception as e:  # noqa: BLE001 - kept, and the audit runs without G
             self.generate, self.no_generate = False, f"{type(e).__name__}: {e}"
         torch.manual_seed(seed)
+
+    def _probe(self, ids, seed):
+        """One forward in training mode. A layer with several routers is audited at its last
+        (:func:`discover`); when that one did not run on token ids but another of the layer did
+        (a modality-isolated MoE: Ernie 4.5 VL routes text tokens to its text experts, image
+        tokens to its vision experts), the one that ran is audited instead, and the forward
+        repeated."""
+        ran = []
+        hooks = [s.module.register_forward_hook(lambda m, a, o, s=s: ran.append(s)) for s in self.model.unaudited or ()]
+        try:
+            probe = self.forward(ids, "train", seed)
+        finally:
+            for h in hooks:
+                h.remove()
+        missing = {s.layer for s in self.model.sites if s.layer not in probe[0]}
+        swap = {s.layer: s for s in ran if s.layer in missing}
+        if not swap:
+            return probe
+        m = self.model
+        m.unaudited = [s for s in m.unaudited if s not in swap.values()] + [s for s in m.sites if s.layer in swap]
+        m.sites = sorted([s for s in m.sites if s.layer not in swap] + list(swap.values()),
+                         key=lambda s: (s.kind == "mtp", s.layer))
+        _initialise_blank_gates(m, seed)
+        return self.forward(ids, "train", seed)
 
     def handshake(self):
         layers = []

@@ -458,7 +458,8 @@ def discover(module, config=None):
     for s in sites:
         layers[s.layer] = s.kind
     # One router per layer: a layer with two (JetMoE's attention heads are routed too) is
-    # audited at its last one, the feed-forward block; the others are listed in ``unaudited``.
+    # audited at its last one, the feed-forward block; the others are listed in ``unaudited``
+    # (WholeModel audits one of those instead when the last does not run on token ids).
     last = {s.layer: s for s in sites}
     unaudited = [s for s in sites if last[s.layer] is not s]
     sites = sorted(last.values(), key=lambda s: (s.kind == "mtp", s.layer))
