@@ -391,7 +391,7 @@ fn run_cases(ctx: &Ctx, probe: Probe, cases: Cases, not_applicable: &str) -> Res
     } else {
         (0..count).try_for_each(|i| fold(i, run(i)))?;
     }
-    finding.note = format!("{count} cases");
+    finding.note = crate::analyze::explain::plural(count, "case");
     tally.finish(&mut finding);
     if let Some((i, (hit, routed))) = first_leak {
         let case = cases.get(i)?;

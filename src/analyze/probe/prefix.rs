@@ -146,7 +146,7 @@ fn search(ctx: &Ctx, cases: &Cases) -> Result<Finding> {
     let routed = seen.len();
     finding.searched = routed < count;
     finding.note = if routed == count {
-        format!("{count} cases")
+        crate::analyze::explain::plural(count, "case")
     } else if !derived.is_empty() {
         format!("{count} cases, {routed} routed: the router is prefix-stable, the others route alike")
     } else {
