@@ -93,7 +93,7 @@ impl Header {
         }
         if header.format == FORMAT && header.header_sha256 != header.sealed().header_sha256 {
             return Err(bad(
-                format!("the header does not match its `header_sha256` (edited or corrupted): nothing is made from it; make the snapshot again with {}", crate::error::Setting::Output),
+                format!("the header does not match its `header_sha256` (edited or corrupted): nothing is made from it; make the snapshot again (`moe-audit snapshot ROUTER {} FILE`)", crate::error::Setting::Output),
             ));
         }
         Ok(header)
