@@ -172,26 +172,20 @@ def _bernoulli_(mode, func, args, kwargs):
     return mode.fill(target, _name(func), lambda part, i, g: func(part, p, generator=g))
 
 
-def _factory(fill):
-    # torch.rand(*size, dtype=..., ...) -> torch.empty(*size, ...) filled per token.
+def _factory(fill, empty=torch.empty):
+    # torch.rand(*size, ...) -> torch.empty(*size, ...) filled per token; with empty=torch.empty_like,
+    # torch.rand_like(input, ...) likewise.
     def handle(mode, func, args, kwargs):
         kwargs.pop("generator", None)
         grad = kwargs.pop("requires_grad", False)
-        out = torch.empty(*args, **kwargs)
+        out = empty(*args, **kwargs)
         mode.fill(out, _name(func), lambda part, i, g: fill(part, g))
         return out.requires_grad_(grad) if grad else out
     return handle
 
 
 def _like(fill):
-    # torch.rand_like(input, dtype=..., ...) -> torch.empty_like(input, ...) filled per token.
-    def handle(mode, func, args, kwargs):
-        kwargs.pop("generator", None)
-        grad = kwargs.pop("requires_grad", False)
-        out = torch.empty_like(*args, **kwargs)
-        mode.fill(out, _name(func), lambda part, i, g: fill(part, g))
-        return out.requires_grad_(grad) if grad else out
-    return handle
+    return _factory(fill, torch.empty_like)
 
 
 def _randint(mode, func, args, kwargs):
