@@ -11,8 +11,6 @@ mod hand_computed;
 mod invariants;
 mod layer;
 mod model;
-#[cfg(feature = "mpi")]
-mod mpi;
 mod noise;
 mod parallel;
 mod progress;

@@ -1,5 +1,7 @@
 //! MPI ranks (cargo feature `mpi`): `mpirun -np 4` on the built binary gives exactly what
-//! in-process ranks give, and a failing rank stops them all with exit code 2.
+//! in-process ranks give, and a failing rank stops them all with exit code 2. A test binary of
+//! its own, so that `cargo test --features mpi --test mpi` builds only it beside the binary.
+#![cfg(feature = "mpi")]
 
 use std::process::Command;
 
