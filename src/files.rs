@@ -95,6 +95,12 @@ pub fn read_text(path: &Path, limit: u64, why: &str) -> Result<String> {
     })
 }
 
+/// Reads `path` as text within `budget`'s share for a file read whole and parsed
+/// ([`MemoryBudget::text`]).
+pub fn read_text_within(path: &Path, budget: MemoryBudget) -> Result<String> {
+    read_text(path, budget.text(), &budget.text_why())
+}
+
 /// One line of at most `limit` bytes from `reader`, without its newline; `None` at the end.
 /// A longer line is an `InvalidData` error: a peer that never ends a line cannot grow memory.
 pub fn read_line_bounded(reader: &mut impl BufRead, limit: usize) -> std::io::Result<Option<String>> {

@@ -56,7 +56,7 @@ impl MemoryBudget {
     }
 
     /// [`Self::text`] in the words an error gives for it.
-    pub fn text_why(self) -> String {
+    pub(crate) fn text_why(self) -> String {
         format!("a quarter of {}", crate::error::Setting::MaxMemory)
     }
 

@@ -210,8 +210,7 @@ pub(super) fn run(args: &SnapshotArgs, out: &mut dyn Write) -> Result<u8> {
         if let Ok(meta) = std::fs::metadata(path) {
             budget.ensure_fits(&format!("reading {}", path.display()), meta.len().saturating_mul(4))?;
         }
-        let why = format!("a quarter of {}", moe_audit::error::Setting::MaxMemory);
-        let text = moe_audit::files::read_text(path, budget.text(), &why)?;
+        let text = moe_audit::files::read_text_within(path, budget)?;
         let stored = SnapshotFile::parse(&text, path);
         if args.update.is_some() {
             // The header says how to remake it (the unsealed format too: this migrates it); the

@@ -182,7 +182,7 @@ pub(crate) fn read_manifest(dir: &Path, budget: MemoryBudget) -> Result<Manifest
     let path = file_in(dir, MANIFEST)?;
     std::fs::metadata(&path)
         .map_err(|e| Error::input(&path, format!("cannot read (write it with `moe-audit plan`): {e}")))?;
-    let text = crate::files::read_text(&path, budget.text(), &budget.text_why())?;
+    let text = crate::files::read_text_within(&path, budget)?;
     let manifest: Manifest =
         serde_json::from_str(&text).map_err(|e| Error::input(&path, format!("not a plan manifest: {e}")))?;
     if manifest.format != FORMAT {
@@ -222,7 +222,7 @@ impl TraceRouter {
                 format!("cannot read (your harness writes one response line per call of {MANIFEST}): {e}"),
             )
         })?;
-        let decisions = crate::files::read_text(&decisions_path, budget.text(), &budget.text_why())?;
+        let decisions = crate::files::read_text_within(&decisions_path, budget)?;
         let mut responses = HashMap::new();
         for (n, line) in decisions.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
             let at = |m: String| Error::input(&decisions_path, format!("line {}: {m}", n + 1));

@@ -65,6 +65,19 @@ pub(crate) fn details(f: &Finding) -> Vec<(&'static str, String)> {
     out
 }
 
+/// A detail's text, except a fix already written for this router (`fixes`), which is "as above":
+/// the fix depends on the router's design more than on the probe.
+fn once_per_router(fixes: &mut Vec<String>, label: &str, text: String) -> String {
+    if label != "fix" {
+        return text;
+    }
+    if fixes.contains(&text) {
+        return "as above".into();
+    }
+    fixes.push(text.clone());
+    text
+}
+
 /// The terminal table: one row per router × probe, then invariant failures and the summary.
 pub fn render_text(report: &Report, witness_paths: &dyn Fn(&str, Probe) -> Option<String>) -> String {
     let mut out = String::new();
@@ -90,13 +103,7 @@ pub fn render_text(report: &Report, witness_paths: &dyn Fn(&str, Probe) -> Optio
             }
             let _ = writeln!(out, "{}", line.trim_end());
             for (label, text) in details(f) {
-                let text = if label != "fix" || !fixes.contains(&text) {
-                    fixes.extend((label == "fix").then(|| text.clone()));
-                    text
-                } else {
-                    "as above".into()
-                };
-                let _ = writeln!(out, "{:<22}   {label}: {text}", "");
+                let _ = writeln!(out, "{:<22}   {label}: {}", "", once_per_router(&mut fixes, label, text));
             }
         }
         for v in &r.invariants {
@@ -168,13 +175,11 @@ pub fn render_markdown(report: &Report) -> String {
                 f.property,
                 if f.verdict == Verdict::NotApplicable { "–".into() } else { percent(f.rate) },
                 std::iter::once(why(f))
-                    .chain(details(f).into_iter().map(|(label, text)| {
-                        if label == "fix" && fixes.contains(&text) {
-                            return format!("{label}: as above");
-                        }
-                        fixes.extend((label == "fix").then(|| text.clone()));
-                        format!("{label}: {text}")
-                    }))
+                    .chain(
+                        details(f)
+                            .into_iter()
+                            .map(|(label, text)| { format!("{label}: {}", once_per_router(&mut fixes, label, text)) })
+                    )
                     .collect::<Vec<_>>()
                     .join("<br>")
                     .replace('|', "\\|")

@@ -28,22 +28,21 @@ use serde::Serialize;
 #[derive(Debug, Clone)]
 pub struct Budget {
     left: u64,
-    limit: u64,
+    whole: crate::MemoryBudget,
 }
 
 impl Budget {
     /// The whole of `budget`, less what the process itself takes (32 MiB), to be spent by
     /// the records read.
-    pub fn new(budget: crate::MemoryBudget) -> Self {
-        let limit = budget.bytes();
-        Budget { left: limit.saturating_sub(32 << 20), limit }
+    pub fn new(whole: crate::MemoryBudget) -> Self {
+        Budget { left: whole.bytes().saturating_sub(32 << 20), whole }
     }
 
     /// Takes `bytes` for `what`, or fails naming the limit (nothing taken).
     pub fn take(&mut self, what: &str, bytes: u64) -> Result<()> {
         if bytes > self.left {
             // Said as the whole run's need against the limit.
-            crate::memory::ensure_fits(what, (self.limit - self.left).saturating_add(bytes), self.limit)?;
+            self.whole.ensure_fits(what, (self.whole.bytes() - self.left).saturating_add(bytes))?;
         }
         self.left = self.left.saturating_sub(bytes);
         Ok(())

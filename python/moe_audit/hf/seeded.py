@@ -53,6 +53,11 @@ class NotKeyed(RuntimeError):
     """A random draw of a seeded call that cannot be keyed per token."""
 
 
+#: What every NotKeyed message offers instead.
+_INSTEAD = ("audit it unseeded (seed_calls=False: the D probe reports the randomness) or with "
+            "--mode inference")
+
+
 def token_keys(seed, data):
     """The generator seed of every token of ``data`` [batch, seq_len, hidden], in flat order:
     ``blake2b`` (8 bytes, keyed by the seed) of the token's float32 row."""
@@ -98,9 +103,7 @@ class PerToken(TorchFunctionMode):
         if kind is None and not _same(self._global, _global_state()):
             raise NotKeyed(
                 "seed_calls: the block drew random numbers from torch's global generator through an op "
-                "that moe_audit.hf.seeded does not intercept, so seed_calls cannot key it per token; "
-                "audit it unseeded (seed_calls=False: the D probe reports the randomness) or with "
-                "--mode inference")
+                f"that moe_audit.hf.seeded does not intercept, so seed_calls cannot key it per token; {_INSTEAD}")
         return out
 
     # -- tokens -------------------------------------------------------------------------------
@@ -120,9 +123,7 @@ class PerToken(TorchFunctionMode):
             f"seed_calls: {op} draws random numbers of shape {list(shape)}, which cannot be attributed "
             f"to the call's tokens (leading dimensions [{self.batch}, {self.seq_len}], batch and seq_len, or "
             f"[{self.tokens}], the tokens flattened): "
-            f"seed_calls keys every draw per token by the token's own input and cannot key this one; "
-            f"audit it unseeded (seed_calls=False: the D probe reports the randomness) or with "
-            f"--mode inference")
+            f"seed_calls keys every draw per token by the token's own input and cannot key this one; {_INSTEAD}")
 
     def generator(self, t, device):
         """Token t's generator on device (one stream per token and call)."""
@@ -163,24 +164,37 @@ def _fill_in_place(mode, func, args, kwargs):
     return mode.fill(target, _name(func), lambda part, i, g: func(part, *rest, generator=g, **kwargs))
 
 
-def _bernoulli_(mode, func, args, kwargs):
-    target = args[0]
-    p = _arg(args, kwargs, 1, "p", 0.5)
+def _fill_bernoulli(mode, out, op, p):
+    """out filled per token with Bernoulli draws of probability p: a number, or a tensor
+    broadcast to out's shape."""
     if isinstance(p, torch.Tensor):
-        p = torch.broadcast_to(p, target.shape)
-        return mode.fill(target, _name(func), lambda part, i, g: func(part, p[i], generator=g))
-    return mode.fill(target, _name(func), lambda part, i, g: func(part, p, generator=g))
+        p = torch.broadcast_to(p, out.shape)
+        return mode.fill(out, op, lambda part, i, g: part.bernoulli_(p[i], generator=g))
+    return mode.fill(out, op, lambda part, i, g: part.bernoulli_(p, generator=g))
+
+
+def _bernoulli_(mode, func, args, kwargs):
+    return _fill_bernoulli(mode, args[0], _name(func), _arg(args, kwargs, 1, "p", 0.5))
+
+
+def _drawn(mode, func, out, kwargs, draw):
+    """A fresh tensor out filled per token by ``draw(part, generator)``, requiring grad if the
+    call asked (``requires_grad``, popped from kwargs before out was made)."""
+    mode.fill(out, _name(func), lambda part, i, g: draw(part, g))
+    return out.requires_grad_(True) if kwargs.get("requires_grad") else out
+
+
+def _options(kwargs):
+    """kwargs without the generator (each token has its own) and requires_grad (set after the
+    fill), for making the empty tensor."""
+    return {k: v for k, v in kwargs.items() if k not in ("generator", "requires_grad")}
 
 
 def _factory(fill, empty=torch.empty):
     # torch.rand(*size, ...) -> torch.empty(*size, ...) filled per token; with empty=torch.empty_like,
     # torch.rand_like(input, ...) likewise.
     def handle(mode, func, args, kwargs):
-        kwargs.pop("generator", None)
-        grad = kwargs.pop("requires_grad", False)
-        out = empty(*args, **kwargs)
-        mode.fill(out, _name(func), lambda part, i, g: fill(part, g))
-        return out.requires_grad_(grad) if grad else out
+        return _drawn(mode, func, empty(*args, **_options(kwargs)), kwargs, fill)
     return handle
 
 
@@ -188,38 +202,30 @@ def _like(fill):
     return _factory(fill, torch.empty_like)
 
 
+def _low_high(numbers, kwargs):
+    """(low, high) of randint's numbers: (high), (low, high), or low/high keywords (popped)."""
+    if "high" in kwargs:
+        return kwargs.pop("low", numbers[0] if numbers else 0), kwargs.pop("high")
+    if len(numbers) == 2:
+        return tuple(numbers)
+    return kwargs.pop("low", 0), numbers[0]
+
+
 def _randint(mode, func, args, kwargs):
     # randint(high, size) or randint(low, high, size), low/high/size also as keywords.
     args = list(args)
-    kwargs.pop("generator", None)
     size = kwargs.pop("size") if "size" in kwargs else args.pop()
-    if "high" in kwargs:
-        low, high = kwargs.pop("low", args[0] if args else 0), kwargs.pop("high")
-    elif len(args) == 2:
-        low, high = args
-    else:
-        low, high = kwargs.pop("low", 0), args[0]
+    low, high = _low_high(args, kwargs)
     kwargs.setdefault("dtype", torch.int64)
-    grad = kwargs.pop("requires_grad", False)
-    out = torch.empty(size, **kwargs)
-    mode.fill(out, _name(func), lambda part, i, g: part.random_(low, high, generator=g))
-    return out.requires_grad_(grad) if grad else out
+    return _drawn(mode, func, torch.empty(size, **_options(kwargs)), kwargs,
+                  lambda part, g: part.random_(low, high, generator=g))
 
 
 def _randint_like(mode, func, args, kwargs):
     # randint_like(input, high) or randint_like(input, low, high).
-    source, numbers = args[0], list(args[1:])
-    kwargs.pop("generator", None)
-    if "high" in kwargs:
-        low, high = kwargs.pop("low", numbers[0] if numbers else 0), kwargs.pop("high")
-    elif len(numbers) == 2:
-        low, high = numbers
-    else:
-        low, high = kwargs.pop("low", 0), numbers[0]
-    grad = kwargs.pop("requires_grad", False)
-    out = torch.empty_like(source, **kwargs)
-    mode.fill(out, _name(func), lambda part, i, g: part.random_(low, high, generator=g))
-    return out.requires_grad_(grad) if grad else out
+    low, high = _low_high(list(args[1:]), kwargs)
+    return _drawn(mode, func, torch.empty_like(args[0], **_options(kwargs)), kwargs,
+                  lambda part, g: part.random_(low, high, generator=g))
 
 
 def _bernoulli(mode, func, args, kwargs):
@@ -228,10 +234,7 @@ def _bernoulli(mode, func, args, kwargs):
     p = _arg(args, kwargs, 1, "p")
     out = kwargs.get("out")
     out = torch.empty_like(source) if out is None else out
-    if p is None or isinstance(p, torch.Tensor):
-        probs = torch.broadcast_to(source if p is None else p, out.shape)
-        return mode.fill(out, _name(func), lambda part, i, g: part.bernoulli_(probs[i], generator=g))
-    return mode.fill(out, _name(func), lambda part, i, g: part.bernoulli_(p, generator=g))
+    return _fill_bernoulli(mode, out, _name(func), source if p is None else p)
 
 
 def _multinomial(mode, func, args, kwargs):
@@ -300,7 +303,7 @@ def _dropout(mode, func, args, kwargs):
         return func(*args, **kwargs)
     if p == 1:
         return source.mul_(0) if inplace else source * 0
-    keep = mode.fill(torch.empty_like(source), _name(func), lambda part, i, g: part.bernoulli_(1 - p, generator=g))
+    keep = _fill_bernoulli(mode, torch.empty_like(source), _name(func), 1 - p)
     keep.div_(1 - p)
     return source.mul_(keep) if inplace else source * keep
 
@@ -330,8 +333,7 @@ def _watched(mode, func, args, kwargs):
         shape = list(result.shape) if isinstance(result, torch.Tensor) else "?"
         raise NotKeyed(
             f"seed_calls: {_name(func)} draws random numbers (shape {shape}) as a whole, which seed_calls "
-            f"cannot key per token by each token's own input; audit it unseeded (seed_calls=False: the D "
-            f"probe reports the randomness) or with --mode inference")
+            f"cannot key per token by each token's own input; {_INSTEAD}")
     return result
 
 

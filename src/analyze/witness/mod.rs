@@ -145,7 +145,7 @@ impl Witness {
     /// Reads a witness file under the memory limit `budget`: the text, and the values parsed
     /// from it (about four times the text), must fit.
     pub fn read_within(path: &Path, budget: MemoryBudget) -> Result<Witness> {
-        let text = crate::files::read_text(path, budget.text(), &budget.text_why())?;
+        let text = crate::files::read_text_within(path, budget)?;
         Self::parse(&text, path)
     }
 
