@@ -30,6 +30,9 @@ use std::time::{Duration, Instant};
 use timing::{median, ms};
 
 const WARMUP: usize = 3;
+/// Idle time before each measurement, so that threads left spinning by the one before (OpenMP's
+/// in the PyTorch child, rayon's here) have gone to sleep and time nothing of the next.
+const SETTLE: Duration = Duration::from_millis(100);
 /// How long the PyTorch side may take to answer one request (its setup builds E = 64's weights).
 const TORCH_TIMEOUT: Duration = Duration::from_secs(300);
 
@@ -106,6 +109,7 @@ fn measure(
     for rep in 0..WARMUP + reps {
         for slot in 0..slots {
             let which = (rep + slot) % slots;
+            std::thread::sleep(SETTLE);
             if which == peak_slot {
                 let gflops = peak_gflops();
                 if rep >= WARMUP {

@@ -23,18 +23,25 @@ pub(super) fn with_cpu_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Option
     }
 }
 
-/// Rows of one expert a task runs at most: a multiple of [`MR`], small enough that E = 8's
-/// ≈ 512 rows per expert make several tasks for the pool, large enough that each task's pass
-/// over the expert's weights serves many rows.
-pub(super) const TASK_ROWS: usize = 16 * MR;
+/// Rows of one expert a task runs at most: a multiple of [`MR`], large enough that each task's
+/// pass over the expert's weights serves many rows, small enough that its activations stay in
+/// L2 and that E = 8's ≈ 512 rows per expert make several tasks for the pool.
+const TASK_ROWS: usize = 32 * MR;
+
+/// Rows per task for `rows` rows: as few tasks as [`TASK_ROWS`] allows, of near-equal size (a
+/// multiple of [`MR`]), so that no short task is left over for one thread at the end.
+pub(super) fn task_rows(rows: usize) -> usize {
+    let tasks = rows.div_ceil(TASK_ROWS).max(1);
+    rows.div_ceil(tasks).next_multiple_of(MR).clamp(MR, TASK_ROWS)
+}
 
 /// Dispatch → experts → combine for `x` (`[tokens, hidden]`, row-major) and each expert's kept
 /// `(token, weight)` rows, on `kernel`; `None` unless every busy expert has packed weights (f32 on the CPU).
 ///
 /// Each task gathers up to [`TASK_ROWS`] of one expert's rows straight into the kernel's
-/// layout, runs the expert and scales; the combine adds the weighted outputs in ascending
-/// expert order, as the generic path's `index_add` does, so each token's sum has the same
-/// fixed order.
+/// layout and runs the expert; the combine, over ranges of tokens in parallel, adds each
+/// weighted output (`v · w`, rounded, then added) in ascending expert order, as the generic
+/// path's scale and `index_add` do, so each token's sum has the same fixed order.
 pub(super) fn apply(
     kernel: Kernel,
     experts: &[Expert],
@@ -43,42 +50,38 @@ pub(super) fn apply(
     rows: &[Vec<(usize, f32)>],
 ) -> Option<Vec<f32>> {
     let tasks: Vec<(&Expert, &[(usize, f32)])> =
-        experts.iter().zip(rows).flat_map(|(e, r)| r.chunks(TASK_ROWS).map(move |r| (e, r))).collect();
+        experts.iter().zip(rows).flat_map(|(e, r)| r.chunks(task_rows(r.len())).map(move |r| (e, r))).collect();
     let outputs = tasks
         .par_iter()
         .map(|&(expert, rows)| {
             let input = PackedRows::gather(x, hidden, rows.iter().map(|&(t, _)| t));
-            let mut out = expert.forward_packed(kernel, &input)?;
-            for (row, &(_, w)) in out.chunks_exact_mut(hidden).zip(rows) {
-                row.iter_mut().for_each(|v| *v *= w);
-            }
-            Some(out)
+            expert.forward_packed(kernel, &input)
         })
         .collect::<Option<Vec<_>>>()?;
     let mut y = vec![0f32; x.len()];
-    for (out, &(_, rows)) in outputs.iter().zip(&tasks) {
-        for (row, &(t, _)) in out.chunks_exact(hidden).zip(rows) {
-            y[t * hidden..(t + 1) * hidden].iter_mut().zip(row).for_each(|(acc, v)| *acc += v);
-        }
+    if hidden == 0 {
+        return Some(y);
     }
+    y.par_chunks_mut(COMBINE_TOKENS * hidden).enumerate().for_each(|(c, ys)| {
+        let range = c * COMBINE_TOKENS..c * COMBINE_TOKENS + ys.len() / hidden;
+        for (out, &(_, rows)) in outputs.iter().zip(&tasks) {
+            for (row, &(t, w)) in out.chunks_exact(hidden).zip(rows).filter(|(_, (t, _))| range.contains(t)) {
+                let acc = &mut ys[(t - range.start) * hidden..][..hidden];
+                acc.iter_mut().zip(row).for_each(|(acc, &v)| *acc += v * w);
+            }
+        }
+    });
     Some(y)
 }
 
-/// `w2 · (silu(w1 x) * w3 x)` for the rows of `x` on the calling thread.
-///
-/// `w13`: `[2*ffn, hidden]` (gate rows, then up rows), `w2`: `[hidden, ffn]`, both packed.
-/// Returns `[rows, hidden]`, row-major.
-pub(super) fn swiglu(kernel: Kernel, x: &PackedRows, w13: &PackedMatrix, w2: &PackedMatrix) -> Vec<f32> {
-    let (tokens, ffn, hidden) = (x.rows(), w2.inputs(), w2.outputs());
-    assert!(w13.outputs() == 2 * ffn && w13.inputs() == hidden, "SwiGLU operand sizes");
-    // h = x · w13ᵀ, [tokens, 2*ffn]: gate in the first ffn columns, up in the rest.
-    let mut h = vec![0f32; tokens * 2 * ffn];
-    kernel::matmul(kernel, x, w13, &mut h);
-    let act = PackedRows::from_rows(tokens, ffn, |i, out| {
-        let (gate, up) = h[i * 2 * ffn..(i + 1) * 2 * ffn].split_at(ffn);
-        kernel::silu_mul(kernel, gate, up, out);
-    });
-    let mut y = vec![0f32; tokens * hidden];
+/// Tokens one combine task sums (it scans every task's rows for its own).
+const COMBINE_TOKENS: usize = 256;
+
+/// `w2 · (silu(w1 x) * w3 x)` for the rows of `x` on the calling thread, the weights packed
+/// (`w1`, `w3`: `[ffn, hidden]`, `w2`: `[hidden, ffn]`). Returns `[rows, hidden]`, row-major.
+pub(super) fn swiglu(kernel: Kernel, x: &PackedRows, w1: &PackedMatrix, w3: &PackedMatrix, w2: &PackedMatrix) -> Vec<f32> {
+    let act = kernel::swiglu_hidden(kernel, x, w1, w3);
+    let mut y = vec![0f32; x.rows() * w2.outputs()];
     kernel::matmul(kernel, &act, w2, &mut y);
     y
 }

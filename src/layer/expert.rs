@@ -7,8 +7,9 @@ use candle_core::{Device, Module, Tensor, D};
 use candle_nn::VarBuilder;
 use rayon::prelude::*;
 
-/// A SwiGLU feed-forward expert. `w1` and `w3` are stored fused (`[2*ffn, hidden]`) so one
-/// matmul computes both projections.
+/// A SwiGLU feed-forward expert. Packed, `w1` and `w3` are run tile by tile side by side (the
+/// gate's activation applied as each tile comes out); as tensors they are stored fused
+/// (`[2*ffn, hidden]`) so one matmul computes both projections.
 ///
 /// In f32 on the CPU the weights are packed once, here, into the host kernel's panels
 /// (`kernel.rs`), so that no forward packs them; they are kept in that form only. Any other
@@ -25,7 +26,8 @@ pub struct Expert {
 enum Weights {
     /// f32 on the CPU.
     Packed {
-        w13: PackedMatrix,
+        w1: PackedMatrix,
+        w3: PackedMatrix,
         w2: PackedMatrix,
     },
     Tensors {
@@ -41,19 +43,18 @@ impl Expert {
         let w1 = vb.get((ffn, hidden), "w1.weight")?;
         let w3 = vb.get((ffn, hidden), "w3.weight")?;
         let w2 = vb.get((hidden, ffn), "w2.weight")?;
-        let (w13, w2) = (Tensor::cat(&[&w1, &w3], 0)?, w2.contiguous()?);
-        let packed = with_cpu_f32(&w13, |w13| PackedMatrix::pack(w13, 2 * ffn, hidden))
-            .zip(with_cpu_f32(&w2, |w2| PackedMatrix::pack(w2, hidden, ffn)));
-        let weights = match packed {
-            Some((w13, w2)) => Weights::Packed { w13, w2 },
-            None => Weights::Tensors { w13, w2 },
+        let (w1, w3, w2) = (w1.contiguous()?, w3.contiguous()?, w2.contiguous()?);
+        let pack = |w: &Tensor, n, k| with_cpu_f32(w, |w| PackedMatrix::pack(w, n, k));
+        let weights = match (pack(&w1, ffn, hidden), pack(&w3, ffn, hidden), pack(&w2, hidden, ffn)) {
+            (Some(w1), Some(w3), Some(w2)) => Weights::Packed { w1, w3, w2 },
+            _ => Weights::Tensors { w13: Tensor::cat(&[&w1, &w3], 0)?, w2 },
         };
         Ok(Self { weights, hidden, ffn })
     }
 
     /// Bytes an expert of these sizes holds in f32 on the CPU (its packed weights).
     pub fn bytes_f32(hidden: usize, ffn: usize) -> u64 {
-        PackedMatrix::bytes_for(ffn.saturating_mul(2), hidden).saturating_add(PackedMatrix::bytes_for(hidden, ffn))
+        PackedMatrix::bytes_for(ffn, hidden).saturating_mul(2).saturating_add(PackedMatrix::bytes_for(hidden, ffn))
     }
 
     /// [`Module::forward`] for callers that already run experts as parallel tasks: with packed
@@ -72,7 +73,7 @@ impl Expert {
     /// `None` unless the weights are packed (f32 on the CPU).
     pub(super) fn forward_packed(&self, kernel: Kernel, x: &PackedRows) -> Option<Vec<f32>> {
         match &self.weights {
-            Weights::Packed { w13, w2 } => Some(cpu::swiglu(kernel, x, w13, w2)),
+            Weights::Packed { w1, w3, w2 } => Some(cpu::swiglu(kernel, x, w1, w3, w2)),
             Weights::Tensors { .. } => None,
         }
     }
@@ -114,7 +115,7 @@ impl Module for Expert {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         match &self.weights {
             Weights::Packed { .. } => self.forward_host(x, |tokens, x| {
-                let block = cpu::TASK_ROWS.min(tokens.div_ceil(rayon::current_num_threads()).max(1));
+                let block = cpu::task_rows(tokens).min(tokens.div_ceil(rayon::current_num_threads()).max(1));
                 let starts: Vec<usize> = (0..tokens).step_by(block).collect();
                 starts.into_par_iter().flat_map_iter(|s| self.swiglu_rows(x, s..(s + block).min(tokens))).collect()
             }),

@@ -243,6 +243,39 @@ pub(super) fn matmul(kernel: Kernel, a: &PackedRows, w: &PackedMatrix, dst: &mut
     }
 }
 
+/// `silu(a · w1ᵀ) · (a · w3ᵀ)`, SwiGLU's hidden activations, packed as the rows of the next
+/// matmul: tile by tile, the gate's and the up projection's tiles go through [`silu_mul`] and
+/// straight into place, so no `[rows, 2 · ffn]` intermediate is written (the bits are those of
+/// the two matmuls and `silu_mul` run apart).
+pub(super) fn swiglu_hidden(kernel: Kernel, a: &PackedRows, w1: &PackedMatrix, w3: &PackedMatrix) -> PackedRows {
+    let (m, n, k) = (a.rows, w1.n, w1.k);
+    assert!(a.k == k && w3.n == n && w3.k == k, "SwiGLU operand sizes");
+    assert!(kernel.available(), "the {} kernel does not run on this CPU", kernel.name());
+    let mut out = PackedRows::zeros(m, n);
+    let (mut gate, mut up, mut act) = ([0f32; MR * NR], [0f32; MR * NR], [0f32; MR * NR]);
+    let panels = w1.panels.as_slice().chunks_exact(k * NR).zip(w3.panels.as_slice().chunks_exact(k * NR));
+    for (p, (panel1, panel3)) in panels.enumerate() {
+        let cols = NR.min(n - p * NR);
+        for (b, (block, dst)) in a.blocks.chunks_exact(MR * k).zip(out.blocks.chunks_exact_mut(MR * n)).enumerate() {
+            let rows = MR.min(m - b * MR);
+            // SAFETY: `block` holds k × MR values, each panel k × NR; the tiles write `rows`
+            // rows of `cols` into buffers of MR rows of NR.
+            unsafe {
+                tile(kernel, rows, cols, k, block.as_ptr(), panel1.as_ptr(), gate.as_mut_ptr(), NR);
+                tile(kernel, rows, cols, k, block.as_ptr(), panel3.as_ptr(), up.as_mut_ptr(), NR);
+            }
+            let used = rows * NR;
+            silu_mul(kernel, &gate[..used], &up[..used], &mut act[..used]);
+            for (r, row) in act[..used].chunks_exact(NR).enumerate() {
+                for (j, &v) in row[..cols].iter().enumerate() {
+                    dst[(p * NR + j) * MR + r] = v;
+                }
+            }
+        }
+    }
+    out
+}
+
 /// One `rows × cols` tile (`rows ≤ MR`, `cols ≤ NR`) of the product over all `k`.
 ///
 /// # Safety
@@ -334,6 +367,7 @@ mod x86 {
     use super::{EXP_HI, EXP_LO, EXP_POLY, LN2_HI, LN2_LO, MR, NR};
     use std::arch::x86_64::*;
     use std::f32::consts::LOG2_E;
+    const PF: usize = 32;
 
     /// AVX-512 tiles: `R` rows × 32 columns in 2R accumulators.
     ///
@@ -372,6 +406,8 @@ mod x86 {
     ) {
         let mut acc = [[_mm512_setzero_ps(); 2]; R];
         for d in 0..k {
+            _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add((d + PF) * NR) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add((d + PF) * NR + 16) as *const i8);
             let b0 = _mm512_load_ps(b.add(d * NR));
             let b1 = _mm512_load_ps(b.add(d * NR + 16));
             for (r, acc) in acc.iter_mut().enumerate() {
