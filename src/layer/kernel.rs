@@ -10,7 +10,7 @@ use std::sync::OnceLock;
 
 /// Columns of a weight panel: two AVX-512 vectors, four AVX2 ones.
 pub(super) const NR: usize = 32;
-/// Rows of a packed activation block (the AVX-512 tile's height; two AVX2 tiles of 6).
+/// Rows of a tile (the AVX-512 tile's height; two AVX2 tiles of 6).
 pub(super) const MR: usize = 12;
 /// Bytes a panel starts on: a cache line, so no vector load straddles two.
 const ALIGN: usize = 64;
@@ -178,13 +178,15 @@ impl PackedMatrix {
     }
 }
 
-/// Activations packed for the kernel: blocks of [`MR`] rows, each `[k][MR]` (missing rows of the
-/// last block are zeros).
+/// Activations as the kernel reads them: row-major, rows `stride` values apart, `stride` an odd
+/// number of cache lines so that the [`MR`] rows a tile reads side by side fall in different
+/// L1 sets (a stride of a power of two lines would put them all in one).
 #[derive(Debug)]
 pub(super) struct PackedRows {
     rows: usize,
     k: usize,
-    blocks: Vec<f32>,
+    stride: usize,
+    values: Aligned,
 }
 
 impl PackedRows {
@@ -194,31 +196,25 @@ impl PackedRows {
     }
 
     fn zeros(rows: usize, k: usize) -> Self {
-        Self { rows, k, blocks: vec![0f32; rows.div_ceil(MR) * MR * k] }
+        let line = ALIGN / std::mem::size_of::<f32>();
+        let stride = (k.div_ceil(line) | 1) * line;
+        Self { rows, k, stride, values: Aligned::zeros(rows * stride) }
+    }
+
+    /// Where row `i` starts.
+    fn row_ptr(&self, i: usize) -> *const f32 {
+        self.values.as_slice()[i * self.stride..].as_ptr()
+    }
+
+    fn row_mut(&mut self, i: usize) -> &mut [f32] {
+        &mut self.values.as_mut_slice()[i * self.stride..][..self.k]
     }
 
     /// The rows `x[t]` for `t` in `tokens`, of `x` (`[_, k]`, row-major).
     pub(super) fn gather(x: &[f32], k: usize, tokens: impl ExactSizeIterator<Item = usize>) -> Self {
         let mut packed = Self::zeros(tokens.len(), k);
         for (i, t) in tokens.enumerate() {
-            let block = &mut packed.blocks[(i / MR) * MR * k..][..MR * k];
-            for (d, &v) in x[t * k..(t + 1) * k].iter().enumerate() {
-                block[d * MR + i % MR] = v;
-            }
-        }
-        packed
-    }
-
-    /// `rows` rows of `k` values, row `i` written by `row(i, values)`.
-    pub(super) fn from_rows(rows: usize, k: usize, row: impl Fn(usize, &mut [f32])) -> Self {
-        let mut packed = Self::zeros(rows, k);
-        let mut scratch = vec![0f32; k];
-        for i in 0..rows {
-            row(i, &mut scratch);
-            let block = &mut packed.blocks[(i / MR) * MR * k..][..MR * k];
-            for (d, &v) in scratch.iter().enumerate() {
-                block[d * MR + i % MR] = v;
-            }
+            packed.row_mut(i).copy_from_slice(&x[t * k..(t + 1) * k]);
         }
         packed
     }
@@ -230,15 +226,13 @@ pub(super) fn matmul(kernel: Kernel, a: &PackedRows, w: &PackedMatrix, dst: &mut
     let (m, n, k) = (a.rows, w.n, w.k);
     assert!(a.k == k && dst.len() == m * n, "matmul operand sizes");
     assert!(kernel.available(), "the {} kernel does not run on this CPU", kernel.name());
-    let panels = w.panels.as_slice();
-    for (p, panel) in panels.chunks_exact(k * NR).enumerate() {
+    for (p, panel) in w.panels.as_slice().chunks_exact(k * NR).enumerate() {
         let cols = NR.min(n - p * NR);
-        for (b, block) in a.blocks.chunks_exact(MR * k).enumerate() {
-            let rows = MR.min(m - b * MR);
-            let out = &mut dst[b * MR * n + p * NR..];
-            // SAFETY: `block` holds k × MR values and `panel` k × NR; `out` starts at the tile's
-            // first element and covers `rows` rows of stride n, of which `cols` are written.
-            unsafe { tile(kernel, rows, cols, k, block.as_ptr(), panel.as_ptr(), out.as_mut_ptr(), n) }
+        for b in (0..m).step_by(MR) {
+            let out = &mut dst[b * n + p * NR..];
+            // SAFETY: `a` holds rows b.. of k values `a.stride` apart and `panel` k × NR; `out`
+            // starts at the tile's first element and covers its rows of stride n, `cols` each.
+            unsafe { tile(kernel, MR.min(m - b), cols, k, a.row_ptr(b), a.stride, panel.as_ptr(), out.as_mut_ptr(), n) }
         }
     }
 }
@@ -252,24 +246,21 @@ pub(super) fn swiglu_hidden(kernel: Kernel, a: &PackedRows, w1: &PackedMatrix, w
     assert!(a.k == k && w3.n == n && w3.k == k, "SwiGLU operand sizes");
     assert!(kernel.available(), "the {} kernel does not run on this CPU", kernel.name());
     let mut out = PackedRows::zeros(m, n);
-    let (mut gate, mut up, mut act) = ([0f32; MR * NR], [0f32; MR * NR], [0f32; MR * NR]);
+    let (mut gate, mut up) = ([0f32; MR * NR], [0f32; MR * NR]);
     let panels = w1.panels.as_slice().chunks_exact(k * NR).zip(w3.panels.as_slice().chunks_exact(k * NR));
     for (p, (panel1, panel3)) in panels.enumerate() {
         let cols = NR.min(n - p * NR);
-        for (b, (block, dst)) in a.blocks.chunks_exact(MR * k).zip(out.blocks.chunks_exact_mut(MR * n)).enumerate() {
-            let rows = MR.min(m - b * MR);
-            // SAFETY: `block` holds k × MR values, each panel k × NR; the tiles write `rows`
-            // rows of `cols` into buffers of MR rows of NR.
+        for b in (0..m).step_by(MR) {
+            let rows = MR.min(m - b);
+            // SAFETY: `a` holds rows b.. of k values `a.stride` apart, each panel k × NR; the
+            // tiles write `rows` rows of `cols` into buffers of MR rows of NR.
             unsafe {
-                tile(kernel, rows, cols, k, block.as_ptr(), panel1.as_ptr(), gate.as_mut_ptr(), NR);
-                tile(kernel, rows, cols, k, block.as_ptr(), panel3.as_ptr(), up.as_mut_ptr(), NR);
+                tile(kernel, rows, cols, k, a.row_ptr(b), a.stride, panel1.as_ptr(), gate.as_mut_ptr(), NR);
+                tile(kernel, rows, cols, k, a.row_ptr(b), a.stride, panel3.as_ptr(), up.as_mut_ptr(), NR);
             }
-            let used = rows * NR;
-            silu_mul(kernel, &gate[..used], &up[..used], &mut act[..used]);
-            for (r, row) in act[..used].chunks_exact(NR).enumerate() {
-                for (j, &v) in row[..cols].iter().enumerate() {
-                    dst[(p * NR + j) * MR + r] = v;
-                }
+            for r in 0..rows {
+                let (gate, up) = (&gate[r * NR..][..cols], &up[r * NR..][..cols]);
+                silu_mul(kernel, gate, up, &mut out.row_mut(b + r)[p * NR..][..cols]);
             }
         }
     }
@@ -279,8 +270,8 @@ pub(super) fn swiglu_hidden(kernel: Kernel, a: &PackedRows, w1: &PackedMatrix, w
 /// One `rows × cols` tile (`rows ≤ MR`, `cols ≤ NR`) of the product over all `k`.
 ///
 /// # Safety
-/// `a` covers `k × MR` values, `b` `k × NR`, and `c` every element of `rows` rows `ldc` apart,
-/// `cols` each; `kernel` runs on this CPU.
+/// `a` covers `rows` rows of `k` values `lda` apart, `b` `k × NR` values, and `c` every element
+/// of `rows` rows `ldc` apart, `cols` each; `kernel` runs on this CPU.
 #[allow(clippy::too_many_arguments)]
 unsafe fn tile(
     kernel: Kernel,
@@ -288,16 +279,17 @@ unsafe fn tile(
     cols: usize,
     k: usize,
     a: *const f32,
+    lda: usize,
     b: *const f32,
     c: *mut f32,
     ldc: usize,
 ) {
     match kernel {
         #[cfg(target_arch = "x86_64")]
-        Kernel::Avx512 => x86::tile_avx512(rows, cols, k, a, b, c, ldc),
+        Kernel::Avx512 => x86::tile_avx512(rows, cols, k, a, lda, b, c, ldc),
         #[cfg(target_arch = "x86_64")]
-        Kernel::Avx2 => x86::tile_avx2(rows, cols, k, a, b, c, ldc),
-        _ => tile_portable(rows, cols, k, a, b, c, ldc),
+        Kernel::Avx2 => x86::tile_avx2(rows, cols, k, a, lda, b, c, ldc),
+        _ => tile_portable(rows, cols, k, a, lda, b, c, ldc),
     }
 }
 
@@ -305,12 +297,22 @@ unsafe fn tile(
 ///
 /// # Safety
 /// As [`tile`].
-unsafe fn tile_portable(rows: usize, cols: usize, k: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize) {
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_portable(
+    rows: usize,
+    cols: usize,
+    k: usize,
+    a: *const f32,
+    lda: usize,
+    b: *const f32,
+    c: *mut f32,
+    ldc: usize,
+) {
     let mut acc = [[0f32; NR]; MR];
     for d in 0..k {
         let bd = std::slice::from_raw_parts(b.add(d * NR), NR);
         for (r, acc) in acc.iter_mut().enumerate().take(rows) {
-            let ar = *a.add(d * MR + r);
+            let ar = *a.add(r * lda + d);
             for (s, &bv) in acc.iter_mut().zip(bd) {
                 *s = ar.mul_add(bv, *s);
             }
@@ -374,11 +376,13 @@ mod x86 {
     /// # Safety
     /// As [`super::tile`], on a CPU with AVX-512F.
     #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn tile_avx512(
         rows: usize,
         cols: usize,
         k: usize,
         a: *const f32,
+        lda: usize,
         b: *const f32,
         c: *mut f32,
         ldc: usize,
@@ -386,7 +390,7 @@ mod x86 {
         macro_rules! rows {
             ($($r:literal)*) => {
                 match rows {
-                    $($r => tile_avx512_rows::<$r>(cols, k, a, b, c, ldc),)*
+                    $($r => tile_avx512_rows::<$r>(cols, k, a, lda, b, c, ldc),)*
                     _ => unreachable!("a tile has 1..={MR} rows"),
                 }
             };
@@ -400,6 +404,7 @@ mod x86 {
         cols: usize,
         k: usize,
         a: *const f32,
+        lda: usize,
         b: *const f32,
         c: *mut f32,
         ldc: usize,
@@ -411,7 +416,7 @@ mod x86 {
             let b0 = _mm512_load_ps(b.add(d * NR));
             let b1 = _mm512_load_ps(b.add(d * NR + 16));
             for (r, acc) in acc.iter_mut().enumerate() {
-                let ar = _mm512_set1_ps(*a.add(d * MR + r));
+                let ar = _mm512_set1_ps(*a.add(r * lda + d));
                 acc[0] = _mm512_fmadd_ps(ar, b0, acc[0]);
                 acc[1] = _mm512_fmadd_ps(ar, b1, acc[1]);
             }
@@ -504,11 +509,13 @@ mod x86 {
     /// # Safety
     /// As [`super::tile`], on a CPU with AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn tile_avx2(
         rows: usize,
         cols: usize,
         k: usize,
         a: *const f32,
+        lda: usize,
         b: *const f32,
         c: *mut f32,
         ldc: usize,
@@ -518,11 +525,11 @@ mod x86 {
             for half_rows in 0..rows.div_ceil(6) {
                 let rows6 = (rows - 6 * half_rows).min(6);
                 let (a, b, c) =
-                    (a.add(6 * half_rows), b.add(16 * half_cols), c.add(6 * half_rows * ldc + 16 * half_cols));
+                    (a.add(6 * half_rows * lda), b.add(16 * half_cols), c.add(6 * half_rows * ldc + 16 * half_cols));
                 macro_rules! rows {
                     ($($r:literal)*) => {
                         match rows6 {
-                            $($r => tile_avx2_rows::<$r>(cols16, k, a, b, c, ldc),)*
+                            $($r => tile_avx2_rows::<$r>(cols16, k, a, lda, b, c, ldc),)*
                             _ => unreachable!("an AVX2 tile has 1..=6 rows"),
                         }
                     };
@@ -538,6 +545,7 @@ mod x86 {
         cols: usize,
         k: usize,
         a: *const f32,
+        lda: usize,
         b: *const f32,
         c: *mut f32,
         ldc: usize,
@@ -547,7 +555,7 @@ mod x86 {
             let b0 = _mm256_load_ps(b.add(d * NR));
             let b1 = _mm256_load_ps(b.add(d * NR + 8));
             for (r, acc) in acc.iter_mut().enumerate() {
-                let ar = _mm256_broadcast_ss(&*a.add(d * MR + r));
+                let ar = _mm256_broadcast_ss(&*a.add(r * lda + d));
                 acc[0] = _mm256_fmadd_ps(ar, b0, acc[0]);
                 acc[1] = _mm256_fmadd_ps(ar, b1, acc[1]);
             }
