@@ -53,9 +53,8 @@ pub(super) fn apply(
         experts.iter().zip(rows).flat_map(|(e, r)| r.chunks(task_rows(r.len())).map(move |r| (e, r))).collect();
     let outputs = tasks
         .par_iter()
-        .map(|&(expert, rows)| {
-            let input = PackedRows::gather(x, hidden, rows.iter().map(|&(t, _)| t));
-            expert.forward_packed(kernel, &input)
+        .map_init(Scratch::default, |scratch, &(expert, rows)| {
+            scratch.run(kernel, expert, x, hidden, rows.iter().map(|&(t, _)| t))
         })
         .collect::<Option<Vec<_>>>()?;
     let mut y = vec![0f32; x.len()];
@@ -79,11 +78,37 @@ const COMBINE_TOKENS: usize = 256;
 
 /// `w2 · (silu(w1 x) * w3 x)` for the rows of `x` on the calling thread, the weights packed
 /// (`w1`, `w3`: `[ffn, hidden]`, `w2`: `[hidden, ffn]`). Returns `[rows, hidden]`, row-major.
-pub(super) fn swiglu(kernel: Kernel, x: &PackedRows, w1: &PackedMatrix, w3: &PackedMatrix, w2: &PackedMatrix) -> Vec<f32> {
-    let act = kernel::swiglu_hidden(kernel, x, w1, w3);
-    let mut y = vec![0f32; x.rows() * w2.outputs()];
-    kernel::matmul(kernel, &act, w2, &mut y);
-    y
+pub(super) fn swiglu(
+    kernel: Kernel,
+    x: &PackedRows,
+    [w1, w3, w2]: [&PackedMatrix; 3],
+    act: &mut PackedRows,
+) -> Vec<f32> {
+    kernel::swiglu_hidden(kernel, x, w1, w3, act);
+    kernel::matmul(kernel, act, w2)
+}
+
+/// The buffers a thread's tasks reuse: the gathered rows and the hidden activations.
+#[derive(Default)]
+pub(super) struct Scratch {
+    input: PackedRows,
+    act: PackedRows,
+}
+
+impl Scratch {
+    /// `expert` on the rows `x[t]` (`x`: `[_, hidden]`) for `t` in `tokens`, on the calling
+    /// thread: `[tokens, hidden]`, row-major; `None` unless its weights are packed.
+    pub(super) fn run(
+        &mut self,
+        kernel: Kernel,
+        expert: &Expert,
+        x: &[f32],
+        hidden: usize,
+        tokens: impl ExactSizeIterator<Item = usize>,
+    ) -> Option<Vec<f32>> {
+        self.input.gather(x, hidden, tokens);
+        expert.forward_packed(kernel, &self.input, &mut self.act)
+    }
 }
 
 #[cfg(test)]

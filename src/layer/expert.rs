@@ -1,6 +1,6 @@
 //! One SwiGLU expert: `w2(silu(w1 x) * w3 x)`, Mixtral's expert MLP.
 
-use super::cpu::{self, with_cpu_f32};
+use super::cpu::{self, with_cpu_f32, Scratch};
 use super::kernel::{Kernel, PackedMatrix, PackedRows};
 use crate::error::Result;
 use candle_core::{Device, Module, Tensor, D};
@@ -64,24 +64,25 @@ impl Expert {
     /// `x`: `[tokens, hidden]` → `[tokens, hidden]`.
     pub fn forward_on_this_thread(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         match &self.weights {
-            Weights::Packed { .. } => self.forward_host(x, |tokens, x| self.swiglu_rows(x, 0..tokens)),
+            Weights::Packed { .. } => {
+                self.forward_host(x, |tokens, x| self.swiglu_rows(&mut Scratch::default(), x, 0..tokens))
+            }
             Weights::Tensors { .. } => self.forward(x),
         }
     }
 
-    /// The expert on packed rows on the calling thread (`[rows, hidden]`, row-major out);
-    /// `None` unless the weights are packed (f32 on the CPU).
-    pub(super) fn forward_packed(&self, kernel: Kernel, x: &PackedRows) -> Option<Vec<f32>> {
+    /// The expert on packed rows on the calling thread (`[rows, hidden]`, row-major out), its
+    /// hidden activations in `act`; `None` unless the weights are packed (f32 on the CPU).
+    pub(super) fn forward_packed(&self, kernel: Kernel, x: &PackedRows, act: &mut PackedRows) -> Option<Vec<f32>> {
         match &self.weights {
-            Weights::Packed { w1, w3, w2 } => Some(cpu::swiglu(kernel, x, w1, w3, w2)),
+            Weights::Packed { w1, w3, w2 } => Some(cpu::swiglu(kernel, x, [w1, w3, w2], act)),
             Weights::Tensors { .. } => None,
         }
     }
 
     /// Rows `rows` of host `x` (`[_, hidden]`) through the packed expert.
-    fn swiglu_rows(&self, x: &[f32], rows: std::ops::Range<usize>) -> Vec<f32> {
-        let packed = PackedRows::gather(x, self.hidden, rows);
-        self.forward_packed(Kernel::selected(), &packed).expect("called with packed weights")
+    fn swiglu_rows(&self, scratch: &mut Scratch, x: &[f32], rows: std::ops::Range<usize>) -> Vec<f32> {
+        scratch.run(Kernel::selected(), self, x, self.hidden, rows).expect("called with packed weights")
     }
 
     /// Runs `f(tokens, values)` on `x` as a contiguous f32 CPU tensor; an error for any other
@@ -117,7 +118,11 @@ impl Module for Expert {
             Weights::Packed { .. } => self.forward_host(x, |tokens, x| {
                 let block = cpu::task_rows(tokens).min(tokens.div_ceil(rayon::current_num_threads()).max(1));
                 let starts: Vec<usize> = (0..tokens).step_by(block).collect();
-                starts.into_par_iter().flat_map_iter(|s| self.swiglu_rows(x, s..(s + block).min(tokens))).collect()
+                let blocks: Vec<Vec<f32>> = starts
+                    .into_par_iter()
+                    .map_init(Scratch::default, |scratch, s| self.swiglu_rows(scratch, x, s..(s + block).min(tokens)))
+                    .collect();
+                blocks.concat()
             }),
             Weights::Tensors { w13, w2 } => {
                 let h = x.matmul(&w13.t()?)?;

@@ -121,6 +121,14 @@ impl Aligned {
         let start = buf.as_ptr().align_offset(ALIGN).min(pad);
         Self { buf, start, len }
     }
+    /// `len` values, in the same allocation while it is large enough (old values stay).
+    fn resize(&mut self, len: usize) {
+        if self.start + len <= self.buf.len() {
+            self.len = len;
+        } else {
+            *self = Self::zeros(len);
+        }
+    }
     fn as_slice(&self) -> &[f32] {
         &self.buf[self.start..self.start + self.len]
     }
@@ -180,7 +188,8 @@ impl PackedMatrix {
 
 /// Activations as the kernel reads them: row-major, rows `stride` values apart, `stride` an odd
 /// number of cache lines so that the [`MR`] rows a tile reads side by side fall in different
-/// L1 sets (a stride of a power of two lines would put them all in one).
+/// L1 sets (a stride of a power of two lines would put them all in one). One buffer serves
+/// task after task ([`PackedRows::reset`]).
 #[derive(Debug)]
 pub(super) struct PackedRows {
     rows: usize,
@@ -190,15 +199,13 @@ pub(super) struct PackedRows {
 }
 
 impl PackedRows {
-    /// Rows (`m`).
-    pub(super) fn rows(&self) -> usize {
-        self.rows
-    }
-
-    fn zeros(rows: usize, k: usize) -> Self {
+    /// `rows` rows of `k` values, the allocation kept while it is large enough; the values are
+    /// what they were, for the caller to write every row.
+    fn reset(&mut self, rows: usize, k: usize) {
         let line = ALIGN / std::mem::size_of::<f32>();
         let stride = (k.div_ceil(line) | 1) * line;
-        Self { rows, k, stride, values: Aligned::zeros(rows * stride) }
+        (self.rows, self.k, self.stride) = (rows, k, stride);
+        self.values.resize(rows * stride);
     }
 
     /// Where row `i` starts.
@@ -211,41 +218,61 @@ impl PackedRows {
     }
 
     /// The rows `x[t]` for `t` in `tokens`, of `x` (`[_, k]`, row-major).
-    pub(super) fn gather(x: &[f32], k: usize, tokens: impl ExactSizeIterator<Item = usize>) -> Self {
-        let mut packed = Self::zeros(tokens.len(), k);
+    pub(super) fn gather(&mut self, x: &[f32], k: usize, tokens: impl ExactSizeIterator<Item = usize>) {
+        self.reset(tokens.len(), k);
         for (i, t) in tokens.enumerate() {
-            packed.row_mut(i).copy_from_slice(&x[t * k..(t + 1) * k]);
+            self.row_mut(i).copy_from_slice(&x[t * k..(t + 1) * k]);
         }
-        packed
     }
 }
 
-/// `dst[i, j] = Σ_d a[i, d] · w[j, d]` (`a · wᵀ`), `dst` row-major with `a.rows` rows of
+impl Default for PackedRows {
+    fn default() -> Self {
+        Self { rows: 0, k: 0, stride: 0, values: Aligned::zeros(0) }
+    }
+}
+
+/// `a · wᵀ` (`[i, j] = Σ_d a[i, d] · w[j, d]`), row-major with `a.rows` rows of
 /// `w.outputs()` values, on the calling thread with `kernel` (which must be available).
-pub(super) fn matmul(kernel: Kernel, a: &PackedRows, w: &PackedMatrix, dst: &mut [f32]) {
+pub(super) fn matmul(kernel: Kernel, a: &PackedRows, w: &PackedMatrix) -> Vec<f32> {
     let (m, n, k) = (a.rows, w.n, w.k);
-    assert!(a.k == k && dst.len() == m * n, "matmul operand sizes");
+    assert!(a.k == k, "matmul operand sizes");
     assert!(kernel.available(), "the {} kernel does not run on this CPU", kernel.name());
+    // Not zeroed first: the tiles write every element (a memset of each task's output was 2%
+    // of the layer).
+    let mut dst = Vec::<f32>::with_capacity(m * n);
+    let out = dst.spare_capacity_mut().as_mut_ptr().cast::<f32>();
     for (p, panel) in w.panels.as_slice().chunks_exact(k * NR).enumerate() {
         let cols = NR.min(n - p * NR);
         for b in (0..m).step_by(MR) {
-            let out = &mut dst[b * n + p * NR..];
-            // SAFETY: `a` holds rows b.. of k values `a.stride` apart and `panel` k × NR; `out`
-            // starts at the tile's first element and covers its rows of stride n, `cols` each.
-            unsafe { tile(kernel, MR.min(m - b), cols, k, a.row_ptr(b), a.stride, panel.as_ptr(), out.as_mut_ptr(), n) }
+            // SAFETY: `a` holds rows b.. of k values `a.stride` apart and `panel` k × NR; the
+            // tile's rows b.. of stride n, `cols` from column p · NR, lie within the m × n
+            // values allocated.
+            unsafe {
+                tile(kernel, MR.min(m - b), cols, k, a.row_ptr(b), a.stride, panel.as_ptr(), out.add(b * n + p * NR), n)
+            }
         }
     }
+    // SAFETY: the row blocks cover rows 0..m and the panels columns 0..n: every value is written.
+    unsafe { dst.set_len(m * n) };
+    dst
 }
 
-/// `silu(a · w1ᵀ) · (a · w3ᵀ)`, SwiGLU's hidden activations, packed as the rows of the next
-/// matmul: tile by tile, the gate's and the up projection's tiles go through [`silu_mul`] and
+/// `out = silu(a · w1ᵀ) · (a · w3ᵀ)`, SwiGLU's hidden activations, packed as the rows of the
+/// next matmul: tile by tile, the gate's and the up projection's tiles go through [`silu_mul`] and
 /// straight into place, so no `[rows, 2 · ffn]` intermediate is written (the bits are those of
 /// the two matmuls and `silu_mul` run apart).
-pub(super) fn swiglu_hidden(kernel: Kernel, a: &PackedRows, w1: &PackedMatrix, w3: &PackedMatrix) -> PackedRows {
+pub(super) fn swiglu_hidden(
+    kernel: Kernel,
+    a: &PackedRows,
+    w1: &PackedMatrix,
+    w3: &PackedMatrix,
+    out: &mut PackedRows,
+) {
     let (m, n, k) = (a.rows, w1.n, w1.k);
     assert!(a.k == k && w3.n == n && w3.k == k, "SwiGLU operand sizes");
     assert!(kernel.available(), "the {} kernel does not run on this CPU", kernel.name());
-    let mut out = PackedRows::zeros(m, n);
+    out.reset(m, n);
     let (mut gate, mut up) = ([0f32; MR * NR], [0f32; MR * NR]);
     let panels = w1.panels.as_slice().chunks_exact(k * NR).zip(w3.panels.as_slice().chunks_exact(k * NR));
     for (p, (panel1, panel3)) in panels.enumerate() {
@@ -264,7 +291,6 @@ pub(super) fn swiglu_hidden(kernel: Kernel, a: &PackedRows, w1: &PackedMatrix, w
             }
         }
     }
-    out
 }
 
 /// One `rows × cols` tile (`rows ≤ MR`, `cols ≤ NR`) of the product over all `k`.
@@ -606,10 +632,10 @@ mod tests {
         for (m, n, k) in [(1, 1, 1), (5, 7, 3), (12, 32, 16), (13, 33, 17), (25, 70, 64), (64, 96, 40), (7, 31, 200)] {
             let (x, w) = (values(m * k, 1), values(n * k, 2));
             let want = chains(&x, &w, m, n, k);
-            let (a, packed) = (PackedRows::gather(&x, k, 0..m), PackedMatrix::pack(&w, n, k));
+            let (mut a, packed) = (PackedRows::default(), PackedMatrix::pack(&w, n, k));
+            a.gather(&x, k, 0..m);
             for kernel in Kernel::ALL.into_iter().filter(|k| k.available()) {
-                let mut got = vec![f32::NAN; m * n];
-                matmul(kernel, &a, &packed, &mut got);
+                let got = matmul(kernel, &a, &packed);
                 assert_eq!(
                     got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
                     want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
@@ -627,13 +653,9 @@ mod tests {
         let w = values(n * k, 4);
         let tokens = [19, 0, 7, 7, 3];
         let rows: Vec<f32> = tokens.iter().flat_map(|&t| x[t * k..(t + 1) * k].to_vec()).collect();
-        let mut got = vec![0f32; tokens.len() * n];
-        matmul(
-            Kernel::best(),
-            &PackedRows::gather(&x, k, tokens.iter().copied()),
-            &PackedMatrix::pack(&w, n, k),
-            &mut got,
-        );
+        let mut a = PackedRows::default();
+        a.gather(&x, k, tokens.iter().copied());
+        let got = matmul(Kernel::best(), &a, &PackedMatrix::pack(&w, n, k));
         assert_eq!(got, chains(&rows, &w, tokens.len(), n, k));
     }
 
