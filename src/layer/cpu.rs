@@ -8,7 +8,7 @@
 //! of the device-generic path in the same order; the two differ only in the matmuls' summation
 //! order (tests bound the difference).
 
-use super::kernel::{self, Kernel, PackedMatrix, PackedRows, MR};
+use super::kernel::{Kernel, PackedRows, MR};
 use super::Expert;
 use candle_core::{Storage, Tensor};
 use rayon::prelude::*;
@@ -34,6 +34,9 @@ pub(super) fn task_rows(rows: usize) -> usize {
     let tasks = rows.div_ceil(TASK_ROWS).max(1);
     rows.div_ceil(tasks).next_multiple_of(MR).clamp(MR, TASK_ROWS)
 }
+
+/// Tokens one combine task sums (it scans every task's rows for its own).
+const COMBINE_TOKENS: usize = 256;
 
 /// Dispatch → experts → combine for `x` (`[tokens, hidden]`, row-major) and each expert's kept
 /// `(token, weight)` rows, on `kernel`; `None` unless every busy expert has packed weights (f32 on the CPU).
@@ -71,21 +74,6 @@ pub(super) fn apply(
         }
     });
     Some(y)
-}
-
-/// Tokens one combine task sums (it scans every task's rows for its own).
-const COMBINE_TOKENS: usize = 256;
-
-/// `w2 · (silu(w1 x) * w3 x)` for the rows of `x` on the calling thread, the weights packed
-/// (`w1`, `w3`: `[ffn, hidden]`, `w2`: `[hidden, ffn]`). Returns `[rows, hidden]`, row-major.
-pub(super) fn swiglu(
-    kernel: Kernel,
-    x: &PackedRows,
-    [w1, w3, w2]: [&PackedMatrix; 3],
-    act: &mut PackedRows,
-) -> Vec<f32> {
-    kernel::swiglu_hidden(kernel, x, w1, w3, act);
-    kernel::matmul(kernel, act, w2)
 }
 
 /// The buffers a thread's tasks reuse: the gathered rows and the hidden activations.

@@ -1,7 +1,7 @@
 //! One SwiGLU expert: `w2(silu(w1 x) * w3 x)`, Mixtral's expert MLP.
 
 use super::cpu::{self, with_cpu_f32, Scratch};
-use super::kernel::{Kernel, PackedMatrix, PackedRows};
+use super::kernel::{self, Kernel, PackedMatrix, PackedRows};
 use crate::error::Result;
 use candle_core::{Device, Module, Tensor, D};
 use candle_nn::VarBuilder;
@@ -75,7 +75,10 @@ impl Expert {
     /// hidden activations in `act`; `None` unless the weights are packed (f32 on the CPU).
     pub(super) fn forward_packed(&self, kernel: Kernel, x: &PackedRows, act: &mut PackedRows) -> Option<Vec<f32>> {
         match &self.weights {
-            Weights::Packed { w1, w3, w2 } => Some(cpu::swiglu(kernel, x, [w1, w3, w2], act)),
+            Weights::Packed { w1, w3, w2 } => {
+                kernel::swiglu_hidden(kernel, x, w1, w3, act);
+                Some(kernel::matmul(kernel, act, w2))
+            }
             Weights::Tensors { .. } => None,
         }
     }
