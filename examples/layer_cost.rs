@@ -4,7 +4,8 @@
 //! request, so that both sides are measured in one run).
 //!
 //! After a warm-up, each repetition runs every implementation once, in a rotating order so that
-//! noise hits all alike; the reported time is the median over repetitions. The rotation also
+//! noise hits all alike, each after [`SETTLE`] of idle time; the reported time is the median over
+//! repetitions. The rotation also
 //! measures the machine's peak: fused multiply-adds on every thread with the widest vectors the
 //! CPU has. Each size's line gives the times and the ratios of the references to ours; the dense
 //! FFN's GFLOP/s are stated against that peak. The last line is `moe_vs_dense=<dense/moe>
