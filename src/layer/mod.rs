@@ -163,8 +163,7 @@ impl MoeLayer {
         }
         let x = x.reshape((b * s, h))?;
         let rows = routing.expert_rows();
-        let (index, weight): (Vec<u32>, Vec<f32>) = rows.iter().flatten().map(|&(t, w)| (t as u32, w)).unzip();
-        if index.is_empty() {
+        if rows.iter().all(Vec::is_empty) {
             return Ok(x.zeros_like()?.reshape((b, s, h))?);
         }
         if let Some(y) =
@@ -172,6 +171,7 @@ impl MoeLayer {
         {
             return Ok(Tensor::from_vec(y, (b, s, h), x.device())?);
         }
+        let (index, weight): (Vec<u32>, Vec<f32>) = rows.iter().flatten().map(|&(t, w)| (t as u32, w)).unzip();
         let device = x.device();
         let index = Tensor::new(index.as_slice(), device)?;
         let weight = Tensor::new(weight.as_slice(), device)?.to_dtype(x.dtype())?.unsqueeze(1)?;
