@@ -245,12 +245,12 @@ pub(super) fn matmul(kernel: Kernel, a: &PackedRows, w: &PackedMatrix) -> Vec<f3
     for (p, panel) in w.panels.as_slice().chunks_exact(k * NR).enumerate() {
         let cols = NR.min(n - p * NR);
         for b in (0..m).step_by(MR) {
+            let c = (out.wrapping_add(b * n + p * NR), n);
+            let rows = MR.min(m - b);
             // SAFETY: `a` holds rows b.. of k values `a.stride` apart and `panel` k × NR; the
             // tile's rows b.. of stride n, `cols` from column p · NR, lie within the m × n
             // values allocated.
-            unsafe {
-                tile(kernel, MR.min(m - b), cols, k, a.row_ptr(b), a.stride, panel.as_ptr(), out.add(b * n + p * NR), n)
-            }
+            unsafe { tile(kernel, Tile { rows, cols, k, a: (a.row_ptr(b), a.stride), b: panel.as_ptr(), c }) }
         }
     }
     // SAFETY: the row blocks cover rows 0..m and the panels columns 0..n: every value is written.
@@ -279,11 +279,12 @@ pub(super) fn swiglu_hidden(
         let cols = NR.min(n - p * NR);
         for b in (0..m).step_by(MR) {
             let rows = MR.min(m - b);
+            let input = (a.row_ptr(b), a.stride);
             // SAFETY: `a` holds rows b.. of k values `a.stride` apart, each panel k × NR; the
             // tiles write `rows` rows of `cols` into buffers of MR rows of NR.
             unsafe {
-                tile(kernel, rows, cols, k, a.row_ptr(b), a.stride, panel1.as_ptr(), gate.as_mut_ptr(), NR);
-                tile(kernel, rows, cols, k, a.row_ptr(b), a.stride, panel3.as_ptr(), up.as_mut_ptr(), NR);
+                tile(kernel, Tile { rows, cols, k, a: input, b: panel1.as_ptr(), c: (gate.as_mut_ptr(), NR) });
+                tile(kernel, Tile { rows, cols, k, a: input, b: panel3.as_ptr(), c: (up.as_mut_ptr(), NR) });
             }
             for r in 0..rows {
                 let (gate, up) = (&gate[r * NR..][..cols], &up[r * NR..][..cols]);
@@ -293,29 +294,32 @@ pub(super) fn swiglu_hidden(
     }
 }
 
-/// One `rows × cols` tile (`rows ≤ MR`, `cols ≤ NR`) of the product over all `k`.
-///
-/// # Safety
-/// `a` covers `rows` rows of `k` values `lda` apart, `b` `k × NR` values, and `c` every element
-/// of `rows` rows `ldc` apart, `cols` each; `kernel` runs on this CPU.
-#[allow(clippy::too_many_arguments)]
-unsafe fn tile(
-    kernel: Kernel,
+/// One tile of a product: `rows × cols` outputs (`rows ≤ MR`, `cols ≤ NR`) over `k` inputs.
+#[derive(Clone, Copy)]
+struct Tile {
     rows: usize,
     cols: usize,
     k: usize,
-    a: *const f32,
-    lda: usize,
+    /// The first input row and the distance between rows, in values.
+    a: (*const f32, usize),
+    /// The panel: `k × NR` values.
     b: *const f32,
-    c: *mut f32,
-    ldc: usize,
-) {
+    /// The first output and the distance between output rows, in values.
+    c: (*mut f32, usize),
+}
+
+/// Computes `t` on `kernel`.
+///
+/// # Safety
+/// `t.a` covers `rows` rows of `k` values, `t.b` `k × NR` values, and `t.c` every element of
+/// `rows` rows, `cols` each; `kernel` runs on this CPU.
+unsafe fn tile(kernel: Kernel, t: Tile) {
     match kernel {
         #[cfg(target_arch = "x86_64")]
-        Kernel::Avx512 => x86::tile_avx512(rows, cols, k, a, lda, b, c, ldc),
+        Kernel::Avx512 => x86::tile_avx512(t),
         #[cfg(target_arch = "x86_64")]
-        Kernel::Avx2 => x86::tile_avx2(rows, cols, k, a, lda, b, c, ldc),
-        _ => tile_portable(rows, cols, k, a, lda, b, c, ldc),
+        Kernel::Avx2 => x86::tile_avx2(t),
+        _ => tile_portable(t),
     }
 }
 
@@ -323,17 +327,7 @@ unsafe fn tile(
 ///
 /// # Safety
 /// As [`tile`].
-#[allow(clippy::too_many_arguments)]
-unsafe fn tile_portable(
-    rows: usize,
-    cols: usize,
-    k: usize,
-    a: *const f32,
-    lda: usize,
-    b: *const f32,
-    c: *mut f32,
-    ldc: usize,
-) {
+unsafe fn tile_portable(Tile { rows, cols, k, a: (a, lda), b, c: (c, ldc) }: Tile) {
     let mut acc = [[0f32; NR]; MR];
     for d in 0..k {
         let bd = std::slice::from_raw_parts(b.add(d * NR), NR);
@@ -392,7 +386,7 @@ const EXP_POLY: [f32; 6] =
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{EXP_HI, EXP_LO, EXP_POLY, LN2_HI, LN2_LO, MR, NR};
+    use super::{Tile, EXP_HI, EXP_LO, EXP_POLY, LN2_HI, LN2_LO, MR, NR};
     use std::arch::x86_64::*;
     use std::f32::consts::LOG2_E;
     const PF: usize = 32;
@@ -402,21 +396,11 @@ mod x86 {
     /// # Safety
     /// As [`super::tile`], on a CPU with AVX-512F.
     #[target_feature(enable = "avx512f")]
-    #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn tile_avx512(
-        rows: usize,
-        cols: usize,
-        k: usize,
-        a: *const f32,
-        lda: usize,
-        b: *const f32,
-        c: *mut f32,
-        ldc: usize,
-    ) {
+    pub(super) unsafe fn tile_avx512(t: Tile) {
         macro_rules! rows {
             ($($r:literal)*) => {
-                match rows {
-                    $($r => tile_avx512_rows::<$r>(cols, k, a, lda, b, c, ldc),)*
+                match t.rows {
+                    $($r => tile_avx512_rows::<$r>(t),)*
                     _ => unreachable!("a tile has 1..={MR} rows"),
                 }
             };
@@ -426,15 +410,7 @@ mod x86 {
 
     #[target_feature(enable = "avx512f")]
     #[inline]
-    unsafe fn tile_avx512_rows<const R: usize>(
-        cols: usize,
-        k: usize,
-        a: *const f32,
-        lda: usize,
-        b: *const f32,
-        c: *mut f32,
-        ldc: usize,
-    ) {
+    unsafe fn tile_avx512_rows<const R: usize>(Tile { cols, k, a: (a, lda), b, c: (c, ldc), .. }: Tile) {
         let mut acc = [[_mm512_setzero_ps(); 2]; R];
         for d in 0..k {
             _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add((d + PF) * NR) as *const i8);
@@ -535,27 +511,22 @@ mod x86 {
     /// # Safety
     /// As [`super::tile`], on a CPU with AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
-    #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn tile_avx2(
-        rows: usize,
-        cols: usize,
-        k: usize,
-        a: *const f32,
-        lda: usize,
-        b: *const f32,
-        c: *mut f32,
-        ldc: usize,
-    ) {
-        for half_cols in 0..cols.div_ceil(16) {
-            let cols16 = (cols - 16 * half_cols).min(16);
-            for half_rows in 0..rows.div_ceil(6) {
-                let rows6 = (rows - 6 * half_rows).min(6);
-                let (a, b, c) =
-                    (a.add(6 * half_rows * lda), b.add(16 * half_cols), c.add(6 * half_rows * ldc + 16 * half_cols));
+    pub(super) unsafe fn tile_avx2(t: Tile) {
+        let ((a, lda), (c, ldc)) = (t.a, t.c);
+        for half_cols in 0..t.cols.div_ceil(16) {
+            for half_rows in 0..t.rows.div_ceil(6) {
+                let part = Tile {
+                    rows: (t.rows - 6 * half_rows).min(6),
+                    cols: (t.cols - 16 * half_cols).min(16),
+                    a: (a.add(6 * half_rows * lda), lda),
+                    b: t.b.add(16 * half_cols),
+                    c: (c.add(6 * half_rows * ldc + 16 * half_cols), ldc),
+                    ..t
+                };
                 macro_rules! rows {
                     ($($r:literal)*) => {
-                        match rows6 {
-                            $($r => tile_avx2_rows::<$r>(cols16, k, a, lda, b, c, ldc),)*
+                        match part.rows {
+                            $($r => tile_avx2_rows::<$r>(part),)*
                             _ => unreachable!("an AVX2 tile has 1..=6 rows"),
                         }
                     };
@@ -567,15 +538,7 @@ mod x86 {
 
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    unsafe fn tile_avx2_rows<const R: usize>(
-        cols: usize,
-        k: usize,
-        a: *const f32,
-        lda: usize,
-        b: *const f32,
-        c: *mut f32,
-        ldc: usize,
-    ) {
+    unsafe fn tile_avx2_rows<const R: usize>(Tile { cols, k, a: (a, lda), b, c: (c, ldc), .. }: Tile) {
         let mut acc = [[_mm256_setzero_ps(); 2]; R];
         for d in 0..k {
             let b0 = _mm256_load_ps(b.add(d * NR));
