@@ -35,7 +35,7 @@ pub(super) fn task_rows(rows: usize) -> usize {
     rows.div_ceil(tasks).next_multiple_of(MR).clamp(MR, TASK_ROWS)
 }
 
-/// Tokens one combine task sums (it scans every task's rows for its own).
+/// Tokens one combine task sums.
 const COMBINE_TOKENS: usize = 256;
 
 /// Dispatch → experts → combine for `x` (`[tokens, hidden]`, row-major) and each expert's kept
@@ -64,13 +64,17 @@ pub(super) fn apply(
     if hidden == 0 {
         return Some(y);
     }
-    y.par_chunks_mut(COMBINE_TOKENS * hidden).enumerate().for_each(|(c, ys)| {
-        let range = c * COMBINE_TOKENS..c * COMBINE_TOKENS + ys.len() / hidden;
-        for (out, &(_, rows)) in outputs.iter().zip(&tasks) {
-            for (row, &(t, w)) in out.chunks_exact(hidden).zip(rows).filter(|(_, (t, _))| range.contains(t)) {
-                let acc = &mut ys[(t - range.start) * hidden..][..hidden];
-                acc.iter_mut().zip(row).for_each(|(acc, &v)| *acc += v * w);
-            }
+    // Each range's (output row, weight, token), in task order, so in ascending expert order.
+    let mut ranges = vec![Vec::new(); (x.len() / hidden).div_ceil(COMBINE_TOKENS)];
+    for (out, &(_, rows)) in outputs.iter().zip(&tasks) {
+        for (row, &(t, w)) in out.chunks_exact(hidden).zip(rows) {
+            ranges[t / COMBINE_TOKENS].push((row, w, t % COMBINE_TOKENS));
+        }
+    }
+    y.par_chunks_mut(COMBINE_TOKENS * hidden).zip(ranges).for_each(|(ys, rows)| {
+        for (row, w, t) in rows {
+            let acc = &mut ys[t * hidden..][..hidden];
+            acc.iter_mut().zip(row).for_each(|(acc, &v)| *acc += v * w);
         }
     });
     Some(y)
