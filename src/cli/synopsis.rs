@@ -33,9 +33,13 @@ fn entry(path: &[String], command: &Command, width: usize) -> String {
     wrap(&words, width)
 }
 
+/// The name of an argument's value: clap's value name, else its id in capitals.
+fn value_name(a: &Arg) -> String {
+    a.get_value_names().and_then(|n| n.first()).map_or(a.get_id().as_str().to_uppercase(), |n| n.to_string())
+}
+
 fn positional(a: &Arg) -> String {
-    let name =
-        a.get_value_names().and_then(|n| n.first()).map_or(a.get_id().as_str().to_uppercase(), |n| n.to_string());
+    let name = value_name(a);
     let many = if matches!(a.get_action(), ArgAction::Append) || a.get_num_args().is_some_and(|n| n.max_values() > 1) {
         "..."
     } else {
@@ -55,10 +59,7 @@ fn option(a: &Arg) -> String {
             a.get_possible_values().iter().filter(|v| !v.is_hide_set()).map(|v| v.get_name().to_string()).collect();
         // The choices, else the default (as `--batch 4`), else the value's name.
         let default = a.get_default_values().first().map(|v| v.to_string_lossy().into_owned());
-        let name = || {
-            a.get_value_names().and_then(|n| n.first()).map_or(a.get_id().as_str().to_uppercase(), |n| n.to_string())
-        };
-        let value = if values.is_empty() { default.unwrap_or_else(name) } else { values.join("|") };
+        let value = if values.is_empty() { default.unwrap_or_else(|| value_name(a)) } else { values.join("|") };
         format!("{long} {value}")
     } else {
         long

@@ -120,22 +120,8 @@ fn shrink(mut pair: Pair, probe: Probe, leaks: &dyn Fn(&Pair) -> bool) -> Pair {
     loop {
         let mut progress = false;
         // Whole sequences of a (with their image in b), then b-only sequences.
-        let mut k = 0;
-        while k < pair.a.dims().0 {
-            if !attempt(drop_sequence(&pair, k), &mut pair) {
-                k += 1;
-            } else {
-                progress = true;
-            }
-        }
-        let mut j = 0;
-        while j < pair.b.dims().0 {
-            if !attempt(drop_b_sequence(&pair, j), &mut pair) {
-                j += 1;
-            } else {
-                progress = true;
-            }
-        }
+        progress |= drop_each(&mut pair, &attempt, |p| p.a.dims().0, drop_sequence);
+        progress |= drop_each(&mut pair, &attempt, |p| p.b.dims().0, drop_b_sequence);
         // A long pair: the witness token and the first changed row with 0, 1, 4, 16, ... positions
         // around them, up to the first window that still leaks. Where capacity scales with the
         // tokens routed, removing large chunks rarely keeps a leak, so ddmin alone would route a
@@ -183,6 +169,25 @@ fn ddmin<T: Clone>(
             break;
         }
         chunk = chunk.div_ceil(2);
+    }
+    progress
+}
+
+/// Tries `drop(pair, i)` for each sequence `i < count(pair)` in turn, keeping every drop that
+/// still leaks: whether one did.
+fn drop_each(
+    pair: &mut Pair,
+    attempt: &dyn Fn(Option<Pair>, &mut Pair) -> bool,
+    count: fn(&Pair) -> usize,
+    drop: fn(&Pair, usize) -> Option<Pair>,
+) -> bool {
+    let (mut i, mut progress) = (0, false);
+    while i < count(pair) {
+        if attempt(drop(pair, i), pair) {
+            progress = true;
+        } else {
+            i += 1;
+        }
     }
     progress
 }
