@@ -4,7 +4,7 @@
 //! record reads nothing it does not name; its memory and time are bounded).
 
 #[path = "../../examples/common/route_files.rs"]
-mod route_files;
+pub(crate) mod route_files;
 
 use route_files::*;
 use serde_json::Value;
@@ -430,7 +430,9 @@ fn show_summarises_load_per_layer() {
     assert_eq!(o.status.code(), Some(0));
     let text = String::from_utf8(o.stdout).unwrap();
     assert!(text.contains("     0        0         0   no routes (dense)"), "{text}");
-    assert_eq!(text.lines().count(), 2 + L + 2);
+    // The header, what was inferred (writer, dtype, layers, padding, missing, dense placeholders), the table.
+    assert!(text.contains("writer: SGLang routed_experts") && text.contains("dtype: int32"), "{text}");
+    assert_eq!(text.lines().count(), 2 + 5 + L + 2);
     let o = run(&["routes", "show", &a, "--config", &config, "--format", "json"]);
     let v: Value = serde_json::from_slice(&o.stdout).unwrap();
     let load: u64 = v["layers"][2]["load"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).sum();

@@ -21,7 +21,7 @@ use super::{bad, choices, nested, Dtype, Raw};
 use crate::error::Result;
 use crate::routes::clean::Axis;
 use crate::routes::config::{LayerKind, Layout};
-use crate::routes::record::Format;
+use crate::routes::record::{Format, Sequence};
 use crate::routes::Budget;
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -134,6 +134,15 @@ pub(crate) fn trace(
     notes.push(how);
     let mut raw = Raw::bare(Format::MegatronTrace, Dtype::json(), [tokens[0], n, top_k], experts);
     raw.layers = Some(numbers);
+    // One sequence per forward (a micro-batch), as the first router's lines give them.
+    let mut at = 0;
+    raw.sequences = rows[&order[0]]
+        .iter()
+        .map(|b| {
+            at += b.len();
+            Sequence { rows: at - b.len()..at, first_position: 0 }
+        })
+        .collect();
     raw.notes = notes;
     Ok(raw)
 }
