@@ -299,7 +299,12 @@ pub fn show_text(s: &Summary) -> String {
     let f = &r.found;
     let _ = writeln!(out, "writer: {}", r.format.name());
     let _ = writeln!(out, "dtype: {}", f.dtype);
-    let _ = writeln!(out, "layers: {}", f.numbering);
+    let _ = writeln!(
+        out,
+        "layers: {}{}",
+        if r.layers_declared && f.numbering == "declared in the file" { "" } else { "not in the file: " },
+        f.numbering
+    );
     let causes: Vec<String> = f.padding.iter().map(|(c, n)| format!("{n} {c}")).collect();
     let _ = writeln!(
         out,

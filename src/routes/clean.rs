@@ -196,7 +196,7 @@ pub(crate) fn finish(path: &Path, raw: Raw, layout: Option<&Layout>) -> Result<R
                     .map_err(|m| bad(path, format!("the config contradicts the record: {m}")))?;
                 (numbers, true, how)
             }
-            None => ((0..n_layers).collect(), false, format!("not in the file: taken as 0 to {}", n_layers - 1)),
+            None => ((0..n_layers).collect(), false, format!("its {n_layers} layers are taken as 0 to {}", n_layers - 1)),
         },
     };
     found.numbering = numbering;
@@ -370,7 +370,7 @@ fn infer_numbers(
     for (numbers, name) in &candidates {
         let wrong = dense_with_routes(numbers);
         if wrong.is_empty() {
-            let mut how = format!("not in the file: its {n} layers are {name} ({})", ranges(numbers));
+            let mut how = format!("its {n} layers are {name} ({})", ranges(numbers));
             if let Some(first) = rejected.first() {
                 how.push_str(&format!("; not {first}"));
             } else if candidates.len() > 1 {
@@ -388,7 +388,7 @@ fn infer_numbers(
         // Every count-matching numbering puts routes in a dense layer: say it, take the first.
         return Ok((
             numbers.clone(),
-            format!("not in the file: its {n} layers are taken as {name}, although {}", rejected.join("; ")),
+            format!("its {n} layers are taken as {name}, although {}", rejected.join("; ")),
         ));
     }
     let mtp = l.kinds.len() - backbone;
