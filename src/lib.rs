@@ -6,7 +6,16 @@
 //! record) → [`layer`] (dispatch → experts → combine).
 #![warn(missing_docs)]
 
+// The command line is compiled here (feature `cli`) so that the binary and the Python
+// extension run the same code; its files name this crate as `moe_audit::`, as a binary would.
+extern crate self as moe_audit;
+
 pub mod analyze;
+#[cfg(feature = "cli")]
+mod cli;
+#[cfg(feature = "cli")]
+#[doc(hidden)]
+pub mod command;
 pub mod config;
 pub mod error;
 pub mod exploit;
@@ -23,6 +32,8 @@ pub mod render;
 pub mod router;
 pub mod routes;
 pub mod routing;
+#[cfg(feature = "cli")]
+mod runtime;
 pub mod seeds;
 pub mod sizes;
 pub mod snapshot;

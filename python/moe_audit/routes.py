@@ -6,7 +6,19 @@
     rec = moe_audit.routes.record(model, input_ids, "trainer.safetensors")             # one forward
     rec = moe_audit.routes.record(model, input_ids, "engine.safetensors", generate=True)  # KV-cache decode
 
-then ``moe-audit routes compare engine.safetensors trainer.safetensors --config config.json``.
+then ``moe-audit routes compare engine.safetensors trainer.safetensors --config config.json``,
+or in this process, without files (the training loop's check, docs/ROUTES.md "Inside the
+training loop")::
+
+    rec = moe_audit.routes.record(model, input_ids)              # arrays, no file
+    c = moe_audit.routes.compare(engine_routes, rec, config=model.config.to_dict(),
+                                 max_disagreement=0.0)
+    wandb.log(c.metrics())
+    if c.failed: raise SystemExit(c.diagnoses[0]["found"])
+
+:func:`compare` takes each side as a file, an integer array ``[tokens, layers, top_k]`` (numpy,
+or a CPU torch tensor; read in place, not copied), a list of per-sequence arrays, the dict
+:func:`record` returns, or :func:`router_replay` of Megatron-Core's ``RouterReplay`` instances.
 
 The file is ``moe-audit-routes/1`` (docs/ROUTES.md): ``experts`` int32 ``[tokens, layers, top_k]``
 (-1 = no route: padding), ``logits`` float32 ``[tokens, layers, experts]``, ``input_ids`` and
@@ -27,9 +39,9 @@ the tokens are the ones given, so both records cover the same tokens.
 import json
 import os
 import struct
+import sys
 
 import numpy as np
-import torch
 
 FORMAT = "moe-audit-routes/1"
 
@@ -49,6 +61,8 @@ def record(model, input_ids, path=None, *, mode="train", attention_mask=None, ge
     forward. ``logits``: keep the router logits. Writes ``path`` when given; returns the arrays
     and metadata as a dict either way.
     """
+    import torch
+
     if mode not in ("train", "eval"):
         raise ValueError(f"mode must be 'train' or 'eval', got {mode!r}")
     ids = torch.as_tensor(input_ids)
@@ -147,3 +161,171 @@ def save(path, arrays, metadata):
         for blob in blobs:
             f.write(blob)
     os.replace(tmp, path)
+
+
+class RoutesError(ValueError):
+    """Bad input to :func:`compare`: the message is the line ``moe-audit routes compare`` prints
+    after ``error:`` for the same input."""
+
+
+class Comparison:
+    """A rollout record against a trainer record, as ``moe-audit routes compare --format json``
+    reports it: ``failed`` (a defect, or disagreement over ``max_disagreement``),
+    ``diagnoses`` (defects first: ``kind``, ``defect``, ``found``, ``change``), ``measures``
+    (``decisions_differ``, ``tokens_differ``, ``layers``, ...); :meth:`to_dict` is the whole
+    document, :meth:`metrics` a flat dict of floats to log."""
+
+    def __init__(self, document):
+        self._document = document
+        self.failed = bool(document["failed"])
+        self.diagnoses = document["diagnoses"]
+        self.measures = document["measures"]
+
+    @property
+    def exit_code(self):
+        """The command's exit code for this result: 1 failed, else 0."""
+        return int(self.failed)
+
+    @property
+    def defects(self):
+        """The diagnoses that are defects."""
+        return [d for d in self.diagnoses if d["defect"]]
+
+    def to_dict(self):
+        """The JSON document ``moe-audit routes compare --format json`` prints (a copy)."""
+        return json.loads(json.dumps(self._document))
+
+    def metrics(self, prefix="r3/"):
+        """Flat ``{name: float}`` for W&B or TensorBoard: ``decisions_differ`` and
+        ``tokens_differ`` (shares 0..1), ``overlap``, ``tokens``, ``decisions``, ``missing``,
+        ``order_only``, ``failed``, ``defects``, per defect kind ``defect/KIND`` (counts), and per
+        compared layer ``layer/N/decisions_differ`` (N: the trainer's global layer number)."""
+        m = self.measures
+        out = {prefix + key: float(m[key]) for key in ("decisions_differ", "tokens_differ", "overlap", "tokens", "decisions", "missing", "order_only")}
+        if m.get("mean_first_differing") is not None:
+            out[prefix + "mean_first_differing"] = float(m["mean_first_differing"])
+        out[prefix + "failed"] = float(self.failed)
+        out[prefix + "defects"] = float(len(self.defects))
+        for d in self.defects:
+            key = f"{prefix}defect/{d['kind']}"
+            out[key] = out.get(key, 0.0) + 1.0
+        for layer in m["layers"]:
+            out[f"{prefix}layer/{layer['trainer']}/decisions_differ"] = float(layer["differ"])
+        return out
+
+    def __repr__(self):
+        m = self.measures
+        return f"<Comparison failed={self.failed} decisions_differ={m['decisions_differ']:.4g} tokens_differ={m['tokens_differ']:.4g} defects={len(self.defects)}>"
+
+
+def _part(a, what):
+    """One array as (the array, its data's address and size, dtype name, shape): read in place
+    when it is C-contiguous and little-endian (numpy arrays, np.memmap, CPU torch tensors); the
+    array is held by the caller for the call."""
+    # torch only when given one: `import moe_audit` (and the `moe-audit` script) stays torch-free.
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(a, torch.Tensor):
+        if a.device.type != "cpu":
+            raise RoutesError(f"{what}: a tensor on {a.device}: move it to the CPU first (.cpu())")
+        a = a.detach()
+        if a.is_floating_point() or a.is_complex() or a.dtype == torch.bool:
+            raise RoutesError(f"{what}: dtype {str(a.dtype).replace('torch.', '')}: expert ids must be integers")
+        a = a.contiguous().numpy()
+    a = np.asarray(a)
+    if a.dtype.kind not in "iu":
+        raise RoutesError(f"{what}: dtype {a.dtype}: expert ids must be integers")
+    if a.ndim != 3:
+        raise RoutesError(f"{what}: shape {list(a.shape)}: expert ids are [tokens, layers, top_k]")
+    if a.dtype.byteorder == ">" or not a.flags.c_contiguous:
+        a = np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<"))
+    return a, (a.__array_interface__["data"][0], a.nbytes, a.dtype.name, tuple(int(n) for n in a.shape))
+
+
+def _side(x, role):
+    """A side of :func:`compare` as the extension takes it: a path, or (name, parts, layers)."""
+    if isinstance(x, (str, os.PathLike)):
+        return [], os.fspath(x)
+    layers = None
+    if isinstance(x, dict):
+        # record()'s {"arrays", "metadata"}, or router_replay()'s {"experts", "layers"}.
+        if "arrays" in x:
+            layers = json.loads(x.get("metadata", {}).get("layers", "null"))
+            x = x["arrays"]
+        if "experts" not in x:
+            raise RoutesError(f"{role}: a dict record holds `experts` (and `layers`), got keys {sorted(x)}")
+        layers = x.get("layers", layers)
+        x = x["experts"]
+    parts = [_part(a, f"{role} sequence {i}") for i, a in enumerate(x)] if isinstance(x, (list, tuple)) else [_part(x, role)]
+    held = [p[0] for p in parts]
+    parts = [p[1] for p in parts]
+    first = parts[0] if parts else (0, 0, "int", (0,))
+    name = f"{role} ({first[2]} {'x'.join(str(n) for n in first[3])}{f', {len(parts)} sequences' if len(parts) > 1 else ''})"
+    return held, (name, parts, None if layers is None else [int(g) for g in layers])
+
+
+def compare(rollout, trainer, *, config=None, max_disagreement=None, max_memory=None):
+    """``moe-audit routes compare`` in this process, no subprocess and no file: returns a
+    :class:`Comparison`; bad input raises :class:`RoutesError` with the command's message.
+
+    ``rollout`` (the engine's) and ``trainer``: each a record file (any format the command
+    reads), an integer array ``[tokens, layers, top_k]`` (numpy, np.memmap or a CPU torch
+    tensor, any integer dtype, -1 = no route; read in place), a list of them (one per sequence),
+    the dict :func:`record` returns, or :func:`router_replay`'s. ``config``: the model's
+    config.json path, or its dict (``model.config.to_dict()``). ``max_disagreement``: fail over
+    this share of differing decisions (0: a replay check). ``max_memory``: as ``--max-memory``
+    (``"4GiB"``). The comparison runs without the GIL.
+    """
+    from . import _native
+
+    if isinstance(config, (str, os.PathLike)) or config is None:
+        config_path, config_json = (None if config is None else os.fspath(config)), None
+    elif isinstance(config, dict):
+        config_path, config_json = None, json.dumps(config, default=str)
+    else:
+        raise RoutesError(f"config: a config.json path or its dict, got {type(config).__name__}")
+    if max_disagreement is not None:
+        max_disagreement = float(max_disagreement)
+    if max_memory is not None:
+        max_memory = str(max_memory)
+    # The arrays (held, maybe made contiguous) stay referenced here while the extension reads them.
+    held_r, r = _side(rollout, "rollout")
+    held_t, t = _side(trainer, "trainer")
+    ok, text = _native.compare(r, t, config_path, config_json, max_disagreement, max_memory)
+    del held_r, held_t
+    if not ok:
+        raise RoutesError(text)
+    return Comparison(json.loads(text))
+
+
+def router_replay(instances=None, *, model=None, layers=None):
+    """The routes Megatron-Core's ``RouterReplay`` recorded in this process, for :func:`compare`:
+    ``{"experts": [tokens, layers, top_k], "layers": [...]}``.
+
+    ``instances``: the ``RouterReplay`` objects (default: ``RouterReplay.global_router_replay_instances``,
+    one per MoE layer in instantiation order), each holding ``recorded_topk_idx``
+    ``[tokens, top_k]`` after a forward with ``RouterReplayAction.RECORD``. Layer numbers:
+    ``layers`` when given, else from ``model`` (each router's ``layer_number``, 1-based global,
+    as 0-based decoder indices), else 0 to N-1 (the MoE layers in order).
+    """
+    if instances is None:
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        instances = RouterReplay.global_router_replay_instances
+    instances = list(instances)
+    if not instances:
+        raise RoutesError("no RouterReplay instances: build the model with moe_enable_routing_replay=True")
+    idx = [r.recorded_topk_idx for r in instances]
+    missing = [i for i, t in enumerate(idx) if t is None]
+    if missing:
+        raise RoutesError(
+            f"RouterReplay instance {missing[0]} recorded nothing: set RouterReplayAction.RECORD before the forward"
+        )
+    if layers is None and model is not None:
+        by_replay = {id(m.router_replay): m.layer_number for m in model.modules() if getattr(m, "router_replay", None) is not None}
+        numbers = [by_replay.get(id(r)) for r in instances]
+        if all(n is not None for n in numbers):
+            layers = [n - 1 for n in numbers]
+    import torch
+
+    experts = torch.stack([t.detach().reshape(t.shape[0], -1) for t in idx], dim=1).cpu()
+    return {"experts": experts, "layers": layers}

@@ -1,0 +1,155 @@
+//! `moe_audit._native`: the Rust side of the Python package.
+//!
+//! - [`compare`]: `moe_audit.routes.compare`, a rollout record against a trainer record in
+//!   this process: each side a file, or integer arrays `[tokens, layers, top_k]` read in place
+//!   through the buffer protocol; the comparison runs without the GIL and returns the document
+//!   `moe-audit routes compare --format json` prints;
+//! - [`main`]: the wheel's `moe-audit` command, the binary's command line.
+
+mod arrays;
+
+use moe_audit::routes::{self, Budget, CompareOptions, Layout};
+use moe_audit::MemoryBudget;
+use pyo3::prelude::*;
+use std::path::Path;
+
+/// One array's data: address, bytes, dtype name, shape `(tokens, layers, top_k)`.
+type RawPart = (usize, usize, String, (usize, usize, usize));
+
+/// One side of a comparison as the Python wrapper hands it over.
+#[derive(FromPyObject)]
+enum Side {
+    /// A record file (any format `routes compare` reads).
+    Path(std::path::PathBuf),
+    /// `(name, [(address, bytes, dtype, (tokens, layers, top_k)), ...], layers)`: one array per
+    /// sequence, each the data of a C-contiguous little-endian integer array that the caller
+    /// keeps alive and unchanged for the call (read in place: numpy's `__array_interface__`;
+    /// the buffer protocol is not in the stable ABI before Python 3.11), and the global layer
+    /// numbers of axis 1 when the caller knows them.
+    Arrays(String, Vec<RawPart>, Option<Vec<usize>>),
+}
+
+/// A side with its bytes borrowed from the buffers (held by the caller while the GIL is out).
+enum Borrowed<'a> {
+    Path(&'a Path),
+    Arrays(&'a str, Vec<arrays::Part<'a>>, Option<&'a [usize]>),
+}
+
+fn borrow(side: &Side) -> Borrowed<'_> {
+    match side {
+        Side::Path(p) => Borrowed::Path(p),
+        Side::Arrays(name, parts, layers) => Borrowed::Arrays(
+            name,
+            parts
+                .iter()
+                .map(|&(address, len, ref dtype, (t, l, k))| arrays::Part {
+                    // SAFETY: `address` and `len` are the data of a C-contiguous numpy array
+                    // that `moe_audit.routes.compare` holds for the whole call (the only
+                    // caller of this private module); nothing here writes to it.
+                    bytes: match len {
+                        0 => &[],
+                        _ => unsafe { std::slice::from_raw_parts(address as *const u8, len) },
+                    },
+                    dtype: dtype.as_str(),
+                    shape: [t, l, k],
+                })
+                .collect(),
+            layers.as_deref(),
+        ),
+    }
+}
+
+/// `moe-audit routes compare` in process: `(True, json)` as `--format json` prints it, or
+/// `(False, message)` with the command's one-line error message (raised by the wrapper as
+/// `moe_audit.RoutesError`). `config` is a config.json path, `config_json` its text.
+#[pyfunction]
+#[pyo3(signature = (rollout, trainer, config=None, config_json=None, max_disagreement=None, max_memory=None))]
+fn compare(
+    py: Python<'_>,
+    rollout: Side,
+    trainer: Side,
+    config: Option<std::path::PathBuf>,
+    config_json: Option<String>,
+    max_disagreement: Option<f64>,
+    max_memory: Option<String>,
+) -> PyResult<(bool, String)> {
+    let (r, t) = (borrow(&rollout), borrow(&trainer));
+    let done =
+        py.detach(|| run(&r, &t, config.as_deref(), config_json.as_deref(), max_disagreement, max_memory.as_deref()));
+    Ok(match done {
+        Ok(text) => (true, text),
+        Err(e) => (false, moe_audit::command::one_line_message(&e.to_string())),
+    })
+}
+
+fn run(
+    rollout: &Borrowed<'_>,
+    trainer: &Borrowed<'_>,
+    config: Option<&Path>,
+    config_json: Option<&str>,
+    max_disagreement: Option<f64>,
+    max_memory: Option<&str>,
+) -> moe_audit::Result<String> {
+    use moe_audit::error::Error;
+    if let Some(m) = max_disagreement.filter(|m| !(0.0..=1.0).contains(m)) {
+        return Err(Error::Usage(format!("--max-disagreement must be a share between 0 and 1, got {m}")));
+    }
+    let limit = max_memory
+        .map(|m| moe_audit::memory::parse_size(m).map_err(|e| Error::Usage(format!("--max-memory: {e}"))))
+        .transpose()?;
+    let layout = match (config, config_json) {
+        (Some(path), _) => Some(Layout::load(path)?),
+        (None, Some(text)) => {
+            let value: serde_json::Value =
+                serde_json::from_str(text).map_err(|e| Error::Usage(format!("config: not JSON: {e}")))?;
+            Some(Layout::from_json(&value).map_err(|m| Error::Usage(format!("config: {m}")))?)
+        }
+        (None, None) => None,
+    };
+    let mut budget = Budget::new(MemoryBudget::from_request(limit));
+    let load = |side: &Borrowed<'_>, hint, budget: &mut Budget| match side {
+        Borrowed::Path(p) => routes::load(p, layout.as_ref(), hint, budget),
+        Borrowed::Arrays(name, parts, layers) => arrays::record(name, parts, *layers, layout.as_ref(), budget),
+    };
+    // A flat SGLang record without a config takes its shape from the other record, as the
+    // command reads it (src/cli/routes.rs).
+    let is_json = |s: &Borrowed<'_>| matches!(s, Borrowed::Path(p) if p.extension().is_some_and(|e| e.eq_ignore_ascii_case("json")));
+    let (r, t) = if is_json(rollout) && !is_json(trainer) {
+        let t = load(trainer, None, &mut budget)?;
+        (load(rollout, Some(hint(&t)), &mut budget)?, t)
+    } else {
+        let r = load(rollout, None, &mut budget)?;
+        let t = load(trainer, Some(hint(&r)), &mut budget)?;
+        (r, t)
+    };
+    let options = CompareOptions { max_disagreement };
+    let c = routes::compare(&r, &t, layout.as_ref(), &options, &mut budget)?;
+    Ok(moe_audit::render::json(&c))
+}
+
+fn hint(r: &routes::Record) -> routes::read::ShapeHint {
+    routes::read::ShapeHint { layers: r.layers.iter().max().map_or(0, |&l| l + 1), top_k: r.top_k }
+}
+
+/// The wheel's `moe-audit` command: the binary's command line on `sys.argv`. Never returns:
+/// the process exits with the command's code, as the binary does.
+#[pyfunction]
+fn main(py: Python<'_>) -> PyResult<()> {
+    let argv: Vec<std::ffi::OsString> = py.import("sys")?.getattr("argv")?.extract()?;
+    // Python buffers what it printed (nothing, for a console script); flushed before Rust writes.
+    let sys = py.import("sys")?;
+    for stream in ["stdout", "stderr"] {
+        let _ = sys.getattr(stream).and_then(|s| s.call_method0("flush"));
+    }
+    let code = py.detach(|| moe_audit::command::main(argv));
+    std::process::exit(i32::from(code))
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // Errors name settings as the command's flags (`--max-memory`), as the command says them.
+    moe_audit::command::name_settings();
+    m.add_function(wrap_pyfunction!(compare, m)?)?;
+    m.add_function(wrap_pyfunction!(main, m)?)?;
+    Ok(())
+}
