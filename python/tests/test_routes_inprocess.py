@@ -195,3 +195,46 @@ def test_a_memory_mapped_record_is_read_in_place(tmp_path):
     # Two int32 copies (what a reader converting before the extension would hold) are 8x the
     # file; measured 2026-11: 101 MB in place, 168 MB with the copies (8 MiB file).
     assert copied - in_place > 6 * size, (in_place, copied, size)
+
+
+def test_a_hugging_face_models_routes_compare_without_a_file(tmp_path):
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=16, num_experts_per_tok=4, decoder_sparse_step=2, mlp_only_layers=[],
+    )
+    model = transformers.Qwen3MoeForCausalLM(config)
+    tokens = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(1))
+    trainer = routes.record(model, tokens, mode="eval")
+    engine = routes.record(model, tokens, tmp_path / "engine.safetensors", mode="eval", generate=True, prefill=4)
+    c = routes.compare(tmp_path / "engine.safetensors", trainer, config=config.to_dict(), max_disagreement=0.5)
+    # decoder_sparse_step 2: layers 1 and 3 are MoE, numbered by the record's own layers.
+    assert [layer["trainer"] for layer in c.measures["layers"]] == [1, 3]
+    assert c.to_dict()["trainer"]["found"]["numbering"] == "declared by the caller"
+    assert c.measures["tokens"] == 20 and not c.defects
+    same = routes.compare(engine, engine, config=config.to_dict(), max_disagreement=0.0)
+    assert not same.failed and same.measures["decisions_differ"] == 0.0
+
+
+def test_megatron_router_replay_instances_compare_directly(files):
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    replay = pytest.importorskip("megatron.core.transformer.moe.router_replay", reason="megatron-core is not installed")
+    _, a, b = files
+    replay.RouterReplay.clear_global_router_replay_instances()
+    try:
+        instances = [replay.RouterReplay() for _ in range(LAYERS)]
+        for i, r in enumerate(instances):
+            r.record_indices(torch.tensor(b[:, i], dtype=torch.int64))  # torch.topk's indices
+        trainer = routes.router_replay()
+        assert trainer["experts"].shape == (TOKENS, LAYERS, TOP_K) and trainer["layers"] is None
+        c = routes.compare(b, trainer, max_disagreement=0.0)
+        assert not c.failed
+        assert routes.compare(a, routes.router_replay(instances, layers=[0, 1, 2, 3])).to_dict()["measures"] == routes.compare(a, b).measures
+        instances[2].clear_indices()
+        with pytest.raises(moe_audit.RoutesError, match="RouterReplay instance 2 recorded nothing"):
+            routes.router_replay()
+    finally:
+        replay.RouterReplay.clear_global_router_replay_instances()
