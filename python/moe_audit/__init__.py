@@ -17,26 +17,46 @@ The wire codecs are private (``moe_audit._wire``); ``moe_audit.v1`` and ``moe_au
 as deprecated aliases.
 """
 
-from .adapter import PROTOCOL_V1, PROTOCOL_V2, Routes, answer_plan, read_safetensors, routes_from_arrays, run, serve
-from .binary import binary
-from .inprocess import check
-from .routes import Comparison, RoutesError
-from .snapshot import SnapshotError, assert_routing_snapshot, routing_snapshot
+import importlib
 
-__all__ = [
-    "PROTOCOL_V1",
-    "PROTOCOL_V2",
-    "Routes",
-    "Comparison",
-    "RoutesError",
-    "SnapshotError",
-    "answer_plan",
-    "assert_routing_snapshot",
-    "binary",
-    "check",
-    "read_safetensors",
-    "routes_from_arrays",
-    "routing_snapshot",
-    "run",
-    "serve",
-]
+# Where each name is defined. Loaded on first use (PEP 562), so that importing a submodule
+# alone loads nothing else: the `moe-audit` console script (moe_audit._native) starts without
+# numpy, whose threads would otherwise receive the SIGINT the command's signal thread waits for.
+_WHERE = {
+    "PROTOCOL_V1": "adapter",
+    "PROTOCOL_V2": "adapter",
+    "Routes": "adapter",
+    "answer_plan": "adapter",
+    "read_safetensors": "adapter",
+    "routes_from_arrays": "adapter",
+    "run": "adapter",
+    "serve": "adapter",
+    "binary": "binary",
+    "check": "inprocess",
+    "Comparison": "routes",
+    "RoutesError": "routes",
+    "SnapshotError": "snapshot",
+    "assert_routing_snapshot": "snapshot",
+    "routing_snapshot": "snapshot",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name):
+    if name in _WHERE:
+        value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    # Submodules as attributes (`moe_audit.routes`), as when this file imported them.
+    if not name.startswith("_"):
+        try:
+            return importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_WHERE))
