@@ -19,6 +19,10 @@ as deprecated aliases.
 
 import importlib
 
+# Eager (no numpy): importing the submodule `binary` would otherwise leave the module, not the
+# function, as this attribute.
+from .binary import binary
+
 # Where each name is defined. Loaded on first use (PEP 562), so that importing a submodule
 # alone loads nothing else: the `moe-audit` console script (moe_audit._native) starts without
 # numpy, whose threads would otherwise receive the SIGINT the command's signal thread waits for.
@@ -31,7 +35,6 @@ _WHERE = {
     "routes_from_arrays": "adapter",
     "run": "adapter",
     "serve": "adapter",
-    "binary": "binary",
     "check": "inprocess",
     "Comparison": "routes",
     "RoutesError": "routes",
@@ -40,7 +43,7 @@ _WHERE = {
     "routing_snapshot": "snapshot",
 }
 
-__all__ = sorted(_WHERE)
+__all__ = sorted([*_WHERE, "binary"])
 
 
 def __getattr__(name):
