@@ -254,7 +254,12 @@ def _side(x, role):
         if "experts" not in x:
             raise RoutesError(f"{role}: a dict record holds `experts` (and `layers`), got keys {sorted(x)}")
         layers = x.get("layers", layers)
+        cu = x.get("cu_seqlens")
         x = x["experts"]
+        if cu is not None:
+            # One part per sequence, as the file format keeps them (row slices: views, no copy).
+            cu = [int(c) for c in np.asarray(cu)]
+            x = [x[a:b] for a, b in zip(cu[:-1], cu[1:])]
     parts = [_part(a, f"{role} sequence {i}") for i, a in enumerate(x)] if isinstance(x, (list, tuple)) else [_part(x, role)]
     held = [p[0] for p in parts]
     parts = [p[1] for p in parts]

@@ -219,6 +219,8 @@ def test_a_hugging_face_models_routes_compare_without_a_file(tmp_path):
     assert [layer["trainer"] for layer in c.measures["layers"]] == [1, 3]
     assert c.to_dict()["trainer"]["found"]["numbering"] == "declared by the caller"
     assert c.measures["tokens"] == 20 and not c.defects
+    # Its sequences (cu_seqlens) kept: the two batch rows pair as in the file.
+    assert [s["len"] for s in c.to_dict()["alignment"]["segments"]] == [10, 10]
     same = routes.compare(engine, engine, config=config.to_dict(), max_disagreement=0.0)
     assert not same.failed and same.measures["decisions_differ"] == 0.0
 
