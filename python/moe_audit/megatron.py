@@ -131,8 +131,8 @@ def find_router(module):
 def _name(config, k):
     """A short name saying what the router does: megatron-top2-softmax-cf1.0-probs."""
     parts = [f"megatron-top{k}", config.moe_router_score_function]
-    if config.moe_router_load_balancing_type == "sinkhorn":
-        parts.append("sinkhorn")
+    if config.moe_router_load_balancing_type in ("sinkhorn", "quantile_balancing"):
+        parts.append(config.moe_router_load_balancing_type.replace("_", "-"))
     if config.moe_expert_capacity_factor is not None:
         parts += [f"cf{config.moe_expert_capacity_factor}", config.moe_token_drop_policy]
         if config.moe_pad_expert_input_to_capacity:
@@ -193,8 +193,10 @@ class Router:
         self.top_k = int(self.router.topk)
         self.hidden_size = int(self.router.weight.shape[1])
         self.protocol = adapter.protocol_name(protocol)
+        # Quantile balancing (0.19) refuses a padding mask (router.py:768-771 in 0.19.2).
         self.padding_mask = (self.protocol != v1.PROTOCOL
-                             and "padding_mask" in inspect.signature(self.router.forward).parameters)
+                             and "padding_mask" in inspect.signature(self.router.forward).parameters
+                             and config.moe_router_load_balancing_type != "quantile_balancing")
         self.seed_calls = seed_calls
         self.name = name or _name(config, self.top_k)
         torch.manual_seed(seed)

@@ -198,3 +198,14 @@ def test_wrap_takes_a_config_a_router_or_a_module_holding_one_on_the_cpu():
     if not torch.cuda.is_available():
         assert built.router.weight.device.type == "cpu"
     assert torch.cuda.current_device is current_device
+
+
+@pytest.mark.skipif(not hasattr(TopKRouter, "quantile_balancing"), reason="quantile balancing is new in megatron-core 0.19")
+def test_quantile_balancing_routes_per_token_and_takes_no_padding_mask():
+    # 0.19.2 router.py:310-384, moe_utils.py:203-240: top-k of logits - qb_beta per token; qb_beta
+    # moves between global batches, never within a call.
+    router = megatron.wrap(config(moe_router_load_balancing_type="quantile_balancing", moe_aux_loss_coeff=0.0))
+    with torch.no_grad():
+        router.router.qb_beta.copy_(torch.linspace(-0.05, 0.05, E))
+    assert not router.padding_mask and router.name == "megatron-top2-softmax-quantile-balancing"
+    assert audit(router) == ALL_PASS
