@@ -121,7 +121,7 @@ class Gate:
         # capacity a maximum over ranks (sharded_moe.py:251), and hang without the other ranks.
         with _set(self.gate, ep_group=None, **attributes), draws():
             _, capacity, _, experts, _, gates, _ = self.gate(x, None, True, False)
-        return experts.t().long(), gates.t().double(), int(capacity)
+        return experts.t().long().cpu(), gates.t().double().cpu(), int(capacity)
 
     @torch.no_grad()
     def route(self, data, mode, seed=None):

@@ -176,6 +176,7 @@ AUDITS = {
     # Capacity over the call (ds:152-162). Top-1 without RTS keeps whichever tied rows CPU topk
     # picks (ds:284); min_capacity 8 is above a prefix's tokens (ds:278, handled).
     "top1-capacity": (dict(min_capacity=0, use_rts=False), {}, (), expect(CAPACITY)),
+    "top1-capacity-inference": (dict(min_capacity=0, use_rts=False), {}, ("--mode", "inference"), expect(CAPACITY)),
     "top1-min-capacity-8": (dict(min_capacity=8, use_rts=False), {}, (), expect(CAPACITY)),
     "top1-capacity-never-binds": (dict(capacity_factor=8.0, eval_capacity_factor=8.0, min_capacity=0, use_rts=False),
                                   {}, (), expect()),
@@ -191,6 +192,9 @@ AUDITS = {
     "top1-capacity-rts-seeded": (dict(min_capacity=0), dict(seed_calls=True), (), expect(CAPACITY)),
     "top2-capacity-sampling": (dict(k=2, min_capacity=0), {}, (), expect("D", "PFNRSML")),
     "top2-capacity-sampling-seeded": (dict(k=2, min_capacity=0), dict(seed_calls=True), (), expect(CAPACITY)),
+    "top1-capacity-rts-inference": (dict(min_capacity=0), {}, ("--mode", "inference"), expect("D", "PFNRSML")),
+    "top2-capacity-sampling-inference": (dict(k=2, min_capacity=0), {}, ("--mode", "inference"),
+                                         expect("D", "PFNRSML")),
     "top2-dropless-sampling": (dict(k=2, drop_tokens=False), {}, (), expect("D", "PFNRSML")),
     "top2-dropless-sampling-seeded": (dict(k=2, drop_tokens=False), dict(seed_calls=True), (), expect()),
     # Noise only in training (ds:227-228, 570-577): seeded, only the train/inference rule differs.
