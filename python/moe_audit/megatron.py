@@ -129,12 +129,14 @@ def find_router(module):
 
 
 def _name(config, k):
-    """A short name saying what the router does: megatron-top2-softmax-cf1.0-probs."""
-    parts = [f"megatron-top{k}", config.moe_router_score_function]
+    """A short name saying what the router does: megatron-top2-sigmoid-cf1-probs (softmax unsaid)."""
+    parts = [f"megatron-top{k}"]
+    if config.moe_router_score_function != "softmax":
+        parts.append(config.moe_router_score_function)
     if config.moe_router_load_balancing_type in ("sinkhorn", "quantile_balancing"):
         parts.append(config.moe_router_load_balancing_type.replace("_", "-"))
     if config.moe_expert_capacity_factor is not None:
-        parts += [f"cf{config.moe_expert_capacity_factor}", config.moe_token_drop_policy]
+        parts += [f"cf{config.moe_expert_capacity_factor:g}", config.moe_token_drop_policy]
         if config.moe_pad_expert_input_to_capacity:
             parts.append("pad")
     return "-".join(parts)

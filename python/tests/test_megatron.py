@@ -13,6 +13,10 @@ only (`router.py:239-248`); input jitter draws in training and eval (`router.py:
 
 import json
 import math
+import os
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -183,7 +187,7 @@ def test_wrap_takes_a_config_a_router_or_a_module_holding_one_on_the_cpu():
     again = megatron.wrap(config(), seed=3)
     assert torch.equal(built.router.weight, again.router.weight)
     assert not torch.equal(built.router.weight, megatron.wrap(config(), seed=4).router.weight)
-    assert isinstance(built.router, TopKRouter) and built.name == "megatron-top2-softmax"
+    assert isinstance(built.router, TopKRouter) and built.name == "megatron-top2"
     holder = torch.nn.Sequential(torch.nn.Identity(), built.router)
     found = megatron.wrap(holder)
     assert found.router is built.router and found.path == "1"
@@ -207,5 +211,20 @@ def test_quantile_balancing_routes_per_token_and_takes_no_padding_mask():
     router = megatron.wrap(config(moe_router_load_balancing_type="quantile_balancing", moe_aux_loss_coeff=0.0))
     with torch.no_grad():
         router.router.qb_beta.copy_(torch.linspace(-0.05, 0.05, E))
-    assert not router.padding_mask and router.name == "megatron-top2-softmax-quantile-balancing"
+    assert not router.padding_mask and router.name == "megatron-top2-quantile-balancing"
     assert audit(router) == ALL_PASS
+
+
+def test_the_five_line_recipe_serves_the_router_to_moe_audit_check_router_cmd(tmp_path):
+    # The module docstring's recipe, as a user's script: moe-audit starts it (a fresh Python
+    # that imports megatron-core) and audits it over stdin/stdout.
+    recipe = re.search(r"::\n\n(.*?)\n\nserves", megatron.__doc__, re.S).group(1)
+    lines = [line for line in recipe.splitlines() if line.strip()]
+    assert len(lines) <= 5, recipe
+    script = tmp_path / "router.py"
+    script.write_text("\n".join(line[4:] for line in recipe.splitlines()) + "\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(
+        moe_audit.__file__)), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([moe_audit.binary(), "check", "--router-cmd", f"{sys.executable} {script}", "--format", "json",
+                           *SIZES], capture_output=True, text=True, env=env, timeout=600)
+    assert leaking(verdicts(proc)) == "PFNRL", proc.stdout
