@@ -97,6 +97,22 @@ def test_kept_routes_are_deepspeeds_and_dropped_ones_keep_their_expert_and_gate(
         assert not np.allclose(full_gates[lost].sum(axis=1, where=routes.kept[lost]), 1.0)
 
 
+@pytest.mark.parametrize("k, options", [(1, dict(use_rts=True)), (1, dict(noisy_gate_policy="RSample")),
+                                        (1, dict(noisy_gate_policy="Jitter")), (2, dict(top2_2nd_expert_sampling=True))],
+                         ids=["rts", "rsample", "jitter", "sampling"])
+def test_a_random_gates_routes_are_deepspeeds_own_from_the_same_draws(k, options):
+    g = gate(k, capacity_factor=1.0, min_capacity=0, **options)
+    x = rows(2, 16)
+    torch.manual_seed(7)
+    routes, _ = mds.wrap(g, seed=7).route(x, "train")
+    torch.manual_seed(7)
+    experts, gates, _ = deepspeed_call(g, x)
+    assert (experts < 0).any(), "the capacity must bind in this test"
+    assert np.array_equal(routes.kept, experts >= 0)
+    assert np.array_equal(routes.experts[routes.kept], experts[experts >= 0])
+    assert np.allclose(routes.weights[routes.kept], gates[experts >= 0])
+
+
 def test_dropless_gates_report_no_capacity():
     # drop_tokens=False: the capacity is the largest expert count (ds:248-259, 368-377), a buffer
     # size under which nothing drops.
@@ -165,8 +181,11 @@ def test_seed_calls_draw_the_same_noise_for_the_same_call():
 
 # -- audits ---------------------------------------------------------------------------------------
 
-# (configuration, gate options, wrap options, audit flags, verdicts predicted from the source).
+# name: (gate options, wrap options, audit flags, the verdicts predicted from the source).
 CAPACITY = "PFNRL"  # one capacity over the call: the prefix, the future, the neighbours, the layout
+RANDOM = expect("D", "PFNRSML")  # D says so; every other difference may be noise
+RSAMPLE = dict(drop_tokens=False, use_rts=False, noisy_gate_policy="RSample")
+JITTER = dict(drop_tokens=False, use_rts=False, noisy_gate_policy="Jitter")
 AUDITS = {
     # Dropless and deterministic: nothing to leak. RTS draws (ds:267-274) but nothing can drop.
     "top1-dropless": (dict(drop_tokens=False, use_rts=False), {}, (), expect()),
@@ -188,26 +207,21 @@ AUDITS = {
     "top2-eval-capacity": (dict(k=2, min_capacity=0, eval_capacity_factor=2.0, top2_2nd_expert_sampling=False),
                            {}, (), expect(CAPACITY + "M")),
     # Random: RTS (ds:267-274, both modes), second-expert sampling (ds:338-341, both modes).
-    "top1-capacity-rts": (dict(min_capacity=0), {}, (), expect("D", "PFNRSML")),
+    "top1-capacity-rts": (dict(min_capacity=0), {}, (), RANDOM),
     "top1-capacity-rts-seeded": (dict(min_capacity=0), dict(seed_calls=True), (), expect(CAPACITY)),
-    "top2-capacity-sampling": (dict(k=2, min_capacity=0), {}, (), expect("D", "PFNRSML")),
+    "top2-capacity-sampling": (dict(k=2, min_capacity=0), {}, (), RANDOM),
     "top2-capacity-sampling-seeded": (dict(k=2, min_capacity=0), dict(seed_calls=True), (), expect(CAPACITY)),
-    "top1-capacity-rts-inference": (dict(min_capacity=0), {}, ("--mode", "inference"), expect("D", "PFNRSML")),
-    "top2-capacity-sampling-inference": (dict(k=2, min_capacity=0), {}, ("--mode", "inference"),
-                                         expect("D", "PFNRSML")),
-    "top2-dropless-sampling": (dict(k=2, drop_tokens=False), {}, (), expect("D", "PFNRSML")),
+    "top1-capacity-rts-inference": (dict(min_capacity=0), {}, ("--mode", "inference"), RANDOM),
+    "top2-capacity-sampling-inference": (dict(k=2, min_capacity=0), {}, ("--mode", "inference"), RANDOM),
+    "top2-dropless-sampling": (dict(k=2, drop_tokens=False), {}, (), RANDOM),
     "top2-dropless-sampling-seeded": (dict(k=2, drop_tokens=False), dict(seed_calls=True), (), expect()),
     # Noise only in training (ds:227-228, 570-577): seeded, only the train/inference rule differs.
-    "top1-rsample": (dict(drop_tokens=False, use_rts=False, noisy_gate_policy="RSample"), {}, (),
-                     expect("D", "PFNRSML")),
-    "top1-rsample-seeded": (dict(drop_tokens=False, use_rts=False, noisy_gate_policy="RSample"),
-                            dict(seed_calls=True), (), expect("M")),
+    "top1-rsample": (RSAMPLE, {}, (), RANDOM),
+    "top1-rsample-seeded": (RSAMPLE, dict(seed_calls=True), (), expect("M")),
     # Jitter multiplies the input by U(0.99, 1.01) in training (ds:55-76, 570-571): it rarely flips
     # a choice, but every gate (a combine weight) moves.
-    "top1-jitter": (dict(drop_tokens=False, use_rts=False, noisy_gate_policy="Jitter"), {}, (),
-                    expect("D", "PFNRSML")),
-    "top1-jitter-seeded": (dict(drop_tokens=False, use_rts=False, noisy_gate_policy="Jitter"),
-                           dict(seed_calls=True), (), expect("M")),
+    "top1-jitter": (JITTER, {}, (), RANDOM),
+    "top1-jitter-seeded": (JITTER, dict(seed_calls=True), (), expect("M")),
 }
 
 
@@ -221,10 +235,8 @@ def test_an_moe_layer_is_audited_through_its_gate():
     # deepspeed.moe.layer.MoE's defaults (layer.py:38-53): top-1 by default; k=2 samples its second
     # expert in both modes, so the layer's gate is random (ds:338-341).
     torch.manual_seed(0)
-    assert audit(MoE(H, torch.nn.Linear(H, H), num_experts=E, k=2)) == expect("D", "PFNRSML")
+    assert audit(MoE(H, torch.nn.Linear(H, H), num_experts=E, k=2)) == RANDOM
 
-
-RSAMPLE = dict(drop_tokens=False, use_rts=False, noisy_gate_policy="RSample")
 
 
 @pytest.fixture(scope="module")
@@ -265,5 +277,5 @@ def test_the_recipe_serves_deepspeeds_default_top2_gate_in_four_lines(tmp_path):
     proc = subprocess.run([moe_audit.binary(), "check", "--router-cmd", f"{sys.executable} {script}",
                            "--format", "json", *SIZES], capture_output=True, text=True, env=env, timeout=600)
     # Sampled second experts in both modes (ds:338-341): random, so D leaks and nothing else is shown.
-    assert verdicts(proc) == expect("D", "PFNRSML"), proc.stderr
+    assert verdicts(proc) == RANDOM, proc.stderr
     assert proc.returncode == 1
