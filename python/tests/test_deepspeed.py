@@ -97,9 +97,12 @@ def test_kept_routes_are_deepspeeds_and_dropped_ones_keep_their_expert_and_gate(
         assert not np.allclose(full_gates[lost].sum(axis=1, where=routes.kept[lost]), 1.0)
 
 
-@pytest.mark.parametrize("k, options", [(1, dict(use_rts=True)), (1, dict(noisy_gate_policy="RSample")),
-                                        (1, dict(noisy_gate_policy="Jitter")), (2, dict(top2_2nd_expert_sampling=True))],
-                         ids=["rts", "rsample", "jitter", "sampling"])
+@pytest.mark.parametrize("k, options", [
+    (1, dict(use_rts=True)),
+    (1, dict(noisy_gate_policy="RSample")),
+    (1, dict(noisy_gate_policy="Jitter")),
+    (2, dict(top2_2nd_expert_sampling=True)),
+], ids=["rts", "rsample", "jitter", "sampling"])
 def test_a_random_gates_routes_are_deepspeeds_own_from_the_same_draws(k, options):
     g = gate(k, capacity_factor=1.0, min_capacity=0, **options)
     x = rows(2, 16)
