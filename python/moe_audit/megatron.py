@@ -12,7 +12,8 @@ serves the router to ``moe-audit check --router-cmd "python3 this_file.py"``;
 ``moe_audit.check(moe_audit.megatron.wrap(config), "--format", "json")`` audits it from this
 process. ``wrap`` takes a ``TransformerConfig`` (a ``TopKRouter`` is built from it with no process
 group, its gate initialised by the config's own ``init_method`` from torch seeded with ``seed``), a
-``TopKRouter``, or a module holding one (an ``MoELayer``, a ``GPTModel``: its first router).
+``TopKRouter``, or a module holding one (an ``MoELayer``, a ``GPTModel``: the router at ``path``,
+e.g. ``"decoder.layers.1.mlp.router"``, default the first).
 
 Per call the router is called as ``MoELayer.route`` calls it (``router(hidden_states,
 padding_mask)``), under ``torch.no_grad()``:
@@ -119,13 +120,20 @@ def _device(device):
     return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
-def find_router(module):
-    """(path, router) of the first ``TopKRouter`` in module (module itself included)."""
-    for path, m in module.named_modules():
-        if isinstance(m, TopKRouter):
-            return path, m
-    raise TypeError(f"moe_audit.megatron: no TopKRouter in {type(module).__name__}; give a TransformerConfig, "
-                    "a TopKRouter, or a module holding one (an MoELayer, a GPTModel)")
+def find_router(module, path=None):
+    """(path, router) of the ``TopKRouter`` at path in module, or of the first one (module itself
+    included)."""
+    routers = [(p, m) for p, m in module.named_modules() if isinstance(m, TopKRouter)]
+    if not routers:
+        raise TypeError(f"moe_audit.megatron: no TopKRouter in {type(module).__name__}; give a TransformerConfig, "
+                        "a TopKRouter, or a module holding one (an MoELayer, a GPTModel)")
+    if path is None:
+        return routers[0]
+    for found in routers:
+        if found[0] == path:
+            return found
+    raise ValueError(f"moe_audit.megatron: no TopKRouter at {path!r} in {type(module).__name__}; its routers: "
+                     f"{', '.join(repr(p) for p, _ in routers)}")
 
 
 def _name(config, k):
@@ -179,13 +187,13 @@ class Router:
 
     input = "hidden"
 
-    def __init__(self, router_or_config, *, seed=0, name=None, device=None, seed_calls=False,
+    def __init__(self, router_or_config, *, path=None, seed=0, name=None, device=None, seed_calls=False,
                  protocol=v2.PROTOCOL):
         self.device = _device(device)
         if isinstance(router_or_config, TransformerConfig):
             self.path, self.router = "", build(router_or_config, seed, self.device)
         elif isinstance(router_or_config, torch.nn.Module):
-            self.path, self.router = find_router(router_or_config)
+            self.path, self.router = find_router(router_or_config, path)
             self.router.to(self.device)
         else:
             raise TypeError(f"moe_audit.megatron: got a {type(router_or_config).__name__}; give a TransformerConfig, "
@@ -235,7 +243,8 @@ class Router:
 
 def wrap(router_or_config, **options):
     """A :class:`Router` of a ``TransformerConfig``, a ``TopKRouter`` or a module holding one;
-    options: ``seed``, ``name``, ``device``, ``seed_calls``, ``protocol``."""
+    options: ``path`` (which router of a model: its module path, default the first), ``seed``,
+    ``name``, ``device``, ``seed_calls``, ``protocol``."""
     return Router(router_or_config, **options)
 
 

@@ -228,3 +228,35 @@ def test_the_five_line_recipe_serves_the_router_to_moe_audit_check_router_cmd(tm
     proc = subprocess.run([moe_audit.binary(), "check", "--router-cmd", f"{sys.executable} {script}", "--format", "json",
                            *SIZES], capture_output=True, text=True, env=env, timeout=600)
     assert leaking(verdicts(proc)) == "PFNRL", proc.stdout
+
+
+def test_a_router_taken_from_a_gpt_model_built_on_the_cpu():
+    # A whole GPTModel needs Megatron's parallel state: one process, a gloo group, torn down after.
+    import socket
+
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    if torch.distributed.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        parallel_state.initialize_model_parallel()
+        torch.manual_seed(0)
+        # The allgather dispatcher: alltoall makes a CUDA stream in its constructor.
+        model = GPTModel(config(num_layers=2, use_cpu_initialization=True, moe_token_dispatcher_type="allgather",
+                                **CAPACITY), get_gpt_layer_local_spec(num_experts=E), vocab_size=64,
+                         max_sequence_length=64)
+        first = megatron.wrap(model)
+        second = megatron.wrap(model, path="decoder.layers.1.mlp.router")
+        assert first.path == "decoder.layers.0.mlp.router" and second.router is model.decoder.layers[1].mlp.router
+        with pytest.raises(ValueError, match="no TopKRouter at 'decoder.layers.2.mlp.router'.*'decoder.layers.1"):
+            megatron.wrap(model, path="decoder.layers.2.mlp.router")
+        assert leaking(audit(second)) == "PFNRL"
+    finally:
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
