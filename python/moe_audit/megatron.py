@@ -22,8 +22,8 @@ padding_mask)``), under ``torch.no_grad()``:
   (the router flattens tokens position-major, row ``s * batch + b``: who is "earlier" for a
   capacity), and the routes come back in moe-audit's order, ``b * seq_len + s``;
 - the padding mask goes in as Megatron's ``padding_mask`` ``[seq_len, batch]``, True = padding
-  (Megatron-Core 0.16.1 masks only the aux losses and the expert-bias counts with it: padding
-  tokens are routed and take capacity);
+  (Megatron masks only the aux losses and the expert-bias counts with it: padding tokens are
+  routed and take capacity; quantile balancing, new in 0.19, refuses a mask and gets none);
 - ``.train()``/``.eval()`` from the mode (Sinkhorn balances only in training);
 - the routes are recovered from what Megatron returns, sparse probs and a bool map ``[tokens,
   experts]`` with no choice order: the top-k before dropping (caught as it enters
@@ -38,7 +38,8 @@ forward), counts tokens for the expert bias (moved between steps, not in the cal
 process groups, which are None here. No CUDA is needed: Megatron puts the gate and expert-bias
 buffers on ``torch.cuda.current_device()``, which answers ``device`` while Megatron runs (default:
 CUDA when available, else the CPU). ``seed_calls=True`` keys the input jitter's draws per token
-(:mod:`moe_audit.hf.seeded`). Needs torch and megatron-core (0.16 and 0.19 lines).
+(:mod:`moe_audit.hf.seeded`). Needs torch and megatron-core (0.16 and 0.19 lines); file:line
+references below are megatron-core 0.16.1's ``megatron/core/transformer/moe/``.
 """
 
 import contextlib
