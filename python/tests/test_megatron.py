@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch)")
-pytest.importorskip("megatron.core", reason="megatron-core is not installed or does not import (pip install megatron-core)")
+pytest.importorskip("megatron.core",
+                    reason="megatron-core is not installed or does not import (pip install megatron-core)")
 
 import moe_audit  # noqa: E402
 import moe_audit.megatron as megatron  # noqa: E402
@@ -204,7 +205,8 @@ def test_wrap_takes_a_config_a_router_or_a_module_holding_one_on_the_cpu():
     assert torch.cuda.current_device is current_device
 
 
-@pytest.mark.skipif(not hasattr(TopKRouter, "quantile_balancing"), reason="quantile balancing is new in megatron-core 0.19")
+@pytest.mark.skipif(not hasattr(TopKRouter, "quantile_balancing"),
+                    reason="quantile balancing is new in megatron-core 0.19")
 def test_quantile_balancing_routes_per_token_and_takes_no_padding_mask():
     # 0.19.2 router.py:310-384, moe_utils.py:203-240: top-k of logits - qb_beta per token; qb_beta
     # moves between global batches, never within a call.
@@ -223,10 +225,10 @@ def test_the_five_line_recipe_serves_the_router_to_moe_audit_check_router_cmd(tm
     assert len(lines) <= 5, recipe
     script = tmp_path / "router.py"
     script.write_text("\n".join(line[4:] for line in recipe.splitlines()) + "\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(
-        moe_audit.__file__)), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([moe_audit.binary(), "check", "--router-cmd", f"{sys.executable} {script}", "--format", "json",
-                           *SIZES], capture_output=True, text=True, env=env, timeout=600)
+    package = os.path.dirname(os.path.dirname(moe_audit.__file__))  # the moe_audit this test imports
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([package, os.environ.get("PYTHONPATH", "")]))
+    command = [moe_audit.binary(), "check", "--router-cmd", f"{sys.executable} {script}", "--format", "json", *SIZES]
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert leaking(verdicts(proc)) == "PFNRL", proc.stdout
 
 
