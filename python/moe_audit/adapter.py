@@ -463,16 +463,29 @@ def answer_plan(route: RouteFn, directory: Union[str, "os.PathLike[str]"], proto
             os.remove(partial)
 
 
+def _plan_directory(argv: Optional[Sequence[str]]) -> Optional[str]:
+    """The DIR of ``--answer-plan DIR``. ``argv`` given: it holds this adapter's arguments only,
+    parsed strictly (``--help`` too). None: the script's command line, which may hold the script's
+    own options; only ``--answer-plan DIR`` (or ``--answer-plan=DIR``) is read from it, everything
+    else is left to the script (moe-audit starts a router command with no arguments of its own)."""
+    parser = argparse.ArgumentParser(
+        description="Serves the router to moe-audit on stdin/stdout (docs/PROTOCOL.md).",
+        add_help=argv is not None, allow_abbrev=False)
+    parser.add_argument("--answer-plan", metavar="DIR",
+                        help="answer the trace plan in DIR (moe-audit plan) into DIR/decisions.jsonl instead")
+    if argv is not None:
+        return parser.parse_args(argv).answer_plan
+    args, _ = parser.parse_known_args(sys.argv[1:])
+    return args.answer_plan
+
+
 def run(route: RouteFn, name: str, experts: int, top_k: Optional[int], input: str = "logits",
         hidden_size: Optional[int] = None, argv: Optional[Sequence[str]] = None,
         protocol: Protocol = v2.PROTOCOL, padding_mask: bool = False) -> None:
-    """Serves the router, or with ``--answer-plan DIR`` answers a trace plan."""
-    parser = argparse.ArgumentParser(
-        description=f"Serves the router {name} to moe-audit on stdin/stdout (docs/PROTOCOL.md).")
-    parser.add_argument("--answer-plan", metavar="DIR",
-                        help="answer the trace plan in DIR (moe-audit plan) into DIR/decisions.jsonl instead")
-    args = parser.parse_args(argv)
-    if args.answer_plan is not None:
-        answer_plan(route, args.answer_plan, protocol)
+    """Serves the router, or with ``--answer-plan DIR`` answers a trace plan. Other arguments on
+    the script's command line are the script's own: left alone (see :func:`_plan_directory`)."""
+    directory = _plan_directory(argv)
+    if directory is not None:
+        answer_plan(route, directory, protocol)
     else:
         serve(route, name, experts, top_k, input, hidden_size, protocol=protocol, padding_mask=padding_mask)

@@ -257,8 +257,8 @@ class WholeModel:
             sys.stdout = user_out
 
     def run(self, argv=None):
-        """Serves the model on stdin/stdout (``moe-audit check --router-cmd``)."""
-        argv = sys.argv[1:] if argv is None else argv
+        """Serves the model on stdin/stdout (``moe-audit check --model-cmd``). ``argv``: this
+        wrapper's arguments (it takes none); None leaves the script's command line to the script."""
         if argv:
             sys.exit(f"usage: {sys.argv[0]} (serves {wire3.PROTOCOL} on stdin/stdout)")
         self.serve()
