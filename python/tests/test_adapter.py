@@ -285,6 +285,20 @@ def test_run_leaves_the_scripts_own_arguments_alone(tmp_path):
             sys.argv = old
 
 
+def test_only_an_adapter_offering_seed_calls_declares_it():
+    # moe-audit's advice for a random router names seed_calls=True only where the adapter in
+    # use offers it (issue 37): the handshake says so, a route function's does not.
+    route, spec = moe_audit.adapter.describe(two_routes, {"experts": 8})
+    assert spec["seed_calls"] is None
+    assert "seed_calls" not in moe_audit.adapter.handshake("r", 8, 2, "logits", None, seed_calls=None)
+    offered = SimpleNamespace(route=two_routes, experts=8, seed_calls=False)
+    route, spec = moe_audit.adapter.describe(offered, {})
+    assert spec["seed_calls"] is False
+    hs = moe_audit.adapter.handshake(**spec)
+    assert hs["seed_calls"] is False and hs["protocol"] == "moe-audit/2"
+    assert "seed_calls" not in moe_audit.adapter.handshake(**dict(spec, protocol=1)), "/1 has no seed"
+
+
 def test_a_failing_router_leaves_no_answers(tmp_path):
     manifest = {"router": {"experts": 4}, "calls": [{"id": 1, "mode": "train", "tensor": "t0"}]}
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))

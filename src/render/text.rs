@@ -11,10 +11,20 @@ pub(crate) fn verdict_word(v: Verdict) -> &'static str {
         Verdict::Pass => "pass",
         Verdict::Leak => "LEAK",
         Verdict::NotApplicable => "n/a",
-        // Five letters: the zoo's columns.
-        Verdict::Inconclusive => "noise",
+        // JSON's word: one word for one verdict everywhere (columns widen to fit it).
+        Verdict::Inconclusive => "inconclusive",
         Verdict::Drift => "drift",
     }
+}
+
+/// Width of a column of `verdicts`' words: at least `header`'s.
+pub(crate) fn verdict_width(header: &str, verdicts: impl IntoIterator<Item = Verdict>) -> usize {
+    verdicts.into_iter().map(|v| verdict_word(v).len()).fold(header.len(), usize::max)
+}
+
+/// Width of the router column: the longest name, at least 22 (where the table began).
+fn router_width(report: &Report) -> usize {
+    report.routers.iter().map(|r| r.router.chars().count()).fold(22, usize::max)
 }
 
 fn percent(rate: f64) -> String {
@@ -84,13 +94,20 @@ pub fn render_text(report: &Report, witness_paths: &dyn Fn(&str, Probe) -> Optio
     let o = &report.options;
     let _ =
         writeln!(out, "moe-audit check: batch {} x seq {}, {} trials, seed {}", o.batch, o.seq_len, o.trials, o.seed);
-    let _ = writeln!(out, "{:<22} {:<12} {:<7} {:<10} {:>7}  why", "router", "probe", "verdict", "property", "rate");
+    // Columns fit the longest router name and verdict word, so every row lines up.
+    let width = router_width(report);
+    let verdict = verdict_width("verdict", report.routers.iter().flat_map(|r| r.findings.iter().map(|f| f.verdict)));
+    let _ = writeln!(
+        out,
+        "{:<width$} {:<12} {:<verdict$} {:<10} {:>7}  why",
+        "router", "probe", "verdict", "property", "rate"
+    );
     for r in &report.routers {
         // The fix depends on the design more than on the probe: say it once per router.
         let mut fixes: Vec<String> = Vec::new();
         for f in &r.findings {
             let mut line = format!(
-                "{:<22} {:<12} {:<7} {:<10} {:>7}  {}",
+                "{:<width$} {:<12} {:<verdict$} {:<10} {:>7}  {}",
                 r.router,
                 format!("{} {}", f.probe, f.probe.name()),
                 verdict_word(f.verdict),
@@ -103,11 +120,11 @@ pub fn render_text(report: &Report, witness_paths: &dyn Fn(&str, Probe) -> Optio
             }
             let _ = writeln!(out, "{}", line.trim_end());
             for (label, text) in details(f) {
-                let _ = writeln!(out, "{:<22}   {label}: {}", "", once_per_router(&mut fixes, label, text));
+                let _ = writeln!(out, "{:<width$}   {label}: {}", "", once_per_router(&mut fixes, label, text));
             }
         }
         for v in &r.invariants {
-            let _ = writeln!(out, "{:<22} invariant    FAIL    {v}", r.router);
+            let _ = writeln!(out, "{:<width$} {:<12} {:<verdict$} {v}", r.router, "invariant", "FAIL");
         }
     }
     // A router whose probes all passed but whose invariant failed is said as such, apart.
@@ -212,16 +229,18 @@ pub fn render_markdown(report: &Report) -> String {
 pub fn render_zoo(report: &Report) -> String {
     let (routers, probes) = (&report.routers, &report.options.probes);
     let mut out = String::new();
-    let _ = write!(out, "{:<22}", "router");
+    let width = router_width(report);
+    let cell = verdict_width("LEAK ", routers.iter().flat_map(|r| r.findings.iter().map(|f| f.verdict)));
+    let _ = write!(out, "{:<width$}", "router");
     for p in probes {
-        let _ = write!(out, " {:<5}", p.to_string());
+        let _ = write!(out, " {:<cell$}", p.to_string());
     }
     let _ = writeln!(out, " {:>8} {:>6}", "max/mean", "drop");
     for r in routers {
-        let _ = write!(out, "{:<22}", r.router);
+        let _ = write!(out, "{:<width$}", r.router);
         for p in probes {
             let v = r.finding(*p).map_or("-", |f| verdict_word(f.verdict));
-            let _ = write!(out, " {v:<5}");
+            let _ = write!(out, " {v:<cell$}");
         }
         let _ = writeln!(out, " {:>8.3} {:>6}", r.load.max_over_mean_load, percent(r.load.drop_rate));
     }
@@ -232,7 +251,7 @@ pub fn render_zoo(report: &Report) -> String {
         routers.len()
     );
     if let Some(line) = inconclusive_line(report) {
-        let _ = writeln!(out, "{line}; noise = inconclusive, within the router's randomness.");
+        let _ = writeln!(out, "{line}; inconclusive = within the router's randomness.");
     }
     out
 }

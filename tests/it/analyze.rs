@@ -231,6 +231,81 @@ fn scenario_12_random_selection_in_eval() {
     assert!(r.finding(D).unwrap().witness.is_none(), "no config to replay from");
 }
 
+/// A router random only in training (HF Mixtral's `router_jitter_noise`, DeepSpeed's
+/// `noisy_gate_policy="RSample"`), audited in its serving mode as `check --mode inference`
+/// audits a router over the protocol: its [`Router::inference`] is its training mode, where
+/// every call drops a different token (as [`RandomSelection`]).
+struct RandomInTraining {
+    inner: ConfigRouter,
+    calls: std::sync::Arc<AtomicUsize>,
+    serving: bool,
+}
+
+impl Router for RandomInTraining {
+    fn name(&self) -> &str {
+        "random-in-training"
+    }
+    fn experts(&self) -> usize {
+        self.inner.experts()
+    }
+    fn hidden_size(&self) -> Option<usize> {
+        self.inner.hidden_size()
+    }
+    fn scores(&self, hidden: &Tensor) -> moe_audit::Result<Tensor> {
+        self.inner.scores(hidden)
+    }
+    fn assign(&self, logits: ArrayView3<f32>) -> moe_audit::Result<Routing> {
+        let mut r = self.inner.assign(logits)?;
+        if !self.serving {
+            let call = self.calls.fetch_add(1, Ordering::SeqCst);
+            let n = r.tokens.len();
+            r.tokens[(call * 7919) % n].routes.iter_mut().for_each(|x| x.kept = !x.kept);
+        }
+        Ok(r)
+    }
+    fn inference(&self) -> moe_audit::Result<Option<Box<dyn Router>>> {
+        let calls = std::sync::Arc::clone(&self.calls);
+        Ok(Some(Box::new(RandomInTraining { inner: self.inner.clone(), calls, serving: !self.serving })))
+    }
+    fn hints(&self) -> Option<&dyn moe_audit::router::Hints> {
+        Some(self)
+    }
+}
+
+impl moe_audit::router::Hints for RandomInTraining {
+    fn serving(&self) -> bool {
+        self.serving
+    }
+}
+
+#[test]
+fn a_router_random_only_in_training_audited_in_inference_mode_leaks_nowhere() {
+    // Issue 37: S compared two training-mode calls around an inference call, D had run in
+    // inference mode only, and S reported a leak of state ("routes differently in training
+    // mode, after an inference call"). Every probe now weighs a mode's calls against D in that
+    // mode: D passes (inference is deterministic), S and M, which call training mode, are
+    // inconclusive, and nothing leaks.
+    let layer = layer_of(config("mixtral"));
+    let calls = std::sync::Arc::new(AtomicUsize::new(0));
+    let router = RandomInTraining { inner: layer.router().clone(), calls, serving: true };
+    let r = audit(&Subject { router: &router, layer: None }, &options(&[P, F, D, S, M]), &Silent).unwrap();
+    assert_eq!(verdicts(&r), [Pass, Pass, Pass, Verdict::Inconclusive, Verdict::Inconclusive], "{:#?}", r.findings);
+    assert!(!r.leaks());
+    let d = &r.finding(D).unwrap().note;
+    assert!(d.starts_with("the same call twice; in training mode, 2 of 128 tokens"), "{d}");
+    let s = &r.finding(S).unwrap().note;
+    assert!(
+        s.starts_with("inconclusive: random in training mode (")
+            && s.ends_with("the same call routes differently in training mode, after an inference call"),
+        "{s}"
+    );
+    // Audited in training mode, the same router is random where D looks: D leaks.
+    let calls = std::sync::Arc::new(AtomicUsize::new(0));
+    let router = RandomInTraining { inner: layer.router().clone(), calls, serving: false };
+    let r = audit(&Subject { router: &router, layer: None }, &options(&[D, S, M]), &Silent).unwrap();
+    assert_eq!(verdicts(&r), [Leak, Verdict::Inconclusive, Verdict::Inconclusive], "{:#?}", r.findings);
+}
+
 /// A router whose forward overwrites its own capacity (an eval capacity that persists).
 struct MutatingCapacity {
     inner: Mutex<ConfigRouter>,

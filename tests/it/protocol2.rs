@@ -86,9 +86,9 @@ fn the_padding_mask_seed_and_mode_reach_the_router() {
         assert_eq!(code, 0, "{text}");
         let lines: Vec<String> = std::fs::read_to_string(&log).unwrap().lines().map(String::from).collect();
         let other = if mode == "train" { "inference" } else { "train" };
-        // Every request is in --mode but three in the other mode (M's call, and the two calls of
-        // the other mode that S interleaves); every one carries the seed.
-        assert_eq!(lines.iter().filter(|l| l.starts_with(other)).count(), 3, "{lines:?}");
+        // Every request is in --mode but four in the other mode (M's call, the two calls of the
+        // other mode that S interleaves, and D's repeat there); every one carries the seed.
+        assert_eq!(lines.iter().filter(|l| l.starts_with(other)).count(), 4, "{lines:?}");
         assert!(lines.iter().all(|l| l.split(' ').nth(1) == Some("7")), "{lines:?}");
         // R's padded cases send a mask with padding in it.
         assert!(lines.iter().any(|l| l.split(' ').nth(2).is_some_and(|n| n != "0")), "{lines:?}");
