@@ -72,10 +72,10 @@ impl Tally {
 
     /// The verdict of what was seen.
     pub(crate) fn verdict(&self) -> Verdict {
-        // A leak is a changed decision. A capacity in force that changed while no decision did
-        // is reported (`capacity_changed`, and in the report's why) but is no leak: a "leak"
-        // of 0 tokens would say nothing true (docs/PROTOCOL.md, "Capacity").
-        if self.affected > 0 {
+        // A leak is a changed routing record ([`TokenDiff::any`]): a changed decision, or the
+        // capacity in force alone (the rate counts decisions; the report says when only the
+        // capacity changed).
+        if self.differs() {
             Verdict::Leak
         } else {
             Verdict::Pass

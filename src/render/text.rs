@@ -47,6 +47,9 @@ pub(crate) fn why(f: &Finding) -> String {
     if let Some(w) = &f.witness {
         parts.push(format!("{} changed", w.differs));
     }
+    if f.affected == 0 && f.capacity_changed {
+        parts.push("the capacity in force changed, no decision did".into());
+    }
     if let Some(p) = f.first_position {
         parts.push(format!("first at position {p}"));
     }
@@ -264,20 +267,21 @@ pub fn render_replay(replay: &Replay) -> String {
     let (found, gone) = if w.probe == Probe::X { ("DRIFT", "no drift") } else { ("LEAK", "no leak") };
     let name = w.name().unwrap_or_default();
     if replay.reproduces() {
+        // The capacity in force is part of the record: said beside the routes when it changed.
+        let capacity = |c: Option<usize>| match (replay.diff.capacity, c) {
+            (false, _) => String::new(),
+            (true, Some(c)) => format!(", capacity {c}"),
+            (true, None) => ", no capacity".into(),
+        };
         format!(
-            "{found} reproduced: router {name}, probe {} ({}), property {}: token {token} routes differently ({})\n  before: {}\n  after:  {}\n",
+            "{found} reproduced: router {name}, probe {} ({}), property {}: token {token} routes differently ({})\n  before: {}{}\n  after:  {}{}\n",
             w.probe,
             w.probe.name(),
             w.property,
             replay.diff.describe(),
             crate::analyze::explain::routes(&replay.before),
-            crate::analyze::explain::routes(&replay.after),
-        )
-    } else if replay.diff.capacity {
-        let capacity = |c: Option<usize>| c.map_or("none".to_string(), |c| c.to_string());
-        format!(
-            "{gone}: router {name} routes token {token} alike in both calls; the capacity in force changed ({} -> {}), no decision did\n",
             capacity(replay.capacity.0),
+            crate::analyze::explain::routes(&replay.after),
             capacity(replay.capacity.1),
         )
     } else {
@@ -308,6 +312,37 @@ mod tests {
             text.ends_with("1 of 1 router(s) break an invariant while every probe passed: switch-v1 (a capacity per sequence must be stated with its scope: moe-audit/2)\n"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn columns_fit_long_router_names_and_the_inconclusive_word() {
+        let finding = |probe, verdict| Finding { verdict, note: "why".into(), ..Finding::empty(probe) };
+        let router = |name: &str| RouterReport {
+            router: name.into(),
+            load: LoadStats::default(),
+            invariants: Vec::new(),
+            findings: vec![finding(Probe::P, Verdict::Pass), finding(Probe::D, Verdict::Inconclusive)],
+        };
+        let report = Report {
+            options: AuditOptions { probes: vec![Probe::P, Probe::D], ..AuditOptions::default() },
+            routers: vec![router("hf-Glm4MoeLiteForCausalLM-layer-1"), router("short")],
+        };
+        let text = render_text(&report, &|_, _| None);
+        let rows: Vec<&str> = text.lines().skip(1).take(5).collect();
+        // Every column starts where the header's does, whatever the name's length.
+        for column in ["probe", "verdict", "property"] {
+            let at = rows[0].find(column).unwrap();
+            for row in &rows[1..] {
+                assert_eq!(&row[at - 1..at], " ", "{column} in {row:?}\n{text}");
+                assert_ne!(&row[at..at + 1], " ", "{column} in {row:?}\n{text}");
+            }
+        }
+        assert!(text.contains(" inconclusive ") && !text.contains("noise"), "{text}");
+        let zoo = render_zoo(&report);
+        let header = zoo.lines().next().unwrap();
+        let row = zoo.lines().nth(1).unwrap();
+        assert_eq!(header.find(" P ").unwrap(), row.find(" pass ").unwrap(), "{zoo}");
+        assert_eq!(header.find(" D ").unwrap(), row.find(" inconclusive ").unwrap(), "{zoo}");
     }
 
     #[test]

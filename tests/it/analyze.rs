@@ -568,25 +568,27 @@ fn capacity_only(factor: f64) -> RouterConfig {
 }
 
 #[test]
-fn a_capacity_only_witness_replays_as_no_leak_as_the_audit_passes() {
-    // The audit passes P (capacity changed, no decision did); its witness must replay alike:
-    // no leak, exit 0, with the capacities, never "LEAK reproduced" on identical routes.
+fn a_capacity_only_change_leaks_and_its_witness_replays_as_a_leak() {
+    // Routing is the full record, the capacity in force included (docs/PROPERTIES.md): a
+    // capacity computed from the call's length leaks under P before it changes a decision. The
+    // rate counts decisions (0%), the report says only the capacity changed, and the witness
+    // replays as a leak (exit 1) with both capacities.
     let r = audit_config(capacity_only(64.0), &[P]);
     let f = &r.findings[0];
-    assert_eq!((f.verdict, f.capacity_changed), (Pass, true), "{}", f.note);
+    assert_eq!((f.verdict, f.capacity_changed, f.affected), (Leak, true, 0), "{}", f.note);
     let w = f.witness.as_ref().expect("a witness of the capacity change");
     assert_eq!(w.before.routes, w.after.routes);
     let path = std::env::temp_dir().join(format!("moe-audit-capacity-only-{}.json", std::process::id()));
     std::fs::write(&path, serde_json::to_string(w).unwrap()).unwrap();
     let replay = Witness::read(&path).unwrap().replay(&path).unwrap();
     std::fs::remove_file(&path).unwrap();
-    assert!(!replay.reproduces() && replay.diff.capacity);
+    assert!(replay.reproduces() && replay.diff.capacity && !replay.diff.decision());
     let text = moe_audit::render::render_replay(&replay);
-    assert!(text.starts_with("no leak: router megatron-probs routes token batch "), "{text}");
-    assert!(
-        text.contains("alike in both calls; the capacity in force changed (") && text.ends_with("no decision did\n"),
-        "{text}"
-    );
+    assert!(text.starts_with("LEAK reproduced: router megatron-probs, probe P"), "{text}");
+    assert!(text.contains("routes differently (capacity)\n  before: [") && text.contains(", capacity "), "{text}");
+    let report = moe_audit::analyze::Report { options: options(&[P]), routers: vec![r.clone()] };
+    let table = moe_audit::render::render_text(&report, &|_, _| None);
+    assert!(table.contains("LEAK") && table.contains("the capacity in force changed, no decision did"), "{table}");
 }
 
 #[test]
@@ -613,9 +615,9 @@ mod witness_props {
     proptest! {
         #![proptest_config(ProptestConfig { cases: 8, failure_persistence: None, ..ProptestConfig::default() })]
 
-        /// Every witness an audit writes replays with the audit's verdict (a leak reproduces,
-        /// a capacity-only change does not), and after a fix that changes capacity only (a
-        /// factor under which nothing drops) with no leak: exit 0.
+        /// Every witness an audit writes replays with the audit's verdict (a leak reproduces, a
+        /// capacity-only change too: the capacity in force is part of the record), and after
+        /// the fix (dropless: no capacity) with no leak: exit 0.
         #[test]
         fn every_witness_replays_with_the_audits_verdict(
             name in prop::sample::select(vec!["megatron-probs", "megatron-position", "deepspeed-top2", "deepspeed-top1"]),
@@ -635,7 +637,7 @@ mod witness_props {
                 let replay = Witness::read(&path).unwrap().replay(&path).unwrap();
                 prop_assert_eq!(replay.reproduces(), f.verdict == Leak, "{} {}: {}", name, f.probe, f.note);
                 let mut fixed = w.clone();
-                fixed.router.as_mut().unwrap().capacity.as_mut().unwrap().factor = Some(1e4);
+                fixed.router.as_mut().unwrap().capacity = None;
                 fixed.seal().unwrap();
                 std::fs::write(&path, serde_json::to_string(&fixed).unwrap()).unwrap();
                 let replay = Witness::read(&path).unwrap().replay(&path).unwrap();

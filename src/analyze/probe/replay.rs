@@ -56,8 +56,8 @@ impl Rule for Replay {
                 explained.push((o.label, why));
                 continue;
             }
-            // "Routes differently" only where a decision changed; a capacity alone is said apart.
-            if t.affected > 0 {
+            // The routing record includes the capacity in force: a capacity alone routes differently.
+            if t.differs() {
                 differs.push(o.label);
             }
             hit = witness_hit(hit, pick_witness_token(&outcome).map(|h| (o, h)), |(_, h)| h);
