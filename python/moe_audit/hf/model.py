@@ -99,13 +99,14 @@ def _repeated_expert(family, model, decoded):
         twice = np.argwhere(ordered[:, 1:] == ordered[:, :-1])
         if len(twice):
             t, i = (int(x) for x in twice[0])
-            why = ""
+            why, fix = "", "audit a router that picks distinct experts"
             if hasattr(site.module, "tid2eid"):
                 why = (" through its hash table tid2eid (a buffer only a checkpoint fills; config.mlp_layer_types "
                        f"makes layer {site.layer} a hash layer)")
+                fix = "load the checkpoint's tid2eid, or fill it with distinct experts per token id"
             return (f"{family}: layer {site.layer} sends token {t} to expert {ordered[t, i]} twice{why}: "
                     "the model routes that way, and moe-audit's routing record holds an expert at most once per "
-                    "token; load the checkpoint's weights, or audit a model whose routers pick distinct experts")
+                    f"token; {fix}")
     return None
 
 
