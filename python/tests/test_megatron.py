@@ -73,7 +73,8 @@ CASES = [
     # tokens decide which earlier ones survive (first come first served would pass F).
     ("capacity 1.0, position", dict(CAPACITY, moe_token_drop_policy="position"), {}, (), "PFNRL"),
     ("capacity 1.0, probs, pad to capacity", dict(CAPACITY, moe_pad_expert_input_to_capacity=True), {}, (), "PFNRL"),
-    ("capacity 8.0 (never binding)", dict(moe_expert_capacity_factor=8.0), {}, (), ""),
+    # Never binding, but computed from the call's tokens: the capacity in force alone changes.
+    ("capacity 8.0 (never binding)", dict(moe_expert_capacity_factor=8.0), {}, (), "PRL"),
     ("sinkhorn", SINKHORN, {}, (), "PFNRML"),
     ("sinkhorn, --mode inference", SINKHORN, {}, ("--mode", "inference"), "M"),
     ("capacity 1.0, probs, --mode inference", CAPACITY, {}, ("--mode", "inference"), "PFNRL"),
