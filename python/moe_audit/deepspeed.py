@@ -160,7 +160,7 @@ class Gate:
         """Serves the gate on stdin/stdout (``moe-audit check --router-cmd``), or with
         ``--answer-plan DIR`` answers a trace plan."""
         adapter.run(self.route, self.name, self.experts, self.top_k, self.input, self.hidden_size,
-                    argv=argv, protocol=self.protocol)
+                    argv=argv, protocol=self.protocol, seed_calls=self.seed_calls)
 
 
 def wrap(gate, **options):

@@ -239,7 +239,8 @@ class Router:
         """Serves the router on stdin/stdout (``moe-audit check --router-cmd``), or with
         ``--answer-plan DIR`` answers a trace plan."""
         adapter.run(self.route, self.name, self.experts, self.top_k, self.input, self.hidden_size,
-                    argv=argv, protocol=self.protocol, padding_mask=self.padding_mask)
+                    argv=argv, protocol=self.protocol, padding_mask=self.padding_mask,
+                    seed_calls=self.seed_calls)
 
 
 def wrap(router_or_config, **options):
