@@ -32,14 +32,20 @@ enum Row {
 
 fn classify(row: &[i32]) -> Row {
     let k = row.len();
-    if row.iter().all(|&e| e < 0) {
+    let (mut negative, mut zero) = (0, 0);
+    for &e in row {
+        negative += usize::from(e < 0);
+        zero += usize::from(e == 0);
+    }
+    if negative == k {
         return Row::Empty;
     }
-    if k > 1 && row.iter().all(|&e| e == 0) {
+    if k > 1 && zero == k {
         return Row::Zero;
     }
     for i in 1..k {
-        if row[i] >= 0 && row[..i].contains(&row[i]) {
+        let x = row[i];
+        if x >= 0 && row[..i].contains(&x) {
             return Row::Repeat;
         }
     }
@@ -157,12 +163,16 @@ pub(crate) fn finish(path: &Path, raw: Raw, layout: Option<&Layout>) -> Result<R
         found.pad_segments += 1;
     }
 
-    // What each layer index holds, on the rows that are not padding.
+    // What each layer index holds, on the rows that are not padding (one pass, token-major).
+    let mut class = vec![Row::Empty; tokens * n_layers];
     let mut held = vec![(0usize, 0usize, 0usize); n_layers]; // (routes, zero rows, other non-routes)
     for t in (0..tokens).filter(|&t| !pad[t]) {
         for (l, h) in held.iter_mut().enumerate() {
-            match classify(&experts[(t * n_layers + l) * k..][..k]) {
-                Row::Route if k == 1 && experts[(t * n_layers + l) * k] == 0 => h.1 += 1,
+            let at = t * n_layers + l;
+            let c = classify(&experts[at * k..(at + 1) * k]);
+            class[at] = c;
+            match c {
+                Row::Route if k == 1 && experts[at] == 0 => h.1 += 1,
                 Row::Route => h.0 += 1,
                 Row::Zero => h.1 += 1,
                 Row::Repeat | Row::Empty => h.2 += 1,
@@ -196,12 +206,21 @@ pub(crate) fn finish(path: &Path, raw: Raw, layout: Option<&Layout>) -> Result<R
                     .map_err(|m| bad(path, format!("the config contradicts the record: {m}")))?;
                 (numbers, true, how)
             }
-            None => ((0..n_layers).collect(), false, format!("its {n_layers} layers are taken as 0 to {}", n_layers - 1)),
+            None => {
+                ((0..n_layers).collect(), false, format!("its {n_layers} layers are taken as 0 to {}", n_layers - 1))
+            }
         },
     };
     found.numbering = numbering;
 
-    // Dense layers (by the config) are never compared, whatever they hold.
+    // Dense layers (by the config) are never compared, whatever they hold; a layer of zeros is
+    // cleared too; in the others, zero or repeated rows and -1 rows are missing, counted apart.
+    #[derive(Clone, Copy, PartialEq)]
+    enum Act {
+        Clear,
+        Keep { count_empty: bool },
+    }
+    let mut acts = Vec::with_capacity(n_layers);
     for (i, &g) in numbers.iter().enumerate() {
         let kind = match layout {
             Some(l) => match l.kinds.get(g) {
@@ -218,32 +237,33 @@ pub(crate) fn finish(path: &Path, raw: Raw, layout: Option<&Layout>) -> Result<R
             },
             None => None,
         };
-        let clear = |experts: &mut Vec<i32>| {
-            for t in 0..tokens {
-                experts[(t * n_layers + i) * k..][..k].fill(-1);
-            }
-        };
-        if kind == Some(LayerKind::Dense) {
-            if held[i].0 + held[i].1 + held[i].2 > 0 && !(held[i].2 > 0 && held[i].0 + held[i].1 == 0) {
+        let (routes, zeros, other) = held[i];
+        acts.push(if kind == Some(LayerKind::Dense) {
+            if routes + zeros > 0 {
                 found.dense_filled.push(g);
             }
-            clear(&mut experts);
-        } else if held[i].0 == 0 && held[i].1 > 0 {
+            Act::Clear
+        } else if routes == 0 && zeros > 0 {
             // Only zeros: dense (zero-filled) without a config, capture never ran with one.
             found.zero_layers.push(g);
-            clear(&mut experts);
+            Act::Clear
         } else {
-            // Zero or repeated rows inside a routed layer, and -1 rows: missing, counted apart.
-            for t in (0..tokens).filter(|&t| !pad[t]) {
-                let row = &mut experts[(t * n_layers + i) * k..][..k];
-                match classify(row) {
-                    Row::Zero | Row::Repeat if k > 1 => {
-                        row.fill(-1);
-                        found.missing += 1;
-                    }
-                    Row::Empty if kind.is_some() || held[i].0 > 0 => found.missing += 1,
-                    _ => {}
+            let _ = other;
+            Act::Keep { count_empty: kind.is_some() || routes > 0 }
+        });
+    }
+    for t in (0..tokens).filter(|&t| !pad[t]) {
+        for (l, act) in acts.iter().enumerate() {
+            let at = t * n_layers + l;
+            let row = &mut experts[at * k..(at + 1) * k];
+            match (act, class[at]) {
+                (Act::Clear, _) => row.fill(-1),
+                (Act::Keep { .. }, Row::Zero | Row::Repeat) if k > 1 => {
+                    row.fill(-1);
+                    found.missing += 1;
                 }
+                (Act::Keep { count_empty: true }, Row::Empty) => found.missing += 1,
+                _ => {}
             }
         }
     }
@@ -358,6 +378,14 @@ fn infer_numbers(
     .filter(|c| c.2 && c.0.len() == n)
     .map(|c| (c.0, c.1))
     .collect();
+    // Numberings that give the same layers are one (a model with no dense and no MTP layer).
+    let mut candidates = candidates;
+    let mut seen: Vec<Vec<usize>> = Vec::new();
+    candidates.retain(|c| {
+        let new = !seen.contains(&c.0);
+        seen.push(c.0.clone());
+        new
+    });
     let dense_with_routes = |numbers: &[usize]| -> Vec<usize> {
         numbers
             .iter()
@@ -386,10 +414,7 @@ fn infer_numbers(
     }
     if let Some((numbers, name)) = candidates.first() {
         // Every count-matching numbering puts routes in a dense layer: say it, take the first.
-        return Ok((
-            numbers.clone(),
-            format!("its {n} layers are taken as {name}, although {}", rejected.join("; ")),
-        ));
+        return Ok((numbers.clone(), format!("its {n} layers are taken as {name}, although {}", rejected.join("; "))));
     }
     let mtp = l.kinds.len() - backbone;
     let with_mtp = if mtp > 0 { format!(" and {mtp} MTP layer(s)") } else { String::new() };
