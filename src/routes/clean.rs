@@ -103,59 +103,89 @@ pub(crate) fn finish(path: &Path, raw: Raw, layout: Option<&Layout>) -> Result<R
             ));
         }
     }
-    unwrap(path, &mut experts, &dtype, num_experts, &mut found)?;
+    unwrap(&mut experts, &dtype, num_experts, &mut found);
 
     let w = n_layers * k;
-    // Ids against the expert count: a few beyond it may be physical (EPLB) slots, tested
-    // against the other record; far beyond is bad input.
-    if let Some(e) = num_experts {
-        let mut beyond = (0usize, -1i32, usize::MAX);
-        for (i, &id) in experts.iter().enumerate() {
-            if id >= e as i32 {
-                beyond.0 += 1;
-                if id > beyond.1 {
-                    beyond = (beyond.0, id, i);
-                }
-            }
-        }
-        if beyond.0 > 0 {
-            let (t, l) = (beyond.2 / w, beyond.2 % w / k);
-            let whose = if layout.is_some() { "the config's" } else { "the logits'" };
-            if beyond.1 as usize >= 2 * e {
-                return Err(bad(
-                    path,
-                    format!(
-                        "expert id {} at token {t}, layer index {l} is not below {whose} {e} experts (nor a physical slot of an expert-parallel layout, at most {})",
-                        beyond.1,
-                        2 * e - 1
-                    ),
-                ));
-            }
-            found.beyond = Some((beyond.0, beyond.1));
-        }
-    }
-    // Padding rows: a mask, or a whole token row (every layer) that is no route.
+    // One token-major pass: every (token, layer) row classified, ids checked (below -1, at or
+    // beyond the expert count), padding rows found; rows that are no route kept aside.
+    let limit = num_experts.map_or(i32::MAX, |e| e as i32);
+    let (mut negative, mut beyond) = (None, (0usize, -1i32, 0usize));
     let mut pad = vec![false; tokens];
+    let mut odd: Vec<(usize, Row)> = Vec::new();
+    let mut held = vec![(0usize, 0usize); n_layers]; // (routes, zero rows)
+    let mut classes = vec![Row::Empty; n_layers];
     for t in 0..tokens {
         let row = &experts[t * w..(t + 1) * w];
+        for (l, c) in classes.iter_mut().enumerate() {
+            let ids = &row[l * k..(l + 1) * k];
+            for (i, &id) in ids.iter().enumerate() {
+                if id < -1 {
+                    negative.get_or_insert((t * w + l * k + i, id));
+                } else if id >= limit {
+                    beyond.0 += 1;
+                    if id > beyond.1 {
+                        beyond = (beyond.0, id, t * w + l * k);
+                    }
+                }
+            }
+            *c = classify(ids);
+        }
+        // Padding: a mask, or a whole token row (every layer) that is no route.
+        let none = |c: &Row| matches!(c, Row::Zero | Row::Repeat | Row::Empty);
         let cause = if pad_mask.as_ref().is_some_and(|m| m[t]) {
             Some("mask")
-        } else if row.iter().all(|&e| e < 0) {
+        } else if classes.iter().all(|c| *c == Row::Empty) {
             (format != Format::NemoRl).then_some("no route (-1) in any layer")
-        } else if w >= 2 && row.iter().all(|&e| e == 0) {
+        } else if w >= 2 && (classes.iter().all(|c| *c == Row::Zero) || (k == 1 && row.iter().all(|&e| e == 0))) {
             Some("all-zero")
-        } else if row.chunks_exact(k).all(|l| matches!(classify(l), Row::Zero | Row::Repeat | Row::Empty)) {
+        } else if classes.iter().all(none) {
             Some("repeated ids in every layer")
-        } else {
+        } else if row[0] == 0 || classes.iter().all(|c| *c == Row::Route) {
             fill_pattern(row, k, num_experts)
+        } else {
+            None
         };
         if let Some(c) = cause {
             pad[t] = true;
             *found.padding.entry(c.to_string()).or_default() += 1;
+            experts[t * w..(t + 1) * w].fill(-1);
+            continue;
+        }
+        for (l, &c) in classes.iter().enumerate() {
+            match c {
+                Row::Route if k == 1 && row[l] == 0 => {
+                    held[l].1 += 1;
+                    odd.push((t * n_layers + l, Row::Zero));
+                }
+                Row::Route => held[l].0 += 1,
+                Row::Zero => {
+                    held[l].1 += 1;
+                    odd.push((t * n_layers + l, c));
+                }
+                Row::Repeat | Row::Empty => odd.push((t * n_layers + l, c)),
+            }
         }
     }
-    for (t, _) in pad.iter().enumerate().filter(|p| *p.1) {
-        experts[t * w..(t + 1) * w].fill(-1);
+    if let Some((i, v)) = negative {
+        return Err(bad(path, format!("value {v} at flat index {i} is not an expert id or -1")));
+    }
+    // Ids a little beyond the expert count may be physical (EPLB) slots, tested against the
+    // other record; far beyond is bad input.
+    if beyond.0 > 0 {
+        let e = limit as usize;
+        let (t, l) = (beyond.2 / w, beyond.2 % w / k);
+        let whose = if layout.is_some() { "the config's" } else { "the logits'" };
+        if beyond.1 as usize >= 2 * e {
+            return Err(bad(
+                path,
+                format!(
+                    "expert id {} at token {t}, layer index {l} is not below {whose} {e} experts (nor a physical slot of an expert-parallel layout, at most {})",
+                    beyond.1,
+                    2 * e - 1
+                ),
+            ));
+        }
+        found.beyond = Some((beyond.0, beyond.1));
     }
     // A trailing packed segment made only of padding (slime's pad to a multiple of the TP size).
     while sequences.len() > 1 && sequences.last().is_some_and(|s| s.rows.clone().all(|t| pad[t])) {
@@ -163,28 +193,13 @@ pub(crate) fn finish(path: &Path, raw: Raw, layout: Option<&Layout>) -> Result<R
         found.pad_segments += 1;
     }
 
-    // What each layer index holds, on the rows that are not padding (one pass, token-major).
-    let mut class = vec![Row::Empty; tokens * n_layers];
-    let mut held = vec![(0usize, 0usize, 0usize); n_layers]; // (routes, zero rows, other non-routes)
-    for t in (0..tokens).filter(|&t| !pad[t]) {
-        for (l, h) in held.iter_mut().enumerate() {
-            let at = t * n_layers + l;
-            let c = classify(&experts[at * k..(at + 1) * k]);
-            class[at] = c;
-            match c {
-                Row::Route if k == 1 && experts[at] == 0 => h.1 += 1,
-                Row::Route => h.0 += 1,
-                Row::Zero => h.1 += 1,
-                Row::Repeat | Row::Empty => h.2 += 1,
-            }
-        }
-    }
     // With top-1, a 0 is a route unless the whole layer holds nothing else.
     if k == 1 {
         for h in held.iter_mut().filter(|h| h.0 > 0) {
             h.0 += h.1;
             h.1 = 0;
         }
+        odd.retain(|&(at, c)| !(c == Row::Zero && held[at % n_layers].1 == 0));
     }
     let routes_in = |l: usize| held[l].0 > 0;
 
@@ -237,7 +252,7 @@ pub(crate) fn finish(path: &Path, raw: Raw, layout: Option<&Layout>) -> Result<R
             },
             None => None,
         };
-        let (routes, zeros, other) = held[i];
+        let (routes, zeros) = held[i];
         acts.push(if kind == Some(LayerKind::Dense) {
             if routes + zeros > 0 {
                 found.dense_filled.push(g);
@@ -248,23 +263,25 @@ pub(crate) fn finish(path: &Path, raw: Raw, layout: Option<&Layout>) -> Result<R
             found.zero_layers.push(g);
             Act::Clear
         } else {
-            let _ = other;
             Act::Keep { count_empty: kind.is_some() || routes > 0 }
         });
     }
-    for t in (0..tokens).filter(|&t| !pad[t]) {
-        for (l, act) in acts.iter().enumerate() {
-            let at = t * n_layers + l;
-            let row = &mut experts[at * k..(at + 1) * k];
-            match (act, class[at]) {
-                (Act::Clear, _) => row.fill(-1),
-                (Act::Keep { .. }, Row::Zero | Row::Repeat) if k > 1 => {
-                    row.fill(-1);
-                    found.missing += 1;
-                }
-                (Act::Keep { count_empty: true }, Row::Empty) => found.missing += 1,
-                _ => {}
+    // Cleared layers, then the rows that are no route in the others: missing, counted apart.
+    for (l, act) in acts.iter().enumerate() {
+        if *act == Act::Clear {
+            for t in 0..tokens {
+                experts[(t * n_layers + l) * k..][..k].fill(-1);
             }
+        }
+    }
+    for &(at, c) in &odd {
+        match (acts[at % n_layers], c) {
+            (Act::Keep { .. }, Row::Zero | Row::Repeat) if k > 1 => {
+                experts[at * k..(at + 1) * k].fill(-1);
+                found.missing += 1;
+            }
+            (Act::Keep { count_empty: true }, Row::Empty) => found.missing += 1,
+            _ => {}
         }
     }
 
@@ -291,17 +308,9 @@ pub(crate) fn finish(path: &Path, raw: Raw, layout: Option<&Layout>) -> Result<R
 }
 
 /// A -1 stored unsigned (255, 65535) and ids wrapped negative by a signed narrowing cast.
-fn unwrap(
-    path: &Path,
-    experts: &mut [i32],
-    dtype: &super::formats::Dtype,
-    e: Option<usize>,
-    found: &mut Found,
-) -> Result<()> {
+fn unwrap(experts: &mut [i32], dtype: &super::formats::Dtype, e: Option<usize>, found: &mut Found) {
     use super::array::Elem;
-    let Some(elem) = dtype.elem else {
-        return reject_negative(path, experts);
-    };
+    let Some(elem) = dtype.elem else { return };
     let max_other = |skip: i32| experts.iter().copied().filter(|&v| v != skip).max().unwrap_or(0);
     match elem {
         Elem::U8 | Elem::U16 => {
@@ -332,15 +341,7 @@ fn unwrap(
                 found.narrow_for = e;
             }
         }
-        _ => reject_negative(path, experts)?,
-    }
-    Ok(())
-}
-
-fn reject_negative(path: &Path, experts: &[i32]) -> Result<()> {
-    match experts.iter().position(|&v| v < -1) {
-        Some(i) => Err(bad(path, format!("value {} at flat index {i} is not an expert id or -1", experts[i]))),
-        None => Ok(()),
+        _ => {}
     }
 }
 
