@@ -11,6 +11,7 @@ use super::formats::Raw;
 use super::read::ranges;
 use super::record::{Format, Found, Record};
 use crate::error::{Error, Result};
+use rayon::prelude::*;
 use std::path::Path;
 
 fn bad(path: &Path, message: impl Into<String>) -> Error {
@@ -106,64 +107,34 @@ pub(crate) fn finish(path: &Path, raw: Raw, layout: Option<&Layout>) -> Result<R
     unwrap(&mut experts, &dtype, num_experts, &mut found);
 
     let w = n_layers * k;
-    // One token-major pass: every (token, layer) row classified, ids checked (below -1, at or
-    // beyond the expert count), padding rows found; rows that are no route kept aside.
+    // One token-major pass over blocks of tokens (in parallel, merged in order, so the result
+    // is the same whatever the thread count): every (token, layer) row classified, ids checked
+    // (below -1, at or beyond the expert count), padding rows found and set to -1; rows that
+    // are no route kept aside.
     let limit = num_experts.map_or(i32::MAX, |e| e as i32);
+    let blocks: Vec<Block> = experts
+        .par_chunks_mut(BLOCK * w)
+        .enumerate()
+        .map(|(i, chunk)| block(chunk, i * BLOCK, n_layers, k, limit, pad_mask.as_deref(), format, num_experts))
+        .collect();
     let (mut negative, mut beyond) = (None, (0usize, -1i32, 0usize));
-    let mut pad = vec![false; tokens];
+    let mut pad = Vec::with_capacity(tokens);
     let mut odd: Vec<(usize, Row)> = Vec::new();
     let mut held = vec![(0usize, 0usize); n_layers]; // (routes, zero rows)
-    let mut classes = vec![Row::Empty; n_layers];
-    for t in 0..tokens {
-        let row = &experts[t * w..(t + 1) * w];
-        for (l, c) in classes.iter_mut().enumerate() {
-            let ids = &row[l * k..(l + 1) * k];
-            for (i, &id) in ids.iter().enumerate() {
-                if id < -1 {
-                    negative.get_or_insert((t * w + l * k + i, id));
-                } else if id >= limit {
-                    beyond.0 += 1;
-                    if id > beyond.1 {
-                        beyond = (beyond.0, id, t * w + l * k);
-                    }
-                }
-            }
-            *c = classify(ids);
+    for b in blocks {
+        negative = negative.or(b.negative);
+        if b.beyond.1 > beyond.1 {
+            beyond = (beyond.0, b.beyond.1, b.beyond.2);
         }
-        // Padding: a mask, or a whole token row (every layer) that is no route.
-        let none = |c: &Row| matches!(c, Row::Zero | Row::Repeat | Row::Empty);
-        let cause = if pad_mask.as_ref().is_some_and(|m| m[t]) {
-            Some("mask")
-        } else if classes.iter().all(|c| *c == Row::Empty) {
-            (format != Format::NemoRl).then_some("no route (-1) in any layer")
-        } else if w >= 2 && (classes.iter().all(|c| *c == Row::Zero) || (k == 1 && row.iter().all(|&e| e == 0))) {
-            Some("all-zero")
-        } else if classes.iter().all(none) {
-            Some("repeated ids in every layer")
-        } else if row[0] == 0 || classes.iter().all(|c| *c == Row::Route) {
-            fill_pattern(row, k, num_experts)
-        } else {
-            None
-        };
-        if let Some(c) = cause {
-            pad[t] = true;
-            *found.padding.entry(c.to_string()).or_default() += 1;
-            experts[t * w..(t + 1) * w].fill(-1);
-            continue;
+        beyond.0 += b.beyond.0;
+        pad.extend(b.pad);
+        odd.extend(b.odd);
+        for (h, x) in held.iter_mut().zip(b.held) {
+            h.0 += x.0;
+            h.1 += x.1;
         }
-        for (l, &c) in classes.iter().enumerate() {
-            match c {
-                Row::Route if k == 1 && row[l] == 0 => {
-                    held[l].1 += 1;
-                    odd.push((t * n_layers + l, Row::Zero));
-                }
-                Row::Route => held[l].0 += 1,
-                Row::Zero => {
-                    held[l].1 += 1;
-                    odd.push((t * n_layers + l, c));
-                }
-                Row::Repeat | Row::Empty => odd.push((t * n_layers + l, c)),
-            }
+        for (c, n) in b.causes {
+            *found.padding.entry(c.to_string()).or_default() += n;
         }
     }
     if let Some((i, v)) = negative {
@@ -305,6 +276,100 @@ pub(crate) fn finish(path: &Path, raw: Raw, layout: Option<&Layout>) -> Result<R
         meta,
         found,
     })
+}
+
+/// Tokens per block of the classifying pass.
+const BLOCK: usize = 512;
+
+/// What the classifying pass found in one block of tokens.
+struct Block {
+    negative: Option<(usize, i32)>,
+    beyond: (usize, i32, usize),
+    pad: Vec<bool>,
+    causes: Vec<(&'static str, usize)>,
+    odd: Vec<(usize, Row)>,
+    held: Vec<(usize, usize)>,
+}
+
+/// Classifies the rows of `chunk` (tokens from `first`), finds its padding rows (set to -1).
+#[allow(clippy::too_many_arguments)]
+fn block(
+    chunk: &mut [i32],
+    first: usize,
+    n_layers: usize,
+    k: usize,
+    limit: i32,
+    mask: Option<&[bool]>,
+    format: Format,
+    experts: Option<usize>,
+) -> Block {
+    let w = n_layers * k;
+    let mut out = Block {
+        negative: None,
+        beyond: (0, -1, 0),
+        pad: Vec::with_capacity(chunk.len() / w),
+        causes: Vec::new(),
+        odd: Vec::new(),
+        held: vec![(0, 0); n_layers],
+    };
+    let mut classes = vec![Row::Empty; n_layers];
+    for (j, row) in chunk.chunks_exact_mut(w).enumerate() {
+        let t = first + j;
+        for (l, c) in classes.iter_mut().enumerate() {
+            let ids = &row[l * k..(l + 1) * k];
+            for (i, &id) in ids.iter().enumerate() {
+                if id < -1 {
+                    out.negative.get_or_insert((t * w + l * k + i, id));
+                } else if id >= limit {
+                    out.beyond.0 += 1;
+                    if id > out.beyond.1 {
+                        out.beyond = (out.beyond.0, id, t * w + l * k);
+                    }
+                }
+            }
+            *c = classify(ids);
+        }
+        // Padding: a mask, or a whole token row (every layer) that is no route.
+        let none = |c: &Row| matches!(c, Row::Zero | Row::Repeat | Row::Empty);
+        let cause = if mask.is_some_and(|m| m[t]) {
+            Some("mask")
+        } else if classes.iter().all(|c| *c == Row::Empty) {
+            (format != Format::NemoRl).then_some("no route (-1) in any layer")
+        } else if w >= 2 && (classes.iter().all(|c| *c == Row::Zero) || (k == 1 && row.iter().all(|&e| e == 0))) {
+            Some("all-zero")
+        } else if classes.iter().all(none) {
+            Some("repeated ids in every layer")
+        } else if row[0] == 0 || classes.iter().all(|c| *c == Row::Route) {
+            fill_pattern(row, k, experts)
+        } else {
+            None
+        };
+        out.pad.push(cause.is_some());
+        if let Some(c) = cause {
+            match out.causes.iter_mut().find(|x| x.0 == c) {
+                Some(x) => x.1 += 1,
+                None => out.causes.push((c, 1)),
+            }
+            row.fill(-1);
+            continue;
+        }
+        for (l, &c) in classes.iter().enumerate() {
+            let at = t * n_layers + l;
+            match c {
+                Row::Route if k == 1 && row[l] == 0 => {
+                    out.held[l].1 += 1;
+                    out.odd.push((at, Row::Zero));
+                }
+                Row::Route => out.held[l].0 += 1,
+                Row::Zero => {
+                    out.held[l].1 += 1;
+                    out.odd.push((at, c));
+                }
+                Row::Repeat | Row::Empty => out.odd.push((at, c)),
+            }
+        }
+    }
+    out
 }
 
 /// A -1 stored unsigned (255, 65535) and ids wrapped negative by a signed narrowing cast.
