@@ -44,10 +44,14 @@ fn classify(row: &[i32]) -> Row {
     if k > 1 && zero == k {
         return Row::Zero;
     }
-    for i in 1..k {
-        let x = row[i];
-        if x >= 0 && row[..i].contains(&x) {
-            return Row::Repeat;
+    // Fills repeat 0 or one constant; only such rows are searched for a repeat (the search
+    // is most of the cost of this pass).
+    if zero >= 2 || (k > 1 && (row[0] == row[1] || row[0] == row[k - 1])) {
+        for i in 1..k {
+            let x = row[i];
+            if x >= 0 && row[..i].contains(&x) {
+                return Row::Repeat;
+            }
         }
     }
     Row::Route
