@@ -1,6 +1,6 @@
 //! Routing record files built in memory for tests and the `routes_cost` example: seeded random
 //! routes, and writers for every format `moe-audit routes` reads (npy, npz, safetensors in the
-//! generic and Megatron layouts, SGLang JSON). Writers take plain values, so a test can build a
+//! generic layout, SGLang JSON). Writers take plain values, so a test can build a
 //! broken file by changing one of them.
 #![allow(dead_code)]
 
@@ -160,17 +160,6 @@ impl Generic<'_> {
         ]);
         safetensors(&tensors, &meta)
     }
-}
-
-/// A Megatron `RouterReplay` dump: `layer.N` `[tokens, k]` per (global layer N, routes).
-pub fn megatron(layers: &[(usize, Vec<i32>)], tokens: usize, k: usize) -> Vec<u8> {
-    let names: Vec<String> = layers.iter().map(|(n, _)| format!("layer.{n}")).collect();
-    let tensors: Vec<Tensor<'_>> = layers
-        .iter()
-        .zip(&names)
-        .map(|((_, r), name)| Tensor { name, dtype: "I32", shape: vec![tokens, k], data: i32_bytes(r) })
-        .collect();
-    safetensors(&tensors, &BTreeMap::new())
 }
 
 /// An SGLang `/generate` response carrying `routes` (flat int32) as base64, with an optional

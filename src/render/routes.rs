@@ -295,6 +295,49 @@ pub fn show_text(s: &Summary) -> String {
         s.experts,
         if r.logits { ", logits" } else { "" }
     );
+    // What reading inferred, one line each.
+    let f = &r.found;
+    let _ = writeln!(out, "writer: {}", r.format.name());
+    let _ = writeln!(out, "dtype: {}", f.dtype);
+    let _ = writeln!(
+        out,
+        "layers: {}{}",
+        if r.layers_declared && f.numbering == "declared in the file" { "" } else { "not in the file: " },
+        f.numbering
+    );
+    let causes: Vec<String> = f.padding.iter().map(|(c, n)| format!("{n} {c}")).collect();
+    let _ = writeln!(
+        out,
+        "padding rows: {}{}{}",
+        s.empty_tokens,
+        if causes.is_empty() { String::new() } else { format!(" ({})", causes.join(", ")) },
+        if f.pad_segments > 0 {
+            format!(", {} trailing pad segment(s) dropped", f.pad_segments)
+        } else {
+            String::new()
+        }
+    );
+    let _ = writeln!(out, "missing routes: {}", f.missing);
+    let list = |v: &[usize]| crate::routes::read::ranges(v);
+    if !f.dense_filled.is_empty() {
+        let _ = writeln!(out, "dense layers holding placeholders: {} (not compared)", list(&f.dense_filled));
+    }
+    if !f.zero_layers.is_empty() {
+        let _ =
+            writeln!(out, "layers holding only zeros: {} (dense, or a capture that never ran)", list(&f.zero_layers));
+    }
+    if f.wrapped_minus_one > 0 {
+        let _ = writeln!(out, "wrapped -1: {} (read as missing)", f.wrapped_minus_one);
+    }
+    if f.wrapped_ids > 0 {
+        let _ = writeln!(out, "ids wrapped negative: {} (unwrapped)", f.wrapped_ids);
+    }
+    if let Some((n, max)) = f.beyond {
+        let _ = writeln!(out, "ids not below the expert count: {n}, up to {max} (physical slots?)");
+    }
+    for n in &f.notes {
+        let _ = writeln!(out, "note: {n}");
+    }
     let _ = writeln!(
         out,
         "{:>6} {:>8} {:>9} {:>9} {:>7} {:>8} {:>7}",

@@ -77,6 +77,24 @@ pub enum DiagnosisKind {
     Order,
     /// A replay check in which routes still differ: the replay did not reach those layers.
     ReplayNotApplied,
+    /// A record, or a MoE layer of it, holding only zeros (or no route at all).
+    CaptureNeverRan,
+    /// A block of MoE layers at one end missing or zero: a pipeline stage never merged.
+    PipelineNotMerged,
+    /// Ids relabelled one-to-one against the other record: physical (EPLB) slots.
+    PhysicalIds,
+    /// A -1 stored unsigned, ids wrapped negative, or ids equal modulo 256.
+    NarrowingCast,
+    /// The rollout starts at a later position than its rows say (a prompt start not recorded).
+    PromptStart,
+    /// The rollout ends one row before the trainer per request (or two: one beyond the convention).
+    OneRowShort,
+    /// Nothing two routers of one model would show: the records are probably not paired right.
+    NotPaired,
+    /// Routed-layer slots with no route, counted apart.
+    Missing,
+    /// What a reader did to read a record (steps, ranks merged, a shape from the other record).
+    Reading,
 }
 
 impl DiagnosisKind {
@@ -93,6 +111,15 @@ impl DiagnosisKind {
             DiagnosisKind::LayerNumbers => "layer numbers",
             DiagnosisKind::Order => "order",
             DiagnosisKind::ReplayNotApplied => "replay not applied",
+            DiagnosisKind::CaptureNeverRan => "capture never ran",
+            DiagnosisKind::PipelineNotMerged => "pipeline stage never merged",
+            DiagnosisKind::PhysicalIds => "physical expert ids",
+            DiagnosisKind::NarrowingCast => "narrowing cast",
+            DiagnosisKind::PromptStart => "prompt start offset",
+            DiagnosisKind::OneRowShort => "one row short",
+            DiagnosisKind::NotPaired => "not paired",
+            DiagnosisKind::Missing => "missing routes",
+            DiagnosisKind::Reading => "reading",
         }
     }
 }
@@ -202,28 +229,6 @@ fn spread(len: usize, n: usize) -> impl Iterator<Item = usize> {
 /// Pairs the records and diagnoses the pairing.
 pub(super) fn align(a: &Record, b: &Record, budget: &mut Budget) -> Result<(Alignment, Vec<Diagnosis>)> {
     let mut diagnoses = Vec::new();
-    for (role, r) in [("rollout", a), ("trainer", b)] {
-        if let Some(how) = &r.layer_note {
-            diagnoses.push(note(
-                DiagnosisKind::LayerNumbers,
-                format!("the {role} file gives no layer numbers: {how} (from the config)"),
-                "write the global layer numbers in the file (metadata `layers`) to make this explicit",
-            ));
-        } else if !r.layers_declared {
-            diagnoses.push(note(
-                DiagnosisKind::LayerNumbers,
-                format!(
-                    "the {role} file gives no layer numbers: its {} layers are taken as 0 to {}",
-                    r.layers.len(),
-                    r.layers.len().saturating_sub(1)
-                ),
-                &format!(
-                    "give {} (config.json) so dense and MTP layers are known, or write `layers` in the file",
-                    crate::error::Setting::Config
-                ),
-            ));
-        }
-    }
     let (segments, mut notes) = declared_segments(a, b)?;
     diagnoses.append(&mut notes);
     let ha = hashes(a, budget)?;
@@ -489,8 +494,26 @@ fn offset_diagnosis(
         let d = first.1;
         let best = shifts.iter().map(|s| s.2).fold(1.0, f64::min);
         let zero = shifts.iter().map(|s| s.3).fold(0.0, f64::max);
+        // The rollout's rows start d positions late and it is shorter by at least d: rows
+        // dropped at the start and not recorded (vLLM's routed_experts_prompt_start).
+        let late = d > 0
+            && shifts.iter().all(|s| {
+                segments.iter().find(|g| g.0.sequence == s.0).is_some_and(|g| g.1.len() >= g.0.len + d as usize)
+            });
+        if late {
+            return Some(defect(
+                DiagnosisKind::PromptStart,
+                format!(
+                    "rollout row 0 is trainer position {d}: the rollout starts {d} position(s) into the sequence (matching on at least {} of sampled (token, layer) pairs in {} sequence(s), against at most {} from position 0)",
+                    pct(best),
+                    shifts.len(),
+                    pct(zero)
+                ),
+                format!("the start is not in the record (vLLM's routed_experts_prompt_start is not recorded): replay row t at position t + {d}, or record the start next to the routes (SGLang's routed_experts_start_len)"),
+            ));
+        }
         let change = if d.abs() == 1 {
-            "shift the replayed rows by one: SGLang's routed_experts row t is the route of token t (positions [start_len, seqlen-1)); the trainer must read row t for token t, not t±1".to_string()
+            "shift the replayed rows by one: an engine's row t is the route of token t over positions [start, seqlen-1), one row short per request; the trainer must read row t for token t and pad the missing row at the end, not the start".to_string()
         } else {
             format!("shift the replayed rows by {d}: left padding or a prompt offset was not accounted for")
         };
@@ -616,13 +639,21 @@ fn declared_segments(a: &Record, b: &Record) -> Result<(Vec<Declared>, Vec<Diagn
     if !ends.is_empty() {
         let d = ends[0].1;
         let same = ends.iter().all(|e| e.1 == d);
+        if same && d == -2 && ends.len() == sa.len() {
+            notes.push(defect(
+                DiagnosisKind::OneRowShort,
+                format!("the rollout ends two positions before the trainer in all {} sequence(s): one row short per request beyond the engines' len-1 convention", ends.len()),
+                "the engine dropped a row per request (a prefill-only off-by-one, SGLang #20964): engines return seqlen-1 rows, row t for token t".to_string(),
+            ));
+        }
         let found = if same && d == -1 {
-            format!("the rollout ends one position before the trainer in {} sequence(s): SGLang reports positions [start, seqlen-1), the last sampled token is never forwarded; the trainer's last position is not compared", ends.len())
+            format!("the rollout ends one position before the trainer in {} sequence(s): one row short per request, as engines write it (positions [start, seqlen-1): the last sampled token is never forwarded); the trainer's last position is not compared", ends.len())
         } else {
             let list: Vec<String> = ends.iter().take(6).map(|(s, d)| format!("sequence {s}: {d:+}")).collect();
             format!("the records end at different positions (rollout end minus trainer end): {}; compared where both have routes", list.join(", "))
         };
-        notes.push(note(DiagnosisKind::Length, found, ""));
+        let kind = if same && d == -1 { DiagnosisKind::OneRowShort } else { DiagnosisKind::Length };
+        notes.push(note(kind, found, ""));
     }
     Ok((out, notes))
 }

@@ -36,7 +36,7 @@ impl Elem {
         }
     }
 
-    fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Elem::Bool => "bool",
             Elem::I8 => "int8",
@@ -103,28 +103,27 @@ impl Array<'_> {
         }
     }
 
-    /// The values as i32 expert ids: every value in `-1..i32::MAX` (range checks against the
-    /// expert count come later, where it is known).
+    /// The values as i32 expert ids as stored (a uint8 255 stays 255, an int8 -56 stays -56: what
+    /// a wrapped value means is decided with the expert count, in `clean`). Values outside i32
+    /// are refused.
     pub(crate) fn expert_ids(&self, path: &Path, budget: &mut Budget) -> Result<Vec<i32>> {
         self.ensure_int(path)?;
         budget.take(&format!("reading {}", path.display()), self.len() as u64 * 4)?;
-        if self.elem == Elem::I32 {
-            let ids: Vec<i32> =
-                self.data.chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
-            if let Some(i) = ids.iter().position(|&v| v < -1) {
-                return Err(self.bad(path, format!("value {} at flat index {i} is not an expert id or -1", ids[i])));
-            }
-            return Ok(ids);
-        }
-        (0..self.len())
-            .map(|i| {
-                let v = self.int_at(i);
-                i32::try_from(v)
-                    .ok()
-                    .filter(|&v| v >= -1)
-                    .ok_or_else(|| self.bad(path, format!("value {v} at flat index {i} is not an expert id or -1")))
-            })
-            .collect()
+        let d = &self.data;
+        Ok(match self.elem {
+            Elem::I32 => d.chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+            Elem::U8 => d.iter().map(|&b| b as i32).collect(),
+            Elem::I8 => d.iter().map(|&b| b as i8 as i32).collect(),
+            Elem::I16 => d.chunks_exact(2).map(|b| i16::from_le_bytes([b[0], b[1]]) as i32).collect(),
+            Elem::U16 => d.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]]) as i32).collect(),
+            _ => (0..self.len())
+                .map(|i| {
+                    let v = self.int_at(i);
+                    i32::try_from(v)
+                        .map_err(|_| self.bad(path, format!("value {v} at flat index {i} is not an expert id or -1")))
+                })
+                .collect::<Result<_>>()?,
+        })
     }
 
     /// The values as i64 (token ids, sequence boundaries).

@@ -62,6 +62,8 @@ pub struct Measures {
     pub overlap: f64,
     /// Decisions with the same set in another slot order (counted as agreeing).
     pub order_only: usize,
+    /// (token, layer) pairs routed on one side only (a missing route): not decisions.
+    pub missing: usize,
     /// Per layer, in the trainer's order.
     pub layers: Vec<LayerMeasure>,
     /// Mean index (in trainer layer order, 0-based) of the first differing layer of the tokens
@@ -80,6 +82,7 @@ struct Counts {
     width: Vec<u64>,
     first: Vec<u64>,
     order_only: u64,
+    missing: u64,
     tokens_differ: u64,
     first_sum: u64,
     margins: Vec<(f32, bool)>,
@@ -109,6 +112,7 @@ impl Counts {
             x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
         }
         self.order_only += o.order_only;
+        self.missing += o.missing;
         self.tokens_differ += o.tokens_differ;
         self.first_sum += o.first_sum;
         self.margins.extend(o.margins);
@@ -162,6 +166,24 @@ fn median(values: &mut [f32]) -> f64 {
     *m as f64
 }
 
+impl Measures {
+    /// Nothing measured (a record with no route at all).
+    pub fn none() -> Measures {
+        Measures {
+            tokens: 0,
+            decisions: 0,
+            decisions_differ: 0.0,
+            tokens_differ: 0.0,
+            overlap: 0.0,
+            order_only: 0,
+            missing: 0,
+            layers: Vec::new(),
+            mean_first_differing: None,
+            margins: None,
+        }
+    }
+}
+
 /// Tokens per parallel chunk.
 const CHUNK: usize = 1024;
 
@@ -190,7 +212,8 @@ pub(super) fn measure(a: &Record, b: &Record, al: &Alignment, budget: &mut Budge
                     let (ra, rb) = (a.row(ta, pair.rollout_index), b.row(tb, pair.trainer_index));
                     sorted(ra, &mut x);
                     sorted(rb, &mut y);
-                    if x.is_empty() && y.is_empty() {
+                    if x.is_empty() || y.is_empty() {
+                        c.missing += u64::from(x.len() != y.len());
                         continue;
                     }
                     c.decisions[p] += 1;
@@ -257,6 +280,7 @@ pub(super) fn measure(a: &Record, b: &Record, al: &Alignment, budget: &mut Budge
         tokens_differ: share(counts.tokens_differ, rows.len() as u64),
         overlap: share(counts.common.iter().sum(), counts.width.iter().sum()),
         order_only: counts.order_only as usize,
+        missing: counts.missing as usize,
         layers,
         mean_first_differing: (counts.tokens_differ > 0).then(|| counts.first_sum as f64 / counts.tokens_differ as f64),
         margins,

@@ -9,15 +9,19 @@
 
 mod align;
 mod array;
+mod clean;
 pub mod config;
+mod defects;
+mod formats;
 mod measure;
 pub mod read;
+mod record;
 mod show;
 
 pub use align::{Alignment, Diagnosis, DiagnosisKind, LayerPair, Segment};
 pub use config::{LayerKind, Layout};
 pub use measure::{LayerMeasure, Margins, Measures};
-pub use read::{load, Format, Record};
+pub use read::{load, Format, Found, Record};
 pub use show::{show, LayerLoad, Summary};
 
 use crate::error::Result;
@@ -73,6 +77,8 @@ pub struct Side {
     pub top_k: usize,
     /// Whether it carries router logits.
     pub logits: bool,
+    /// What reading it found and inferred.
+    pub found: Found,
 }
 
 impl Side {
@@ -86,6 +92,7 @@ impl Side {
             layers_declared: r.layers_declared,
             top_k: r.top_k,
             logits: r.logits.is_some(),
+            found: r.found.clone(),
         }
     }
 }
@@ -134,12 +141,42 @@ pub fn compare(
     options: &CompareOptions,
     budget: &mut Budget,
 ) -> Result<Comparison> {
-    let (alignment, mut diagnoses) = align::align(rollout, trainer, budget)?;
+    let mut diagnoses = defects::of_record("rollout", rollout, layout);
+    diagnoses.extend(defects::of_record("trainer", trainer, layout));
+    if defects::empty(rollout) || defects::empty(trainer) {
+        // Nothing to align: the capture-never-ran defect says why.
+        diagnoses.sort_by_key(|d| !d.defect);
+        return Ok(Comparison {
+            rollout: Side::of("rollout", rollout),
+            trainer: Side::of("trainer", trainer),
+            layout: layout.cloned(),
+            alignment: Alignment { segments: Vec::new(), layers: Vec::new(), tokens: 0 },
+            diagnoses,
+            measures: Measures::none(),
+            max_disagreement: options.max_disagreement,
+            failed: true,
+        });
+    }
+    let (alignment, found) = align::align(rollout, trainer, budget)?;
+    diagnoses.extend(found);
     let measures = measure::measure(rollout, trainer, &alignment, budget)?;
-    if options.max_disagreement == Some(0.0) {
+    let pair = defects::of_pair(rollout, trainer, &alignment, &measures, diagnoses.iter().any(|d| d.defect))?;
+    if options.max_disagreement == Some(0.0) && pair.is_empty() {
         diagnoses.extend(align::replay_check(&measures));
     }
+    diagnoses.extend(pair);
     diagnoses.extend(align::order_note(&measures));
+    if measures.missing > 0 {
+        diagnoses.push(Diagnosis {
+            kind: DiagnosisKind::Missing,
+            defect: false,
+            found: format!(
+                "{} aligned (token, layer) pairs have a route on one side only: counted apart, not as decisions",
+                measures.missing
+            ),
+            change: String::new(),
+        });
+    }
     diagnoses.sort_by_key(|d| !d.defect);
     let over = options.max_disagreement.is_some_and(|max| measures.decisions_differ > max);
     let failed = over || diagnoses.iter().any(|d| d.defect);

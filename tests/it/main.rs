@@ -18,6 +18,7 @@ mod protocol2;
 mod readme;
 mod routers;
 mod routes;
+mod routes_writers;
 mod search;
 mod security;
 mod snapshot_cli;

@@ -1,0 +1,785 @@
+//! `routes compare` on records built exactly as each writer's code builds them (the line cited
+//! above each builder), for one model with a dense layer, three MoE layers and an MTP layer
+//! (GLM-4.5-Air's layout: MoE + MTP layers = `num_hidden_layers`), three requests and the
+//! writer's own padding. The trainer is `moe_audit.routes.record`'s format with the global
+//! layer numbers, MTP included. A clean pair passes with the exact rates; each defect a writer
+//! really makes is named; bad input is one line and exit 2.
+
+use crate::routes::route_files::*;
+use base64::Engine;
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const BIN: &str = env!("CARGO_BIN_EXE_moe-audit");
+const E: usize = 32;
+const K: usize = 4;
+/// Decoder layers: 0 dense, 1..3 MoE; layer 4 is the MTP layer.
+const DECODER: usize = 4;
+/// Routed layers of the trainer's record: 1, 2, 3 and MTP 4.
+const ROUTED: usize = 4;
+/// Tokens (prompt + response) of the three requests.
+const LENS: [usize; 3] = [40, 57, 33];
+
+fn b64(bytes: &[u8]) -> String {
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
+fn dir(test: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("moe-audit-it-writers-{}-{test}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).expect("temp dir");
+    d
+}
+
+fn put(d: &Path, name: &str, bytes: impl AsRef<[u8]>) -> String {
+    let p = d.join(name);
+    std::fs::write(&p, bytes).expect("write");
+    p.to_str().expect("utf-8").to_string()
+}
+
+/// GLM-4.5-Air's layout at small size: layer 0 dense, MoE after it, one MTP layer.
+fn config(d: &Path) -> String {
+    let c = json!({"model_type": "glm4_moe", "num_hidden_layers": DECODER, "n_routed_experts": E,
+        "num_experts_per_tok": K, "first_k_dense_replace": 1, "num_nextn_predict_layers": 1});
+    put(d, "config.json", c.to_string())
+}
+
+/// Per request, the routes of every routed layer `[len, ROUTED, K]` (seeded).
+fn model(seed: u64) -> Vec<Vec<i32>> {
+    LENS.iter().enumerate().map(|(i, &n)| random_routes(n, ROUTED, K, E, seed + i as u64)).collect()
+}
+
+/// The trainer's record: every token, layers 1..4 (MTP included), one sequence per request.
+fn trainer(d: &Path, seqs: &[Vec<i32>]) -> String {
+    let routes: Vec<i32> = seqs.concat();
+    let mut cu = vec![0i64];
+    for s in seqs {
+        cu.push(cu.last().unwrap() + (s.len() / ROUTED / K) as i64);
+    }
+    let tokens = *cu.last().unwrap() as usize;
+    let g = Generic {
+        routes: &routes,
+        tokens,
+        layers: &[1, 2, 3, 4],
+        k: K,
+        logits: None,
+        input_ids: None,
+        cu_seqlens: Some(&cu),
+    };
+    put(d, "trainer.safetensors", g.bytes())
+}
+
+/// What an engine captures for one request: `len - 1` rows (the last sampled token is never
+/// forwarded), every decoder layer, dense layer 0 left at its zero fill, no MTP.
+fn engine(seq: &[i32]) -> Vec<i32> {
+    let rows = seq.len() / ROUTED / K - 1;
+    let mut out = vec![0; rows * DECODER * K];
+    for t in 0..rows {
+        for l in 1..DECODER {
+            let from = (t * ROUTED + l - 1) * K;
+            out[(t * DECODER + l) * K..][..K].copy_from_slice(&seq[from..from + K]);
+        }
+    }
+    out
+}
+
+fn as_u8(v: &[i32]) -> Vec<u8> {
+    v.iter().map(|&x| x as u8).collect()
+}
+
+fn as_i16(v: &[i32]) -> Vec<u8> {
+    v.iter().flat_map(|&x| (x as i16).to_le_bytes()).collect()
+}
+
+/// `routes compare ... --format json`: exit code and report.
+fn compare(args: &[&str]) -> (i32, Value) {
+    let mut all = vec!["routes", "compare"];
+    all.extend_from_slice(args);
+    all.extend_from_slice(&["--format", "json"]);
+    let out = Command::new(BIN).args(&all).output().expect("run");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(matches!(out.status.code(), Some(0 | 1)), "{args:?}: {err}");
+    (out.status.code().unwrap(), serde_json::from_slice(&out.stdout).expect("json"))
+}
+
+/// Bad input: exit 2, one line, nothing on stdout; the line.
+fn bad(args: &[&str]) -> String {
+    let out = Command::new(BIN).args(args).output().expect("run");
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+    assert!(out.stdout.is_empty() && err.lines().count() == 1 && err.starts_with("error: "), "{err}");
+    err
+}
+
+fn defects(r: &Value) -> Vec<String> {
+    r["diagnoses"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|d| d["defect"] == true)
+        .map(|d| d["kind"].as_str().unwrap().to_string())
+        .collect()
+}
+
+fn text(r: &Value, kind: &str) -> String {
+    let t: Vec<String> = r["diagnoses"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|d| d["kind"] == kind)
+        .map(|d| format!("{} | {}", d["found"].as_str().unwrap(), d["change"].as_str().unwrap()))
+        .collect();
+    assert!(!t.is_empty(), "no {kind} in {}", r["diagnoses"]);
+    t.join("\n")
+}
+
+/// A clean pair: no defect, exit 0, every decision of layers 1..3 compared (MTP has no
+/// rollout counterpart), none differs; `flipped` of them differ when the trainer was changed.
+fn assert_clean(r: &Value, code: i32, flipped: usize) {
+    assert_eq!(code, 0, "{}", r["diagnoses"]);
+    assert!(defects(r).is_empty(), "{:?}", defects(r));
+    let decisions: usize = LENS.iter().map(|n| (n - 1) * 3).sum();
+    assert_eq!(r["measures"]["decisions"], decisions, "{}", r["diagnoses"]);
+    assert_eq!(r["measures"]["decisions_differ"].as_f64().unwrap(), flipped as f64 / decisions as f64);
+    let pairs: Vec<(u64, u64)> = r["alignment"]["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (p["rollout"].as_u64().unwrap(), p["trainer"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(pairs, [(1, 1), (2, 2), (3, 3)]);
+}
+
+/// Flips about 10% of the rows of layers 1..3 of the trainer (not MTP, not the last token,
+/// which no rollout row covers); returns the model flipped and the count.
+fn flipped(seqs: &[Vec<i32>]) -> (Vec<Vec<i32>>, usize) {
+    let mut out = seqs.to_vec();
+    let mut n = 0;
+    for (i, s) in out.iter_mut().enumerate() {
+        let rows = s.len() / ROUTED / K;
+        for t in 0..rows - 1 {
+            for l in 0..3 {
+                let row = &mut s[(t * ROUTED + l) * K..][..K];
+                if (t * 7 + l * 3 + i) % 10 == 0 {
+                    let e = (0..E as i32).find(|e| !row.contains(e)).unwrap();
+                    row[0] = e;
+                    n += 1;
+                }
+            }
+        }
+    }
+    (out, n)
+}
+
+// ---------------------------------------------------------------------------------------------
+// SGLang
+
+/// A batch response: a JSON list, one `meta_info.routed_experts` each, base64 of the raw int32
+/// bytes (sgl-project/sglang@v0.5.10: python/sglang/srt/managers/tokenizer_manager.py:1593),
+/// rows [0, seqlen-1), every decoder layer of a `torch.zeros` buffer
+/// (python/sglang/srt/layers/moe/routed_experts_capturer.py:78, :211); with a dtype, the
+/// wire of SGLang main (sgl-project/sglang@a6463a1: python/sglang/srt/state_capturer/routed_experts_wire.py).
+fn sglang_batch(seqs: &[Vec<i32>], uint8: bool) -> String {
+    let items: Vec<Value> = seqs
+        .iter()
+        .map(|s| {
+            let rows = engine(s);
+            let (payload, dtype) =
+                if uint8 { (b64(&as_u8(&rows)), Some("uint8")) } else { (b64(&i32_bytes(&rows)), None) };
+            let n = s.len() / ROUTED / K;
+            let mut meta = json!({"prompt_tokens": n - 8, "completion_tokens": 8, "routed_experts": payload});
+            if let Some(t) = dtype {
+                meta["routed_experts_dtype"] = json!(t);
+            }
+            json!({"text": "..", "meta_info": meta})
+        })
+        .collect();
+    Value::Array(items).to_string()
+}
+
+#[test]
+fn sglang_clean_pair_int32_and_uint8() {
+    let d = dir("sglang");
+    let (c, seqs) = (config(&d), model(1));
+    let t = trainer(&d, &seqs);
+    for uint8 in [false, true] {
+        let a = put(&d, "rollout.json", sglang_batch(&seqs, uint8));
+        let (code, r) = compare(&[&a, &t, "--config", &c, "--max-disagreement", "0"]);
+        assert_clean(&r, code, 0);
+        // GLM-4.5-Air: 4 layers = every decoder layer = MoE + MTP; layer 0 holds zeros, so decoder.
+        assert!(text(&r, "layer-numbers").contains("every decoder layer (0 to 3)"), "{}", text(&r, "layer-numbers"));
+        assert!(text(&r, "unpaired").contains("layers 0 are dense in the config"));
+        assert!(text(&r, "one-row-short").contains("3 sequence(s)"));
+    }
+    let (f, n) = flipped(&seqs);
+    let t = trainer(&d, &f);
+    let a = put(&d, "rollout.json", sglang_batch(&seqs, false));
+    let (code, r) = compare(&[&a, &t, "--config", &c]);
+    assert_clean(&r, code, n);
+}
+
+#[test]
+fn sglang_capture_never_ran_and_an_unmerged_stage_are_named() {
+    let d = dir("sglang-zero");
+    let (c, seqs) = (config(&d), model(2));
+    let t = trainer(&d, &seqs);
+    let zero_layers = |layers: &[usize]| -> Vec<Vec<i32>> {
+        seqs.iter()
+            .map(|s| {
+                let mut x = s.clone();
+                for row in x.chunks_exact_mut(ROUTED * K) {
+                    for &l in layers {
+                        row[(l - 1) * K..l * K].fill(0);
+                    }
+                }
+                x
+            })
+            .collect()
+    };
+    // MoE layer 2 never captured.
+    let a = put(&d, "one.json", sglang_batch(&zero_layers(&[2]), false));
+    let (code, r) = compare(&[&a, &t, "--config", &c]);
+    assert_eq!((code, defects(&r)), (1, vec!["capture-never-ran".to_string()]));
+    assert!(text(&r, "capture-never-ran").contains("MoE layer(s) 2 hold only zeros"));
+    // The second pipeline stage (layers 2, 3) never merged (slime's validator refuses this).
+    let a = put(&d, "stage.json", sglang_batch(&zero_layers(&[2, 3]), false));
+    let (code, r) = compare(&[&a, &t, "--config", &c]);
+    assert_eq!((code, defects(&r)), (1, vec!["pipeline-not-merged".to_string()]));
+    assert!(text(&r, "pipeline-not-merged").contains("MoE layers 2 to 3 (2 of 3)"));
+    // The whole record zero (vLLM's CPU build): capture never ran, not aliasing.
+    let a = put(&d, "all.json", sglang_batch(&zero_layers(&[1, 2, 3]), false));
+    let (code, r) = compare(&[&a, &t, "--config", &c]);
+    assert_eq!((code, defects(&r)), (1, vec!["capture-never-ran".to_string()]));
+    assert!(text(&r, "capture-never-ran").contains("the rollout record holds only zeros"));
+}
+
+#[test]
+fn sglang_bad_input_is_one_line() {
+    let d = dir("sglang-bad");
+    let (c, seqs) = (config(&d), model(3));
+    let t = trainer(&d, &seqs);
+    let short = json!({"meta_info": {"routed_experts": b64(&i32_bytes(&engine(&seqs[0])[..21]))}}).to_string();
+    let a = put(&d, "short.json", short);
+    let e = bad(&["routes", "compare", &a, &t, "--config", &c]);
+    assert!(e.contains("response 0: 84 bytes of int32 do not divide into rows of 4 layers x top-k 4"), "{e}");
+    let dtype = json!({"meta_info": {"routed_experts": "AAAA", "routed_experts_dtype": "float32"}}).to_string();
+    let e = bad(&["routes", "compare", &put(&d, "dtype.json", dtype), &t, "--config", &c]);
+    assert!(e.contains("`routed_experts_dtype` \"float32\" is not int32, uint16 or uint8"), "{e}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// vLLM
+
+/// `CompletionOutput.routed_experts` saved with `np.save`: uint8 for at most 256 experts
+/// (vllm-project/vllm@v0.25.0: vllm/model_executor/layers/fused_moe/routed_experts_capturer.py:279),
+/// rows `[prompt_start, P + O - 1)` (vllm/v1/core/sched/scheduler.py:1664), zero buffers.
+fn vllm_npy(rows: &[i32], n: usize) -> Vec<u8> {
+    npy("|u1", &[n, DECODER, K], &as_u8(rows))
+}
+
+/// The HTTP response: `choices[i].routed_experts` = base64 of the `.npy`
+/// (vllm/entrypoints/scale_out/token_in_token_out/serving.py:287).
+fn vllm_http(seqs: &[Vec<i32>]) -> String {
+    let choices: Vec<Value> = seqs
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let rows = engine(s);
+            let n = rows.len() / DECODER / K;
+            json!({"index": i, "finish_reason": "length", "token_ids": [1, 2], "routed_experts": b64(&vllm_npy(&rows, n))})
+        })
+        .collect();
+    json!({"request_id": "r1", "choices": choices}).to_string()
+}
+
+#[test]
+fn vllm_clean_pair_over_http_and_as_npy() {
+    let d = dir("vllm");
+    let (c, seqs) = (config(&d), model(4));
+    let t = trainer(&d, &seqs);
+    let a = put(&d, "rollout.json", vllm_http(&seqs));
+    let (code, r) = compare(&[&a, &t, "--config", &c, "--max-disagreement", "0"]);
+    assert_clean(&r, code, 0);
+    assert_eq!(r["rollout"]["found"]["dtype"], "uint8");
+    // One request as a bare .npy against a one-sequence trainer.
+    let rows = engine(&seqs[0]);
+    let a = put(&d, "one.npy", vllm_npy(&rows, LENS[0] - 1));
+    let t1 = trainer(&d, &seqs[..1]);
+    let (code, r) = compare(&[&a, &t1, "--config", &c, "--max-disagreement", "0"]);
+    assert_eq!(code, 0, "{}", r["diagnoses"]);
+    assert_eq!(r["measures"]["decisions"], (LENS[0] - 1) * 3);
+}
+
+#[test]
+fn vllm_prompt_start_zero_capture_and_physical_ids_are_named() {
+    let d = dir("vllm-defects");
+    let (c, seqs) = (config(&d), model(5));
+    let t1 = trainer(&d, &seqs[1..2]);
+    let rows = engine(&seqs[1]);
+    let n = LENS[1] - 1;
+    // routed_experts_prompt_start = 6 drops the first 6 rows and is not recorded
+    // (vllm/sampling_params.py:328).
+    let a = put(&d, "start.npy", vllm_npy(&rows[6 * DECODER * K..], n - 6));
+    let (code, r) = compare(&[&a, &t1, "--config", &c]);
+    assert_eq!((code, defects(&r)), (1, vec!["prompt-start".to_string()]));
+    assert!(text(&r, "prompt-start").contains("rollout row 0 is trainer position 6"), "{}", text(&r, "prompt-start"));
+    assert_eq!(r["measures"]["decisions_differ"], 0.0);
+    // Every id 0 (vLLM 0.25 on CPU): capture never ran.
+    let a = put(&d, "zeros.npy", vllm_npy(&vec![0; rows.len()], n));
+    let (code, r) = compare(&[&a, &t1, "--config", &c]);
+    assert_eq!((code, defects(&r)), (1, vec!["capture-never-ran".to_string()]));
+    // Physical slots (EPLB, 4 redundant experts): logical e sits in slot (e * 5 + 3) % 36.
+    let phys: Vec<i32> = rows
+        .iter()
+        .enumerate()
+        .map(|(i, &e)| if (i / K).is_multiple_of(DECODER) { 0 } else { (e * 5 + 3) % 36 })
+        .collect();
+    let a = put(&d, "physical.npy", vllm_npy(&phys, n));
+    let (code, r) = compare(&[&a, &t1, "--config", &c]);
+    assert_eq!((code, defects(&r)), (1, vec!["physical-ids".to_string()]), "{}", r["diagnoses"]);
+    assert!(text(&r, "physical-ids").contains("layers 1 to 3"), "{}", text(&r, "physical-ids"));
+}
+
+#[test]
+fn vllm_bad_input_is_one_line() {
+    let d = dir("vllm-bad");
+    let (c, seqs) = (config(&d), model(6));
+    let t1 = trainer(&d, &seqs[..1]);
+    let full = vllm_npy(&engine(&seqs[0]), LENS[0] - 1);
+    let a = put(&d, "cut.npy", &full[..full.len() - 3]);
+    assert!(bad(&["routes", "compare", &a, &t1, "--config", &c])
+        .contains("truncated: shape (39, 4, 4) of uint8 needs 624 bytes"));
+    // Ids far past any physical slot are no pattern: bad input.
+    let mut rows = engine(&seqs[0]);
+    rows[5] = 200;
+    let a = put(&d, "far.npy", vllm_npy(&rows, LENS[0] - 1));
+    let e = bad(&["routes", "compare", &a, &t1, "--config", &c]);
+    assert!(e.contains("expert id 200 at token 0, layer index 1 is not below the config's 32 experts"), "{e}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Megatron-Core
+
+/// `router_trace_rank0.jsonl` of the training hook path: one line per (forward, router), keys
+/// as `_make_index_record` writes them (NVIDIA/Megatron-LM@core_v0.19.0:
+/// megatron/core/transformer/moe/router_trace.py:291, flushed with `json.dumps` at :465),
+/// `layer` the 0-based `decoder.layers` index (:45), MTP as block `mtp` with `mtp_idx`, ids
+/// ascending (a bool routing map, :353); one micro-batch (one request) per forward.
+fn megatron_trace(seqs: &[Vec<i32>], layers: &[usize]) -> String {
+    let mut out = String::new();
+    for s in seqs {
+        let n = s.len() / ROUTED / K;
+        for &l in layers {
+            let rows: Vec<Vec<i32>> = (0..n)
+                .map(|t| {
+                    let mut r = s[(t * ROUTED + l - 1) * K..][..K].to_vec();
+                    r.sort_unstable();
+                    r
+                })
+                .collect();
+            let (block, layer) = if l == DECODER { ("mtp", 0) } else { ("decoder", l) };
+            let mut rec = json!({"step": 7, "stage": "pre_dispatch", "block": block, "layer": layer, "rank": 0,
+                "num_tokens": n, "topk": K});
+            if block == "mtp" {
+                rec["mtp_idx"] = json!(0);
+            }
+            rec["top_indices"] = json!(rows);
+            out.push_str(&rec.to_string());
+            out.push('\n');
+        }
+    }
+    out
+}
+
+#[test]
+fn megatron_trace_and_inference_arrays_read_right() {
+    let d = dir("megatron");
+    let (c, seqs) = (config(&d), model(7));
+    // The trace as the trainer's record against SGLang's rollout.
+    let a = put(&d, "rollout.json", sglang_batch(&seqs, false));
+    let t = put(&d, "router_trace_rank0.jsonl", megatron_trace(&seqs, &[1, 2, 3, 4]));
+    let (code, r) = compare(&[&a, &t, "--config", &c, "--max-disagreement", "0"]);
+    assert_clean(&r, code, 0);
+    assert!(text(&r, "order").contains("another slot order"));
+    // Two pipeline stages, two rank files: only rank 0's file is a stage never merged.
+    let folder = d.join("ranks");
+    std::fs::create_dir_all(&folder).unwrap();
+    put(&folder, "router_trace_rank0.jsonl", megatron_trace(&seqs, &[1, 2]));
+    let (code, r) = compare(&[&a, folder.join("router_trace_rank0.jsonl").to_str().unwrap(), "--config", &c]);
+    assert_eq!(code, 1);
+    assert!(
+        text(&r, "pipeline-not-merged").contains("MoE layers 3 (1 of 3) are not in the record"),
+        "{}",
+        r["diagnoses"]
+    );
+    put(&folder, "router_trace_rank1.jsonl", megatron_trace(&seqs, &[3, 4]));
+    let (code, r) = compare(&[&a, folder.to_str().unwrap(), "--config", &c, "--max-disagreement", "0"]);
+    assert_clean(&r, code, 0);
+    // Inference routing over HTTP: int16 `[P + O - 1, moe_layers, K]`, MoE routers in order,
+    // MTP included, in the serializer's wrapper
+    // (megatron/core/inference/text_generation_controllers/text_generation_controller.py:1374,
+    // megatron/core/inference/inference_request.py:50).
+    let choices: Vec<Value> = seqs
+        .iter()
+        .map(|s| {
+            let n = s.len() / ROUTED / K - 1;
+            let rows: Vec<Vec<Vec<i32>>> =
+                (0..n).map(|t| (0..ROUTED).map(|l| s[(t * ROUTED + l) * K..][..K].to_vec()).collect()).collect();
+            json!({"index": 0, "moe_topk_indices": ["ndarray", {"data": rows, "dtype": "int16"}]})
+        })
+        .collect();
+    let a = put(&d, "inference.json", json!({"choices": choices}).to_string());
+    let (code, r) = compare(&[&a, &trainer(&d, &seqs), "--config", &c, "--max-disagreement", "0"]);
+    assert_eq!(code, 0, "{}", r["diagnoses"]);
+    assert!(text(&r, "layer-numbers").contains("the MoE and MTP layers (1 to 4)"), "{}", text(&r, "layer-numbers"));
+    assert_eq!(r["measures"]["decisions"], LENS.iter().map(|n| (n - 1) * 4).sum::<usize>());
+}
+
+#[test]
+fn megatron_bad_trace_lines_are_one_line() {
+    let d = dir("megatron-bad");
+    let (c, seqs) = (config(&d), model(8));
+    let a = put(&d, "rollout.json", sglang_batch(&seqs, false));
+    let trace = megatron_trace(&seqs[..1], &[1, 2]).replace("\"num_tokens\":40", "\"num_tokens\":41");
+    let t = put(&d, "router_trace_rank0.jsonl", trace);
+    let e = bad(&["routes", "compare", &a, &t, "--config", &c]);
+    assert!(e.contains("line 1: `top_indices` has 40 rows, `num_tokens` says 41"), "{e}");
+    let t = put(&d, "router_trace_rank1.jsonl", format!("{}{{\"step\": 7\n", megatron_trace(&seqs[..1], &[1])));
+    assert!(bad(&["routes", "compare", &a, &t, "--config", &c]).contains("line 2: not JSON"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// verl
+
+/// verl's batch: `torch.zeros(1, P + R, L, K)`, the engine's rows from
+/// `start_pos = prompt_length - len(prompt)`, int16, next to `attention_mask`
+/// (verl-project/verl@1dda039: verl/experimental/agent_loop/agent_loop.py:750, :766-779).
+fn verl(seqs: &[Vec<i32>], prompt_cfg: usize, response_cfg: usize) -> Vec<u8> {
+    let total = prompt_cfg + response_cfg;
+    let (mut routes, mut mask) = (Vec::new(), Vec::new());
+    for s in seqs {
+        let n = s.len() / ROUTED / K;
+        let prompt = n - 8; // 8 response tokens each
+        let start = prompt_cfg - prompt;
+        let mut x = vec![0; total * DECODER * K];
+        let rows = engine(s);
+        x[start * DECODER * K..][..rows.len()].copy_from_slice(&rows);
+        routes.extend(x);
+        mask.extend((0..total).map(|p| i64::from(p >= start && p < start + n)));
+    }
+    npz(&[
+        ("routed_experts.npy", npy("<i2", &[seqs.len(), total, DECODER, K], &as_i16(&routes))),
+        ("attention_mask.npy", npy("<i8", &[seqs.len(), total], &i64_bytes(&mask))),
+    ])
+}
+
+#[test]
+fn verl_left_padding_is_padding_not_a_token_offset() {
+    let d = dir("verl");
+    let (c, seqs) = (config(&d), model(9));
+    let t = trainer(&d, &seqs);
+    let a = put(&d, "batch.npz", verl(&seqs, 64, 16));
+    let (code, r) = compare(&[&a, &t, "--config", &c, "--max-disagreement", "0"]);
+    assert_clean(&r, code, 0);
+    assert!(text(&r, "padding").contains("mask"), "{}", text(&r, "padding"));
+    assert_eq!(r["rollout"]["format"], "verl");
+    let (f, n) = flipped(&seqs);
+    let (code, r) = compare(&[&a, &trainer(&d, &f), "--config", &c]);
+    assert_clean(&r, code, n);
+    // A mask of the wrong shape.
+    let bytes = npz(&[
+        ("routed_experts.npy", npy("<i2", &[1, 80, DECODER, K], &as_i16(&vec![0; 80 * DECODER * K]))),
+        ("attention_mask.npy", npy("<i8", &[1, 79], &i64_bytes(&[1; 79]))),
+    ]);
+    let e = bad(&["routes", "compare", &put(&d, "bad.npz", bytes), &t, "--config", &c]);
+    assert!(e.contains("`attention_mask` has shape [1, 79]; expected one flag per row (80)"), "{e}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// slime
+
+/// slime's packed replay target: each request's `len - 1` rows plus one pad row, then a
+/// trailing pad segment to a multiple of 128, pad rows `arange(n*L*K) % E`
+/// (THUDM/slime@624b824: slime/backends/megatron_utils/cp_utils.py:239-251, :268, :285),
+/// `cu_seqlens` with a segment for the trailing pad (slime/backends/megatron_utils/data.py:84).
+fn slime(seqs: &[Vec<i32>]) -> Vec<u8> {
+    let pad = |n: usize| -> Vec<i32> { (0..n * DECODER * K).map(|i| (i % E) as i32).collect() };
+    let (mut packed, mut cu) = (Vec::new(), vec![0i64]);
+    for s in seqs {
+        packed.extend(engine(s));
+        packed.extend(pad(1));
+        cu.push((packed.len() / DECODER / K) as i64);
+    }
+    let rows = packed.len() / DECODER / K;
+    let trailing = (128 - rows % 128) % 128;
+    packed.extend(pad(trailing));
+    cu.push((rows + trailing) as i64);
+    npz(&[
+        ("rollout_routed_experts.npy", npy("<i4", &[rows + trailing, DECODER, K], &i32_bytes(&packed))),
+        ("cu_seqlens.npy", npy("<i8", &[cu.len()], &i64_bytes(&cu))),
+    ])
+}
+
+#[test]
+fn slime_pad_rows_and_trailing_segment_are_padding() {
+    let d = dir("slime");
+    let (c, seqs) = (config(&d), model(10));
+    let t = trainer(&d, &seqs);
+    let a = put(&d, "rollout.json", sglang_batch(&seqs, false));
+    let p = put(&d, "packed.npz", slime(&seqs));
+    // The replay target as the trainer's record against the rollout.
+    let (code, r) = compare(&[&a, &p, "--config", &c, "--max-disagreement", "0"]);
+    assert_eq!(code, 0, "{}", r["diagnoses"]);
+    let pad = text(&r, "padding");
+    assert!(
+        pad.contains("fill arange(n*layers*top_k) % experts") && pad.contains("1 trailing pad segment(s) dropped"),
+        "{pad}"
+    );
+    assert_eq!(r["measures"]["decisions"], LENS.iter().map(|n| (n - 1) * 3).sum::<usize>());
+    assert_eq!(r["measures"]["decisions_differ"], 0.0);
+    // And as the rollout against the trainer.
+    let (code, r) = compare(&[&p, &t, "--config", &c, "--max-disagreement", "0"]);
+    assert_clean(&r, code, 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// SkyRL
+
+/// SkyRL's batch: compacted by the largest id (NovaSky-AI/SkyRL@a956457:
+/// skyrl/backends/skyrl_train/utils/routed_experts.py:9-34: uint8 here), every row first
+/// `arange(K)` in every layer, the routes copied left-padded to the batch's longest, and
+/// `router_padding_mask` (True = no route) (skyrl/train/dataset/preprocess.py:17-55, :230-273).
+fn skyrl(seqs: &[Vec<i32>]) -> Vec<u8> {
+    let total = *LENS.iter().max().unwrap();
+    let (mut batch, mut mask) = (Vec::new(), Vec::new());
+    for s in seqs {
+        let rows = engine(s);
+        let n = rows.len() / DECODER / K;
+        let start = total - (n + 1);
+        let mut x: Vec<i32> = (0..total * DECODER * K).map(|i| (i % K) as i32).collect();
+        x[start * DECODER * K..][..rows.len()].copy_from_slice(&rows);
+        batch.extend(x);
+        mask.extend((0..total).map(|p| u8::from(!(p >= start && p < start + n))));
+    }
+    npz(&[
+        ("rollout_expert_indices.npy", npy("|u1", &[seqs.len(), total, DECODER, K], &as_u8(&batch))),
+        ("router_padding_mask.npy", npy("|b1", &[seqs.len(), total], &mask)),
+    ])
+}
+
+#[test]
+fn skyrl_batch_and_wire_read_right() {
+    let d = dir("skyrl");
+    let (c, seqs) = (config(&d), model(11));
+    let t = trainer(&d, &seqs);
+    let a = put(&d, "batch.npz", skyrl(&seqs));
+    let (code, r) = compare(&[&a, &t, "--config", &c, "--max-disagreement", "0"]);
+    assert_clean(&r, code, 0);
+    assert!(text(&r, "padding").contains("mask"));
+    // The wire: `{data, shape, dtype}` per choice (skyrl/backends/skyrl_train/inference_servers/generate_wire.py:75-81).
+    let choices: Vec<Value> = seqs
+        .iter()
+        .map(|s| {
+            let rows = engine(s);
+            json!({"routed_experts": {"data": b64(&as_u8(&rows)), "shape": [rows.len() / DECODER / K, DECODER, K], "dtype": "uint8"}})
+        })
+        .collect();
+    let a = put(&d, "wire.json", json!({"choices": choices}).to_string());
+    let (code, r) = compare(&[&a, &t, "--config", &c, "--max-disagreement", "0"]);
+    assert_clean(&r, code, 0);
+    let wrong =
+        json!({"choices": [{"routed_experts": {"data": b64(&[1, 2, 3]), "shape": [1, DECODER, K], "dtype": "uint8"}}]});
+    let e = bad(&["routes", "compare", &put(&d, "wrong.json", wrong.to_string()), &t, "--config", &c]);
+    assert!(e.contains("3 bytes, shape [1, 4, 4] of uint8 needs Some(16)"), "{e}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// NeMo-RL
+
+/// NeMo-RL's generation output: the narrowest signed dtype (int8 for 32 experts,
+/// NVIDIA-NeMo/RL@7ea279a: nemo_rl/models/generation/interfaces.py:61-69), right padded,
+/// `arange(K)` first and the engine's rows over it, -1 in every slot for rows vLLM did not
+/// return (nemo_rl/models/generation/vllm/utils.py:220-234), with the sequence lengths.
+fn nemo(seqs: &[Vec<i32>], missing_last: usize) -> Vec<u8> {
+    let s_len = *LENS.iter().max().unwrap() + 2;
+    let mut out = Vec::new();
+    for (i, s) in seqs.iter().enumerate() {
+        let rows = engine(s);
+        let n = rows.len() / DECODER / K;
+        let mut x: Vec<i32> = (0..s_len * DECODER * K).map(|j| (j % K) as i32).collect();
+        x[..rows.len()].copy_from_slice(&rows);
+        if i == 0 && missing_last > 0 {
+            x[(n - missing_last) * DECODER * K..n * DECODER * K].fill(-1);
+        }
+        out.extend(x);
+    }
+    let lens: Vec<i64> = LENS.iter().map(|&n| n as i64).collect();
+    npz(&[
+        (
+            "routed_experts.npy",
+            npy("|i1", &[seqs.len(), s_len, DECODER, K], &out.iter().map(|&v| v as i8 as u8).collect::<Vec<_>>()),
+        ),
+        ("unpadded_sequence_lengths.npy", npy("<i8", &[3], &i64_bytes(&lens))),
+    ])
+}
+
+#[test]
+fn nemo_rl_missing_routes_are_counted_apart() {
+    let d = dir("nemo");
+    let (c, seqs) = (config(&d), model(12));
+    let t = trainer(&d, &seqs);
+    let a = put(&d, "gen.npz", nemo(&seqs, 0));
+    let (code, r) = compare(&[&a, &t, "--config", &c, "--max-disagreement", "0"]);
+    assert_clean(&r, code, 0);
+    // The last 5 rows of request 0 missing (-1): 5 x 3 layers counted apart, not as differing.
+    let a = put(&d, "missing.npz", nemo(&seqs, 5));
+    let (code, r) = compare(&[&a, &t, "--config", &c, "--max-disagreement", "0"]);
+    assert_eq!(code, 0, "{}", r["diagnoses"]);
+    assert_eq!(r["rollout"]["found"]["missing"], 15);
+    assert_eq!(r["measures"]["decisions_differ"], 0.0);
+    assert_eq!(r["measures"]["decisions"], LENS.iter().map(|n| (n - 1) * 3).sum::<usize>() - 15);
+    // The Gym wire envelope (nemo_rl/utils/routed_experts_codec.py:62-67).
+    let choices: Vec<Value> = seqs
+        .iter()
+        .map(|s| {
+            let rows = engine(s);
+            let n = rows.len() / DECODER / K;
+            let bytes: Vec<u8> = rows.iter().map(|&v| v as i8 as u8).collect();
+            json!({"message": {"routed_experts": format!("nrlre1:int8:{n}x{DECODER}x{K}:{}", b64(&bytes))}})
+        })
+        .collect();
+    let a = put(&d, "gym.json", json!({"choices": choices}).to_string());
+    let (code, r) = compare(&[&a, &t, "--config", &c, "--max-disagreement", "0"]);
+    assert_clean(&r, code, 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Defects across writers: narrowing casts, a row short, not paired, dense placeholders.
+
+#[test]
+fn narrowing_casts_are_named() {
+    let d = dir("narrow");
+    let (c, seqs) = (config(&d), model(13));
+    let t1 = trainer(&d, &seqs[..1]);
+    // A NeMo-RL -1 cast to uint8 (verl <= v0.9.0 cast to uint8 when max <= 255,
+    // verl-project/verl@v0.9.0: verl/workers/utils/padding.py:75-76): 255.
+    let mut rows = engine(&seqs[0]);
+    let n = LENS[0] - 1;
+    rows[(n - 2) * DECODER * K..].fill(-1);
+    let a = put(&d, "wrapped.npy", npy("|u1", &[n, DECODER, K], &as_u8(&rows)));
+    let (code, r) = compare(&[&a, &t1, "--config", &c]);
+    assert_eq!(code, 1);
+    assert!(text(&r, "narrowing-cast").contains("slots hold 255 in a uint8 record"), "{}", r["diagnoses"]);
+    // 384 experts stored as uint8: ids modulo 256.
+    let big = json!({"num_hidden_layers": DECODER, "n_routed_experts": 384, "num_experts_per_tok": K,
+        "first_k_dense_replace": 1, "num_nextn_predict_layers": 1});
+    let c384 = put(&d, "config384.json", big.to_string());
+    let wide: Vec<Vec<i32>> =
+        LENS.iter().enumerate().map(|(i, &n)| random_routes(n, ROUTED, K, 384, 40 + i as u64)).collect();
+    let t = trainer(&d, &wide[..1]);
+    let rows = engine(&wide[0]);
+    let a = put(&d, "mod256.npy", npy("|u1", &[n, DECODER, K], &as_u8(&rows)));
+    let (code, r) = compare(&[&a, &t, "--config", &c384]);
+    assert_eq!(code, 1);
+    assert!(text(&r, "narrowing-cast").contains("equal modulo 256"), "{}", r["diagnoses"]);
+}
+
+#[test]
+fn a_record_one_row_short_beyond_the_convention_is_named() {
+    let d = dir("short");
+    let (c, seqs) = (config(&d), model(14));
+    let t = trainer(&d, &seqs);
+    let short: Vec<Value> = seqs
+        .iter()
+        .map(|s| {
+            let rows = engine(s);
+            json!({"meta_info": {"routed_experts": b64(&i32_bytes(&rows[..rows.len() - DECODER * K]))}})
+        })
+        .collect();
+    let a = put(&d, "short.json", Value::Array(short).to_string());
+    let (code, r) = compare(&[&a, &t, "--config", &c]);
+    assert_eq!((code, defects(&r)), (1, vec!["one-row-short".to_string()]));
+}
+
+#[test]
+fn records_not_paired_fail_even_without_a_threshold() {
+    let d = dir("unpaired");
+    let (c, seqs) = (config(&d), model(15));
+    let t = trainer(&d, &seqs);
+    // The rollout of other requests.
+    let a = put(&d, "other.json", sglang_batch(&model(99), false));
+    let (code, r) = compare(&[&a, &t, "--config", &c]);
+    assert_eq!((code, defects(&r)), (1, vec!["not-paired".to_string()]));
+    assert!(text(&r, "not-paired").contains("probably not paired right"));
+    // A payload shaped with another layer count (no config: shape from the other record).
+    let a = put(&d, "rollout.json", sglang_batch(&seqs, false));
+    let t5 = {
+        let g: Vec<Vec<i32>> =
+            LENS.iter().enumerate().map(|(i, &n)| random_routes(n, 5, K, E, 70 + i as u64)).collect();
+        let routes = g.concat();
+        let mut cu = vec![0i64];
+        for &n in &LENS {
+            cu.push(cu.last().unwrap() + n as i64);
+        }
+        let gen = Generic {
+            routes: &routes,
+            tokens: cu[3] as usize,
+            layers: &[0, 1, 2, 3, 4],
+            k: K,
+            logits: None,
+            input_ids: None,
+            cu_seqlens: Some(&cu),
+        };
+        put(&d, "t5.safetensors", gen.bytes())
+    };
+    let out = Command::new(BIN).args(["routes", "compare", &a, &t5, "--format", "json"]).output().unwrap();
+    assert_ne!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stdout));
+}
+
+#[test]
+fn two_zero_filled_dense_layers_are_not_aliasing() {
+    let d = dir("dense2");
+    let c = put(
+        &d,
+        "config.json",
+        json!({"num_hidden_layers": 5, "n_routed_experts": E, "num_experts_per_tok": K, "first_k_dense_replace": 2})
+            .to_string(),
+    );
+    let moe = random_routes(64, 3, K, E, 16);
+    let mut rows = vec![0; 63 * 5 * K];
+    for t in 0..63 {
+        rows[(t * 5 + 2) * K..(t * 5 + 5) * K].copy_from_slice(&moe[t * 3 * K..(t + 1) * 3 * K]);
+    }
+    let a = put(&d, "rollout.npy", npy("|u1", &[63, 5, K], &as_u8(&rows)));
+    let g =
+        Generic { routes: &moe, tokens: 64, layers: &[2, 3, 4], k: K, logits: None, input_ids: None, cu_seqlens: None };
+    let t = put(&d, "trainer.safetensors", g.bytes());
+    let (code, r) = compare(&[&a, &t, "--config", &c, "--max-disagreement", "0"]);
+    assert_eq!(code, 0, "{}", r["diagnoses"]);
+    assert!(defects(&r).is_empty());
+    // Without a config, the zero layers are left out as dense, said so.
+    let (code, r) = compare(&[&a, &a]);
+    assert_eq!(code, 0, "{}", r["diagnoses"]);
+    assert!(text(&r, "unpaired").contains("layers 0 to 1 hold only zeros"));
+}
+
+#[test]
+fn show_says_what_it_inferred() {
+    let d = dir("show");
+    let (c, seqs) = (config(&d), model(17));
+    let a = put(&d, "batch.npz", nemo(&seqs, 5));
+    let out = Command::new(BIN).args(["routes", "show", &a, "--config", &c]).output().unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let t = String::from_utf8(out.stdout).unwrap();
+    for want in [
+        "writer: NeMo-RL routed_experts",
+        "dtype: int8",
+        "layers: not in the file: its 4 layers are every decoder layer",
+        "padding rows:",
+        "missing routes: 15",
+        "dense layers holding placeholders: 0",
+    ] {
+        assert!(t.contains(want), "{want}\n{t}");
+    }
+}
