@@ -118,6 +118,12 @@ pub trait Hints: Send + Sync {
     fn serving(&self) -> bool {
         false
     }
+    /// Whether the adapter serving the router can seed its random draws from each request's
+    /// seed with its option `seed_calls=True` (`Some(on)`), or has no such option (`None`):
+    /// the advice for a random router names only what the adapter offers.
+    fn seed_calls(&self) -> Option<bool> {
+        None
+    }
 }
 
 /// The [`Hints`] of any router, with the built-in defaults when it gives none.
@@ -141,6 +147,10 @@ impl dyn Router + '_ {
     /// Whether the router is audited in its serving mode ([`Hints::serving`]).
     pub fn serving(&self) -> bool {
         self.hints().is_some_and(Hints::serving)
+    }
+    /// Whether its adapter offers `seed_calls` ([`Hints::seed_calls`]).
+    pub fn seed_calls(&self) -> Option<bool> {
+        self.hints().and_then(Hints::seed_calls)
     }
 }
 

@@ -341,7 +341,9 @@ def _caller(route: RouteFn) -> Callable[[np.ndarray, str, Optional[int], Optiona
 def describe(router: Any, options: Dict[str, Any]) -> Tuple[RouteFn, Dict[str, Any]]:
     """(route, spec) of a router given as a function or an object with a ``route`` method: spec
     holds name, experts, top_k, input, hidden_size, protocol and padding_mask, each taken (and
-    removed) from the options dict, else the router's attribute of that name, else its default."""
+    removed) from the options dict, else the router's attribute of that name, else its default;
+    and seed_calls, the router's attribute only: an adapter object that applies the request's seed
+    itself when asked (``moe_audit.hf``: ``seed_calls=True``) has it, a route function does not."""
     route = getattr(router, "route", router)
     if not callable(route):
         raise TypeError("router must be route(data, mode) or have a route(data, mode) method")
@@ -353,12 +355,18 @@ def describe(router: Any, options: Dict[str, Any]) -> Tuple[RouteFn, Dict[str, A
         spec[key] = default if value is None else value
     if spec["experts"] is None:
         raise TypeError("experts is required (a keyword, or an attribute of the router)")
+    seed_calls = getattr(router, "seed_calls", None)
+    spec["seed_calls"] = seed_calls if isinstance(seed_calls, bool) else None
     return route, spec
 
 
 def handshake(name: str, experts: int, top_k: Optional[int], input: str, hidden_size: Optional[int],
-              protocol: Protocol = v2.PROTOCOL, padding_mask: bool = False) -> Dict[str, Any]:
-    """The handshake object of a router (checked here, so a mistake fails before moe-audit runs)."""
+              protocol: Protocol = v2.PROTOCOL, padding_mask: bool = False,
+              seed_calls: Optional[bool] = None) -> Dict[str, Any]:
+    """The handshake object of a router (checked here, so a mistake fails before moe-audit runs).
+    ``seed_calls``: None for a route function (it gets the request's ``seed`` and applies it
+    itself, or not); a bool for an adapter that offers ``seed_calls=True`` (whether it is on), so
+    that moe-audit's advice for a random router names that option (``moe-audit/2`` only)."""
     protocol = protocol_name(protocol)
     if input not in ("logits", "hidden"):
         raise ValueError("input must be 'logits' or 'hidden'")
@@ -368,14 +376,16 @@ def handshake(name: str, experts: int, top_k: Optional[int], input: str, hidden_
           "top_k": None if top_k is None else int(top_k), "input": input}
     if hidden_size is not None:
         hs["hidden_size"] = int(hidden_size)
+    if seed_calls is not None and protocol == v2.PROTOCOL:
+        hs["seed_calls"] = bool(seed_calls)
     return PROTOCOLS[protocol].handshake(hs, padding_mask)
 
 
 def serve(route: RouteFn, name: str, experts: int, top_k: Optional[int], input: str = "logits",
           hidden_size: Optional[int] = None, stdin: Optional[BinaryIO] = None, stdout: Optional[BinaryIO] = None,
-          protocol: Protocol = v2.PROTOCOL, padding_mask: bool = False) -> None:
+          protocol: Protocol = v2.PROTOCOL, padding_mask: bool = False, seed_calls: Optional[bool] = None) -> None:
     """Speaks the protocol on binary streams (default stdin/stdout) until the input closes."""
-    hs = handshake(name, experts, top_k, input, hidden_size, protocol, padding_mask)
+    hs = handshake(name, experts, top_k, input, hidden_size, protocol, padding_mask, seed_calls)
     wire = PROTOCOLS[hs["protocol"]]
     width = hs["experts"] if input == "logits" else hs["hidden_size"]
     inp = stdin or sys.stdin.buffer
@@ -463,16 +473,32 @@ def answer_plan(route: RouteFn, directory: Union[str, "os.PathLike[str]"], proto
             os.remove(partial)
 
 
-def run(route: RouteFn, name: str, experts: int, top_k: Optional[int], input: str = "logits",
-        hidden_size: Optional[int] = None, argv: Optional[Sequence[str]] = None,
-        protocol: Protocol = v2.PROTOCOL, padding_mask: bool = False) -> None:
-    """Serves the router, or with ``--answer-plan DIR`` answers a trace plan."""
+def _plan_directory(argv: Optional[Sequence[str]]) -> Optional[str]:
+    """The DIR of ``--answer-plan DIR``. ``argv`` given: it holds this adapter's arguments only,
+    parsed strictly (``--help`` too). None: the script's command line, which may hold the script's
+    own options; only ``--answer-plan DIR`` (or ``--answer-plan=DIR``) is read from it, everything
+    else is left to the script (moe-audit starts a router command with no arguments of its own)."""
     parser = argparse.ArgumentParser(
-        description=f"Serves the router {name} to moe-audit on stdin/stdout (docs/PROTOCOL.md).")
+        description="Serves the router to moe-audit on stdin/stdout (docs/PROTOCOL.md).",
+        add_help=argv is not None, allow_abbrev=False)
     parser.add_argument("--answer-plan", metavar="DIR",
                         help="answer the trace plan in DIR (moe-audit plan) into DIR/decisions.jsonl instead")
-    args = parser.parse_args(argv)
-    if args.answer_plan is not None:
-        answer_plan(route, args.answer_plan, protocol)
+    if argv is not None:
+        return parser.parse_args(argv).answer_plan
+    args, _ = parser.parse_known_args(sys.argv[1:])
+    return args.answer_plan
+
+
+def run(route: RouteFn, name: str, experts: int, top_k: Optional[int], input: str = "logits",
+        hidden_size: Optional[int] = None, argv: Optional[Sequence[str]] = None,
+        protocol: Protocol = v2.PROTOCOL, padding_mask: bool = False, seed_calls: Optional[bool] = None) -> None:
+    """Serves the router, or with ``--answer-plan DIR`` answers a trace plan. Other arguments on
+    the script's command line are the script's own: left alone (see :func:`_plan_directory`).
+    ``seed_calls``: for an adapter that applies the request's seed itself (see :func:`handshake`);
+    a route function leaves it None and takes a ``seed`` keyword instead."""
+    directory = _plan_directory(argv)
+    if directory is not None:
+        answer_plan(route, directory, protocol)
     else:
-        serve(route, name, experts, top_k, input, hidden_size, protocol=protocol, padding_mask=padding_mask)
+        serve(route, name, experts, top_k, input, hidden_size, protocol=protocol, padding_mask=padding_mask,
+              seed_calls=seed_calls)

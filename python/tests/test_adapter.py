@@ -249,6 +249,56 @@ def test_run_parses_its_arguments(tmp_path, capsys):
     assert e.value.code == 0 and "--answer-plan DIR" in capsys.readouterr().out
 
 
+def test_run_leaves_the_scripts_own_arguments_alone(tmp_path):
+    # An adapter script with options of its own (issue 37): run() read sys.argv and failed on
+    # them. It reads only --answer-plan DIR there; the script parses the rest.
+    script = tmp_path / "router.py"
+    script.write_text(
+        "import argparse, sys\n"
+        "import numpy as np\n"
+        "from moe_audit import routes_from_arrays, run\n"
+        "p = argparse.ArgumentParser()\n"
+        "p.add_argument('--layer', type=int, required=True)\n"
+        "p.add_argument('-v', action='store_true')\n"
+        "args, _ = p.parse_known_args()\n"
+        "print('layer', args.layer, args.v, file=sys.stderr)\n"
+        "def route(data, mode):\n"
+        "    t = data.shape[0] * data.shape[1]\n"
+        "    return routes_from_arrays(np.tile([args.layer, 1], (t, 1)), np.full((t, 2), 0.5)), 2\n"
+        "run(route, name='r', experts=8, top_k=2)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(moe_audit.__file__)),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(script), "--layer", "3", "-v"], input=frame(2, 1),
+                          capture_output=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr.decode()
+    hs, responses = answers(2, proc.stdout)
+    assert hs["name"] == "r" and [r["id"] for r in responses] == [1]
+    assert proc.stderr.decode() == "layer 3 True\n"
+    # --answer-plan DIR among the script's own options still answers the plan.
+    route = example("mixtral_router").route
+    argv = ["script", "--layer", "3", "--answer-plan=" + str(tmp_path / "missing"), "-v"]
+    with pytest.raises(FileNotFoundError, match="missing/manifest.json"):
+        old, sys.argv = sys.argv, argv
+        try:
+            moe_audit.run(route, "r", 8, 2)
+        finally:
+            sys.argv = old
+
+
+def test_only_an_adapter_offering_seed_calls_declares_it():
+    # moe-audit's advice for a random router names seed_calls=True only where the adapter in
+    # use offers it (issue 37): the handshake says so, a route function's does not.
+    route, spec = moe_audit.adapter.describe(two_routes, {"experts": 8})
+    assert spec["seed_calls"] is None
+    assert "seed_calls" not in moe_audit.adapter.handshake("r", 8, 2, "logits", None, seed_calls=None)
+    offered = SimpleNamespace(route=two_routes, experts=8, seed_calls=False)
+    route, spec = moe_audit.adapter.describe(offered, {})
+    assert spec["seed_calls"] is False
+    hs = moe_audit.adapter.handshake(**spec)
+    assert hs["seed_calls"] is False and hs["protocol"] == "moe-audit/2"
+    assert "seed_calls" not in moe_audit.adapter.handshake(**dict(spec, protocol=1)), "/1 has no seed"
+
+
 def test_a_failing_router_leaves_no_answers(tmp_path):
     manifest = {"router": {"experts": 4}, "calls": [{"id": 1, "mode": "train", "tensor": "t0"}]}
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))

@@ -142,6 +142,24 @@ def test_capacity_and_random_routers_leak_where_they_should(name, make, leaks):
         assert all(v in ("inconclusive", "pass") for p, v in found.items() if p != "D"), found
 
 
+def test_a_router_random_only_in_training_leaks_nothing_in_inference_mode():
+    # Issue 37: audited in inference mode, Mixtral with router jitter leaked S ("routes
+    # differently in training mode, after an inference call"): S compared two training calls,
+    # and D had looked at inference mode only. D now runs in both modes: inference is
+    # deterministic (D passes and says training is not), and S and M, which call training
+    # mode, are inconclusive. The advice names seed_calls=True, which moe_audit.hf offers.
+    block = MixtralSparseMoeBlock(transformers.MixtralConfig(hidden_size=64, intermediate_size=64,
+                                                             num_local_experts=8, router_jitter_noise=0.1))
+    proc = moe_audit.check(hf.wrap(block), "--format", "json", "--mode", "inference", *SIZES)
+    found = verdicts(proc)
+    assert found == dict(ALL_PASS, S="inconclusive", M="inconclusive"), found
+    d = next(f for f in json.loads(proc.stdout)["routers"][0]["findings"] if f["probe"] == "D")
+    assert "in training mode, " in d["note"] and "with seed_calls=True" in d["note"], d["note"]
+    # Seeded per token, training mode is deterministic too: S passes, and M leaks for real
+    # (training routes jittered logits, serving does not).
+    assert audit(block, "--mode", "inference", seed_calls=True) == dict(ALL_PASS, M="leak")
+
+
 def test_nllb_moe_verdicts_do_not_depend_on_the_probes_run():
     full = audit(nllb(capacity=4))
     for probes in ("L", "M,L", "S", "P,S"):

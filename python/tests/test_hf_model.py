@@ -273,3 +273,61 @@ def test_switch_with_binding_per_sequence_capacity_is_causal():
     # router gets no padding mask), and generating one token at a time never fills the capacity
     # the full forward fills.
     assert verdicts["R"] == "leak" and verdicts["G"] == "leak", verdicts
+
+
+# Issue 37: a whole model audits, or fails with one line naming its family and the config field,
+# never a raw exception. Both at the issue's sizes (batch 2 x seq 16).
+MLA = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+           num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256, n_routed_experts=8,
+           num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=0, kv_lora_rank=16,
+           q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+
+
+def mla(family, **change):
+    return causal(transformers.AutoConfig.for_model(family, **dict(MLA, **change)))
+
+
+def one_line_refusal(model):
+    with pytest.raises(hf.NotCovered) as err:
+        hf.wrap(model)
+    message = str(err.value)
+    assert "\n" not in message, message
+    return message
+
+
+def test_glm4_moe_lite_with_mla_and_grouped_kv_heads_fails_in_one_line_naming_the_field():
+    # MLA expands the latent keys and values to every head, and the attention then repeats them
+    # num_attention_heads / num_key_value_heads times: 8 key heads for 4 query heads. The model's
+    # own forward fails on it (transformers 5.23.0); the wrapper says which field, in one line.
+    model = mla("glm4_moe_lite")
+    with pytest.raises(RuntimeError, match="must match the size of tensor b"):
+        model(torch.tensor([[1, 2, 3]]))
+    message = one_line_refusal(model)
+    assert message.startswith("glm4_moe_lite: the model's own forward fails with this config"), message
+    assert "config.num_key_value_heads is 2" in message and "set num_key_value_heads to 4" in message, message
+    # With the field set as it says, the model audits, and its routing is dropless: every probe passes.
+    verdicts, _ = audit(mla("glm4_moe_lite", num_key_value_heads=4))
+    assert verdicts == dict.fromkeys("PFNRDSMG", "pass")
+
+
+def test_deepseek_v4_hash_layers_that_pick_one_expert_twice_are_refused_saying_why():
+    # Its hash layers route by tid2eid[input_ids], a buffer a checkpoint fills; built from a
+    # config it is all zeros, so every token goes to expert 0 k times. The model routes that way;
+    # a routing record holds an expert once per token: refused in one line naming the field.
+    message = one_line_refusal(mla("deepseek_v4"))
+    assert message.startswith("deepseek_v4: layer 0 sends token 0 to expert 0 twice through its hash table tid2eid"), message
+    assert "config.mlp_layer_types" in message and "the model routes that way" in message, message
+    # Its top-k layers pick distinct experts: audited, dropless, every probe passes.
+    verdicts, _ = audit(mla("deepseek_v4", mlp_layer_types=["moe", "moe"]))
+    assert verdicts == dict.fromkeys("PFNRDSMG", "pass")
+
+
+def test_run_leaves_the_scripts_own_arguments_alone(monkeypatch):
+    wrapped = hf.wrap(qwen3(layers=2))
+    served = []
+    monkeypatch.setattr(wrapped, "serve", lambda: served.append(True))
+    monkeypatch.setattr("sys.argv", ["my_server.py", "--checkpoint", "x"])
+    wrapped.run()
+    assert served == [True]
+    with pytest.raises(SystemExit, match="serves moe-audit/3 on stdin/stdout"):
+        wrapped.run(["--checkpoint", "x"])

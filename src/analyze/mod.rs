@@ -403,10 +403,14 @@ pub fn audit(subject: &Subject, options: &AuditOptions, progress: &dyn Progress)
         findings.push(run_probe(&mut ctx, Probe::S, sample.as_ref())?);
     }
     findings.sort_by_key(|f| options.probes.iter().position(|&p| p == f.probe));
-    let noise = ctx.repeats().repeat.tally();
-    noise::separate(&mut findings, (noise.affected, noise.compared()), noise.differs());
+    let noise = noise::Noise::of(ctx.repeats(), router.serving());
+    let random_fix = noise::separate(&mut findings, &noise, router.seed_calls());
     for finding in &mut findings {
         finding.explain = explain::explain(finding, options, router.config(), router.serving());
+        // D leaking for randomness: the fix that names the mode and what the adapter offers.
+        if let (Probe::D, Some(e), Some(fix)) = (finding.probe, &mut finding.explain, &random_fix) {
+            e.fix = fix.clone();
+        }
     }
     Ok(RouterReport { router: router.name().to_string(), load, invariants, findings })
 }

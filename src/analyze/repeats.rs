@@ -44,6 +44,11 @@ pub(crate) struct Repeats {
     /// around an inference call (train → inference → train) and, in inference mode, around a
     /// training call (inference → train → inference).
     pub state: Vec<Observed>,
+    /// D in the other mode: the base call twice in a row there, the last calls of the audit
+    /// (`None`: the router has one mode). A probe comparing calls of that mode (S's inference →
+    /// train → inference, M) weighs its changes against it: a router random only in training
+    /// (jitter, sampling) audited in inference mode is random in the calls S makes in training.
+    pub other_repeat: Option<Observed>,
 }
 
 impl Repeats {
@@ -61,7 +66,7 @@ impl Repeats {
             observed("on the first call", same(), first.clone(), again.clone(), train),
             observed("after another call", around, twice.clone(), after_other, train),
         ];
-        Ok(Repeats { repeat: observed("twice in a row", same(), again, twice, train), state })
+        Ok(Repeats { repeat: observed("twice in a row", same(), again, twice, train), state, other_repeat: None })
     }
 
     /// The calls around the other mode, made after every training-mode probe and M (so that
@@ -88,8 +93,19 @@ impl Repeats {
             "in inference mode, after a training call"
         };
         let around = Case { b: other.clone(), ..same() };
-        self.state.push(observed(label, around, served, served_again, (CallMode::Inference, CallMode::Train)));
+        self.state.push(observed(label, around, served, served_again.clone(), (CallMode::Inference, CallMode::Train)));
+        let twice = base.routes(inference.as_ref())?;
+        let modes = (CallMode::Inference, CallMode::Inference);
+        self.other_repeat = Some(observed("twice in a row in the other mode", same(), served_again, twice, modes));
         Ok(())
+    }
+
+    /// D's comparison in `mode` (`Train`: the audited mode), when the audit made it.
+    pub(crate) fn repeat_in(&self, mode: CallMode) -> Option<&Observed> {
+        match mode {
+            CallMode::Train => Some(&self.repeat),
+            CallMode::Inference => self.other_repeat.as_ref(),
+        }
     }
 }
 

@@ -70,18 +70,25 @@ impl Tally {
         self.influence.iter_mut().zip(other.influence).for_each(|(a, b)| *a += b);
     }
 
+    /// The verdict of what was seen.
+    pub(crate) fn verdict(&self) -> Verdict {
+        // A leak is a changed routing record ([`TokenDiff::any`]): a changed decision, or the
+        // capacity in force alone (the rate counts decisions; the report says when only the
+        // capacity changed).
+        if self.differs() {
+            Verdict::Leak
+        } else {
+            Verdict::Pass
+        }
+    }
+
     pub(crate) fn finish(&self, finding: &mut Finding) {
         finding.compared = self.compared;
         finding.affected = self.affected;
         finding.capacity_changed = self.capacity_changed;
         finding.first_position = self.first_position;
         finding.rate = if self.compared > 0 { self.affected as f64 / self.compared as f64 } else { 0.0 };
-        // A leak is a changed decision. A capacity in force that changed while no decision did
-        // is reported (`capacity_changed`, and in the report's why) but is no leak: a "leak"
-        // of 0 tokens would say nothing true (docs/PROTOCOL.md, "Capacity").
-        if self.affected > 0 {
-            finding.verdict = Verdict::Leak;
-        }
+        finding.verdict = self.verdict();
         finding.influence = (self.influence.iter().enumerate())
             .filter(|(_, &count)| count > 0)
             .map(|(i, &count)| InfluenceBucket { from: 1 << i, to: (2 << i) - 1, count })

@@ -221,6 +221,7 @@ pub(super) fn run_plan(args: &PlanArgs, out: &mut dyn Write) -> Result<u8> {
         hidden_size: args.hidden_size,
         responses: None,
         padding_mask: false,
+        seed_calls: None,
     };
     // Each flag named in its own words (the handshake's checks would blame the handshake).
     ensure_positive(&[(Setting::Batch, args.batch), (Setting::SeqLen, args.seq_len), (Setting::Trials, args.trials)])?;

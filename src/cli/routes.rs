@@ -25,17 +25,20 @@ pub enum RoutesCommand {
     /// Align a rollout record against a trainer record, diagnose the alignment, measure their
     /// disagreement (exit 0 ok, 1 a defect or over --max-disagreement, 2 bad input).
     Compare(CompareArgs),
-    /// Summarise one record: load per layer and expert.
+    /// Summarise one record: what was inferred (writer, dtype, layer numbering, padding,
+    /// missing routes), then load per layer and expert.
     Show(ShowArgs),
 }
 
 /// Arguments of `routes compare`.
 #[derive(Debug, Args)]
 pub struct CompareArgs {
-    /// The engine's record: SGLang response JSON, vLLM `.npy`, or the generic format.
+    /// The engine's record: an SGLang response (JSON), a vLLM `.npy` or HTTP response, a
+    /// Megatron-Core inference response, or any trainer format.
     pub rollout: PathBuf,
-    /// The trainer's record: the generic format (`moe_audit.routes.record`), a Megatron
-    /// `RouterReplay` dump (`layer.N`), or any rollout format.
+    /// The trainer's record: the generic format (`moe_audit.routes.record`), Megatron-Core
+    /// `router_trace_rank{r}.jsonl` (or a folder of them), verl, slime, SkyRL or NeMo-RL arrays
+    /// (`.npz`/safetensors), or any rollout format. docs/ROUTES.md lists every layout.
     pub trainer: PathBuf,
     /// The model's Hugging Face config.json: which layers are MoE, dense or MTP, experts, top-k.
     #[arg(long, value_name = "config.json")]

@@ -255,6 +255,7 @@ pub(super) fn run(args: &SnapshotArgs, out: &mut dyn Write) -> Result<u8> {
             hidden_size: args.hidden_size,
             responses: None,
             padding_mask: false,
+            seed_calls: None,
         };
         write_plan(dir, &hs, &args.input()?, budget)?;
         writeln!(

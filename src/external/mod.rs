@@ -89,11 +89,12 @@ impl<A: Answers> Router for External<A> {
     }
 
     /// The router's identity for its witnesses: the handshake without its transport (protocol
-    /// version, response encoding, padding mask), so a witness replays over either protocol.
+    /// version, response encoding, padding mask) and its adapter's options (`seed_calls`), so a
+    /// witness replays over either protocol.
     fn handshake(&self) -> Option<serde_json::Value> {
         let mut value = serde_json::to_value(External::handshake(self)).ok()?;
         if let Some(fields) = value.as_object_mut() {
-            for transport in ["protocol", "responses", "padding_mask"] {
+            for transport in ["protocol", "responses", "padding_mask", "seed_calls"] {
                 fields.remove(transport);
             }
         }
@@ -143,6 +144,10 @@ impl<A: Answers> Hints for External<A> {
 
     fn serving(&self) -> bool {
         self.mode == Mode::Inference
+    }
+
+    fn seed_calls(&self) -> Option<bool> {
+        self.handshake().seed_calls
     }
 }
 

@@ -57,6 +57,12 @@ pub struct Handshake {
     /// `/2` only: requests carry a padding mask, so the audit's padding cases apply.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub padding_mask: bool,
+    /// `/2` only: the adapter serving the router can apply each request's `seed` to the
+    /// router's random draws itself, with its option `seed_calls=True` (`moe_audit.hf`): `false`
+    /// when it is off, `true` when on. Absent: no such option; the advice for a random router
+    /// then names only the `seed` every request carries.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seed_calls: Option<bool>,
 }
 
 /// The largest `experts` and `hidden_size` a handshake may declare (2^20: a million experts, as
@@ -69,8 +75,10 @@ impl Handshake {
         if self.protocol != PROTOCOL && self.protocol != PROTOCOL_2 {
             return Err(format!("handshake: protocol `{}`, expected `{PROTOCOL}` or `{PROTOCOL_2}`", self.protocol));
         }
-        if !self.framed() && (self.responses.is_some() || self.padding_mask) {
-            return Err(format!("handshake: `responses` and `padding_mask` need protocol `{PROTOCOL_2}`"));
+        if !self.framed() && (self.responses.is_some() || self.padding_mask || self.seed_calls.is_some()) {
+            return Err(format!(
+                "handshake: `responses`, `padding_mask` and `seed_calls` need protocol `{PROTOCOL_2}`"
+            ));
         }
         if let Err(e) = crate::names::check(&self.name) {
             return Err(format!("handshake: name {e}"));
@@ -474,6 +482,7 @@ mod tests {
             hidden_size: None,
             responses: None,
             padding_mask: false,
+            seed_calls: None,
         }
     }
 

@@ -464,7 +464,8 @@ fn run_probe(
             for (l, (tally, change)) in layers.iter_mut().zip(&r.layers).enumerate() {
                 tally.compared += 1;
                 tally.capacity_only += usize::from(r.capacity[l]);
-                let Some(c) = change else { continue };
+                // A capacity alone makes the case leak (`classify_case`); the counts are decisions.
+                let Some(c) = change.filter(|c| c.diff.decision()) else { continue };
                 if c.numerics {
                     tally.near_ties += 1;
                     tally.max_tie_margin = max_opt(tally.max_tie_margin, c.margin);

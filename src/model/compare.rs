@@ -58,7 +58,8 @@ pub(crate) fn compare_pair(a: &ModelOutput, ia: usize, b: &ModelOutput, ib: usiz
         let (ra, rb) = (&la.routing, &lb.routing);
         let diff = diff_token(ra, (ia / ra.seq_len, ia % ra.seq_len), rb, (ib / rb.seq_len, ib % rb.seq_len));
         capacity.push(diff.capacity && !diff.decision());
-        layers.push(diff.decision().then(|| classify(diff, la, ia, lb, ib)));
+        // A changed record is a change, the capacity in force included (`TokenDiff::any`).
+        layers.push(diff.any().then(|| classify(diff, la, ia, lb, ib)));
     }
     let output = a.outputs.as_ref().zip(b.outputs.as_ref()).map(|(ya, yb)| {
         let (ra, rb) = (&ya[ia * width..(ia + 1) * width], &yb[ib * width..(ib + 1) * width]);
@@ -86,8 +87,12 @@ fn classify(diff: TokenDiff, la: &LayerOutput, ia: usize, lb: &LayerOutput, ib: 
     let scale = xa.iter().fold(1f32, |m, v| m.max(v.abs()));
     // Rounding moves logits by float noise only; a flip on logits that moved more was caused.
     let rounding = delta > 0.0 && f64::from(delta / scale) <= OUTPUT_TOLERANCE;
-    let numerics =
-        rounding && !diff.kept && !diff.padded && (!diff.experts || margin.is_some_and(|m| m <= 2.0 * delta));
+    // Rounding never changes a capacity in force (computed from token counts, not logits).
+    let numerics = rounding
+        && !diff.kept
+        && !diff.padded
+        && !diff.capacity
+        && (!diff.experts || margin.is_some_and(|m| m <= 2.0 * delta));
     Change { diff, numerics, margin }
 }
 

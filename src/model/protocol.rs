@@ -155,6 +155,7 @@ impl ResponseHeader {
                 hidden_size: None,
                 responses: Some(Encoding::Binary),
                 padding_mask: info.padding_mask,
+                seed_calls: None,
             };
             let asked = Asked {
                 id: self.id,

@@ -80,14 +80,15 @@ pub fn render_model_text(report: &ModelReport) -> String {
         writeln!(s, "model {}: vocab {}; layers {}; {}", info.name, info.vocab, layers_line(info), extras.join(", "));
     let _ = writeln!(s, "audit: batch {} x seq_len {}, {} trials, seed {}\n", o.batch, o.seq_len, o.trials, o.seed);
     let routed: Vec<usize> = info.routed().map(|l| l.layer).collect();
-    let mut header = format!("{:<14} {:<9} {:<7} {:>5} {:>6}", "probe", "property", "verdict", "cases", "first");
+    let verdict = super::text::verdict_width("verdict", report.findings.iter().map(|f| f.verdict));
+    let mut header = format!("{:<14} {:<9} {:<verdict$} {:>5} {:>6}", "probe", "property", "verdict", "cases", "first");
     routed.iter().for_each(|l| {
         let _ = write!(header, " {:>9}", format!("layer {l}"));
     });
     let _ = writeln!(s, "{header} {:>9}", "outputs");
     for f in &report.findings {
         let mut row = format!(
-            "{:<14} {:<9} {:<7} {:>5} {:>6}",
+            "{:<14} {:<9} {:<verdict$} {:>5} {:>6}",
             format!("{:?} {}", f.probe, f.probe.name()),
             f.property.to_string(),
             verdict_word(f.verdict),

@@ -11,10 +11,20 @@ pub(crate) fn verdict_word(v: Verdict) -> &'static str {
         Verdict::Pass => "pass",
         Verdict::Leak => "LEAK",
         Verdict::NotApplicable => "n/a",
-        // Five letters: the zoo's columns.
-        Verdict::Inconclusive => "noise",
+        // JSON's word: one word for one verdict everywhere (columns widen to fit it).
+        Verdict::Inconclusive => "inconclusive",
         Verdict::Drift => "drift",
     }
+}
+
+/// Width of a column of `verdicts`' words: at least `header`'s.
+pub(crate) fn verdict_width(header: &str, verdicts: impl IntoIterator<Item = Verdict>) -> usize {
+    verdicts.into_iter().map(|v| verdict_word(v).len()).fold(header.len(), usize::max)
+}
+
+/// Width of the router column: the longest name, at least 22 (where the table began).
+fn router_width(report: &Report) -> usize {
+    report.routers.iter().map(|r| r.router.chars().count()).fold(22, usize::max)
 }
 
 fn percent(rate: f64) -> String {
@@ -36,6 +46,9 @@ pub(crate) fn why(f: &Finding) -> String {
     }
     if let Some(w) = &f.witness {
         parts.push(format!("{} changed", w.differs));
+    }
+    if f.affected == 0 && f.capacity_changed {
+        parts.push("the capacity in force changed, no decision did".into());
     }
     if let Some(p) = f.first_position {
         parts.push(format!("first at position {p}"));
@@ -84,13 +97,20 @@ pub fn render_text(report: &Report, witness_paths: &dyn Fn(&str, Probe) -> Optio
     let o = &report.options;
     let _ =
         writeln!(out, "moe-audit check: batch {} x seq {}, {} trials, seed {}", o.batch, o.seq_len, o.trials, o.seed);
-    let _ = writeln!(out, "{:<22} {:<12} {:<7} {:<10} {:>7}  why", "router", "probe", "verdict", "property", "rate");
+    // Columns fit the longest router name and verdict word, so every row lines up.
+    let width = router_width(report);
+    let verdict = verdict_width("verdict", report.routers.iter().flat_map(|r| r.findings.iter().map(|f| f.verdict)));
+    let _ = writeln!(
+        out,
+        "{:<width$} {:<12} {:<verdict$} {:<10} {:>7}  why",
+        "router", "probe", "verdict", "property", "rate"
+    );
     for r in &report.routers {
         // The fix depends on the design more than on the probe: say it once per router.
         let mut fixes: Vec<String> = Vec::new();
         for f in &r.findings {
             let mut line = format!(
-                "{:<22} {:<12} {:<7} {:<10} {:>7}  {}",
+                "{:<width$} {:<12} {:<verdict$} {:<10} {:>7}  {}",
                 r.router,
                 format!("{} {}", f.probe, f.probe.name()),
                 verdict_word(f.verdict),
@@ -103,11 +123,11 @@ pub fn render_text(report: &Report, witness_paths: &dyn Fn(&str, Probe) -> Optio
             }
             let _ = writeln!(out, "{}", line.trim_end());
             for (label, text) in details(f) {
-                let _ = writeln!(out, "{:<22}   {label}: {}", "", once_per_router(&mut fixes, label, text));
+                let _ = writeln!(out, "{:<width$}   {label}: {}", "", once_per_router(&mut fixes, label, text));
             }
         }
         for v in &r.invariants {
-            let _ = writeln!(out, "{:<22} invariant    FAIL    {v}", r.router);
+            let _ = writeln!(out, "{:<width$} {:<12} {:<verdict$} {v}", r.router, "invariant", "FAIL");
         }
     }
     // A router whose probes all passed but whose invariant failed is said as such, apart.
@@ -212,16 +232,18 @@ pub fn render_markdown(report: &Report) -> String {
 pub fn render_zoo(report: &Report) -> String {
     let (routers, probes) = (&report.routers, &report.options.probes);
     let mut out = String::new();
-    let _ = write!(out, "{:<22}", "router");
+    let width = router_width(report);
+    let cell = verdict_width("LEAK ", routers.iter().flat_map(|r| r.findings.iter().map(|f| f.verdict)));
+    let _ = write!(out, "{:<width$}", "router");
     for p in probes {
-        let _ = write!(out, " {:<5}", p.to_string());
+        let _ = write!(out, " {:<cell$}", p.to_string());
     }
     let _ = writeln!(out, " {:>8} {:>6}", "max/mean", "drop");
     for r in routers {
-        let _ = write!(out, "{:<22}", r.router);
+        let _ = write!(out, "{:<width$}", r.router);
         for p in probes {
             let v = r.finding(*p).map_or("-", |f| verdict_word(f.verdict));
-            let _ = write!(out, " {v:<5}");
+            let _ = write!(out, " {v:<cell$}");
         }
         let _ = writeln!(out, " {:>8.3} {:>6}", r.load.max_over_mean_load, percent(r.load.drop_rate));
     }
@@ -232,7 +254,7 @@ pub fn render_zoo(report: &Report) -> String {
         routers.len()
     );
     if let Some(line) = inconclusive_line(report) {
-        let _ = writeln!(out, "{line}; noise = inconclusive, within the router's randomness.");
+        let _ = writeln!(out, "{line}; inconclusive = within the router's randomness.");
     }
     out
 }
@@ -245,20 +267,21 @@ pub fn render_replay(replay: &Replay) -> String {
     let (found, gone) = if w.probe == Probe::X { ("DRIFT", "no drift") } else { ("LEAK", "no leak") };
     let name = w.name().unwrap_or_default();
     if replay.reproduces() {
+        // The capacity in force is part of the record: said beside the routes when it changed.
+        let capacity = |c: Option<usize>| match (replay.diff.capacity, c) {
+            (false, _) => String::new(),
+            (true, Some(c)) => format!(", capacity {c}"),
+            (true, None) => ", no capacity".into(),
+        };
         format!(
-            "{found} reproduced: router {name}, probe {} ({}), property {}: token {token} routes differently ({})\n  before: {}\n  after:  {}\n",
+            "{found} reproduced: router {name}, probe {} ({}), property {}: token {token} routes differently ({})\n  before: {}{}\n  after:  {}{}\n",
             w.probe,
             w.probe.name(),
             w.property,
             replay.diff.describe(),
             crate::analyze::explain::routes(&replay.before),
-            crate::analyze::explain::routes(&replay.after),
-        )
-    } else if replay.diff.capacity {
-        let capacity = |c: Option<usize>| c.map_or("none".to_string(), |c| c.to_string());
-        format!(
-            "{gone}: router {name} routes token {token} alike in both calls; the capacity in force changed ({} -> {}), no decision did\n",
             capacity(replay.capacity.0),
+            crate::analyze::explain::routes(&replay.after),
             capacity(replay.capacity.1),
         )
     } else {
@@ -289,6 +312,37 @@ mod tests {
             text.ends_with("1 of 1 router(s) break an invariant while every probe passed: switch-v1 (a capacity per sequence must be stated with its scope: moe-audit/2)\n"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn columns_fit_long_router_names_and_the_inconclusive_word() {
+        let finding = |probe, verdict| Finding { verdict, note: "why".into(), ..Finding::empty(probe) };
+        let router = |name: &str| RouterReport {
+            router: name.into(),
+            load: LoadStats::default(),
+            invariants: Vec::new(),
+            findings: vec![finding(Probe::P, Verdict::Pass), finding(Probe::D, Verdict::Inconclusive)],
+        };
+        let report = Report {
+            options: AuditOptions { probes: vec![Probe::P, Probe::D], ..AuditOptions::default() },
+            routers: vec![router("hf-Glm4MoeLiteForCausalLM-layer-1"), router("short")],
+        };
+        let text = render_text(&report, &|_, _| None);
+        let rows: Vec<&str> = text.lines().skip(1).take(5).collect();
+        // Every column starts where the header's does, whatever the name's length.
+        for column in ["probe", "verdict", "property"] {
+            let at = rows[0].find(column).unwrap();
+            for row in &rows[1..] {
+                assert_eq!(&row[at - 1..at], " ", "{column} in {row:?}\n{text}");
+                assert_ne!(&row[at..at + 1], " ", "{column} in {row:?}\n{text}");
+            }
+        }
+        assert!(text.contains(" inconclusive ") && !text.contains("noise"), "{text}");
+        let zoo = render_zoo(&report);
+        let header = zoo.lines().next().unwrap();
+        let row = zoo.lines().nth(1).unwrap();
+        assert_eq!(header.find(" P ").unwrap(), row.find(" pass ").unwrap(), "{zoo}");
+        assert_eq!(header.find(" D ").unwrap(), row.find(" inconclusive ").unwrap(), "{zoo}");
     }
 
     #[test]

@@ -11,6 +11,7 @@ use super::formats::Raw;
 use super::read::ranges;
 use super::record::{Format, Found, Record};
 use crate::error::{Error, Result};
+use rayon::prelude::*;
 use std::path::Path;
 
 fn bad(path: &Path, message: impl Into<String>) -> Error {
@@ -32,15 +33,25 @@ enum Row {
 
 fn classify(row: &[i32]) -> Row {
     let k = row.len();
-    if row.iter().all(|&e| e < 0) {
+    let (mut negative, mut zero) = (0, 0);
+    for &e in row {
+        negative += usize::from(e < 0);
+        zero += usize::from(e == 0);
+    }
+    if negative == k {
         return Row::Empty;
     }
-    if k > 1 && row.iter().all(|&e| e == 0) {
+    if k > 1 && zero == k {
         return Row::Zero;
     }
-    for i in 1..k {
-        if row[i] >= 0 && row[..i].contains(&row[i]) {
-            return Row::Repeat;
+    // Fills repeat 0 or one constant; only such rows are searched for a repeat (the search
+    // is most of the cost of this pass).
+    if zero >= 2 || (k > 1 && (row[0] == row[1] || row[0] == row[k - 1])) {
+        for i in 1..k {
+            let x = row[i];
+            if x >= 0 && row[..i].contains(&x) {
+                return Row::Repeat;
+            }
         }
     }
     Row::Route
@@ -97,59 +108,59 @@ pub(crate) fn finish(path: &Path, raw: Raw, layout: Option<&Layout>) -> Result<R
             ));
         }
     }
-    unwrap(path, &mut experts, &dtype, num_experts, &mut found)?;
+    unwrap(&mut experts, &dtype, num_experts, &mut found);
 
     let w = n_layers * k;
-    // Ids against the expert count: a few beyond it may be physical (EPLB) slots, tested
-    // against the other record; far beyond is bad input.
-    if let Some(e) = num_experts {
-        let mut beyond = (0usize, -1i32, usize::MAX);
-        for (i, &id) in experts.iter().enumerate() {
-            if id >= e as i32 {
-                beyond.0 += 1;
-                if id > beyond.1 {
-                    beyond = (beyond.0, id, i);
-                }
-            }
+    // One token-major pass over blocks of tokens (in parallel, merged in order, so the result
+    // is the same whatever the thread count): every (token, layer) row classified, ids checked
+    // (below -1, at or beyond the expert count), padding rows found and set to -1; rows that
+    // are no route kept aside.
+    let limit = num_experts.map_or(i32::MAX, |e| e as i32);
+    let blocks: Vec<Block> = experts
+        .par_chunks_mut(BLOCK * w)
+        .enumerate()
+        .map(|(i, chunk)| block(chunk, i * BLOCK, n_layers, k, limit, pad_mask.as_deref(), format, num_experts))
+        .collect();
+    let (mut negative, mut beyond) = (None, (0usize, -1i32, 0usize));
+    let mut pad = Vec::with_capacity(tokens);
+    let mut odd: Vec<(usize, Row)> = Vec::new();
+    let mut held = vec![(0usize, 0usize); n_layers]; // (routes, zero rows)
+    for b in blocks {
+        negative = negative.or(b.negative);
+        if b.beyond.1 > beyond.1 {
+            beyond = (beyond.0, b.beyond.1, b.beyond.2);
         }
-        if beyond.0 > 0 {
-            let (t, l) = (beyond.2 / w, beyond.2 % w / k);
-            let whose = if layout.is_some() { "the config's" } else { "the logits'" };
-            if beyond.1 as usize >= 2 * e {
-                return Err(bad(
-                    path,
-                    format!(
-                        "expert id {} at token {t}, layer index {l} is not below {whose} {e} experts (nor a physical slot of an expert-parallel layout, at most {})",
-                        beyond.1,
-                        2 * e - 1
-                    ),
-                ));
-            }
-            found.beyond = Some((beyond.0, beyond.1));
+        beyond.0 += b.beyond.0;
+        pad.extend(b.pad);
+        odd.extend(b.odd);
+        for (h, x) in held.iter_mut().zip(b.held) {
+            h.0 += x.0;
+            h.1 += x.1;
         }
-    }
-    // Padding rows: a mask, or a whole token row (every layer) that is no route.
-    let mut pad = vec![false; tokens];
-    for t in 0..tokens {
-        let row = &experts[t * w..(t + 1) * w];
-        let cause = if pad_mask.as_ref().is_some_and(|m| m[t]) {
-            Some("mask")
-        } else if row.iter().all(|&e| e < 0) {
-            (format != Format::NemoRl).then_some("no route (-1) in any layer")
-        } else if w >= 2 && row.iter().all(|&e| e == 0) {
-            Some("all-zero")
-        } else if row.chunks_exact(k).all(|l| matches!(classify(l), Row::Zero | Row::Repeat | Row::Empty)) {
-            Some("repeated ids in every layer")
-        } else {
-            fill_pattern(row, k, num_experts)
-        };
-        if let Some(c) = cause {
-            pad[t] = true;
-            *found.padding.entry(c.to_string()).or_default() += 1;
+        for (c, n) in b.causes {
+            *found.padding.entry(c.to_string()).or_default() += n;
         }
     }
-    for (t, _) in pad.iter().enumerate().filter(|p| *p.1) {
-        experts[t * w..(t + 1) * w].fill(-1);
+    if let Some((i, v)) = negative {
+        return Err(bad(path, format!("value {v} at flat index {i} is not an expert id or -1")));
+    }
+    // Ids a little beyond the expert count may be physical (EPLB) slots, tested against the
+    // other record; far beyond is bad input.
+    if beyond.0 > 0 {
+        let e = limit as usize;
+        let (t, l) = (beyond.2 / w, beyond.2 % w / k);
+        let whose = if layout.is_some() { "the config's" } else { "the logits'" };
+        if beyond.1 as usize >= 2 * e {
+            return Err(bad(
+                path,
+                format!(
+                    "expert id {} at token {t}, layer index {l} is not below {whose} {e} experts (nor a physical slot of an expert-parallel layout, at most {})",
+                    beyond.1,
+                    2 * e - 1
+                ),
+            ));
+        }
+        found.beyond = Some((beyond.0, beyond.1));
     }
     // A trailing packed segment made only of padding (slime's pad to a multiple of the TP size).
     while sequences.len() > 1 && sequences.last().is_some_and(|s| s.rows.clone().all(|t| pad[t])) {
@@ -157,24 +168,13 @@ pub(crate) fn finish(path: &Path, raw: Raw, layout: Option<&Layout>) -> Result<R
         found.pad_segments += 1;
     }
 
-    // What each layer index holds, on the rows that are not padding.
-    let mut held = vec![(0usize, 0usize, 0usize); n_layers]; // (routes, zero rows, other non-routes)
-    for t in (0..tokens).filter(|&t| !pad[t]) {
-        for (l, h) in held.iter_mut().enumerate() {
-            match classify(&experts[(t * n_layers + l) * k..][..k]) {
-                Row::Route if k == 1 && experts[(t * n_layers + l) * k] == 0 => h.1 += 1,
-                Row::Route => h.0 += 1,
-                Row::Zero => h.1 += 1,
-                Row::Repeat | Row::Empty => h.2 += 1,
-            }
-        }
-    }
     // With top-1, a 0 is a route unless the whole layer holds nothing else.
     if k == 1 {
         for h in held.iter_mut().filter(|h| h.0 > 0) {
             h.0 += h.1;
             h.1 = 0;
         }
+        odd.retain(|&(at, c)| !(c == Row::Zero && held[at % n_layers].1 == 0));
     }
     let routes_in = |l: usize| held[l].0 > 0;
 
@@ -196,12 +196,21 @@ pub(crate) fn finish(path: &Path, raw: Raw, layout: Option<&Layout>) -> Result<R
                     .map_err(|m| bad(path, format!("the config contradicts the record: {m}")))?;
                 (numbers, true, how)
             }
-            None => ((0..n_layers).collect(), false, format!("its {n_layers} layers are taken as 0 to {}", n_layers - 1)),
+            None => {
+                ((0..n_layers).collect(), false, format!("its {n_layers} layers are taken as 0 to {}", n_layers - 1))
+            }
         },
     };
     found.numbering = numbering;
 
-    // Dense layers (by the config) are never compared, whatever they hold.
+    // Dense layers (by the config) are never compared, whatever they hold; a layer of zeros is
+    // cleared too; in the others, zero or repeated rows and -1 rows are missing, counted apart.
+    #[derive(Clone, Copy, PartialEq)]
+    enum Act {
+        Clear,
+        Keep { count_empty: bool },
+    }
+    let mut acts = Vec::with_capacity(n_layers);
     for (i, &g) in numbers.iter().enumerate() {
         let kind = match layout {
             Some(l) => match l.kinds.get(g) {
@@ -218,33 +227,36 @@ pub(crate) fn finish(path: &Path, raw: Raw, layout: Option<&Layout>) -> Result<R
             },
             None => None,
         };
-        let clear = |experts: &mut Vec<i32>| {
-            for t in 0..tokens {
-                experts[(t * n_layers + i) * k..][..k].fill(-1);
-            }
-        };
-        if kind == Some(LayerKind::Dense) {
-            if held[i].0 + held[i].1 + held[i].2 > 0 && !(held[i].2 > 0 && held[i].0 + held[i].1 == 0) {
+        let (routes, zeros) = held[i];
+        acts.push(if kind == Some(LayerKind::Dense) {
+            if routes + zeros > 0 {
                 found.dense_filled.push(g);
             }
-            clear(&mut experts);
-        } else if held[i].0 == 0 && held[i].1 > 0 {
+            Act::Clear
+        } else if routes == 0 && zeros > 0 {
             // Only zeros: dense (zero-filled) without a config, capture never ran with one.
             found.zero_layers.push(g);
-            clear(&mut experts);
+            Act::Clear
         } else {
-            // Zero or repeated rows inside a routed layer, and -1 rows: missing, counted apart.
-            for t in (0..tokens).filter(|&t| !pad[t]) {
-                let row = &mut experts[(t * n_layers + i) * k..][..k];
-                match classify(row) {
-                    Row::Zero | Row::Repeat if k > 1 => {
-                        row.fill(-1);
-                        found.missing += 1;
-                    }
-                    Row::Empty if kind.is_some() || held[i].0 > 0 => found.missing += 1,
-                    _ => {}
-                }
+            Act::Keep { count_empty: kind.is_some() || routes > 0 }
+        });
+    }
+    // Cleared layers, then the rows that are no route in the others: missing, counted apart.
+    for (l, act) in acts.iter().enumerate() {
+        if *act == Act::Clear {
+            for t in 0..tokens {
+                experts[(t * n_layers + l) * k..][..k].fill(-1);
             }
+        }
+    }
+    for &(at, c) in &odd {
+        match (acts[at % n_layers], c) {
+            (Act::Keep { .. }, Row::Zero | Row::Repeat) if k > 1 => {
+                experts[at * k..(at + 1) * k].fill(-1);
+                found.missing += 1;
+            }
+            (Act::Keep { count_empty: true }, Row::Empty) => found.missing += 1,
+            _ => {}
         }
     }
 
@@ -270,18 +282,104 @@ pub(crate) fn finish(path: &Path, raw: Raw, layout: Option<&Layout>) -> Result<R
     })
 }
 
-/// A -1 stored unsigned (255, 65535) and ids wrapped negative by a signed narrowing cast.
-fn unwrap(
-    path: &Path,
-    experts: &mut [i32],
-    dtype: &super::formats::Dtype,
-    e: Option<usize>,
-    found: &mut Found,
-) -> Result<()> {
-    use super::array::Elem;
-    let Some(elem) = dtype.elem else {
-        return reject_negative(path, experts);
+/// Tokens per block of the classifying pass.
+const BLOCK: usize = 512;
+
+/// What the classifying pass found in one block of tokens.
+struct Block {
+    negative: Option<(usize, i32)>,
+    beyond: (usize, i32, usize),
+    pad: Vec<bool>,
+    causes: Vec<(&'static str, usize)>,
+    odd: Vec<(usize, Row)>,
+    held: Vec<(usize, usize)>,
+}
+
+/// Classifies the rows of `chunk` (tokens from `first`), finds its padding rows (set to -1).
+#[allow(clippy::too_many_arguments)]
+fn block(
+    chunk: &mut [i32],
+    first: usize,
+    n_layers: usize,
+    k: usize,
+    limit: i32,
+    mask: Option<&[bool]>,
+    format: Format,
+    experts: Option<usize>,
+) -> Block {
+    let w = n_layers * k;
+    let mut out = Block {
+        negative: None,
+        beyond: (0, -1, 0),
+        pad: Vec::with_capacity(chunk.len() / w),
+        causes: Vec::new(),
+        odd: Vec::new(),
+        held: vec![(0, 0); n_layers],
     };
+    let mut classes = vec![Row::Empty; n_layers];
+    for (j, row) in chunk.chunks_exact_mut(w).enumerate() {
+        let t = first + j;
+        for (l, c) in classes.iter_mut().enumerate() {
+            let ids = &row[l * k..(l + 1) * k];
+            for (i, &id) in ids.iter().enumerate() {
+                if id < -1 {
+                    out.negative.get_or_insert((t * w + l * k + i, id));
+                } else if id >= limit {
+                    out.beyond.0 += 1;
+                    if id > out.beyond.1 {
+                        out.beyond = (out.beyond.0, id, t * w + l * k);
+                    }
+                }
+            }
+            *c = classify(ids);
+        }
+        // Padding: a mask, or a whole token row (every layer) that is no route.
+        let none = |c: &Row| matches!(c, Row::Zero | Row::Repeat | Row::Empty);
+        let cause = if mask.is_some_and(|m| m[t]) {
+            Some("mask")
+        } else if classes.iter().all(|c| *c == Row::Empty) {
+            (format != Format::NemoRl).then_some("no route (-1) in any layer")
+        } else if w >= 2 && (classes.iter().all(|c| *c == Row::Zero) || (k == 1 && row.iter().all(|&e| e == 0))) {
+            Some("all-zero")
+        } else if classes.iter().all(none) {
+            Some("repeated ids in every layer")
+        } else if row[0] == 0 || classes.iter().all(|c| *c == Row::Route) {
+            fill_pattern(row, k, experts)
+        } else {
+            None
+        };
+        out.pad.push(cause.is_some());
+        if let Some(c) = cause {
+            match out.causes.iter_mut().find(|x| x.0 == c) {
+                Some(x) => x.1 += 1,
+                None => out.causes.push((c, 1)),
+            }
+            row.fill(-1);
+            continue;
+        }
+        for (l, &c) in classes.iter().enumerate() {
+            let at = t * n_layers + l;
+            match c {
+                Row::Route if k == 1 && row[l] == 0 => {
+                    out.held[l].1 += 1;
+                    out.odd.push((at, Row::Zero));
+                }
+                Row::Route => out.held[l].0 += 1,
+                Row::Zero => {
+                    out.held[l].1 += 1;
+                    out.odd.push((at, c));
+                }
+                Row::Repeat | Row::Empty => out.odd.push((at, c)),
+            }
+        }
+    }
+    out
+}
+
+/// A -1 stored unsigned (255, 65535) and ids wrapped negative by a signed narrowing cast.
+fn unwrap(experts: &mut [i32], dtype: &super::formats::Dtype, e: Option<usize>, found: &mut Found) {
+    use super::array::Elem;
+    let Some(elem) = dtype.elem else { return };
     let max_other = |skip: i32| experts.iter().copied().filter(|&v| v != skip).max().unwrap_or(0);
     match elem {
         Elem::U8 | Elem::U16 => {
@@ -312,15 +410,7 @@ fn unwrap(
                 found.narrow_for = e;
             }
         }
-        _ => reject_negative(path, experts)?,
-    }
-    Ok(())
-}
-
-fn reject_negative(path: &Path, experts: &[i32]) -> Result<()> {
-    match experts.iter().position(|&v| v < -1) {
-        Some(i) => Err(bad(path, format!("value {} at flat index {i} is not an expert id or -1", experts[i]))),
-        None => Ok(()),
+        _ => {}
     }
 }
 
@@ -358,6 +448,14 @@ fn infer_numbers(
     .filter(|c| c.2 && c.0.len() == n)
     .map(|c| (c.0, c.1))
     .collect();
+    // Numberings that give the same layers are one (a model with no dense and no MTP layer).
+    let mut candidates = candidates;
+    let mut seen: Vec<Vec<usize>> = Vec::new();
+    candidates.retain(|c| {
+        let new = !seen.contains(&c.0);
+        seen.push(c.0.clone());
+        new
+    });
     let dense_with_routes = |numbers: &[usize]| -> Vec<usize> {
         numbers
             .iter()
@@ -386,10 +484,7 @@ fn infer_numbers(
     }
     if let Some((numbers, name)) = candidates.first() {
         // Every count-matching numbering puts routes in a dense layer: say it, take the first.
-        return Ok((
-            numbers.clone(),
-            format!("its {n} layers are taken as {name}, although {}", rejected.join("; ")),
-        ));
+        return Ok((numbers.clone(), format!("its {n} layers are taken as {name}, although {}", rejected.join("; "))));
     }
     let mtp = l.kinds.len() - backbone;
     let with_mtp = if mtp > 0 { format!(" and {mtp} MTP layer(s)") } else { String::new() };

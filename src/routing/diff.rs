@@ -28,15 +28,17 @@ pub struct TokenDiff {
 }
 
 impl TokenDiff {
-    /// The token's routing decision changed (capacity alone does not count): the one rule that
-    /// judges a leak, for the audit (the tally counts these tokens), witness
-    /// shrinking and witness replay alike. A capacity in force that changed while no decision
-    /// did is reported, never judged a leak (docs/PROTOCOL.md, "Capacity").
+    /// The token's routing decision changed (experts, order, kept, padding, weights): what a
+    /// probe's rate counts. The capacity in force alone does not count here, though it is a
+    /// leak ([`TokenDiff::any`]).
     pub fn decision(&self) -> bool {
         self.experts || self.kept || self.padded || self.weight
     }
 
-    /// Anything changed.
+    /// The token's routing record changed, the capacity in force included: the one rule that
+    /// judges a leak, for the audit, witness shrinking and witness replay alike. Routing is the
+    /// full record (docs/PROPERTIES.md): a capacity that depends on what the token must not see
+    /// is a leak before it changes a decision (a prefix's smaller capacity, scenario 2).
     pub fn any(&self) -> bool {
         self.decision() || self.capacity
     }

@@ -168,6 +168,7 @@ fn config_routings(
         hidden_size: router.hidden_size(),
         responses: None,
         padding_mask: false,
+        seed_calls: None,
     };
     let rows = rows(input, &hs, budget)?;
     let inference = router.inference()?;

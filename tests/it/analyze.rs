@@ -231,6 +231,81 @@ fn scenario_12_random_selection_in_eval() {
     assert!(r.finding(D).unwrap().witness.is_none(), "no config to replay from");
 }
 
+/// A router random only in training (HF Mixtral's `router_jitter_noise`, DeepSpeed's
+/// `noisy_gate_policy="RSample"`), audited in its serving mode as `check --mode inference`
+/// audits a router over the protocol: its [`Router::inference`] is its training mode, where
+/// every call drops a different token (as [`RandomSelection`]).
+struct RandomInTraining {
+    inner: ConfigRouter,
+    calls: std::sync::Arc<AtomicUsize>,
+    serving: bool,
+}
+
+impl Router for RandomInTraining {
+    fn name(&self) -> &str {
+        "random-in-training"
+    }
+    fn experts(&self) -> usize {
+        self.inner.experts()
+    }
+    fn hidden_size(&self) -> Option<usize> {
+        self.inner.hidden_size()
+    }
+    fn scores(&self, hidden: &Tensor) -> moe_audit::Result<Tensor> {
+        self.inner.scores(hidden)
+    }
+    fn assign(&self, logits: ArrayView3<f32>) -> moe_audit::Result<Routing> {
+        let mut r = self.inner.assign(logits)?;
+        if !self.serving {
+            let call = self.calls.fetch_add(1, Ordering::SeqCst);
+            let n = r.tokens.len();
+            r.tokens[(call * 7919) % n].routes.iter_mut().for_each(|x| x.kept = !x.kept);
+        }
+        Ok(r)
+    }
+    fn inference(&self) -> moe_audit::Result<Option<Box<dyn Router>>> {
+        let calls = std::sync::Arc::clone(&self.calls);
+        Ok(Some(Box::new(RandomInTraining { inner: self.inner.clone(), calls, serving: !self.serving })))
+    }
+    fn hints(&self) -> Option<&dyn moe_audit::router::Hints> {
+        Some(self)
+    }
+}
+
+impl moe_audit::router::Hints for RandomInTraining {
+    fn serving(&self) -> bool {
+        self.serving
+    }
+}
+
+#[test]
+fn a_router_random_only_in_training_audited_in_inference_mode_leaks_nowhere() {
+    // Issue 37: S compared two training-mode calls around an inference call, D had run in
+    // inference mode only, and S reported a leak of state ("routes differently in training
+    // mode, after an inference call"). Every probe now weighs a mode's calls against D in that
+    // mode: D passes (inference is deterministic), S and M, which call training mode, are
+    // inconclusive, and nothing leaks.
+    let layer = layer_of(config("mixtral"));
+    let calls = std::sync::Arc::new(AtomicUsize::new(0));
+    let router = RandomInTraining { inner: layer.router().clone(), calls, serving: true };
+    let r = audit(&Subject { router: &router, layer: None }, &options(&[P, F, D, S, M]), &Silent).unwrap();
+    assert_eq!(verdicts(&r), [Pass, Pass, Pass, Verdict::Inconclusive, Verdict::Inconclusive], "{:#?}", r.findings);
+    assert!(!r.leaks());
+    let d = &r.finding(D).unwrap().note;
+    assert!(d.starts_with("the same call twice; in training mode, 2 of 128 tokens"), "{d}");
+    let s = &r.finding(S).unwrap().note;
+    assert!(
+        s.starts_with("inconclusive: random in training mode (")
+            && s.ends_with("the same call routes differently in training mode, after an inference call"),
+        "{s}"
+    );
+    // Audited in training mode, the same router is random where D looks: D leaks.
+    let calls = std::sync::Arc::new(AtomicUsize::new(0));
+    let router = RandomInTraining { inner: layer.router().clone(), calls, serving: false };
+    let r = audit(&Subject { router: &router, layer: None }, &options(&[D, S, M]), &Silent).unwrap();
+    assert_eq!(verdicts(&r), [Leak, Verdict::Inconclusive, Verdict::Inconclusive], "{:#?}", r.findings);
+}
+
 /// A router whose forward overwrites its own capacity (an eval capacity that persists).
 struct MutatingCapacity {
     inner: Mutex<ConfigRouter>,
@@ -493,25 +568,27 @@ fn capacity_only(factor: f64) -> RouterConfig {
 }
 
 #[test]
-fn a_capacity_only_witness_replays_as_no_leak_as_the_audit_passes() {
-    // The audit passes P (capacity changed, no decision did); its witness must replay alike:
-    // no leak, exit 0, with the capacities, never "LEAK reproduced" on identical routes.
+fn a_capacity_only_change_leaks_and_its_witness_replays_as_a_leak() {
+    // Routing is the full record, the capacity in force included (docs/PROPERTIES.md): a
+    // capacity computed from the call's length leaks under P before it changes a decision. The
+    // rate counts decisions (0%), the report says only the capacity changed, and the witness
+    // replays as a leak (exit 1) with both capacities.
     let r = audit_config(capacity_only(64.0), &[P]);
     let f = &r.findings[0];
-    assert_eq!((f.verdict, f.capacity_changed), (Pass, true), "{}", f.note);
+    assert_eq!((f.verdict, f.capacity_changed, f.affected), (Leak, true, 0), "{}", f.note);
     let w = f.witness.as_ref().expect("a witness of the capacity change");
     assert_eq!(w.before.routes, w.after.routes);
     let path = std::env::temp_dir().join(format!("moe-audit-capacity-only-{}.json", std::process::id()));
     std::fs::write(&path, serde_json::to_string(w).unwrap()).unwrap();
     let replay = Witness::read(&path).unwrap().replay(&path).unwrap();
     std::fs::remove_file(&path).unwrap();
-    assert!(!replay.reproduces() && replay.diff.capacity);
+    assert!(replay.reproduces() && replay.diff.capacity && !replay.diff.decision());
     let text = moe_audit::render::render_replay(&replay);
-    assert!(text.starts_with("no leak: router megatron-probs routes token batch "), "{text}");
-    assert!(
-        text.contains("alike in both calls; the capacity in force changed (") && text.ends_with("no decision did\n"),
-        "{text}"
-    );
+    assert!(text.starts_with("LEAK reproduced: router megatron-probs, probe P"), "{text}");
+    assert!(text.contains("routes differently (capacity)\n  before: [") && text.contains(", capacity "), "{text}");
+    let report = moe_audit::analyze::Report { options: options(&[P]), routers: vec![r.clone()] };
+    let table = moe_audit::render::render_text(&report, &|_, _| None);
+    assert!(table.contains("LEAK") && table.contains("the capacity in force changed, no decision did"), "{table}");
 }
 
 #[test]
@@ -538,9 +615,9 @@ mod witness_props {
     proptest! {
         #![proptest_config(ProptestConfig { cases: 8, failure_persistence: None, ..ProptestConfig::default() })]
 
-        /// Every witness an audit writes replays with the audit's verdict (a leak reproduces,
-        /// a capacity-only change does not), and after a fix that changes capacity only (a
-        /// factor under which nothing drops) with no leak: exit 0.
+        /// Every witness an audit writes replays with the audit's verdict (a leak reproduces, a
+        /// capacity-only change too: the capacity in force is part of the record), and after
+        /// the fix (dropless: no capacity) with no leak: exit 0.
         #[test]
         fn every_witness_replays_with_the_audits_verdict(
             name in prop::sample::select(vec!["megatron-probs", "megatron-position", "deepspeed-top2", "deepspeed-top1"]),
@@ -560,7 +637,7 @@ mod witness_props {
                 let replay = Witness::read(&path).unwrap().replay(&path).unwrap();
                 prop_assert_eq!(replay.reproduces(), f.verdict == Leak, "{} {}: {}", name, f.probe, f.note);
                 let mut fixed = w.clone();
-                fixed.router.as_mut().unwrap().capacity.as_mut().unwrap().factor = Some(1e4);
+                fixed.router.as_mut().unwrap().capacity = None;
                 fixed.seal().unwrap();
                 std::fs::write(&path, serde_json::to_string(&fixed).unwrap()).unwrap();
                 let replay = Witness::read(&path).unwrap().replay(&path).unwrap();

@@ -592,7 +592,7 @@ fn threat_model_npz() {
 }
 
 #[test]
-fn threat_model_safetensors_and_megatron() {
+fn threat_model_safetensors() {
     let d = dir("sec-st");
     let good = generic(&d, "good.safetensors", &random_routes(4, L, K, E, 27), 4, &layers(L));
     // Metadata is data: a `layers` that names a file is not a list of layers.
@@ -638,4 +638,31 @@ fn threat_model_sglang_and_config() {
     let fifo = d.join("fifo.json");
     assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
     assert!(bounded(&["routes", "compare", fifo.to_str().unwrap(), &good, "--config", &config]).contains("error"));
+}
+
+#[test]
+fn threat_model_trace_folder() {
+    let d = dir("sec-trace");
+    let good = generic(&d, "good.safetensors", &random_routes(4, L, K, E, 32), 4, &layers(L));
+    // A rank file that is a symlink out of the folder is refused, its target never read.
+    let folder = d.join("traces");
+    std::fs::create_dir_all(&folder).unwrap();
+    let secret = put(&d, "secret.txt", "TOP-SECRET");
+    std::os::unix::fs::symlink(&secret, folder.join("router_trace_rank0.jsonl")).unwrap();
+    let err = bounded(&["routes", "compare", &good, folder.to_str().unwrap()]);
+    assert!(err.contains("a symlink in a trace folder is not followed") && !err.contains("TOP-SECRET"), "{err}");
+    // A folder with no trace file names nothing else.
+    let empty = d.join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    put(&empty, "experts.npy", npy("<i4", &[4, L, K], &i32_bytes(&random_routes(4, L, K, E, 33))));
+    assert!(bounded(&["routes", "compare", &good, empty.to_str().unwrap()])
+        .contains("router_trace_rank{r}.jsonl files: none here"));
+    // A trace line that never ends is bounded by --max-memory.
+    let line = format!(
+        "{{\"step\": 0, \"block\": \"decoder\", \"layer\": 0, \"num_tokens\": 1, \"topk\": 4, \"top_indices\": [{}",
+        "[0,1,2,3],".repeat(2_000_000)
+    );
+    let f = put(&d, "router_trace_rank0.jsonl", line);
+    let err = bounded(&["routes", "compare", &good, &f, "--max-memory", "40MiB"]);
+    assert!(err.contains("limit") || err.contains("not JSON"), "{err}");
 }

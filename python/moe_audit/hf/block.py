@@ -86,7 +86,8 @@ def _initialise(router, gate, seed, init):
 class Router:
     """A wrapped transformers router: ``route(data, mode, seed, padding)`` and the handshake
     attributes (``name``, ``experts``, ``top_k``, ``input``, ``hidden_size``, ``protocol``,
-    ``padding_mask``) that ``moe_audit.run``, ``moe_audit.check`` and the snapshot helper read."""
+    ``padding_mask``, ``seed_calls``) that ``moe_audit.run``, ``moe_audit.check`` and the snapshot
+    helper read."""
 
     input = "hidden"
 
@@ -165,4 +166,4 @@ class Router:
         """Serves the router on stdin/stdout (``moe-audit check --router-cmd``), or with
         ``--answer-plan DIR`` answers a trace plan."""
         adapter.run(self.route, self.name, self.experts, self.top_k, self.input, self.hidden_size,
-                    argv=argv, protocol=self.protocol, padding_mask=self.padding_mask)
+                    argv=argv, protocol=self.protocol, padding_mask=self.padding_mask, seed_calls=self.seed_calls)

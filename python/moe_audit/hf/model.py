@@ -51,6 +51,65 @@ def _initialise_blank_gates(model, seed):
                     p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
 
 
+def _family(module):
+    """The model's family as transformers names it (``config.model_type``), else its class."""
+    return getattr(getattr(module, "config", None), "model_type", None) or type(module).__name__
+
+
+def _one_line(e):
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def _config_hint(config):
+    """The config field behind a forward that fails, where a known inconsistency names it."""
+    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    if getattr(config, "kv_lora_rank", None) and heads and kv and kv != heads:
+        # MLA expands the latent keys and values to every head, and GQA then repeats them again.
+        return (f"; config.num_key_value_heads is {kv} but its MLA attention (kv_lora_rank) expands keys and values "
+                f"to all num_attention_heads ({heads}): set num_key_value_heads to {heads}")
+    return "; check the config's sizes (num_attention_heads, num_key_value_heads, head_dim, ...)"
+
+
+def _forward_failure(module, vocab, error):
+    """One line on a forward that raised while the wrapper looked at the model: the model's own
+    forward fails too (its config, named where a known inconsistency says which field), or only
+    the wrapper's does."""
+    family = _family(module)
+    try:
+        with torch.no_grad():
+            module(input_ids=torch.tensor([[1, 2, 3]]) % vocab)
+    except Exception:  # noqa: BLE001 - the config, not the wrapper: said in one line
+        return (f"{family}: the model's own forward fails with this config, before any audit "
+                f"({_one_line(error)}){_config_hint(getattr(module, 'config', None))}")
+    return f"{family}: moe_audit.hf's forward fails where the model's own runs ({_one_line(error)})"
+
+
+def _repeated_expert(family, model, decoded):
+    """One line on a router that sends a token to one expert twice, if one does: the model
+    routes that way (DeepSeek-V4's hash layers look experts up in ``tid2eid``, a table only a
+    checkpoint fills: all zeros when built from a config), and a routing record holds an expert
+    at most once per token, so such a model is refused, saying why."""
+    for site in model.sites:
+        d = decoded.get(site.layer)
+        if d is None or d.experts.shape[1] < 2:
+            continue
+        ids = np.where(d.experts >= 0, d.experts, -1 - np.arange(d.experts.shape[1]))
+        ordered = np.sort(ids, axis=1)
+        twice = np.argwhere(ordered[:, 1:] == ordered[:, :-1])
+        if len(twice):
+            t, i = (int(x) for x in twice[0])
+            why, fix = "", "audit a router that picks distinct experts"
+            if hasattr(site.module, "tid2eid"):
+                why = (" through its hash table tid2eid (a buffer only a checkpoint fills; config.mlp_layer_types "
+                       f"makes layer {site.layer} a hash layer)")
+                fix = "load the checkpoint's tid2eid, or fill it with distinct experts per token id"
+            return (f"{family}: layer {site.layer} sends token {t} to expert {ordered[t, i]} twice{why}: "
+                    "the model routes that way, and moe-audit's routing record holds an expert at most once per "
+                    f"token; {fix}")
+    return None
+
+
 class WholeModel:
     """A model taking ``input_ids`` (a ``...ForCausalLM``, a base model, an encoder-decoder whose
     decoder is audited), its routers found by :func:`discover`. ``forward(ids, mode, seed,
@@ -91,7 +150,15 @@ class WholeModel:
         # One forward finds each router's decoder, whether all routers expose logits, the routes
         # per token of a router that does not say (a capacity router), and the width D. Training
         # mode: an inference call may set state (NLLB-MoE's capacity).
-        probe = self._probe(np.array([[1, 2, 3]]) % self.vocab, seed)
+        try:
+            probe = self._probe(np.array([[1, 2, 3]]) % self.vocab, seed)
+        except NotCovered:
+            raise
+        except Exception as e:  # noqa: BLE001 - a whole model audits or fails in one line
+            raise NotCovered(_forward_failure(module, self.vocab, e)) from e
+        repeated = _repeated_expert(_family(module), self.model, probe[0])
+        if repeated:
+            raise NotCovered(repeated)
         missing = [s.layer for s in self.model.sites if s.layer not in probe[0]]
         if missing:
             raise NotCovered(f"{type(module).__name__}: the routers of layers {missing} did not run in a forward")
@@ -257,8 +324,8 @@ class WholeModel:
             sys.stdout = user_out
 
     def run(self, argv=None):
-        """Serves the model on stdin/stdout (``moe-audit check --router-cmd``)."""
-        argv = sys.argv[1:] if argv is None else argv
+        """Serves the model on stdin/stdout (``moe-audit check --model-cmd``). ``argv``: this
+        wrapper's arguments (it takes none); None leaves the script's command line to the script."""
         if argv:
             sys.exit(f"usage: {sys.argv[0]} (serves {wire3.PROTOCOL} on stdin/stdout)")
         self.serve()

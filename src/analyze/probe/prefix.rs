@@ -111,8 +111,9 @@ fn search(ctx: &Ctx, cases: &Cases) -> Result<Finding> {
     let mut finding = Finding::empty(Probe::P);
     let count = cases.len();
     let mut seen = route(ctx, cases, &planned(count))?;
-    // A leak is a changed decision (a capacity alone is none): the scan looks for the first.
-    let leaks = |hit: &Option<Affected>| hit.is_some_and(|h| h.diff.decision());
+    // A leak is a changed routing record (the capacity in force included): the scan looks for
+    // the first.
+    let leaks = |hit: &Option<Affected>| hit.is_some_and(|h| h.diff.any());
     let first_leak = |seen: &BTreeMap<usize, Seen>| seen.iter().find(|(_, (_, hit))| leaks(hit)).map(|(&t, _)| t);
     let unrouted = |seen: &BTreeMap<usize, Seen>, below: usize| -> Vec<usize> {
         (0..below).filter(|t| !seen.contains_key(t)).collect()

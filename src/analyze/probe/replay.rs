@@ -9,7 +9,8 @@ use crate::analyze::case::{Call, CallMode};
 use crate::analyze::layer_check::{SampleCase, SampleInput};
 use crate::analyze::tally::{pick_witness_token, witness_hit, Tally};
 use crate::analyze::witness::{self, Replayer, Witness};
-use crate::analyze::{AuditOptions, Finding, Probe, Property};
+use crate::analyze::noise::Noise;
+use crate::analyze::{AuditOptions, Finding, Probe, Property, Verdict};
 use crate::error::Result;
 use crate::routing::Routing;
 use candle_core::Tensor;
@@ -38,31 +39,49 @@ impl Rule for Replay {
         Some("keep forward stateless: update capacity or expert bias in an explicit training step, not in forward".into())
     }
 
+    /// Each comparison is judged against the randomness of the mode its two routings were made
+    /// in (D in that mode): audited in inference mode, a router random only in training routes
+    /// the training calls around an inference call differently, and that is noise, not state.
     fn run(&self, ctx: &Ctx, _sample: Option<&Sample>) -> Result<Finding> {
         let mut finding = Finding::empty(Probe::S);
-        let mut tally = Tally::default();
-        let mut differs = Vec::new();
+        let noise = Noise::of(ctx.repeats(), ctx.router.serving());
+        let (mut all, mut standing) = (Tally::default(), Tally::default());
+        let (mut differs, mut explained) = (Vec::new(), Vec::new());
         let mut hit = None;
         for o in &ctx.repeats().state {
             let outcome = o.case.compare(&o.first, &o.second);
             let t = Tally::of(&outcome);
-            // "Routes differently" only where a decision changed; a capacity alone is said apart.
-            if t.affected > 0 {
+            all.merge(&t);
+            if let Some(why) = noise.explains(&[o.modes.0], t.affected, t.compared()).filter(|_| t.differs()) {
+                explained.push((o.label, why));
+                continue;
+            }
+            // The routing record includes the capacity in force: a capacity alone routes differently.
+            if t.differs() {
                 differs.push(o.label);
             }
             hit = witness_hit(hit, pick_witness_token(&outcome).map(|h| (o, h)), |(_, h)| h);
-            tally.merge(&t);
+            standing.merge(&t);
         }
         if let Some((o, h)) = hit {
             let routed = Some((&o.first, &o.second));
             finding.witness = witness::build_routed(ctx.router, Probe::S, &o.case, (h.batch, h.pos), routed, o.modes)?;
         }
-        tally.finish(&mut finding);
+        all.finish(&mut finding);
+        finding.verdict = match standing.verdict() {
+            Verdict::Pass if !explained.is_empty() => Verdict::Inconclusive,
+            v => v,
+        };
         let modes = if ctx.repeats().state.len() > 2 { ", and around a call of the other mode" } else { "" };
-        finding.note = if differs.is_empty() {
-            format!("the same call first and again, before and after another call{modes}")
-        } else {
-            format!("the same call routes differently {}", differs.join(", "))
+        let random = explained.iter().map(|(label, _)| *label).collect::<Vec<_>>().join(", ");
+        finding.note = match (differs.is_empty(), explained.first()) {
+            (true, None) => format!("the same call first and again, before and after another call{modes}"),
+            (true, Some((_, why))) => format!("{why}: the same call routes differently {random}"),
+            (false, None) => format!("the same call routes differently {}", differs.join(", ")),
+            (false, Some(_)) => format!(
+                "the same call routes differently {} (and {random}, within that mode's randomness)",
+                differs.join(", ")
+            ),
         };
         Ok(finding)
     }

@@ -113,9 +113,10 @@ pub struct Replay {
 
 impl Replay {
     /// Whether the leak (X: the drift) reproduces, judged by the audit's rule
-    /// ([`TokenDiff::decision`]): a capacity in force that changed while no decision did is no leak.
+    /// ([`TokenDiff::any`]): a capacity in force that changed is a leak, whether or not a
+    /// decision did.
     pub fn reproduces(&self) -> bool {
-        self.diff.decision()
+        self.diff.any()
     }
 }
 

@@ -1,0 +1,177 @@
+"""Audit a DeepSpeed MoE gate as shipped: ``deepspeed.moe.sharded_moe.TopKGate``, or the gate of a
+``deepspeed.moe.layer.MoE`` or ``MOELayer``, on hidden states (``moe-audit/2``).
+
+::
+
+    import torch, moe_audit.deepspeed                  # before deepspeed: its log goes to stderr
+    from deepspeed.moe.sharded_moe import TopKGate
+
+    torch.manual_seed(0)
+    moe_audit.deepspeed.run(TopKGate(64, 8, k=2, capacity_factor=1.0))
+
+serves the gate to ``moe-audit check --router-cmd "python3 this_file.py"``;
+``moe_audit.check(moe_audit.deepspeed.wrap(gate), "--format", "json")`` audits it from this process.
+
+Each call routes the request's hidden states as ``MOELayer.forward`` does (deepspeed 0.19.8,
+``deepspeed/moe/sharded_moe.py:660-663``): the ``[batch, seq_len, hidden]`` rows flattened
+sequence-major to ``[batch * seq_len, hidden]`` and given to the gate with ``sparse_routes=True``,
+after ``.train()`` or ``.eval()`` from the request's mode. So everything the gate does is audited:
+the capacity over the call (``_capacity``: ``ceil(T / E * capacity_factor * k)``, at least
+``min_capacity``), ``eval_capacity_factor`` in eval, ``drop_tokens``, random token selection
+(``use_rts``), top-2's sampled second expert, the noisy gate policies (``Jitter``, ``RSample``,
+training only) and top-k > 2 (``TopKGate`` always drops by the ``probs`` policy).
+
+DeepSpeed returns nothing for a dropped route (expert -1, gate 0). The adapter routes the call
+twice with the same random draws: once with ``drop_tokens=False`` (the choices and gates before
+any drop; the global generator is restored after it), then as configured (the kept routes and
+their gates, renormalised over the survivors as DeepSpeed combines them). A dropped route is
+reported with its expert and the gate it had before dropping, and the capacity in force is
+DeepSpeed's slot count for the whole call (``None`` with ``drop_tokens=False``: its capacity is
+then the largest expert count, a buffer size that never drops a route).
+
+``min_capacity`` larger than a call's tokens: top-1 asserts (``sharded_moe.py:278``, also with
+``drop_tokens=False``) while top-2 and top-k route such a call with a capacity of at least every
+token, so nothing drops. Training never sees such a call with a fitting micro-batch, but the
+audit's prefixes are short. The adapter routes it as top-2 and top-k do: ``min_capacity`` is
+lowered to the call's tokens for that call only (top-1 already bounds its selection by the tokens,
+``sharded_moe.py:283``, so the routing is the one DeepSpeed would compute without the assert) and
+the capacity reported is DeepSpeed's, ``max(ceil(T / E * cf), min_capacity)``.
+
+Random draws (RTS, Gumbel sampling, RSample, Jitter) come from torch's global generator, seeded
+once with ``seed`` by :func:`wrap`: a random gate draws fresh noise on every call, which the D
+probe reports. ``seed_calls=True`` keys every draw of a call per token on the request's seed and
+the token's own row (:mod:`moe_audit.hf.seeded`), so the same call draws the same noise and the
+other probes see the gate's own dependence on other tokens. Needs torch and deepspeed
+(``DS_BUILD_OPS=0 pip install deepspeed``; ``DS_ACCELERATOR=cpu`` on a machine without a GPU).
+"""
+
+import contextlib
+import logging
+import sys
+
+import numpy as np
+import torch
+
+from . import adapter
+from ._wire import v2
+from .hf.seeded import PerToken
+
+# DeepSpeed logs to stdout (deepspeed/utils/logging.py:45), where the protocol is spoken: a
+# logger created during this import writes to stderr, one created before is pointed there.
+with contextlib.redirect_stdout(sys.stderr):
+    from deepspeed.moe.sharded_moe import TopKGate
+for _handler in logging.getLogger("DeepSpeed").handlers:
+    if isinstance(_handler, logging.StreamHandler) and _handler.stream is sys.stdout:
+        _handler.setStream(sys.stderr)
+
+
+def find_gate(module):
+    """The ``TopKGate`` of a gate, an ``MOELayer`` (``.gate``) or a ``deepspeed.moe.layer.MoE``
+    (``.deepspeed_moe.gate``)."""
+    layer = getattr(module, "deepspeed_moe", module)
+    gate = module if isinstance(module, TopKGate) else getattr(layer, "gate", None)
+    if not isinstance(gate, TopKGate):
+        raise TypeError(f"moe_audit.deepspeed: expected a deepspeed TopKGate, MOELayer or MoE, got "
+                        f"{type(module).__name__}")
+    return gate
+
+
+@contextlib.contextmanager
+def _set(gate, **attributes):
+    """The gate's attributes set for one call, restored after."""
+    saved = {name: getattr(gate, name) for name in attributes}
+    for name, value in attributes.items():
+        setattr(gate, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(gate, name, value)
+
+
+class Gate:
+    """A wrapped DeepSpeed gate: ``route(data, mode, seed)`` and the handshake attributes
+    (``name``, ``experts``, ``top_k``, ``input``, ``hidden_size``, ``protocol``) that
+    ``moe_audit.run``, ``moe_audit.check`` and the snapshot helper read."""
+
+    input = "hidden"
+    padding_mask = False
+
+    def __init__(self, module, *, seed=0, name=None, protocol=v2.PROTOCOL, seed_calls=False):
+        self.module = module
+        self.gate = find_gate(module)
+        self.experts = int(self.gate.wg.out_features)
+        self.hidden_size = int(self.gate.wg.in_features)
+        self.top_k = int(self.gate.k)
+        self.protocol = adapter.protocol_name(protocol)
+        self.seed_calls = seed_calls
+        self.name = name or f"deepspeed-top{self.top_k}"
+        torch.manual_seed(seed)
+
+    def __repr__(self):
+        g = self.gate
+        return (f"moe_audit.deepspeed.Gate({self.experts} experts, top {self.top_k}, hidden {self.hidden_size}, "
+                f"capacity_factor {g.capacity_factor}, eval {g.eval_capacity_factor}, min_capacity "
+                f"{g.min_capacity}, drop_tokens {g.drop_tokens}, use_rts {g.use_rts}, noisy {g.noisy_gate_policy})")
+
+    def _gate(self, x, draws, **attributes):
+        """(experts [T, k], gates [T, k], capacity) of one gate call made as MOELayer makes it
+        (sharded_moe.py:662), with the gate's attributes set for the call."""
+        # ep_group None: the audit routes one rank's call; a group would only make the dropless
+        # capacity a maximum over ranks (sharded_moe.py:251), and hang without the other ranks.
+        with _set(self.gate, ep_group=None, **attributes), draws():
+            _, capacity, _, experts, _, gates, _ = self.gate(x, None, True, False)
+        return experts.t().long().cpu(), gates.t().double().cpu(), int(capacity)
+
+    @torch.no_grad()
+    def route(self, data, mode, seed=None):
+        """Routes data [batch, seq_len, hidden] (float32) in mode "train" or "inference"; with
+        ``seed_calls`` and the request's seed, every random draw is keyed per token."""
+        self.module.train(mode == "train")
+        g = self.gate
+        weight = g.wg.weight
+        x = torch.tensor(np.asarray(data), dtype=weight.dtype, device=weight.device).reshape(-1, self.hidden_size)
+        tokens = x.shape[0]
+
+        def draws():
+            return PerToken(seed, data) if self.seed_calls and seed is not None else contextlib.nullcontext()
+
+        # Top-1 asserts tokens >= min_capacity: lowered to the call's tokens, the capacity still
+        # holds every token (see the module docstring).
+        fits = min(g.min_capacity, tokens)
+        if not g.drop_tokens:
+            experts, gates, _ = self._gate(x, draws, min_capacity=fits)
+            return adapter.routes_from_arrays(experts.numpy(), gates.numpy()), None
+        devices = [weight.device.index or 0] if weight.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            # The choices before any drop, from the draws the call below makes again.
+            experts, gates, _ = self._gate(x, draws, drop_tokens=False, min_capacity=fits)
+        survivors, kept_gates, capacity = self._gate(x, draws, min_capacity=fits)
+        kept = survivors >= 0
+        if not torch.equal(survivors[kept], experts[kept]):
+            t = int(torch.nonzero((survivors != experts) & kept)[0, 0])
+            raise RuntimeError(f"moe_audit.deepspeed: token {t} chose other experts with drop_tokens=True than "
+                               "with drop_tokens=False under the same random draws")
+        weights = torch.where(kept, kept_gates, gates)
+        capacity = max(capacity, g.min_capacity)
+        return adapter.routes_from_arrays(experts.numpy(), weights.numpy(), kept.numpy()), capacity
+
+    def run(self, argv=None):
+        """Serves the gate on stdin/stdout (``moe-audit check --router-cmd``), or with
+        ``--answer-plan DIR`` answers a trace plan."""
+        adapter.run(self.route, self.name, self.experts, self.top_k, self.input, self.hidden_size,
+                    argv=argv, protocol=self.protocol, seed_calls=self.seed_calls)
+
+
+def wrap(gate, **options):
+    """A :class:`Gate` serving a ``TopKGate`` (or an ``MoE``'s or ``MOELayer``'s) to moe-audit:
+    options ``seed`` (torch's global generator, once), ``name``, ``protocol``, ``seed_calls``."""
+    return Gate(gate, **options)
+
+
+def run(gate, argv=None, **options):
+    """``wrap(gate, **options).run(argv)``: serves it to ``moe-audit check --router-cmd``."""
+    wrap(gate, **options).run(argv)
+
+
+__all__ = ["Gate", "find_gate", "run", "wrap"]

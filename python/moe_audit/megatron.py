@@ -1,0 +1,258 @@
+"""Audit a Megatron-Core MoE router (``TopKRouter``) on hidden states (``moe-audit/2``), on the CPU.
+
+::
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    import moe_audit.megatron
+
+    moe_audit.megatron.run(TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4,
+        num_moe_experts=8, moe_router_topk=2, moe_expert_capacity_factor=1.0))
+
+serves the router to ``moe-audit check --router-cmd "python3 this_file.py"``;
+``moe_audit.check(moe_audit.megatron.wrap(config), "--format", "json")`` audits it from this
+process. ``wrap`` takes a ``TransformerConfig`` (a ``TopKRouter`` is built from it with no process
+group, its gate initialised by the config's own ``init_method`` from torch seeded with ``seed``), a
+``TopKRouter``, or a module holding one (an ``MoELayer``, a ``GPTModel``: the router at ``path``,
+e.g. ``"decoder.layers.1.mlp.router"``, default the first).
+
+Per call the router is called as ``MoELayer.route`` calls it (``router(hidden_states,
+padding_mask)``), under ``torch.no_grad()``:
+
+- the hidden states ``[batch, seq_len, hidden]`` go in as Megatron's ``[seq_len, batch, hidden]``
+  (the router flattens tokens position-major, row ``s * batch + b``: who is "earlier" for a
+  capacity), and the routes come back in moe-audit's order, ``b * seq_len + s``;
+- the padding mask goes in as Megatron's ``padding_mask`` ``[seq_len, batch]``, True = padding
+  (Megatron masks only the aux losses and the expert-bias counts with it: padding tokens are
+  routed and take capacity; quantile balancing, new in 0.19, refuses a mask and gets none);
+- ``.train()``/``.eval()`` from the mode (Sinkhorn balances only in training);
+- the routes are recovered from what Megatron returns, sparse probs and a bool map ``[tokens,
+  experts]`` with no choice order: the top-k before dropping (caught as it enters
+  ``apply_router_token_dropping``) ordered by probability (descending, ties to the lower expert
+  id), each kept if the map after dropping has it, with its combine weight (kept) or its
+  probability before dropping (dropped: Megatron does not renormalise), and the capacity Megatron
+  computed for the call (``get_capacity``; None when dropless). Rows added by
+  ``moe_pad_expert_input_to_capacity`` (prob 0, not a token's choice) are not routes.
+
+Gradients change nothing the audit compares: with them Megatron adds aux losses (same values
+forward), counts tokens for the expert bias (moved between steps, not in the call) and reaches its
+process groups, which are None here. No CUDA is needed: Megatron puts the gate and expert-bias
+buffers on ``torch.cuda.current_device()``, which answers ``device`` while Megatron runs (default:
+CUDA when available, else the CPU). ``seed_calls=True`` keys the input jitter's draws per token
+(:mod:`moe_audit.hf.seeded`). Needs torch and megatron-core (0.16 and 0.19 lines); file:line
+references below are megatron-core 0.16.1's ``megatron/core/transformer/moe/``.
+"""
+
+import contextlib
+import dataclasses
+import inspect
+
+import numpy as np
+import torch
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe import router as router_module
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from . import adapter
+from ._wire import v1, v2
+from .hf.seeded import PerToken
+
+# Without Transformer Engine, megatron-core 0.16.1 never defines `te_general_gemm` (moe_utils.py:22-39)
+# but its gate reads it (moe_utils.py:1192): a NameError on every call. None is what it means there.
+if not hasattr(moe_utils, "te_general_gemm"):
+    moe_utils.te_general_gemm = None
+
+
+def _no_groups():
+    """Process groups all None: the forward only reaches them with gradients (aux losses, z-loss)."""
+    return ProcessGroupCollection(**{f.name: None for f in dataclasses.fields(ProcessGroupCollection)})
+
+
+@contextlib.contextmanager
+def _on(device):
+    """While Megatron runs, ``torch.cuda.current_device()`` answers device: its gate moves there
+    in ``gating()`` (router.py:88-92) and its expert-bias buffers are made there (router.py:162-183),
+    which fails on a machine without CUDA."""
+    if device.type == "cuda":
+        yield
+        return
+    saved = torch.cuda.current_device
+    torch.cuda.current_device = lambda: device
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = saved
+
+
+@contextlib.contextmanager
+def _dropping():
+    """Records the top-k before capacity dropping and the capacity Megatron computes: the router
+    calls ``apply_router_token_dropping`` after top-k (router.py:586-595), which calls
+    ``get_capacity`` (moe_utils.py:832-836)."""
+    seen = {}
+    drop, capacity = router_module.apply_router_token_dropping, moe_utils.get_capacity
+
+    def dropping(probs, routing_map, *args, **kwargs):
+        seen["before"] = (probs, routing_map)
+        return drop(probs, routing_map, *args, **kwargs)
+
+    def get_capacity(*args, **kwargs):
+        seen["capacity"] = capacity(*args, **kwargs)
+        return seen["capacity"]
+
+    router_module.apply_router_token_dropping, moe_utils.get_capacity = dropping, get_capacity
+    try:
+        yield seen
+    finally:
+        router_module.apply_router_token_dropping, moe_utils.get_capacity = drop, capacity
+
+
+def build(config, seed=0, device=None):
+    """A ``TopKRouter`` of config on device (default: CUDA when available, else the CPU), with no
+    process group; its gate is initialised by the config's ``init_method`` from torch seeded with seed."""
+    device = _device(device)
+    torch.manual_seed(seed)
+    with _on(device):
+        return TopKRouter(config, pg_collection=_no_groups()).to(device)
+
+
+def _device(device):
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def find_router(module, path=None):
+    """(path, router) of the ``TopKRouter`` at path in module, or of the first one (module itself
+    included)."""
+    routers = [(p, m) for p, m in module.named_modules() if isinstance(m, TopKRouter)]
+    if not routers:
+        raise TypeError(f"moe_audit.megatron: no TopKRouter in {type(module).__name__}; give a TransformerConfig, "
+                        "a TopKRouter, or a module holding one (an MoELayer, a GPTModel)")
+    if path is None:
+        return routers[0]
+    for found in routers:
+        if found[0] == path:
+            return found
+    raise ValueError(f"moe_audit.megatron: no TopKRouter at {path!r} in {type(module).__name__}; its routers: "
+                     f"{', '.join(repr(p) for p, _ in routers)}")
+
+
+def _name(config, k):
+    """A short name saying what the router does: megatron-top2-sigmoid-cf1-probs (softmax unsaid)."""
+    parts = [f"megatron-top{k}"]
+    if config.moe_router_score_function != "softmax":
+        parts.append(config.moe_router_score_function)
+    if config.moe_router_load_balancing_type in ("sinkhorn", "quantile_balancing"):
+        parts.append(config.moe_router_load_balancing_type.replace("_", "-"))
+    if config.moe_expert_capacity_factor is not None:
+        parts += [f"cf{config.moe_expert_capacity_factor:g}", config.moe_token_drop_policy]
+        if config.moe_pad_expert_input_to_capacity:
+            parts.append("pad")
+    return "-".join(parts)
+
+
+def decode(probs, routing_map, before=None):
+    """(experts, weights, kept) ``[tokens, k]`` in Megatron's token order, of the router's
+    outputs (``probs`` and ``routing_map`` ``[tokens, experts]``) and ``before`` = (probs, map)
+    before capacity dropping (None: nothing was dropped)."""
+    final_probs = probs.detach().double().cpu().numpy()
+    final_map = routing_map.detach().bool().cpu().numpy()
+    chosen_probs, chosen = (final_probs, final_map) if before is None else (
+        before[0].detach().double().cpu().numpy(), before[1].detach().bool().cpu().numpy())
+    counts = chosen.sum(axis=1)
+    if (counts != counts[0]).any():
+        t = int(np.argmax(counts != counts[0]))
+        raise RuntimeError(f"moe_audit.megatron: the router chose {counts[t]} experts for token row {t} and "
+                           f"{counts[0]} for row 0; expected its top-k for every token")
+    k = int(counts[0])
+    # The map has no choice order: by probability, descending, ties to the lower expert id.
+    score = np.where(chosen, chosen_probs, -np.inf)
+    ids = np.broadcast_to(np.arange(score.shape[1]), score.shape)
+    experts = np.lexsort((ids, -score), axis=-1)[:, :k]
+    kept = np.take_along_axis(final_map, experts, axis=1)
+    weights = np.where(kept, np.take_along_axis(final_probs, experts, axis=1),
+                       np.take_along_axis(chosen_probs, experts, axis=1))
+    return experts, weights, kept
+
+
+def _sequence_major(a, seq_len, batch):
+    """Rows in Megatron's order (s * batch + b) -> moe-audit's (b * seq_len + s)."""
+    return a.reshape(seq_len, batch, -1).transpose(1, 0, 2).reshape(seq_len * batch, -1)
+
+
+class Router:
+    """A wrapped Megatron-Core ``TopKRouter``: ``route(data, mode, seed, padding)`` and the
+    handshake attributes (``name``, ``experts``, ``top_k``, ``input``, ``hidden_size``,
+    ``protocol``, ``padding_mask``) that ``moe_audit.run``, ``moe_audit.check`` and the snapshot
+    helper read."""
+
+    input = "hidden"
+
+    def __init__(self, router_or_config, *, path=None, seed=0, name=None, device=None, seed_calls=False,
+                 protocol=v2.PROTOCOL):
+        self.device = _device(device)
+        if isinstance(router_or_config, TransformerConfig):
+            self.path, self.router = "", build(router_or_config, seed, self.device)
+        elif isinstance(router_or_config, torch.nn.Module):
+            self.path, self.router = find_router(router_or_config, path)
+            self.router.to(self.device)
+        else:
+            raise TypeError(f"moe_audit.megatron: got a {type(router_or_config).__name__}; give a TransformerConfig, "
+                            "a TopKRouter, or a module holding one")
+        config = self.router.config
+        self.experts = int(config.num_moe_experts)
+        self.top_k = int(self.router.topk)
+        self.hidden_size = int(self.router.weight.shape[1])
+        self.protocol = adapter.protocol_name(protocol)
+        # Quantile balancing (0.19) refuses a padding mask (router.py:768-771 in 0.19.2).
+        self.padding_mask = (self.protocol != v1.PROTOCOL
+                             and "padding_mask" in inspect.signature(self.router.forward).parameters
+                             and config.moe_router_load_balancing_type != "quantile_balancing")
+        self.seed_calls = seed_calls
+        self.name = name or _name(config, self.top_k)
+        torch.manual_seed(seed)
+
+    def __repr__(self):
+        where = f" at {self.path}" if self.path else ""
+        return (f"moe_audit.megatron.Router({self.name}{where}: {self.experts} experts, top {self.top_k}, "
+                f"hidden {self.hidden_size}, {self.device})")
+
+    @torch.no_grad()
+    def route(self, data, mode, seed=None, padding=None):
+        """Routes data [batch, seq_len, hidden] (float32) in mode "train" or "inference"."""
+        batch, seq_len = np.shape(data)[:2]
+        self.router.train(mode == "train")
+        rows = np.ascontiguousarray(np.asarray(data, dtype=np.float32).transpose(1, 0, 2))  # [S, B, H]
+        x = torch.from_numpy(rows).to(self.device, self.router.weight.dtype)
+        kwargs = {}
+        if padding is not None and self.padding_mask:
+            kwargs["padding_mask"] = torch.from_numpy(np.asarray(padding, dtype=bool).T.copy()).to(self.device)
+        # Jitter is drawn on [S, B, H]: keyed by the rows in that layout (a token's key is its row).
+        seeded = PerToken(seed, rows) if self.seed_calls and seed is not None else contextlib.nullcontext()
+        with _on(self.device), _dropping() as seen, seeded:
+            probs, routing_map = self.router(x, **kwargs)
+        experts, weights, kept = (_sequence_major(a, seq_len, batch)
+                                  for a in decode(probs, routing_map, seen.get("before")))
+        return adapter.routes_from_arrays(experts, weights, kept), seen.get("capacity")
+
+    def run(self, argv=None):
+        """Serves the router on stdin/stdout (``moe-audit check --router-cmd``), or with
+        ``--answer-plan DIR`` answers a trace plan."""
+        adapter.run(self.route, self.name, self.experts, self.top_k, self.input, self.hidden_size,
+                    argv=argv, protocol=self.protocol, padding_mask=self.padding_mask,
+                    seed_calls=self.seed_calls)
+
+
+def wrap(router_or_config, **options):
+    """A :class:`Router` of a ``TransformerConfig``, a ``TopKRouter`` or a module holding one;
+    options: ``path`` (which router of a model: its module path, default the first), ``seed``,
+    ``name``, ``device``, ``seed_calls``, ``protocol``."""
+    return Router(router_or_config, **options)
+
+
+def run(router_or_config, argv=None, **options):
+    """``wrap(router_or_config, **options).run(argv)``: serves it to ``moe-audit check --router-cmd``."""
+    wrap(router_or_config, **options).run(argv)
+
+
+__all__ = ["Router", "build", "decode", "find_router", "run", "wrap"]
