@@ -17,14 +17,14 @@ const L: usize = 6;
 const K: usize = 4;
 const E: usize = 32;
 
-fn dir(test: &str) -> PathBuf {
+pub(crate) fn dir(test: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("moe-audit-it-routes-{}-{test}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).expect("temp dir");
     d
 }
 
-fn put(d: &Path, name: &str, bytes: impl AsRef<[u8]>) -> String {
+pub(crate) fn put(d: &Path, name: &str, bytes: impl AsRef<[u8]>) -> String {
     let p = d.join(name);
     std::fs::write(&p, bytes).expect("write");
     p.to_str().expect("utf-8").to_string()
@@ -35,7 +35,7 @@ fn run(args: &[&str]) -> Output {
 }
 
 /// `routes compare ... --format json`: the exit code and the report.
-fn compare(args: &[&str]) -> (i32, Value) {
+pub(crate) fn compare(args: &[&str]) -> (i32, Value) {
     let mut all = vec!["routes", "compare"];
     all.extend_from_slice(args);
     all.extend_from_slice(&["--format", "json"]);
@@ -46,7 +46,7 @@ fn compare(args: &[&str]) -> (i32, Value) {
 }
 
 /// A command that must fail on bad input: exit 2, one `error:` line, nothing on stdout.
-fn bad(args: &[&str]) -> String {
+pub(crate) fn bad(args: &[&str]) -> String {
     let out = run(args);
     let err = String::from_utf8(out.stderr).expect("utf-8");
     assert_eq!(out.status.code(), Some(2), "{args:?}: {:?}\n{err}", out.status);

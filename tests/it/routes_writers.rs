@@ -6,9 +6,10 @@
 //! really makes is named; bad input is one line and exit 2.
 
 use crate::routes::route_files::*;
+use crate::routes::{bad, compare, dir, put};
 use base64::Engine;
 use serde_json::{json, Value};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 const BIN: &str = env!("CARGO_BIN_EXE_moe-audit");
@@ -23,19 +24,6 @@ const LENS: [usize; 3] = [40, 57, 33];
 
 fn b64(bytes: &[u8]) -> String {
     base64::engine::general_purpose::STANDARD.encode(bytes)
-}
-
-fn dir(test: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("moe-audit-it-writers-{}-{test}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).expect("temp dir");
-    d
-}
-
-fn put(d: &Path, name: &str, bytes: impl AsRef<[u8]>) -> String {
-    let p = d.join(name);
-    std::fs::write(&p, bytes).expect("write");
-    p.to_str().expect("utf-8").to_string()
 }
 
 /// GLM-4.5-Air's layout at small size: layer 0 dense, MoE after it, one MTP layer.
@@ -93,25 +81,6 @@ fn as_i16(v: &[i32]) -> Vec<u8> {
 }
 
 /// `routes compare ... --format json`: exit code and report.
-fn compare(args: &[&str]) -> (i32, Value) {
-    let mut all = vec!["routes", "compare"];
-    all.extend_from_slice(args);
-    all.extend_from_slice(&["--format", "json"]);
-    let out = Command::new(BIN).args(&all).output().expect("run");
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(matches!(out.status.code(), Some(0 | 1)), "{args:?}: {err}");
-    (out.status.code().unwrap(), serde_json::from_slice(&out.stdout).expect("json"))
-}
-
-/// Bad input: exit 2, one line, nothing on stdout; the line.
-fn bad(args: &[&str]) -> String {
-    let out = Command::new(BIN).args(args).output().expect("run");
-    let err = String::from_utf8(out.stderr).unwrap();
-    assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
-    assert!(out.stdout.is_empty() && err.lines().count() == 1 && err.starts_with("error: "), "{err}");
-    err
-}
-
 fn defects(r: &Value) -> Vec<String> {
     r["diagnoses"]
         .as_array()
@@ -178,8 +147,10 @@ fn flipped(seqs: &[Vec<i32>]) -> (Vec<Vec<i32>>, usize) {
 /// A batch response: a JSON list, one `meta_info.routed_experts` each, base64 of the raw int32
 /// bytes (sgl-project/sglang@v0.5.10: python/sglang/srt/managers/tokenizer_manager.py:1593),
 /// rows [0, seqlen-1), every decoder layer of a `torch.zeros` buffer
-/// (python/sglang/srt/layers/moe/routed_experts_capturer.py:78, :211); with a dtype, the
-/// wire of SGLang main (sgl-project/sglang@a6463a1: python/sglang/srt/state_capturer/routed_experts_wire.py).
+/// (sgl-project/sglang@v0.5.10: python/sglang/srt/layers/moe/routed_experts_capturer.py:78, :211);
+/// with a dtype, the wire of SGLang main (sgl-project/sglang@a6463a1:
+/// python/sglang/srt/state_capturer/routed_experts_wire.py:29-43 writes the bytes and their
+/// dtype name, int32 when an id does not fit; :56-58 reads `routed_experts_dtype`, absent = int32).
 fn sglang_batch(seqs: &[Vec<i32>], uint8: bool) -> String {
     let items: Vec<Value> = seqs
         .iter()
@@ -418,7 +389,7 @@ fn megatron_trace_and_inference_arrays_read_right() {
     assert_clean(&r, code, 0);
     // Inference routing over HTTP: int16 `[P + O - 1, moe_layers, K]`, MoE routers in order,
     // MTP included, in the serializer's wrapper
-    // (megatron/core/inference/text_generation_controllers/text_generation_controller.py:1374,
+    // (NVIDIA/Megatron-LM@core_v0.19.0: megatron/core/inference/text_generation_controllers/text_generation_controller.py:1374,
     // megatron/core/inference/inference_request.py:50).
     let choices: Vec<Value> = seqs
         .iter()
@@ -577,7 +548,8 @@ fn skyrl_batch_and_wire_read_right() {
     let (code, r) = compare(&[&a, &t, "--config", &c, "--max-disagreement", "0"]);
     assert_clean(&r, code, 0);
     assert!(text(&r, "padding").contains("mask"));
-    // The wire: `{data, shape, dtype}` per choice (skyrl/backends/skyrl_train/inference_servers/generate_wire.py:75-81).
+    // The wire: `{data, shape, dtype}` per choice
+    // (NovaSky-AI/SkyRL@a956457: skyrl/backends/skyrl_train/inference_servers/generate_wire.py:75-81).
     let choices: Vec<Value> = seqs
         .iter()
         .map(|s| {
@@ -639,7 +611,7 @@ fn nemo_rl_missing_routes_are_counted_apart() {
     assert_eq!(r["rollout"]["found"]["missing"], 15);
     assert_eq!(r["measures"]["decisions_differ"], 0.0);
     assert_eq!(r["measures"]["decisions"], LENS.iter().map(|n| (n - 1) * 3).sum::<usize>() - 15);
-    // The Gym wire envelope (nemo_rl/utils/routed_experts_codec.py:62-67).
+    // The Gym wire envelope (NVIDIA-NeMo/RL@7ea279a: nemo_rl/utils/routed_experts_codec.py:62-67).
     let choices: Vec<Value> = seqs
         .iter()
         .map(|s| {
@@ -766,7 +738,7 @@ fn two_zero_filled_dense_layers_are_not_aliasing() {
 
 #[test]
 fn show_says_what_it_inferred() {
-    let d = dir("show");
+    let d = dir("writers-show");
     let (c, seqs) = (config(&d), model(17));
     let a = put(&d, "batch.npz", nemo(&seqs, 5));
     let out = Command::new(BIN).args(["routes", "show", &a, "--config", &c]).output().unwrap();
