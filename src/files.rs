@@ -74,7 +74,7 @@ fn shown(dir: &Path) -> String {
 
 /// Opens `path` without waiting on it: a FIFO with no writer opens at once (and reads as empty),
 /// one with no reader fails (ENXIO) instead of hanging; reads and writes then block as usual.
-fn open_unblocked(path: &Path, write: bool) -> std::io::Result<std::fs::File> {
+pub(crate) fn open_unblocked(path: &Path, write: bool) -> std::io::Result<std::fs::File> {
     use std::os::unix::fs::OpenOptionsExt;
     use std::os::unix::io::AsRawFd;
     let file = std::fs::OpenOptions::new().read(!write).write(write).custom_flags(libc::O_NONBLOCK).open(path)?;

@@ -11,6 +11,7 @@ use super::measure::Measures;
 use super::read::{ranges, Record};
 use super::Budget;
 use crate::error::{Error, Result};
+use rayon::prelude::*;
 use serde::Serialize;
 
 /// A run of compared tokens: rollout rows `rollout..rollout+len` against trainer rows
@@ -175,11 +176,44 @@ fn set_hash(row: &[i32], scratch: &mut Vec<i32>) -> u64 {
     h | 1
 }
 
-/// Every row's set hash, `[tokens, layers]`.
-pub(super) fn hashes(r: &Record, budget: &mut Budget) -> Result<Vec<u64>> {
-    budget.take("hashing routes", (r.tokens * r.layers.len()) as u64 * 8)?;
-    let mut scratch = Vec::with_capacity(r.top_k);
-    Ok(r.experts.chunks_exact(r.top_k).map(|row| set_hash(row, &mut scratch)).collect())
+/// The set hashes of some token rows of a record (every layer): only the rows alignment
+/// samples are hashed, so its memory does not grow with the record.
+struct Hashes {
+    tokens: Vec<usize>,
+    hashes: Vec<u64>,
+    layers: usize,
+}
+
+impl Hashes {
+    /// Hashes the rows of `tokens` (any order, repeats allowed) of `r`.
+    fn of(r: &Record, mut tokens: Vec<usize>, budget: &mut Budget) -> Result<Hashes> {
+        tokens.sort_unstable();
+        tokens.dedup();
+        let l = r.layers.len();
+        budget.take("hashing routes", (tokens.len() * l) as u64 * 8)?;
+        let hashes = tokens
+            .par_chunks(256)
+            .map_init(
+                || (Vec::new(), Vec::new()),
+                |(row, scratch), chunk| {
+                    let mut out = Vec::with_capacity(chunk.len() * l);
+                    for &t in chunk {
+                        r.rows(t..t + 1, row);
+                        out.extend(row.chunks_exact(r.top_k).map(|ids| set_hash(ids, scratch)));
+                    }
+                    out
+                },
+            )
+            .flatten()
+            .collect();
+        Ok(Hashes { tokens, hashes, layers: l })
+    }
+
+    /// The hash of `token` (one of those hashed) at layer index `layer`.
+    fn at(&self, token: usize, layer: usize) -> u64 {
+        let i = self.tokens.binary_search(&token).expect("a hashed row");
+        self.hashes[i * self.layers + layer]
+    }
 }
 
 /// A sequence's rows that carry routes, and the position of its first such row.
@@ -204,10 +238,10 @@ fn content(r: &Record, s: &super::read::Sequence) -> Content {
 
 /// Match rate of rollout layer `i` against trainer layer `j` over `pairs` (rows), counting only
 /// tokens routed in both.
-fn rate(ha: &[u64], la: usize, i: usize, hb: &[u64], lb: usize, j: usize, pairs: &[(usize, usize)]) -> f64 {
+fn rate(ha: &Hashes, i: usize, hb: &Hashes, j: usize, pairs: &[(usize, usize)]) -> f64 {
     let (mut same, mut both) = (0usize, 0usize);
     for &(ta, tb) in pairs {
-        let (x, y) = (ha[ta * la + i], hb[tb * lb + j]);
+        let (x, y) = (ha.at(ta, i), hb.at(tb, j));
         if x != 0 && y != 0 {
             both += 1;
             same += usize::from(x == y);
@@ -231,8 +265,6 @@ pub(super) fn align(a: &Record, b: &Record, budget: &mut Budget) -> Result<(Alig
     let mut diagnoses = Vec::new();
     let (segments, mut notes) = declared_segments(a, b)?;
     diagnoses.append(&mut notes);
-    let ha = hashes(a, budget)?;
-    let hb = hashes(b, budget)?;
     let (la, lb) = (a.layers.len(), b.layers.len());
     let routed_a: Vec<usize> = (0..la).filter(|&i| a.layer_routed(i)).collect();
     let routed_b: Vec<usize> = (0..lb).filter(|&j| b.layer_routed(j)).collect();
@@ -258,6 +290,21 @@ pub(super) fn align(a: &Record, b: &Record, budget: &mut Budget) -> Result<(Alig
         }
         flat
     };
+    // The rows the layer mapping looks at: the sample, the trainer's shifted as far as searched.
+    let ha = Hashes::of(a, sample.iter().map(|s| s.0).collect(), budget)?;
+    let hb = Hashes::of(
+        b,
+        sample
+            .iter()
+            .flat_map(|&(_, tb, lo, hi)| {
+                (-GLOBAL_SHIFT..=GLOBAL_SHIFT)
+                    .map(move |d| tb as i64 + d)
+                    .filter(move |&t| t >= lo as i64 && t < hi as i64)
+                    .map(|t| t as usize)
+            })
+            .collect(),
+        budget,
+    )?;
     let shifted = |d: i64, n: usize| -> Vec<(usize, usize)> {
         let step = (sample.len() / n.max(1)).max(1);
         sample
@@ -273,10 +320,8 @@ pub(super) fn align(a: &Record, b: &Record, budget: &mut Budget) -> Result<(Alig
     // The layer mapping, at the offset that matches best.
     let declared_partner = |j: usize| a.layers.iter().position(|&g| g == b.layers[j]).filter(|i| routed_a.contains(i));
     let score = |pairs: &[(usize, usize)]| -> f64 {
-        let best: f64 = routed_b
-            .iter()
-            .map(|&j| routed_a.iter().map(|&i| rate(&ha, la, i, &hb, lb, j, pairs)).fold(0.0, f64::max))
-            .sum();
+        let best: f64 =
+            routed_b.iter().map(|&j| routed_a.iter().map(|&i| rate(&ha, i, &hb, j, pairs)).fold(0.0, f64::max)).sum();
         best / routed_b.len() as f64
     };
     let mut best_d = 0i64;
@@ -289,18 +334,18 @@ pub(super) fn align(a: &Record, b: &Record, budget: &mut Budget) -> Result<(Alig
         }
     }
     let pairs = shifted(best_d, SAMPLE);
-    let aliases_b = aliases(&hb, lb, &routed_b, pairs.iter().map(|p| p.1));
-    let aliases_a = aliases(&ha, la, &routed_a, pairs.iter().map(|p| p.0));
+    let aliases_b = aliases(&hb, &routed_b, pairs.iter().map(|p| p.1));
+    let aliases_a = aliases(&ha, &routed_a, pairs.iter().map(|p| p.0));
     let mut layer_pairs = Vec::new();
     let mut remapped: Vec<(usize, usize, f64, f64)> = Vec::new();
     for &j in &routed_b {
         let own = declared_partner(j);
-        let own_rate = own.map_or(0.0, |i| rate(&ha, la, i, &hb, lb, j, &pairs));
+        let own_rate = own.map_or(0.0, |i| rate(&ha, i, &hb, j, &pairs));
         let aliased = aliases_b.iter().any(|al| al.1 == j);
         let (mut best_i, mut best_rate) = (own, own_rate);
         if !aliased {
             for &i in &routed_a {
-                let r = rate(&ha, la, i, &hb, lb, j, &pairs);
+                let r = rate(&ha, i, &hb, j, &pairs);
                 if r >= SAME && r >= own_rate + BETTER && best_i.is_none_or(|_| r > best_rate) {
                     best_i = Some(i);
                     best_rate = r;
@@ -361,37 +406,51 @@ pub(super) fn align(a: &Record, b: &Record, budget: &mut Budget) -> Result<(Alig
     if layer_pairs.is_empty() {
         return Err(Error::input(&b.path, "no trainer layer has a rollout counterpart to compare with"));
     }
+    let budget_now = Budget::clone(budget);
 
-    // Per-sequence offsets, on the mapped layers.
-    let mut final_segments = Vec::with_capacity(segments.len());
-    let mut shifts: Vec<(usize, i64, f64, f64)> = Vec::new();
-    for (s, bounds) in &segments {
-        let pairs_at = |d: i64| -> Vec<(usize, usize)> {
-            spread(s.len, SEQUENCE_SAMPLE)
-                .filter_map(|k| {
-                    let t = (s.trainer + k) as i64 + d;
-                    (t >= bounds.start as i64 && t < bounds.end as i64).then_some((s.rollout + k, t as usize))
-                })
-                .collect()
-        };
-        let mapped = |pairs: &[(usize, usize)]| -> f64 {
-            if pairs.len() * 2 < s.len.min(SEQUENCE_SAMPLE) {
-                return 0.0;
-            }
-            layer_pairs.iter().map(|p| rate(&ha, la, p.rollout_index, &hb, lb, p.trainer_index, pairs)).sum::<f64>()
-                / layer_pairs.len() as f64
-        };
-        let at_zero = mapped(&pairs_at(0));
-        let (mut d_best, mut r_best) = (0i64, at_zero);
-        if s.len >= 8 {
-            let reach = SEQUENCE_SHIFT.min(s.len as i64 - 1);
+    // Per-sequence offsets, on the mapped layers: sequences in parallel, each hashing only the
+    // rows it samples (results in sequence order).
+    let layer_pairs = &layer_pairs;
+    let searched = segments
+        .par_iter()
+        .map(|(s, bounds)| -> Result<(i64, f64, f64)> {
+            let reach = if s.len >= 8 { SEQUENCE_SHIFT.min(s.len as i64 - 1) } else { 0 };
+            let pairs_at = |d: i64| -> Vec<(usize, usize)> {
+                spread(s.len, SEQUENCE_SAMPLE)
+                    .filter_map(|k| {
+                        let t = (s.trainer + k) as i64 + d;
+                        (t >= bounds.start as i64 && t < bounds.end as i64).then_some((s.rollout + k, t as usize))
+                    })
+                    .collect()
+            };
+            let mut local = Budget::clone(&budget_now);
+            let ha = Hashes::of(a, pairs_at(0).iter().map(|p| p.0).collect(), &mut local)?;
+            let hb = Hashes::of(
+                b,
+                (-reach..=reach).flat_map(|d| pairs_at(d).into_iter().map(|p| p.1)).collect(),
+                &mut local,
+            )?;
+            let mapped = |pairs: &[(usize, usize)]| -> f64 {
+                if pairs.len() * 2 < s.len.min(SEQUENCE_SAMPLE) {
+                    return 0.0;
+                }
+                layer_pairs.iter().map(|p| rate(&ha, p.rollout_index, &hb, p.trainer_index, pairs)).sum::<f64>()
+                    / layer_pairs.len() as f64
+            };
+            let at_zero = mapped(&pairs_at(0));
+            let (mut d_best, mut r_best) = (0i64, at_zero);
             for d in (1..=reach).flat_map(|d| [d, -d]) {
                 let r = mapped(&pairs_at(d));
                 if r > r_best + 1e-12 {
                     (d_best, r_best) = (d, r);
                 }
             }
-        }
+            Ok((d_best, r_best, at_zero))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let mut final_segments = Vec::with_capacity(segments.len());
+    let mut shifts: Vec<(usize, i64, f64, f64)> = Vec::new();
+    for ((s, bounds), (d_best, r_best, at_zero)) in segments.iter().zip(searched) {
         let d = if d_best != 0 && r_best >= SAME && r_best >= at_zero + BETTER { d_best } else { 0 };
         if d != 0 {
             shifts.push((s.sequence, d, r_best, at_zero));
@@ -414,19 +473,20 @@ pub(super) fn align(a: &Record, b: &Record, budget: &mut Budget) -> Result<(Alig
     if tokens == 0 {
         return Err(Error::input(&b.path, "no token of the trainer pairs with a rollout token"));
     }
-    layer_pairs.sort_by_key(|p| (p.trainer, p.rollout));
-    Ok((Alignment { segments: final_segments, layers: layer_pairs, tokens }, diagnoses))
+    let mut layers = layer_pairs.clone();
+    layers.sort_by_key(|p| (p.trainer, p.rollout));
+    Ok((Alignment { segments: final_segments, layers, tokens }, diagnoses))
 }
 
 /// Pairs of routed layers of one record that route the same on at least [`ALIAS`] of `rows`.
-fn aliases(h: &[u64], l: usize, routed: &[usize], rows: impl Iterator<Item = usize>) -> Vec<(usize, usize, f64)> {
+fn aliases(h: &Hashes, routed: &[usize], rows: impl Iterator<Item = usize>) -> Vec<(usize, usize, f64)> {
     let rows: Vec<usize> = rows.collect();
     let mut out = Vec::new();
     for (x, &i) in routed.iter().enumerate() {
         for &j in &routed[x + 1..] {
             let (mut same, mut both) = (0usize, 0usize);
             for &t in &rows {
-                let (p, q) = (h[t * l + i], h[t * l + j]);
+                let (p, q) = (h.at(t, i), h.at(t, j));
                 if p != 0 && q != 0 {
                     both += 1;
                     same += usize::from(p == q);

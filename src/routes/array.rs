@@ -2,8 +2,10 @@
 //! in memory (read with a bound by `files::read_bounded`), checked before any copy is made:
 //! header, dtype, shape, and that the data is exactly as long as the shape says.
 
+use super::ids::Ids;
 use super::Budget;
 use crate::error::{Error, Result};
+use bytes::Bytes;
 use std::collections::BTreeMap;
 use std::io::Read;
 use std::path::Path;
@@ -59,17 +61,17 @@ impl Elem {
     }
 }
 
-/// One named array: its shape, element type and little-endian bytes (borrowed from the file, or
-/// owned when they had to be decompressed or byte-swapped).
+/// One named array: its shape, element type and little-endian bytes (a slice of the file's, or
+/// its own when they had to be copied out of an archive or byte-swapped).
 #[derive(Debug)]
-pub(crate) struct Array<'a> {
+pub(crate) struct Array {
     pub name: String,
     pub shape: Vec<usize>,
     pub elem: Elem,
-    pub data: std::borrow::Cow<'a, [u8]>,
+    pub data: Bytes,
 }
 
-impl Array<'_> {
+impl Array {
     pub(crate) fn len(&self) -> usize {
         self.data.len() / self.elem.size()
     }
@@ -103,27 +105,23 @@ impl Array<'_> {
         }
     }
 
-    /// The values as i32 expert ids as stored (a uint8 255 stays 255, an int8 -56 stays -56: what
-    /// a wrapped value means is decided with the expert count, in `clean`). Values outside i32
-    /// are refused.
-    pub(crate) fn expert_ids(&self, path: &Path, budget: &mut Budget) -> Result<Vec<i32>> {
+    /// The values as expert ids as stored (a uint8 255 stays 255, an int8 -56 stays -56: what a
+    /// wrapped value means is decided with the expert count, in `clean`): types that fit an i32
+    /// kept in place, wider ones decoded (values outside i32 refused).
+    pub(crate) fn expert_ids(&self, path: &Path, budget: &mut Budget) -> Result<Ids> {
         self.ensure_int(path)?;
+        if Ids::storable(self.elem) {
+            return Ok(Ids::Stored { bytes: self.data.clone(), elem: self.elem, mapped: false });
+        }
         budget.take(&format!("reading {}", path.display()), self.len() as u64 * 4)?;
-        let d = &self.data;
-        Ok(match self.elem {
-            Elem::I32 => d.chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
-            Elem::U8 => d.iter().map(|&b| b as i32).collect(),
-            Elem::I8 => d.iter().map(|&b| b as i8 as i32).collect(),
-            Elem::I16 => d.chunks_exact(2).map(|b| i16::from_le_bytes([b[0], b[1]]) as i32).collect(),
-            Elem::U16 => d.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]]) as i32).collect(),
-            _ => (0..self.len())
-                .map(|i| {
-                    let v = self.int_at(i);
-                    i32::try_from(v)
-                        .map_err(|_| self.bad(path, format!("value {v} at flat index {i} is not an expert id or -1")))
-                })
-                .collect::<Result<_>>()?,
-        })
+        let ids = (0..self.len())
+            .map(|i| {
+                let v = self.int_at(i);
+                i32::try_from(v)
+                    .map_err(|_| self.bad(path, format!("value {v} at flat index {i} is not an expert id or -1")))
+            })
+            .collect::<Result<Vec<i32>>>()?;
+        Ok(Ids::Owned(ids))
     }
 
     /// The values as i64 (token ids, sequence boundaries).
@@ -153,7 +151,7 @@ fn elements(shape: &[usize]) -> Option<usize> {
 }
 
 /// Parses one `.npy` file's bytes (`name` is the array's name; `path` for errors).
-pub(crate) fn npy<'a>(bytes: &'a [u8], name: &str, path: &Path) -> Result<Array<'a>> {
+pub(crate) fn npy(bytes: &Bytes, name: &str, path: &Path) -> Result<Array> {
     let bad = |m: String| Error::input(path, format!("array `{name}`: {m}"));
     if bytes.len() < 10 || &bytes[..6] != b"\x93NUMPY" {
         return Err(bad("not an .npy array (no \\x93NUMPY magic)".into()));
@@ -217,12 +215,14 @@ pub(crate) fn npy<'a>(bytes: &'a [u8], name: &str, path: &Path) -> Result<Array<
             elem.name()
         )));
     }
-    let data = &bytes[data_start..];
     let data = match order {
-        ">" if elem.size() > 1 => std::borrow::Cow::Owned(
-            data.chunks_exact(elem.size()).flat_map(|c| c.iter().rev().copied().collect::<Vec<_>>()).collect(),
+        ">" if elem.size() > 1 => Bytes::from(
+            bytes[data_start..]
+                .chunks_exact(elem.size())
+                .flat_map(|c| c.iter().rev().copied().collect::<Vec<_>>())
+                .collect::<Vec<u8>>(),
         ),
-        "<" | "|" | "=" | ">" => std::borrow::Cow::Borrowed(data),
+        "<" | "|" | "=" | ">" => bytes.slice(data_start..),
         _ => return Err(bad(format!("dtype '{descr}' has no byte order"))),
     };
     Ok(Array { name: name.to_string(), shape, elem, data })
@@ -230,7 +230,7 @@ pub(crate) fn npy<'a>(bytes: &'a [u8], name: &str, path: &Path) -> Result<Array<
 
 /// Every array of an `.npz` archive (stored, as `np.savez` writes it), by name without `.npy`. Each entry
 /// is decompressed at most to the size its own header declares, within `budget`.
-pub(crate) fn npz(bytes: &[u8], path: &Path, budget: &mut Budget) -> Result<BTreeMap<String, Vec<u8>>> {
+pub(crate) fn npz(bytes: &[u8], path: &Path, budget: &mut Budget) -> Result<BTreeMap<String, Bytes>> {
     let bad = |m: String| Error::input(path, m);
     let mut zip =
         zip::ZipArchive::new(std::io::Cursor::new(bytes)).map_err(|e| bad(format!("not an .npz archive: {e}")))?;
@@ -256,7 +256,7 @@ pub(crate) fn npz(bytes: &[u8], path: &Path, budget: &mut Budget) -> Result<BTre
         if data.len() as u64 != size {
             return Err(bad(format!("entry `{name}` declares {size} bytes but holds more")));
         }
-        out.insert(stem.to_string(), data);
+        out.insert(stem.to_string(), Bytes::from(data));
     }
     Ok(out)
 }
@@ -284,7 +284,7 @@ fn elem_of(dtype: safetensors::Dtype) -> Option<Elem> {
 
 /// Every tensor of a safetensors file (validated by the `safetensors` crate: header, offsets,
 /// sizes), and its `__metadata__`.
-pub(crate) fn safetensors<'a>(bytes: &'a [u8], path: &Path) -> Result<(Vec<Array<'a>>, BTreeMap<String, String>)> {
+pub(crate) fn safetensors(bytes: &Bytes, path: &Path) -> Result<(Vec<Array>, BTreeMap<String, String>)> {
     let bad = |m: String| Error::input(path, m);
     let file = safetensors::SafeTensors::deserialize(bytes).map_err(|e| bad(format!("not a safetensors file: {e}")))?;
     let (_, meta) =
@@ -298,7 +298,7 @@ pub(crate) fn safetensors<'a>(bytes: &'a [u8], path: &Path) -> Result<(Vec<Array
             name: name.to_string(),
             shape: view.shape().to_vec(),
             elem,
-            data: std::borrow::Cow::Borrowed(view.data()),
+            data: bytes.slice_ref(view.data()),
         });
     }
     arrays.sort_by(|a, b| a.name.cmp(&b.name));

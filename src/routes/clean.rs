@@ -8,6 +8,7 @@
 
 use super::config::{LayerKind, Layout};
 use super::formats::Raw;
+use super::ids::Ids;
 use super::read::ranges;
 use super::record::{Format, Found, Record};
 use crate::error::{Error, Result};
@@ -83,7 +84,7 @@ pub(crate) fn finish(path: &Path, raw: Raw, layout: Option<&Layout>) -> Result<R
         top_k: k,
         n_layers,
         layers,
-        mut experts,
+        experts,
         logits,
         input_ids,
         mut sequences,
@@ -108,29 +109,32 @@ pub(crate) fn finish(path: &Path, raw: Raw, layout: Option<&Layout>) -> Result<R
             ));
         }
     }
-    unwrap(&mut experts, &dtype, num_experts, &mut found);
-
     let w = n_layers * k;
+    let value = Value::of(&experts, &dtype, num_experts, tokens, w, &mut found);
+
     // One token-major pass over blocks of tokens (in parallel, merged in order, so the result
     // is the same whatever the thread count): every (token, layer) row classified, ids checked
-    // (below -1, at or beyond the expert count), padding rows found and set to -1; rows that
-    // are no route kept aside.
+    // (below -1, at or beyond the expert count), padding rows found; rows that are no route
+    // kept aside.
     let limit = num_experts.map_or(i32::MAX, |e| e as i32);
-    let blocks: Vec<Block> = experts
-        .par_chunks_mut(BLOCK * w)
-        .enumerate()
-        .map(|(i, chunk)| block(chunk, i * BLOCK, n_layers, k, limit, pad_mask.as_deref(), format, num_experts))
-        .collect();
+    let blocks: Vec<Block> = chunks(&experts, tokens, w, |first, chunk| {
+        let wrapped = value.apply(chunk);
+        let mut b = block(chunk, first, n_layers, k, limit, pad_mask.as_deref(), format, num_experts);
+        b.wrapped = wrapped;
+        b
+    });
     let (mut negative, mut beyond) = (None, (0usize, -1i32, 0usize));
     let mut pad = Vec::with_capacity(tokens);
     let mut odd: Vec<(usize, Row)> = Vec::new();
     let mut held = vec![(0usize, 0usize); n_layers]; // (routes, zero rows)
+    let mut wrapped = 0;
     for b in blocks {
         negative = negative.or(b.negative);
         if b.beyond.1 > beyond.1 {
             beyond = (beyond.0, b.beyond.1, b.beyond.2);
         }
         beyond.0 += b.beyond.0;
+        wrapped += b.wrapped;
         pad.extend(b.pad);
         odd.extend(b.odd);
         for (h, x) in held.iter_mut().zip(b.held) {
@@ -140,6 +144,11 @@ pub(crate) fn finish(path: &Path, raw: Raw, layout: Option<&Layout>) -> Result<R
         for (c, n) in b.causes {
             *found.padding.entry(c.to_string()).or_default() += n;
         }
+    }
+    match value {
+        Value::MinusOne(_) => found.wrapped_minus_one = wrapped,
+        Value::Unwrap(_) => found.wrapped_ids = wrapped,
+        Value::AsIs => {}
     }
     if let Some((i, v)) = negative {
         return Err(bad(path, format!("value {v} at flat index {i} is not an expert id or -1")));
@@ -241,24 +250,20 @@ pub(crate) fn finish(path: &Path, raw: Raw, layout: Option<&Layout>) -> Result<R
             Act::Keep { count_empty: kind.is_some() || routes > 0 }
         });
     }
-    // Cleared layers, then the rows that are no route in the others: missing, counted apart.
-    for (l, act) in acts.iter().enumerate() {
-        if *act == Act::Clear {
-            for t in 0..tokens {
-                experts[(t * n_layers + l) * k..][..k].fill(-1);
-            }
-        }
-    }
+    // In the kept layers, zero or repeated rows are cleared and, with -1 rows, counted missing.
+    let mut holes = Vec::new();
     for &(at, c) in &odd {
         match (acts[at % n_layers], c) {
             (Act::Keep { .. }, Row::Zero | Row::Repeat) if k > 1 => {
-                experts[at * k..(at + 1) * k].fill(-1);
+                holes.push(at);
                 found.missing += 1;
             }
             (Act::Keep { count_empty: true }, Row::Empty) => found.missing += 1,
             _ => {}
         }
     }
+    let clear: Vec<bool> = acts.iter().map(|a| *a == Act::Clear).collect();
+    let routed = (0..n_layers).map(|l| !clear[l] && held[l].0 > 0).collect();
 
     if let Some(ids) = &input_ids {
         if let Some(v) = ids.iter().find(|&&v| v < 0) {
@@ -272,7 +277,9 @@ pub(crate) fn finish(path: &Path, raw: Raw, layout: Option<&Layout>) -> Result<R
         top_k: k,
         layers: numbers,
         layers_declared: declared,
-        experts,
+        ids: experts,
+        fix: Fix { value, pad, clear, holes, n_layers, top_k: k },
+        routed,
         num_experts: logits.as_ref().map(|l| l.1).or(num_experts),
         logits: logits.map(|l| l.0),
         input_ids,
@@ -287,6 +294,8 @@ const BLOCK: usize = 512;
 
 /// What the classifying pass found in one block of tokens.
 struct Block {
+    /// Values the value rule changed.
+    wrapped: usize,
     negative: Option<(usize, i32)>,
     beyond: (usize, i32, usize),
     pad: Vec<bool>,
@@ -295,10 +304,10 @@ struct Block {
     held: Vec<(usize, usize)>,
 }
 
-/// Classifies the rows of `chunk` (tokens from `first`), finds its padding rows (set to -1).
+/// Classifies the rows of `chunk` (tokens from `first`), finds its padding rows.
 #[allow(clippy::too_many_arguments)]
 fn block(
-    chunk: &mut [i32],
+    chunk: &[i32],
     first: usize,
     n_layers: usize,
     k: usize,
@@ -309,6 +318,7 @@ fn block(
 ) -> Block {
     let w = n_layers * k;
     let mut out = Block {
+        wrapped: 0,
         negative: None,
         beyond: (0, -1, 0),
         pad: Vec::with_capacity(chunk.len() / w),
@@ -317,7 +327,7 @@ fn block(
         held: vec![(0, 0); n_layers],
     };
     let mut classes = vec![Row::Empty; n_layers];
-    for (j, row) in chunk.chunks_exact_mut(w).enumerate() {
+    for (j, row) in chunk.chunks_exact(w).enumerate() {
         let t = first + j;
         for (l, c) in classes.iter_mut().enumerate() {
             let ids = &row[l * k..(l + 1) * k];
@@ -354,7 +364,6 @@ fn block(
                 Some(x) => x.1 += 1,
                 None => out.causes.push((c, 1)),
             }
-            row.fill(-1);
             continue;
         }
         for (l, &c) in classes.iter().enumerate() {
@@ -376,41 +385,134 @@ fn block(
     out
 }
 
-/// A -1 stored unsigned (255, 65535) and ids wrapped negative by a signed narrowing cast.
-fn unwrap(experts: &mut [i32], dtype: &super::formats::Dtype, e: Option<usize>, found: &mut Found) {
-    use super::array::Elem;
-    let Some(elem) = dtype.elem else { return };
-    let max_other = |skip: i32| experts.iter().copied().filter(|&v| v != skip).max().unwrap_or(0);
-    match elem {
-        Elem::U8 | Elem::U16 => {
-            let all = if elem == Elem::U8 { 255 } else { 65535 };
-            // 255 is an expert of a model with 256; a -1 when the model has fewer (or, without a
-            // config, when no other id comes near).
-            let wrapped = match e {
-                Some(e) => (all as usize) >= e,
-                None => elem == Elem::U16 || max_other(all) < 128,
-            };
-            if wrapped {
-                for v in experts.iter_mut().filter(|v| **v == all) {
-                    *v = -1;
-                    found.wrapped_minus_one += 1;
+/// `f` on each block of [`BLOCK`] token rows of `ids` as stored (decoded into a buffer of its
+/// own), in parallel; the results in token order.
+fn chunks<T: Send>(ids: &Ids, tokens: usize, w: usize, f: impl Fn(usize, &mut [i32]) -> T + Sync) -> Vec<T> {
+    (0..tokens.div_ceil(BLOCK))
+        .into_par_iter()
+        .map_init(Vec::new, |buf, c| {
+            let rows = c * BLOCK..((c + 1) * BLOCK).min(tokens);
+            ids.decode(rows.start * w..rows.end * w, buf);
+            ids.release(rows.start * w..rows.end * w);
+            f(rows.start, buf)
+        })
+        .collect()
+}
+
+/// What a stored value means, by its dtype and the expert count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Value {
+    /// As stored.
+    AsIs,
+    /// This value (255 in uint8, 65535 in uint16) is a -1 stored unsigned.
+    MinusOne(i32),
+    /// Values below -1 are ids wrapped negative by a signed narrowing cast (int8, int16):
+    /// unwrapped with this mask.
+    Unwrap(i32),
+}
+
+impl Value {
+    /// The rule for `ids` of `dtype` with `e` experts (when known); says a cast too narrow.
+    fn of(
+        ids: &Ids,
+        dtype: &super::formats::Dtype,
+        e: Option<usize>,
+        tokens: usize,
+        w: usize,
+        found: &mut Found,
+    ) -> Value {
+        use super::array::Elem;
+        let Some(elem) = dtype.elem else { return Value::AsIs };
+        let narrow = matches!(elem, Elem::U8 | Elem::I8) && e.is_some_and(|e| e > 256);
+        if narrow {
+            found.narrow_for = e;
+        }
+        match elem {
+            Elem::U8 | Elem::U16 => {
+                let all = if elem == Elem::U8 { 255 } else { 65535 };
+                // 255 is an expert of a model with 256; a -1 when the model has fewer (or, without
+                // a config, when no other id comes near).
+                let wrapped = match e {
+                    Some(e) => (all as usize) >= e,
+                    None => {
+                        elem == Elem::U16
+                            || chunks(ids, tokens, w, |_, c| c.iter().copied().filter(|&v| v != all).max())
+                                .into_iter()
+                                .flatten()
+                                .max()
+                                .unwrap_or(0)
+                                < 128
+                    }
+                };
+                if wrapped {
+                    Value::MinusOne(all)
+                } else {
+                    Value::AsIs
                 }
             }
-            if elem == Elem::U8 && e.is_some_and(|e| e > 256) {
-                found.narrow_for = e;
-            }
+            Elem::I8 => Value::Unwrap(0xff),
+            Elem::I16 => Value::Unwrap(0xffff),
+            _ => Value::AsIs,
         }
-        Elem::I8 | Elem::I16 => {
-            let mask = if elem == Elem::I8 { 0xff } else { 0xffff };
-            for v in experts.iter_mut().filter(|v| **v < -1) {
+    }
+
+    /// Applies the rule to `ids`; returns how many values it changed.
+    fn apply(self, ids: &mut [i32]) -> usize {
+        let mut n = 0;
+        match self {
+            Value::AsIs => {}
+            Value::MinusOne(all) => ids.iter_mut().filter(|v| **v == all).for_each(|v| {
+                *v = -1;
+                n += 1;
+            }),
+            Value::Unwrap(mask) => ids.iter_mut().filter(|v| **v < -1).for_each(|v| {
                 *v &= mask;
-                found.wrapped_ids += 1;
+                n += 1;
+            }),
+        }
+        n
+    }
+}
+
+/// What cleaning decided, applied to every row read: the value rule, padding tokens, cleared
+/// layers, and the rows (token × layer + layer index) that are a fill, not a route.
+#[derive(Debug, Clone)]
+pub(crate) struct Fix {
+    value: Value,
+    pad: Vec<bool>,
+    clear: Vec<bool>,
+    holes: Vec<usize>,
+    n_layers: usize,
+    top_k: usize,
+}
+
+impl Fix {
+    /// Cleans `ids`, the stored ids of token rows `tokens`.
+    pub(crate) fn apply(&self, tokens: std::ops::Range<usize>, ids: &mut [i32]) {
+        self.value.apply(ids);
+        let (l, k) = (self.n_layers, self.top_k);
+        let mut h = self.holes.partition_point(|&r| r < tokens.start * l);
+        for (t, row) in tokens.zip(ids.chunks_exact_mut(l * k)) {
+            if self.pad[t] {
+                row.fill(-1);
             }
-            if elem == Elem::I8 && e.is_some_and(|e| e > 256) {
-                found.narrow_for = e;
+            for (layer, _) in self.clear.iter().enumerate().filter(|c| *c.1) {
+                row[layer * k..(layer + 1) * k].fill(-1);
+            }
+            while h < self.holes.len() && self.holes[h] < (t + 1) * l {
+                let layer = self.holes[h] - t * l;
+                row[layer * k..(layer + 1) * k].fill(-1);
+                h += 1;
             }
         }
-        _ => {}
+    }
+
+    /// Cleans `ids`, the stored ids of one (token, layer index) row.
+    pub(crate) fn apply_row(&self, token: usize, layer: usize, ids: &mut [i32]) {
+        self.value.apply(ids);
+        if self.pad[token] || self.clear[layer] || self.holes.binary_search(&(token * self.n_layers + layer)).is_ok() {
+            ids.fill(-1);
+        }
     }
 }
 

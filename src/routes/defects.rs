@@ -19,16 +19,11 @@ fn defect(kind: DiagnosisKind, found: String, change: &str) -> Diagnosis {
     Diagnosis { kind, defect: true, found, change: change.to_string() }
 }
 
-/// Whether a record holds no route at all once its fill is recognised.
-pub(super) fn empty(r: &Record) -> bool {
-    r.experts.iter().all(|&e| e < 0)
-}
-
 /// What reading `r` found, as diagnoses.
 pub(super) fn of_record(role: &str, r: &Record, layout: Option<&Layout>) -> Vec<Diagnosis> {
     let f = &r.found;
     let mut out = Vec::new();
-    if empty(r) {
+    if r.is_empty() {
         let held = if f.zero_layers.is_empty() && !f.padding.contains_key("all-zero") {
             "no route (-1 or fill)"
         } else {
@@ -217,9 +212,14 @@ pub(super) fn of_pair(
         let (mut modulo, mut relabel, mut example) = (Vec::new(), Vec::new(), None);
         for &p in &heavy {
             let pair = &al.layers[p];
+            let mut row = Vec::new();
+            let mut set_of = |r: &Record, t: usize, layer: usize| {
+                r.row(t, layer, &mut row);
+                set(&row)
+            };
             let sets: Vec<(Vec<i32>, Vec<i32>)> = rows
                 .iter()
-                .map(|&(ta, tb)| (set(a.row(ta, pair.rollout_index)), set(b.row(tb, pair.trainer_index))))
+                .map(|&(ta, tb)| (set_of(a, ta, pair.rollout_index), set_of(b, tb, pair.trainer_index)))
                 .filter(|(x, y)| !x.is_empty() && !y.is_empty())
                 .collect();
             let n = sets.len().max(1) as f64;

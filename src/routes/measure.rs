@@ -188,6 +188,17 @@ impl Measures {
 const CHUNK: usize = 1024;
 
 pub(super) fn measure(a: &Record, b: &Record, al: &Alignment, budget: &mut Budget) -> Result<Measures> {
+    measure_in(a, b, al, budget, CHUNK)
+}
+
+/// [`measure`] reading `chunk` tokens of each side at a time (any size gives the same result).
+pub(super) fn measure_in(
+    a: &Record,
+    b: &Record,
+    al: &Alignment,
+    budget: &mut Budget,
+    chunk: usize,
+) -> Result<Measures> {
     let n = al.layers.len();
     // With logits, one margin per decision.
     let logits = match (&b.logits, b.num_experts, &a.logits, a.num_experts) {
@@ -198,50 +209,77 @@ pub(super) fn measure(a: &Record, b: &Record, al: &Alignment, budget: &mut Budge
     if logits.is_some() {
         budget.take("margins", (al.tokens * n) as u64 * 8)?;
     }
-    // Every compared (rollout row, trainer row), in order.
-    let rows: Vec<(usize, usize)> =
-        al.segments.iter().flat_map(|s| (0..s.len).map(move |k| (s.rollout + k, s.trainer + k))).collect();
-    let counts = rows
-        .par_chunks(CHUNK)
-        .map(|chunk| {
-            let mut c = Counts::new(n);
-            let (mut x, mut y, mut scratch) = (Vec::new(), Vec::new(), Vec::new());
-            for &(ta, tb) in chunk {
-                let mut first = None;
-                for (p, pair) in al.layers.iter().enumerate() {
-                    let (ra, rb) = (a.row(ta, pair.rollout_index), b.row(tb, pair.trainer_index));
-                    sorted(ra, &mut x);
-                    sorted(rb, &mut y);
-                    if x.is_empty() || y.is_empty() {
-                        c.missing += u64::from(x.len() != y.len());
-                        continue;
+    // Every aligned run of rows, in pieces of CHUNK tokens: both sides' rows read a piece at a
+    // time, pieces in parallel.
+    let pieces: Vec<(usize, usize, usize)> = al
+        .segments
+        .iter()
+        .flat_map(|s| (0..s.len).step_by(chunk).map(move |k| (s.rollout + k, s.trainer + k, chunk.min(s.len - k))))
+        .collect();
+    let (wa, wb) = (a.layers.len() * a.top_k, b.layers.len() * b.top_k);
+    let counts = pieces
+        .par_iter()
+        .map_init(
+            || (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new()),
+            |(rows_a, rows_b, x, y, scratch), &(ra, rb, len)| {
+                a.rows(ra..ra + len, rows_a);
+                b.rows(rb..rb + len, rows_b);
+                a.ids.release(ra * wa..(ra + len) * wa);
+                b.ids.release(rb * wb..(rb + len) * wb);
+                let mut c = Counts::new(n);
+                for i in 0..len {
+                    let mut first = None;
+                    for (p, pair) in al.layers.iter().enumerate() {
+                        let ra_row = &rows_a[i * wa + pair.rollout_index * a.top_k..][..a.top_k];
+                        let rb_row = &rows_b[i * wb + pair.trainer_index * b.top_k..][..b.top_k];
+                        let same = if ra_row == rb_row {
+                            // The common case, without sorting: one set, in one slot order.
+                            let routes = ra_row.iter().filter(|&&e| e >= 0).count();
+                            if routes == 0 {
+                                continue;
+                            }
+                            c.common[p] += routes as u64;
+                            c.width[p] += routes as u64;
+                            true
+                        } else {
+                            sorted(ra_row, x);
+                            sorted(rb_row, y);
+                            if x.is_empty() || y.is_empty() {
+                                c.missing += u64::from(x.len() != y.len());
+                                continue;
+                            }
+                            let same = x == y;
+                            if same {
+                                c.order_only += 1;
+                            } else {
+                                c.differ[p] += 1;
+                                first.get_or_insert(p);
+                            }
+                            c.common[p] += common(x, y) as u64;
+                            c.width[p] += x.len().max(y.len()) as u64;
+                            same
+                        };
+                        c.decisions[p] += 1;
+                        if let Some((side, r, l, w)) = logits {
+                            let (t, li) = match side {
+                                "trainer" => (rb + i, pair.trainer_index),
+                                _ => (ra + i, pair.rollout_index),
+                            };
+                            let at = (t * r.layers.len() + li) * w;
+                            c.margins.push((margin(&l[at..at + w], r.top_k, scratch), !same));
+                        }
                     }
-                    c.decisions[p] += 1;
-                    let same = x == y;
-                    if same {
-                        c.order_only += u64::from(ra != rb);
-                    } else {
-                        c.differ[p] += 1;
-                        first.get_or_insert(p);
-                    }
-                    c.common[p] += common(&x, &y) as u64;
-                    c.width[p] += x.len().max(y.len()) as u64;
-                    if let Some((side, r, l, w)) = logits {
-                        let (t, i) =
-                            if side == "trainer" { (tb, pair.trainer_index) } else { (ta, pair.rollout_index) };
-                        let at = (t * r.layers.len() + i) * w;
-                        c.margins.push((margin(&l[at..at + w], r.top_k, &mut scratch), !same));
+                    if let Some(p) = first {
+                        c.tokens_differ += 1;
+                        c.first[p] += 1;
+                        c.first_sum += p as u64;
                     }
                 }
-                if let Some(p) = first {
-                    c.tokens_differ += 1;
-                    c.first[p] += 1;
-                    c.first_sum += p as u64;
-                }
-            }
-            c
-        })
+                c
+            },
+        )
         .reduce(|| Counts::new(n), Counts::add);
+    let compared = al.tokens;
     let share = |x: u64, of: u64| if of == 0 { 0.0 } else { x as f64 / of as f64 };
     let layers = al
         .layers
@@ -274,10 +312,10 @@ pub(super) fn measure(a: &Record, b: &Record, al: &Alignment, budget: &mut Budge
         }
     });
     Ok(Measures {
-        tokens: rows.len(),
+        tokens: compared,
         decisions: decisions as usize,
         decisions_differ: share(differ, decisions),
-        tokens_differ: share(counts.tokens_differ, rows.len() as u64),
+        tokens_differ: share(counts.tokens_differ, compared as u64),
         overlap: share(counts.common.iter().sum(), counts.width.iter().sum()),
         order_only: counts.order_only as usize,
         missing: counts.missing as usize,

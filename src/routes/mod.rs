@@ -13,6 +13,7 @@ mod clean;
 pub mod config;
 mod defects;
 mod formats;
+mod ids;
 mod measure;
 pub mod read;
 mod record;
@@ -21,7 +22,7 @@ mod show;
 pub use align::{Alignment, Diagnosis, DiagnosisKind, LayerPair, Segment};
 pub use config::{LayerKind, Layout};
 pub use measure::{LayerMeasure, Margins, Measures};
-pub use read::{load, Format, Found, Record};
+pub use read::{from_ids, load, Format, Found, IdArray, Record};
 pub use show::{show, LayerLoad, Summary};
 
 use crate::error::Result;
@@ -143,7 +144,7 @@ pub fn compare(
 ) -> Result<Comparison> {
     let mut diagnoses = defects::of_record("rollout", rollout, layout);
     diagnoses.extend(defects::of_record("trainer", trainer, layout));
-    if defects::empty(rollout) || defects::empty(trainer) {
+    if rollout.is_empty() || trainer.is_empty() {
         // Nothing to align: the capture-never-ran defect says why.
         diagnoses.sort_by_key(|d| !d.defect);
         return Ok(Comparison {

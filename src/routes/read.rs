@@ -4,10 +4,11 @@
 //! `router_trace_rank{r}.jsonl` files directly inside it (symlinks refused).
 
 use super::config::Layout;
-use super::formats::{self, Raw};
+use super::formats::{self, Dtype, Raw};
 use super::{array, clean, Budget};
 use crate::error::{Error, Result, Setting};
-use crate::files::read_bounded;
+use crate::files::{open_unblocked, read_bounded};
+use bytes::Bytes;
 use serde_json::Value;
 use std::path::Path;
 
@@ -27,7 +28,27 @@ fn bad(path: &Path, message: impl Into<String>) -> Error {
     Error::input(path, message.into())
 }
 
-fn read(path: &Path, budget: &mut Budget) -> Result<Vec<u8>> {
+/// A record file's bytes: a regular file is mapped (its arrays are read in place, a chunk at a
+/// time, see `ids`), anything else read whole within the budget.
+fn open(path: &Path, budget: &mut Budget) -> Result<File> {
+    let file = open_unblocked(path, false).map_err(|e| bad(path, format!("cannot read: {e}")))?;
+    let meta = file.metadata().map_err(|e| bad(path, format!("cannot read: {e}")))?;
+    if meta.is_file() && meta.len() > 0 {
+        // SAFETY: mapped read-only; a record changed while it is compared is the caller's race,
+        // as with any reader of a file that changes under it.
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| bad(path, format!("cannot read: {e}")))?;
+        return Ok(File { bytes: Bytes::from_owner(map), mapped: true });
+    }
+    Ok(File { bytes: Bytes::from(read_whole(path, budget)?), mapped: false })
+}
+
+/// A record file's bytes, and whether they are a mapping of it.
+struct File {
+    bytes: Bytes,
+    mapped: bool,
+}
+
+fn read_whole(path: &Path, budget: &mut Budget) -> Result<Vec<u8>> {
     let what = format!("reading {}", path.display());
     if let Some(size) = std::fs::metadata(path).ok().filter(|m| m.is_file()).map(|m| m.len()) {
         Budget::clone(budget).take(&what, size)?;
@@ -58,7 +79,7 @@ fn trace_folder(dir: &Path, budget: &mut Budget) -> Result<Vec<(String, Vec<u8>)
         return Err(bad(dir, "a folder holds a record only as Megatron's router_trace_rank{r}.jsonl files: none here"));
     }
     ranks.sort();
-    ranks.into_iter().map(|(_, name, p)| Ok((name, read(&p, budget)?))).collect()
+    ranks.into_iter().map(|(_, name, p)| Ok((name, read_whole(&p, budget)?))).collect()
 }
 
 /// Reads a record, made comparable against `layout` when given. `hint` shapes a record with no
@@ -68,15 +89,71 @@ pub fn load(path: &Path, layout: Option<&Layout>, hint: Option<ShapeHint>, budge
         let files = trace_folder(path, budget)?;
         formats::megatron::trace(path, &files, layout, budget)?
     } else {
-        let bytes = read(path, budget)?;
-        dispatch(path, &bytes, layout, hint, budget)?
+        let file = open(path, budget)?;
+        let mut raw = dispatch(path, &file.bytes, layout, hint, budget)?;
+        if file.mapped {
+            raw.experts.mark_mapped(&file.bytes);
+        }
+        raw
     };
+    clean::finish(path, raw, layout)
+}
+
+/// One array of expert ids `[tokens, layers, top_k]` in memory (one sequence): little-endian,
+/// C-contiguous bytes of a numpy dtype (`uint8`, `int16`, `int32`, ...), read in place.
+#[derive(Debug, Clone)]
+pub struct IdArray {
+    /// The array's data.
+    pub bytes: Bytes,
+    /// numpy's name of its dtype.
+    pub dtype: String,
+    /// `[tokens, layers, top_k]`.
+    pub shape: [usize; 3],
+}
+
+/// A record of arrays in memory, one sequence each (named `name` in the report and errors),
+/// its layers numbered `layers` when given, made comparable as a file's is: the bytes are read
+/// in place (types wider than i32 are decoded within the budget).
+pub fn from_ids(
+    name: &str,
+    parts: Vec<IdArray>,
+    layers: Option<Vec<usize>>,
+    layout: Option<&Layout>,
+    budget: &mut Budget,
+) -> Result<Record> {
+    let path = Path::new(name);
+    let Some(first) = parts.first() else {
+        return Err(bad(path, "no arrays: give one [tokens, layers, top_k] array, or one per sequence"));
+    };
+    let (dtype, [_, l, k]) = (first.dtype.clone(), first.shape);
+    let mut raws = Vec::with_capacity(parts.len());
+    for (i, p) in parts.into_iter().enumerate() {
+        if p.dtype != dtype || p.shape[1..] != [l, k] {
+            return Err(bad(
+                path,
+                format!(
+                    "sequence {i} is {} {:?}, sequence 0 {dtype} [_, {l}, {k}]: every sequence has the same layers, top-k and dtype",
+                    p.dtype, p.shape
+                ),
+            ));
+        }
+        let elem = Dtype::named(&p.dtype)
+            .and_then(|d| d.elem)
+            .ok_or_else(|| bad(path, format!("dtype {}: expert ids must be integers", p.dtype)))?;
+        if Some(p.bytes.len()) != p.shape.iter().try_fold(elem.size(), |a, &d| a.checked_mul(d)) {
+            return Err(bad(path, format!("sequence {i}: {} bytes for {} {:?}", p.bytes.len(), p.dtype, p.shape)));
+        }
+        let a = array::Array { name: format!("sequence {i}"), shape: p.shape.to_vec(), elem, data: p.bytes };
+        raws.push(Raw::bare(Format::Npy, Dtype::of(elem), p.shape, a.expert_ids(path, budget)?));
+    }
+    let mut raw = if raws.len() == 1 { raws.pop().expect("one") } else { Raw::concat(path, raws, budget)? };
+    raw.layers = layers;
     clean::finish(path, raw, layout)
 }
 
 fn dispatch(
     path: &Path,
-    bytes: &[u8],
+    bytes: &Bytes,
     layout: Option<&Layout>,
     hint: Option<ShapeHint>,
     budget: &mut Budget,
@@ -90,6 +167,8 @@ fn dispatch(
         return formats::from_arrays(path, arrays, Default::default(), budget);
     }
     if bytes.iter().find(|b| !b.is_ascii_whitespace()).is_some_and(|&b| b == b'{' || b == b'[') {
+        // Text is parsed whole: it takes its size from the budget (arrays are read in place).
+        budget.take(&format!("reading {}", path.display()), bytes.len() as u64)?;
         if formats::megatron::is_trace(bytes) {
             let name =
                 path.file_name().map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned());

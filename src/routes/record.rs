@@ -3,6 +3,8 @@
 //! inferred (the writer, the dtype as stored, the layer numbering, padding, missing routes,
 //! zero-filled layers, wrapped ids), so `routes show` and every diagnosis can say it.
 
+use super::clean::Fix;
+use super::ids::Ids;
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -116,8 +118,13 @@ pub struct Record {
     pub layers: Vec<usize>,
     /// Whether the file named the layers (else they were inferred: see [`Found::numbering`]).
     pub layers_declared: bool,
-    /// Expert ids, `[tokens, layers, top_k]` row-major; -1 = no route.
-    pub experts: Vec<i32>,
+    /// Expert ids as stored, `[tokens, layers, top_k]`, read through `fix`.
+    pub(crate) ids: Ids,
+    /// What `clean` decided the stored values mean: applied to every row read.
+    pub(crate) fix: Fix,
+    /// Per layer index: whether any route is left once cleaned (a dense layer's placeholder,
+    /// cleared, has none).
+    pub(crate) routed: Vec<bool>,
     /// Router logits `[tokens, layers, width]`, when recorded.
     pub logits: Option<Vec<f32>>,
     /// Experts per layer (the logits' width, or the config's), when known.
@@ -132,22 +139,55 @@ pub struct Record {
     pub found: Found,
 }
 
+/// Token rows per chunk of a pass over a whole record: what one thread holds at a time.
+pub(crate) const CHUNK_TOKENS: usize = 512;
+
 impl Record {
-    /// The ids of `token` at layer index `layer`.
-    pub fn row(&self, token: usize, layer: usize) -> &[i32] {
-        let at = (token * self.layers.len() + layer) * self.top_k;
-        &self.experts[at..at + self.top_k]
+    /// The compared ids of `tokens` (`[n, layers, top_k]`, -1 = nothing to compare), into `out`.
+    pub fn rows(&self, tokens: Range<usize>, out: &mut Vec<i32>) {
+        let w = self.layers.len() * self.top_k;
+        self.ids.decode(tokens.start * w..tokens.end * w, out);
+        self.fix.apply(tokens, out);
     }
 
-    /// Whether any route of the layer index is not -1 (a dense layer's placeholder has none).
+    /// The compared ids of `token` at layer index `layer`, into `out`.
+    pub fn row(&self, token: usize, layer: usize, out: &mut Vec<i32>) {
+        let at = (token * self.layers.len() + layer) * self.top_k;
+        self.ids.decode(at..at + self.top_k, out);
+        self.fix.apply_row(token, layer, out);
+    }
+
+    /// `f` on every chunk of `chunk` token rows (the first token, its ids as [`Record::rows`]
+    /// reads them), in parallel; the results in token order, whatever the thread count.
+    pub(crate) fn par_chunks<T: Send>(&self, chunk: usize, f: impl Fn(usize, &[i32]) -> T + Sync) -> Vec<T> {
+        use rayon::prelude::*;
+        let w = self.layers.len() * self.top_k;
+        (0..self.tokens.div_ceil(chunk))
+            .into_par_iter()
+            .map_init(Vec::new, |buf, c| {
+                let tokens = c * chunk..((c + 1) * chunk).min(self.tokens);
+                self.rows(tokens.clone(), buf);
+                self.ids.release(tokens.start * w..tokens.end * w);
+                f(tokens.start, buf)
+            })
+            .collect()
+    }
+
+    /// Whether any route of the layer index is left (a dense layer's placeholder has none).
     pub fn layer_routed(&self, layer: usize) -> bool {
-        (0..self.tokens).any(|t| self.row(t, layer).iter().any(|&e| e >= 0))
+        self.routed[layer]
+    }
+
+    /// Whether the record holds no route at all once its fill is recognised.
+    pub fn is_empty(&self) -> bool {
+        !self.routed.contains(&true)
     }
 
     /// Whether a token has no route in any layer (padding).
     pub fn token_empty(&self, token: usize) -> bool {
-        let w = self.layers.len() * self.top_k;
-        self.experts[token * w..(token + 1) * w].iter().all(|&e| e < 0)
+        let mut row = Vec::new();
+        self.rows(token..token + 1, &mut row);
+        row.iter().all(|&e| e < 0)
     }
 
     /// Padding rows found, all causes.

@@ -1,6 +1,7 @@
 //! `routes show`: one record summarised, load per layer and expert.
 
 use super::read::Record;
+use super::record::CHUNK_TOKENS;
 use super::Side;
 use serde::Serialize;
 
@@ -42,22 +43,51 @@ pub struct Summary {
 
 /// Load per layer and expert of `r`, with `experts` experts when known.
 pub fn show(r: &Record, experts: Option<usize>) -> Summary {
-    let largest = r.experts.iter().copied().max().unwrap_or(-1);
-    let e = experts.or(r.num_experts).unwrap_or(0).max((largest + 1).max(1) as usize);
     let l = r.layers.len();
-    let layers = (0..l)
-        .map(|i| {
-            let mut load = vec![0usize; e];
-            let mut tokens = 0;
-            for t in 0..r.tokens {
-                let row = r.row(t, i);
+    // One pass in chunks: per layer, each expert's routes and the tokens routed; tokens with
+    // no route at all.
+    let counted = r.par_chunks(CHUNK_TOKENS, |_, rows| {
+        let mut load: Vec<Vec<usize>> = vec![Vec::new(); l];
+        let mut tokens = vec![0usize; l];
+        let mut empty = 0;
+        for token in rows.chunks_exact(l * r.top_k) {
+            empty += usize::from(token.iter().all(|&e| e < 0));
+            for (i, row) in token.chunks_exact(r.top_k).enumerate() {
                 let mut any = false;
                 for &id in row.iter().filter(|&&id| id >= 0) {
-                    load[id as usize] += 1;
+                    let id = id as usize;
+                    if id >= load[i].len() {
+                        load[i].resize(id + 1, 0);
+                    }
+                    load[i][id] += 1;
                     any = true;
                 }
-                tokens += usize::from(any);
+                tokens[i] += usize::from(any);
             }
+        }
+        (load, tokens, empty)
+    });
+    let mut load: Vec<Vec<usize>> = vec![Vec::new(); l];
+    let mut tokens = vec![0usize; l];
+    let mut empty_tokens = 0;
+    for (part, t, e) in counted {
+        for (all, p) in load.iter_mut().zip(part) {
+            if p.len() > all.len() {
+                all.resize(p.len(), 0);
+            }
+            all.iter_mut().zip(p).for_each(|(a, b)| *a += b);
+        }
+        tokens.iter_mut().zip(t).for_each(|(a, b)| *a += b);
+        empty_tokens += e;
+    }
+    let largest = load.iter().map(Vec::len).max().unwrap_or(0);
+    let e = experts.or(r.num_experts).unwrap_or(0).max(largest.max(1));
+    let layers = load
+        .into_iter()
+        .zip(tokens)
+        .enumerate()
+        .map(|(i, (mut load, tokens))| {
+            load.resize(e, 0);
             let routes: usize = load.iter().sum();
             let mean = routes as f64 / e as f64;
             let var = load.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / e as f64;
@@ -74,11 +104,5 @@ pub fn show(r: &Record, experts: Option<usize>) -> Summary {
             }
         })
         .collect();
-    Summary {
-        record: Side::of("record", r),
-        experts: e,
-        sequences: r.sequences.len(),
-        empty_tokens: (0..r.tokens).filter(|&t| r.token_empty(t)).count(),
-        layers,
-    }
+    Summary { record: Side::of("record", r), experts: e, sequences: r.sequences.len(), empty_tokens, layers }
 }

@@ -6,8 +6,6 @@
 //!   `moe-audit routes compare --format json` prints;
 //! - [`main`]: the wheel's `moe-audit` command, the binary's command line.
 
-mod arrays;
-
 use moe_audit::routes::{self, Budget, CompareOptions, Layout};
 use moe_audit::MemoryBudget;
 use pyo3::prelude::*;
@@ -29,34 +27,35 @@ enum Side {
     Arrays(String, Vec<RawPart>, Option<Vec<usize>>),
 }
 
-/// A side with its bytes borrowed from the buffers (held by the caller while the GIL is out).
-enum Borrowed<'a> {
-    Path(&'a Path),
-    Arrays(&'a str, Vec<arrays::Part<'a>>, Option<&'a [usize]>),
+/// An array's data in the caller's memory, as the bytes of a record.
+struct Buffer {
+    address: usize,
+    len: usize,
 }
 
-fn borrow(side: &Side) -> Borrowed<'_> {
-    match side {
-        Side::Path(p) => Borrowed::Path(p),
-        Side::Arrays(name, parts, layers) => Borrowed::Arrays(
-            name,
-            parts
-                .iter()
-                .map(|&(address, len, ref dtype, (t, l, k))| arrays::Part {
-                    // SAFETY: `address` and `len` are the data of a C-contiguous numpy array
-                    // that `moe_audit.routes.compare` holds for the whole call (the only
-                    // caller of this private module); nothing here writes to it.
-                    bytes: match len {
-                        0 => &[],
-                        _ => unsafe { std::slice::from_raw_parts(address as *const u8, len) },
-                    },
-                    dtype: dtype.as_str(),
-                    shape: [t, l, k],
-                })
-                .collect(),
-            layers.as_deref(),
-        ),
+impl AsRef<[u8]> for Buffer {
+    fn as_ref(&self) -> &[u8] {
+        match self.len {
+            0 => &[],
+            // SAFETY: `address` and `len` are the data of a C-contiguous numpy array that
+            // `moe_audit.routes.compare` holds, unchanged, for the whole call (the only caller
+            // of this private module); the record reading it is dropped before the call returns
+            // and nothing here writes to it.
+            _ => unsafe { std::slice::from_raw_parts(self.address as *const u8, self.len) },
+        }
     }
+}
+
+/// The arrays of a side as the record's in-memory parts (their bytes read in place).
+fn id_arrays(parts: &[RawPart]) -> Vec<routes::IdArray> {
+    parts
+        .iter()
+        .map(|&(address, len, ref dtype, (t, l, k))| routes::IdArray {
+            bytes: bytes::Bytes::from_owner(Buffer { address, len }),
+            dtype: dtype.clone(),
+            shape: [t, l, k],
+        })
+        .collect()
 }
 
 /// `moe-audit routes compare` in process: `(True, json)` as `--format json` prints it, or
@@ -73,9 +72,9 @@ fn compare(
     max_disagreement: Option<f64>,
     max_memory: Option<String>,
 ) -> PyResult<(bool, String)> {
-    let (r, t) = (borrow(&rollout), borrow(&trainer));
-    let done =
-        py.detach(|| run(&r, &t, config.as_deref(), config_json.as_deref(), max_disagreement, max_memory.as_deref()));
+    let done = py.detach(|| {
+        run(&rollout, &trainer, config.as_deref(), config_json.as_deref(), max_disagreement, max_memory.as_deref())
+    });
     Ok(match done {
         Ok(text) => (true, text),
         Err(e) => (false, moe_audit::command::one_line_message(&e.to_string())),
@@ -83,8 +82,8 @@ fn compare(
 }
 
 fn run(
-    rollout: &Borrowed<'_>,
-    trainer: &Borrowed<'_>,
+    rollout: &Side,
+    trainer: &Side,
     config: Option<&Path>,
     config_json: Option<&str>,
     max_disagreement: Option<f64>,
@@ -107,13 +106,16 @@ fn run(
         (None, None) => None,
     };
     let mut budget = Budget::new(MemoryBudget::from_request(limit));
-    let load = |side: &Borrowed<'_>, hint, budget: &mut Budget| match side {
-        Borrowed::Path(p) => routes::load(p, layout.as_ref(), hint, budget),
-        Borrowed::Arrays(name, parts, layers) => arrays::record(name, parts, *layers, layout.as_ref(), budget),
+    let load = |side: &Side, hint, budget: &mut Budget| match side {
+        Side::Path(p) => routes::load(p, layout.as_ref(), hint, budget),
+        Side::Arrays(name, parts, layers) => {
+            routes::from_ids(name, id_arrays(parts), layers.clone(), layout.as_ref(), budget)
+        }
     };
     // A flat SGLang record without a config takes its shape from the other record, as the
     // command reads it (src/cli/routes.rs).
-    let is_json = |s: &Borrowed<'_>| matches!(s, Borrowed::Path(p) if p.extension().is_some_and(|e| e.eq_ignore_ascii_case("json")));
+    let is_json =
+        |s: &Side| matches!(s, Side::Path(p) if p.extension().is_some_and(|e| e.eq_ignore_ascii_case("json")));
     let (r, t) = if is_json(rollout) && !is_json(trainer) {
         let t = load(trainer, None, &mut budget)?;
         (load(rollout, Some(hint(&t)), &mut budget)?, t)

@@ -14,7 +14,7 @@ use std::path::Path;
 
 pub(crate) fn read(
     path: &Path,
-    arrays: Vec<Array<'_>>,
+    arrays: Vec<Array>,
     meta: BTreeMap<String, String>,
     budget: &mut Budget,
 ) -> Result<Raw> {

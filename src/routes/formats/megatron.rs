@@ -205,7 +205,7 @@ pub(crate) fn inference(path: &Path, items: &[&Value], budget: &mut Budget) -> R
         part.axis = Axis::Routers;
         parts.push(part);
     }
-    let mut all = Raw::concat(path, parts)?;
+    let mut all = Raw::concat(path, parts, budget)?;
     all.axis = Axis::Routers;
     Ok(all)
 }

@@ -19,9 +19,11 @@ pub(crate) mod vllm;
 
 use super::array::{Array, Elem};
 use super::clean::Axis;
+use super::ids::Ids;
 use super::record::{Format, Sequence};
 use super::Budget;
 use crate::error::{Error, Result};
+use bytes::Bytes;
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -72,7 +74,7 @@ pub(crate) struct Raw {
     /// What the writer's layer axis is, when it is one thing.
     pub axis: Axis,
     /// `[tokens, n_layers, top_k]` as stored (a uint8 255 is 255 here).
-    pub experts: Vec<i32>,
+    pub experts: Ids,
     pub logits: Option<(Vec<f32>, usize)>,
     pub input_ids: Option<Vec<i64>>,
     pub sequences: Vec<Sequence>,
@@ -84,7 +86,7 @@ pub(crate) struct Raw {
 
 impl Raw {
     /// One sequence of `[tokens, layers, top_k]` ids, nothing else known.
-    pub(crate) fn bare(format: Format, dtype: Dtype, shape: [usize; 3], experts: Vec<i32>) -> Raw {
+    pub(crate) fn bare(format: Format, dtype: Dtype, shape: [usize; 3], experts: impl Into<Ids>) -> Raw {
         Raw {
             format,
             dtype,
@@ -93,7 +95,7 @@ impl Raw {
             top_k: shape[2],
             layers: None,
             axis: Axis::Any,
-            experts,
+            experts: experts.into(),
             logits: None,
             input_ids: None,
             sequences: vec![Sequence { rows: 0..shape[0], first_position: 0 }],
@@ -103,10 +105,12 @@ impl Raw {
         }
     }
 
-    /// Several records of one layer axis and top-k, one sequence each, concatenated.
-    pub(crate) fn concat(path: &Path, parts: Vec<Raw>) -> Result<Raw> {
+    /// Several records of one layer axis and top-k, one sequence each, concatenated (their ids
+    /// copied into one buffer, within `budget`).
+    pub(crate) fn concat(path: &Path, parts: Vec<Raw>, budget: &mut Budget) -> Result<Raw> {
         let mut parts = parts.into_iter();
         let mut all = parts.next().ok_or_else(|| Error::input(path, "no routes"))?;
+        let mut ids = vec![std::mem::replace(&mut all.experts, Ids::Owned(Vec::new()))];
         for (i, p) in parts.enumerate() {
             if (p.n_layers, p.top_k) != (all.n_layers, all.top_k) {
                 return Err(Error::input(
@@ -127,11 +131,16 @@ impl Raw {
                 first_position: s.first_position,
             }));
             all.tokens += p.tokens;
-            all.experts.extend(p.experts);
+            ids.push(p.experts);
             if p.dtype.name != all.dtype.name {
                 all.dtype.name = format!("{} and {}", all.dtype.name, p.dtype.name);
             }
         }
+        all.experts = if ids.len() == 1 {
+            ids.pop().expect("one")
+        } else {
+            Ids::concat(ids, budget, &format!("reading {}", path.display()))?
+        };
         Ok(all)
     }
 }
@@ -141,7 +150,7 @@ pub(crate) fn bad(path: &Path, message: impl Into<String>) -> Error {
 }
 
 /// A `[tokens, layers, top_k]` array of expert ids.
-pub(crate) fn ids3(a: &Array<'_>, path: &Path, budget: &mut Budget) -> Result<([usize; 3], Vec<i32>)> {
+pub(crate) fn ids3(a: &Array, path: &Path, budget: &mut Budget) -> Result<([usize; 3], Ids)> {
     let [t, l, k] = a.shape[..] else {
         return Err(bad(path, format!("`{}` has shape {:?}; expected [tokens, layers, top_k]", a.name, a.shape)));
     };
@@ -149,7 +158,7 @@ pub(crate) fn ids3(a: &Array<'_>, path: &Path, budget: &mut Budget) -> Result<([
 }
 
 /// A batch `[batch, tokens, layers, top_k]`: one sequence per batch row.
-pub(crate) fn batch(format: Format, a: &Array<'_>, path: &Path, budget: &mut Budget) -> Result<(Raw, usize)> {
+pub(crate) fn batch(format: Format, a: &Array, path: &Path, budget: &mut Budget) -> Result<(Raw, usize)> {
     let [b, s, l, k] = a.shape[..] else {
         return Err(bad(
             path,
@@ -163,7 +172,7 @@ pub(crate) fn batch(format: Format, a: &Array<'_>, path: &Path, budget: &mut Bud
 
 /// A `[batch, tokens]` mask as one flag per row, `true` = padding (`pad_when` is the stored
 /// value that means padding).
-pub(crate) fn mask(a: &Array<'_>, rows: usize, path: &Path, budget: &mut Budget, pad_when: i64) -> Result<Vec<bool>> {
+pub(crate) fn mask(a: &Array, rows: usize, path: &Path, budget: &mut Budget, pad_when: i64) -> Result<Vec<bool>> {
     if a.shape.iter().product::<usize>() != rows || a.shape.len() > 2 {
         return Err(bad(path, format!("`{}` has shape {:?}; expected one flag per row ({rows})", a.name, a.shape)));
     }
@@ -187,7 +196,7 @@ pub(crate) fn length_mask(lengths: &[i64], s: usize, path: &Path, what: &str) ->
 /// Reads the arrays of an `.npz` or safetensors file as the writer their names say.
 pub(crate) fn from_arrays(
     path: &Path,
-    arrays: Vec<Array<'_>>,
+    arrays: Vec<Array>,
     meta: BTreeMap<String, String>,
     budget: &mut Budget,
 ) -> Result<Raw> {
@@ -272,16 +281,11 @@ pub(crate) fn base64(path: &Path, what: &str, text: &str, budget: &mut Budget) -
 }
 
 /// Little-endian bytes of `elem` as expert ids.
-pub(crate) fn ids_of_bytes(path: &Path, what: &str, bytes: &[u8], elem: Elem, budget: &mut Budget) -> Result<Vec<i32>> {
+pub(crate) fn ids_of_bytes(path: &Path, what: &str, bytes: Vec<u8>, elem: Elem, budget: &mut Budget) -> Result<Ids> {
     if !bytes.len().is_multiple_of(elem.size()) {
         return Err(bad(path, format!("{what}: {} bytes are not whole {} values", bytes.len(), elem.name())));
     }
-    let a = Array {
-        name: what.to_string(),
-        shape: vec![bytes.len() / elem.size()],
-        elem,
-        data: std::borrow::Cow::Borrowed(bytes),
-    };
+    let a = Array { name: what.to_string(), shape: vec![bytes.len() / elem.size()], elem, data: Bytes::from(bytes) };
     a.expert_ids(path, budget)
 }
 

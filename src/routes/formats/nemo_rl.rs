@@ -19,7 +19,7 @@ use crate::routes::Budget;
 use serde_json::Value;
 use std::path::Path;
 
-pub(crate) fn read(path: &Path, arrays: &[Array<'_>], budget: &mut Budget) -> Result<Raw> {
+pub(crate) fn read(path: &Path, arrays: &[Array], budget: &mut Budget) -> Result<Raw> {
     let find = |n: &str| arrays.iter().find(|a| a.name == n);
     let a = find("routed_experts").expect("dispatched");
     let (mut raw, s) = batch(Format::NemoRl, a, path, budget)?;
@@ -67,7 +67,7 @@ pub(crate) fn envelopes(path: &Path, items: &[&Value], budget: &mut Budget) -> R
         {
             return Err(bad(path, format!("{what}: {} bytes for {t}x{l}x{k} {}", bytes.len(), elem.name())));
         }
-        parts.push(Raw::bare(Format::NemoRl, dtype, [t, l, k], ids_of_bytes(path, &what, &bytes, elem, budget)?));
+        parts.push(Raw::bare(Format::NemoRl, dtype, [t, l, k], ids_of_bytes(path, &what, bytes, elem, budget)?));
     }
-    Raw::concat(path, parts)
+    Raw::concat(path, parts, budget)
 }

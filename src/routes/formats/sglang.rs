@@ -75,14 +75,14 @@ pub(crate) fn read(path: &Path, items: &[&Value], shape: Option<(usize, usize)>,
                 ),
             ));
         }
-        let ids = ids_of_bytes(path, "routed_experts", &raw, elem, budget)?;
         let rows = raw.len() / width;
+        let ids = ids_of_bytes(path, "routed_experts", raw, elem, budget)?;
         let mut part = Raw::bare(Format::Sglang, dtype, [rows, n_layers, top_k], ids);
         part.sequences[0].first_position = start;
         part.axis = Axis::Decoder;
         parts.push(part);
     }
-    let mut all = Raw::concat(path, parts)?;
+    let mut all = Raw::concat(path, parts, budget)?;
     all.axis = Axis::Decoder;
     Ok(all)
 }

@@ -20,7 +20,7 @@ use crate::routes::Budget;
 use serde_json::Value;
 use std::path::Path;
 
-pub(crate) fn read(path: &Path, arrays: &[Array<'_>], budget: &mut Budget) -> Result<Raw> {
+pub(crate) fn read(path: &Path, arrays: &[Array], budget: &mut Budget) -> Result<Raw> {
     let find = |n: &str| arrays.iter().find(|a| a.name == n);
     let a = find("rollout_expert_indices").expect("dispatched");
     if a.shape.len() == 3 {
@@ -64,12 +64,12 @@ pub(crate) fn wire(path: &Path, items: &[&Value], budget: &mut Budget) -> Result
                 format!("{what}: {} bytes, shape {shape:?} of {} needs {want:?}", bytes.len(), elem.name()),
             ));
         }
-        let ids = ids_of_bytes(path, &what, &bytes, elem, budget)?;
+        let ids = ids_of_bytes(path, &what, bytes, elem, budget)?;
         let mut part = Raw::bare(Format::Skyrl, dtype, [shape[0], shape[1], shape[2]], ids);
         part.axis = Axis::Decoder;
         parts.push(part);
     }
-    let mut all = Raw::concat(path, parts)?;
+    let mut all = Raw::concat(path, parts, budget)?;
     all.axis = Axis::Decoder;
     Ok(all)
 }

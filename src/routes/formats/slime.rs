@@ -20,7 +20,7 @@ use crate::routes::record::Format;
 use crate::routes::Budget;
 use std::path::Path;
 
-pub(crate) fn read(path: &Path, arrays: &[Array<'_>], budget: &mut Budget) -> Result<Raw> {
+pub(crate) fn read(path: &Path, arrays: &[Array], budget: &mut Budget) -> Result<Raw> {
     let find = |n: &str| arrays.iter().find(|a| a.name == n);
     let a = find("rollout_routed_experts").expect("dispatched");
     let (shape, ids) = super::ids3(a, path, budget)?;

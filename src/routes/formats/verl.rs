@@ -15,7 +15,7 @@ use crate::routes::record::Format;
 use crate::routes::Budget;
 use std::path::Path;
 
-pub(crate) fn read(path: &Path, arrays: &[Array<'_>], budget: &mut Budget) -> Result<Raw> {
+pub(crate) fn read(path: &Path, arrays: &[Array], budget: &mut Budget) -> Result<Raw> {
     let find = |n: &str| arrays.iter().find(|a| a.name == n);
     let a = find("routed_experts").expect("dispatched");
     let (mut raw, _) = batch(Format::Verl, a, path, budget)?;

@@ -22,11 +22,12 @@ use crate::routes::array;
 use crate::routes::clean::Axis;
 use crate::routes::record::Format;
 use crate::routes::Budget;
+use bytes::Bytes;
 use serde_json::Value;
 use std::path::Path;
 
 /// A bare `.npy` `[tokens, layers, top_k]`, whoever saved it.
-pub(crate) fn npy(path: &Path, bytes: &[u8], budget: &mut Budget) -> Result<Raw> {
+pub(crate) fn npy(path: &Path, bytes: &Bytes, budget: &mut Budget) -> Result<Raw> {
     let a = array::npy(bytes, "experts", path)?;
     match a.shape.len() {
         4 => Ok(super::batch(Format::Batch, &a, path, budget)?.0),
@@ -48,13 +49,13 @@ pub(crate) fn http(path: &Path, items: &[&Value], budget: &mut Budget) -> Result
         if !bytes.starts_with(b"\x93NUMPY") {
             return Err(bad(path, format!("choice {i}: `routed_experts` is not a base64 .npy (no \\x93NUMPY magic)")));
         }
-        let a = array::npy(&bytes, "routed_experts", path)?;
+        let a = array::npy(&Bytes::from(bytes), "routed_experts", path)?;
         let (shape, ids) = super::ids3(&a, path, budget)?;
         let mut part = Raw::bare(Format::VllmHttp, Dtype::of(a.elem), shape, ids);
         part.axis = Axis::Decoder;
         parts.push(part);
     }
-    let mut all = Raw::concat(path, parts)?;
+    let mut all = Raw::concat(path, parts, budget)?;
     all.axis = Axis::Decoder;
     Ok(all)
 }

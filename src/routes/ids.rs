@@ -1,0 +1,113 @@
+//! A record's expert ids as the writer stored them, read in chunks: decoded ids in memory (what
+//! JSON and traces hold), or the stored bytes themselves (a memory-mapped `.npy`, a caller's
+//! numpy array) in their own dtype, never widened whole. A 1M-token record of uint8 is 480 MiB
+//! on disk and would be 1.9 GiB as i32; read this way it costs a chunk at a time.
+
+use super::array::Elem;
+use super::Budget;
+use crate::error::Result;
+use bytes::Bytes;
+use std::ops::Range;
+
+/// Expert ids `[tokens, layers, top_k]` as stored (a uint8 255 is 255 here: `clean` decides).
+#[derive(Debug, Clone)]
+pub(crate) enum Ids {
+    /// Decoded in memory.
+    Owned(Vec<i32>),
+    /// Little-endian bytes of `elem` (i8, u8, i16, u16 or i32): every value fits an i32.
+    /// `mapped`: the bytes are pages of a file mapped read-only, given back once read.
+    Stored { bytes: Bytes, elem: Elem, mapped: bool },
+}
+
+impl From<Vec<i32>> for Ids {
+    fn from(v: Vec<i32>) -> Self {
+        Ids::Owned(v)
+    }
+}
+
+impl Ids {
+    /// Ids held.
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Ids::Owned(v) => v.len(),
+            Ids::Stored { bytes, elem, .. } => bytes.len() / elem.size(),
+        }
+    }
+
+    /// Whether `elem`'s values are kept as stored (all fit an i32).
+    pub(crate) fn storable(elem: Elem) -> bool {
+        matches!(elem, Elem::I8 | Elem::U8 | Elem::I16 | Elem::U16 | Elem::I32)
+    }
+
+    /// The ids of `range` as i32, into `out` (cleared first).
+    pub(crate) fn decode(&self, range: Range<usize>, out: &mut Vec<i32>) {
+        out.clear();
+        let (bytes, elem) = match self {
+            Ids::Owned(v) => return out.extend_from_slice(&v[range]),
+            Ids::Stored { bytes, elem, .. } => (bytes, *elem),
+        };
+        let d = &bytes[range.start * elem.size()..range.end * elem.size()];
+        match elem {
+            Elem::U8 => out.extend(d.iter().map(|&b| b as i32)),
+            Elem::I8 => out.extend(d.iter().map(|&b| b as i8 as i32)),
+            Elem::I16 => out.extend(d.chunks_exact(2).map(|b| i16::from_le_bytes([b[0], b[1]]) as i32)),
+            Elem::U16 => out.extend(d.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]]) as i32)),
+            Elem::I32 => out.extend(d.chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))),
+            _ => unreachable!("only storable types are stored"),
+        }
+    }
+
+    /// Gives back the mapped pages of `range` once read (the file keeps them): the process's
+    /// resident memory stays a few chunks, whatever the record's size.
+    pub(crate) fn release(&self, range: Range<usize>) {
+        #[cfg(unix)]
+        if let Ids::Stored { bytes, elem, mapped: true } = self {
+            let page = 4096;
+            let start = bytes.as_ptr() as usize + range.start * elem.size();
+            let end = bytes.as_ptr() as usize + range.end * elem.size();
+            let (lo, hi) = (start.div_ceil(page) * page, end / page * page);
+            if hi > lo {
+                // SAFETY: whole pages inside a read-only shared file mapping that `bytes` keeps
+                // alive; dropping them only means the next read faults them in from the file.
+                unsafe { libc::madvise(lo as *mut libc::c_void, hi - lo, libc::MADV_DONTNEED) };
+            }
+        }
+    }
+
+    /// Marks stored bytes that lie inside `file`, a mapped file, as mapped pages.
+    pub(crate) fn mark_mapped(&mut self, file: &Bytes) {
+        if let Ids::Stored { bytes, mapped, .. } = self {
+            let (f, b) = (file.as_ptr() as usize, bytes.as_ptr() as usize);
+            *mapped = b >= f && b + bytes.len() <= f + file.len();
+        }
+    }
+
+    /// The ids of `parts` one after the other: stored bytes of one type copied as they are,
+    /// else decoded (within `budget`).
+    pub(crate) fn concat(parts: Vec<Ids>, budget: &mut Budget, what: &str) -> Result<Ids> {
+        let elem = match parts.first() {
+            Some(Ids::Stored { elem, .. }) => Some(*elem),
+            _ => None,
+        };
+        let total: usize = parts.iter().map(Ids::len).sum();
+        if let Some(elem) = elem.filter(|&e| parts.iter().all(|p| matches!(p, Ids::Stored { elem, .. } if *elem == e)))
+        {
+            budget.take(what, (total * elem.size()) as u64)?;
+            let mut all = Vec::with_capacity(total * elem.size());
+            for p in &parts {
+                if let Ids::Stored { bytes, .. } = p {
+                    all.extend_from_slice(bytes);
+                }
+            }
+            return Ok(Ids::Stored { bytes: Bytes::from(all), elem, mapped: false });
+        }
+        budget.take(what, total as u64 * 4)?;
+        let mut all = Vec::with_capacity(total);
+        let mut buf = Vec::new();
+        for p in &parts {
+            p.decode(0..p.len(), &mut buf);
+            all.extend_from_slice(&buf);
+        }
+        Ok(Ids::Owned(all))
+    }
+}
