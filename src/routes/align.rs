@@ -201,6 +201,9 @@ impl Hashes {
                         r.rows(t..t + 1, row);
                         out.extend(row.chunks_exact(r.top_k).map(|ids| set_hash(ids, scratch)));
                     }
+                    if let (Some(first), Some(last)) = (chunk.first(), chunk.last()) {
+                        r.ids.release(first * l * r.top_k..(last + 1) * l * r.top_k);
+                    }
                     out
                 },
             )
@@ -209,10 +212,14 @@ impl Hashes {
         Ok(Hashes { tokens, hashes, layers: l })
     }
 
-    /// The hash of `token` (one of those hashed) at layer index `layer`.
-    fn at(&self, token: usize, layer: usize) -> u64 {
-        let i = self.tokens.binary_search(&token).expect("a hashed row");
-        self.hashes[i * self.layers + layer]
+    /// Where the row of `token` (one of those hashed) is held.
+    fn index(&self, token: usize) -> usize {
+        self.tokens.binary_search(&token).expect("a hashed row")
+    }
+
+    /// The hash of the row held at `index`, at layer index `layer`.
+    fn at(&self, index: usize, layer: usize) -> u64 {
+        self.hashes[index * self.layers + layer]
     }
 }
 
@@ -236,8 +243,13 @@ fn content(r: &Record, s: &super::read::Sequence) -> Content {
     Content { rows: lo..hi, first_position: s.first_position, left_pad: lo - s.rows.start, right_pad: s.rows.end - hi }
 }
 
-/// Match rate of rollout layer `i` against trainer layer `j` over `pairs` (rows), counting only
-/// tokens routed in both.
+/// `(rollout token, trainer token)` pairs as where their rows are held in `ha` and `hb`.
+fn held(ha: &Hashes, hb: &Hashes, pairs: Vec<(usize, usize)>) -> Vec<(usize, usize)> {
+    pairs.into_iter().map(|(ta, tb)| (ha.index(ta), hb.index(tb))).collect()
+}
+
+/// Match rate of rollout layer `i` against trainer layer `j` over `pairs` (rows held), counting
+/// only tokens routed in both.
 fn rate(ha: &Hashes, i: usize, hb: &Hashes, j: usize, pairs: &[(usize, usize)]) -> f64 {
     let (mut same, mut both) = (0usize, 0usize);
     for &(ta, tb) in pairs {
@@ -307,14 +319,15 @@ pub(super) fn align(a: &Record, b: &Record, budget: &mut Budget) -> Result<(Alig
     )?;
     let shifted = |d: i64, n: usize| -> Vec<(usize, usize)> {
         let step = (sample.len() / n.max(1)).max(1);
-        sample
+        let pairs = sample
             .iter()
             .step_by(step)
             .filter_map(|&(ta, tb, lo, hi)| {
                 let t = tb as i64 + d;
                 (t >= lo as i64 && t < hi as i64).then_some((ta, t as usize))
             })
-            .collect()
+            .collect();
+        held(&ha, &hb, pairs)
     };
 
     // The layer mapping, at the offset that matches best.
@@ -430,17 +443,18 @@ pub(super) fn align(a: &Record, b: &Record, budget: &mut Budget) -> Result<(Alig
                 (-reach..=reach).flat_map(|d| pairs_at(d).into_iter().map(|p| p.1)).collect(),
                 &mut local,
             )?;
-            let mapped = |pairs: &[(usize, usize)]| -> f64 {
+            let mapped = |pairs: Vec<(usize, usize)>| -> f64 {
+                let pairs = &held(&ha, &hb, pairs);
                 if pairs.len() * 2 < s.len.min(SEQUENCE_SAMPLE) {
                     return 0.0;
                 }
                 layer_pairs.iter().map(|p| rate(&ha, p.rollout_index, &hb, p.trainer_index, pairs)).sum::<f64>()
                     / layer_pairs.len() as f64
             };
-            let at_zero = mapped(&pairs_at(0));
+            let at_zero = mapped(pairs_at(0));
             let (mut d_best, mut r_best) = (0i64, at_zero);
             for d in (1..=reach).flat_map(|d| [d, -d]) {
-                let r = mapped(&pairs_at(d));
+                let r = mapped(pairs_at(d));
                 if r > r_best + 1e-12 {
                     (d_best, r_best) = (d, r);
                 }
@@ -478,7 +492,7 @@ pub(super) fn align(a: &Record, b: &Record, budget: &mut Budget) -> Result<(Alig
     Ok((Alignment { segments: final_segments, layers, tokens }, diagnoses))
 }
 
-/// Pairs of routed layers of one record that route the same on at least [`ALIAS`] of `rows`.
+/// Pairs of routed layers of one record that route the same on at least [`ALIAS`] of `rows` (held).
 fn aliases(h: &Hashes, routed: &[usize], rows: impl Iterator<Item = usize>) -> Vec<(usize, usize, f64)> {
     let rows: Vec<usize> = rows.collect();
     let mut out = Vec::new();

@@ -110,7 +110,7 @@ pub(crate) fn finish(path: &Path, raw: Raw, layout: Option<&Layout>) -> Result<R
         }
     }
     let w = n_layers * k;
-    let value = Value::of(&experts, &dtype, num_experts, tokens, w, &mut found);
+    let value = Value::of(&experts, &dtype, num_experts, &mut found);
 
     // One token-major pass over blocks of tokens (in parallel, merged in order, so the result
     // is the same whatever the thread count): every (token, layer) row classified, ids checked
@@ -413,14 +413,7 @@ pub(crate) enum Value {
 
 impl Value {
     /// The rule for `ids` of `dtype` with `e` experts (when known); says a cast too narrow.
-    fn of(
-        ids: &Ids,
-        dtype: &super::formats::Dtype,
-        e: Option<usize>,
-        tokens: usize,
-        w: usize,
-        found: &mut Found,
-    ) -> Value {
+    fn of(ids: &Ids, dtype: &super::formats::Dtype, e: Option<usize>, found: &mut Found) -> Value {
         use super::array::Elem;
         let Some(elem) = dtype.elem else { return Value::AsIs };
         let narrow = matches!(elem, Elem::U8 | Elem::I8) && e.is_some_and(|e| e > 256);
@@ -434,15 +427,7 @@ impl Value {
                 // a config, when no other id comes near).
                 let wrapped = match e {
                     Some(e) => (all as usize) >= e,
-                    None => {
-                        elem == Elem::U16
-                            || chunks(ids, tokens, w, |_, c| c.iter().copied().filter(|&v| v != all).max())
-                                .into_iter()
-                                .flatten()
-                                .max()
-                                .unwrap_or(0)
-                                < 128
-                    }
+                    None => elem == Elem::U16 || ids.max_except(all).unwrap_or(0) < 128,
                 };
                 if wrapped {
                     Value::MinusOne(all)

@@ -57,18 +57,54 @@ impl Ids {
         }
     }
 
+    /// The largest id other than `skip`, over all ids (a pass over stored bytes without
+    /// decoding them, in parallel chunks given back once read).
+    pub(crate) fn max_except(&self, skip: i32) -> Option<i32> {
+        use rayon::prelude::*;
+        const CHUNK: usize = 1 << 20;
+        let max = |v: &mut dyn Iterator<Item = i32>| v.filter(|&x| x != skip).max();
+        match self {
+            Ids::Owned(v) => max(&mut v.iter().copied()),
+            Ids::Stored { bytes, elem, .. } => (0..self.len().div_ceil(CHUNK))
+                .into_par_iter()
+                .filter_map(|c| {
+                    let range = c * CHUNK..((c + 1) * CHUNK).min(self.len());
+                    let d = &bytes[range.start * elem.size()..range.end * elem.size()];
+                    let m = match elem {
+                        // The common case (uint8 records), kept branch-free for the vector unit.
+                        Elem::U8 => {
+                            Some(d.iter().fold(-1, |m, &b| if i32::from(b) == skip { m } else { m.max(i32::from(b)) }))
+                                .filter(|&m| m >= 0)
+                        }
+                        _ => {
+                            let mut buf = Vec::new();
+                            self.decode(range.clone(), &mut buf);
+                            max(&mut buf.into_iter())
+                        }
+                    };
+                    self.release(range);
+                    m
+                })
+                .max(),
+        }
+    }
+
     /// Gives back the mapped pages of `range` once read (the file keeps them): the process's
-    /// resident memory stays a few chunks, whatever the record's size.
+    /// resident memory stays a few chunks, whatever the record's size. Rounded out to the
+    /// kernel's fault-around window (64 KiB), which a read of one row maps whole.
     pub(crate) fn release(&self, range: Range<usize>) {
         #[cfg(unix)]
         if let Ids::Stored { bytes, elem, mapped: true } = self {
-            let page = 4096;
-            let start = bytes.as_ptr() as usize + range.start * elem.size();
-            let end = bytes.as_ptr() as usize + range.end * elem.size();
-            let (lo, hi) = (start.div_ceil(page) * page, end / page * page);
+            const PAGE: usize = 4096;
+            const AROUND: usize = 64 << 10;
+            let base = bytes.as_ptr() as usize;
+            let start = (base + range.start * elem.size()) / AROUND * AROUND;
+            let end = (base + range.end * elem.size()).div_ceil(AROUND) * AROUND;
+            let (lo, hi) = (start.max(base.div_ceil(PAGE) * PAGE), end.min((base + bytes.len()) / PAGE * PAGE));
             if hi > lo {
                 // SAFETY: whole pages inside a read-only shared file mapping that `bytes` keeps
-                // alive; dropping them only means the next read faults them in from the file.
+                // alive; dropping them only means the next read (this thread's or another's)
+                // faults them in again from the file.
                 unsafe { libc::madvise(lo as *mut libc::c_void, hi - lo, libc::MADV_DONTNEED) };
             }
         }

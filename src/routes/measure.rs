@@ -324,3 +324,37 @@ pub(super) fn measure_in(
         margins,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::routes::{from_ids, IdArray};
+
+    fn record(name: &str, ids: &[i32], tokens: usize, budget: &mut Budget) -> Record {
+        let bytes = ids.iter().flat_map(|x| (*x as i16).to_le_bytes()).collect::<Vec<u8>>();
+        let part = IdArray { bytes: bytes.into(), dtype: "int16".into(), shape: [tokens, 3, 2] };
+        from_ids(name, vec![part], None, None, budget).expect("a record")
+    }
+
+    /// Pieces of any size, and rows shifted between two sequences, give the same measures.
+    #[test]
+    fn any_chunk_gives_the_same_measures() {
+        let tokens = 2500;
+        // Distinct pairs of 16 experts, the trainer's differing on every 7th row.
+        let a: Vec<i32> = (0..tokens * 3).flat_map(|r| [(r * 5 % 16) as i32, ((r * 5 + 3) % 16) as i32]).collect();
+        let b: Vec<i32> = a
+            .chunks(2)
+            .enumerate()
+            .flat_map(|(r, p)| if r % 7 == 0 { [p[0], (p[1] + 1) % 16] } else { [p[0], p[1]] })
+            .collect();
+        let mut budget = Budget::new(crate::MemoryBudget::from_request(None));
+        let (ra, rb) = (record("a", &a, tokens, &mut budget), record("b", &b, tokens, &mut budget));
+        let (al, _) = super::super::align::align(&ra, &rb, &mut budget).expect("aligned");
+        let whole = serde_json::to_string(&measure_in(&ra, &rb, &al, &mut budget, tokens).unwrap()).unwrap();
+        for chunk in [1, 7, 512, 1024] {
+            let m = measure_in(&ra, &rb, &al, &mut budget, chunk).unwrap();
+            assert_eq!(serde_json::to_string(&m).unwrap(), whole, "chunk {chunk}");
+        }
+        assert!(whole.contains("\"decisions\":7500"), "{whole}");
+    }
+}

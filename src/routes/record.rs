@@ -157,9 +157,15 @@ impl Record {
         self.fix.apply_row(token, layer, out);
     }
 
-    /// `f` on every chunk of `chunk` token rows (the first token, its ids as [`Record::rows`]
-    /// reads them), in parallel; the results in token order, whatever the thread count.
-    pub(crate) fn par_chunks<T: Send>(&self, chunk: usize, f: impl Fn(usize, &[i32]) -> T + Sync) -> Vec<T> {
+    /// `each` on every chunk of `chunk` token rows (its first token, its ids as
+    /// [`Record::rows`] reads them), in parallel, the results merged by `merge` (associative:
+    /// the same result whatever the thread count); `None` for a record of no token.
+    pub(crate) fn par_reduce<T: Send>(
+        &self,
+        chunk: usize,
+        each: impl Fn(usize, &[i32]) -> T + Sync,
+        merge: impl Fn(T, T) -> T + Sync + Send,
+    ) -> Option<T> {
         use rayon::prelude::*;
         let w = self.layers.len() * self.top_k;
         (0..self.tokens.div_ceil(chunk))
@@ -168,9 +174,9 @@ impl Record {
                 let tokens = c * chunk..((c + 1) * chunk).min(self.tokens);
                 self.rows(tokens.clone(), buf);
                 self.ids.release(tokens.start * w..tokens.end * w);
-                f(tokens.start, buf)
+                each(tokens.start, buf)
             })
-            .collect()
+            .reduce_with(merge)
     }
 
     /// Whether any route of the layer index is left (a dense layer's placeholder has none).

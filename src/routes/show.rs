@@ -46,40 +46,42 @@ pub fn show(r: &Record, experts: Option<usize>) -> Summary {
     let l = r.layers.len();
     // One pass in chunks: per layer, each expert's routes and the tokens routed; tokens with
     // no route at all.
-    let counted = r.par_chunks(CHUNK_TOKENS, |_, rows| {
-        let mut load: Vec<Vec<usize>> = vec![Vec::new(); l];
-        let mut tokens = vec![0usize; l];
-        let mut empty = 0;
-        for token in rows.chunks_exact(l * r.top_k) {
-            empty += usize::from(token.iter().all(|&e| e < 0));
-            for (i, row) in token.chunks_exact(r.top_k).enumerate() {
-                let mut any = false;
-                for &id in row.iter().filter(|&&id| id >= 0) {
-                    let id = id as usize;
-                    if id >= load[i].len() {
-                        load[i].resize(id + 1, 0);
+    let (load, tokens, empty_tokens) = r
+        .par_reduce(
+            CHUNK_TOKENS,
+            |_, rows| {
+                let mut load: Vec<Vec<usize>> = vec![Vec::new(); l];
+                let mut tokens = vec![0usize; l];
+                let mut empty = 0;
+                for token in rows.chunks_exact(l * r.top_k) {
+                    empty += usize::from(token.iter().all(|&e| e < 0));
+                    for (i, row) in token.chunks_exact(r.top_k).enumerate() {
+                        let mut any = false;
+                        for &id in row.iter().filter(|&&id| id >= 0) {
+                            let id = id as usize;
+                            if id >= load[i].len() {
+                                load[i].resize(id + 1, 0);
+                            }
+                            load[i][id] += 1;
+                            any = true;
+                        }
+                        tokens[i] += usize::from(any);
                     }
-                    load[i][id] += 1;
-                    any = true;
                 }
-                tokens[i] += usize::from(any);
-            }
-        }
-        (load, tokens, empty)
-    });
-    let mut load: Vec<Vec<usize>> = vec![Vec::new(); l];
-    let mut tokens = vec![0usize; l];
-    let mut empty_tokens = 0;
-    for (part, t, e) in counted {
-        for (all, p) in load.iter_mut().zip(part) {
-            if p.len() > all.len() {
-                all.resize(p.len(), 0);
-            }
-            all.iter_mut().zip(p).for_each(|(a, b)| *a += b);
-        }
-        tokens.iter_mut().zip(t).for_each(|(a, b)| *a += b);
-        empty_tokens += e;
-    }
+                (load, tokens, empty)
+            },
+            |(mut load, mut tokens, empty), (l2, t2, e2)| {
+                for (all, p) in load.iter_mut().zip(l2) {
+                    if p.len() > all.len() {
+                        all.resize(p.len(), 0);
+                    }
+                    all.iter_mut().zip(p).for_each(|(a, b)| *a += b);
+                }
+                tokens.iter_mut().zip(t2).for_each(|(a, b)| *a += b);
+                (load, tokens, empty + e2)
+            },
+        )
+        .unwrap_or_else(|| (vec![Vec::new(); l], vec![0; l], 0));
     let largest = load.iter().map(Vec::len).max().unwrap_or(0);
     let e = experts.or(r.num_experts).unwrap_or(0).max(largest.max(1));
     let layers = load

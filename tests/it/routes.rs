@@ -671,3 +671,46 @@ fn threat_model_trace_folder() {
     let err = bounded(&["routes", "compare", &good, &f, "--max-memory", "40MiB"]);
     assert!(err.contains("limit") || err.contains("not JSON"), "{err}");
 }
+
+/// The same rollout read in place from an int8 `.npy` (a chunk at a time, its mapped pages
+/// given back) and decoded whole from an int64 one (the path of JSON and wide types): the same
+/// comparison, whatever the thread count. Padding rows, a zero-filled layer, a missing route
+/// and flips span several chunks of every pass.
+#[test]
+fn a_record_read_in_place_in_chunks_equals_it_decoded_whole() {
+    let d = dir("in-place");
+    let t = 5000;
+    let mut r = random_routes(t, L, K, E, 40);
+    for tok in 0..t {
+        r[tok * L * K..][..K].fill(0); // layer 0: dense, zero-filled
+    }
+    r[1000 * L * K..1040 * L * K].fill(0); // padding rows
+    r[(3000 * L + 3) * K..][..K].fill(-1); // a missing route
+    let mut trainer = r.clone();
+    flip(&mut trainer, K, E, 0.05, 41);
+    let b = generic(&d, "b.safetensors", &trainer, t, &layers(L));
+    let narrow: Vec<u8> = r.iter().map(|&e| e as u8).collect();
+    let wide: Vec<i64> = r.iter().map(|&e| e as i64).collect();
+    let in_place = put(&d, "in-place.npy", npy("|i1", &[t, L, K], &narrow));
+    let whole = put(&d, "whole.npy", npy("<i8", &[t, L, K], &i64_bytes(&wide)));
+    let (code_a, mut a) = compare(&[&in_place, &b]);
+    let (code_w, mut w) = compare(&[&whole, &b]);
+    assert_eq!(code_a, code_w);
+    assert_eq!(a["rollout"]["found"]["padding"]["all-zero"], 40);
+    assert!(a["measures"]["decisions_differ"].as_f64().unwrap() > 0.04);
+    for report in [&mut a, &mut w] {
+        let found = report["rollout"]["found"].as_object_mut().unwrap();
+        found.remove("dtype");
+        report["rollout"].as_object_mut().unwrap().remove("path");
+    }
+    assert_eq!(a, w);
+    let threads = |n: &str| {
+        let out = Command::new(BIN)
+            .args(["routes", "compare", &in_place, &b, "--format", "json"])
+            .env("RAYON_NUM_THREADS", n)
+            .output()
+            .expect("run moe-audit");
+        out.stdout
+    };
+    assert_eq!(threads("1"), threads("3"));
+}
