@@ -329,9 +329,12 @@ fn block(
     let mut classes = vec![Row::Empty; n_layers];
     for (j, row) in chunk.chunks_exact(w).enumerate() {
         let t = first + j;
+        // Ids out of range are rare: the whole token row is checked at once, each id only then.
+        let (lo, hi) = row.iter().fold((i32::MAX, i32::MIN), |(lo, hi), &e| (lo.min(e), hi.max(e)));
+        let check = lo < -1 || hi >= limit;
         for (l, c) in classes.iter_mut().enumerate() {
             let ids = &row[l * k..(l + 1) * k];
-            for (i, &id) in ids.iter().enumerate() {
+            for (i, &id) in ids.iter().enumerate().filter(|_| check) {
                 if id < -1 {
                     out.negative.get_or_insert((t * w + l * k + i, id));
                 } else if id >= limit {
