@@ -1,14 +1,33 @@
-//! README claims, checked: every `moe-audit` command in a shell block that states its exit code
-//! (`# exit 1: P F N R L leak`) exits so and leaks exactly there, and the CI workflow the README
-//! shows is the file it names.
+//! Claims of the README and the manual (docs/*.md), checked: every `moe-audit` command in a shell
+//! block that states its exit code (`# exit 1: P F N R L leak`) exits so and leaks exactly there,
+//! the CI workflow docs/CI.md shows is the file it names, and the README's zoo table is what `zoo`
+//! prints.
 
 use std::path::Path;
 use std::process::Command;
 
 const BIN: &str = env!("CARGO_BIN_EXE_moe-audit");
 
+fn doc(path: &str) -> String {
+    std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(path)).expect(path)
+}
+
 fn readme() -> String {
-    std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md")).expect("README.md")
+    doc("README.md")
+}
+
+/// The README and every document of the manual.
+fn all_docs() -> Vec<String> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs");
+    let mut paths: Vec<_> = std::fs::read_dir(&dir)
+        .expect("docs/")
+        .map(|e| e.expect("docs/ entry").path())
+        .filter(|p| p.extension().is_some_and(|e| e == "md"))
+        .collect();
+    paths.sort();
+    let mut texts = vec![readme()];
+    texts.extend(paths.iter().map(|p| std::fs::read_to_string(p).expect("a doc")));
+    texts
 }
 
 /// The lines of the README's fenced blocks of `language`.
@@ -55,8 +74,11 @@ fn claims(text: &str) -> Vec<Claim> {
 
 #[test]
 fn readme_commands_exit_and_leak_as_their_comments_say() {
-    let claims = claims(&readme());
-    assert!(!claims.is_empty(), "the README states no command's exit code");
+    assert!(!claims(&readme()).is_empty(), "the README states no command's exit code");
+    let mut claims: Vec<Claim> = all_docs().iter().flat_map(|text| claims(text)).collect();
+    // A command shown in two documents runs once (the same claim, or the test fails below).
+    claims.sort_by(|a, b| a.command.cmp(&b.command));
+    claims.dedup_by(|a, b| a.command == b.command && a.exit == b.exit && a.leaking == b.leaking);
     for claim in claims {
         if claim.command.contains("python") && !crate::external::numpy() {
             continue;
@@ -79,20 +101,20 @@ fn readme_commands_exit_and_leak_as_their_comments_say() {
                 .filter(|f| f["verdict"] == "leak")
                 .map(|f| f["probe"].as_str().expect("probe").to_string())
                 .collect();
-            assert_eq!(leaking, expected, "`moe-audit {}`: the README's comment names other probes", claim.command);
+            assert_eq!(leaking, expected, "`moe-audit {}`: the docs' comment names other probes", claim.command);
         }
     }
 }
 
 #[test]
-fn the_readme_workflow_is_the_file_it_names() {
-    let text = readme();
-    assert!(text.contains("(`.github/workflows/moe-audit.yml`)"), "README no longer names the workflow file");
+fn the_documented_workflow_is_the_file_it_names() {
+    let text = doc("docs/CI.md");
+    assert!(text.contains("(`.github/workflows/moe-audit.yml`)"), "docs/CI.md no longer names the workflow file");
     let file = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(".github/workflows/moe-audit.yml"))
         .expect(".github/workflows/moe-audit.yml");
     let body: Vec<&str> = file.lines().skip_while(|l| l.starts_with('#')).collect();
     let shown = blocks(&text, "yaml").into_iter().find(|b| b.first().is_some_and(|l| l.starts_with("name: moe-audit")));
-    assert_eq!(shown.expect("README shows the workflow"), body, "README's workflow differs from the file");
+    assert_eq!(shown.expect("docs/CI.md shows the workflow"), body, "docs/CI.md's workflow differs from the file");
     // Its snapshot step checks a snapshot committed here, of the example router.
     let checks: Vec<&str> =
         body.iter().filter_map(|l| l.trim().strip_prefix("run: moe-audit snapshot --check ")).collect();

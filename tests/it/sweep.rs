@@ -145,7 +145,7 @@ fn a_small_grid_dir() -> std::path::PathBuf {
 }
 
 #[test]
-fn the_committed_default_sweep_and_the_readme_table_are_current() {
+fn the_committed_default_sweep_and_the_documented_table_are_current() {
     // `cargo run -- sweep --output-dir docs/sweep` regenerates them.
     let dir = tmp_dir().join("sweep-default");
     let text = stdout(&["sweep", "--output-dir", dir.to_str().unwrap()]);
@@ -154,7 +154,8 @@ fn the_committed_default_sweep_and_the_readme_table_are_current() {
     assert_eq!(fresh, std::fs::read_to_string(root.join("docs/sweep/sweep.md")).unwrap(), "docs/sweep is stale");
     assert!(text.starts_with(&fresh));
     let table = fresh.split("\nAccumulator swamping").next().unwrap().trim();
-    assert!(std::fs::read_to_string(root.join("README.md")).unwrap().contains(table), "README's sweep table is stale");
+    let doc = std::fs::read_to_string(root.join("docs/CHOOSING.md")).unwrap();
+    assert!(doc.contains(table), "docs/CHOOSING.md's sweep table is stale");
 }
 
 #[test]

@@ -1,4 +1,4 @@
-//! The snapshot test a user copies into their own crate (README, "Snapshot tests of routing"):
+//! The snapshot test a user copies into their own crate (docs/SNAPSHOTS.md):
 //! route fixed inputs, snapshot the whole record with `moe_audit::snapshot`. Any change of an
 //! expert, its order, a kept flag, a weight (4 decimals) or the capacity fails the test.
 
