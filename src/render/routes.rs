@@ -302,7 +302,7 @@ pub fn show_text(s: &Summary) -> String {
     let _ = writeln!(
         out,
         "layers: {}{}",
-        if r.layers_declared && f.numbering == "declared in the file" { "" } else { "not in the file: " },
+        if r.layers_declared && f.numbering_declared() { "" } else { "not in the file: " },
         f.numbering
     );
     let causes: Vec<String> = f.padding.iter().map(|(c, n)| format!("{n} {c}")).collect();

@@ -36,7 +36,7 @@ pub(super) fn of_record(role: &str, r: &Record, layout: Option<&Layout>) -> Vec<
         ));
         return out;
     }
-    if !f.numbering.is_empty() && f.numbering != "declared in the file" {
+    if !f.numbering.is_empty() && !f.numbering_declared() {
         let change = if layout.is_some() {
             "write the global layer numbers in the file (metadata `layers`) to make this explicit".to_string()
         } else {
@@ -163,7 +163,7 @@ fn zero_layers(role: &str, r: &Record, l: &Layout) -> Diagnosis {
 /// A record with declared layers that lacks a block of the config's MoE layers at one end:
 /// one pipeline stage's file (Megatron writes one trace per rank).
 fn absent_stage(role: &str, r: &Record, l: &Layout) -> Option<Diagnosis> {
-    if !r.layers_declared || r.found.numbering != "declared in the file" && r.format != super::Format::MegatronTrace {
+    if !r.layers_declared || !r.found.numbering_declared() && r.format != super::Format::MegatronTrace {
         return None;
     }
     let moe: Vec<usize> = (0..l.kinds.len()).filter(|&g| l.kinds[g] == LayerKind::Moe).collect();

@@ -147,8 +147,13 @@ pub fn from_ids(
         raws.push(Raw::bare(Format::Npy, Dtype::of(elem), p.shape, a.expert_ids(path, budget)?));
     }
     let mut raw = if raws.len() == 1 { raws.pop().expect("one") } else { Raw::concat(path, raws, budget)? };
+    let declared = layers.is_some();
     raw.layers = layers;
-    clean::finish(path, raw, layout)
+    let mut record = clean::finish(path, raw, layout)?;
+    if declared {
+        record.found.numbering = "declared by the caller".to_string();
+    }
+    Ok(record)
 }
 
 fn dispatch(

@@ -102,6 +102,14 @@ pub struct Found {
     pub notes: Vec<String>,
 }
 
+impl Found {
+    /// Whether the layer numbers were given (in the file, or by the caller of `from_ids`),
+    /// not inferred.
+    pub fn numbering_declared(&self) -> bool {
+        self.numbering.starts_with("declared")
+    }
+}
+
 /// A routing record: expert ids `[tokens, layers, top_k]` (-1 = no route), the global number
 /// of each layer of axis 1, and what else the file carried.
 #[derive(Debug, Clone)]
