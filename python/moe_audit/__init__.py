@@ -21,7 +21,7 @@ import importlib
 
 # Eager (no numpy): importing the submodule `binary` would otherwise leave the module, not the
 # function, as this attribute.
-from .binary import binary
+from .binary import binary as binary
 
 # Where each name is defined. Loaded on first use (PEP 562), so that importing a submodule
 # alone loads nothing else: the `moe-audit` console script (moe_audit._native) starts without

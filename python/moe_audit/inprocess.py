@@ -9,7 +9,7 @@ import shlex
 import subprocess
 import tempfile
 import threading
-from typing import Any, List
+from typing import Any
 
 from .adapter import describe, serve
 from .binary import binary
@@ -25,7 +25,7 @@ def _unblock(requests: str, responses: str) -> None:
             pass
 
 
-def check(router: Any, *args: Any, timeout: float = 900, **spec: Any) -> "subprocess.CompletedProcess[str]":
+def check(router: Any, *args: Any, timeout: float = 900, **spec: Any) -> subprocess.CompletedProcess[str]:
     """Runs ``moe-audit check --router-cmd RELAY ARGS...`` (``--model-cmd`` for a whole model)
     against ``router`` served from this
     process, and returns the ``subprocess.CompletedProcess`` (text stdout and stderr; exit code 0
@@ -55,7 +55,7 @@ def check(router: Any, *args: Any, timeout: float = 900, **spec: Any) -> "subpro
         responses = os.path.join(directory, "responses")
         os.mkfifo(requests)
         os.mkfifo(responses)
-        failure: List[BaseException] = []
+        failure: list[BaseException] = []
 
         def answer() -> None:
             try:

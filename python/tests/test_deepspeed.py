@@ -19,10 +19,11 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch)")
 pytest.importorskip("deepspeed", reason="deepspeed is not installed (DS_BUILD_OPS=0 pip install deepspeed)")
 
-import moe_audit  # noqa: E402
-import moe_audit.deepspeed as mds  # noqa: E402
 from deepspeed.moe.layer import MoE  # noqa: E402
 from deepspeed.moe.sharded_moe import TopKGate  # noqa: E402
+
+import moe_audit  # noqa: E402
+import moe_audit.deepspeed as mds  # noqa: E402
 
 H, E = 16, 8
 SIZES = ("--batch", "2", "--seq-len", "16", "--trials", "8")

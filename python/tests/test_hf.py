@@ -15,8 +15,6 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install moe-audit[hf])")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install moe-audit[hf])")
 
-import moe_audit  # noqa: E402
-import moe_audit.hf as hf  # noqa: E402
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE, DeepseekV3TopkRouter  # noqa: E402
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP  # noqa: E402
 from transformers.models.granitemoe.modeling_granitemoe import GraniteMoeMoE  # noqa: E402
@@ -31,6 +29,9 @@ from transformers.models.switch_transformers.modeling_switch_transformers import
     SwitchTransformersSparseMLP,
     SwitchTransformersTop1Router,
 )
+
+import moe_audit  # noqa: E402
+import moe_audit.hf as hf  # noqa: E402
 
 H, E = 32, 8
 SIZES = ("--batch", "2", "--seq-len", "32", "--trials", "8")

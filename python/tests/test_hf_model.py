@@ -315,7 +315,8 @@ def test_deepseek_v4_hash_layers_that_pick_one_expert_twice_are_refused_saying_w
     # config it is all zeros, so every token goes to expert 0 k times. The model routes that way;
     # a routing record holds an expert once per token: refused in one line naming the field.
     message = one_line_refusal(mla("deepseek_v4"))
-    assert message.startswith("deepseek_v4: layer 0 sends token 0 to expert 0 twice through its hash table tid2eid"), message
+    expected = "deepseek_v4: layer 0 sends token 0 to expert 0 twice through its hash table tid2eid"
+    assert message.startswith(expected), message
     assert "config.mlp_layer_types" in message and "the model routes that way" in message, message
     # Its top-k layers pick distinct experts: audited, dropless, every probe passes.
     verdicts, _ = audit(mla("deepseek_v4", mlp_layer_types=["moe", "moe"]))

@@ -14,12 +14,12 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install moe-audit[hf])")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install moe-audit[hf])")
 
+from test_hf import ALL_PASS, SIZES, H, leaking, mixtral, nllb, phimoe, switch, verdicts  # noqa: E402
+from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock  # noqa: E402
+
 import moe_audit  # noqa: E402
 import moe_audit.hf as hf  # noqa: E402
 from moe_audit.hf.seeded import NotKeyed, PerToken, token_keys  # noqa: E402
-from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock  # noqa: E402
-
-from test_hf import ALL_PASS, H, SIZES, leaking, mixtral, nllb, phimoe, switch, verdicts  # noqa: E402
 
 E = 8
 SEEDED_PASS = dict(ALL_PASS, M="leak")  # training-time randomness is a real train/inference difference

@@ -25,10 +25,11 @@ torch = pytest.importorskip("torch", reason="torch is not installed (pip install
 pytest.importorskip("megatron.core",
                     reason="megatron-core is not installed or does not import (pip install megatron-core)")
 
-import moe_audit  # noqa: E402
-import moe_audit.megatron as megatron  # noqa: E402
 from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+import moe_audit  # noqa: E402
+import moe_audit.megatron as megatron  # noqa: E402
 
 H, E = 32, 8
 SIZES = ("--batch", "2", "--seq-len", "32", "--trials", "8")

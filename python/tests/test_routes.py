@@ -13,9 +13,10 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install moe-audit[hf])")
 pytest.importorskip("transformers", reason="transformers is not installed (pip install moe-audit[hf])")
 
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
+
 import moe_audit.routes as routes  # noqa: E402
 from moe_audit import binary  # noqa: E402
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 
 LAYERS, EXPERTS, TOP_K, VOCAB = 4, 16, 4, 256
 

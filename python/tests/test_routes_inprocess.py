@@ -139,7 +139,8 @@ def test_bad_input_raises_the_packages_error_with_the_commands_line(files, tmp_p
         ((d / "engine.npy", tmp_path / "absent.npy"), {}, []),
         ((d / "engine.npy", tmp_path / "bad.json"), {}, []),
         ((d / "engine.npy", d / "trainer.npy"), {"max_disagreement": 2.0}, ["--max-disagreement", "2"]),
-        ((d / "engine.npy", d / "trainer.npy"), {"config": tmp_path / "bad.json"}, ["--config", str(tmp_path / "bad.json")]),
+        ((d / "engine.npy", d / "trainer.npy"), {"config": tmp_path / "bad.json"},
+         ["--config", str(tmp_path / "bad.json")]),
     ):
         with pytest.raises(moe_audit.RoutesError) as e:
             routes.compare(*args, **kwargs)
@@ -238,7 +239,8 @@ def test_megatron_router_replay_instances_compare_directly(files):
         assert trainer["experts"].shape == (TOKENS, LAYERS, TOP_K) and trainer["layers"] is None
         c = routes.compare(b, trainer, max_disagreement=0.0)
         assert not c.failed
-        assert routes.compare(a, routes.router_replay(instances, layers=[0, 1, 2, 3])).to_dict()["measures"] == routes.compare(a, b).measures
+        replayed = routes.router_replay(instances, layers=[0, 1, 2, 3])
+        assert routes.compare(a, replayed).to_dict()["measures"] == routes.compare(a, b).measures
         instances[2].clear_indices()
         with pytest.raises(moe_audit.RoutesError, match="RouterReplay instance 2 recorded nothing"):
             routes.router_replay()

@@ -19,8 +19,8 @@ Needs torch and transformers.
 
 from .block import FAMILIES, Family, Router, find_router
 from .capture import Recorder, capture
-from .routers import Decoded, Model, NotCovered, Site, discover, register_decoder, unregister_decoder
 from .model import WholeModel, _takes_token_ids
+from .routers import Decoded, Model, NotCovered, Site, discover, register_decoder, unregister_decoder
 
 
 def wrap(module, **options):

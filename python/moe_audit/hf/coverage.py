@@ -83,7 +83,10 @@ def check_decode(site, decoded, config, ids=None):
         else:
             top = scores.topk(min(k + 1, e), dim=-1)
         values = top.values
-        tie = (values[:, k - 1] - values[:, k]).abs() < 1e-5 if values.shape[1] > k else torch.zeros(len(values), dtype=torch.bool)
+        if values.shape[1] > k:
+            tie = (values[:, k - 1] - values[:, k]).abs() < 1e-5
+        else:
+            tie = torch.zeros(len(values), dtype=torch.bool)
         chosen = top.indices[:, :k].sort(1).values
         same = (chosen == experts.sort(1).values).all(1)
         checked = routed & ~tie & torch.isfinite(values[:, k - 1])

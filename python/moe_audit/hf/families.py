@@ -41,8 +41,8 @@ _SIZES = (
     (1, ("topk_group", "first_k_dense_replace", "num_shared_experts", "n_shared_experts", "moe_num_shared_experts",
         "num_nextn_predict_layers", "zero_expert_num", "num_dense_layers")),
     (16, ("head_dim", "qk_nope_head_dim", "v_head_dim", "kv_lora_rank", "linear_key_head_dim", "linear_value_head_dim",
-         "mamba_head_dim", "ssm_state_size", "qk_rope_head_dim", "mamba_d_state", "attention_head_dim", "global_head_dim",
-         "index_head_dim", "d_kv", "linear_head_dim")),
+         "mamba_head_dim", "ssm_state_size", "qk_rope_head_dim", "mamba_d_state", "attention_head_dim",
+         "global_head_dim", "index_head_dim", "d_kv", "linear_head_dim")),
     (8, ("rotary_dim", "index_n_heads")),
     (32, ("q_lora_rank",)),
     (EXPERTS, EXPERT_FIELDS),
@@ -105,7 +105,8 @@ def _shrink(d, depth=0, base=None):
     """A config dict shrunk: sizes by field name, per-layer lists cut to LAYERS, token ids in
     the vocabulary, derived sizes kept consistent (:func:`_keep_ties`). ``base``: (before,
     after) of the config a per-layer override dict belongs to."""
-    layers = next((d[f] for f, v in _FIELD_SIZE.items() if v == LAYERS and "layer" in f and isinstance(d.get(f), int)), None)
+    layers = next((d[f] for f, v in _FIELD_SIZE.items()
+                   if v == LAYERS and "layer" in f and isinstance(d.get(f), int)), None)
     if layers is None:  # no layer count: the layers are the entries of the per-layer types (NemotronH)
         layers = max((len(v) for k, v in d.items()
                       if isinstance(v, list) and re.fullmatch(r"layers?_\w*types?", str(k))), default=None)

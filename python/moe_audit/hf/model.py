@@ -266,7 +266,8 @@ class WholeModel:
             raise TypeError(f"token ids must be integers, got {ids.dtype} (a model without a tokenizer takes ids, "
                             "not text)")
         if ids.min() < 0 or ids.max() >= self.vocab:
-            raise ValueError(f"token ids must be from 0 to {self.vocab - 1} (the vocabulary), got {ids.min()} to {ids.max()}")
+            raise ValueError(f"token ids must be from 0 to {self.vocab - 1} (the vocabulary), got {ids.min()} to "
+                             f"{ids.max()}")
         torch.manual_seed(self.seed if seed is None else seed)
         x = torch.as_tensor(ids, dtype=torch.long)
         mask = torch.ones_like(x) if padding is None else torch.as_tensor(~np.asarray(padding, dtype=bool)).long()

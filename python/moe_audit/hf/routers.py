@@ -405,7 +405,7 @@ def _blocks(root):
     found = []
     for path, block in root.named_modules():
         children = dict(block.named_children())
-        for xname, container in children.items():
+        for _xname, container in children.items():
             e = _expert_count(container)
             if e is None or _holds_router(container, e):
                 continue  # not a container, or it holds a router itself (a block or a layer)

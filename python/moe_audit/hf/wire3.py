@@ -55,7 +55,8 @@ def read_request(stream, vocab):
             continue
         h = json.loads(line)
         if not isinstance(h, dict) or set(h) - _REQUEST_FIELDS or not {"id", "batch", "seq_len", "bytes"} <= set(h):
-            raise ValueError(f"{PROTOCOL}: a request header must have the fields {sorted(_REQUEST_FIELDS)}: {line[:200]!r}")
+            raise ValueError(f"{PROTOCOL}: a request header must have the fields {sorted(_REQUEST_FIELDS)}: "
+                             f"{line[:200]!r}")
         b, s = h["batch"], h["seq_len"]
         if not (isinstance(b, int) and isinstance(s, int) and b > 0 and s > 0):
             raise _bad(h, f"batch and seq_len must be positive integers, got {b!r}, {s!r}")
