@@ -57,10 +57,11 @@ def main():
 
     router = moe_audit.hf.wrap(block(), protocol=2)
     start = time.perf_counter()
-    proc = moe_audit.check(router)
+    report = moe_audit.check(router)
     seconds = time.perf_counter() - start
-    last = proc.stdout.strip().splitlines()[-1]
-    print(f"moe-audit/2: the same audit in-process (moe_audit.check) {seconds:7.1f} s (exit {proc.returncode}: {last})")
+    leaks = ", ".join(report.leaks) or "none"
+    print(f"moe-audit/2: the same audit in-process (moe_audit.check) {seconds:7.1f} s "
+          f"(exit {report.exit_code}: leaks {leaks})")
 
 
 if __name__ == "__main__":

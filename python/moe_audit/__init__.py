@@ -5,7 +5,8 @@
 - the protocol adapter: :func:`run` serves ``route(data, mode)`` to ``moe-audit check
   --router-cmd``; :func:`routes_from_arrays` builds its answer; :func:`answer_plan` answers trace
   files (``moe_audit.adapter``);
-- :func:`check`: audits a router object of this process (no subprocess to re-import torch);
+- :func:`check`: audits a router object of this process (no subprocess to re-import torch) and
+  returns its :class:`Report` (verdicts per probe, leaks, exit code, the JSON document);
 - ``moe_audit.routes``: routing records of a Hugging Face model, and :func:`moe_audit.routes.compare`
   (rollout against trainer in this process, the native extension ``moe_audit._native``);
 - ``moe_audit.hf``: a Hugging Face ``transformers`` MoE block or router in one call
@@ -35,6 +36,8 @@ _WHERE = {
     "routes_from_arrays": "adapter",
     "run": "adapter",
     "serve": "adapter",
+    "CheckError": "inprocess",
+    "Report": "inprocess",
     "check": "inprocess",
     "Comparison": "routes",
     "RoutesError": "routes",

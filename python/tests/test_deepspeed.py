@@ -38,14 +38,14 @@ def gate(k=1, **options):
 
 
 def verdicts(proc):
-    """{probe: verdict} of a JSON report."""
+    """{probe: verdict} of a JSON report that moe-audit printed."""
     assert proc.returncode in (0, 1), proc.stderr
     report = json.loads(proc.stdout)
     return {f["probe"]: f["verdict"] for f in report["routers"][0]["findings"]}
 
 
 def audit(module, *args, **options):
-    return verdicts(moe_audit.check(mds.wrap(module, **options), "--format", "json", *SIZES, *args))
+    return moe_audit.check(mds.wrap(module, **options), *SIZES, *args).verdicts
 
 
 def expect(leaks="", inconclusive="", **others):

@@ -5,7 +5,6 @@ the reason. Each audit runs `moe-audit check` once, at small sizes, against a ro
 this process (moe_audit.check), so torch is imported once.
 """
 
-import json
 import os
 import re
 
@@ -85,15 +84,13 @@ BLOCKS = {
 }
 
 
-def verdicts(proc):
-    """{probe: verdict} of a JSON report."""
-    assert proc.returncode in (0, 1), proc.stderr
-    report = json.loads(proc.stdout)
-    return {f["probe"]: f["verdict"] for f in report["routers"][0]["findings"]}
+def verdicts(report):
+    """{probe: verdict} of a moe_audit.check report."""
+    return report.verdicts
 
 
 def audit(module, *args, **options):
-    return verdicts(moe_audit.check(hf.wrap(module, **options), "--format", "json", *SIZES, *args))
+    return moe_audit.check(hf.wrap(module, **options), *SIZES, *args).verdicts
 
 
 def leaking(found):
@@ -151,10 +148,10 @@ def test_a_router_random_only_in_training_leaks_nothing_in_inference_mode():
     # mode, are inconclusive. The advice names seed_calls=True, which moe_audit.hf offers.
     block = MixtralSparseMoeBlock(transformers.MixtralConfig(hidden_size=64, intermediate_size=64,
                                                              num_local_experts=8, router_jitter_noise=0.1))
-    proc = moe_audit.check(hf.wrap(block), "--format", "json", "--mode", "inference", *SIZES)
-    found = verdicts(proc)
+    report = moe_audit.check(hf.wrap(block), "--mode", "inference", *SIZES)
+    found = report.verdicts
     assert found == dict(ALL_PASS, S="inconclusive", M="inconclusive"), found
-    d = next(f for f in json.loads(proc.stdout)["routers"][0]["findings"] if f["probe"] == "D")
+    d = next(f for f in report.findings if f["probe"] == "D")
     assert "in training mode, " in d["note"] and "with seed_calls=True" in d["note"], d["note"]
     # Seeded per token, training mode is deterministic too: S passes, and M leaks for real
     # (training routes jittered logits, serving does not).

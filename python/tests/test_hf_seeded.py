@@ -26,7 +26,7 @@ SEEDED_PASS = dict(ALL_PASS, M="leak")  # training-time randomness is a real tra
 
 
 def seeded(module, *args):
-    return verdicts(moe_audit.check(hf.wrap(module, seed_calls=True), "--format", "json", *SIZES, *args))
+    return verdicts(moe_audit.check(hf.wrap(module, seed_calls=True), *SIZES, *args))
 
 
 def rows(n, seed=0):
@@ -128,7 +128,7 @@ class PerCallSeeded:
 def test_seeding_each_call_by_shape_shows_as_leaks():
     # The reason for per-token keys: the same call draws the same noise (D passes), but a token's
     # noise follows its flat position, so another prefix, batch or layout changes it.
-    found = verdicts(moe_audit.check(PerCallSeeded(hf.wrap(mixtral(jitter=0.1))), "--format", "json", *SIZES))
+    found = verdicts(moe_audit.check(PerCallSeeded(hf.wrap(mixtral(jitter=0.1))), *SIZES))
     assert found["D"] == "pass" and {"P", "R", "L"} <= set(leaking(found)), found
 
 

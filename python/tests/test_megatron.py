@@ -44,14 +44,14 @@ def config(**more):
 
 
 def verdicts(proc):
-    """{probe: verdict} of a JSON report."""
+    """{probe: verdict} of a JSON report that moe-audit printed."""
     assert proc.returncode in (0, 1), proc.stderr
     report = json.loads(proc.stdout)
     return {f["probe"]: f["verdict"] for f in report["routers"][0]["findings"]}
 
 
 def audit(router, *args):
-    return verdicts(moe_audit.check(router, "--format", "json", *SIZES, *args))
+    return moe_audit.check(router, *SIZES, *args).verdicts
 
 
 def leaking(found):

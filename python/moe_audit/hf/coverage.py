@@ -19,7 +19,6 @@ too little. ``--write docs/hf-coverage.md`` writes the table; ``--families a,b``
 """
 
 import argparse
-import json
 import sys
 import time
 import traceback
@@ -103,16 +102,13 @@ def audit_model(wrapped, *args):
     import moe_audit
 
     try:
-        proc = moe_audit.check(wrapped, "--format", "json", *(args or SIZES), timeout=AUDIT_TIMEOUT)
+        report = moe_audit.check(wrapped, *(args or SIZES), timeout=AUDIT_TIMEOUT)
     except subprocess.TimeoutExpired:
         return None, None, f"over {AUDIT_TIMEOUT} s"
-    if proc.returncode not in (0, 1):
-        lines = proc.stderr.strip().splitlines()
-        return None, None, lines[-1] if lines else f"exit {proc.returncode}"
-    findings = json.loads(proc.stdout)["findings"]
-    verdicts = {f["probe"]: f["verdict"] for f in findings}
-    first = {f["probe"]: f["first_layer"] for f in findings if f["verdict"] == "leak"}
-    return verdicts, first, None
+    except moe_audit.CheckError as e:
+        return None, None, f"error: {e}"
+    first = {f["probe"]: f["first_layer"] for f in report.findings if f["verdict"] == "leak"}
+    return report.verdicts, first, None
 
 
 def cover(family, model_type, audit=True, seed=0):
