@@ -70,7 +70,7 @@ def _no_groups():
 
 
 @contextlib.contextmanager
-def _on(device):
+def on_device(device):
     """While Megatron runs, ``torch.cuda.current_device()`` answers device: its gate moves there
     in ``gating()`` (router.py:88-92) and its expert-bias buffers are made there (router.py:162-183),
     which fails on a machine without CUDA."""
@@ -113,7 +113,7 @@ def build(config, seed=0, device=None):
     process group; its gate is initialised by the config's ``init_method`` from torch seeded with seed."""
     device = _device(device)
     torch.manual_seed(seed)
-    with _on(device):
+    with on_device(device):
         return TopKRouter(config, pg_collection=_no_groups()).to(device)
 
 
@@ -229,7 +229,7 @@ class Router:
             kwargs["padding_mask"] = torch.from_numpy(np.asarray(padding, dtype=bool).T.copy()).to(self.device)
         # Jitter is drawn on [S, B, H]: keyed by the rows in that layout (a token's key is its row).
         seeded = PerToken(seed, rows) if self.seed_calls and seed is not None else contextlib.nullcontext()
-        with _on(self.device), _dropping() as seen, seeded:
+        with on_device(self.device), _dropping() as seen, seeded:
             probs, routing_map = self.router(x, **kwargs)
         experts, weights, kept = (_sequence_major(a, seq_len, batch)
                                   for a in decode(probs, routing_map, seen.get("before")))

@@ -103,7 +103,7 @@ def megatron_outputs(router, data, mode="train"):
     """What the router returns for data [batch, seq_len, hidden], called as MoELayer calls it."""
     router.router.train(mode == "train")
     x = torch.from_numpy(np.ascontiguousarray(data.transpose(1, 0, 2)))
-    with torch.no_grad(), megatron._on(router.device):
+    with torch.no_grad(), megatron.on_device(router.device):
         probs, routing_map = router.router(x)
     return probs.numpy(), routing_map.numpy()
 

@@ -19,14 +19,14 @@ Needs torch and transformers.
 
 from .block import FAMILIES, Family, Router, find_router
 from .capture import Recorder, capture
-from .model import WholeModel, _takes_token_ids
+from .model import WholeModel, takes_token_ids
 from .routers import Decoded, Model, NotCovered, Site, discover, register_decoder, unregister_decoder
 
 
 def wrap(module, **options):
     """A model taking token ids -> :class:`WholeModel` (``moe-audit/3``); a router, an MoE block
     or a layer -> :class:`Router` (``moe-audit/2``, hidden states in)."""
-    if _takes_token_ids(module):
+    if takes_token_ids(module):
         return WholeModel(module, **options)
     return Router(module, **options)
 

@@ -46,14 +46,14 @@ import torch
 
 from .. import adapter
 from .._wire import v1, v2
-from .capture import _dispatch
-from .routers import _DECODERS, Decoder, _gate, decoder_for, discover
+from .capture import dispatch_args
+from .routers import BUILTIN_DECODERS, Decoder, gate_weight, decoder_for, discover
 from .seeded import PerToken
 
 #: Deprecated: routers are found by structure and read by decoders (:data:`FAMILIES` lists the
 #: built-in ones); kept so code naming them still imports.
 Family = Decoder
-FAMILIES = tuple(_DECODERS)
+FAMILIES = tuple(BUILTIN_DECODERS)
 
 
 def find_router(module):
@@ -98,7 +98,7 @@ class Router:
         # The block that holds the router (what a model calls), or the router when given alone.
         self.block = self.site.block
         self.experts = self.site.experts
-        gate = _gate(self.router, self.experts)
+        gate = gate_weight(self.router, self.experts)
         self.hidden_size = int(gate.shape[1])
         self.protocol = adapter.protocol_name(protocol)
         takes = inspect.signature(self.block.forward).parameters
@@ -125,7 +125,7 @@ class Router:
         ``seed_calls`` and the request's seed (``moe-audit/2``), every random draw of the call is
         keyed per token on the seed and the token's row (:class:`moe_audit.hf.seeded.PerToken`)."""
         self.module.train(mode == "train")
-        dtype = _gate(self.router, self.experts).dtype
+        dtype = gate_weight(self.router, self.experts).dtype
         # A copy: blocks scale their input in place (jitter).
         x = torch.tensor(np.asarray(data), dtype=dtype)
         seen = {}
@@ -136,7 +136,7 @@ class Router:
                 raise _Routed
 
         def experts_hook(module, args, kwargs):
-            seen["dispatch"] = _dispatch(self.site, args, kwargs)
+            seen["dispatch"] = dispatch_args(self.site, args, kwargs)
             raise _Routed
 
         kwargs = {}

@@ -7,7 +7,7 @@ import torch
 from .routers import decoder_for
 
 
-def _dispatch(site, args, kwargs):
+def dispatch_args(site, args, kwargs):
     """(ids [T, k], weights [T, k]) among the arguments an experts module was called with."""
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
     ids = next((t for t in tensors if not t.is_floating_point() and t.ndim == 2 and 0 < t.shape[-1] < site.experts),
@@ -35,7 +35,7 @@ class Recorder:
         def hook(module, args, kwargs):
             seen = self._seen.get(site.layer)
             if seen is not None and seen[2] is None:
-                seen[2] = _dispatch(site, args, kwargs)
+                seen[2] = dispatch_args(site, args, kwargs)
         return hook
 
     def _root(self, module, args, output):

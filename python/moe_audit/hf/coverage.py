@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from . import families as fam
-from .routers import NotCovered, _config_value
+from .routers import NotCovered, config_value
 
 SIZES = ("--batch", "2", "--seq-len", "16", "--trials", "4", "--timeout", "600")
 #: Seconds one family's audit may take.
@@ -71,8 +71,8 @@ def check_decode(site, decoded, config, ids=None):
     for i, b in enumerate(_selection_biases(site.module, e)):
         candidates[f"sigmoid + bias {i}"] = logits.sigmoid() + b
         candidates[f"softmax + bias {i}"] = logits.softmax(-1) + b
-    groups = getattr(site.module, "n_group", None) or _config_value(config, ("n_group",))
-    topk_group = getattr(site.module, "topk_group", None) or _config_value(config, ("topk_group",))
+    groups = getattr(site.module, "n_group", None) or config_value(config, ("n_group",))
+    topk_group = getattr(site.module, "topk_group", None) or config_value(config, ("topk_group",))
     for name, scores in list(candidates.items()):
         if groups and topk_group and groups > 1 and e % groups == 0:
             candidates[f"{name}, group-limited"] = scores  # marker: computed below

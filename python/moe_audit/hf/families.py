@@ -101,7 +101,7 @@ def _pick(family, types):
     return ranked[0]
 
 
-def _shrink(d, depth=0, base=None):
+def shrink(d, depth=0, base=None):
     """A config dict shrunk: sizes by field name, per-layer lists cut to LAYERS, token ids in
     the vocabulary, derived sizes kept consistent (:func:`_keep_ties`). ``base``: (before,
     after) of the config a per-layer override dict belongs to."""
@@ -115,7 +115,7 @@ def _shrink(d, depth=0, base=None):
         if isinstance(v, dict) and v and all(str(i).isdigit() for i in v):
             v = {i: x for i, x in v.items() if int(i) < LAYERS}  # per-layer settings (shrunk below)
         elif isinstance(v, dict) and depth < 3:
-            v = _shrink(v, depth + 1)
+            v = shrink(v, depth + 1)
         elif k in TOP_K_FIELDS and v is None and any(isinstance(d.get(f), int) for f in EXPERT_FIELDS):
             v = TOP_K
         elif k == "mlp_layer_types" and v is None and any(isinstance(d.get(f), int) for f in EXPERT_FIELDS):
@@ -139,7 +139,7 @@ def _shrink(d, depth=0, base=None):
     for k, v in out.items():
         if isinstance(v, dict) and v and all(str(i).isdigit() for i in v):
             # each layer's overrides shrunk like its config, over the config's own values
-            out[k] = {i: _shrink(x, depth + 1, base=(d, out)) if isinstance(x, dict) else x for i, x in v.items()}
+            out[k] = {i: shrink(x, depth + 1, base=(d, out)) if isinstance(x, dict) else x for i, x in v.items()}
     return out
 
 
@@ -237,10 +237,10 @@ def _mrope_sections(model_type, c):
         half = int(head_dim * rope.get("partial_rotary_factor", 1.0)) // 2
         sections = list(rope.get("mrope_section") or default)
         if sum(sections) != half and half >= len(sections):
-            rope["mrope_section"] = _apportion(sections, half)
+            rope["mrope_section"] = apportion(sections, half)
 
 
-def _apportion(weights, total):
+def apportion(weights, total):
     """Integers >= 1 in proportion to weights, summing to total (largest remainders)."""
     exact = [w * total / sum(weights) for w in weights]
     out = [max(1, int(x)) for x in exact]
@@ -261,7 +261,7 @@ def config(model_type):
 
     default = AutoConfig.for_model(model_type)
     before = default.to_dict()
-    after = _shrink(before)
+    after = shrink(before)
     changed = {k: v for k, v in after.items() if v != before[k]}
     changed.update(SETTINGS.get(model_type, {}))
     try:

@@ -22,7 +22,7 @@ def _takes(module, name):
         return False
 
 
-def _takes_token_ids(module):
+def takes_token_ids(module):
     return _takes(module, "input_ids")
 
 
@@ -125,7 +125,7 @@ class WholeModel:
     protocol = wire3.PROTOCOL
 
     def __init__(self, module, *, seed=0, name=None, outputs="hidden", logits=True, encoder_input_ids=None):
-        if not _takes_token_ids(module):
+        if not takes_token_ids(module):
             raise NotCovered(f"{type(module).__name__}.forward takes no input_ids: wrap a model that takes token "
                              "ids (a ...ForCausalLM or a base model), or a router block to audit it on hidden states")
         self.module = module

@@ -276,7 +276,7 @@ def _top_k(router):
     return int(k)
 
 
-_DECODERS = [
+BUILTIN_DECODERS = [
     Decoder("capacity-top1 (per sequence)", _capacity_top1_accepts, _capacity_top1),
     Decoder("capacity-top2 (per call)", _capacity_top2_accepts, _capacity_top2),
     Decoder("sorted-dispatch", _sorted_dispatch_accepts, _sorted_dispatch),
@@ -310,7 +310,7 @@ def decoder_for(router, output):
     for _, match, decoder in _REGISTERED:
         if match(router):
             return decoder
-    for decoder in _DECODERS:
+    for decoder in BUILTIN_DECODERS:
         if decoder.accepts(router, output):
             return decoder
     raise NotCovered(_unread(router, output))
@@ -369,7 +369,7 @@ def _expert_count(module):
     return None
 
 
-def _gate(module, experts):
+def gate_weight(module, experts):
     """The [E, H] gate weight held by module (itself or a descendant), or None."""
     # E rows (E + 1: a router that also scores its shared expert).
     return next((p for p in module.parameters() if p.ndim == 2 and p.shape[0] in (experts, experts + 1)
@@ -379,17 +379,17 @@ def _gate(module, experts):
 def _is_router(module, experts):
     """Whether module is a gate to E experts: an [E, H] weight (a Linear, a parameter, a small
     MLP), not a stack of layers."""
-    return _gate(module, experts) is not None and not any(
+    return gate_weight(module, experts) is not None and not any(
         isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict)) for m in module.modules())
 
 
 def _holds_router(container, experts):
     """Whether a candidate container holds a router (so it is a block or a layer, not experts):
     an [E, H] gate in one of its submodules (its own E-row weights are expert biases)."""
-    return any(_gate(m, experts) is not None for m in container.children())
+    return any(gate_weight(m, experts) is not None for m in container.children())
 
 
-def _config_value(config, fields):
+def config_value(config, fields):
     for c in (config, getattr(config, "text_config", None), getattr(config, "ffn_config", None)):
         if c is None:
             continue
@@ -420,11 +420,11 @@ def discover(module, config=None):
     """Every router in ``module`` (a router's block, a decoder layer, a whole model), ordered
     by global layer (MTP layers after the backbone). Raises NotCovered when there is none."""
     config = config if config is not None else getattr(module, "config", None)
-    k_config = _config_value(config, TOP_K_FIELDS) if config is not None else None
+    k_config = config_value(config, TOP_K_FIELDS) if config is not None else None
     blocks = _blocks(module)
     if not blocks:
         # A router given alone: its own [E, H] gate (or its Linear's), E from attributes or config.
-        e = getattr(module, "num_experts", None) or (_config_value(config, EXPERT_FIELDS) if config else None)
+        e = getattr(module, "num_experts", None) or (config_value(config, EXPERT_FIELDS) if config else None)
         own = [p for p in module.parameters(recurse=False)] + [
             c.weight for c in module.children() if isinstance(c, torch.nn.Linear)]
         if isinstance(e, int) and any(p.ndim == 2 and p.shape[0] == e for p in own):
@@ -440,7 +440,7 @@ def discover(module, config=None):
         name = f"{path}.{rname}".strip(".") if rname else path
         layer = _LAYER.match(name)
         shared = any(m is not router and m is not container and any(True for _ in m.parameters())
-                     and _gate(m, e) is None and sum(p.numel() for p in m.parameters()) > e
+                     and gate_weight(m, e) is None and sum(p.numel() for p in m.parameters()) > e
                      for m in block.children())
         top_k = getattr(router, "top_k", None) or getattr(block, "top_k", None) or k_config
         site = Site(layer=int(layer.group(2)) if layer else 0, kind="mtp" if _MTP.search(name) else "moe", name=name,
