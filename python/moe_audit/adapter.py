@@ -48,7 +48,7 @@ import json
 import os
 import struct
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, BinaryIO, Callable, Union
 
 import numpy as np
@@ -77,8 +77,9 @@ RouteFn = Callable[..., Union[Tokens, tuple[Tokens, Capacity]]]
 
 def protocol_name(protocol: Protocol) -> str:
     """The protocol's name: 1, 2, "moe-audit/1" or "moe-audit/2" (what a router may pass)."""
-    name = {1: v1.PROTOCOL, 2: v2.PROTOCOL}.get(protocol, protocol)
-    if name not in PROTOCOLS:
+    names: dict[Protocol, Protocol] = {1: v1.PROTOCOL, 2: v2.PROTOCOL}
+    name = names.get(protocol, protocol)
+    if not isinstance(name, str) or name not in PROTOCOLS:
         raise ValueError(f"protocol must be 1 or 2 ({', '.join(PROTOCOLS)}), got {protocol!r}")
     return name
 
@@ -327,6 +328,7 @@ def checked(result: Any, batch: int, seq_len: int, experts: int) -> tuple[Column
 
 def _caller(route: RouteFn) -> Callable[[np.ndarray, str, int | None, np.ndarray | None], Any]:
     """route as f(data, mode, seed, padding): the keywords it does not take are dropped."""
+    params: Mapping[str, inspect.Parameter]
     try:
         params = inspect.signature(route).parameters
     except (TypeError, ValueError):
@@ -379,7 +381,8 @@ def handshake(name: str, experts: int, top_k: int | None, input: str, hidden_siz
         hs["hidden_size"] = int(hidden_size)
     if seed_calls is not None and protocol == v2.PROTOCOL:
         hs["seed_calls"] = bool(seed_calls)
-    return PROTOCOLS[protocol].handshake(hs, padding_mask)
+    out: dict[str, Any] = PROTOCOLS[protocol].handshake(hs, padding_mask)
+    return out
 
 
 def serve(route: RouteFn, name: str, experts: int, top_k: int | None, input: str = "logits",
@@ -484,10 +487,9 @@ def _plan_directory(argv: Sequence[str] | None) -> str | None:
         add_help=argv is not None, allow_abbrev=False)
     parser.add_argument("--answer-plan", metavar="DIR",
                         help="answer the trace plan in DIR (moe-audit plan) into DIR/decisions.jsonl instead")
-    if argv is not None:
-        return parser.parse_args(argv).answer_plan
-    args, _ = parser.parse_known_args(sys.argv[1:])
-    return args.answer_plan
+    args = parser.parse_args(argv) if argv is not None else parser.parse_known_args(sys.argv[1:])[0]
+    directory: str | None = args.answer_plan
+    return directory
 
 
 def run(route: RouteFn, name: str, experts: int, top_k: int | None, input: str = "logits",

@@ -166,7 +166,7 @@ def _same_user(conn: socket.socket) -> bool:
     if peercred is None:
         return True
     _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, peercred, struct.calcsize("3i")))
-    return uid == os.getuid()
+    return bool(uid == os.getuid())
 
 
 def _answer(listener: _Listener, answer_streams: Callable[[BinaryIO, BinaryIO], None], stop: threading.Event,
