@@ -108,12 +108,12 @@ class PerToken(TorchFunctionMode):
     def __enter__(self) -> PerToken:
         self._generators = {}
         self._global = _global_state()
-        super().__enter__()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+        super().__enter__()  # type: ignore[no-untyped-call, unused-ignore]  # torch leaves it unannotated
         return self
 
     def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
                  traceback: TracebackType | None) -> None:
-        super().__exit__(kind, value, traceback)  # type: ignore[no-untyped-call]  # as __enter__
+        super().__exit__(kind, value, traceback)  # type: ignore[no-untyped-call, unused-ignore]  # as __enter__
         if kind is None and not _same(self._global, _global_state()):
             raise NotKeyed(
                 "seed_calls: the block drew random numbers from torch's global generator through an op "
