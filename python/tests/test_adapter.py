@@ -12,6 +12,7 @@ import subprocess
 import sys
 import warnings
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -33,7 +34,7 @@ ROUTES = moe_audit.routes_from_arrays([[3, 0], [1, 2]], [[0.75, 0.25], [0.5, 0.5
 
 def test_routes_read_as_tuples_and_lists_give_the_same_columns():
     assert ROUTES[0] == [(3, 0.75, True), (0, 0.25, False)] and len(ROUTES) == 2
-    listed = [ROUTES[0], [{"expert": 1, "weight": 0.5, "kept": True}, (2, 0.5, True)]]
+    listed: list[Any] = [ROUTES[0], [{"expert": 1, "weight": 0.5, "kept": True}, (2, 0.5, True)]]
     for a, b in zip(columns(ROUTES), columns(listed)):
         assert np.array_equal(a, b)
 
@@ -72,6 +73,7 @@ def test_v2_request_frames_with_and_without_padding():
     stream = io.BufferedReader(io.BytesIO(frames))
     first, second = v2.read_request(stream, 4), v2.read_request(stream, 4)
     assert v2.read_request(stream, 4) is None
+    assert first is not None and second is not None and second.padding is not None
     assert first.id == 1 and first.seed == 9 and first.padding is None and np.array_equal(first.data, data)
     assert second.padding.tolist() == [[False, False, True], [False, True, True]]
     assert np.array_equal(second.data, data)

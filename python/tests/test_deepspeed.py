@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
@@ -190,7 +191,8 @@ CAPACITY = "PFNRL"  # one capacity over the call: the prefix, the future, the ne
 RANDOM = expect("D", "PFNRSML")  # D says so; every other difference may be noise
 RSAMPLE = dict(drop_tokens=False, use_rts=False, noisy_gate_policy="RSample")
 JITTER = dict(drop_tokens=False, use_rts=False, noisy_gate_policy="Jitter")
-AUDITS = {
+#: name: (gate options, wrap options, check flags, predicted verdicts).
+AUDITS: dict[str, tuple[dict[str, Any], dict[str, Any], tuple[str, ...], dict[str, str]]] = {
     # Dropless and deterministic: nothing to leak. RTS draws (ds:267-274) but nothing can drop.
     "top1-dropless": (dict(drop_tokens=False, use_rts=False), {}, (), expect()),
     "top1-dropless-rts": (dict(drop_tokens=False), {}, (), expect()),

@@ -8,6 +8,7 @@ audited by the binary and must keep its verdicts.
 
 import os
 import re
+from typing import Any
 
 import pytest
 
@@ -35,7 +36,9 @@ def _one_thread():
 def _table():
     with open(TABLE) as f:
         text = f.read()
-    version = re.search(r"MoE families of transformers (\S+) covered", text).group(1)
+    found = re.search(r"MoE families of transformers (\S+) covered", text)
+    assert found, TABLE
+    version = found.group(1)
     if version != transformers.__version__:
         pytest.skip(f"docs/hf-coverage.md is for transformers {version}, {transformers.__version__} is installed")
     return coverage.read_table(TABLE), coverage.read_rows(TABLE)
@@ -66,7 +69,7 @@ def test_a_covered_family_stays_covered(family):
 
 def test_shrinking_keeps_the_sizes_a_config_derives_from_others():
     # MLA: head_dim = qk_nope + qk_rope, in the config and in a layer's overrides over it
-    d = {"hidden_size": 4096, "num_attention_heads": 32, "qk_nope_head_dim": 64, "qk_rope_head_dim": 64,
+    d: dict[str, Any] = {"hidden_size": 4096, "num_attention_heads": 32, "qk_nope_head_dim": 64, "qk_rope_head_dim": 64,
          "head_dim": 128, "num_hidden_layers": 8, "per_layer_config": {"3": {"qk_nope_head_dim": 192}}}
     out = families.shrink(d)
     assert out["head_dim"] == out["qk_nope_head_dim"] + out["qk_rope_head_dim"] == 32

@@ -222,7 +222,9 @@ def test_quantile_balancing_routes_per_token_and_takes_no_padding_mask():
 def test_the_five_line_recipe_serves_the_router_to_moe_audit_check_router_cmd(tmp_path):
     # The module docstring's recipe, as a user's script: moe-audit starts it (a fresh Python
     # that imports megatron-core) and audits it over stdin/stdout.
-    recipe = re.search(r"::\n\n(.*?)\n\nserves", megatron.__doc__, re.S).group(1)
+    found = re.search(r"::\n\n(.*?)\n\nserves", megatron.__doc__ or "", re.S)
+    assert found, "the module docstring's recipe"
+    recipe = found.group(1)
     lines = [line for line in recipe.splitlines() if line.strip()]
     assert len(lines) <= 5, recipe
     script = tmp_path / "router.py"

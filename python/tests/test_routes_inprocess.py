@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import numpy as np
 import pytest
@@ -85,7 +86,8 @@ def test_arrays_give_what_the_command_gives_on_their_npy_files(files):
     a = a.copy()
     a[5] = -1  # a padding row: no route in any layer
     np.save(d / "engine.npy", a)
-    for extra, flags in (({}, []), ({"max_disagreement": 0.0}, ["--max-disagreement", "0"])):
+    cases: list[tuple[dict[str, Any], list[str]]] = [({}, []), ({"max_disagreement": 0.0}, ["--max-disagreement", "0"])]
+    for extra, flags in cases:
         code, doc = cli(d / "engine.npy", d / "trainer.npy", *flags)
         c = routes.compare(a, b, **extra)
         assert without_paths(c.to_dict()) == without_paths(doc)
