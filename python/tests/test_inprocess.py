@@ -78,3 +78,18 @@ def test_a_usage_error_raises_before_any_router_call_and_leaves_nothing_behind()
         moe_audit.check(counted, *SIZES, "--probes", "D", experts=4, top_k=1)
     assert calls, "the router served the second check of each round"
     assert threading.active_count() == threads and len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_type_checkers_see_every_name_the_package_loads_on_first_use():
+    # moe_audit/__init__.py loads its names lazily (__getattr__) and imports them under
+    # TYPE_CHECKING for type checkers (py.typed): the two lists are the same, from the same modules.
+    import ast
+    import importlib
+    import inspect
+
+    tree = ast.parse(inspect.getsource(moe_audit))
+    checked = next(n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
+    seen = {a.name: node.module for node in checked.body if isinstance(node, ast.ImportFrom) for a in node.names}
+    assert sorted([*seen, "binary"]) == moe_audit.__all__
+    for name, where in seen.items():
+        assert getattr(moe_audit, name) is getattr(importlib.import_module(f"moe_audit.{where}"), name), name
