@@ -40,7 +40,8 @@ def main():
     here = os.path.abspath(__file__)
     imports = {}
     for what in ("numpy", "moe_audit", "torch", "moe_audit.hf, transformers Mixtral"):
-        module = {"moe_audit.hf, transformers Mixtral": "moe_audit.hf; import transformers.models.mixtral.modeling_mixtral"}.get(what, what)
+        mixtral = "moe_audit.hf; import transformers.models.mixtral.modeling_mixtral"
+        module = {"moe_audit.hf, transformers Mixtral": mixtral}.get(what, what)
         seconds, proc = timed([python, "-c", f"import {module}"])
         imports[what] = seconds
     print(f"python {sys.version.split()[0]}, moe-audit {moe_audit.binary()}")
@@ -49,16 +50,18 @@ def main():
     for protocol in (1, 2):
         seconds, proc = timed([moe_audit.binary(), "check", "--router-cmd", f"{python} {here} --serve {protocol}"])
         last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr.strip()
-        print(f"moe-audit/{protocol}: one audit, hidden {HIDDEN}, end to end {seconds:7.1f} s (exit {proc.returncode}: {last})")
+        print(f"moe-audit/{protocol}: one audit, hidden {HIDDEN}, end to end {seconds:7.1f} s "
+              f"(exit {proc.returncode}: {last})")
     # The same audit from this process (moe_audit.check): no interpreter start, no imports.
     import moe_audit.hf
 
     router = moe_audit.hf.wrap(block(), protocol=2)
     start = time.perf_counter()
-    proc = moe_audit.check(router)
+    report = moe_audit.check(router)
     seconds = time.perf_counter() - start
-    last = proc.stdout.strip().splitlines()[-1]
-    print(f"moe-audit/2: the same audit in-process (moe_audit.check) {seconds:7.1f} s (exit {proc.returncode}: {last})")
+    leaks = ", ".join(report.leaks) or "none"
+    print(f"moe-audit/2: the same audit in-process (moe_audit.check) {seconds:7.1f} s "
+          f"(exit {report.exit_code}: leaks {leaks})")
 
 
 if __name__ == "__main__":

@@ -45,11 +45,11 @@ def main():
     import moe_audit.hf
 
     start = time.perf_counter()
-    proc = moe_audit.check(moe_audit.hf.wrap(scope["model"]))
+    report = moe_audit.check(moe_audit.hf.wrap(scope["model"]))
     took = time.perf_counter() - start
-    last = (proc.stdout.strip().splitlines() or [""])[-1]
-    print(f"the same audit in-process (moe_audit.check)  {took:6.1f} s (exit {proc.returncode}: {last})")
-    print(proc.stdout)
+    leaks = ", ".join(report.leaks) or "none"
+    print(f"the same audit in-process (moe_audit.check)  {took:6.1f} s (exit {report.exit_code}: leaks {leaks})")
+    print(" ".join(f"{p} {v}" for p, v in report.verdicts.items()))
 
 
 if __name__ == "__main__":

@@ -59,7 +59,8 @@ def main(out, chart=None):
         with open(path(f"{name}.json"), "w") as f:
             f.write(done.stdout)
         m = json.loads(done.stdout)["measures"]
-        print(f"{name + ' decode vs fp32 forward':<34} {100 * m['decisions_differ']:>16.2f}% {100 * m['tokens_differ']:>13.2f}%")
+        print(f"{name + ' decode vs fp32 forward':<34} {100 * m['decisions_differ']:>16.2f}% "
+              f"{100 * m['tokens_differ']:>13.2f}%")
     print(f"{'R3 paper (Qwen3-30B-A3B)':<34} {'~10%':>17} {'94%':>14}")
 
 

@@ -48,7 +48,8 @@ import json
 import os
 import struct
 import sys
-from typing import Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
+from collections.abc import Mapping, Sequence
+from typing import Any, BinaryIO, Callable, Union
 
 import numpy as np
 
@@ -63,21 +64,22 @@ PROTOCOLS = {v1.PROTOCOL: v1, v2.PROTOCOL: v2}
 #: A protocol as a router may name it: 1, 2, "moe-audit/1" or "moe-audit/2".
 Protocol = Union[int, str]
 #: One route: (expert, weight, kept), or a dict with those keys.
-Route = Union[Tuple[int, float, bool], Dict[str, Any]]
+Route = Union[tuple[int, float, bool], dict[str, Any]]
 #: A route function's tokens: :class:`Routes`, or a list of routes per token.
 Tokens = Union["Routes", Sequence[Sequence[Route]]]
 #: A capacity: None (dropless), an int (the same slots for every expert), one slot count per
 #: expert, or ``{"scope": ..., "slots": [...]}``.
-Capacity = Union[None, int, Sequence[int], Dict[str, Any]]
+Capacity = Union[None, int, Sequence[int], dict[str, Any]]
 #: ``route(data, mode)`` (optionally with ``seed`` and ``padding`` keywords): tokens, or
 #: (tokens, capacity).
-RouteFn = Callable[..., Union[Tokens, Tuple[Tokens, Capacity]]]
+RouteFn = Callable[..., Union[Tokens, tuple[Tokens, Capacity]]]
 
 
 def protocol_name(protocol: Protocol) -> str:
     """The protocol's name: 1, 2, "moe-audit/1" or "moe-audit/2" (what a router may pass)."""
-    name = {1: v1.PROTOCOL, 2: v2.PROTOCOL}.get(protocol, protocol)
-    if name not in PROTOCOLS:
+    names: dict[Protocol, Protocol] = {1: v1.PROTOCOL, 2: v2.PROTOCOL}
+    name = names.get(protocol, protocol)
+    if not isinstance(name, str) or name not in PROTOCOLS:
         raise ValueError(f"protocol must be 1 or 2 ({', '.join(PROTOCOLS)}), got {protocol!r}")
     return name
 
@@ -129,7 +131,7 @@ class Routes:
                 f"{_BUILD} experts, weights and kept must be [tokens, k] arrays of one shape, got "
                 f"{self.experts.shape}, {self.weights.shape}, {self.kept.shape}"
             )
-        self.present: Optional[np.ndarray] = None
+        self.present: np.ndarray | None = None
         if present is not None:
             flags = _flags("present", np.asarray(present))
             try:
@@ -141,7 +143,7 @@ class Routes:
     def __len__(self) -> int:
         return len(self.experts)
 
-    def __getitem__(self, t: int) -> List[Tuple[int, float, bool]]:
+    def __getitem__(self, t: int) -> list[tuple[int, float, bool]]:
         routes = zip(self.experts[t], self.weights[t], self.kept[t])
         present = np.ones(self.experts.shape[1], dtype=bool) if self.present is None else self.present[t]
         return [(int(e), float(w), bool(k)) for (e, w, k), p in zip(routes, present) if p]
@@ -181,7 +183,7 @@ def columns(tokens: Tokens) -> Columns:
 _RETURNED = "moe-audit adapter: route() returned"
 
 
-def _split(result: Any) -> Tuple[Tokens, Capacity]:
+def _split(result: Any) -> tuple[Tokens, Capacity]:
     """(tokens, capacity) of what a route function returned."""
     if not isinstance(result, tuple):
         return result, None
@@ -195,7 +197,7 @@ def _token(t: int, seq_len: int) -> str:
     return f"token {t} (batch {t // seq_len}, position {t % seq_len})"
 
 
-def _route_error(t: int, j: int, seq_len: int, problem: str, kind: Type[Exception] = ValueError) -> Exception:
+def _route_error(t: int, j: int, seq_len: int, problem: str, kind: type[Exception] = ValueError) -> Exception:
     return kind(f"{_RETURNED} {_token(t, seq_len)}, route {j}: {problem}")
 
 
@@ -264,7 +266,7 @@ def _checked_lists(tokens: Sequence[Any], batch: int, seq_len: int, experts: int
         if not isinstance(token, Sequence) or isinstance(token, (str, bytes)):
             raise TypeError(f"{_RETURNED} {_token(t, seq_len)} as {v1.brief(token)}; a token is a list of "
                             "(expert, weight, kept) routes")
-        seen: Dict[int, int] = {}
+        seen: dict[int, int] = {}
         for j, r in enumerate(token):
             if isinstance(r, dict) and {"expert", "weight", "kept"} <= r.keys():
                 e, w, k = r["expert"], r["weight"], r["kept"]
@@ -300,7 +302,7 @@ def _checked_lists(tokens: Sequence[Any], batch: int, seq_len: int, experts: int
             np.asarray(weight, dtype=np.float64), np.asarray(kept, dtype=bool))
 
 
-def checked(result: Any, batch: int, seq_len: int, experts: int) -> Tuple[Columns, Capacity]:
+def checked(result: Any, batch: int, seq_len: int, experts: int) -> tuple[Columns, Capacity]:
     """(columns, capacity) of what route returned for a call of [batch, seq_len] tokens, checked
     before anything is encoded: a mistake raises TypeError or ValueError with a one-line message
     naming the token, (batch, position) and field (moe-audit quotes the last line of stderr)."""
@@ -324,8 +326,9 @@ def checked(result: Any, batch: int, seq_len: int, experts: int) -> Tuple[Column
     return cols, form
 
 
-def _caller(route: RouteFn) -> Callable[[np.ndarray, str, Optional[int], Optional[np.ndarray]], Any]:
+def _caller(route: RouteFn) -> Callable[[np.ndarray, str, int | None, np.ndarray | None], Any]:
     """route as f(data, mode, seed, padding): the keywords it does not take are dropped."""
+    params: Mapping[str, inspect.Parameter]
     try:
         params = inspect.signature(route).parameters
     except (TypeError, ValueError):
@@ -338,7 +341,7 @@ def _caller(route: RouteFn) -> Callable[[np.ndarray, str, Optional[int], Optiona
     )
 
 
-def describe(router: Any, options: Dict[str, Any]) -> Tuple[RouteFn, Dict[str, Any]]:
+def describe(router: Any, options: dict[str, Any]) -> tuple[RouteFn, dict[str, Any]]:
     """(route, spec) of a router given as a function or an object with a ``route`` method: spec
     holds name, experts, top_k, input, hidden_size, protocol and padding_mask, each taken (and
     removed) from the options dict, else the router's attribute of that name, else its default;
@@ -349,7 +352,7 @@ def describe(router: Any, options: Dict[str, Any]) -> Tuple[RouteFn, Dict[str, A
         raise TypeError("router must be route(data, mode) or have a route(data, mode) method")
     defaults = {"name": "router", "experts": None, "top_k": None, "input": "logits", "hidden_size": None,
                 "protocol": v2.PROTOCOL, "padding_mask": False}
-    spec: Dict[str, Any] = {}
+    spec: dict[str, Any] = {}
     for key, default in defaults.items():
         value = options.pop(key, getattr(router, key, None))
         spec[key] = default if value is None else value
@@ -360,9 +363,9 @@ def describe(router: Any, options: Dict[str, Any]) -> Tuple[RouteFn, Dict[str, A
     return route, spec
 
 
-def handshake(name: str, experts: int, top_k: Optional[int], input: str, hidden_size: Optional[int],
+def handshake(name: str, experts: int, top_k: int | None, input: str, hidden_size: int | None,
               protocol: Protocol = v2.PROTOCOL, padding_mask: bool = False,
-              seed_calls: Optional[bool] = None) -> Dict[str, Any]:
+              seed_calls: bool | None = None) -> dict[str, Any]:
     """The handshake object of a router (checked here, so a mistake fails before moe-audit runs).
     ``seed_calls``: None for a route function (it gets the request's ``seed`` and applies it
     itself, or not); a bool for an adapter that offers ``seed_calls=True`` (whether it is on), so
@@ -372,18 +375,19 @@ def handshake(name: str, experts: int, top_k: Optional[int], input: str, hidden_
         raise ValueError("input must be 'logits' or 'hidden'")
     if input == "hidden" and not hidden_size:
         raise ValueError("input='hidden' needs hidden_size")
-    hs: Dict[str, Any] = {"protocol": protocol, "name": name, "experts": int(experts),
+    hs: dict[str, Any] = {"protocol": protocol, "name": name, "experts": int(experts),
           "top_k": None if top_k is None else int(top_k), "input": input}
     if hidden_size is not None:
         hs["hidden_size"] = int(hidden_size)
     if seed_calls is not None and protocol == v2.PROTOCOL:
         hs["seed_calls"] = bool(seed_calls)
-    return PROTOCOLS[protocol].handshake(hs, padding_mask)
+    out: dict[str, Any] = PROTOCOLS[protocol].handshake(hs, padding_mask)
+    return out
 
 
-def serve(route: RouteFn, name: str, experts: int, top_k: Optional[int], input: str = "logits",
-          hidden_size: Optional[int] = None, stdin: Optional[BinaryIO] = None, stdout: Optional[BinaryIO] = None,
-          protocol: Protocol = v2.PROTOCOL, padding_mask: bool = False, seed_calls: Optional[bool] = None) -> None:
+def serve(route: RouteFn, name: str, experts: int, top_k: int | None, input: str = "logits",
+          hidden_size: int | None = None, stdin: BinaryIO | None = None, stdout: BinaryIO | None = None,
+          protocol: Protocol = v2.PROTOCOL, padding_mask: bool = False, seed_calls: bool | None = None) -> None:
     """Speaks the protocol on binary streams (default stdin/stdout) until the input closes."""
     hs = handshake(name, experts, top_k, input, hidden_size, protocol, padding_mask, seed_calls)
     wire = PROTOCOLS[hs["protocol"]]
@@ -414,7 +418,7 @@ def _bf16(raw: np.ndarray) -> np.ndarray:
 
 
 # Each dtype the reader takes: its element type in the file, and how it becomes float32.
-_DTYPES: Dict[str, Tuple[str, Callable[[np.ndarray], np.ndarray]]] = {
+_DTYPES: dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]]] = {
     "F32": ("<f4", lambda a: a.astype(np.float32)),
     "F16": ("<f2", lambda a: a.astype(np.float32)),
     "F64": ("<f8", lambda a: a.astype(np.float32)),
@@ -422,7 +426,7 @@ _DTYPES: Dict[str, Tuple[str, Callable[[np.ndarray], np.ndarray]]] = {
 }
 
 
-def read_safetensors(path: Union[str, "os.PathLike[str]"]) -> Dict[str, np.ndarray]:
+def read_safetensors(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     """Tensors of a safetensors file as float32 numpy arrays (F32, F16, BF16 and F64; numpy
     alone). The file is mapped, not read whole: each tensor is copied out once, as float32."""
     size = os.path.getsize(path)
@@ -450,7 +454,7 @@ def read_safetensors(path: Union[str, "os.PathLike[str]"]) -> Dict[str, np.ndarr
     return out
 
 
-def answer_plan(route: RouteFn, directory: Union[str, "os.PathLike[str]"], protocol: Protocol = v2.PROTOCOL) -> None:
+def answer_plan(route: RouteFn, directory: str | os.PathLike[str], protocol: Protocol = v2.PROTOCOL) -> None:
     """Answers every call of DIR/manifest.json, in order, into DIR/decisions.jsonl (JSON lines;
     with ``moe-audit/2`` a capacity keeps its scope)."""
     with open(f"{directory}/manifest.json") as f:
@@ -473,7 +477,7 @@ def answer_plan(route: RouteFn, directory: Union[str, "os.PathLike[str]"], proto
             os.remove(partial)
 
 
-def _plan_directory(argv: Optional[Sequence[str]]) -> Optional[str]:
+def _plan_directory(argv: Sequence[str] | None) -> str | None:
     """The DIR of ``--answer-plan DIR``. ``argv`` given: it holds this adapter's arguments only,
     parsed strictly (``--help`` too). None: the script's command line, which may hold the script's
     own options; only ``--answer-plan DIR`` (or ``--answer-plan=DIR``) is read from it, everything
@@ -483,15 +487,14 @@ def _plan_directory(argv: Optional[Sequence[str]]) -> Optional[str]:
         add_help=argv is not None, allow_abbrev=False)
     parser.add_argument("--answer-plan", metavar="DIR",
                         help="answer the trace plan in DIR (moe-audit plan) into DIR/decisions.jsonl instead")
-    if argv is not None:
-        return parser.parse_args(argv).answer_plan
-    args, _ = parser.parse_known_args(sys.argv[1:])
-    return args.answer_plan
+    args = parser.parse_args(argv) if argv is not None else parser.parse_known_args(sys.argv[1:])[0]
+    directory: str | None = args.answer_plan
+    return directory
 
 
-def run(route: RouteFn, name: str, experts: int, top_k: Optional[int], input: str = "logits",
-        hidden_size: Optional[int] = None, argv: Optional[Sequence[str]] = None,
-        protocol: Protocol = v2.PROTOCOL, padding_mask: bool = False, seed_calls: Optional[bool] = None) -> None:
+def run(route: RouteFn, name: str, experts: int, top_k: int | None, input: str = "logits",
+        hidden_size: int | None = None, argv: Sequence[str] | None = None,
+        protocol: Protocol = v2.PROTOCOL, padding_mask: bool = False, seed_calls: bool | None = None) -> None:
     """Serves the router, or with ``--answer-plan DIR`` answers a trace plan. Other arguments on
     the script's command line are the script's own: left alone (see :func:`_plan_directory`).
     ``seed_calls``: for an adapter that applies the request's seed itself (see :func:`handshake`);

@@ -10,7 +10,7 @@
     moe_audit.deepspeed.run(TopKGate(64, 8, k=2, capacity_factor=1.0))
 
 serves the gate to ``moe-audit check --router-cmd "python3 this_file.py"``;
-``moe_audit.check(moe_audit.deepspeed.wrap(gate), "--format", "json")`` audits it from this process.
+``moe_audit.check(moe_audit.deepspeed.wrap(gate), "--probes", "P,F")`` audits it from this process.
 
 Each call routes the request's hidden states as ``MOELayer.forward`` does (deepspeed 0.19.8,
 ``deepspeed/moe/sharded_moe.py:660-663``): the ``[batch, seq_len, hidden]`` rows flattened
@@ -45,9 +45,14 @@ other probes see the gate's own dependence on other tokens. Needs torch and deep
 (``DS_BUILD_OPS=0 pip install deepspeed``; ``DS_ACCELERATOR=cpu`` on a machine without a GPU).
 """
 
+from __future__ import annotations
+
 import contextlib
 import logging
 import sys
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -65,7 +70,7 @@ for _handler in logging.getLogger("DeepSpeed").handlers:
         _handler.setStream(sys.stderr)
 
 
-def find_gate(module):
+def find_gate(module: torch.nn.Module) -> Any:
     """The ``TopKGate`` of a gate, an ``MOELayer`` (``.gate``) or a ``deepspeed.moe.layer.MoE``
     (``.deepspeed_moe.gate``)."""
     layer = getattr(module, "deepspeed_moe", module)
@@ -77,7 +82,7 @@ def find_gate(module):
 
 
 @contextlib.contextmanager
-def _set(gate, **attributes):
+def _set(gate: torch.nn.Module, **attributes: Any) -> Iterator[None]:
     """The gate's attributes set for one call, restored after."""
     saved = {name: getattr(gate, name) for name in attributes}
     for name, value in attributes.items():
@@ -97,7 +102,8 @@ class Gate:
     input = "hidden"
     padding_mask = False
 
-    def __init__(self, module, *, seed=0, name=None, protocol=v2.PROTOCOL, seed_calls=False):
+    def __init__(self, module: torch.nn.Module, *, seed: int = 0, name: str | None = None,
+                 protocol: adapter.Protocol = v2.PROTOCOL, seed_calls: bool = False) -> None:
         self.module = module
         self.gate = find_gate(module)
         self.experts = int(self.gate.wg.out_features)
@@ -108,13 +114,14 @@ class Gate:
         self.name = name or f"deepspeed-top{self.top_k}"
         torch.manual_seed(seed)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         g = self.gate
         return (f"moe_audit.deepspeed.Gate({self.experts} experts, top {self.top_k}, hidden {self.hidden_size}, "
                 f"capacity_factor {g.capacity_factor}, eval {g.eval_capacity_factor}, min_capacity "
                 f"{g.min_capacity}, drop_tokens {g.drop_tokens}, use_rts {g.use_rts}, noisy {g.noisy_gate_policy})")
 
-    def _gate(self, x, draws, **attributes):
+    def _gate(self, x: torch.Tensor, draws: Callable[[], AbstractContextManager[Any]],
+              **attributes: Any) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(experts [T, k], gates [T, k], capacity) of one gate call made as MOELayer makes it
         (sharded_moe.py:662), with the gate's attributes set for the call."""
         # ep_group None: the audit routes one rank's call; a group would only make the dropless
@@ -124,7 +131,7 @@ class Gate:
         return experts.t().long().cpu(), gates.t().double().cpu(), int(capacity)
 
     @torch.no_grad()
-    def route(self, data, mode, seed=None):
+    def route(self, data: Any, mode: str, seed: int | None = None) -> tuple[adapter.Routes, adapter.Capacity]:
         """Routes data [batch, seq_len, hidden] (float32) in mode "train" or "inference"; with
         ``seed_calls`` and the request's seed, every random draw is keyed per token."""
         self.module.train(mode == "train")
@@ -133,7 +140,7 @@ class Gate:
         x = torch.tensor(np.asarray(data), dtype=weight.dtype, device=weight.device).reshape(-1, self.hidden_size)
         tokens = x.shape[0]
 
-        def draws():
+        def draws() -> AbstractContextManager[Any]:
             return PerToken(seed, data) if self.seed_calls and seed is not None else contextlib.nullcontext()
 
         # Top-1 asserts tokens >= min_capacity: lowered to the call's tokens, the capacity still
@@ -156,20 +163,20 @@ class Gate:
         capacity = max(capacity, g.min_capacity)
         return adapter.routes_from_arrays(experts.numpy(), weights.numpy(), kept.numpy()), capacity
 
-    def run(self, argv=None):
+    def run(self, argv: Sequence[str] | None = None) -> None:
         """Serves the gate on stdin/stdout (``moe-audit check --router-cmd``), or with
         ``--answer-plan DIR`` answers a trace plan."""
         adapter.run(self.route, self.name, self.experts, self.top_k, self.input, self.hidden_size,
                     argv=argv, protocol=self.protocol, seed_calls=self.seed_calls)
 
 
-def wrap(gate, **options):
+def wrap(gate: torch.nn.Module, **options: Any) -> Gate:
     """A :class:`Gate` serving a ``TopKGate`` (or an ``MoE``'s or ``MOELayer``'s) to moe-audit:
     options ``seed`` (torch's global generator, once), ``name``, ``protocol``, ``seed_calls``."""
     return Gate(gate, **options)
 
 
-def run(gate, argv=None, **options):
+def run(gate: torch.nn.Module, argv: Sequence[str] | None = None, **options: Any) -> None:
     """``wrap(gate, **options).run(argv)``: serves it to ``moe-audit check --router-cmd``."""
     wrap(gate, **options).run(argv)
 

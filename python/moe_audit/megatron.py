@@ -9,7 +9,7 @@
         num_moe_experts=8, moe_router_topk=2, moe_expert_capacity_factor=1.0))
 
 serves the router to ``moe-audit check --router-cmd "python3 this_file.py"``;
-``moe_audit.check(moe_audit.megatron.wrap(config), "--format", "json")`` audits it from this
+``moe_audit.check(moe_audit.megatron.wrap(config), "--probes", "P,F")`` audits it from this
 process. ``wrap`` takes a ``TransformerConfig`` (a ``TopKRouter`` is built from it with no process
 group, its gate initialised by the config's own ``init_method`` from torch seeded with ``seed``), a
 ``TopKRouter``, or a module holding one (an ``MoELayer``, a ``GPTModel``: the router at ``path``,
@@ -42,9 +42,13 @@ CUDA when available, else the CPU). ``seed_calls=True`` keys the input jitter's 
 references below are megatron-core 0.16.1's ``megatron/core/transformer/moe/``.
 """
 
+from __future__ import annotations
+
 import contextlib
 import dataclasses
 import inspect
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -64,13 +68,13 @@ if not hasattr(moe_utils, "te_general_gemm"):
     moe_utils.te_general_gemm = None
 
 
-def _no_groups():
+def _no_groups() -> Any:
     """Process groups all None: the forward only reaches them with gradients (aux losses, z-loss)."""
     return ProcessGroupCollection(**{f.name: None for f in dataclasses.fields(ProcessGroupCollection)})
 
 
 @contextlib.contextmanager
-def _on(device):
+def on_device(device: torch.device) -> Iterator[None]:
     """While Megatron runs, ``torch.cuda.current_device()`` answers device: its gate moves there
     in ``gating()`` (router.py:88-92) and its expert-bias buffers are made there (router.py:162-183),
     which fails on a machine without CUDA."""
@@ -78,7 +82,7 @@ def _on(device):
         yield
         return
     saved = torch.cuda.current_device
-    torch.cuda.current_device = lambda: device
+    torch.cuda.current_device = lambda: device  # type: ignore[assignment,return-value]  # as Megatron reads it
     try:
         yield
     finally:
@@ -86,18 +90,18 @@ def _on(device):
 
 
 @contextlib.contextmanager
-def _dropping():
+def _dropping() -> Iterator[dict[str, Any]]:
     """Records the top-k before capacity dropping and the capacity Megatron computes: the router
     calls ``apply_router_token_dropping`` after top-k (router.py:586-595), which calls
     ``get_capacity`` (moe_utils.py:832-836)."""
-    seen = {}
+    seen: dict[str, Any] = {}
     drop, capacity = router_module.apply_router_token_dropping, moe_utils.get_capacity
 
-    def dropping(probs, routing_map, *args, **kwargs):
+    def dropping(probs: torch.Tensor, routing_map: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         seen["before"] = (probs, routing_map)
         return drop(probs, routing_map, *args, **kwargs)
 
-    def get_capacity(*args, **kwargs):
+    def get_capacity(*args: Any, **kwargs: Any) -> Any:
         seen["capacity"] = capacity(*args, **kwargs)
         return seen["capacity"]
 
@@ -108,20 +112,20 @@ def _dropping():
         router_module.apply_router_token_dropping, moe_utils.get_capacity = drop, capacity
 
 
-def build(config, seed=0, device=None):
+def build(config: TransformerConfig, seed: int = 0, device: torch.device | str | None = None) -> Any:
     """A ``TopKRouter`` of config on device (default: CUDA when available, else the CPU), with no
     process group; its gate is initialised by the config's ``init_method`` from torch seeded with seed."""
     device = _device(device)
     torch.manual_seed(seed)
-    with _on(device):
+    with on_device(device):
         return TopKRouter(config, pg_collection=_no_groups()).to(device)
 
 
-def _device(device):
+def _device(device: torch.device | str | None) -> torch.device:
     return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
-def find_router(module, path=None):
+def find_router(module: torch.nn.Module, path: str | None = None) -> tuple[str, Any]:
     """(path, router) of the ``TopKRouter`` at path in module, or of the first one (module itself
     included)."""
     routers = [(p, m) for p, m in module.named_modules() if isinstance(m, TopKRouter)]
@@ -137,7 +141,7 @@ def find_router(module, path=None):
                      f"{', '.join(repr(p) for p, _ in routers)}")
 
 
-def _name(config, k):
+def _name(config: TransformerConfig, k: int) -> str:
     """A short name saying what the router does: megatron-top2-sigmoid-cf1-probs (softmax unsaid)."""
     parts = [f"megatron-top{k}"]
     if config.moe_router_score_function != "softmax":
@@ -151,7 +155,8 @@ def _name(config, k):
     return "-".join(parts)
 
 
-def decode(probs, routing_map, before=None):
+def decode(probs: torch.Tensor, routing_map: torch.Tensor,
+           before: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(experts, weights, kept) ``[tokens, k]`` in Megatron's token order, of the router's
     outputs (``probs`` and ``routing_map`` ``[tokens, experts]``) and ``before`` = (probs, map)
     before capacity dropping (None: nothing was dropped)."""
@@ -175,9 +180,10 @@ def decode(probs, routing_map, before=None):
     return experts, weights, kept
 
 
-def _sequence_major(a, seq_len, batch):
+def _sequence_major(a: np.ndarray, seq_len: int, batch: int) -> np.ndarray:
     """Rows in Megatron's order (s * batch + b) -> moe-audit's (b * seq_len + s)."""
-    return a.reshape(seq_len, batch, -1).transpose(1, 0, 2).reshape(seq_len * batch, -1)
+    rows: np.ndarray = a.reshape(seq_len, batch, -1).transpose(1, 0, 2).reshape(seq_len * batch, -1)
+    return rows
 
 
 class Router:
@@ -188,8 +194,9 @@ class Router:
 
     input = "hidden"
 
-    def __init__(self, router_or_config, *, path=None, seed=0, name=None, device=None, seed_calls=False,
-                 protocol=v2.PROTOCOL):
+    def __init__(self, router_or_config: TransformerConfig | torch.nn.Module, *, path: str | None = None,
+                 seed: int = 0, name: str | None = None, device: torch.device | str | None = None,
+                 seed_calls: bool = False, protocol: adapter.Protocol = v2.PROTOCOL) -> None:
         self.device = _device(device)
         if isinstance(router_or_config, TransformerConfig):
             self.path, self.router = "", build(router_or_config, seed, self.device)
@@ -212,30 +219,31 @@ class Router:
         self.name = name or _name(config, self.top_k)
         torch.manual_seed(seed)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         where = f" at {self.path}" if self.path else ""
         return (f"moe_audit.megatron.Router({self.name}{where}: {self.experts} experts, top {self.top_k}, "
                 f"hidden {self.hidden_size}, {self.device})")
 
     @torch.no_grad()
-    def route(self, data, mode, seed=None, padding=None):
+    def route(self, data: Any, mode: str, seed: int | None = None,
+              padding: Any = None) -> tuple[adapter.Routes, adapter.Capacity]:
         """Routes data [batch, seq_len, hidden] (float32) in mode "train" or "inference"."""
         batch, seq_len = np.shape(data)[:2]
         self.router.train(mode == "train")
         rows = np.ascontiguousarray(np.asarray(data, dtype=np.float32).transpose(1, 0, 2))  # [S, B, H]
         x = torch.from_numpy(rows).to(self.device, self.router.weight.dtype)
-        kwargs = {}
+        kwargs: dict[str, torch.Tensor] = {}
         if padding is not None and self.padding_mask:
             kwargs["padding_mask"] = torch.from_numpy(np.asarray(padding, dtype=bool).T.copy()).to(self.device)
         # Jitter is drawn on [S, B, H]: keyed by the rows in that layout (a token's key is its row).
         seeded = PerToken(seed, rows) if self.seed_calls and seed is not None else contextlib.nullcontext()
-        with _on(self.device), _dropping() as seen, seeded:
+        with on_device(self.device), _dropping() as seen, seeded:
             probs, routing_map = self.router(x, **kwargs)
         experts, weights, kept = (_sequence_major(a, seq_len, batch)
                                   for a in decode(probs, routing_map, seen.get("before")))
         return adapter.routes_from_arrays(experts, weights, kept), seen.get("capacity")
 
-    def run(self, argv=None):
+    def run(self, argv: Sequence[str] | None = None) -> None:
         """Serves the router on stdin/stdout (``moe-audit check --router-cmd``), or with
         ``--answer-plan DIR`` answers a trace plan."""
         adapter.run(self.route, self.name, self.experts, self.top_k, self.input, self.hidden_size,
@@ -243,14 +251,15 @@ class Router:
                     seed_calls=self.seed_calls)
 
 
-def wrap(router_or_config, **options):
+def wrap(router_or_config: TransformerConfig | torch.nn.Module, **options: Any) -> Router:
     """A :class:`Router` of a ``TransformerConfig``, a ``TopKRouter`` or a module holding one;
     options: ``path`` (which router of a model: its module path, default the first), ``seed``,
     ``name``, ``device``, ``seed_calls``, ``protocol``."""
     return Router(router_or_config, **options)
 
 
-def run(router_or_config, argv=None, **options):
+def run(router_or_config: TransformerConfig | torch.nn.Module, argv: Sequence[str] | None = None,
+        **options: Any) -> None:
     """``wrap(router_or_config, **options).run(argv)``: serves it to ``moe-audit check --router-cmd``."""
     wrap(router_or_config, **options).run(argv)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable
 
 import pytest
 
@@ -38,9 +38,9 @@ def moe_audit_snapshot(request: pytest.FixtureRequest) -> Callable[..., None]:
     """``moe_audit_snapshot(router, path=None, **options)``: asserts the router's routing
     snapshot (:func:`moe_audit.snapshot.assert_routing_snapshot`), at ``snapshots/TEST.snap``
     beside the test file when no path is given, updated as ``--moe-audit-update`` says."""
-    update: Optional[str] = request.config.getoption("moe_audit_update")
+    update: str | None = request.config.getoption("moe_audit_update")
 
-    def check(router: Any, path: Union[str, "os.PathLike[str]", None] = None, **options: Any) -> None:
+    def check(router: Any, path: str | os.PathLike[str] | None = None, **options: Any) -> None:
         assert_routing_snapshot(router, default_path(request) if path is None else path, update=update, **options)
 
     return check

@@ -36,23 +36,28 @@ forward with a KV cache, then every later given token fed one at a time through 
 the tokens are the ones given, so both records cover the same tokens.
 """
 
+from __future__ import annotations
+
 import json
 import os
 import struct
 import sys
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
 FORMAT = "moe-audit-routes/1"
 
 
-def _stack(calls, batch, steps):
+def _stack(calls: list[np.ndarray], batch: int, steps: list[int]) -> np.ndarray:
     """Router calls (each [batch * len_i, k], sequence-major within the call) as [batch, seq, k]."""
     parts = [c.reshape(batch, n, *c.shape[1:]) for c, n in zip(calls, steps)]
     return np.concatenate(parts, axis=1)
 
 
-def record(model, input_ids, path=None, *, mode="train", attention_mask=None, generate=False, prefill=1, logits=True):
+def record(model: Any, input_ids: Any, path: str | os.PathLike[str] | None = None, *, mode: str = "train",
+           attention_mask: Any = None, generate: bool = False, prefill: int = 1, logits: bool = True) -> dict[str, Any]:
     """Records every router of ``model`` on ``input_ids`` ([batch, seq] or [seq]).
 
     ``mode``: ``"train"`` (``model.train()``, as a trainer's forward) or ``"eval"``; the model is
@@ -112,7 +117,7 @@ def record(model, input_ids, path=None, *, mode="train", attention_mask=None, ge
         if logits and all(d.logits is not None for d in decoded):
             router_logits.append(_stack([np.asarray(d.logits, dtype=np.float32) for d in decoded], batch, steps))
     e = np.stack(experts, axis=2).reshape(batch * seq, len(layers), -1).astype(np.int32)
-    arrays = {"experts": e}
+    arrays: dict[str, np.ndarray] = {"experts": e}
     if len(router_logits) == len(layers):
         arrays["logits"] = np.stack(router_logits, axis=2).reshape(batch * seq, len(layers), -1).astype(np.float32)
     if mask is not None:
@@ -138,10 +143,10 @@ def record(model, input_ids, path=None, *, mode="train", attention_mask=None, ge
 _DTYPES = {np.dtype(np.int32): "I32", np.dtype(np.int64): "I64", np.dtype(np.float32): "F32"}
 
 
-def save(path, arrays, metadata):
+def save(path: str | os.PathLike[str], arrays: dict[str, np.ndarray], metadata: dict[str, Any]) -> None:
     """Writes ``arrays`` (int32, int64 or float32 numpy arrays) and string ``metadata`` as a
     safetensors file (numpy alone)."""
-    header = {"__metadata__": {k: str(v) for k, v in metadata.items()}}
+    header: dict[str, Any] = {"__metadata__": {k: str(v) for k, v in metadata.items()}}
     offset = 0
     blobs = []
     for name in sorted(arrays):
@@ -175,27 +180,28 @@ class Comparison:
     (``decisions_differ``, ``tokens_differ``, ``layers``, ...); :meth:`to_dict` is the whole
     document, :meth:`metrics` a flat dict of floats to log."""
 
-    def __init__(self, document):
+    def __init__(self, document: dict[str, Any]) -> None:
         self._document = document
         self.failed = bool(document["failed"])
         self.diagnoses = document["diagnoses"]
         self.measures = document["measures"]
 
     @property
-    def exit_code(self):
+    def exit_code(self) -> int:
         """The command's exit code for this result: 1 failed, else 0."""
         return int(self.failed)
 
     @property
-    def defects(self):
+    def defects(self) -> list[dict[str, Any]]:
         """The diagnoses that are defects."""
         return [d for d in self.diagnoses if d["defect"]]
 
-    def to_dict(self):
+    def to_dict(self) -> dict[str, Any]:
         """The JSON document ``moe-audit routes compare --format json`` prints (a copy)."""
-        return json.loads(json.dumps(self._document))
+        copy: dict[str, Any] = json.loads(json.dumps(self._document))
+        return copy
 
-    def metrics(self, prefix="r3/"):
+    def metrics(self, prefix: str = "r3/") -> dict[str, float]:
         """Flat ``{name: float}`` for W&B or TensorBoard: ``decisions_differ`` and
         ``tokens_differ`` (shares 0..1), ``overlap``, ``tokens``, ``decisions``, ``missing``,
         ``order_only``, ``failed``, ``defects``, per defect kind ``defect/KIND`` (counts), and per
@@ -213,12 +219,16 @@ class Comparison:
             out[f"{prefix}layer/{layer['trainer']}/decisions_differ"] = float(layer["differ"])
         return out
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         m = self.measures
         return f"<Comparison failed={self.failed} decisions_differ={m['decisions_differ']:.4g} tokens_differ={m['tokens_differ']:.4g} defects={len(self.defects)}>"
 
 
-def _part(a, what):
+#: One array as the extension reads it: (its data's address, size in bytes, dtype name, shape).
+Part = tuple[int, int, str, tuple[int, ...]]
+
+
+def _part(a: Any, what: str) -> tuple[np.ndarray, Part]:
     """One array as (the array, its data's address and size, dtype name, shape): read in place
     when it is C-contiguous and little-endian (numpy arrays, np.memmap, CPU torch tensors); the
     array is held by the caller for the call."""
@@ -241,7 +251,7 @@ def _part(a, what):
     return a, (a.__array_interface__["data"][0], a.nbytes, a.dtype.name, tuple(int(n) for n in a.shape))
 
 
-def _side(x, role):
+def _side(x: Any, role: str) -> tuple[list[np.ndarray], str | tuple[str, list[Part], list[int] | None]]:
     """A side of :func:`compare` as the extension takes it: a path, or (name, parts, layers)."""
     if isinstance(x, (str, os.PathLike)):
         return [], os.fspath(x)
@@ -260,7 +270,7 @@ def _side(x, role):
             # One part per sequence, as the file format keeps them (row slices: views, no copy).
             cu = [int(c) for c in np.asarray(cu)]
             x = [x[a:b] for a, b in zip(cu[:-1], cu[1:])]
-    parts = [_part(a, f"{role} sequence {i}") for i, a in enumerate(x)] if isinstance(x, (list, tuple)) else [_part(x, role)]
+    parts: list[Any] = [_part(a, f"{role} sequence {i}") for i, a in enumerate(x)] if isinstance(x, (list, tuple)) else [_part(x, role)]
     held = [p[0] for p in parts]
     parts = [p[1] for p in parts]
     first = parts[0] if parts else (0, 0, "int", (0,))
@@ -268,7 +278,8 @@ def _side(x, role):
     return held, (name, parts, None if layers is None else [int(g) for g in layers])
 
 
-def compare(rollout, trainer, *, config=None, max_disagreement=None, max_memory=None):
+def compare(rollout: Any, trainer: Any, *, config: str | os.PathLike[str] | dict[str, Any] | None = None,
+            max_disagreement: float | None = None, max_memory: str | None = None) -> Comparison:
     """``moe-audit routes compare`` in this process, no subprocess and no file: returns a
     :class:`Comparison`; bad input raises :class:`RoutesError` with the command's message.
 
@@ -302,7 +313,8 @@ def compare(rollout, trainer, *, config=None, max_disagreement=None, max_memory=
     return Comparison(json.loads(text))
 
 
-def router_replay(instances=None, *, model=None, layers=None):
+def router_replay(instances: Iterable[Any] | None = None, *, model: Any = None,
+                  layers: Sequence[int] | None = None) -> dict[str, Any]:
     """The routes Megatron-Core's ``RouterReplay`` recorded in this process, for :func:`compare`:
     ``{"experts": [tokens, layers, top_k], "layers": [...]}``.
 
@@ -327,7 +339,7 @@ def router_replay(instances=None, *, model=None, layers=None):
         )
     if layers is None and model is not None:
         by_replay = {id(m.router_replay): m.layer_number for m in model.modules() if getattr(m, "router_replay", None) is not None}
-        numbers = [by_replay.get(id(r)) for r in instances]
+        numbers: list[Any] = [by_replay.get(id(r)) for r in instances]
         if all(n is not None for n in numbers):
             layers = [n - 1 for n in numbers]
     import torch

@@ -45,7 +45,8 @@ from __future__ import annotations
 import os
 import subprocess
 import tempfile
-from typing import Any, Dict, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any
 
 from .adapter import answer_plan, describe
 from .binary import binary
@@ -62,7 +63,7 @@ class SnapshotError(RuntimeError):
     """moe-audit could not make or read a snapshot (a bad file, bad options, no binary)."""
 
 
-def _moe_audit(*args: Any, codes: Sequence[int] = (0,)) -> "subprocess.CompletedProcess[str]":
+def _moe_audit(*args: Any, codes: Sequence[int] = (0,)) -> subprocess.CompletedProcess[str]:
     try:
         path = binary()
     except FileNotFoundError as e:
@@ -81,7 +82,7 @@ def _moe_audit(*args: Any, codes: Sequence[int] = (0,)) -> "subprocess.Completed
     return proc
 
 
-def _plan(router: Any, directory: str, options: Dict[str, Any]) -> None:
+def _plan(router: Any, directory: str, options: dict[str, Any]) -> None:
     """Writes the inputs into directory and answers them with the router; returns nothing."""
     options = dict(options)
     route, spec = describe(router, options)
@@ -115,7 +116,7 @@ def routing_snapshot(router: Any, **options: Any) -> str:
         return _moe_audit("--traces", directory).stdout
 
 
-def update_mode(option: Optional[str] = None) -> str:
+def update_mode(option: str | None = None) -> str:
     """The update mode: ``option`` when given (``--moe-audit-update``), else from the variables."""
     if option is not None:
         if option not in UPDATE_MODES:
@@ -127,7 +128,7 @@ def update_mode(option: Optional[str] = None) -> str:
     return {"1": "always", "always": "always", "new": "new", "no": "no", "0": "no"}.get(insta, "auto")
 
 
-def assert_routing_snapshot(router: Any, path: Union[str, "os.PathLike[str]"], *, update: Optional[str] = None,
+def assert_routing_snapshot(router: Any, path: str | os.PathLike[str], *, update: str | None = None,
                             **options: Any) -> None:
     """Fails (AssertionError with the diff) when the router's routing differs from the snapshot
     at path; writes it when missing or when updating (see the module docstring; ``update`` is an
@@ -146,7 +147,8 @@ def assert_routing_snapshot(router: Any, path: Union[str, "os.PathLike[str]"], *
             if mode == "new":
                 _moe_audit("--traces", directory, "--output", path + ".new")
             raise AssertionError(
-                f"{path}: no snapshot; write it with MOE_AUDIT_UPDATE=1 (or INSTA_UPDATE=always, or pytest --moe-audit-update)"
+                f"{path}: no snapshot; write it with MOE_AUDIT_UPDATE=1 (or INSTA_UPDATE=always, or pytest "
+                "--moe-audit-update)"
             )
         proc = _moe_audit("--check", path, "--traces", directory, codes=(0, 1))
         if proc.returncode == 1:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import warnings
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -33,7 +34,7 @@ ROUTES = moe_audit.routes_from_arrays([[3, 0], [1, 2]], [[0.75, 0.25], [0.5, 0.5
 
 def test_routes_read_as_tuples_and_lists_give_the_same_columns():
     assert ROUTES[0] == [(3, 0.75, True), (0, 0.25, False)] and len(ROUTES) == 2
-    listed = [ROUTES[0], [{"expert": 1, "weight": 0.5, "kept": True}, (2, 0.5, True)]]
+    listed: list[Any] = [ROUTES[0], [{"expert": 1, "weight": 0.5, "kept": True}, (2, 0.5, True)]]
     for a, b in zip(columns(ROUTES), columns(listed)):
         assert np.array_equal(a, b)
 
@@ -72,6 +73,7 @@ def test_v2_request_frames_with_and_without_padding():
     stream = io.BufferedReader(io.BytesIO(frames))
     first, second = v2.read_request(stream, 4), v2.read_request(stream, 4)
     assert v2.read_request(stream, 4) is None
+    assert first is not None and second is not None and second.padding is not None
     assert first.id == 1 and first.seed == 9 and first.padding is None and np.array_equal(first.data, data)
     assert second.padding.tolist() == [[False, False, True], [False, True, True]]
     assert np.array_equal(second.data, data)
@@ -102,13 +104,11 @@ def test_serve_passes_seed_and_padding_to_a_route_that_takes_them():
     assert json.loads(rest.split(b"\n", 1)[0])["bytes"] == 4 * 2 + 9 * 2
 
 
-def report(proc):
-    assert proc.returncode in (0, 1), proc.stderr
-    findings = json.loads(proc.stdout)["routers"][0]["findings"]
-    return proc.returncode, "".join(f["probe"] for f in findings if f["verdict"] == "leak")
+def report(found):
+    return found.exit_code, "".join(found.leaks)
 
 
-SIZES = ("--format", "json", "--batch", "2", "--seq-len", "32", "--trials", "8")
+SIZES = ("--batch", "2", "--seq-len", "32", "--trials", "8")
 
 
 def test_check_audits_a_router_of_this_process():
@@ -127,9 +127,10 @@ def test_check_raises_the_routers_own_error():
         moe_audit.check(broken, *SIZES, experts=8, top_k=2)
 
 
-def test_check_returns_moe_audits_usage_error():
-    proc = moe_audit.check(example("mixtral_router").route, "--batch", "0", experts=8, top_k=2)
-    assert proc.returncode == 2 and proc.stderr.startswith("error:"), proc.stderr
+def test_check_raises_moe_audits_usage_error():
+    with pytest.raises(moe_audit.CheckError) as e:
+        moe_audit.check(example("mixtral_router").route, "--batch", "0", experts=8, top_k=2)
+    assert e.value.exit_code == 2 and e.value.stderr.startswith("error:"), e.value.stderr
 
 
 def test_routes_may_leave_tokens_without_routes():

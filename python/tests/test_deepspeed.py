@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,10 +20,11 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch)")
 pytest.importorskip("deepspeed", reason="deepspeed is not installed (DS_BUILD_OPS=0 pip install deepspeed)")
 
-import moe_audit  # noqa: E402
-import moe_audit.deepspeed as mds  # noqa: E402
 from deepspeed.moe.layer import MoE  # noqa: E402
 from deepspeed.moe.sharded_moe import TopKGate  # noqa: E402
+
+import moe_audit  # noqa: E402
+import moe_audit.deepspeed as mds  # noqa: E402
 
 H, E = 16, 8
 SIZES = ("--batch", "2", "--seq-len", "16", "--trials", "8")
@@ -37,14 +39,14 @@ def gate(k=1, **options):
 
 
 def verdicts(proc):
-    """{probe: verdict} of a JSON report."""
+    """{probe: verdict} of a JSON report that moe-audit printed."""
     assert proc.returncode in (0, 1), proc.stderr
     report = json.loads(proc.stdout)
     return {f["probe"]: f["verdict"] for f in report["routers"][0]["findings"]}
 
 
 def audit(module, *args, **options):
-    return verdicts(moe_audit.check(mds.wrap(module, **options), "--format", "json", *SIZES, *args))
+    return moe_audit.check(mds.wrap(module, **options), *SIZES, *args).verdicts
 
 
 def expect(leaks="", inconclusive="", **others):
@@ -189,7 +191,8 @@ CAPACITY = "PFNRL"  # one capacity over the call: the prefix, the future, the ne
 RANDOM = expect("D", "PFNRSML")  # D says so; every other difference may be noise
 RSAMPLE = dict(drop_tokens=False, use_rts=False, noisy_gate_policy="RSample")
 JITTER = dict(drop_tokens=False, use_rts=False, noisy_gate_policy="Jitter")
-AUDITS = {
+#: name: (gate options, wrap options, check flags, predicted verdicts).
+AUDITS: dict[str, tuple[dict[str, Any], dict[str, Any], tuple[str, ...], dict[str, str]]] = {
     # Dropless and deterministic: nothing to leak. RTS draws (ds:267-274) but nothing can drop.
     "top1-dropless": (dict(drop_tokens=False, use_rts=False), {}, (), expect()),
     "top1-dropless-rts": (dict(drop_tokens=False), {}, (), expect()),

@@ -5,9 +5,9 @@ the reason. Each audit runs `moe-audit check` once, at small sizes, against a ro
 this process (moe_audit.check), so torch is imported once.
 """
 
-import json
 import os
 import re
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,8 +15,6 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install moe-audit[hf])")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install moe-audit[hf])")
 
-import moe_audit  # noqa: E402
-import moe_audit.hf as hf  # noqa: E402
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE, DeepseekV3TopkRouter  # noqa: E402
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP  # noqa: E402
 from transformers.models.granitemoe.modeling_granitemoe import GraniteMoeMoE  # noqa: E402
@@ -31,6 +29,9 @@ from transformers.models.switch_transformers.modeling_switch_transformers import
     SwitchTransformersSparseMLP,
     SwitchTransformersTop1Router,
 )
+
+import moe_audit  # noqa: E402
+import moe_audit.hf as hf  # noqa: E402
 
 H, E = 32, 8
 SIZES = ("--batch", "2", "--seq-len", "32", "--trials", "8")
@@ -84,15 +85,20 @@ BLOCKS = {
 }
 
 
-def verdicts(proc):
-    """{probe: verdict} of a JSON report."""
-    assert proc.returncode in (0, 1), proc.stderr
-    report = json.loads(proc.stdout)
-    return {f["probe"]: f["verdict"] for f in report["routers"][0]["findings"]}
+def wrap(module, **options) -> hf.Router:
+    """hf.wrap of a router, an MoE block or a layer: a Router (moe-audit/2, hidden states in)."""
+    wrapped = hf.wrap(module, **options)
+    assert isinstance(wrapped, hf.Router), wrapped
+    return wrapped
+
+
+def verdicts(report):
+    """{probe: verdict} of a moe_audit.check report."""
+    return report.verdicts
 
 
 def audit(module, *args, **options):
-    return verdicts(moe_audit.check(hf.wrap(module, **options), "--format", "json", *SIZES, *args))
+    return moe_audit.check(wrap(module, **options), *SIZES, *args).verdicts
 
 
 def leaking(found):
@@ -111,7 +117,7 @@ def test_switch_with_binding_per_sequence_capacity_passes():
     # the per-sequence capacity cannot be stated, so the adapter reports none (the invariant is
     # not checked); moe-audit/2 states it per sequence.
     x = np.random.default_rng(1).standard_normal((2, 32, H)).astype(np.float32)
-    routes, capacity = hf.wrap(switch(capacity=4)).route(x, "train")
+    routes, capacity = wrap(switch(capacity=4)).route(x, "train")
     assert capacity == {"scope": "sequence", "slots": [4, 4]}
     assert not routes.kept.all(), "the capacity must bind in this test"
     assert audit(switch(capacity=4)) == ALL_PASS
@@ -150,10 +156,10 @@ def test_a_router_random_only_in_training_leaks_nothing_in_inference_mode():
     # mode, are inconclusive. The advice names seed_calls=True, which moe_audit.hf offers.
     block = MixtralSparseMoeBlock(transformers.MixtralConfig(hidden_size=64, intermediate_size=64,
                                                              num_local_experts=8, router_jitter_noise=0.1))
-    proc = moe_audit.check(hf.wrap(block), "--format", "json", "--mode", "inference", *SIZES)
-    found = verdicts(proc)
+    report = moe_audit.check(wrap(block), "--mode", "inference", *SIZES)
+    found = report.verdicts
     assert found == dict(ALL_PASS, S="inconclusive", M="inconclusive"), found
-    d = next(f for f in json.loads(proc.stdout)["routers"][0]["findings"] if f["probe"] == "D")
+    d = next(f for f in report.findings if f["probe"] == "D")
     assert "in training mode, " in d["note"] and "with seed_calls=True" in d["note"], d["note"]
     # Seeded per token, training mode is deterministic too: S passes, and M leaks for real
     # (training routes jittered logits, serving does not).
@@ -170,7 +176,7 @@ def test_nllb_moe_verdicts_do_not_depend_on_the_probes_run():
 def test_nllb_moe_inference_call_overwrites_the_training_capacity():
     # HF's NLLB router sets self.expert_capacity in an inference call (to the eval fraction of
     # the tokens), and every later training call uses it.
-    router = hf.wrap(nllb(capacity=4))
+    router = wrap(nllb(capacity=4))
     x = np.random.default_rng(2).standard_normal((2, 32, H)).astype(np.float32)
     before = router.route(x, "train")
     router.route(x, "inference")
@@ -183,8 +189,8 @@ def test_routes_follow_the_routers_own_outputs():
     x = np.random.default_rng(3).standard_normal((2, 4, H)).astype(np.float32)
     # DeepSeek-V3 picks its top-k unsorted (by the biased score): routes come in decreasing
     # weight, the order of a sorted top-k, so two calls compare alike; the set is the biased top k.
-    module = BLOCKS["deepseek-v3"]()
-    router = hf.wrap(module)
+    module: Any = BLOCKS["deepseek-v3"]()  # its gate's bias is a buffer torch types as a module or tensor
+    router = wrap(module)
     module.gate.e_score_correction_bias.copy_(torch.linspace(-0.5, 0.5, E))
     routes, _ = router.route(x, "train")
     assert (np.diff(routes.weights, axis=1) <= 0).all()
@@ -196,7 +202,7 @@ def test_routes_follow_the_routers_own_outputs():
         best = (scores + module.gate.e_score_correction_bias).masked_fill(~allowed, -1e9).topk(2).indices
     assert np.array_equal(np.sort(routes.experts, 1), best.sort(1).values.numpy())
     # NLLB: a dropped route keeps its gate before dropping, a kept one the combine weight.
-    router = hf.wrap(nllb(capacity=1))
+    router = wrap(nllb(capacity=1))
     routes, capacity = router.route(x, "train")
     assert capacity == [1] * E and not routes.kept.all()
     assert np.allclose(routes.weights[routes.kept[:, 1], 0] + routes.weights[routes.kept[:, 1], 1], 1.0)
@@ -206,36 +212,36 @@ def test_wrap_finds_the_router_in_a_block_a_router_or_a_layer():
     config = transformers.DeepseekV3Config(hidden_size=H, n_routed_experts=E, num_experts_per_tok=2, n_group=4,
                                            topk_group=2)
     block = DeepseekV3MoE(config)
-    assert hf.wrap(block).router is block.gate
+    assert wrap(block).router is block.gate
     alone = DeepseekV3TopkRouter(config)
-    assert hf.wrap(alone).block is alone
+    assert wrap(alone).block is alone
     layer = torch.nn.Sequential(torch.nn.Identity(), switch())
-    wrapped = hf.wrap(layer)
+    wrapped = wrap(layer)
     assert isinstance(wrapped.router, SwitchTransformersTop1Router) and wrapped.block is layer[1]
     with pytest.raises(TypeError, match="no router in Linear: searched every submodule"):
-        hf.wrap(torch.nn.Linear(4, 4))
+        wrap(torch.nn.Linear(4, 4))
     # A router alone routes as the block that holds it.
     x = np.random.default_rng(4).standard_normal((2, 8, H)).astype(np.float32)
-    routes, _ = hf.wrap(block).route(x, "train")
-    alone_routes, _ = hf.wrap(block.gate).route(x, "train")
+    routes, _ = wrap(block).route(x, "train")
+    alone_routes, _ = wrap(block.gate).route(x, "train")
     assert np.array_equal(routes.experts, alone_routes.experts) and np.array_equal(routes.weights, alone_routes.weights)
 
 
 def test_blank_gates_are_seeded_and_loaded_gates_kept():
-    a, b = hf.wrap(mixtral(), seed=7), hf.wrap(mixtral(), seed=7)
+    a, b = wrap(mixtral(), seed=7), wrap(mixtral(), seed=7)
     assert torch.equal(a.router.weight, b.router.weight)
-    assert not torch.equal(a.router.weight, hf.wrap(mixtral(), seed=8).router.weight)
+    assert not torch.equal(a.router.weight, wrap(mixtral(), seed=8).router.weight)
     block = mixtral()
     weight = torch.full_like(block.gate.weight, 0.5)
     with torch.no_grad():
         block.gate.weight.copy_(weight)
     block.gate.weight._is_hf_initialized = True  # as transformers marks a loaded parameter
-    assert torch.equal(hf.wrap(block).router.weight, weight)
+    assert torch.equal(wrap(block).router.weight, weight)
 
 
 def test_nllb_moe_takes_the_padding_mask_and_leaves_padding_unrouted():
-    router = hf.wrap(nllb(capacity=64), protocol=2)
-    assert router.padding_mask and not hf.wrap(nllb(), protocol=1).padding_mask
+    router = wrap(nllb(capacity=64), protocol=2)
+    assert router.padding_mask and not wrap(nllb(), protocol=1).padding_mask
     x = np.random.default_rng(5).standard_normal((2, 4, H)).astype(np.float32)
     padding = np.array([[0, 0, 1, 1], [0, 0, 0, 1]], dtype=bool)
     routes, _ = router.route(x, "train", padding=padding)
@@ -248,7 +254,9 @@ def test_nllb_moe_takes_the_padding_mask_and_leaves_padding_unrouted():
 def test_the_readmes_hugging_face_example_is_at_most_five_lines_and_audits_clean(monkeypatch):
     readme = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "README.md")
     with open(readme) as f:
-        block = re.search(r"```python\n(from transformers import MixtralConfig\n.*?)```", f.read(), re.S).group(1)
+        found = re.search(r"```python\n(from transformers import MixtralConfig\n.*?)```", f.read(), re.S)
+    assert found, "the README's router block audit"
+    block = found.group(1)
     assert len([line for line in block.splitlines() if line.strip()]) <= 5, block
     served = []
     monkeypatch.setattr(hf, "run", lambda module, **options: served.append(module))

@@ -8,6 +8,7 @@ audited by the binary and must keep its verdicts.
 
 import os
 import re
+from typing import Any
 
 import pytest
 
@@ -35,7 +36,9 @@ def _one_thread():
 def _table():
     with open(TABLE) as f:
         text = f.read()
-    version = re.search(r"MoE families of transformers (\S+) covered", text).group(1)
+    found = re.search(r"MoE families of transformers (\S+) covered", text)
+    assert found, TABLE
+    version = found.group(1)
     if version != transformers.__version__:
         pytest.skip(f"docs/hf-coverage.md is for transformers {version}, {transformers.__version__} is installed")
     return coverage.read_table(TABLE), coverage.read_rows(TABLE)
@@ -66,22 +69,22 @@ def test_a_covered_family_stays_covered(family):
 
 def test_shrinking_keeps_the_sizes_a_config_derives_from_others():
     # MLA: head_dim = qk_nope + qk_rope, in the config and in a layer's overrides over it
-    d = {"hidden_size": 4096, "num_attention_heads": 32, "qk_nope_head_dim": 64, "qk_rope_head_dim": 64,
+    d: dict[str, Any] = {"hidden_size": 4096, "num_attention_heads": 32, "qk_nope_head_dim": 64, "qk_rope_head_dim": 64,
          "head_dim": 128, "num_hidden_layers": 8, "per_layer_config": {"3": {"qk_nope_head_dim": 192}}}
-    out = families._shrink(d)
+    out = families.shrink(d)
     assert out["head_dim"] == out["qk_nope_head_dim"] + out["qk_rope_head_dim"] == 32
     assert out["per_layer_config"] == {"3": {"qk_nope_head_dim": 16}}  # 192 + 64 is not head_dim 128: not tied
     d["per_layer_config"]["3"]["head_dim"] = 256
-    assert families._shrink(d)["per_layer_config"]["3"]["head_dim"] == 32
+    assert families.shrink(d)["per_layer_config"]["3"]["head_dim"] == 32
     # a sub-config's <part>_hidden_size follows the sibling <part>_config's hidden size
     d = {"audio_config": {"hidden_size": 512}, "head_config": {"hidden_size": 192, "audio_hidden_size": 512}}
-    assert families._shrink(d)["head_config"]["audio_hidden_size"] == families.HIDDEN
+    assert families.shrink(d)["head_config"]["audio_hidden_size"] == families.HIDDEN
     # layers counted by their per-layer types, one attention layer kept
     d = {"hidden_size": 2688, "layers_block_type": ["mamba", "moe"] * 5 + ["attention", "moe"]}
-    assert families._shrink(d)["layers_block_type"] == ["mamba", "moe", "mamba", "attention"]
+    assert families.shrink(d)["layers_block_type"] == ["mamba", "moe", "mamba", "attention"]
 
 
 def test_multimodal_rope_sections_are_apportioned_to_the_rotary_half_dim():
-    assert families._apportion([8, 12, 12], 4) == [1, 2, 1]
-    assert families._apportion([22, 22, 20], 8) == [3, 3, 2]  # Ernie 4.5 VL: h and w stay equal
-    assert families._apportion([24, 20, 20], 64) == [24, 20, 20]
+    assert families.apportion([8, 12, 12], 4) == [1, 2, 1]
+    assert families.apportion([22, 22, 20], 8) == [3, 3, 2]  # Ernie 4.5 VL: h and w stay equal
+    assert families.apportion([24, 20, 20], 64) == [24, 20, 20]

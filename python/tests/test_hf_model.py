@@ -12,13 +12,22 @@ import re
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="torch is not installed (pip install moe-audit[hf])")
+pytest.importorskip("torch", reason="torch is not installed (pip install moe-audit[hf])")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install moe-audit[hf])")
+
+import torch  # noqa: E402
 
 import moe_audit.hf as hf  # noqa: E402
 from moe_audit.hf import wire3  # noqa: E402
 
 H, E, K, V = 32, 8, 2, 128
+
+
+def whole(model) -> hf.WholeModel:
+    """hf.wrap of a model taking token ids: a WholeModel (moe-audit/3)."""
+    wrapped = hf.wrap(model)
+    assert isinstance(wrapped, hf.WholeModel), wrapped
+    return wrapped
 
 
 def causal(config):
@@ -68,6 +77,7 @@ def test_capture_records_every_layer_per_forward_and_ids_are_the_top_k_of_the_lo
             model(input_ids=torch.as_tensor(ids(1, 5)))
     assert len(rec.calls) == 2 and sorted(rec.calls[0]) == [0, 1, 2, 3]
     d = rec.calls[0][2]
+    assert d.logits is not None
     assert d.experts.shape == (16, K) and d.experts.dtype == np.int32 and d.logits.shape == (16, E)
     assert rec.calls[1][0].experts.shape == (5, K)
     top = np.sort(np.argsort(-d.logits, axis=1)[:, :K], axis=1)
@@ -162,7 +172,7 @@ def serve(wrapped, *requests):
 
 def test_the_server_answers_forward_and_generate_requests_with_every_layer():
     model = qwen3(mlp_only_layers=[0])
-    wrapped = hf.wrap(model)
+    wrapped = whole(model)
     x = ids(2, 8)
     padding = np.zeros((2, 8), dtype=bool)
     padding[1, 6:] = True
@@ -177,8 +187,8 @@ def test_the_server_answers_forward_and_generate_requests_with_every_layer():
         d = direct[lay["layer"]]
         assert lay["count"].tolist() == [K] * 16 and lay["capacity"] is None
         assert np.array_equal(lay["expert"], d.experts.reshape(-1))
-        assert np.array_equal(lay["logits"], d.logits)
-    assert np.array_equal(fwd["outputs"], rows)
+        assert d.logits is not None and np.array_equal(lay["logits"], d.logits)
+    assert rows is not None and np.array_equal(fwd["outputs"], rows)
     # The generation path (KV cache, one token at a time) routes the real tokens of a
     # dropless model as one forward does (fp32; a near-tie could differ, none does here).
     real = ~padding.reshape(-1)
@@ -189,7 +199,7 @@ def test_the_server_answers_forward_and_generate_requests_with_every_layer():
 
 
 def test_bad_input_is_one_clear_error():
-    wrapped = hf.wrap(qwen3(layers=2))
+    wrapped = whole(qwen3(layers=2))
     with pytest.raises(ValueError, match=r"request 7: token id 128 at sequence 1, position 2 is not below the "
                                          r"vocabulary size 128"):
         x = ids(2, 4)
@@ -205,12 +215,22 @@ def test_bad_input_is_one_clear_error():
 def test_the_readmes_whole_model_audit_is_at_most_five_lines_and_wraps_every_layer(monkeypatch):
     readme = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "README.md")
     with open(readme) as f:
-        block = re.search(r"```python\n(import moe_audit, moe_audit.hf, transformers\n.*?)```", f.read(), re.S).group(1)
+        found = re.search(r"```python\n(import moe_audit, moe_audit.hf, transformers\n.*?)```", f.read(), re.S)
+    assert found, "the README's whole-model audit"
+    block = found.group(1)
     assert len([line for line in block.splitlines() if line.strip()]) <= 5, block
     import moe_audit
 
+    class Printed(moe_audit.Report):
+        stdout = ""  # what the README printed while check returned the finished process
+
     audited = []
-    monkeypatch.setattr(moe_audit, "check", lambda wrapped: audited.append(wrapped) or type("P", (), {"stdout": ""}))
+
+    def check(wrapped):
+        audited.append(wrapped)
+        return Printed({"findings": []}, 0)
+
+    monkeypatch.setattr(moe_audit, "check", check)
     exec(block, {})
     hs = audited[0].handshake()
     assert [(x["kind"], x["experts"], x["top_k"]) for x in hs["layers"]] == [("moe", 64, 8)] * 4
@@ -260,7 +280,7 @@ def test_switch_with_binding_per_sequence_capacity_is_causal():
         dropout_rate=0.0)
     torch.manual_seed(0)
     model = transformers.SwitchTransformersModel(config).eval()
-    wrapped = hf.wrap(model)
+    wrapped = whole(model)
     x = ids(2, 16)
     layers, _ = wrapped.forward(x, "train", 0)
     assert any(not d.kept.all() for d in layers.values()), "the capacity must bind in this test"
@@ -315,7 +335,8 @@ def test_deepseek_v4_hash_layers_that_pick_one_expert_twice_are_refused_saying_w
     # config it is all zeros, so every token goes to expert 0 k times. The model routes that way;
     # a routing record holds an expert once per token: refused in one line naming the field.
     message = one_line_refusal(mla("deepseek_v4"))
-    assert message.startswith("deepseek_v4: layer 0 sends token 0 to expert 0 twice through its hash table tid2eid"), message
+    expected = "deepseek_v4: layer 0 sends token 0 to expert 0 twice through its hash table tid2eid"
+    assert message.startswith(expected), message
     assert "config.mlp_layer_types" in message and "the model routes that way" in message, message
     # Its top-k layers pick distinct experts: audited, dropless, every probe passes.
     verdicts, _ = audit(mla("deepseek_v4", mlp_layer_types=["moe", "moe"]))
@@ -323,7 +344,7 @@ def test_deepseek_v4_hash_layers_that_pick_one_expert_twice_are_refused_saying_w
 
 
 def test_run_leaves_the_scripts_own_arguments_alone(monkeypatch):
-    wrapped = hf.wrap(qwen3(layers=2))
+    wrapped = whole(qwen3(layers=2))
     served = []
     monkeypatch.setattr(wrapped, "serve", lambda: served.append(True))
     monkeypatch.setattr("sys.argv", ["my_server.py", "--checkpoint", "x"])

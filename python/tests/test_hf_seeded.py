@@ -14,19 +14,18 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install moe-audit[hf])")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install moe-audit[hf])")
 
-import moe_audit  # noqa: E402
-import moe_audit.hf as hf  # noqa: E402
-from moe_audit.hf.seeded import NotKeyed, PerToken, token_keys  # noqa: E402
+from test_hf import ALL_PASS, SIZES, H, leaking, mixtral, nllb, phimoe, switch, verdicts, wrap  # noqa: E402
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock  # noqa: E402
 
-from test_hf import ALL_PASS, H, SIZES, leaking, mixtral, nllb, phimoe, switch, verdicts  # noqa: E402
+import moe_audit  # noqa: E402
+from moe_audit.hf.seeded import NotKeyed, PerToken, token_keys  # noqa: E402
 
 E = 8
 SEEDED_PASS = dict(ALL_PASS, M="leak")  # training-time randomness is a real train/inference difference
 
 
 def seeded(module, *args):
-    return verdicts(moe_audit.check(hf.wrap(module, seed_calls=True), "--format", "json", *SIZES, *args))
+    return verdicts(moe_audit.check(wrap(module, seed_calls=True), *SIZES, *args))
 
 
 def rows(n, seed=0):
@@ -103,7 +102,7 @@ def test_a_block_drawing_a_scalar_is_refused_not_seeded_by_shape():
 
     config = transformers.MixtralConfig(hidden_size=H, intermediate_size=16, num_local_experts=E,
                                         num_experts_per_tok=2)
-    router = hf.wrap(LayerDropped(config), seed_calls=True)
+    router = wrap(LayerDropped(config), seed_calls=True)
     with pytest.raises(NotKeyed, match=r"torch\.rand draws random numbers of shape \[\]"):
         router.route(rows(4).reshape(1, 4, H), "train", seed=3)
     router.route(rows(4).reshape(1, 4, H), "inference", seed=3)  # no draw in inference
@@ -128,7 +127,7 @@ class PerCallSeeded:
 def test_seeding_each_call_by_shape_shows_as_leaks():
     # The reason for per-token keys: the same call draws the same noise (D passes), but a token's
     # noise follows its flat position, so another prefix, batch or layout changes it.
-    found = verdicts(moe_audit.check(PerCallSeeded(hf.wrap(mixtral(jitter=0.1))), "--format", "json", *SIZES))
+    found = verdicts(moe_audit.check(PerCallSeeded(wrap(mixtral(jitter=0.1))), *SIZES))
     assert found["D"] == "pass" and {"P", "R", "L"} <= set(leaking(found)), found
 
 
@@ -148,7 +147,7 @@ def test_seeded_phimoe_sampling_passes():
 
 def test_seeded_switch_with_binding_per_sequence_capacity_passes():
     x = np.random.default_rng(1).standard_normal((2, 32, H)).astype(np.float32)
-    routes, capacity = hf.wrap(switch(capacity=4, jitter=0.1), seed_calls=True).route(x, "train", seed=0)
+    routes, capacity = wrap(switch(capacity=4, jitter=0.1), seed_calls=True).route(x, "train", seed=0)
     assert capacity == {"scope": "sequence", "slots": [4, 4]}
     assert not routes.kept.all(), "the capacity must bind in this test"
     assert seeded(switch(capacity=4, jitter=0.1)) == SEEDED_PASS

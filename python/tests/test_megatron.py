@@ -25,10 +25,11 @@ torch = pytest.importorskip("torch", reason="torch is not installed (pip install
 pytest.importorskip("megatron.core",
                     reason="megatron-core is not installed or does not import (pip install megatron-core)")
 
-import moe_audit  # noqa: E402
-import moe_audit.megatron as megatron  # noqa: E402
 from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+import moe_audit  # noqa: E402
+import moe_audit.megatron as megatron  # noqa: E402
 
 H, E = 32, 8
 SIZES = ("--batch", "2", "--seq-len", "32", "--trials", "8")
@@ -43,14 +44,14 @@ def config(**more):
 
 
 def verdicts(proc):
-    """{probe: verdict} of a JSON report."""
+    """{probe: verdict} of a JSON report that moe-audit printed."""
     assert proc.returncode in (0, 1), proc.stderr
     report = json.loads(proc.stdout)
     return {f["probe"]: f["verdict"] for f in report["routers"][0]["findings"]}
 
 
 def audit(router, *args):
-    return verdicts(moe_audit.check(router, "--format", "json", *SIZES, *args))
+    return moe_audit.check(router, *SIZES, *args).verdicts
 
 
 def leaking(found):
@@ -102,7 +103,7 @@ def megatron_outputs(router, data, mode="train"):
     """What the router returns for data [batch, seq_len, hidden], called as MoELayer calls it."""
     router.router.train(mode == "train")
     x = torch.from_numpy(np.ascontiguousarray(data.transpose(1, 0, 2)))
-    with torch.no_grad(), megatron._on(router.device):
+    with torch.no_grad(), megatron.on_device(router.device):
         probs, routing_map = router.router(x)
     return probs.numpy(), routing_map.numpy()
 
@@ -221,7 +222,9 @@ def test_quantile_balancing_routes_per_token_and_takes_no_padding_mask():
 def test_the_five_line_recipe_serves_the_router_to_moe_audit_check_router_cmd(tmp_path):
     # The module docstring's recipe, as a user's script: moe-audit starts it (a fresh Python
     # that imports megatron-core) and audits it over stdin/stdout.
-    recipe = re.search(r"::\n\n(.*?)\n\nserves", megatron.__doc__, re.S).group(1)
+    found = re.search(r"::\n\n(.*?)\n\nserves", megatron.__doc__ or "", re.S)
+    assert found, "the module docstring's recipe"
+    recipe = found.group(1)
     lines = [line for line in recipe.splitlines() if line.strip()]
     assert len(lines) <= 5, recipe
     script = tmp_path / "router.py"

@@ -13,9 +13,10 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install moe-audit[hf])")
 pytest.importorskip("transformers", reason="transformers is not installed (pip install moe-audit[hf])")
 
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
+
 import moe_audit.routes as routes  # noqa: E402
 from moe_audit import binary  # noqa: E402
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 
 LAYERS, EXPERTS, TOP_K, VOCAB = 4, 16, 4, 256
 
@@ -23,7 +24,7 @@ LAYERS, EXPERTS, TOP_K, VOCAB = 4, 16, 4, 256
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    config = Qwen3MoeConfig(
+    config = Qwen3MoeConfig(  # type: ignore[call-arg]  # transformers' types leave out head_dim, which it takes
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
         num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         num_experts=EXPERTS, num_experts_per_tok=TOP_K, decoder_sparse_step=2, mlp_only_layers=[],

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import numpy as np
 import pytest
@@ -85,7 +86,8 @@ def test_arrays_give_what_the_command_gives_on_their_npy_files(files):
     a = a.copy()
     a[5] = -1  # a padding row: no route in any layer
     np.save(d / "engine.npy", a)
-    for extra, flags in (({}, []), ({"max_disagreement": 0.0}, ["--max-disagreement", "0"])):
+    cases: list[tuple[dict[str, Any], list[str]]] = [({}, []), ({"max_disagreement": 0.0}, ["--max-disagreement", "0"])]
+    for extra, flags in cases:
         code, doc = cli(d / "engine.npy", d / "trainer.npy", *flags)
         c = routes.compare(a, b, **extra)
         assert without_paths(c.to_dict()) == without_paths(doc)
@@ -139,7 +141,8 @@ def test_bad_input_raises_the_packages_error_with_the_commands_line(files, tmp_p
         ((d / "engine.npy", tmp_path / "absent.npy"), {}, []),
         ((d / "engine.npy", tmp_path / "bad.json"), {}, []),
         ((d / "engine.npy", d / "trainer.npy"), {"max_disagreement": 2.0}, ["--max-disagreement", "2"]),
-        ((d / "engine.npy", d / "trainer.npy"), {"config": tmp_path / "bad.json"}, ["--config", str(tmp_path / "bad.json")]),
+        ((d / "engine.npy", d / "trainer.npy"), {"config": tmp_path / "bad.json"},
+         ["--config", str(tmp_path / "bad.json")]),
     ):
         with pytest.raises(moe_audit.RoutesError) as e:
             routes.compare(*args, **kwargs)
@@ -238,7 +241,8 @@ def test_megatron_router_replay_instances_compare_directly(files):
         assert trainer["experts"].shape == (TOKENS, LAYERS, TOP_K) and trainer["layers"] is None
         c = routes.compare(b, trainer, max_disagreement=0.0)
         assert not c.failed
-        assert routes.compare(a, routes.router_replay(instances, layers=[0, 1, 2, 3])).to_dict()["measures"] == routes.compare(a, b).measures
+        replayed = routes.router_replay(instances, layers=[0, 1, 2, 3])
+        assert routes.compare(a, replayed).to_dict()["measures"] == routes.compare(a, b).measures
         instances[2].clear_indices()
         with pytest.raises(moe_audit.RoutesError, match="RouterReplay instance 2 recorded nothing"):
             routes.router_replay()

@@ -8,6 +8,7 @@ import runpy
 import sys
 import tempfile
 from types import SimpleNamespace
+from typing import Any
 
 from moe_audit.snapshot import assert_routing_snapshot, routing_snapshot
 
@@ -15,7 +16,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # The example router, loaded from its file (it is no module of the package).
 megatron = SimpleNamespace(**runpy.run_path(os.path.join(HERE, "..", "examples", "megatron_probs_router.py")))
 
-OPTIONS = dict(name="megatron-probs-py", experts=8, top_k=2)
+OPTIONS: dict[str, Any] = dict(name="megatron-probs-py", experts=8, top_k=2)
 UPDATE_VARS = ("MOE_AUDIT_UPDATE", "INSTA_UPDATE", "CI")
 
 

@@ -7,13 +7,14 @@ import operator
 import re
 import reprlib
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Dict, Iterable, List, Optional, Set, Tuple, Type, Union
+from typing import Any, BinaryIO
 
 import numpy as np
 
 #: Routes flattened in token order: (count [T], expert [R], weight [R], kept [R]).
-Columns = Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+Columns = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 PROTOCOL = "moe-audit/1"
 
@@ -26,18 +27,18 @@ class Request:
     id: int
     mode: str
     data: np.ndarray
-    seed: Optional[int] = None
-    padding: Optional[np.ndarray] = None
+    seed: int | None = None
+    padding: np.ndarray | None = None
 
 
-def handshake(hs: Dict[str, Any], padding_mask: bool) -> Dict[str, Any]:
+def handshake(hs: dict[str, Any], padding_mask: bool) -> dict[str, Any]:
     """The /1 handshake: no padding mask."""
     if padding_mask:
         raise ValueError("a padding mask needs protocol moe-audit/2")
     return hs
 
 
-def read_request(stream: Iterable[bytes], width: int) -> Optional[Request]:
+def read_request(stream: Iterable[bytes], width: int) -> Request | None:
     """The next request from a binary stream, or None at its end."""
     for line in stream:
         if line.strip():
@@ -52,7 +53,7 @@ def brief(x: Any) -> str:
     return " ".join(reprlib.repr(x).split())
 
 
-def count(x: Any) -> Optional[int]:
+def count(x: Any) -> int | None:
     """x as an int when it is an integer (Python, numpy, or anything with ``__index__``), else
     None; a bool is no count."""
     if isinstance(x, (bool, np.bool_)):
@@ -68,7 +69,7 @@ _FLATTEN = ("sequence-major", "position-major")
 
 
 def _capacity_error(capacity: Any, experts: int, problem: str,
-                    kind: Type[Exception] = ValueError) -> Exception:
+                    kind: type[Exception] = ValueError) -> Exception:
     return kind(
         f"moe-audit adapter: route() returned capacity {brief(capacity)}: {problem}; a capacity is None "
         f"(dropless), an int (the same slots for every expert), one int per expert ({experts} of them), "
@@ -76,7 +77,7 @@ def _capacity_error(capacity: Any, experts: int, problem: str,
     )
 
 
-def _slots(capacity: Any, values: Any, experts: int) -> List[int]:
+def _slots(capacity: Any, values: Any, experts: int) -> list[int]:
     """values as slot counts (ints >= 0), else an error naming the first bad one."""
     if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__"):
         raise _capacity_error(capacity, experts, f"slots {brief(values)} is not a list of ints", TypeError)
@@ -91,7 +92,7 @@ def _slots(capacity: Any, values: Any, experts: int) -> List[int]:
     return out
 
 
-def capacity_form(capacity: Any, experts: int) -> Union[None, List[int], Dict[str, Any]]:
+def capacity_form(capacity: Any, experts: int) -> None | list[int] | dict[str, Any]:
     """A capacity as route() may return it, checked: None, E slot counts (an int stands for the
     same count for every expert), or ``{"scope", "slots"[, "flatten"]}``. Anything else raises
     TypeError or ValueError naming the accepted forms."""
@@ -129,10 +130,10 @@ def capacity_form(capacity: Any, experts: int) -> Union[None, List[int], Dict[st
     return _slots(capacity, capacity, experts)
 
 
-_warned: Set[str] = set()
+_warned: set[str] = set()
 
 
-def capacity_list(capacity: Any, experts: int) -> Optional[List[int]]:
+def capacity_list(capacity: Any, experts: int) -> list[int] | None:
     """A capacity as /1 states it: E slot counts for the call, or None."""
     form = capacity_form(capacity, experts)
     if not isinstance(form, dict):

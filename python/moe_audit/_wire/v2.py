@@ -5,7 +5,7 @@ responses are binary: counts, experts, weights and kept flags, plus a capacity w
 from __future__ import annotations
 
 import json
-from typing import Any, BinaryIO, Dict, List, Optional, Tuple, Union
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -15,7 +15,7 @@ from .v1 import Columns, Request
 PROTOCOL = "moe-audit/2"
 
 
-def handshake(hs: Dict[str, Any], padding_mask: bool) -> Dict[str, Any]:
+def handshake(hs: dict[str, Any], padding_mask: bool) -> dict[str, Any]:
     """The /2 handshake: binary responses, and the padding mask when the router takes one."""
     hs = dict(hs, responses="binary")
     if padding_mask:
@@ -30,7 +30,7 @@ def _read_exactly(stream: BinaryIO, n: int) -> bytes:
     return buf
 
 
-def read_request(stream: BinaryIO, width: int) -> Optional[Request]:
+def read_request(stream: BinaryIO, width: int) -> Request | None:
     """The next request from a binary stream, or None at its end."""
     for line in stream:
         if not line.strip():
@@ -52,13 +52,13 @@ def read_request(stream: BinaryIO, width: int) -> Optional[Request]:
     return None
 
 
-def capacity_field(capacity: Any, experts: int) -> Union[None, List[int], Dict[str, Any]]:
+def capacity_field(capacity: Any, experts: int) -> None | list[int] | dict[str, Any]:
     """A capacity as /2 states it: None, E counts for the call, or a scope with its groups (an int
     is the same count for every expert; a wrong form raises, naming the accepted ones)."""
     return v1.capacity_form(capacity, experts)
 
 
-def response(request_id: int, columns: Columns, capacity: Any, experts: int) -> Tuple[bytes, bytes]:
+def response(request_id: int, columns: Columns, capacity: Any, experts: int) -> tuple[bytes, bytes]:
     """The header line (with its newline) and the payload of a binary response."""
     count, expert, weight, kept = columns
     payload = b"".join((

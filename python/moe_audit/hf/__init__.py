@@ -17,21 +17,28 @@ states (:class:`Router`). :func:`capture` records every router's decisions durin
 Needs torch and transformers.
 """
 
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
 from .block import FAMILIES, Family, Router, find_router
 from .capture import Recorder, capture
+from .model import WholeModel, takes_token_ids
 from .routers import Decoded, Model, NotCovered, Site, discover, register_decoder, unregister_decoder
-from .model import WholeModel, _takes_token_ids
 
 
-def wrap(module, **options):
+def wrap(module: torch.nn.Module, **options: Any) -> WholeModel | Router:
     """A model taking token ids -> :class:`WholeModel` (``moe-audit/3``); a router, an MoE block
     or a layer -> :class:`Router` (``moe-audit/2``, hidden states in)."""
-    if _takes_token_ids(module):
+    if takes_token_ids(module):
         return WholeModel(module, **options)
     return Router(module, **options)
 
 
-def run(module, argv=None, **options):
+def run(module: torch.nn.Module, argv: Sequence[str] | None = None, **options: Any) -> None:
     """``wrap(module, **options).run(argv)``: serves it to ``moe-audit check --router-cmd``."""
     wrap(module, **options).run(argv)
 

@@ -9,7 +9,7 @@
     moe_audit.hf.run(MixtralSparseMoeBlock(MixtralConfig(hidden_size=64, num_local_experts=8)))
 
 serves the block to ``moe-audit check --router-cmd "python3 this_file.py"``;
-``moe_audit.check(moe_audit.hf.wrap(block), "--format", "json")`` audits it from this process.
+``moe_audit.check(moe_audit.hf.wrap(block), "--probes", "P,F")`` audits it from this process.
 
 ``wrap`` finds the router inside the module it is given by structure (:func:`moe_audit.hf.discover`:
 a router, an MoE block, or a layer holding one: the first router found), and per call:
@@ -37,26 +37,30 @@ a ``padding_mask`` (NLLB-MoE) gets the request's over ``moe-audit/2``. Needs tor
 transformers.
 """
 
+from __future__ import annotations
+
 import contextlib
 import inspect
 import math
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from .. import adapter
 from .._wire import v1, v2
-from .capture import _dispatch
-from .routers import _DECODERS, Decoder, _gate, decoder_for, discover
+from .capture import dispatch_args
+from .routers import BUILTIN_DECODERS, Decoder, Inputs, Site, discover, gate_weight
 from .seeded import PerToken
 
 #: Deprecated: routers are found by structure and read by decoders (:data:`FAMILIES` lists the
 #: built-in ones); kept so code naming them still imports.
 Family = Decoder
-FAMILIES = tuple(_DECODERS)
+FAMILIES = tuple(BUILTIN_DECODERS)
 
 
-def find_router(module):
+def find_router(module: torch.nn.Module) -> tuple[str, torch.nn.Module, Site]:
     """Deprecated: (path, router, site) of the first router in module (module itself included);
     use :func:`moe_audit.hf.discover`."""
     site = discover(module).sites[0]
@@ -67,7 +71,7 @@ class _Routed(Exception):
     """Raised by a hook once the routes are known: the experts need not run."""
 
 
-def _initialise(router, gate, seed, init):
+def _initialise(router: torch.nn.Module, gate: torch.nn.Parameter, seed: int, init: bool | None) -> None:
     if init is None:
         # transformers marks the parameters it loaded from a checkpoint.
         loaded = getattr(gate, "_is_hf_initialized", False)
@@ -91,14 +95,15 @@ class Router:
 
     input = "hidden"
 
-    def __init__(self, module, *, seed=0, init=None, name=None, protocol=v2.PROTOCOL, seed_calls=False):
+    def __init__(self, module: torch.nn.Module, *, seed: int = 0, init: bool | None = None, name: str | None = None,
+                 protocol: adapter.Protocol = v2.PROTOCOL, seed_calls: bool = False) -> None:
         self.site = discover(module).sites[0]
         self.module = module
         self.router = self.site.module
         # The block that holds the router (what a model calls), or the router when given alone.
         self.block = self.site.block
         self.experts = self.site.experts
-        gate = _gate(self.router, self.experts)
+        gate = self._gate()
         self.hidden_size = int(gate.shape[1])
         self.protocol = adapter.protocol_name(protocol)
         takes = inspect.signature(self.block.forward).parameters
@@ -111,35 +116,41 @@ class Router:
         self.top_k = self.site.top_k
         x = np.zeros((1, 2, self.hidden_size), dtype=np.float32)
         routes, _ = self.route(x, "train")
-        self.top_k = self.top_k or routes.experts.shape[1]
+        self.top_k = self.top_k or int(routes.experts.shape[1])
         self.name = name or f"hf-{type(self.router).__name__}"
         torch.manual_seed(seed)
 
-    def __repr__(self):
+    def _gate(self) -> torch.nn.Parameter:
+        gate = gate_weight(self.router, self.experts)
+        assert gate is not None, "discover() found the router by its gate"
+        return gate
+
+    def __repr__(self) -> str:
         return (f"moe_audit.hf.Router({type(self.router).__name__} in {type(self.block).__name__}: "
                 f"{self.experts} experts, top {self.top_k}, hidden {self.hidden_size})")
 
     @torch.no_grad()
-    def route(self, data, mode, seed=None, padding=None):
+    def route(self, data: Any, mode: str, seed: int | None = None,
+              padding: Any = None) -> tuple[adapter.Routes, adapter.Capacity]:
         """Routes data [batch, seq_len, hidden] (float32) in mode "train" or "inference"; with
         ``seed_calls`` and the request's seed (``moe-audit/2``), every random draw of the call is
         keyed per token on the seed and the token's row (:class:`moe_audit.hf.seeded.PerToken`)."""
         self.module.train(mode == "train")
-        dtype = _gate(self.router, self.experts).dtype
+        dtype = self._gate().dtype
         # A copy: blocks scale their input in place (jitter).
         x = torch.tensor(np.asarray(data), dtype=dtype)
-        seen = {}
+        seen: dict[str, Any] = {}
 
-        def router_hook(module, args, output):
+        def router_hook(module: torch.nn.Module, args: Inputs, output: Any) -> None:
             seen["inputs"], seen["output"] = args, output
             if self.block is self.router:
                 raise _Routed
 
-        def experts_hook(module, args, kwargs):
-            seen["dispatch"] = _dispatch(self.site, args, kwargs)
+        def experts_hook(module: torch.nn.Module, args: Inputs, kwargs: dict[str, Any]) -> None:
+            seen["dispatch"] = dispatch_args(self.site, args, kwargs)
             raise _Routed
 
-        kwargs = {}
+        kwargs: dict[str, torch.Tensor] = {}
         if padding is not None and self.padding_mask:
             kwargs["padding_mask"] = torch.from_numpy(np.asarray(padding, dtype=bool).reshape(-1))
         handles = [self.router.register_forward_hook(router_hook)]
@@ -157,12 +168,10 @@ class Router:
                 h.remove()
         if "output" not in seen:
             raise RuntimeError(f"{type(self.block).__name__} did not call its router")
-        if self.site.decoder is None:
-            self.site.decoder = decoder_for(self.router, seen["output"])
         d = self.site.decode(seen["inputs"], seen["output"], seen.get("dispatch"))
         return adapter.routes_from_arrays(d.experts, d.weights, d.kept, d.experts >= 0), d.capacity
 
-    def run(self, argv=None):
+    def run(self, argv: Sequence[str] | None = None) -> None:
         """Serves the router on stdin/stdout (``moe-audit check --router-cmd``), or with
         ``--answer-plan DIR`` answers a trace plan."""
         adapter.run(self.route, self.name, self.experts, self.top_k, self.input, self.hidden_size,

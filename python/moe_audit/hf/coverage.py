@@ -18,31 +18,38 @@ A family not covered has its reason: what failed, after a note (:data:`NOTES`) w
 too little. ``--write docs/hf-coverage.md`` writes the table; ``--families a,b`` runs some only.
 """
 
+from __future__ import annotations
+
 import argparse
-import json
 import sys
 import time
 import traceback
 import warnings
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from . import families as fam
-from .routers import NotCovered, _config_value
+from .routers import Decoded, NotCovered, Site, config_value
+
+#: One row of the table: family, model_type, model, router, layers, decode, generate, verdicts,
+#: seconds, reason.
+Row = dict[str, Any]
 
 SIZES = ("--batch", "2", "--seq-len", "16", "--trials", "4", "--timeout", "600")
 #: Seconds one family's audit may take.
 AUDIT_TIMEOUT = 600
 
 
-def _selection_biases(router, experts):
+def _selection_biases(router: torch.nn.Module, experts: int) -> list[torch.Tensor]:
     """Parameters and buffers of E values: the selection biases a router may add."""
     found = [t for t in (*router.parameters(), *router.buffers()) if t.numel() == experts and t.ndim <= 2]
     return [t.detach().double().reshape(-1) for t in found]
 
 
-def _group_topk(scores, k, groups, topk_group):
+def _group_topk(scores: torch.Tensor, k: int, groups: int, topk_group: int) -> Any:
     t, e = scores.shape
     g = scores.reshape(t, groups, e // groups).topk(min(2, e // groups), dim=-1).values.sum(-1)
     keep = torch.zeros(t, groups, dtype=torch.bool).scatter_(1, g.topk(topk_group, dim=-1).indices, True)
@@ -50,7 +57,7 @@ def _group_topk(scores, k, groups, topk_group):
     return masked.topk(k, dim=-1)
 
 
-def check_decode(site, decoded, config, ids=None):
+def check_decode(site: Site, decoded: Decoded, config: Any, ids: Any = None) -> tuple[str | None, float]:
     """(name of the score function whose top k are the decoded experts on every token, or None;
     share of tokens checked). Near-ties are skipped. A hash router (an integer table [vocab, k]
     of experts per token id) is checked against its table for the token ids given."""
@@ -72,18 +79,22 @@ def check_decode(site, decoded, config, ids=None):
     for i, b in enumerate(_selection_biases(site.module, e)):
         candidates[f"sigmoid + bias {i}"] = logits.sigmoid() + b
         candidates[f"softmax + bias {i}"] = logits.softmax(-1) + b
-    groups = getattr(site.module, "n_group", None) or _config_value(config, ("n_group",))
-    topk_group = getattr(site.module, "topk_group", None) or _config_value(config, ("topk_group",))
-    for name, scores in list(candidates.items()):
-        if groups and topk_group and groups > 1 and e % groups == 0:
+    groups = getattr(site.module, "n_group", None) or config_value(config, ("n_group",))
+    topk_group = getattr(site.module, "topk_group", None) or config_value(config, ("topk_group",))
+    grouping = (int(groups), int(topk_group)) if groups and topk_group and groups > 1 and e % groups == 0 else None
+    if grouping is not None:
+        for name, scores in list(candidates.items()):
             candidates[f"{name}, group-limited"] = scores  # marker: computed below
     for name, scores in candidates.items():
-        if name.endswith("group-limited"):
-            top = _group_topk(scores, k, groups, topk_group)
+        if grouping is not None and name.endswith("group-limited"):
+            top = _group_topk(scores, k, *grouping)
         else:
             top = scores.topk(min(k + 1, e), dim=-1)
         values = top.values
-        tie = (values[:, k - 1] - values[:, k]).abs() < 1e-5 if values.shape[1] > k else torch.zeros(len(values), dtype=torch.bool)
+        if values.shape[1] > k:
+            tie = (values[:, k - 1] - values[:, k]).abs() < 1e-5
+        else:
+            tie = torch.zeros(len(values), dtype=torch.bool)
         chosen = top.indices[:, :k].sort(1).values
         same = (chosen == experts.sort(1).values).all(1)
         checked = routed & ~tie & torch.isfinite(values[:, k - 1])
@@ -92,7 +103,7 @@ def check_decode(site, decoded, config, ids=None):
     return None, float(routed.float().mean())
 
 
-def audit_model(wrapped, *args):
+def audit_model(wrapped: Any, *args: str) -> tuple[dict[str, str] | None, dict[str, Any] | None, str | None]:
     """({probe: verdict}, {probe: first leaking layer}, error) of ``moe-audit check`` on a
     wrapped model at the sizes of :data:`SIZES` (or ``args``)."""
     import subprocess
@@ -100,24 +111,21 @@ def audit_model(wrapped, *args):
     import moe_audit
 
     try:
-        proc = moe_audit.check(wrapped, "--format", "json", *(args or SIZES), timeout=AUDIT_TIMEOUT)
+        report = moe_audit.check(wrapped, *(args or SIZES), timeout=AUDIT_TIMEOUT)
     except subprocess.TimeoutExpired:
         return None, None, f"over {AUDIT_TIMEOUT} s"
-    if proc.returncode not in (0, 1):
-        lines = proc.stderr.strip().splitlines()
-        return None, None, lines[-1] if lines else f"exit {proc.returncode}"
-    findings = json.loads(proc.stdout)["findings"]
-    verdicts = {f["probe"]: f["verdict"] for f in findings}
-    first = {f["probe"]: f["first_layer"] for f in findings if f["verdict"] == "leak"}
-    return verdicts, first, None
+    except moe_audit.CheckError as e:
+        return None, None, f"error: {e}"
+    first = {f["probe"]: f["first_layer"] for f in report.findings if f["verdict"] == "leak"}
+    return report.verdicts, first, None
 
 
-def cover(family, model_type, audit=True, seed=0):
+def cover(family: str, model_type: str, audit: bool = True, seed: int = 0) -> Row:
     """One row of the table: a dict with family, model, router, layers, decode, generate,
     verdicts, seconds, reason (empty when covered)."""
-    import moe_audit.hf as hf
+    from .model import WholeModel
 
-    row = {"family": family, "model_type": model_type, "model": "", "router": "", "layers": "", "decode": "",
+    row: Row = {"family": family, "model_type": model_type, "model": "", "router": "", "layers": "", "decode": "",
            "generate": "", "verdicts": "", "seconds": 0.0, "reason": ""}
     start = time.perf_counter()
     try:
@@ -127,7 +135,7 @@ def cover(family, model_type, audit=True, seed=0):
         row["reason"] = f"does not build from its shrunk default config: {type(e).__name__}: {_short(e)}"
         return _done(row, start)
     try:
-        wrapped = hf.wrap(model, seed=seed)
+        wrapped = WholeModel(model, seed=seed)  # what hf.wrap makes of a model taking token ids
     except NotCovered as e:
         row["reason"] = _short(e)
         return _done(row, start)
@@ -166,7 +174,7 @@ def cover(family, model_type, audit=True, seed=0):
         if verdicts is None:
             row["reason"] = f"the audit stops: {_short(error)}"
         else:
-            row["verdicts"] = summary(verdicts, first)
+            row["verdicts"] = summary(verdicts, first or {})
     row["reason"] = row["reason"] or no_path or ""
     return _done(row, start)
 
@@ -187,7 +195,7 @@ NOTES = {
 }
 
 
-def summary(verdicts, first):
+def summary(verdicts: dict[str, str], first: dict[str, Any]) -> str:
     """"pass", or what did not pass: "leak P@3 F@3, drift G" (@: first leaking layer)."""
     out = []
     for verdict in ("leak", "drift", "inconclusive", "not-applicable"):
@@ -198,23 +206,23 @@ def summary(verdicts, first):
     return ", ".join(out) or "pass"
 
 
-def _noted(row):
+def _noted(row: Row) -> Row:
     note = NOTES.get(row["family"])
     if note and row["reason"]:
         row["reason"] = f"{note} Seen: {row['reason']}".replace("|", "/")
     return row
 
 
-def _short(e):
+def _short(e: object) -> str:
     return " ".join(str(e).split())[:160].replace("|", "/")
 
 
-def _done(row, start):
+def _done(row: Row, start: float) -> Row:
     row["seconds"] = round(time.perf_counter() - start, 1)
     return _noted(row)
 
 
-def covered(row):
+def covered(row: Row) -> bool:
     return not row["reason"]
 
 
@@ -222,7 +230,7 @@ HEADER = ("| family | model | router | layers | decode check | gen = fwd | audit
           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
 
 
-def table(rows):
+def table(rows: list[Row]) -> str:
     n = sum(covered(r) for r in rows)
     lines = [f"{n} of {len(rows)} MoE families of transformers {_version()} covered "
              f"({100 * n / len(rows):.0f}%).\n\n", HEADER]
@@ -232,7 +240,7 @@ def table(rows):
     return "".join(lines)
 
 
-def _version():
+def _version() -> str:
     import transformers
 
     return transformers.__version__
@@ -241,7 +249,7 @@ def _version():
 _COLUMNS = ("family", "model", "router", "layers", "decode", "generate", "verdicts", "seconds", "reason")
 
 
-def read_rows(path):
+def read_rows(path: str) -> dict[str, dict[str, str]]:
     """{family: row} of a written table (cells as text)."""
     out = {}
     with open(path) as f:
@@ -252,7 +260,7 @@ def read_rows(path):
     return out
 
 
-def read_table(path):
+def read_table(path: str) -> dict[str, bool]:
     """{family: covered?} of a written table."""
     return {f: row["reason"] == "" for f, row in read_rows(path).items()}
 
@@ -285,7 +293,7 @@ FINDINGS = """
 """
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--families", help="comma-separated families (default: all)")
     p.add_argument("--write", help="write the table (markdown) to this file")

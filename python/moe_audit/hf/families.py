@@ -10,13 +10,21 @@ hidden size another one must match); a family that needs more has a setting of i
 (:data:`SETTINGS`, :data:`FIXES`), each with why.
 """
 
+from __future__ import annotations
+
 import importlib
+import importlib.util
 import inspect
 import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import torch
 
 from .routers import EXPERT_FIELDS, TOP_K_FIELDS
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
 
 HIDDEN = 64
 LAYERS = 4
@@ -41,8 +49,8 @@ _SIZES = (
     (1, ("topk_group", "first_k_dense_replace", "num_shared_experts", "n_shared_experts", "moe_num_shared_experts",
         "num_nextn_predict_layers", "zero_expert_num", "num_dense_layers")),
     (16, ("head_dim", "qk_nope_head_dim", "v_head_dim", "kv_lora_rank", "linear_key_head_dim", "linear_value_head_dim",
-         "mamba_head_dim", "ssm_state_size", "qk_rope_head_dim", "mamba_d_state", "attention_head_dim", "global_head_dim",
-         "index_head_dim", "d_kv", "linear_head_dim")),
+         "mamba_head_dim", "ssm_state_size", "qk_rope_head_dim", "mamba_d_state", "attention_head_dim",
+         "global_head_dim", "index_head_dim", "d_kv", "linear_head_dim")),
     (8, ("rotary_dim", "index_n_heads")),
     (32, ("q_lora_rank",)),
     (EXPERTS, EXPERT_FIELDS),
@@ -53,12 +61,12 @@ _FIELD_SIZE = {f: v for v, fields in _SIZES for f in fields}
 _TOKEN_IDS = re.compile(r".*_token_id$|.*_token_ids$")
 
 
-def families():
+def families() -> dict[str, str]:
     """{family: model_type} of every MoE family in the installed transformers, sorted."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    out = {}
+    out: dict[str, list[str]] = {}
     for model_type, cls in CONFIG_MAPPING_NAMES.items():
         family = _family_of(model_type)
         if family is None:
@@ -72,7 +80,7 @@ def families():
     return {f: _pick(f, types) for f, types in sorted(out.items())}
 
 
-def _family_of(model_type):
+def _family_of(model_type: str) -> str | None:
     from transformers.models.auto.configuration_auto import model_type_to_module_name
 
     module = model_type_to_module_name(model_type)
@@ -83,7 +91,7 @@ def _family_of(model_type):
     return module if spec is not None else None
 
 
-def _routed(config, depth=0):
+def _routed(config: Any, depth: int = 0) -> bool:
     for k, v in vars(config).items():
         if k in EXPERT_FIELDS and isinstance(v, int) and v > 1:
             return True
@@ -93,7 +101,7 @@ def _routed(config, depth=0):
     return False
 
 
-def _pick(family, types):
+def _pick(family: str, types: list[str]) -> str:
     """The model type whose model takes token ids: one with a causal LM, else a *_text one."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as causal
 
@@ -101,20 +109,25 @@ def _pick(family, types):
     return ranked[0]
 
 
-def _shrink(d, depth=0, base=None):
+#: A config as a dict (``to_dict()``), and its sub-configs as dicts.
+ConfigDict = dict[str, Any]
+
+
+def shrink(d: ConfigDict, depth: int = 0, base: tuple[ConfigDict, ConfigDict] | None = None) -> ConfigDict:
     """A config dict shrunk: sizes by field name, per-layer lists cut to LAYERS, token ids in
     the vocabulary, derived sizes kept consistent (:func:`_keep_ties`). ``base``: (before,
     after) of the config a per-layer override dict belongs to."""
-    layers = next((d[f] for f, v in _FIELD_SIZE.items() if v == LAYERS and "layer" in f and isinstance(d.get(f), int)), None)
+    layers = next((d[f] for f, v in _FIELD_SIZE.items()
+                   if v == LAYERS and "layer" in f and isinstance(d.get(f), int)), None)
     if layers is None:  # no layer count: the layers are the entries of the per-layer types (NemotronH)
         layers = max((len(v) for k, v in d.items()
                       if isinstance(v, list) and re.fullmatch(r"layers?_\w*types?", str(k))), default=None)
-    out = {}
+    out: ConfigDict = {}
     for k, v in d.items():
         if isinstance(v, dict) and v and all(str(i).isdigit() for i in v):
             v = {i: x for i, x in v.items() if int(i) < LAYERS}  # per-layer settings (shrunk below)
         elif isinstance(v, dict) and depth < 3:
-            v = _shrink(v, depth + 1)
+            v = shrink(v, depth + 1)
         elif k in TOP_K_FIELDS and v is None and any(isinstance(d.get(f), int) for f in EXPERT_FIELDS):
             v = TOP_K
         elif k == "mlp_layer_types" and v is None and any(isinstance(d.get(f), int) for f in EXPERT_FIELDS):
@@ -127,7 +140,7 @@ def _shrink(d, depth=0, base=None):
         elif isinstance(v, (list, str)) and layers and len(v) == layers and layers > LAYERS:
             cut = v[:LAYERS]
             full = [x for x in v if str(x) in ("attention", "full_attention")] if isinstance(v, list) else []
-            if full and full[0] not in cut:
+            if full and isinstance(cut, list) and full[0] not in cut:
                 # keep one attention layer, so the KV cache has one to measure (generation path)
                 cut = cut[:-1] + full[:1]
             v = cut
@@ -138,11 +151,11 @@ def _shrink(d, depth=0, base=None):
     for k, v in out.items():
         if isinstance(v, dict) and v and all(str(i).isdigit() for i in v):
             # each layer's overrides shrunk like its config, over the config's own values
-            out[k] = {i: _shrink(x, depth + 1, base=(d, out)) if isinstance(x, dict) else x for i, x in v.items()}
+            out[k] = {i: shrink(x, depth + 1, base=(d, out)) if isinstance(x, dict) else x for i, x in v.items()}
     return out
 
 
-def _keep_ties(before, after, base=None):
+def _keep_ties(before: ConfigDict, after: ConfigDict, base: tuple[ConfigDict, ConfigDict] | None = None) -> None:
     """Sizes the default config derives from others stay derived once those are shrunk, in
     ``after`` (a per-layer override: merged over its config's, ``base``):
 
@@ -155,17 +168,20 @@ def _keep_ties(before, after, base=None):
     else:
         eff_before, eff_after = before, after
     parts = [eff_before.get(f) for f in ("qk_nope_head_dim", "qk_rope_head_dim")]
-    if all(isinstance(x, int) and not isinstance(x, bool) for x in parts) and sum(parts) > 0:
+    sizes = [x for x in parts if isinstance(x, int) and not isinstance(x, bool)]
+    if len(sizes) == len(parts) and sum(sizes) > 0:
         tied = eff_after["qk_nope_head_dim"] + eff_after["qk_rope_head_dim"]
         for f in ("head_dim", "qk_head_dim"):
-            if eff_before.get(f) == sum(parts) and eff_after.get(f) != tied:
+            if eff_before.get(f) == sum(sizes) and eff_after.get(f) != tied:
                 after[f] = tied
     # <part>_hidden_size beside <part>_config, in this config or in one of its sub-configs
     for where_before, where_after in [(before, after)] + [
             (v, after[k]) for k, v in before.items() if isinstance(v, dict) and isinstance(after.get(k), dict)]:
         for k, v in where_before.items():
-            part = k[: -len("_hidden_size")] + "_config" if str(k).endswith("_hidden_size") else None
-            sub = before.get(part) if part else None
+            if not str(k).endswith("_hidden_size"):
+                continue
+            part = k[: -len("_hidden_size")] + "_config"
+            sub = before.get(part)
             if (isinstance(v, int) and isinstance(sub, dict) and sub.get("hidden_size") == v
                     and isinstance(after.get(part), dict)):
                 where_after[k] = after[part]["hidden_size"]
@@ -173,7 +189,7 @@ def _keep_ties(before, after, base=None):
 
 #: What a family's shrunk config needs before it builds in transformers 5.23: fields set when
 #: the config is made (a constraint of the family), or a fix applied after (a bug of 5.23).
-SETTINGS = {
+SETTINGS: dict[str, dict[str, Any]] = {
     # Mamba heads * head dim must equal expand * hidden; its default has no attention layer (one
     # here, so the KV cache can say its length on the generation path).
     "granitemoehybrid": {"mamba_d_head": 32,
@@ -194,26 +210,26 @@ SETTINGS = {
 }
 
 
-def _dbrx(c):
+def _dbrx(c: Any) -> None:
     # DbrxAttentionConfig has no rope_theta, which DbrxAttention reads, and no clip_qkv value,
     # which it clamps with.
     c.attn_config.rope_theta = c.rope_parameters["rope_theta"]
     c.attn_config.clip_qkv = 8.0
 
 
-def _sliding_window(c):
+def _sliding_window(c: Any) -> None:
     # Its attention reads a sliding window, which the default config leaves unset.
     for sub in (c, getattr(c, "text_config", None)):
         if sub is not None:
             sub.sliding_window = 64
 
 
-FIXES = {"dbrx": _dbrx, "step3p7": _sliding_window}
+FIXES: dict[str, Callable[[Any], None]] = {"dbrx": _dbrx, "step3p7": _sliding_window}
 
 _MROPE_DEFAULT = re.compile(r"""\.get\(\s*["']mrope_section["']\s*,\s*\[([\d,\s]+)\]""")
 
 
-def _mrope_sections(model_type, c):
+def _mrope_sections(model_type: str, c: PretrainedConfig) -> None:
     """Multimodal RoPE splits the rotary half-dim into (t, h, w) sections, which must sum to it:
     a section list the modeling code defaults to (for the full head_dim) is scaled to the
     shrunk one, in proportion (largest remainders), on each config with flat rope_parameters.
@@ -223,10 +239,10 @@ def _mrope_sections(model_type, c):
         source = inspect.getsource(importlib.import_module(f"transformers.models.{family}.modeling_{family}"))
     except (ImportError, OSError, TypeError):
         return
-    default = _MROPE_DEFAULT.search(source)
-    if default is None:
+    found = _MROPE_DEFAULT.search(source)
+    if found is None:
         return
-    default = [int(x) for x in default.group(1).split(",") if x.strip()]
+    default = [int(x) for x in found.group(1).split(",") if x.strip()]
     for sub in (c, getattr(c, "text_config", None)):
         rope = getattr(sub, "rope_parameters", None)
         if not isinstance(rope, dict) or "rope_theta" not in rope:
@@ -236,10 +252,10 @@ def _mrope_sections(model_type, c):
         half = int(head_dim * rope.get("partial_rotary_factor", 1.0)) // 2
         sections = list(rope.get("mrope_section") or default)
         if sum(sections) != half and half >= len(sections):
-            rope["mrope_section"] = _apportion(sections, half)
+            rope["mrope_section"] = apportion(sections, half)
 
 
-def _apportion(weights, total):
+def apportion(weights: Sequence[int], total: int) -> list[int]:
     """Integers >= 1 in proportion to weights, summing to total (largest remainders)."""
     exact = [w * total / sum(weights) for w in weights]
     out = [max(1, int(x)) for x in exact]
@@ -254,14 +270,14 @@ def _apportion(weights, total):
     return out
 
 
-def config(model_type):
+def config(model_type: str) -> PretrainedConfig:
     """The family's default config shrunk to a tiny model."""
     from transformers import AutoConfig
 
     default = AutoConfig.for_model(model_type)
     before = default.to_dict()
-    after = _shrink(before)
-    changed = {k: v for k, v in after.items() if v != before[k]}
+    after = shrink(before)
+    changed: dict[str, Any] = {k: v for k, v in after.items() if v != before[k]}
     changed.update(SETTINGS.get(model_type, {}))
     try:
         c = AutoConfig.for_model(model_type, **changed)
@@ -278,7 +294,7 @@ def config(model_type):
     return c
 
 
-def model_class(model_type, config):
+def model_class(model_type: str, config: PretrainedConfig) -> type[PreTrainedModel]:
     """The class that builds ``model_type`` from token ids: its causal LM, else its base model,
     else the model class of its modeling module made for this config."""
     import transformers
@@ -286,7 +302,7 @@ def model_class(model_type, config):
 
     name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) or MODEL_MAPPING_NAMES.get(model_type)
     if name:
-        return getattr(transformers, name)
+        return cast("type[PreTrainedModel]", getattr(transformers, str(name)))
     family = _family_of(model_type)
     module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     made = [c for c in vars(module).values()
@@ -298,7 +314,7 @@ def model_class(model_type, config):
     return made[0]
 
 
-def _hash_tables(model, seed):
+def _hash_tables(model: torch.nn.Module, seed: int) -> None:
     """A hash router's token-id -> experts table is a checkpoint buffer, all zeros at random
     init (every token to expert 0, k times): filled with k distinct seeded experts per id."""
     g = torch.Generator().manual_seed(seed)
@@ -310,7 +326,7 @@ def _hash_tables(model, seed):
                 table.copy_(torch.rand(table.shape[0], experts, generator=g).argsort(1)[:, :table.shape[1]])
 
 
-def build(model_type, seed=0):
+def build(model_type: str, seed: int = 0) -> tuple[PreTrainedModel, PretrainedConfig]:
     """(model, config): the tiny random model of ``model_type`` in eval mode, float32."""
     c = config(model_type)
     torch.manual_seed(seed)

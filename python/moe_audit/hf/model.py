@@ -1,20 +1,27 @@
 """A whole model (token ids in) served to ``moe-audit check`` over ``moe-audit/3``."""
 
+from __future__ import annotations
+
 import inspect
 import json
 import math
 import sys
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any, BinaryIO, Union
 
 import numpy as np
 import torch
 
 from . import wire3
-from .capture import capture
-from .routers import NotCovered, discover
+from .capture import Recorder, capture
+from .routers import Decoded, Model, NotCovered, discover, module_attribute
+
+#: Every routed layer's routes of a call, and its output rows [T, D] (None: no outputs).
+Forward = tuple[dict[int, Decoded], Union[np.ndarray, None]]
 
 
-def _takes(module, name):
+def _takes(module: torch.nn.Module, name: str) -> bool:
     """Whether module.forward takes the keyword ``name``."""
     try:
         return name in inspect.signature(module.forward).parameters
@@ -22,12 +29,12 @@ def _takes(module, name):
         return False
 
 
-def _takes_token_ids(module):
+def takes_token_ids(module: torch.nn.Module) -> bool:
     return _takes(module, "input_ids")
 
 
-def _vocab(module):
-    emb = module.get_input_embeddings() if hasattr(module, "get_input_embeddings") else None
+def _vocab(module: torch.nn.Module) -> int:
+    emb = module_attribute(module, "get_input_embeddings")() if hasattr(module, "get_input_embeddings") else None
     if emb is not None and hasattr(emb, "num_embeddings"):
         return int(emb.num_embeddings)
     v = getattr(getattr(module, "config", None), "vocab_size", None)
@@ -37,7 +44,7 @@ def _vocab(module):
     return int(v)
 
 
-def _initialise_blank_gates(model, seed):
+def _initialise_blank_gates(model: Model, seed: int) -> None:
     """A gate never initialised (torch.empty or zeros: built from a config without init, not
     loaded) gets a seeded normal gate (std 1/sqrt(hidden))."""
     g = torch.Generator().manual_seed(seed)
@@ -51,17 +58,17 @@ def _initialise_blank_gates(model, seed):
                     p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
 
 
-def _family(module):
+def _family(module: torch.nn.Module) -> str:
     """The model's family as transformers names it (``config.model_type``), else its class."""
     return getattr(getattr(module, "config", None), "model_type", None) or type(module).__name__
 
 
-def _one_line(e):
+def _one_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
-def _config_hint(config):
+def _config_hint(config: Any) -> str:
     """The config field behind a forward that fails, where a known inconsistency names it."""
     heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
     if getattr(config, "kv_lora_rank", None) and heads and kv and kv != heads:
@@ -71,7 +78,7 @@ def _config_hint(config):
     return "; check the config's sizes (num_attention_heads, num_key_value_heads, head_dim, ...)"
 
 
-def _forward_failure(module, vocab, error):
+def _forward_failure(module: torch.nn.Module, vocab: int, error: BaseException) -> str:
     """One line on a forward that raised while the wrapper looked at the model: the model's own
     forward fails too (its config, named where a known inconsistency says which field), or only
     the wrapper's does."""
@@ -85,7 +92,7 @@ def _forward_failure(module, vocab, error):
     return f"{family}: moe_audit.hf's forward fails where the model's own runs ({_one_line(error)})"
 
 
-def _repeated_expert(family, model, decoded):
+def _repeated_expert(family: str, model: Model, decoded: dict[int, Decoded]) -> str | None:
     """One line on a router that sends a token to one expert twice, if one does: the model
     routes that way (DeepSeek-V4's hash layers look experts up in ``tid2eid``, a table only a
     checkpoint fills: all zeros when built from a config), and a routing record holds an expert
@@ -124,21 +131,23 @@ class WholeModel:
 
     protocol = wire3.PROTOCOL
 
-    def __init__(self, module, *, seed=0, name=None, outputs="hidden", logits=True, encoder_input_ids=None):
-        if not _takes_token_ids(module):
+    def __init__(self, module: torch.nn.Module, *, seed: int = 0, name: str | None = None,
+                 outputs: str | None = "hidden", logits: bool = True, encoder_input_ids: Any = None) -> None:
+        if not takes_token_ids(module):
             raise NotCovered(f"{type(module).__name__}.forward takes no input_ids: wrap a model that takes token "
                              "ids (a ...ForCausalLM or a base model), or a router block to audit it on hidden states")
         self.module = module
         self.seed = seed
         self.vocab = _vocab(module)
-        self.encoder = None
+        self.encoder: torch.Tensor | None = None
         audited = module
         if getattr(getattr(module, "config", None), "is_encoder_decoder", False):
-            decoder = module.get_decoder()
+            decoder = module_attribute(module, "get_decoder")()
             audited = decoder
             ids = encoder_input_ids if encoder_input_ids is not None else [list(range(1, 9))]
+            encoder = module_attribute(module, "get_encoder")()
             with torch.no_grad():
-                self.encoder = module.get_encoder()(input_ids=torch.as_tensor(ids)).last_hidden_state
+                self.encoder = encoder(input_ids=torch.as_tensor(ids)).last_hidden_state
         self.model = discover(audited, config=getattr(module, "config", None))
         self._positions = _takes(audited, "position_ids") or any(
             p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(audited.forward).parameters.values())
@@ -174,7 +183,7 @@ class WholeModel:
             self.generate, self.no_generate = False, f"{type(e).__name__}: {e}"
         torch.manual_seed(seed)
 
-    def _probe(self, ids, seed):
+    def _probe(self, ids: np.ndarray, seed: int) -> Forward:
         """One forward in training mode. A layer with several routers is audited at its last
         (:func:`discover`); when that one did not run on token ids but another of the layer did
         (a modality-isolated MoE: Ernie 4.5 VL routes text tokens to its text experts, image
@@ -198,7 +207,7 @@ class WholeModel:
         _initialise_blank_gates(m, seed)
         return self.forward(ids, "train", seed)
 
-    def handshake(self):
+    def handshake(self) -> dict[str, Any]:
         layers = []
         for n, kind in self.model.layers.items():
             entry = {"layer": n, "kind": kind}
@@ -209,7 +218,7 @@ class WholeModel:
         return wire3.handshake(self.name, self.vocab, layers, self.width, self.logits, generate=self.generate)
 
     @contextmanager
-    def _mode(self, mode):
+    def _mode(self, mode: str) -> Iterator[None]:
         """The model in training or eval mode, dropout off: the audit compares calls, and dropout
         draws per shape. Dropout modules get p = 0, and so do the float attributes that
         functional dropout reads (``attention_dropout``, ``dropout_rate``, ...), restored after."""
@@ -229,7 +238,8 @@ class WholeModel:
             for m, name, value in saved:
                 setattr(m, name, value)
 
-    def _call(self, ids, mask, past=None, use_cache=False, start=0):
+    def _call(self, ids: torch.Tensor, mask: torch.Tensor, past: Any = None, use_cache: bool = False,
+              start: int = 0) -> Any:
         """One forward of positions start.. of ids; mask covers positions 0.. of the cache too."""
         # Positions count the real tokens before each one (left padding moves none), as generate does.
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, start:start + ids.shape[1]]
@@ -244,9 +254,10 @@ class WholeModel:
             kwargs.pop("position_ids")  # a model that numbers positions itself (sinusoidal from the ids)
         return self.model.root(**kwargs)
 
-    def _rows(self, out):
+    def _rows(self, out: Any) -> np.ndarray | None:
         if self.outputs is None:
             return None
+        x: torch.Tensor | None
         if self.outputs == "logits" and getattr(out, "logits", None) is not None:
             x = torch.log_softmax(out.logits.float(), dim=-1)
         else:
@@ -257,7 +268,8 @@ class WholeModel:
         return x.float().reshape(-1, x.shape[-1]).numpy()
 
     @torch.no_grad()
-    def forward(self, ids, mode="train", seed=None, padding=None, path="forward", prefill=0):
+    def forward(self, ids: Any, mode: str = "train", seed: int | None = None, padding: Any = None,
+                path: str = "forward", prefill: int = 0) -> Forward:
         """({layer: Decoded}, output rows [T, D] or None) of token ids [batch, seq_len]."""
         ids = np.asarray(ids)
         if ids.ndim != 2 or ids.size == 0:
@@ -266,7 +278,8 @@ class WholeModel:
             raise TypeError(f"token ids must be integers, got {ids.dtype} (a model without a tokenizer takes ids, "
                             "not text)")
         if ids.min() < 0 or ids.max() >= self.vocab:
-            raise ValueError(f"token ids must be from 0 to {self.vocab - 1} (the vocabulary), got {ids.min()} to {ids.max()}")
+            raise ValueError(f"token ids must be from 0 to {self.vocab - 1} (the vocabulary), got {ids.min()} to "
+                             f"{ids.max()}")
         torch.manual_seed(self.seed if seed is None else seed)
         x = torch.as_tensor(ids, dtype=torch.long)
         mask = torch.ones_like(x) if padding is None else torch.as_tensor(~np.asarray(padding, dtype=bool)).long()
@@ -276,7 +289,7 @@ class WholeModel:
                 return rec.calls[-1], self._rows(out)
             return self._generate(rec, x, mask, max(prefill, 1))
 
-    def _generate(self, rec, x, mask, prefill):
+    def _generate(self, rec: Recorder, x: torch.Tensor, mask: torch.Tensor, prefill: int) -> Forward:
         """Prefill the first positions in one forward, then one token at a time through the
         KV cache (teacher-forced), every step recorded; returned in forward's layout."""
         b, s = x.shape
@@ -290,14 +303,14 @@ class WholeModel:
             past = out.past_key_values
             rows.append(self._rows(out))
         steps = [prefill] + [1] * (s - prefill)
-        layers = {}
+        layers: dict[int, Decoded] = {}
         for n in rec.calls[0]:
             parts = [call[n] for call in rec.calls]
             layers[n] = _interleave(parts, steps, b)
-        outputs = None if rows[0] is None else _interleave_rows(rows, steps, b)
+        outputs = None if rows[0] is None else _interleave_rows([r for r in rows if r is not None], steps, b)
         return layers, outputs
 
-    def serve(self, stdin=None, stdout=None):
+    def serve(self, stdin: BinaryIO | None = None, stdout: BinaryIO | None = None) -> None:
         """Speaks moe-audit/3 on binary streams (default stdin/stdout) until the input closes."""
         inp = stdin or sys.stdin.buffer
         out = stdout or sys.stdout.buffer
@@ -323,7 +336,7 @@ class WholeModel:
         finally:
             sys.stdout = user_out
 
-    def run(self, argv=None):
+    def run(self, argv: Sequence[str] | None = None) -> None:
         """Serves the model on stdin/stdout (``moe-audit check --model-cmd``). ``argv``: this
         wrapper's arguments (it takes none); None leaves the script's command line to the script."""
         if argv:
@@ -331,11 +344,10 @@ class WholeModel:
         self.serve()
 
 
-def _interleave(parts, steps, batch):
+def _interleave(parts: list[Decoded], steps: list[int], batch: int) -> Decoded:
     """Decoded of the steps of a generation ([batch * step] tokens each) in forward's layout."""
-    from .routers import Decoded
 
-    def join(name):
+    def join(name: str) -> Any:
         arrays = [getattr(p, name) for p in parts]
         if any(a is None for a in arrays):
             return None
@@ -347,7 +359,7 @@ def _interleave(parts, steps, batch):
     return Decoded(join("experts"), join("weights"), join("kept"), join("logits"), parts[0].capacity)
 
 
-def _interleave_rows(rows, steps, batch):
+def _interleave_rows(rows: list[np.ndarray], steps: list[int], batch: int) -> np.ndarray:
     per = [r.reshape(batch, n, -1) for r, n in zip(rows, steps)]
     cat = np.concatenate(per, axis=1)
     return cat.reshape(-1, cat.shape[-1])

@@ -18,12 +18,25 @@ What a router returns is decoded by the first registered decoder that accepts it
 - a sorted dispatch: ``(order [T*k], token [T*k], gates [T*k], sizes [E], logits)`` (JetMoE).
 """
 
+from __future__ import annotations
+
 import inspect
 import re
+from collections.abc import Sequence, Sized
 from dataclasses import dataclass
+from typing import Any, Callable, Union, cast
 
 import numpy as np
 import torch
+
+#: What a router's forward hook saw: its positional arguments.
+Inputs = Sequence[Any]
+#: The (ids [T, k], weights [T, k]) an experts module was called with, when found.
+Dispatch = Union[tuple[torch.Tensor, torch.Tensor], None]
+#: ``accepts(router, output)``: whether a decoder reads what the router returned.
+Accepts = Callable[[torch.nn.Module, Any], bool]
+#: ``decode(router, inputs, output, dispatch)``: the routes of one forward.
+Decode = Callable[[torch.nn.Module, Inputs, Any, Dispatch], "Decoded"]
 
 
 class NotCovered(TypeError):
@@ -41,12 +54,13 @@ class Decoded:
     #: bool [T, k].
     kept: np.ndarray
     #: float32 [T, E] router logits, when the router returns them.
-    logits: object = None
+    logits: np.ndarray | None = None
     #: None (dropless), E slot counts for the call, or {"scope", "slots"}.
-    capacity: object = None
+    capacity: Any = None
 
     @classmethod
-    def of(cls, experts, weights, kept=None, logits=None, capacity=None, present=None, order=True):
+    def of(cls, experts: Any, weights: Any, kept: Any = None, logits: Any = None, capacity: Any = None,
+           present: Any = None, order: bool = True) -> Decoded:
         """From tensors or arrays of any leading shape (flattened to [T, k]). ``order``: put each
         token's routes in decreasing weight (ties: lower expert id), the choice order of a sorted
         top-k; routers that pick unsorted then compare alike. ``present`` [T] or [T, k]: False
@@ -80,17 +94,21 @@ class Site:
     name: str
     module: torch.nn.Module
     experts: int
-    top_k: object
+    top_k: int | None
     shared_experts: bool
-    #: The MoE block holding the router, and its experts container.
-    block: torch.nn.Module = None
-    experts_module: torch.nn.Module = None
-    decoder: object = None
+    #: The MoE block holding the router (the router itself when found alone), and its experts
+    #: container (None when found alone).
+    block: torch.nn.Module
+    experts_module: torch.nn.Module | None = None
+    #: Found on the router's first forward (:func:`decoder_for`).
+    decoder: Decoder | None = None
 
-    def decode(self, inputs, output, dispatch=None):
+    def decode(self, inputs: Inputs, output: Any, dispatch: Dispatch = None) -> Decoded:
         """Decoded of one forward, from the router's forward hook (inputs: its positional args,
         output: what it returned); ``dispatch``: the (ids, weights) its experts were called with,
         for routers that leave the top-k to their block."""
+        if self.decoder is None:
+            self.decoder = decoder_for(self.module, output)
         return self.decoder.decode(self.module, inputs, output, dispatch)
 
 
@@ -98,14 +116,15 @@ class Site:
 class Model:
     """Every router of a module, and what each decoder layer is."""
 
-    sites: list
-    layers: dict
-    config: object = None
-    root: torch.nn.Module = None
+    sites: list[Site]
+    #: Every decoder layer: number -> "moe", "mtp" or "dense".
+    layers: dict[int, str]
+    config: Any
+    root: torch.nn.Module
     #: Routers found but not audited (a second router in a layer).
-    unaudited: list = None
+    unaudited: list[Site]
 
-    def site(self, layer):
+    def site(self, layer: int) -> Site:
         return next(s for s in self.sites if s.layer == layer)
 
 
@@ -115,17 +134,17 @@ class Decoder:
     ``decode(router, inputs, output, dispatch) -> Decoded``."""
 
     name: str
-    accepts: object
-    decode: object
+    accepts: Accepts
+    decode: Decode
 
 
-def _numpy(x):
+def _numpy(x: Any) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         return x.detach().float().cpu().numpy() if x.is_floating_point() else x.detach().cpu().numpy()
     return np.asarray(x)
 
 
-def _tensors(output):
+def _tensors(output: Any) -> list[torch.Tensor]:
     """The tensors of a router's output, in order (a tensor, or a tuple/list of them)."""
     if isinstance(output, torch.Tensor):
         return [output]
@@ -134,58 +153,67 @@ def _tensors(output):
     return []
 
 
-def _hidden(inputs):
+def _hidden(inputs: Inputs) -> torch.Tensor | None:
     return next((x for x in inputs if isinstance(x, torch.Tensor) and x.is_floating_point()), None)
 
 
-def _tokens(inputs):
+def _tokens(inputs: Inputs) -> int | None:
     """T: the token count of a router's input."""
     x = _hidden(inputs)
     return None if x is None else x.numel() // x.shape[-1]
 
 
-def _by_width(tensors, tokens, width, floating):
+def _by_width(tensors: list[torch.Tensor], tokens: int, width: int, floating: bool) -> list[torch.Tensor]:
     return [t for t in tensors if t.is_floating_point() == floating and t.shape[-1:] == (width,)
             and t.numel() == tokens * width]
 
 
-def _experts_of(router):
-    return int(router._moe_audit_experts)
+def module_attribute(module: torch.nn.Module, name: str) -> Any:
+    """A plain attribute of a module (a number, a method of a model class): torch types every
+    module attribute as a tensor or a module."""
+    return getattr(module, name)
+
+
+def _experts_of(router: torch.nn.Module) -> int:
+    return int(module_attribute(router, "_moe_audit_experts"))
 
 
 # --- built-in decoders -------------------------------------------------------------------------
 
-def _capacity_top1_accepts(router, output):
+def _capacity_top1_accepts(router: torch.nn.Module, output: Any) -> bool:
     t = _tensors(output)
     return (hasattr(router, "expert_capacity") and len(t) == 3 and t[1].shape[-1] == 1
             and t[0].shape[-1] == _experts_of(router) and not t[0].is_floating_point())
 
 
-def _capacity_top1(router, inputs, output, dispatch):
+def _capacity_top1(router: torch.nn.Module, inputs: Inputs, output: Any, dispatch: Dispatch) -> Decoded:
     # (dispatch one-hot [B, S, E], zero where capacity dropped; top-1 prob [B, S, 1]; logits):
     # cumsum over each sequence, so one capacity per sequence, first come first served.
     mask, probs, logits = _tensors(output)
     experts = logits.float().softmax(-1).argmax(-1).reshape(-1, 1)
     kept = mask.reshape(-1, mask.shape[-1]).sum(-1, keepdim=True) > 0
     batch = mask.shape[0] if mask.ndim == 3 else 1
-    capacity = {"scope": "sequence", "slots": [int(router.expert_capacity)] * batch}
+    capacity = {"scope": "sequence", "slots": [int(module_attribute(router, "expert_capacity"))] * batch}
     return Decoded.of(experts, probs.reshape(-1, 1), kept, logits, capacity)
 
 
-def _capacity_top2_accepts(router, output):
+def _capacity_top2_accepts(router: torch.nn.Module, output: Any) -> bool:
     t = _tensors(output)
     e = _experts_of(router)
     return (hasattr(router, "expert_capacity") and len(t) == 3 and all(x.shape[-1] == e for x in t)
             and hasattr(router, "classifier"))
 
 
-def _capacity_top2(router, inputs, output, dispatch):
+def _capacity_top2(router: torch.nn.Module, inputs: Inputs, output: Any, dispatch: Dispatch) -> Decoded:
     # (top-1 dispatch [T, E] after capacity; combine weights [T, E], 0 where dropped; logits
     # [T, E], with the Gumbel noise of the "sampling" policy added in place). Second choices
     # queue after every first choice: one capacity per call.
     top1_mask, combine, noisy = _tensors(output)
     x = _hidden(inputs)
-    logits = router.classifier(x.reshape(-1, x.shape[-1]).to(router.classifier.weight.dtype))
+    if x is None:
+        raise NotCovered(_unread(router, output))
+    classifier = module_attribute(router, "classifier")
+    logits = classifier(x.reshape(-1, x.shape[-1]).to(classifier.weight.dtype))
     probs = logits.float().softmax(-1)
     top1 = probs.argmax(-1)
     top2 = noisy.reshape(probs.shape).masked_fill(
@@ -203,11 +231,11 @@ def _capacity_top2(router, inputs, output, dispatch):
         padding = padding[:, :, -1, :].reshape(-1)[-probs.shape[0]:]
     if padding is not None and not getattr(router, "router_ignore_padding_tokens", True):
         present = ~padding.bool().reshape(-1, 1)  # the router masks padding out of both choices
-    capacity = [int(router.expert_capacity)] * probs.shape[-1]
+    capacity = [int(module_attribute(router, "expert_capacity"))] * probs.shape[-1]
     return Decoded.of(experts, weights, kept, logits, capacity, present=present, order=False)
 
 
-def _sorted_dispatch_accepts(router, output):
+def _sorted_dispatch_accepts(router: torch.nn.Module, output: Any) -> bool:
     if not isinstance(output, (tuple, list)) or len(output) != 5:
         return False
     order, token, gates, sizes, logits = output
@@ -215,7 +243,7 @@ def _sorted_dispatch_accepts(router, output):
             and len(sizes) == _experts_of(router) and logits.shape[-1] == _experts_of(router))
 
 
-def _sorted_dispatch(router, inputs, output, dispatch):
+def _sorted_dispatch(router: torch.nn.Module, inputs: Inputs, output: Any, dispatch: Dispatch) -> Decoded:
     # order: positions in the flattened [T, k] top-k, sorted by expert; sizes: routes per expert.
     order, _, gates, sizes, logits = output
     tokens = logits.numel() // logits.shape[-1]
@@ -228,15 +256,17 @@ def _sorted_dispatch(router, inputs, output, dispatch):
     return Decoded.of(flat_e.reshape(tokens, k), flat_w.reshape(tokens, k), logits=logits)
 
 
-def _generic_accepts(router, output):
+def _generic_accepts(router: torch.nn.Module, output: Any) -> bool:
     e = _experts_of(router)
     t = _tensors(output)
     return any(x.is_floating_point() and x.shape[-1] in (e, e + 1) for x in t)
 
 
-def _generic(router, inputs, output, dispatch):
+def _generic(router: torch.nn.Module, inputs: Inputs, output: Any, dispatch: Dispatch) -> Decoded:
     e = _experts_of(router)
     tokens = _tokens(inputs)
+    if tokens is None:
+        raise NotCovered(_unread(router, output))
     out = _tensors(output)
     # [T, E] logits or scores ([T, E + 1]: a router that also scores a skip or shared expert).
     dense = _by_width(out, tokens, e, True) or _by_width(out, tokens, e + 1, True)
@@ -257,66 +287,76 @@ def _generic(router, inputs, output, dispatch):
         # scores [T, E]: the gate of the top k, 0 elsewhere; logits: which k.
         k = _top_k(router)
         scores = dense[0].reshape(tokens, e)
+        assert logits is not None  # dense[-1]
         experts = torch.topk(logits.reshape(tokens, e), k, dim=-1).indices
         return Decoded.of(experts, scores.gather(1, experts), logits=logits)
     raise NotCovered(_unread(router, output))
 
 
-def _sparse(scores):
+def _sparse(scores: torch.Tensor) -> bool:
     """Whether a [.., E] tensor is zero (or -inf) outside a few entries per token."""
     s = scores.reshape(-1, scores.shape[-1])
     live = (s != 0) & torch.isfinite(s)
     return bool((live.sum(-1) < s.shape[-1]).all())
 
 
-def _top_k(router):
+def _top_k(router: torch.nn.Module) -> int:
     k = getattr(router, "top_k", None) or getattr(router, "_moe_audit_top_k", None)
     if not k:
         raise NotCovered(f"the top-k of {type(router).__name__} is unknown: no top_k attribute and no config")
     return int(k)
 
 
-_DECODERS = [
+BUILTIN_DECODERS = [
     Decoder("capacity-top1 (per sequence)", _capacity_top1_accepts, _capacity_top1),
     Decoder("capacity-top2 (per call)", _capacity_top2_accepts, _capacity_top2),
     Decoder("sorted-dispatch", _sorted_dispatch_accepts, _sorted_dispatch),
     Decoder("top-k", _generic_accepts, _generic),
 ]
-_REGISTERED = []
+#: (what was registered, its predicate, its decoder), latest first.
+_REGISTERED: list[tuple[Any, Callable[[torch.nn.Module], bool], Decoder]] = []
 
 
-def register_decoder(router, decode, name=None):
+def register_decoder(router: type | Callable[[torch.nn.Module], bool], decode: Callable[..., Decoded],
+                     name: str | None = None) -> Decoder:
     """Reads ``router`` (a class, or a predicate ``f(module) -> bool``) with
     ``decode(router, inputs, output) -> Decoded`` (or ``decode(router, inputs, output,
     dispatch)``: the (ids, weights) its experts got), before any built-in decoder."""
-    match = router if not isinstance(router, type) else (lambda m, cls=router: isinstance(m, cls))
+    match: Callable[[torch.nn.Module], bool]
+    if isinstance(router, type):
+        cls = router
+
+        def match(m: torch.nn.Module) -> bool:
+            return isinstance(m, cls)
+    else:
+        match = router
     takes_dispatch = len(inspect.signature(decode).parameters) >= 4
 
-    def call(module, inputs, output, dispatch):
+    def call(module: torch.nn.Module, inputs: Inputs, output: Any, dispatch: Dispatch) -> Decoded:
         return decode(module, inputs, output, dispatch) if takes_dispatch else decode(module, inputs, output)
 
-    decoder = Decoder(name or getattr(decode, "__name__", "registered"), lambda m, out: True, call)
+    decoder = Decoder(name or str(getattr(decode, "__name__", "registered")), lambda m, out: True, call)
     _REGISTERED.insert(0, (router, match, decoder))
     return decoder
 
 
-def unregister_decoder(router):
+def unregister_decoder(router: Any) -> None:
     """Forgets the decoders registered for ``router`` (the class or predicate given)."""
     _REGISTERED[:] = [r for r in _REGISTERED if r[0] is not router]
 
 
-def decoder_for(router, output):
+def decoder_for(router: torch.nn.Module, output: Any) -> Decoder:
     """The decoder that reads this router's output (registered ones first)."""
     for _, match, decoder in _REGISTERED:
         if match(router):
             return decoder
-    for decoder in _DECODERS:
+    for decoder in BUILTIN_DECODERS:
         if decoder.accepts(router, output):
             return decoder
     raise NotCovered(_unread(router, output))
 
 
-def _unread(router, output):
+def _unread(router: torch.nn.Module, output: Any) -> str:
     shapes = ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in _tensors(output))
     cls = type(router)
     return (
@@ -345,7 +385,7 @@ _LAYER = re.compile(r"^(.*?)(?:^|\.)(\d+)(?:\.|$)")
 _MTP = re.compile(r"(?:^|\.)(?:mtp|nextn)\w*(?:\.|$)", re.I)
 
 
-def _expert_count(module):
+def _expert_count(module: torch.nn.Module) -> int | None:
     """E when module is an experts container (E modules in a list/dict, E-stacked 3-D weights,
     or a module called with (hidden, ids, weights) that says it has E), else None."""
     if isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
@@ -369,27 +409,27 @@ def _expert_count(module):
     return None
 
 
-def _gate(module, experts):
+def gate_weight(module: torch.nn.Module, experts: int) -> torch.nn.Parameter | None:
     """The [E, H] gate weight held by module (itself or a descendant), or None."""
     # E rows (E + 1: a router that also scores its shared expert).
     return next((p for p in module.parameters() if p.ndim == 2 and p.shape[0] in (experts, experts + 1)
                  and p.shape[1] > 1), None)
 
 
-def _is_router(module, experts):
+def _is_router(module: torch.nn.Module, experts: int) -> bool:
     """Whether module is a gate to E experts: an [E, H] weight (a Linear, a parameter, a small
     MLP), not a stack of layers."""
-    return _gate(module, experts) is not None and not any(
+    return gate_weight(module, experts) is not None and not any(
         isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict)) for m in module.modules())
 
 
-def _holds_router(container, experts):
+def _holds_router(container: torch.nn.Module, experts: int) -> bool:
     """Whether a candidate container holds a router (so it is a block or a layer, not experts):
     an [E, H] gate in one of its submodules (its own E-row weights are expert biases)."""
-    return any(_gate(m, experts) is not None for m in container.children())
+    return any(gate_weight(m, experts) is not None for m in container.children())
 
 
-def _config_value(config, fields):
+def config_value(config: Any, fields: Sequence[str]) -> int | None:
     for c in (config, getattr(config, "text_config", None), getattr(config, "ffn_config", None)):
         if c is None:
             continue
@@ -400,12 +440,16 @@ def _config_value(config, fields):
     return None
 
 
-def _blocks(root):
+#: (block path, block, router name, router, experts container, E) of an MoE block.
+Block = tuple[str, torch.nn.Module, str, torch.nn.Module, Union[torch.nn.Module, None], int]
+
+
+def _blocks(root: torch.nn.Module) -> list[Block]:
     """(block path, block, router name, router, experts container, E) of every MoE block."""
-    found = []
+    found: list[Block] = []
     for path, block in root.named_modules():
         children = dict(block.named_children())
-        for xname, container in children.items():
+        for _xname, container in children.items():
             e = _expert_count(container)
             if e is None or _holds_router(container, e):
                 continue  # not a container, or it holds a router itself (a block or a layer)
@@ -416,15 +460,15 @@ def _blocks(root):
     return found
 
 
-def discover(module, config=None):
+def discover(module: torch.nn.Module, config: Any = None) -> Model:
     """Every router in ``module`` (a router's block, a decoder layer, a whole model), ordered
     by global layer (MTP layers after the backbone). Raises NotCovered when there is none."""
     config = config if config is not None else getattr(module, "config", None)
-    k_config = _config_value(config, TOP_K_FIELDS) if config is not None else None
+    k_config = config_value(config, TOP_K_FIELDS) if config is not None else None
     blocks = _blocks(module)
     if not blocks:
         # A router given alone: its own [E, H] gate (or its Linear's), E from attributes or config.
-        e = getattr(module, "num_experts", None) or (_config_value(config, EXPERT_FIELDS) if config else None)
+        e = getattr(module, "num_experts", None) or (config_value(config, EXPERT_FIELDS) if config else None)
         own = [p for p in module.parameters(recurse=False)] + [
             c.weight for c in module.children() if isinstance(c, torch.nn.Linear)]
         if isinstance(e, int) and any(p.ndim == 2 and p.shape[0] == e for p in own):
@@ -440,15 +484,14 @@ def discover(module, config=None):
         name = f"{path}.{rname}".strip(".") if rname else path
         layer = _LAYER.match(name)
         shared = any(m is not router and m is not container and any(True for _ in m.parameters())
-                     and _gate(m, e) is None and sum(p.numel() for p in m.parameters()) > e
+                     and gate_weight(m, e) is None and sum(p.numel() for p in m.parameters()) > e
                      for m in block.children())
         top_k = getattr(router, "top_k", None) or getattr(block, "top_k", None) or k_config
         site = Site(layer=int(layer.group(2)) if layer else 0, kind="mtp" if _MTP.search(name) else "moe", name=name,
                     module=router, experts=e, top_k=int(top_k) if top_k else None, shared_experts=shared,
                     block=block, experts_module=container)
-        router._moe_audit_experts = e
-        router._moe_audit_path = name
-        router._moe_audit_top_k = site.top_k
+        # Read by the decoders and their messages (plain attributes: torch keeps them in __dict__).
+        vars(router).update(_moe_audit_experts=e, _moe_audit_path=name, _moe_audit_top_k=site.top_k)
         sites.append(site)
     layers = _layers(module, sites)
     backbone = max((n for n, kind in layers.items() if kind != "mtp"), default=-1) + 1
@@ -466,14 +509,14 @@ def discover(module, config=None):
     return Model(sites=sites, layers=dict(sorted(layers.items())), config=config, root=module, unaudited=unaudited)
 
 
-def _layers(root, sites):
+def _layers(root: torch.nn.Module, sites: list[Site]) -> dict[int, str]:
     """Every decoder layer of the lists that hold the routers: number -> "moe" | "dense"."""
-    layers = {}
+    layers: dict[int, str] = {}
     for s in sites:
         m = _LAYER.match(s.name)
         if m and s.kind == "moe":
             stack = root.get_submodule(m.group(1)) if m.group(1) else root
-            layers.update((i, "dense") for i in range(len(stack)) if i not in layers)
+            layers.update((i, "dense") for i in range(len(cast(Sized, stack))) if i not in layers)
     for s in sites:
         if s.kind == "moe":
             layers[s.layer] = "moe"

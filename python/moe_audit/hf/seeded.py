@@ -41,12 +41,24 @@ before and after the call, and a change raises :class:`NotKeyed` too. (A block o
 or thread drawing from the global generator at the same time would trip that check as well.)
 """
 
+from __future__ import annotations
+
 import hashlib
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any, Callable, NoReturn
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+
+#: A torch function or method, as __torch_function__ gets it.
+Op = Callable[..., Any]
+#: ``draw(token's slice, its index, its generator)``: fills the slice.
+Draw = Callable[[torch.Tensor, Any, torch.Generator], Any]
+#: ``fill(slice, generator)``: fills a token's slice of a fresh tensor.
+Fill = Callable[[torch.Tensor, torch.Generator], Any]
 
 
 class NotKeyed(RuntimeError):
@@ -58,7 +70,7 @@ _INSTEAD = ("audit it unseeded (seed_calls=False: the D probe reports the random
             "--mode inference")
 
 
-def token_keys(seed, data):
+def token_keys(seed: int, data: Any) -> list[int]:
     """The generator seed of every token of ``data`` [batch, seq_len, hidden], in flat order:
     ``blake2b`` (8 bytes, keyed by the seed) of the token's float32 row."""
     rows = np.ascontiguousarray(data, dtype=np.float32)
@@ -68,7 +80,7 @@ def token_keys(seed, data):
             for row in rows]
 
 
-def _arg(args, kwargs, index, name, default=None):
+def _arg(args: Sequence[Any], kwargs: dict[str, Any], index: int, name: str, default: Any = None) -> Any:
     """The argument at this position, else this keyword, else the default."""
     if len(args) > index:
         return args[index]
@@ -80,35 +92,36 @@ class PerToken(TorchFunctionMode):
     from a generator keyed on the seed and the token's row of ``data`` [batch, seq_len, hidden]
     (see the module docstring)."""
 
-    def __init__(self, seed, data):
+    def __init__(self, seed: int, data: Any) -> None:
         super().__init__()
         shape = np.shape(data)
         self.batch, self.seq_len = int(shape[0]), int(shape[1])
         self.tokens = self.batch * self.seq_len
         self.keys = token_keys(seed, data)
-        self._generators = {}
-        self._flat = [(t,) for t in range(self.tokens)]
-        self._nested = [(b, s) for b in range(self.batch) for s in range(self.seq_len)]
-        self._global = None
+        self._generators: dict[tuple[int, torch.device], torch.Generator] = {}
+        self._flat: list[tuple[int, ...]] = [(t,) for t in range(self.tokens)]
+        self._nested: list[tuple[int, ...]] = [(b, s) for b in range(self.batch) for s in range(self.seq_len)]
+        self._global: list[torch.Tensor] = []
 
     # -- the context ------------------------------------------------------------------------
 
-    def __enter__(self):
+    def __enter__(self) -> PerToken:
         self._generators = {}
         self._global = _global_state()
-        return super().__enter__()
+        super().__enter__()  # type: ignore[no-untyped-call, unused-ignore]  # torch leaves it unannotated
+        return self
 
-    def __exit__(self, kind, value, traceback):
-        out = super().__exit__(kind, value, traceback)
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        super().__exit__(kind, value, traceback)  # type: ignore[no-untyped-call, unused-ignore]  # as __enter__
         if kind is None and not _same(self._global, _global_state()):
             raise NotKeyed(
                 "seed_calls: the block drew random numbers from torch's global generator through an op "
                 f"that moe_audit.hf.seeded does not intercept, so seed_calls cannot key it per token; {_INSTEAD}")
-        return out
 
     # -- tokens -------------------------------------------------------------------------------
 
-    def slices(self, shape, op):
+    def slices(self, shape: Sequence[int], op: str) -> list[tuple[int, ...]]:
         """Each token's index into a tensor of this shape, in flat token order."""
         shape = tuple(shape)
         if len(shape) >= 2 and shape[:2] == (self.batch, self.seq_len):
@@ -117,7 +130,7 @@ class PerToken(TorchFunctionMode):
             return self._flat
         self.unkeyed(op, shape)
 
-    def unkeyed(self, op, shape):
+    def unkeyed(self, op: str, shape: Sequence[int]) -> NoReturn:
         """Raises :class:`NotKeyed` for a draw of this shape."""
         raise NotKeyed(
             f"seed_calls: {op} draws random numbers of shape {list(shape)}, which cannot be attributed "
@@ -125,7 +138,7 @@ class PerToken(TorchFunctionMode):
             f"[{self.tokens}], the tokens flattened): "
             f"seed_calls keys every draw per token by the token's own input and cannot key this one; {_INSTEAD}")
 
-    def generator(self, t, device):
+    def generator(self, t: int, device: torch.device | str) -> torch.Generator:
         """Token t's generator on device (one stream per token and call)."""
         device = torch.device(device)
         g = self._generators.get((t, device))
@@ -134,7 +147,7 @@ class PerToken(TorchFunctionMode):
             self._generators[(t, device)] = g
         return g
 
-    def fill(self, out, op, draw):
+    def fill(self, out: torch.Tensor, op: str, draw: Draw) -> torch.Tensor:
         """``draw(token_slice, token_index, generator)`` for every token's slice of out."""
         with torch.no_grad():
             for t, index in enumerate(self.slices(out.shape, op)):
@@ -143,7 +156,8 @@ class PerToken(TorchFunctionMode):
 
     # -- the ops ------------------------------------------------------------------------------
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Op, types: Any, args: Sequence[Any] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = dict(kwargs or {})
         handler = _HANDLERS.get(func)
         if handler is not None:
@@ -153,18 +167,18 @@ class PerToken(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _name(func):
-    return _NAMES.get(func) or getattr(func, "__name__", repr(func))
+def _name(func: Op) -> str:
+    return _NAMES.get(func) or str(getattr(func, "__name__", repr(func)))
 
 
-def _fill_in_place(mode, func, args, kwargs):
+def _fill_in_place(mode: PerToken, func: Op, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     # Tensor.uniform_(from, to), normal_(mean, std), exponential_(lambd), random_(from, to), ...
     target, rest = args[0], args[1:]
     kwargs.pop("generator", None)
     return mode.fill(target, _name(func), lambda part, i, g: func(part, *rest, generator=g, **kwargs))
 
 
-def _fill_bernoulli(mode, out, op, p):
+def _fill_bernoulli(mode: PerToken, out: torch.Tensor, op: str, p: Any) -> torch.Tensor:
     """out filled per token with Bernoulli draws of probability p: a number, or a tensor
     broadcast to out's shape."""
     if isinstance(p, torch.Tensor):
@@ -173,36 +187,40 @@ def _fill_bernoulli(mode, out, op, p):
     return mode.fill(out, op, lambda part, i, g: part.bernoulli_(p, generator=g))
 
 
-def _bernoulli_(mode, func, args, kwargs):
+def _bernoulli_(mode: PerToken, func: Op, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     return _fill_bernoulli(mode, args[0], _name(func), _arg(args, kwargs, 1, "p", 0.5))
 
 
-def _drawn(mode, func, out, kwargs, draw):
+def _drawn(mode: PerToken, func: Op, out: torch.Tensor, kwargs: dict[str, Any], draw: Fill) -> torch.Tensor:
     """A fresh tensor out filled per token by ``draw(part, generator)``, requiring grad if the
     call asked (``requires_grad``, popped from kwargs before out was made)."""
     mode.fill(out, _name(func), lambda part, i, g: draw(part, g))
     return out.requires_grad_(True) if kwargs.get("requires_grad") else out
 
 
-def _options(kwargs):
+def _options(kwargs: dict[str, Any]) -> dict[str, Any]:
     """kwargs without the generator (each token has its own) and requires_grad (set after the
     fill), for making the empty tensor."""
     return {k: v for k, v in kwargs.items() if k not in ("generator", "requires_grad")}
 
 
-def _factory(fill, empty=torch.empty):
+#: What handles an op: ``handler(mode, func, args, kwargs)``.
+Handler = Callable[[PerToken, Op, Sequence[Any], dict[str, Any]], Any]
+
+
+def _factory(fill: Fill, empty: Callable[..., torch.Tensor] = torch.empty) -> Handler:
     # torch.rand(*size, ...) -> torch.empty(*size, ...) filled per token; with empty=torch.empty_like,
     # torch.rand_like(input, ...) likewise.
-    def handle(mode, func, args, kwargs):
+    def handle(mode: PerToken, func: Op, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         return _drawn(mode, func, empty(*args, **_options(kwargs)), kwargs, fill)
     return handle
 
 
-def _like(fill):
+def _like(fill: Fill) -> Handler:
     return _factory(fill, torch.empty_like)
 
 
-def _low_high(numbers, kwargs):
+def _low_high(numbers: list[Any], kwargs: dict[str, Any]) -> tuple[Any, Any]:
     """(low, high) of randint's numbers: (high), (low, high), or low/high keywords (popped)."""
     if "high" in kwargs:
         return kwargs.pop("low", numbers[0] if numbers else 0), kwargs.pop("high")
@@ -211,7 +229,7 @@ def _low_high(numbers, kwargs):
     return kwargs.pop("low", 0), numbers[0]
 
 
-def _randint(mode, func, args, kwargs):
+def _randint(mode: PerToken, func: Op, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     # randint(high, size) or randint(low, high, size), low/high/size also as keywords.
     args = list(args)
     size = kwargs.pop("size") if "size" in kwargs else args.pop()
@@ -221,14 +239,14 @@ def _randint(mode, func, args, kwargs):
                   lambda part, g: part.random_(low, high, generator=g))
 
 
-def _randint_like(mode, func, args, kwargs):
+def _randint_like(mode: PerToken, func: Op, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     # randint_like(input, high) or randint_like(input, low, high).
     low, high = _low_high(list(args[1:]), kwargs)
     return _drawn(mode, func, torch.empty_like(args[0], **_options(kwargs)), kwargs,
                   lambda part, g: part.random_(low, high, generator=g))
 
 
-def _bernoulli(mode, func, args, kwargs):
+def _bernoulli(mode: PerToken, func: Op, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     # torch.bernoulli(input) (input the probabilities), torch.bernoulli(input, p), Tensor.bernoulli.
     source = args[0]
     p = _arg(args, kwargs, 1, "p")
@@ -237,7 +255,7 @@ def _bernoulli(mode, func, args, kwargs):
     return _fill_bernoulli(mode, out, _name(func), source if p is None else p)
 
 
-def _multinomial(mode, func, args, kwargs):
+def _multinomial(mode: PerToken, func: Op, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     # One draw per probability row: the token is the row's.
     source, rest = args[0], args[1:]
     kwargs.pop("generator", None)
@@ -250,7 +268,7 @@ def _multinomial(mode, func, args, kwargs):
     return result if out is None else out.copy_(result)
 
 
-def _normal(mode, func, args, kwargs):
+def _normal(mode: PerToken, func: Op, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     # torch.normal(mean, std[, size]): mean and std tensors or numbers.
     kwargs.pop("generator", None)
     mean = _arg(args, kwargs, 0, "mean", 0.0)
@@ -273,7 +291,7 @@ def _normal(mode, func, args, kwargs):
     return out
 
 
-def _elementwise(mode, func, args, kwargs):
+def _elementwise(mode: PerToken, func: Op, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     # poisson(rates), binomial(count, prob), _standard_gamma(alpha), _sample_dirichlet(alpha):
     # the sampler run on each token's slice of its (broadcast) tensor arguments.
     kwargs.pop("generator", None)
@@ -283,13 +301,13 @@ def _elementwise(mode, func, args, kwargs):
     full = [torch.broadcast_to(a, shape) if isinstance(a, torch.Tensor) else a for a in args]
     result = torch.empty(shape, dtype=tensors[0].dtype, device=tensors[0].device) if out is None else out
 
-    def draw(part, index, g):
+    def draw(part: torch.Tensor, index: Any, g: torch.Generator) -> None:
         part.copy_(func(*(a[index] if isinstance(a, torch.Tensor) else a for a in full), generator=g, **kwargs))
 
     return mode.fill(result, _name(func), draw)
 
 
-def _dropout(mode, func, args, kwargs):
+def _dropout(mode: PerToken, func: Op, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     # F.dropout(input, p=0.5, training=True, inplace=False); torch.dropout(_)(input, p, train):
     # each token's keep mask from its own generator.
     source = _arg(args, kwargs, 0, "input")
@@ -308,7 +326,7 @@ def _dropout(mode, func, args, kwargs):
     return source.mul_(keep) if inplace else source * keep
 
 
-def _gumbel_softmax(mode, func, args, kwargs):
+def _gumbel_softmax(mode: PerToken, func: Op, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     # F.gumbel_softmax(logits, tau=1, hard=False, eps=1e-10, dim=-1), its Gumbel noise per token.
     logits = _arg(args, kwargs, 0, "logits")
     tau = _arg(args, kwargs, 1, "tau", 1)
@@ -324,7 +342,7 @@ def _gumbel_softmax(mode, func, args, kwargs):
     return one_hot - soft.detach() + soft
 
 
-def _watched(mode, func, args, kwargs):
+def _watched(mode: PerToken, func: Op, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     # Random ops drawn whole (permutations, channel dropout, rrelu): if the call drew, it cannot be
     # keyed per token.
     before = _global_state()
@@ -337,21 +355,21 @@ def _watched(mode, func, args, kwargs):
     return result
 
 
-def _global_state():
+def _global_state() -> list[torch.Tensor]:
     states = [torch.random.get_rng_state()]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states.extend(torch.cuda.get_rng_state_all())
     return states
 
 
-def _same(a, b):
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-_NAMES = {}
+_NAMES: dict[Op, str] = {}
 
 
-def _ops(owner, prefix, names):
+def _ops(owner: Any, prefix: str, names: list[str]) -> list[Op]:
     """The ops of owner with these names (those this torch has), named for error messages."""
     found = []
     for n in names:
@@ -362,13 +380,13 @@ def _ops(owner, prefix, names):
     return found
 
 
-_HANDLERS = {}
+_HANDLERS: dict[Op, Handler] = {}
 for _op in _ops(torch.Tensor, "Tensor", ["uniform_", "normal_", "exponential_", "geometric_", "log_normal_",
                                          "cauchy_", "random_"]):
     _HANDLERS[_op] = _fill_in_place
 for _op in _ops(torch.Tensor, "Tensor", ["bernoulli_"]):
     _HANDLERS[_op] = _bernoulli_
-_FILLS = {
+_FILLS: dict[str, Fill] = {
     "rand": lambda part, g: part.uniform_(generator=g),
     "randn": lambda part, g: part.normal_(generator=g),
 }

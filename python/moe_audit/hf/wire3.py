@@ -7,12 +7,18 @@ handshake order: count T u32, expert R i32, weight R f32, kept R u8, then with `
 after all layers, with ``outputs`` D > 0, T*D f32 rows.
 """
 
+from __future__ import annotations
+
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
 from .._wire import v2
+
+if TYPE_CHECKING:
+    from .routers import Decoded
 
 PROTOCOL = "moe-audit/3"
 #: The largest request payload read (token ids and mask): 256 MiB.
@@ -26,36 +32,38 @@ class Request:
     mode: str
     ids: np.ndarray  # int64 [batch, seq_len]
     seed: int
-    padding: object  # bool [batch, seq_len] or None
+    padding: np.ndarray | None  # bool [batch, seq_len]
     path: str
     prefill: int
 
 
-def handshake(name, vocab, layers, outputs, logits, padding_mask=True, generate=True):
+def handshake(name: str, vocab: int, layers: list[dict[str, Any]], outputs: int, logits: bool,
+              padding_mask: bool = True, generate: bool = True) -> dict[str, Any]:
     """The handshake object; layers: [{"layer", "kind", "experts", "top_k"}] (dense: no experts)."""
     return {"protocol": PROTOCOL, "name": name, "vocab": int(vocab), "layers": layers, "outputs": int(outputs),
             "logits": bool(logits), "padding_mask": bool(padding_mask), "generate": bool(generate)}
 
 
-def _read_exactly(stream, n):
+def _read_exactly(stream: BinaryIO, n: int) -> bytes:
     buf = stream.read(n)
     if buf is None or len(buf) != n:
         raise EOFError(f"{PROTOCOL}: a payload of {n} bytes ended after {0 if buf is None else len(buf)}")
     return buf
 
 
-def _bad(h, what):
+def _bad(h: dict[str, Any], what: str) -> ValueError:
     return ValueError(f"{PROTOCOL}: request {h.get('id', '?')}: {what}")
 
 
-def read_request(stream, vocab):
+def read_request(stream: BinaryIO, vocab: int) -> Request | None:
     """The next request, or None at the end of the stream. Raises ValueError on a malformed one."""
     for line in stream:
         if not line.strip():
             continue
         h = json.loads(line)
         if not isinstance(h, dict) or set(h) - _REQUEST_FIELDS or not {"id", "batch", "seq_len", "bytes"} <= set(h):
-            raise ValueError(f"{PROTOCOL}: a request header must have the fields {sorted(_REQUEST_FIELDS)}: {line[:200]!r}")
+            raise ValueError(f"{PROTOCOL}: a request header must have the fields {sorted(_REQUEST_FIELDS)}: "
+                             f"{line[:200]!r}")
         b, s = h["batch"], h["seq_len"]
         if not (isinstance(b, int) and isinstance(s, int) and b > 0 and s > 0):
             raise _bad(h, f"batch and seq_len must be positive integers, got {b!r}, {s!r}")
@@ -86,10 +94,12 @@ def read_request(stream, vocab):
     return None
 
 
-def response(request_id, layers, outputs, logits):
+def response(request_id: int, layers: list[tuple[int, tuple[Decoded, int]]], outputs: np.ndarray | None,
+             logits: bool) -> tuple[bytes, bytes]:
     """(header line, payload) of a response. layers: [(Decoded, experts E)] in handshake order;
     outputs: float32 [T, D] or None."""
-    parts, header_layers = [], []
+    parts: list[bytes] = []
+    header_layers: list[dict[str, Any]] = []
     for layer, (decoded, experts) in layers:
         present = decoded.experts >= 0
         count = present.sum(axis=1)
@@ -98,6 +108,7 @@ def response(request_id, layers, outputs, logits):
                   np.ascontiguousarray(decoded.weights[present], dtype="<f4").tobytes(),
                   np.ascontiguousarray(decoded.kept[present], dtype=np.uint8).tobytes()]
         if logits:
+            assert decoded.logits is not None, "a layer without logits in a response with logits"
             # [T, E]: a router that also scores a skip expert (ZAYA: E + 1) sends the E routed ones.
             parts.append(np.ascontiguousarray(decoded.logits[:, :experts], dtype="<f4").tobytes())
         header_layers.append({"layer": int(layer), "routes": int(present.sum()),
@@ -109,7 +120,8 @@ def response(request_id, layers, outputs, logits):
     return json.dumps(header, allow_nan=False).encode() + b"\n", payload
 
 
-def request(request_id, ids, mode="train", seed=0, padding=None, path="forward", prefill=0):
+def request(request_id: int, ids: Any, mode: str = "train", seed: int = 0, padding: Any = None, path: str = "forward",
+            prefill: int = 0) -> tuple[bytes, bytes]:
     """(header line, payload) of a request: what moe-audit sends (for tests and other clients)."""
     ids = np.asarray(ids)
     b, s = ids.shape
@@ -121,14 +133,14 @@ def request(request_id, ids, mode="train", seed=0, padding=None, path="forward",
     return json.dumps(header).encode() + b"\n", payload
 
 
-def read_response(stream, hs):
+def read_response(stream: BinaryIO, hs: dict[str, Any]) -> dict[str, Any]:
     """A response as {"id", "layers": [{"layer", "capacity", "count", "expert", "weight", "kept",
     "logits"}], "outputs"}: the reader moe-audit implements, for tests."""
     h = json.loads(stream.readline())
     payload = _read_exactly(stream, h["bytes"])
     at = 0
 
-    def take(dtype, n):
+    def take(dtype: Any, n: int) -> np.ndarray:
         nonlocal at
         a = np.frombuffer(payload, dtype=dtype, count=n, offset=at)
         at += a.nbytes
@@ -138,7 +150,7 @@ def read_response(stream, hs):
     # T is not in the header: every layer has 9 bytes per route, the rest is per token.
     per_token = sum(4 + (4 * e["experts"] if hs["logits"] else 0) for e in routed) + 4 * hs["outputs"]
     tokens = (len(payload) - sum(9 * lh["routes"] for lh in h["layers"])) // per_token
-    layers = []
+    layers: list[dict[str, Any]] = []
     for entry, lh in zip(routed, h["layers"]):
         count = take("<u4", tokens)
         r = lh["routes"]
