@@ -92,7 +92,8 @@ def record(model: Any, input_ids: Any, path: str | os.PathLike[str] | None = Non
             if not 1 <= prefill <= seq:
                 raise ValueError(f"prefill must be in 1..{seq}, got {prefill}")
             m = None if mask is None else mask.to(device)
-            out = model(input_ids=ids[:, :prefill], attention_mask=None if m is None else m[:, :prefill], use_cache=True)
+            head = None if m is None else m[:, :prefill]
+            out = model(input_ids=ids[:, :prefill], attention_mask=head, use_cache=True)
             steps.append(prefill)
             past = out.past_key_values
             for t in range(prefill, seq):
@@ -207,7 +208,8 @@ class Comparison:
         ``order_only``, ``failed``, ``defects``, per defect kind ``defect/KIND`` (counts), and per
         compared layer ``layer/N/decisions_differ`` (N: the trainer's global layer number)."""
         m = self.measures
-        out = {prefix + key: float(m[key]) for key in ("decisions_differ", "tokens_differ", "overlap", "tokens", "decisions", "missing", "order_only")}
+        keys = ("decisions_differ", "tokens_differ", "overlap", "tokens", "decisions", "missing", "order_only")
+        out = {prefix + key: float(m[key]) for key in keys}
         if m.get("mean_first_differing") is not None:
             out[prefix + "mean_first_differing"] = float(m["mean_first_differing"])
         out[prefix + "failed"] = float(self.failed)
@@ -221,7 +223,10 @@ class Comparison:
 
     def __repr__(self) -> str:
         m = self.measures
-        return f"<Comparison failed={self.failed} decisions_differ={m['decisions_differ']:.4g} tokens_differ={m['tokens_differ']:.4g} defects={len(self.defects)}>"
+        return (
+            f"<Comparison failed={self.failed} decisions_differ={m['decisions_differ']:.4g} "
+            f"tokens_differ={m['tokens_differ']:.4g} defects={len(self.defects)}>"
+        )
 
 
 #: One array as the extension reads it: (its data's address, size in bytes, dtype name, shape).
@@ -270,11 +275,13 @@ def _side(x: Any, role: str) -> tuple[list[np.ndarray], str | tuple[str, list[Pa
             # One part per sequence, as the file format keeps them (row slices: views, no copy).
             cu = [int(c) for c in np.asarray(cu)]
             x = [x[a:b] for a, b in zip(cu[:-1], cu[1:])]
-    parts: list[Any] = [_part(a, f"{role} sequence {i}") for i, a in enumerate(x)] if isinstance(x, (list, tuple)) else [_part(x, role)]
+    arrays = list(enumerate(x)) if isinstance(x, (list, tuple)) else [(None, x)]
+    parts: list[Any] = [_part(a, role if i is None else f"{role} sequence {i}") for i, a in arrays]
     held = [p[0] for p in parts]
     parts = [p[1] for p in parts]
     first = parts[0] if parts else (0, 0, "int", (0,))
-    name = f"{role} ({first[2]} {'x'.join(str(n) for n in first[3])}{f', {len(parts)} sequences' if len(parts) > 1 else ''})"
+    sequences = f", {len(parts)} sequences" if len(parts) > 1 else ""
+    name = f"{role} ({first[2]} {'x'.join(str(n) for n in first[3])}{sequences})"
     return held, (name, parts, None if layers is None else [int(g) for g in layers])
 
 
@@ -338,7 +345,11 @@ def router_replay(instances: Iterable[Any] | None = None, *, model: Any = None,
             f"RouterReplay instance {missing[0]} recorded nothing: set RouterReplayAction.RECORD before the forward"
         )
     if layers is None and model is not None:
-        by_replay = {id(m.router_replay): m.layer_number for m in model.modules() if getattr(m, "router_replay", None) is not None}
+        by_replay = {
+            id(m.router_replay): m.layer_number
+            for m in model.modules()
+            if getattr(m, "router_replay", None) is not None
+        }
         numbers: list[Any] = [by_replay.get(id(r)) for r in instances]
         if all(n is not None for n in numbers):
             layers = [n - 1 for n in numbers]
