@@ -73,12 +73,6 @@ impl MemoryBudget {
     }
 }
 
-/// The limit in force: `requested`, or half of physical memory.
-#[deprecated(note = "use MemoryBudget::from_request")]
-pub fn limit(requested: Option<ByteSize>) -> u64 {
-    MemoryBudget::from_request(requested).bytes()
-}
-
 /// Parses `--max-memory` (`512MiB`, `4GiB`, `2000000000`): a positive size, said clearly when not.
 pub fn parse_size(text: &str) -> std::result::Result<ByteSize, String> {
     let size: ByteSize = text.trim().parse().ok().filter(|_| !text.trim_start().starts_with('-')).ok_or_else(|| {

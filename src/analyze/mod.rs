@@ -7,8 +7,6 @@
 
 mod budget;
 mod case;
-#[deprecated(note = "moved to moe_audit::routing (TokenDiff, diff_token, capacity_of, WEIGHT_TOLERANCE)")]
-pub mod compare;
 pub(crate) mod explain;
 mod layer_check;
 mod noise;
@@ -21,8 +19,6 @@ pub use crate::parallel::Layer;
 pub use case::{Call, Case};
 pub use explain::Explanation;
 pub use noise::fix as random_router_fix;
-#[allow(deprecated)]
-pub use noise::FIX as RANDOM_ROUTER_FIX;
 pub(crate) use probe::TARGET_LOGIT;
 pub use probe::{numerics, Probe};
 pub use witness::Witness;
@@ -32,7 +28,7 @@ use crate::layer::{MoeLayer, Seeded};
 use crate::progress::Progress;
 use crate::router::{logits_to_host, Router};
 use crate::routing::{LoadStats, Routing};
-use crate::MemoryBudget;
+use crate::{MemoryBudget, RunSizes};
 use candle_core::Device;
 use probe::Ctx;
 use serde::{Deserialize, Serialize};
@@ -116,20 +112,14 @@ pub struct AuditOptions {
 }
 
 fn default_ranks() -> usize {
-    2
+    RunSizes::default().ranks
 }
 
+/// The sizes are [`RunSizes`]'s defaults, the command line's too.
 impl Default for AuditOptions {
     fn default() -> Self {
-        AuditOptions {
-            probes: Probe::ALL.to_vec(),
-            batch: 4,
-            seq_len: 128,
-            trials: 32,
-            seed: 0,
-            ranks: default_ranks(),
-            exhaustive: false,
-        }
+        let RunSizes { batch, seq_len, trials, ranks, .. } = RunSizes::default();
+        AuditOptions { probes: Probe::ALL.to_vec(), batch, seq_len, trials, seed: 0, ranks, exhaustive: false }
     }
 }
 

@@ -300,7 +300,8 @@ pub struct ZooArgs {
 pub(super) fn zoo(args: &ZooArgs, out: &mut dyn Write) -> Result<u8> {
     let options = AuditOptions { seed: args.seed, ..AuditOptions::default() };
     let configs = presets().iter().map(|p| p.config()).collect::<Result<Vec<_>>>()?;
-    let report = audit_all(configs, &options, (64, 128), MemoryBudget::from_request(None), None)?;
+    let sizes = RunSizes::default();
+    let report = audit_all(configs, &options, (sizes.hidden, sizes.ffn), MemoryBudget::from_request(None), None)?;
     out.write_all(render_zoo(&report).as_bytes()).map_err(io_error)?;
     Ok(0)
 }

@@ -78,7 +78,7 @@ impl MoeLayer {
     }
 
     /// Loads Mixtral-style weights from a safetensors file within the memory limit `budget`
-    /// (see [`crate::memory::limit`]): the file may hold half of it (it is read whole, then its
+    /// (see [`crate::MemoryBudget`]): the file may hold half of it (it is read whole, then its
     /// tensors are a second copy), and the tensors as stored plus their copies in `dtype` (and,
     /// in f32, the experts' packed copy) must fit before they are converted.
     pub fn from_safetensors(
