@@ -15,7 +15,7 @@ use super::protocol::{parse_response, Asked, Handshake, InputKind, Mode, Respons
 use super::{Answers, External};
 use crate::analyze::{audit, AuditOptions, Subject};
 use crate::error::{Error, Result};
-use crate::memory::CallSizes;
+use crate::layer::CallSizes;
 use crate::progress::Silent;
 use crate::routing::Routing;
 use crate::MemoryBudget;

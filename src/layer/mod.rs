@@ -7,11 +7,13 @@
 //! once at load (`kernel.rs`): the same results up to the matmuls' summation order.
 
 mod cpu;
+mod estimate;
 mod expert;
 pub mod gate;
 pub mod kernel;
 mod weights;
 
+pub use estimate::CallSizes;
 pub use expert::Expert;
 pub use kernel::Kernel;
 pub use weights::{infer_dims, load_safetensors, seeded_weights, tensor_names, LayerDims, Seeded};

@@ -11,6 +11,7 @@
 pub mod audit;
 pub mod builtin;
 mod compare;
+mod plan;
 pub mod process;
 pub mod protocol;
 
