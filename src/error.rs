@@ -56,6 +56,45 @@ pub enum Error {
         /// What is wrong with it.
         message: String,
     },
+    /// A file or directory that could not be read, written or created: what failed, and the
+    /// system's error as its source.
+    #[error("{}: {doing}", path.display())]
+    Io {
+        /// The file or directory.
+        path: PathBuf,
+        /// What failed (`cannot read`, `cannot write`, `cannot create`), with advice if any.
+        doing: String,
+        /// The system's error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A file whose content is not the document it should be (a witness, a plan manifest, a
+    /// safetensors file): what it should have been, and the parser's error as its source.
+    #[error("{}: {expected}", path.display())]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// What it is not (`not a witness`), or what could not be done with it.
+        expected: String,
+        /// The parser's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// What the system refused: a thread pool that cannot start, a record that cannot be
+    /// serialised; the system's error as its source.
+    #[error("{what}")]
+    System {
+        /// What could not be done.
+        what: String,
+        /// Why.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// Content that cannot be used as given, not a setting of the run: a witness of another
+    /// model, a snapshot header's `[input]` that does not fit its router, a harness's answer
+    /// that does not fit its plan.
+    #[error("{0}")]
+    Invalid(String),
     /// A setting (a size, a limit, a list) that cannot be used; settings are named as
     /// [`Setting`]s, so that the command line can write them as its flags.
     #[error("{0}")]
@@ -88,6 +127,25 @@ impl Error {
 
     pub(crate) fn shape(context: &str, message: impl Into<String>) -> Self {
         Error::Shape { context: context.to_string(), message: message.into() }
+    }
+
+    /// An [`Error::Io`]: `doing` (`cannot read`) failed on `path` for `source`.
+    pub fn io(path: impl Into<PathBuf>, doing: impl Into<String>, source: std::io::Error) -> Self {
+        Error::Io { path: path.into(), doing: doing.into(), source }
+    }
+
+    /// An [`Error::Parse`]: the file at `path` is not what `expected` says, for `source`.
+    pub fn parse(
+        path: impl Into<PathBuf>,
+        expected: impl Into<String>,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        Error::Parse { path: path.into(), expected: expected.into(), source: Box::new(source) }
+    }
+
+    /// An [`Error::System`]: `what` could not be done, for `source`.
+    pub fn system(what: impl Into<String>, source: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Error::System { what: what.into(), source: Box::new(source) }
     }
 
     /// An [`Error::Input`]: what is wrong with the file at `path`.
@@ -244,6 +302,23 @@ impl fmt::Display for Setting {
             None => write!(f, "setting `{}`", self.name()),
         }
     }
+}
+
+/// An error and its causes on one line, `what: cause: its cause`, as the command line prints
+/// it. A cause whose text the line already ends with (an error that prints its source, as
+/// candle's and some parsers' do) is not repeated.
+pub fn chain(e: &dyn std::error::Error) -> String {
+    let mut line = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let text = c.to_string();
+        if !line.ends_with(&text) {
+            line.push_str(": ");
+            line.push_str(&text);
+        }
+        cause = c.source();
+    }
+    line
 }
 
 /// The sizes that must be at least 1, checked in one place: the first that is 0 is named.

@@ -1,5 +1,6 @@
 //! `moe-audit route`: one call through a router, shown as a table or the JSON record.
 
+use super::exit;
 use super::{io_error, MemoryArgs};
 use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};
@@ -97,5 +98,5 @@ pub(super) fn run(args: &RouteArgs, out: &mut dyn Write) -> Result<u8> {
         RouteFormat::Json => json(&routing),
     };
     out.write_all(text.as_bytes()).map_err(io_error)?;
-    Ok(0)
+    Ok(exit::OK)
 }

@@ -455,11 +455,11 @@ fn witness(
 pub fn replay(model: &dyn Model, w: &TokenWitness) -> Result<bool> {
     let info = model.info();
     if w.model != info.name {
-        return Err(Error::Usage(format!("the witness is of model `{}`, not `{}`", w.model, info.name)));
+        return Err(Error::Invalid(format!("the witness is of model `{}`, not `{}`", w.model, info.name)));
     }
     let index = |call: &TokenCall, (s, p): (usize, usize)| -> Result<usize> {
         if s >= call.batch || p >= call.seq_len {
-            return Err(Error::Usage(format!("the witness's token ({s}, {p}) is outside its call")));
+            return Err(Error::Invalid(format!("the witness's token ({s}, {p}) is outside its call")));
         }
         Ok(s * call.seq_len + p)
     };
@@ -468,7 +468,7 @@ pub fn replay(model: &dyn Model, w: &TokenWitness) -> Result<bool> {
         Some(layer) => match info.routed().position(|l| l.layer == layer) {
             Some(i) => Some(i),
             None => {
-                return Err(Error::Usage(format!("the witness's layer {layer} is not a routed layer of the model")))
+                return Err(Error::Invalid(format!("the witness's layer {layer} is not a routed layer of the model")))
             }
         },
         None => None,
