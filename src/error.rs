@@ -154,6 +154,33 @@ impl Error {
     }
 }
 
+/// What is wrong with one field of a document (a router config, a sweep grid, a plan's options),
+/// found before the caller adds which document it is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FieldError {
+    /// The dotted field path, e.g. `capacity.factor`.
+    pub field: String,
+    /// What is wrong, including the offending value.
+    pub message: String,
+}
+
+impl FieldError {
+    /// `field` is wrong: `message`.
+    pub fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
+        FieldError { field: field.into(), message: message.into() }
+    }
+
+    /// The same error on `prefix.field` (a nested table, e.g. `inference`).
+    pub(crate) fn within(self, prefix: &str) -> Self {
+        FieldError { field: format!("{prefix}.{}", self.field), ..self }
+    }
+
+    /// As an [`Error::Config`] of the document `source_name`.
+    pub(crate) fn in_config(self, source_name: &str) -> Error {
+        Error::Config { source_name: source_name.to_string(), field: self.field, message: self.message }
+    }
+}
+
 /// A setting of a run that a message may name. The library writes it as `` setting `name` ``
 /// (the field or parameter it sets); the command line writes its flag instead, so no library
 /// message names a flag.
@@ -326,5 +353,32 @@ pub fn ensure_positive(sizes: &[(Setting, usize)]) -> Result<()> {
     match sizes.iter().find(|(_, v)| *v == 0) {
         Some((setting, _)) => Err(Error::Usage(format!("{setting} must be at least 1"))),
         None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_error_prints_with_its_causes_on_one_line() {
+        let e = Error::io("x.json", "cannot read", std::io::Error::other("gone"));
+        assert_eq!(e.to_string(), "x.json: cannot read");
+        assert_eq!(chain(&e), "x.json: cannot read: gone");
+        let parse = serde_json::from_str::<Vec<f32>>("[1,").unwrap_err();
+        let e = Error::parse("rows.json", "not rows", parse);
+        assert_eq!(chain(&e), "rows.json: not rows: EOF while parsing a value at line 1 column 3");
+        // A cause the message already ends with (candle prints its source) is not repeated.
+        let e = Error::Candle(candle_core::Error::Msg("bad dtype".into()));
+        assert_eq!(chain(&e), "candle: bad dtype");
+    }
+
+    #[test]
+    fn a_field_error_names_its_document_and_table() {
+        let e = FieldError::new("capacity.factor", "must be finite and > 0, got 0").within("inference");
+        assert_eq!(
+            e.in_config("r.toml").to_string(),
+            "r.toml: inference.capacity.factor: must be finite and > 0, got 0"
+        );
     }
 }

@@ -23,7 +23,7 @@ pub(crate) use probe::TARGET_LOGIT;
 pub use probe::{numerics, Probe};
 pub use witness::Witness;
 
-use crate::error::{Error, Result, Setting};
+use crate::error::{Error, FieldError, Result, Setting};
 use crate::layer::{MoeLayer, Seeded};
 use crate::progress::Progress;
 use crate::router::{logits_to_host, Router};
@@ -126,15 +126,15 @@ impl Default for AuditOptions {
 impl AuditOptions {
     /// Checks options read from a file (a trace manifest): an audit that runs no probe, or on
     /// no token, must not pass. The error names the field.
-    pub fn check(&self) -> std::result::Result<(), (String, String)> {
+    pub fn check(&self) -> std::result::Result<(), FieldError> {
         if self.probes.is_empty() {
-            return Err(("probes".into(), "is empty: an audit that runs no probe cannot pass".into()));
+            return Err(FieldError::new("probes", "is empty: an audit that runs no probe cannot pass"));
         }
         for (field, v) in
             [("batch", self.batch), ("seq_len", self.seq_len), ("trials", self.trials), ("ranks", self.ranks)]
         {
             if v == 0 {
-                return Err((field.into(), "must be at least 1, got 0".into()));
+                return Err(FieldError::new(field, "must be at least 1, got 0"));
             }
         }
         Ok(())

@@ -2,8 +2,9 @@
 //! the field and the value.
 
 use super::{CapacityConfig, DropPolicy, GroupLimit, RouterConfig, RouterKind, ScopeGroup, ScoreFn, Selection};
+use crate::error::FieldError;
 
-type Check = Result<(), (&'static str, String)>;
+type Check = Result<(), FieldError>;
 
 /// The largest capacity factor accepted.
 pub(crate) const MAX_CAPACITY_FACTOR: f64 = 1e6;
@@ -12,7 +13,7 @@ fn ensure(ok: bool, field: &'static str, message: impl FnOnce() -> String) -> Ch
     if ok {
         Ok(())
     } else {
-        Err((field, message()))
+        Err(FieldError::new(field, message()))
     }
 }
 
@@ -21,7 +22,7 @@ impl RouterConfig {
     /// the error). Errors are `(field, message)`.
     pub(crate) fn validate(&self) -> Check {
         let e = self.experts;
-        crate::names::check(&self.name).map_err(|m| ("name", m))?;
+        crate::names::check(&self.name).map_err(|m| FieldError::new("name", m))?;
         ensure(e > 0, "experts", || format!("must be at least 1, got {e}"))?;
         ensure(self.routed_scaling.is_finite() && self.routed_scaling > 0.0, "routed_scaling", || {
             format!("must be finite and > 0, got {}", self.routed_scaling)
@@ -57,7 +58,7 @@ impl RouterConfig {
 
     /// A token-choice router: `top_k` between 1 and E.
     fn check_token_choice(&self, e: usize) -> Check {
-        let k = self.top_k.ok_or(("top_k", "is required for a token-choice router".to_string()))?;
+        let k = self.top_k.ok_or_else(|| FieldError::new("top_k", "is required for a token-choice router"))?;
         ensure(k >= 1, "top_k", || format!("must be at least 1, got {k}"))?;
         ensure(k <= e, "top_k", || format!("{k} exceeds experts = {e}"))?;
         Ok(())
@@ -83,8 +84,10 @@ impl RouterConfig {
         ensure(self.capacity.is_none(), "capacity", || {
             "an expert-threshold router is dropless: its thresholds set the load".into()
         })?;
-        let t =
-            self.threshold.as_ref().ok_or(("threshold", "is required for an expert-threshold router".to_string()))?;
+        let t = self
+            .threshold
+            .as_ref()
+            .ok_or_else(|| FieldError::new("threshold", "is required for an expert-threshold router"))?;
         ensure(t.factor.is_finite() && t.factor > 0.0 && t.factor <= MAX_CAPACITY_FACTOR, "threshold.factor", || {
             format!("must be finite, > 0 and at most {MAX_CAPACITY_FACTOR:?}, got {}", t.factor)
         })?;
@@ -95,7 +98,7 @@ impl RouterConfig {
             format!("has {} entries, expected one per expert ({e})", t.values.len())
         })?;
         if let Some((i, v)) = t.values.iter().enumerate().find(|(_, v)| !v.is_finite()) {
-            return Err(("threshold.values", format!("entry {i} is {v}, must be finite")));
+            return Err(FieldError::new("threshold.values", format!("entry {i} is {v}, must be finite")));
         }
         Ok(())
     }
@@ -112,7 +115,10 @@ impl RouterConfig {
         ensure(self.group_limit.is_none(), "group_limit", || "applies to token-choice routers only".into())?;
         ensure(self.selection == Selection::TopK, "selection", || "applies to token-choice routers only".into())?;
         ensure(self.bias_update_rate.is_none(), "bias_update_rate", || "applies to token-choice routers only".into())?;
-        let cap = self.capacity.as_ref().ok_or(("capacity", "is required for an expert-choice router".to_string()))?;
+        let cap = self
+            .capacity
+            .as_ref()
+            .ok_or_else(|| FieldError::new("capacity", "is required for an expert-choice router"))?;
         ensure(!cap.pad && !cap.renormalize_after_drop, "capacity", || {
             "pad and renormalize_after_drop apply to token-choice routers only".into()
         })?;
@@ -191,9 +197,12 @@ impl RouterConfig {
                 })?
             }
             (None, Some(_)) => {}
-            (Some(_), Some(_)) => return Err(("capacity", "set either `factor` or `fixed`, not both".into())),
+            (Some(_), Some(_)) => return Err(FieldError::new("capacity", "set either `factor` or `fixed`, not both")),
             (None, None) => {
-                return Err(("capacity", "needs `factor` (derived capacity) or `fixed` (constant capacity)".into()))
+                return Err(FieldError::new(
+                    "capacity",
+                    "needs `factor` (derived capacity) or `fixed` (constant capacity)",
+                ))
             }
         }
         Ok(())
@@ -204,7 +213,7 @@ impl RouterConfig {
 fn check_expert_bias(bias: &[f32], e: usize) -> Check {
     ensure(bias.len() == e, "expert_bias", || format!("has {} entries, expected one per expert ({e})", bias.len()))?;
     if let Some((i, b)) = bias.iter().enumerate().find(|(_, b)| !b.is_finite()) {
-        return Err(("expert_bias", format!("entry {i} is {b}, must be finite")));
+        return Err(FieldError::new("expert_bias", format!("entry {i} is {b}, must be finite")));
     }
     Ok(())
 }

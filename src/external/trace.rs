@@ -187,7 +187,7 @@ pub(crate) fn read_manifest(dir: &Path, budget: MemoryBudget) -> Result<Manifest
         return Err(Error::input(&path, format!("format `{}`, expected `{FORMAT}`", manifest.format)));
     }
     manifest.router.validate().map_err(|e| Error::input(&path, e))?;
-    manifest.options.check().map_err(|(field, m)| Error::input(&path, format!("options.{field}: {m}")))?;
+    manifest.options.check().map_err(|e| Error::input(&path, format!("options.{}: {}", e.field, e.message)))?;
     let mut ids = std::collections::HashSet::new();
     if let Some(call) = manifest.calls.iter().find(|c| !ids.insert(c.id)) {
         return Err(Error::input(&path, format!("calls: id {} appears twice (every call has its own id)", call.id)));

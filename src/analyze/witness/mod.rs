@@ -168,9 +168,9 @@ impl Witness {
             return Err(Error::input(path, "no `sha256` content hash to check".to_string()));
         }
         match (&w.router, &w.handshake) {
-            (Some(router), None) => router.validate().map_err(|(field, message)| {
-                Error::config(&path.display().to_string(), &format!("router.{field}"), message)
-            })?,
+            (Some(router), None) => {
+                router.validate().map_err(|e| e.within("router").in_config(&path.display().to_string()))?
+            }
             (None, Some(_)) if w.experts().is_some() && w.name().is_some() => {}
             (None, Some(_)) => {
                 return Err(Error::input(path, "`handshake` needs a `name` and a number of `experts` of at least 1"))
