@@ -6,12 +6,14 @@
 //! packed as sequences of one call, because whether sequences of a call interact is what N and
 //! R test, and a model's scope is its own claim (docs/PROTOCOL.md, "Calls").
 
+mod plan;
+
 use super::compare::{classify_case, compare_pair, CaseClass, PairResult, OUTPUT_TOLERANCE};
-use super::plan::{Case, Plan};
 use super::{Model, ModelInfo, ModelOutput, TokenCall};
 use crate::analyze::{Property, Verdict};
 use crate::error::{Error, Result, Setting};
 use crate::routing::Route;
+use plan::{Case, Plan};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};

@@ -11,7 +11,6 @@
 pub mod audit;
 pub mod builtin;
 mod compare;
-mod plan;
 pub mod process;
 pub mod protocol;
 

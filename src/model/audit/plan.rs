@@ -1,9 +1,9 @@
-//! What each token probe calls the model with: the cases of a probe, planned from the base call
+//! What each token probe calls the model with (the audit's first step, a child of `audit.rs`): the cases of a probe, planned from the base call
 //! (one case is one model call; its reference is the base call), and the note its finding
 //! carries.
 
-use super::audit::{ModelAuditOptions, TokenProbe};
-use super::{Mode, ModelInfo, Path, TokenCall};
+use super::{ModelAuditOptions, TokenProbe};
+use crate::model::{Mode, ModelInfo, Path, TokenCall};
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
