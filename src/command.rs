@@ -3,7 +3,7 @@
 //! (`moe_audit._native.main`) both call [`main`], so they behave alike: the same output, exit
 //! codes, panic message and signal handling. Not a library API.
 
-use crate::cli::{flag, run, Cli};
+use crate::cli::{exit, flag, run, Cli};
 use crate::runtime::{self, one_line};
 use clap::Parser;
 use std::ffi::OsString;
@@ -24,19 +24,19 @@ pub fn main(args: impl IntoIterator<Item = OsString>) -> u8 {
         let at = info.location().map_or(String::new(), |l| format!(" at {}:{}", l.file(), l.line()));
         runtime::clean_up();
         eprintln!("error: internal error (a bug, please report it): {}{at}", one_line(&what));
-        std::process::exit(2);
+        std::process::exit(exit::ERROR.into());
     }));
     name_settings();
     if let Err(e) = runtime::init() {
-        eprintln!("error: {}", one_line(&e.to_string()));
-        return 2;
+        eprintln!("error: {}", one_line(&crate::error::chain(&e)));
+        return exit::ERROR;
     }
     let cli = match Cli::try_parse_from(args) {
         Ok(cli) => cli,
         // --help and --version print and succeed.
         Err(e) if !e.use_stderr() => {
             let _ = e.print();
-            return 0;
+            return exit::OK;
         }
         // A usage error is one line too, like every other error: clap's first paragraph (with
         // its own `error: ` prefix) joined, and where to look for more.
@@ -44,7 +44,7 @@ pub fn main(args: impl IntoIterator<Item = OsString>) -> u8 {
             let text = e.render().to_string();
             let first: Vec<&str> = text.lines().map(str::trim).take_while(|l| !l.is_empty()).collect();
             eprintln!("{} (see --help)", one_line(&first.join(" ")));
-            return 2;
+            return exit::ERROR;
         }
     };
     let mut out = ClosedPipeOk::new(std::io::stdout().lock());
@@ -58,8 +58,8 @@ pub fn main(args: impl IntoIterator<Item = OsString>) -> u8 {
             while runtime::interrupted_by_signal() {
                 std::thread::park();
             }
-            eprintln!("error: {}", one_line(&e.to_string()));
-            2
+            eprintln!("error: {}", one_line(&crate::error::chain(&e)));
+            exit::ERROR
         }
     }
 }

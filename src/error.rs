@@ -56,6 +56,45 @@ pub enum Error {
         /// What is wrong with it.
         message: String,
     },
+    /// A file or directory that could not be read, written or created: what failed, and the
+    /// system's error as its source.
+    #[error("{}: {doing}", path.display())]
+    Io {
+        /// The file or directory.
+        path: PathBuf,
+        /// What failed (`cannot read`, `cannot write`, `cannot create`), with advice if any.
+        doing: String,
+        /// The system's error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A file whose content is not the document it should be (a witness, a plan manifest, a
+    /// safetensors file): what it should have been, and the parser's error as its source.
+    #[error("{}: {expected}", path.display())]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// What it is not (`not a witness`), or what could not be done with it.
+        expected: String,
+        /// The parser's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// What the system refused: a thread pool that cannot start, a record that cannot be
+    /// serialised; the system's error as its source.
+    #[error("{what}")]
+    System {
+        /// What could not be done.
+        what: String,
+        /// Why.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// Content that cannot be used as given, not a setting of the run: a witness of another
+    /// model, a snapshot header's `[input]` that does not fit its router, a harness's answer
+    /// that does not fit its plan.
+    #[error("{0}")]
+    Invalid(String),
     /// A setting (a size, a limit, a list) that cannot be used; settings are named as
     /// [`Setting`]s, so that the command line can write them as its flags.
     #[error("{0}")]
@@ -90,9 +129,55 @@ impl Error {
         Error::Shape { context: context.to_string(), message: message.into() }
     }
 
+    /// An [`Error::Io`]: `doing` (`cannot read`) failed on `path` for `source`.
+    pub fn io(path: impl Into<PathBuf>, doing: impl Into<String>, source: std::io::Error) -> Self {
+        Error::Io { path: path.into(), doing: doing.into(), source }
+    }
+
+    /// An [`Error::Parse`]: the file at `path` is not what `expected` says, for `source`.
+    pub fn parse(
+        path: impl Into<PathBuf>,
+        expected: impl Into<String>,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        Error::Parse { path: path.into(), expected: expected.into(), source: Box::new(source) }
+    }
+
+    /// An [`Error::System`]: `what` could not be done, for `source`.
+    pub fn system(what: impl Into<String>, source: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Error::System { what: what.into(), source: Box::new(source) }
+    }
+
     /// An [`Error::Input`]: what is wrong with the file at `path`.
     pub fn input(path: impl Into<PathBuf>, message: impl Into<String>) -> Self {
         Error::Input { path: path.into(), message: message.into() }
+    }
+}
+
+/// What is wrong with one field of a document (a router config, a sweep grid, a plan's options),
+/// found before the caller adds which document it is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FieldError {
+    /// The dotted field path, e.g. `capacity.factor`.
+    pub field: String,
+    /// What is wrong, including the offending value.
+    pub message: String,
+}
+
+impl FieldError {
+    /// `field` is wrong: `message`.
+    pub fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
+        FieldError { field: field.into(), message: message.into() }
+    }
+
+    /// The same error on `prefix.field` (a nested table, e.g. `inference`).
+    pub(crate) fn within(self, prefix: &str) -> Self {
+        FieldError { field: format!("{prefix}.{}", self.field), ..self }
+    }
+
+    /// As an [`Error::Config`] of the document `source_name`.
+    pub(crate) fn in_config(self, source_name: &str) -> Error {
+        Error::Config { source_name: source_name.to_string(), field: self.field, message: self.message }
     }
 }
 
@@ -246,10 +331,54 @@ impl fmt::Display for Setting {
     }
 }
 
+/// An error and its causes on one line, `what: cause: its cause`, as the command line prints
+/// it. A cause whose text the line already ends with (an error that prints its source, as
+/// candle's and some parsers' do) is not repeated.
+pub fn chain(e: &dyn std::error::Error) -> String {
+    let mut line = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let text = c.to_string();
+        if !line.ends_with(&text) {
+            line.push_str(": ");
+            line.push_str(&text);
+        }
+        cause = c.source();
+    }
+    line
+}
+
 /// The sizes that must be at least 1, checked in one place: the first that is 0 is named.
 pub fn ensure_positive(sizes: &[(Setting, usize)]) -> Result<()> {
     match sizes.iter().find(|(_, v)| *v == 0) {
         Some((setting, _)) => Err(Error::Usage(format!("{setting} must be at least 1"))),
         None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_error_prints_with_its_causes_on_one_line() {
+        let e = Error::io("x.json", "cannot read", std::io::Error::other("gone"));
+        assert_eq!(e.to_string(), "x.json: cannot read");
+        assert_eq!(chain(&e), "x.json: cannot read: gone");
+        let parse = serde_json::from_str::<Vec<f32>>("[1,").unwrap_err();
+        let e = Error::parse("rows.json", "not rows", parse);
+        assert_eq!(chain(&e), "rows.json: not rows: EOF while parsing a value at line 1 column 3");
+        // A cause the message already ends with (candle prints its source) is not repeated.
+        let e = Error::Candle(candle_core::Error::Msg("bad dtype".into()));
+        assert_eq!(chain(&e), "candle: bad dtype");
+    }
+
+    #[test]
+    fn a_field_error_names_its_document_and_table() {
+        let e = FieldError::new("capacity.factor", "must be finite and > 0, got 0").within("inference");
+        assert_eq!(
+            e.in_config("r.toml").to_string(),
+            "r.toml: inference.capacity.factor: must be finite and > 0, got 0"
+        );
     }
 }

@@ -22,14 +22,12 @@ pub const TEXT_LIMIT: u64 = 16 << 20;
 /// Reads at most `limit` bytes of `path`; a longer file (or one that never ends) is an error
 /// naming the limit. `why` says what the limit is (e.g. `--max-memory`).
 pub fn read_bounded(path: &Path, limit: u64, why: &str) -> Result<Vec<u8>> {
-    let file = open_unblocked(path, false).map_err(|e| Error::input(path, format!("cannot read: {e}")))?;
+    let file = open_unblocked(path, false).map_err(|e| Error::io(path, "cannot read", e))?;
     if file.metadata().is_ok_and(|m| m.is_dir()) {
         return Err(Error::input(path, "cannot read: is a directory"));
     }
     let mut bytes = Vec::new();
-    file.take(limit.saturating_add(1))
-        .read_to_end(&mut bytes)
-        .map_err(|e| Error::input(path, format!("cannot read: {e}")))?;
+    file.take(limit.saturating_add(1)).read_to_end(&mut bytes).map_err(|e| Error::io(path, "cannot read", e))?;
     if bytes.len() as u64 > limit {
         return Err(Error::input(
             path,
@@ -187,7 +185,7 @@ impl Staged {
     /// Writes `bytes` to a temporary file for `target`.
     pub fn write(&mut self, target: &Path, bytes: &[u8]) -> Result<()> {
         let tmp = self.path_for(target);
-        std::fs::write(&tmp, bytes).map_err(|e| Error::input(target, format!("cannot write: {e}")))
+        std::fs::write(&tmp, bytes).map_err(|e| Error::io(target, "cannot write", e))
     }
 
     /// Renames every file into place, under the lock a signal takes: all of them or none.
@@ -205,7 +203,7 @@ impl Staged {
             } else {
                 std::fs::rename(tmp, target)
             };
-            done.map_err(|e| Error::input(target, format!("cannot write: {e}")))?;
+            done.map_err(|e| Error::io(target, "cannot write", e))?;
             pending.retain(|p| p != tmp);
         }
         self.files.clear();
@@ -240,12 +238,12 @@ pub fn safetensors_bytes(
     tensors: &std::collections::HashMap<String, candle_core::Tensor>,
     path: &Path,
 ) -> Result<Vec<u8>> {
-    safetensors::serialize(tensors, None).map_err(|e| Error::input(path, format!("cannot write: {e}")))
+    safetensors::serialize(tensors, None).map_err(|e| Error::parse(path, "cannot write", e))
 }
 
 /// Creates `dir` (and its parents) for outputs.
 pub fn create_dir(dir: &Path) -> Result<()> {
-    std::fs::create_dir_all(dir).map_err(|e| Error::input(dir, format!("cannot create: {e}")))
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, "cannot create", e))
 }
 
 /// Reads a rows file (logits, or hidden states): a JSON array of rows, each `width` numbers
@@ -269,8 +267,8 @@ pub fn read_rows(
     budget.ensure_fits(&format!("reading {}", path.display()), parsed)?;
     // Read as f64 and narrow: a value beyond f32 becomes inf, which routing rejects naming the
     // batch, position and expert (more useful than a parse error).
-    let rows: Vec<Vec<f64>> = serde_json::from_str(&text)
-        .map_err(|e| Error::input(path, format!("expected a JSON array of rows of numbers: {e}")))?;
+    let rows: Vec<Vec<f64>> =
+        serde_json::from_str(&text).map_err(|e| Error::parse(path, "expected a JSON array of rows of numbers", e))?;
     ensure_positive(&[(Setting::Batch, batch)])?;
     if rows.is_empty() || !rows.len().is_multiple_of(batch) {
         return Err(Error::input(

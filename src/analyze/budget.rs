@@ -1,7 +1,7 @@
 //! What an audit allocates, estimated from its sizes before it starts (see [`crate::memory`]).
 
 use super::AuditOptions;
-use crate::memory::CallSizes;
+use crate::layer::CallSizes;
 
 impl AuditOptions {
     /// Peak bytes of an audit of a router with `experts` experts and `routes` routes per token,

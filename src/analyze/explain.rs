@@ -3,6 +3,8 @@
 //! to fix this class of leak given the router's design. Every report format prints the same
 //! [`Explanation`]; it is computed once, here, from the finding and the router's configuration.
 
+use super::case::CallMode;
+use super::probe::Modes;
 use super::witness::TokenRef;
 use super::{AuditOptions, Finding, Probe, Verdict};
 use crate::config::{Family, RouterConfig};
@@ -44,11 +46,21 @@ pub(crate) fn explain(
     let w = f.witness.as_ref();
     Some(Explanation {
         token: w.map(|w| w.token_a),
-        calls: f.probe.rule().calls(w, options, config.is_some(), serving),
+        calls: f.probe.rule().calls(w, options, modes(config.is_some(), serving)),
         changed: w.map(|w| changed(&w.differs, &w.before, &w.after)),
         cause: cause(f),
         fix: fix(f.probe, config),
     })
+}
+
+/// Where the router's modes come from: its configuration, or (an external router) the mode
+/// it is audited in.
+fn modes(configured: bool, serving: bool) -> Modes {
+    match (configured, serving) {
+        (true, _) => Modes::Config,
+        (false, true) => Modes::External(CallMode::Inference),
+        (false, false) => Modes::External(CallMode::Train),
+    }
 }
 
 pub(crate) fn plural(n: usize, one: &str) -> String {

@@ -7,8 +7,6 @@
 
 mod budget;
 mod case;
-#[deprecated(note = "moved to moe_audit::routing (TokenDiff, diff_token, capacity_of, WEIGHT_TOLERANCE)")]
-pub mod compare;
 pub(crate) mod explain;
 mod layer_check;
 mod noise;
@@ -21,18 +19,16 @@ pub use crate::parallel::Layer;
 pub use case::{Call, Case};
 pub use explain::Explanation;
 pub use noise::fix as random_router_fix;
-#[allow(deprecated)]
-pub use noise::FIX as RANDOM_ROUTER_FIX;
 pub(crate) use probe::TARGET_LOGIT;
 pub use probe::{numerics, Probe};
 pub use witness::Witness;
 
-use crate::error::{Error, Result, Setting};
+use crate::error::{Error, FieldError, Result, Setting};
 use crate::layer::{MoeLayer, Seeded};
 use crate::progress::Progress;
 use crate::router::{logits_to_host, Router};
 use crate::routing::{LoadStats, Routing};
-use crate::MemoryBudget;
+use crate::{MemoryBudget, RunSizes};
 use candle_core::Device;
 use probe::Ctx;
 use serde::{Deserialize, Serialize};
@@ -116,35 +112,29 @@ pub struct AuditOptions {
 }
 
 fn default_ranks() -> usize {
-    2
+    RunSizes::default().ranks
 }
 
+/// The sizes are [`RunSizes`]'s defaults, the command line's too.
 impl Default for AuditOptions {
     fn default() -> Self {
-        AuditOptions {
-            probes: Probe::ALL.to_vec(),
-            batch: 4,
-            seq_len: 128,
-            trials: 32,
-            seed: 0,
-            ranks: default_ranks(),
-            exhaustive: false,
-        }
+        let RunSizes { batch, seq_len, trials, ranks, .. } = RunSizes::default();
+        AuditOptions { probes: Probe::ALL.to_vec(), batch, seq_len, trials, seed: 0, ranks, exhaustive: false }
     }
 }
 
 impl AuditOptions {
     /// Checks options read from a file (a trace manifest): an audit that runs no probe, or on
     /// no token, must not pass. The error names the field.
-    pub fn check(&self) -> std::result::Result<(), (String, String)> {
+    pub fn check(&self) -> std::result::Result<(), FieldError> {
         if self.probes.is_empty() {
-            return Err(("probes".into(), "is empty: an audit that runs no probe cannot pass".into()));
+            return Err(FieldError::new("probes", "is empty: an audit that runs no probe cannot pass"));
         }
         for (field, v) in
             [("batch", self.batch), ("seq_len", self.seq_len), ("trials", self.trials), ("ranks", self.ranks)]
         {
             if v == 0 {
-                return Err((field.into(), "must be at least 1, got 0".into()));
+                return Err(FieldError::new(field, "must be at least 1, got 0"));
             }
         }
         Ok(())

@@ -149,11 +149,6 @@ pub(crate) fn fix_for(seed_calls: Option<bool>, (training, inference): (bool, bo
     }
 }
 
-/// The fix a random router's messages offer.
-#[deprecated(note = "use analyze::random_router_fix(), which names the setting as the front end does")]
-pub const FIX: &str =
-    "seed every request (moe-audit/2 sends a `seed`; moe_audit applies it with seed_calls=True) or audit --mode inference";
-
 /// The modes whose calls a probe compares (`Train`: the audited mode): M compares the two; S
 /// judges its comparisons one by one itself (`probe/replay.rs`), each against its mode's noise.
 fn modes_of(probe: Probe) -> &'static [CallMode] {

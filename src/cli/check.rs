@@ -1,6 +1,7 @@
 //! `moe-audit check` (the CI gate) and `moe-audit zoo` (every preset at default sizes).
 
 use super::bars::AuditBar;
+use super::exit;
 use super::external::ExternalArgs;
 use super::{io_error, MemoryArgs, SizeArgs};
 use clap::{Args, ValueEnum};
@@ -193,7 +194,7 @@ fn audit_and_report(args: &CheckArgs, out: &mut dyn Write, comm: Option<&dyn Com
     // Routers named in their handshake or manifest too, before any file is written.
     moe_audit::names::check_unique(report.routers.iter().map(|r| r.router.as_str())).map_err(Error::Usage)?;
     if comm.is_some_and(|c| c.rank() != 0) {
-        return Ok(u8::from(args.fail_on.fails(&report)));
+        return Ok(exit::failed_if(args.fail_on.fails(&report)));
     }
     // The witnesses and the report file are one set, renamed into place together.
     let mut staged = moe_audit::files::Staged::new();
@@ -225,7 +226,7 @@ fn audit_and_report(args: &CheckArgs, out: &mut dyn Write, comm: Option<&dyn Com
     if args.github {
         out.write_all(render_github(&report).as_bytes()).map_err(io_error)?;
     }
-    Ok(u8::from(args.fail_on.fails(&report)))
+    Ok(exit::failed_if(args.fail_on.fails(&report)))
 }
 
 /// Which verdicts fail a check (`--fail-on`).
@@ -286,7 +287,7 @@ fn replay(args: &CheckArgs, path: &Path, budget: MemoryBudget, out: &mut dyn Wri
     out.write_all(text.as_bytes()).map_err(io_error)?;
     // An X witness is drift: it fails as the audit that wrote it did, under `--fail-on drift`.
     let fails = if replay.witness.probe == Probe::X { args.fail_on.drift } else { args.fail_on.leak };
-    Ok(u8::from(replay.reproduces() && fails))
+    Ok(exit::failed_if(replay.reproduces() && fails))
 }
 
 /// Arguments of `moe-audit zoo`.
@@ -300,9 +301,10 @@ pub struct ZooArgs {
 pub(super) fn zoo(args: &ZooArgs, out: &mut dyn Write) -> Result<u8> {
     let options = AuditOptions { seed: args.seed, ..AuditOptions::default() };
     let configs = presets().iter().map(|p| p.config()).collect::<Result<Vec<_>>>()?;
-    let report = audit_all(configs, &options, (64, 128), MemoryBudget::from_request(None), None)?;
+    let sizes = RunSizes::default();
+    let report = audit_all(configs, &options, (sizes.hidden, sizes.ffn), MemoryBudget::from_request(None), None)?;
     out.write_all(render_zoo(&report).as_bytes()).map_err(io_error)?;
-    Ok(0)
+    Ok(exit::OK)
 }
 
 #[cfg(test)]

@@ -3,6 +3,7 @@
 //! §1). Exit 1 when a configuration's bias exceeds `--max-bias`.
 
 use super::check::CommKind;
+use super::exit;
 use super::{io_error, MemoryArgs};
 use clap::{Args, ValueEnum};
 use moe_audit::error::{Error, Result};
@@ -88,7 +89,7 @@ pub(super) fn run(args: &CollectivesArgs, out: &mut dyn Write) -> Result<u8> {
                 sort_figures(&plan, &mut r);
                 r
             }
-            None => return Ok(0),
+            None => return Ok(exit::OK),
         },
     };
     // A NaN bias (an overflowed sum) counts as over.
@@ -110,7 +111,7 @@ pub(super) fn run(args: &CollectivesArgs, out: &mut dyn Write) -> Result<u8> {
         over_max_bias: over,
     };
     if let Some(dir) = &args.chart {
-        std::fs::create_dir_all(dir).map_err(|e| Error::input(dir, format!("cannot create: {e}")))?;
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, "cannot create", e))?;
         for &range in &plan.ranges {
             collectives_chart(&report, &plan, range, dir)?;
         }
@@ -120,7 +121,7 @@ pub(super) fn run(args: &CollectivesArgs, out: &mut dyn Write) -> Result<u8> {
         CollectivesFormat::Text => render_collectives(&report, &plan, &args.ranks, args.gradients.is_none()),
     };
     out.write_all(text.as_bytes()).map_err(io_error)?;
-    Ok(u8::from(!report.over_max_bias.is_empty()))
+    Ok(exit::failed_if(!report.over_max_bias.is_empty()))
 }
 
 #[cfg(feature = "mpi")]
@@ -177,7 +178,7 @@ fn validate(args: &CollectivesArgs) -> Result<(Payload, AuditPlan)> {
     let (payload, elements, ranges) = match &args.gradients {
         Some(path) => {
             // The file's own size bounds what reading it allocates.
-            let size = std::fs::metadata(path).map_err(|e| Error::input(path, format!("cannot read: {e}")))?.len();
+            let size = std::fs::metadata(path).map_err(|e| Error::io(path, "cannot read", e))?.len();
             budget.ensure_fits("reading the gradients", size.saturating_mul(3))?;
             let rows = moe_audit::parallel::swamping::read_gradients(path)?;
             if let Some(&r) = args.ranks.iter().find(|&&r| r > rows.len()) {

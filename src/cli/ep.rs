@@ -2,13 +2,14 @@
 //! beside the all-to-all formula of docs/ROUTING.md and the output checked against the single-device layer.
 
 use super::check::CommKind;
+use super::exit;
 use super::{io_error, MemoryArgs, SizeArgs};
 use candle_core::{DType, Device, Tensor};
 use clap::{Args, ValueEnum};
 use moe_audit::config::RouterConfig;
 use moe_audit::error::Result;
+use moe_audit::layer::CallSizes;
 use moe_audit::layer::{MoeLayer, Seeded};
-use moe_audit::memory::CallSizes;
 use moe_audit::parallel::reduce::Precision;
 use moe_audit::parallel::{split_batch, Communicator, ExpertParallel};
 use moe_audit::render::{json, render_ep, EpReport};
@@ -108,7 +109,7 @@ pub(super) fn run(args: &EpArgs, out: &mut dyn Write) -> Result<u8> {
                 ep.local_experts(comm.size())?;
                 ep.report(&x, ep.forward_gathered(comm, &x)?, comm.size())
             };
-            let Some(report) = on_mpi(args.ranks, work)? else { return Ok(0) };
+            let Some(report) = on_mpi(args.ranks, work)? else { return Ok(exit::OK) };
             report
         }
     };
@@ -117,7 +118,7 @@ pub(super) fn run(args: &EpArgs, out: &mut dyn Write) -> Result<u8> {
         EpFormat::Text => render_ep(&report),
     };
     out.write_all(text.as_bytes()).map_err(io_error)?;
-    Ok(0)
+    Ok(exit::OK)
 }
 
 /// Runs `work` on every MPI rank; returns rank 0's result (`None` on the other ranks).

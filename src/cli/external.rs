@@ -2,6 +2,7 @@
 //! and `moe-audit plan`.
 
 use super::bars::AuditBar;
+use super::exit;
 use super::MemoryArgs;
 use clap::Args;
 use moe_audit::analyze::{audit, AuditOptions, Probe, RouterReport, Subject};
@@ -255,5 +256,5 @@ pub(super) fn run_plan(args: &PlanArgs, out: &mut dyn Write) -> Result<u8> {
         args.output.display()
     )
     .map_err(super::io_error)?;
-    Ok(0)
+    Ok(exit::OK)
 }

@@ -4,6 +4,7 @@ mod bars;
 mod check;
 mod collectives;
 mod ep;
+pub(crate) mod exit;
 mod exploit;
 mod external;
 mod model;
@@ -79,7 +80,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<u8> {
                 let config = p.config()?;
                 writeln!(out, "{:<22} {}", p.name, config.description).map_err(io_error)?;
             }
-            Ok(0)
+            Ok(exit::OK)
         }
         Command::Route(args) => route::run(&args, out),
         Command::Check(args) => check::run(&args, out),

@@ -2,6 +2,7 @@
 //! decoder, or a model over `moe-audit/3`), and the replay of their witnesses.
 
 use super::check::{CheckArgs, CheckFormat};
+use super::exit;
 use super::io_error;
 use clap::Args;
 use moe_audit::analyze::Probe;
@@ -107,7 +108,7 @@ pub(super) fn run(args: &CheckArgs, out: &mut dyn Write) -> Result<Option<u8>> {
     }
     staged.commit()?;
     let fails = (args.fail_on.leak && report.leaks()) || (args.fail_on.drift && report.drifts());
-    Ok(Some(u8::from(fails)))
+    Ok(Some(exit::failed_if(fails)))
 }
 
 /// The model the flags name, checked to fit in memory at the audit's sizes.
@@ -154,8 +155,7 @@ fn replay_witness(
     out: &mut dyn Write,
 ) -> Result<u8> {
     let text = moe_audit::files::read_text(path, budget.text(), "a witness")?;
-    let w: TokenWitness =
-        serde_json::from_str(&text).map_err(|e| Error::input(path, format!("not a model witness: {e}")))?;
+    let w: TokenWitness = serde_json::from_str(&text).map_err(|e| Error::parse(path, "not a model witness", e))?;
     let still = replay(model, &w)?;
     let at = w.layer.map_or("its output row".to_string(), |l| format!("layer {l}"));
     let verdict = if still { "LEAK reproduced" } else { "no longer leaks" };
@@ -168,5 +168,5 @@ fn replay_witness(
         w.token_a.1
     );
     out.write_all(line.as_bytes()).map_err(io_error)?;
-    Ok(u8::from(still && args.fail_on.leak))
+    Ok(exit::failed_if(still && args.fail_on.leak))
 }

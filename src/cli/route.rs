@@ -1,12 +1,13 @@
 //! `moe-audit route`: one call through a router, shown as a table or the JSON record.
 
+use super::exit;
 use super::{io_error, MemoryArgs};
 use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};
 use moe_audit::config::RouterConfig;
 use moe_audit::error::{ensure_positive, Result, Setting};
+use moe_audit::layer::CallSizes;
 use moe_audit::layer::{MoeLayer, Seeded};
-use moe_audit::memory::CallSizes;
 use moe_audit::render::json;
 use moe_audit::routing::{assign, render_table};
 use std::io::Write;
@@ -97,5 +98,5 @@ pub(super) fn run(args: &RouteArgs, out: &mut dyn Write) -> Result<u8> {
         RouteFormat::Json => json(&routing),
     };
     out.write_all(text.as_bytes()).map_err(io_error)?;
-    Ok(0)
+    Ok(exit::OK)
 }

@@ -1,6 +1,7 @@
 //! `moe-audit snapshot`: a router's decisions on fixed inputs to a `.snap` file, `--check` and
 //! `--update` of one, and `--plan` (inputs for a harness such as the Python helper).
 
+use super::exit;
 use super::external::{InputArg, RouterCmdArgs};
 use super::{io_error, MemoryArgs};
 use clap::Args;
@@ -228,14 +229,14 @@ pub(super) fn run(args: &SnapshotArgs, out: &mut dyn Write) -> Result<u8> {
                 _ => "updated".to_string(),
             };
             writeln!(out, "{}: {what}", path.display()).map_err(io_error)?;
-            return Ok(0);
+            return Ok(exit::OK);
         }
         let stored = stored?;
         let fresh = remake(path, &stored.header, args.one_router_cmd()?, args.traces.as_deref(), budget)?;
         let outcome = check(path, &stored, &fresh)?;
         let verdict = if outcome.changed { "routing changed" } else { "unchanged" };
         write!(out, "{}: {verdict}\n{}", path.display(), outcome.report).map_err(io_error)?;
-        return Ok(u8::from(outcome.changed));
+        return Ok(exit::failed_if(outcome.changed));
     }
     if let Some(dir) = &args.plan {
         if args.router.is_some() || !args.cmd.router_cmd.is_empty() || args.traces.is_some() || args.weights.is_some() {
@@ -265,14 +266,14 @@ pub(super) fn run(args: &SnapshotArgs, out: &mut dyn Write) -> Result<u8> {
             dir.display()
         )
         .map_err(io_error)?;
-        return Ok(0);
+        return Ok(exit::OK);
     }
     let made = make(&args.source()?, &args.input()?, None, budget)?;
     let bytes = made.render();
     match &args.output {
         Some(path) => {
             if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-                std::fs::create_dir_all(dir).map_err(|e| Error::input(dir, format!("cannot create: {e}")))?;
+                std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, "cannot create", e))?;
             }
             write_atomic(path, bytes.as_bytes())?;
             let tokens = made.header.input.batch * made.header.input.seq_len;
@@ -281,5 +282,5 @@ pub(super) fn run(args: &SnapshotArgs, out: &mut dyn Write) -> Result<u8> {
         }
         None => out.write_all(bytes.as_bytes()).map_err(io_error)?,
     }
-    Ok(0)
+    Ok(exit::OK)
 }

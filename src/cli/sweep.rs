@@ -1,6 +1,7 @@
 //! `moe-audit sweep`: the grid of routers × sizes, load balance against leaks, with charts.
 
 use super::bars::bar as progress_bar;
+use super::exit;
 use super::{io_error, MemoryArgs};
 use clap::Args;
 use moe_audit::error::Result;
@@ -42,5 +43,5 @@ pub(super) fn run(args: &SweepArgs, out: &mut dyn Write) -> Result<u8> {
         text.push_str(&format!("wrote {}\n", path.display()));
     }
     out.write_all(text.as_bytes()).map_err(io_error)?;
-    Ok(0)
+    Ok(exit::OK)
 }

@@ -6,6 +6,7 @@ use super::{
     Arithmetic, CapacityConfig, DropPolicy, Flatten, GroupLimit, PaddingMask, RouterConfig, RouterKind, ScopeGroup,
     ScoreFn, Selection,
 };
+use crate::error::FieldError;
 use serde::{Deserialize, Serialize};
 
 /// The `[inference]` table: every field present replaces the training value, a nested table
@@ -131,7 +132,7 @@ fn set<T: Clone>(field: &mut T, value: &Option<T>) {
 impl InferenceOverrides {
     /// `training` with these overrides applied, without its own `[inference]` table; not yet
     /// validated. Errors are `(field, message)`, as [`RouterConfig::validate`]'s.
-    pub(super) fn apply(&self, training: &RouterConfig) -> Result<RouterConfig, (&'static str, String)> {
+    pub(super) fn apply(&self, training: &RouterConfig) -> Result<RouterConfig, FieldError> {
         let mut c = RouterConfig { inference: None, ..training.clone() };
         if self.dropless == Some(true) {
             c.capacity = None;
@@ -155,8 +156,8 @@ impl InferenceOverrides {
                 (Some(g), _, _) => g.clone(),
                 // A group limit new in serving names both sizes; `score_top` has its default.
                 (None, Some(groups), Some(top_groups)) => GroupLimit { groups, top_groups, score_top: super::two() },
-                (None, None, _) => return Err(("group_limit", "missing field `groups`".into())),
-                (None, _, None) => return Err(("group_limit", "missing field `top_groups`".into())),
+                (None, None, _) => return Err(FieldError::new("group_limit", "missing field `groups`")),
+                (None, _, None) => return Err(FieldError::new("group_limit", "missing field `top_groups`")),
             };
             let g = c.group_limit.insert(g);
             set(&mut g.groups, &o.groups);

@@ -324,7 +324,7 @@ impl RouterConfig {
     /// Checks every rule on this configuration and on its `[inference]` one; errors name
     /// `source_name` and the field.
     pub(crate) fn check(&self, source_name: &str) -> Result<()> {
-        self.validate().map_err(|(field, message)| Error::config(source_name, field, message))?;
+        self.validate().map_err(|e| e.in_config(source_name))?;
         self.inference_config_from(source_name)?;
         Ok(())
     }
@@ -340,7 +340,7 @@ impl RouterConfig {
         let served = overrides
             .apply(self)
             .and_then(|c| c.validate().map(|()| c))
-            .map_err(|(field, message)| Error::config(source_name, &format!("inference.{field}"), message))?;
+            .map_err(|e| e.within("inference").in_config(source_name))?;
         Ok(Some(served))
     }
 

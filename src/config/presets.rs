@@ -1,4 +1,5 @@
-//! The built-in routers: each is a file in `fixtures/routers/`, compiled into the binary.
+//! The built-in routers: each is a router TOML file in `presets/` beside this one, compiled into
+//! the binary (TOML, so a preset reads like the file a user writes, comments included).
 
 use super::RouterConfig;
 use crate::error::Result;
@@ -14,7 +15,7 @@ pub struct Preset {
 
 macro_rules! presets {
     ($($name:literal),* $(,)?) => {
-        &[$(Preset { name: $name, toml: include_str!(concat!("../../fixtures/routers/", $name, ".toml")) }),*]
+        &[$(Preset { name: $name, toml: include_str!(concat!("presets/", $name, ".toml")) }),*]
     };
 }
 

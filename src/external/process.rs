@@ -151,7 +151,7 @@ impl Peer {
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .spawn()
-                .map_err(|e| Error::input(format!("{role} `{command}`"), format!("cannot start: {e}")))?;
+                .map_err(|e| Error::io(format!("{role} `{command}`"), "cannot start", e))?;
             live.push((child.id() as i32, tag.clone()));
             child
         };

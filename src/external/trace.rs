@@ -15,7 +15,7 @@ use super::protocol::{parse_response, Asked, Handshake, InputKind, Mode, Respons
 use super::{Answers, External};
 use crate::analyze::{audit, AuditOptions, Subject};
 use crate::error::{Error, Result};
-use crate::memory::CallSizes;
+use crate::layer::CallSizes;
 use crate::progress::Silent;
 use crate::routing::Routing;
 use crate::MemoryBudget;
@@ -91,7 +91,7 @@ impl Answers for Recorder {
         let response = Response { id: 0, tokens: vec![vec![route]; b * s], capacity: None };
         let hs = Handshake { top_k: None, ..self.hs.clone() };
         let asked = Asked { id: 0, batch: b, seq_len: s, padding: None, logits: None };
-        response.into_routing(&hs, &asked).map_err(|e| Error::Usage(format!("plan: {e}")))
+        response.into_routing(&hs, &asked).map_err(|e| Error::Invalid(format!("plan: {e}")))
     }
 }
 
@@ -180,16 +180,14 @@ pub(crate) fn file_in(dir: &Path, name: &str) -> Result<PathBuf> {
 /// Reads and checks `manifest.json`: its format and the router it describes.
 pub(crate) fn read_manifest(dir: &Path, budget: MemoryBudget) -> Result<Manifest> {
     let path = file_in(dir, MANIFEST)?;
-    std::fs::metadata(&path)
-        .map_err(|e| Error::input(&path, format!("cannot read (write it with `moe-audit plan`): {e}")))?;
+    std::fs::metadata(&path).map_err(|e| Error::io(&path, "cannot read (write it with `moe-audit plan`)", e))?;
     let text = crate::files::read_text_within(&path, budget)?;
-    let manifest: Manifest =
-        serde_json::from_str(&text).map_err(|e| Error::input(&path, format!("not a plan manifest: {e}")))?;
+    let manifest: Manifest = serde_json::from_str(&text).map_err(|e| Error::parse(&path, "not a plan manifest", e))?;
     if manifest.format != FORMAT {
         return Err(Error::input(&path, format!("format `{}`, expected `{FORMAT}`", manifest.format)));
     }
     manifest.router.validate().map_err(|e| Error::input(&path, e))?;
-    manifest.options.check().map_err(|(field, m)| Error::input(&path, format!("options.{field}: {m}")))?;
+    manifest.options.check().map_err(|e| Error::input(&path, format!("options.{}: {}", e.field, e.message)))?;
     let mut ids = std::collections::HashSet::new();
     if let Some(call) = manifest.calls.iter().find(|c| !ids.insert(c.id)) {
         return Err(Error::input(&path, format!("calls: id {} appears twice (every call has its own id)", call.id)));
@@ -217,9 +215,10 @@ impl TraceRouter {
         let inputs = crate::layer::load_safetensors(&inputs_path, &Device::Cpu, budget.tensors())?;
         let decisions_path = file_in(dir, DECISIONS)?;
         std::fs::metadata(&decisions_path).map_err(|e| {
-            Error::input(
+            Error::io(
                 &decisions_path,
-                format!("cannot read (your harness writes one response line per call of {MANIFEST}): {e}"),
+                format!("cannot read (your harness writes one response line per call of {MANIFEST})"),
+                e,
             )
         })?;
         let decisions = crate::files::read_text_within(&decisions_path, budget)?;

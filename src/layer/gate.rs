@@ -101,9 +101,7 @@ impl GateSource<'_> {
                 ));
             }
             config.expert_bias = Some(bias.to_vec1()?);
-            config
-                .validate()
-                .map_err(|(field, message)| Error::config(&format!("{}:{name}", path.display()), field, message))?;
+            config.validate().map_err(|e| e.in_config(&format!("{}:{name}", path.display())))?;
         }
         let vb = VarBuilder::from_tensors(HashMap::from([("weight".to_string(), gate)]), DType::F32, &Device::Cpu);
         ConfigRouter::new(config, hidden, vb)

@@ -7,11 +7,13 @@
 //! once at load (`kernel.rs`): the same results up to the matmuls' summation order.
 
 mod cpu;
+mod estimate;
 mod expert;
 pub mod gate;
 pub mod kernel;
 mod weights;
 
+pub use estimate::CallSizes;
 pub use expert::Expert;
 pub use kernel::Kernel;
 pub use weights::{infer_dims, load_safetensors, seeded_weights, tensor_names, LayerDims, Seeded};
@@ -78,7 +80,7 @@ impl MoeLayer {
     }
 
     /// Loads Mixtral-style weights from a safetensors file within the memory limit `budget`
-    /// (see [`crate::memory::limit`]): the file may hold half of it (it is read whole, then its
+    /// (see [`crate::MemoryBudget`]): the file may hold half of it (it is read whole, then its
     /// tensors are a second copy), and the tensors as stored plus their copies in `dtype` (and,
     /// in f32, the experts' packed copy) must fit before they are converted.
     pub fn from_safetensors(

@@ -81,8 +81,7 @@ pub fn load_safetensors(path: &Path, device: &Device, max_bytes: u64) -> Result<
     if let Some(name) = duplicate_tensor_name(&bytes) {
         return Err(Error::input(path, format!("the header names tensor `{name}` twice")));
     }
-    candle_core::safetensors::load_buffer(&bytes, device)
-        .map_err(|e| Error::input(path, format!("cannot load safetensors: {e}")))
+    candle_core::safetensors::load_buffer(&bytes, device).map_err(|e| Error::parse(path, "cannot load safetensors", e))
 }
 
 /// A name the safetensors header (8 bytes of length, then a JSON object) holds twice: the loader

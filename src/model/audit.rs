@@ -6,11 +6,14 @@
 //! packed as sequences of one call, because whether sequences of a call interact is what N and
 //! R test, and a model's scope is its own claim (docs/PROTOCOL.md, "Calls").
 
+mod plan;
+
 use super::compare::{classify_case, compare_pair, CaseClass, PairResult, OUTPUT_TOLERANCE};
-use super::{Mode, Model, ModelInfo, ModelOutput, Path, TokenCall};
+use super::{Model, ModelInfo, ModelOutput, TokenCall};
 use crate::analyze::{Property, Verdict};
 use crate::error::{Error, Result, Setting};
 use crate::routing::Route;
+use plan::{Case, Plan};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
@@ -240,14 +243,6 @@ impl ModelReport {
 /// Seed offset of the probes' random streams.
 const PROBE_SALT: u64 = 0x746f_6b65_6e00;
 
-/// One case: call `b` (after the calls `before`, whose answers are ignored) against the base
-/// call, and the token pairs `(index in base, index in b)` that must not change.
-struct Case {
-    before: Vec<TokenCall>,
-    b: TokenCall,
-    pairs: Vec<(usize, usize)>,
-}
-
 /// Runs `options.probes` on `model`, in report order, one call at a time.
 pub fn audit_model(model: &dyn Model, options: &ModelAuditOptions) -> Result<ModelReport> {
     let info = model.info();
@@ -271,140 +266,10 @@ pub fn audit_model(model: &dyn Model, options: &ModelAuditOptions) -> Result<Mod
     for &probe in &options.probes {
         // One stream per probe, whichever others run.
         let mut rng = ChaCha8Rng::seed_from_u64(options.seed ^ (PROBE_SALT + probe as u64));
-        let (cases, note) = plan(probe, info, &base, options, &mut rng);
-        findings.push(run_probe(model, probe, &base, &base_out, cases, note)?);
+        let plan = Plan::of(probe, info, &base, options, &mut rng);
+        findings.push(run_probe(model, probe, &base, &base_out, plan)?);
     }
     Ok(ModelReport { model: info.clone(), options: options.clone(), findings })
-}
-
-/// Every pair of a sequence map: token `p` of base sequence `i` against token `p + offset` of
-/// sequence `j` of the other call, for positions `0..n`.
-fn pairs_of(s: usize, other_len: usize, map: &[(usize, usize)], n: usize, offset: usize) -> Vec<(usize, usize)> {
-    map.iter().flat_map(|&(i, j)| (0..n).map(move |p| (i * s + p, j * other_len + p + offset))).collect()
-}
-
-/// A call of sequences picked from the base (`rows[j]` = the base sequence of row j), each
-/// padded with `left` and `right` padding tokens (id 0).
-fn rebuilt(base: &TokenCall, rows: &[usize], (left, right): (usize, usize)) -> TokenCall {
-    let s = base.seq_len;
-    let len = left + s + right;
-    let mut tokens = Vec::with_capacity(rows.len() * len);
-    let mut mask = Vec::with_capacity(rows.len() * len);
-    for &i in rows {
-        tokens.extend(std::iter::repeat_n(0, left).chain(base.tokens[i * s..(i + 1) * s].iter().copied()));
-        tokens.extend(std::iter::repeat_n(0, right));
-        mask.extend((0..len).map(|p| p < left || p >= left + s));
-    }
-    let padding = (left + right > 0).then_some(mask);
-    TokenCall { batch: rows.len(), seq_len: len, tokens, padding, ..base.clone() }
-}
-
-/// The cases of `probe` (none, with a note, when it does not apply).
-fn plan(
-    probe: TokenProbe,
-    info: &ModelInfo,
-    base: &TokenCall,
-    options: &ModelAuditOptions,
-    rng: &mut ChaCha8Rng,
-) -> (Vec<Case>, String) {
-    let (b, s) = (base.batch, base.seq_len);
-    let all: Vec<(usize, usize)> = (0..b).map(|i| (i, i)).collect();
-    let every = pairs_of(s, s, &all, s, 0);
-    let vocab = info.vocab as u32;
-    let one = |b: TokenCall, pairs: Vec<(usize, usize)>| Case { before: Vec::new(), b, pairs };
-    match probe {
-        TokenProbe::P => {
-            // Prefix lengths 1, 2, 4, ... and s - 1: one call each (a shorter call cannot be
-            // packed with others without padding, which is R's question).
-            let mut lengths: Vec<usize> =
-                std::iter::successors(Some(1usize), |n| Some(n * 2)).take_while(|&n| n < s).collect();
-            if s > 1 && lengths.last() != Some(&(s - 1)) {
-                lengths.push(s - 1);
-            }
-            let cases = lengths
-                .iter()
-                .map(|&n| {
-                    let tokens = (0..b).flat_map(|i| base.tokens[i * s..i * s + n].iter().copied()).collect();
-                    one(TokenCall { seq_len: n, tokens, ..base.clone() }, pairs_of(s, n, &all, n, 0))
-                })
-                .collect::<Vec<_>>();
-            let note = format!("{} prefixes of every sequence, lengths {lengths:?}", cases.len());
-            (cases, if s == 1 { "a sequence of one token has no prefix".into() } else { note })
-        }
-        TokenProbe::F if s > 1 => {
-            let cases = (0..options.trials)
-                .map(|trial| {
-                    let (i, t) = (trial % b, rng.random_range(0..s - 1));
-                    let mut call = base.clone();
-                    let keep = base.tokens[i * s + t];
-                    for p in t + 1..s {
-                        // Odd trials are targeted: later tokens equal to token t want its experts.
-                        call.tokens[i * s + p] = if trial % 2 == 1 { keep } else { rng.random_range(0..vocab) };
-                    }
-                    one(call, pairs_of(s, s, &[(i, i)], t + 1, 0))
-                })
-                .collect();
-            (cases, format!("{} trials: later tokens of one sequence random, or repeating token t", options.trials))
-        }
-        TokenProbe::F => (Vec::new(), "a sequence of one token has no future".into()),
-        TokenProbe::N if b > 1 => {
-            let cases = (0..options.trials)
-                .map(|trial| {
-                    let i = trial % b;
-                    let mut call = base.clone();
-                    call.tokens[i * s..(i + 1) * s].iter_mut().for_each(|t| *t = rng.random_range(0..vocab));
-                    let others: Vec<(usize, usize)> = all.iter().copied().filter(|&(j, _)| j != i).collect();
-                    one(call, pairs_of(s, s, &others, s, 0))
-                })
-                .collect();
-            (cases, format!("{} trials: one sequence of the batch replaced", options.trials))
-        }
-        TokenProbe::N => (Vec::new(), "a batch of one sequence has no neighbour".into()),
-        TokenProbe::R => {
-            let mut cases = Vec::new();
-            let mut what = Vec::new();
-            if b > 1 {
-                let reversed: Vec<usize> = (0..b).rev().collect();
-                let map: Vec<(usize, usize)> = reversed.iter().enumerate().map(|(j, &i)| (i, j)).collect();
-                cases.push(one(rebuilt(base, &reversed, (0, 0)), pairs_of(s, s, &map, s, 0)));
-                let half: Vec<usize> = (0..b.div_ceil(2)).collect();
-                let map: Vec<(usize, usize)> = half.iter().map(|&i| (i, i)).collect();
-                cases.push(one(rebuilt(base, &half, (0, 0)), pairs_of(s, s, &map, s, 0)));
-                what.push("reversed, halved");
-            }
-            if info.padding_mask {
-                let pad = (s / 4).max(1);
-                let rows: Vec<usize> = (0..b).collect();
-                cases.push(one(rebuilt(base, &rows, (0, pad)), pairs_of(s, s + pad, &all, s, 0)));
-                cases.push(one(rebuilt(base, &rows, (pad, 0)), pairs_of(s, s + pad, &all, s, pad)));
-                what.push("padded right and left");
-            }
-            let note = match what.is_empty() {
-                true => "a batch of one sequence, and a model that takes no padding mask".to_string(),
-                false => format!("the batch {}", what.join("; ")),
-            };
-            (cases, note)
-        }
-        TokenProbe::D => (vec![one(base.clone(), every)], "the base call twice".into()),
-        TokenProbe::S => {
-            let other: Vec<u32> = (0..b * s).map(|_| rng.random_range(0..vocab)).collect();
-            let other = TokenCall { tokens: other, ..base.clone() };
-            (
-                vec![Case { before: vec![other], b: base.clone(), pairs: every }],
-                "the base call after another call".into(),
-            )
-        }
-        TokenProbe::M => (
-            vec![one(TokenCall { mode: Mode::Inference, ..base.clone() }, every)],
-            "inference mode against training mode".into(),
-        ),
-        TokenProbe::G if info.generate => {
-            let call = TokenCall { path: Path::Generate { prefill: options.prefill }, ..base.clone() };
-            let note = format!("prefill {} positions, then one token at a time through the KV cache", options.prefill);
-            (vec![one(call, every)], note)
-        }
-        TokenProbe::G => (Vec::new(), "the model does not run the generation path".into()),
-    }
 }
 
 /// Runs the cases of one probe and folds them into its finding.
@@ -413,40 +278,12 @@ fn run_probe(
     probe: TokenProbe,
     base: &TokenCall,
     base_out: &ModelOutput,
-    cases: Vec<Case>,
-    note: String,
+    plan: Plan,
 ) -> Result<ModelFinding> {
     let info = model.info();
-    let mut layers: Vec<LayerTally> = info
-        .routed()
-        .map(|l| LayerTally {
-            layer: l.layer,
-            compared: 0,
-            changed: 0,
-            rate: 0.0,
-            first: 0,
-            inherited: 0,
-            drift: 0,
-            capacity_only: 0,
-            near_ties: 0,
-            max_tie_margin: None,
-            min_real_margin: None,
-        })
-        .collect();
-    let mut finding = ModelFinding {
-        probe,
-        property: probe.property(),
-        verdict: if cases.is_empty() { Verdict::NotApplicable } else { Verdict::Pass },
-        cases: cases.len(),
-        drift_cases: 0,
-        leak_cases: 0,
-        first_layer: None,
-        layers: Vec::new(),
-        outputs: OutputTally::default(),
-        note,
-        witness: None,
-    };
-    for case in &cases {
+    let mut layers: Vec<LayerTally> = info.routed().map(|l| LayerTally::new(l.layer)).collect();
+    let mut finding = ModelFinding::new(probe, plan.cases.len(), plan.note);
+    for case in &plan.cases {
         for call in &case.before {
             model.call(call)?;
         }
@@ -460,57 +297,112 @@ fn run_probe(
             CaseClass::Same => {}
         }
         for r in &results {
-            let mut seen = false;
-            for (l, (tally, change)) in layers.iter_mut().zip(&r.layers).enumerate() {
-                tally.compared += 1;
-                tally.capacity_only += usize::from(r.capacity[l]);
-                // A capacity alone makes the case leak (`classify_case`); the counts are decisions.
-                let Some(c) = change.filter(|c| c.diff.decision()) else { continue };
-                if c.numerics {
-                    tally.near_ties += 1;
-                    tally.max_tie_margin = max_opt(tally.max_tie_margin, c.margin);
-                } else if c.diff.experts {
-                    tally.min_real_margin = c.margin.map(|m| tally.min_real_margin.map_or(m, |x: f32| x.min(m)));
-                }
-                match class {
-                    CaseClass::Leak => {
-                        tally.changed += 1;
-                        if seen {
-                            tally.inherited += 1;
-                        } else {
-                            tally.first += 1;
-                        }
-                    }
-                    _ => tally.drift += 1,
-                }
-                seen = true;
-            }
-            if let Some(d) = r.output {
-                finding.outputs.compared += 1;
-                if d > OUTPUT_TOLERANCE {
-                    finding.outputs.changed += usize::from(class == CaseClass::Leak);
-                } else if d > 0.0 {
-                    finding.outputs.drift = Some(finding.outputs.drift.map_or(d, |x| x.max(d)));
-                }
-            }
+            tally_layers(&mut layers, r, class);
+            finding.outputs.add(r.output, class);
         }
         if class == CaseClass::Leak && finding.witness.is_none() {
             finding.witness = Some(witness(info, probe, base, base_out, case, &out, &results));
         }
     }
-    for t in &mut layers {
-        t.rate = if t.compared == 0 { 0.0 } else { t.changed as f64 / t.compared as f64 };
-    }
-    finding.first_layer = layers.iter().find(|t| t.first > 0).map(|t| t.layer);
-    finding.layers = layers;
-    if finding.verdict == Verdict::Pass {
-        finding.verdict = match (finding.leak_cases, finding.drift_cases) {
-            (0, 0) => Verdict::Pass,
-            (0, _) => Verdict::Drift,
-            _ => Verdict::Leak,
-        };
-    }
+    finding.finish(layers);
     Ok(finding)
+}
+
+/// Counts one token pair of a case at every routed layer: decisions changed (first at this
+/// layer or inherited from an earlier one; drift in a drift case), capacities changed alone,
+/// and the top-k margins of near-ties and of real changes.
+fn tally_layers(layers: &mut [LayerTally], r: &PairResult, class: CaseClass) {
+    let mut seen = false;
+    for (l, (tally, change)) in layers.iter_mut().zip(&r.layers).enumerate() {
+        tally.compared += 1;
+        tally.capacity_only += usize::from(r.capacity[l]);
+        // A capacity alone makes the case leak (`classify_case`); the counts are decisions.
+        let Some(c) = change.filter(|c| c.diff.decision()) else { continue };
+        if c.numerics {
+            tally.near_ties += 1;
+            tally.max_tie_margin = max_opt(tally.max_tie_margin, c.margin);
+        } else if c.diff.experts {
+            tally.min_real_margin = c.margin.map(|m| tally.min_real_margin.map_or(m, |x: f32| x.min(m)));
+        }
+        match class {
+            CaseClass::Leak => {
+                tally.changed += 1;
+                if seen {
+                    tally.inherited += 1;
+                } else {
+                    tally.first += 1;
+                }
+            }
+            _ => tally.drift += 1,
+        }
+        seen = true;
+    }
+}
+
+impl LayerTally {
+    fn new(layer: usize) -> LayerTally {
+        LayerTally {
+            layer,
+            compared: 0,
+            changed: 0,
+            rate: 0.0,
+            first: 0,
+            inherited: 0,
+            drift: 0,
+            capacity_only: 0,
+            near_ties: 0,
+            max_tie_margin: None,
+            min_real_margin: None,
+        }
+    }
+}
+
+impl OutputTally {
+    /// Counts one output row's relative difference (`None`: the model returns no outputs).
+    fn add(&mut self, difference: Option<f64>, class: CaseClass) {
+        let Some(d) = difference else { return };
+        self.compared += 1;
+        if d > OUTPUT_TOLERANCE {
+            self.changed += usize::from(class == CaseClass::Leak);
+        } else if d > 0.0 {
+            self.drift = Some(self.drift.map_or(d, |x| x.max(d)));
+        }
+    }
+}
+
+impl ModelFinding {
+    /// A finding before its cases run: not applicable without cases, else passing so far.
+    fn new(probe: TokenProbe, cases: usize, note: String) -> ModelFinding {
+        ModelFinding {
+            probe,
+            property: probe.property(),
+            verdict: if cases == 0 { Verdict::NotApplicable } else { Verdict::Pass },
+            cases,
+            drift_cases: 0,
+            leak_cases: 0,
+            first_layer: None,
+            layers: Vec::new(),
+            outputs: OutputTally::default(),
+            note,
+            witness: None,
+        }
+    }
+
+    /// The layers' rates, the first changed layer and the verdict from the cases counted.
+    fn finish(&mut self, mut layers: Vec<LayerTally>) {
+        for t in &mut layers {
+            t.rate = if t.compared == 0 { 0.0 } else { t.changed as f64 / t.compared as f64 };
+        }
+        self.first_layer = layers.iter().find(|t| t.first > 0).map(|t| t.layer);
+        self.layers = layers;
+        if self.verdict == Verdict::Pass {
+            self.verdict = match (self.leak_cases, self.drift_cases) {
+                (0, 0) => Verdict::Pass,
+                (0, _) => Verdict::Drift,
+                _ => Verdict::Leak,
+            };
+        }
+    }
 }
 
 fn max_opt(a: Option<f32>, b: Option<f32>) -> Option<f32> {
@@ -565,11 +457,11 @@ fn witness(
 pub fn replay(model: &dyn Model, w: &TokenWitness) -> Result<bool> {
     let info = model.info();
     if w.model != info.name {
-        return Err(Error::Usage(format!("the witness is of model `{}`, not `{}`", w.model, info.name)));
+        return Err(Error::Invalid(format!("the witness is of model `{}`, not `{}`", w.model, info.name)));
     }
     let index = |call: &TokenCall, (s, p): (usize, usize)| -> Result<usize> {
         if s >= call.batch || p >= call.seq_len {
-            return Err(Error::Usage(format!("the witness's token ({s}, {p}) is outside its call")));
+            return Err(Error::Invalid(format!("the witness's token ({s}, {p}) is outside its call")));
         }
         Ok(s * call.seq_len + p)
     };
@@ -578,7 +470,7 @@ pub fn replay(model: &dyn Model, w: &TokenWitness) -> Result<bool> {
         Some(layer) => match info.routed().position(|l| l.layer == layer) {
             Some(i) => Some(i),
             None => {
-                return Err(Error::Usage(format!("the witness's layer {layer} is not a routed layer of the model")))
+                return Err(Error::Invalid(format!("the witness's layer {layer} is not a routed layer of the model")))
             }
         },
         None => None,

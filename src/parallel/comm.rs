@@ -350,7 +350,7 @@ pub fn run_ranks<T: Send>(size: usize, work: impl Fn(&InProcess) -> Result<T> + 
                     // A peer's failure, already recorded.
                     Ok(Err(Error::Rank { .. })) => None,
                     Ok(Err(e)) => {
-                        comm.shared.fail(rank, e.to_string());
+                        comm.shared.fail(rank, crate::error::chain(&e));
                         None
                     }
                     Err(_) => {

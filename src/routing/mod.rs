@@ -22,7 +22,8 @@ mod token_choice;
 pub use diff::{capacity_of, diff_token, TokenDiff, WEIGHT_TOLERANCE};
 pub use prefix::prefix_stable;
 pub(crate) use record::Decisions;
-pub use record::{ExpertLoad, GroupRecord, LoadStats, Route, Routing, ScopeRecord, TokenRouting};
+pub use record::{GroupRecord, Route, Routing, ScopeRecord, TokenRouting};
+pub use stats::{ExpertLoad, LoadStats};
 pub use table::render_table;
 
 use crate::config::{PaddingMask, RouterConfig, RouterKind, ScoreFn};

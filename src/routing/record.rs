@@ -3,7 +3,7 @@
 //! Field names are a public JSON contract (README, "The routing record"); probes compare these
 //! records token by token, so nothing that decides an output may be left out.
 
-use super::stats;
+use super::stats::{load_stats, ExpertLoad, LoadStats};
 use crate::config::{Flatten, ScopeGroup};
 use serde::{Deserialize, Serialize};
 
@@ -82,32 +82,6 @@ pub struct Route {
     pub padded: bool,
 }
 
-/// Load of one expert.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ExpertLoad {
-    /// Expert id.
-    pub expert: usize,
-    /// Routes chosen before capacity.
-    pub routed: usize,
-    /// Routes kept after capacity.
-    pub kept: usize,
-    /// Padding slots added (pad-to-capacity).
-    pub padded: usize,
-}
-
-/// Load-balance figures of one call.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
-pub struct LoadStats {
-    /// max over experts of routes before dropping, over their mean.
-    pub max_over_mean_load: f64,
-    /// Coefficient of variation (population std / mean) of routes before dropping.
-    pub load_cv: f64,
-    /// Dropped routes over routed routes.
-    pub drop_rate: f64,
-    /// Switch/GShard auxiliary loss `E * sum_e f_e * P_e` (f: share of routes, P: mean softmax).
-    pub aux_loss: f64,
-}
-
 /// What a router decided for one call: a record's fields before its load figures.
 pub(crate) struct Decisions {
     pub router: String,
@@ -126,12 +100,10 @@ impl Routing {
     /// softmax row, concatenated; empty: no probabilities, aux loss 0), the load statistics.
     /// Without it they stay zero, for records only compared route by route.
     pub(crate) fn assemble(d: Decisions, softmax: Option<&[f32]>) -> Routing {
-        let experts_load = stats::loads(d.experts, &d.tokens);
+        let experts_load = loads(d.experts, &d.tokens);
         let stats = match softmax {
             // A row is as wide as the logits: null experts' columns (past `experts`) are ignored.
-            Some(rows) => {
-                stats::load_stats(&experts_load, rows.chunks_exact((rows.len() / d.tokens.len().max(1)).max(1)))
-            }
+            Some(rows) => load_stats(&experts_load, rows.chunks_exact((rows.len() / d.tokens.len().max(1)).max(1))),
             None => LoadStats::default(),
         };
         Routing {
@@ -164,4 +136,20 @@ impl Routing {
         }
         rows
     }
+}
+
+/// Routes per expert before and after dropping.
+fn loads(experts: usize, tokens: &[TokenRouting]) -> Vec<ExpertLoad> {
+    let mut loads: Vec<ExpertLoad> =
+        (0..experts).map(|expert| ExpertLoad { expert, routed: 0, kept: 0, padded: 0 }).collect();
+    for r in tokens.iter().flat_map(|t| &t.routes) {
+        let l = &mut loads[r.expert];
+        if r.padded {
+            l.padded += 1;
+        } else {
+            l.routed += 1;
+            l.kept += usize::from(r.kept);
+        }
+    }
+    loads
 }

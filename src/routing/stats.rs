@@ -1,21 +1,31 @@
 //! Load-balance figures of a routing: what users trade against causality.
 
-use super::record::{ExpertLoad, LoadStats, TokenRouting};
+use serde::{Deserialize, Serialize};
 
-/// Routes per expert before and after dropping.
-pub(crate) fn loads(experts: usize, tokens: &[TokenRouting]) -> Vec<ExpertLoad> {
-    let mut loads: Vec<ExpertLoad> =
-        (0..experts).map(|expert| ExpertLoad { expert, routed: 0, kept: 0, padded: 0 }).collect();
-    for r in tokens.iter().flat_map(|t| &t.routes) {
-        let l = &mut loads[r.expert];
-        if r.padded {
-            l.padded += 1;
-        } else {
-            l.routed += 1;
-            l.kept += usize::from(r.kept);
-        }
-    }
-    loads
+/// Load of one expert.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExpertLoad {
+    /// Expert id.
+    pub expert: usize,
+    /// Routes chosen before capacity.
+    pub routed: usize,
+    /// Routes kept after capacity.
+    pub kept: usize,
+    /// Padding slots added (pad-to-capacity).
+    pub padded: usize,
+}
+
+/// Load-balance figures of one call.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct LoadStats {
+    /// max over experts of routes before dropping, over their mean.
+    pub max_over_mean_load: f64,
+    /// Coefficient of variation (population std / mean) of routes before dropping.
+    pub load_cv: f64,
+    /// Dropped routes over routed routes.
+    pub drop_rate: f64,
+    /// Switch/GShard auxiliary loss `E * sum_e f_e * P_e` (f: share of routes, P: mean softmax).
+    pub aux_loss: f64,
 }
 
 /// Balance of the routed load, drop rate and the Switch auxiliary loss on `probs`, the rows of

@@ -269,7 +269,7 @@ impl SnapshotFile {
 
     /// Reads and parses a file.
     pub fn read(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::input(path, format!("cannot read: {e}")))?;
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, "cannot read", e))?;
         Self::parse(&text, path)
     }
 }
@@ -292,7 +292,7 @@ pub(crate) fn sha256(bytes: &[u8]) -> String {
 pub(crate) fn file_sha256(path: &Path) -> Result<String> {
     use sha2::{Digest, Sha256};
     use std::io::Read;
-    let cannot = |e: std::io::Error| Error::input(path, format!("cannot read: {e}"));
+    let cannot = |e: std::io::Error| Error::io(path, "cannot read", e);
     if !std::fs::metadata(path).map_err(cannot)?.is_file() {
         return Err(Error::input(path, "not a regular file"));
     }

@@ -10,8 +10,8 @@ use crate::external::protocol::PROTOCOL;
 use crate::external::trace::{file_in, read_manifest, Manifest, PlannedCall, DECISIONS, INPUTS, MANIFEST};
 use crate::external::{ExternalRouter, Handshake, InputKind, Mode, TraceRouter};
 use crate::layer::gate::GateSource;
+use crate::layer::CallSizes;
 use crate::layer::{MoeLayer, Seeded};
-use crate::memory::CallSizes;
 use crate::router::Router;
 use crate::MemoryBudget;
 use candle_core::{DType, Device, Tensor};
@@ -131,7 +131,7 @@ fn config_routings(
 ) -> Result<Routed> {
     if input.rows == Rows::Traces {
         let name = &config.name;
-        return Err(Error::Usage(format!("[input] rows = \"traces\": router `{name}` is not a trace directory")));
+        return Err(Error::Invalid(format!("[input] rows = \"traces\": router `{name}` is not a trace directory")));
     }
     let experts = config.experts;
     let logits = input.rows == Rows::Logits;
@@ -143,7 +143,7 @@ fn config_routings(
             } else {
                 input
                     .hidden
-                    .ok_or_else(|| Error::Usage("[input] hidden: the seeded gate needs a hidden size".into()))?
+                    .ok_or_else(|| Error::Invalid("[input] hidden: the seeded gate needs a hidden size".into()))?
             };
             ensure_positive(&[(Setting::Hidden, hidden)])?;
             // The gate and its experts are made before the rows: bound them first.
@@ -206,13 +206,13 @@ fn rows(input: &mut InputSpec, hs: &Handshake, budget: MemoryBudget) -> Result<A
         Rows::Logits => InputKind::Logits,
         Rows::HiddenStates => InputKind::Hidden,
         Rows::Traces => {
-            return Err(Error::Usage(format!(
+            return Err(Error::Invalid(format!(
                 "[input] rows = \"traces\": router `{}` is not a trace directory",
                 hs.name
             )))
         }
     };
-    let file = input.file.as_deref().ok_or_else(|| Error::Usage("[input] file: the rows file is missing".into()))?;
+    let file = input.file.as_deref().ok_or_else(|| Error::Invalid("[input] file: the rows file is missing".into()))?;
     if want != hs.input {
         let (given, takes) = match want {
             InputKind::Logits => (Setting::Logits, format!("hidden states ({})", Setting::HiddenStates)),
@@ -298,7 +298,7 @@ pub fn write_plan(dir: &Path, hs: &Handshake, input: &InputSpec, budget: MemoryB
         .map(|(i, &mode)| PlannedCall { id: i as u64 + 1, mode, batch, seq_len, tensor: "rows".into() })
         .collect();
     let manifest = Manifest { format: crate::external::trace::FORMAT.into(), router: hs.clone(), options, calls };
-    std::fs::create_dir_all(dir).map_err(|e| Error::input(dir, format!("cannot create: {e}")))?;
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, "cannot create", e))?;
     let t = Tensor::from_slice(rows.as_slice().expect("standard layout"), rows.dim(), &Device::Cpu)?;
     let inputs = dir.join(INPUTS);
     write_atomic(&inputs, &crate::files::safetensors_bytes(&HashMap::from([("rows".to_string(), t)]), &inputs)?)?;

@@ -2,7 +2,7 @@
 //! sizes to cross. A TOML file or the built-in default; validated like a router config.
 
 use crate::config::{parse_toml, RouterConfig, RouterKind};
-use crate::error::{Error, Result};
+use crate::error::{Error, FieldError, Result};
 use crate::exploit::ExploitOptions;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -143,7 +143,7 @@ impl Grid {
     /// Parses and validates a grid file; errors name the file, the field, the value and the line.
     pub fn from_toml(text: &str, source_name: &str) -> Result<Self> {
         let grid: Grid = parse_toml(text, source_name)?;
-        grid.validate().map_err(|(field, message)| Error::config(source_name, &field, message))?;
+        grid.validate().map_err(|e| e.in_config(source_name))?;
         Ok(grid)
     }
 
@@ -153,47 +153,47 @@ impl Grid {
         Self::from_toml(&text, &path.display().to_string())
     }
 
-    fn validate(&self) -> std::result::Result<(), (String, String)> {
+    fn validate(&self) -> std::result::Result<(), FieldError> {
         let lists: [(&str, &[usize]); 4] =
             [("top_k", &self.top_k), ("experts", &self.experts), ("seq_len", &self.seq_len), ("batch", &self.batch)];
         for (field, values) in lists {
             if values.is_empty() {
-                return Err((field.into(), "must list at least one value".into()));
+                return Err(FieldError::new(field, "must list at least one value"));
             }
             if let Some(i) = values.iter().position(|&v| v == 0) {
-                return Err((format!("{field}[{i}]"), "must be at least 1, got 0".into()));
+                return Err(FieldError::new(format!("{field}[{i}]"), "must be at least 1, got 0"));
             }
         }
         if self.routers.is_empty() {
-            return Err(("routers".into(), "must list at least one router".into()));
+            return Err(FieldError::new("routers", "must list at least one router"));
         }
         if self.capacity_factor.is_empty() {
-            return Err(("capacity_factor".into(), "must list at least one value".into()));
+            return Err(FieldError::new("capacity_factor", "must list at least one value"));
         }
         if let Some((i, f)) = self.capacity_factor.iter().enumerate().find(|(_, f)| !(f.is_finite() && **f > 0.0)) {
-            return Err((format!("capacity_factor[{i}]"), format!("must be finite and > 0, got {f}")));
+            return Err(FieldError::new(format!("capacity_factor[{i}]"), format!("must be finite and > 0, got {f}")));
         }
         // A factor no router config takes is bad input, not a skipped cell (checked before any cell runs).
         let max = crate::config::MAX_CAPACITY_FACTOR;
         if let Some((i, f)) = self.capacity_factor.iter().enumerate().find(|(_, f)| **f > max) {
-            return Err((
+            return Err(FieldError::new(
                 format!("capacity_factor[{i}]"),
                 format!("{f:?} is over {max:?}: no token is dropped long before; use a smaller factor"),
             ));
         }
         for (field, v) in [("hidden", self.hidden), ("ffn", self.ffn), ("trials", self.trials)] {
             if v == 0 {
-                return Err((field.into(), "must be at least 1, got 0".into()));
+                return Err(FieldError::new(field, "must be at least 1, got 0"));
             }
         }
         if !self.routers.contains(&self.heatmap) {
-            return Err(("heatmap".into(), format!("`{}` is not one of `routers`", self.heatmap)));
+            return Err(FieldError::new("heatmap", format!("`{}` is not one of `routers`", self.heatmap)));
         }
         match self.exploit.as_ref().map(ExploitOptions::validate) {
             Some(Err(Error::Setting { setting, message })) => {
-                return Err((format!("exploit.{}", setting.name()), message))
+                return Err(FieldError::new(format!("exploit.{}", setting.name()), message))
             }
-            Some(Err(e)) => return Err(("exploit".into(), e.to_string())),
+            Some(Err(e)) => return Err(FieldError::new("exploit", e.to_string())),
             _ => {}
         }
         Ok(())

@@ -136,29 +136,6 @@ fn mismatch(layer: &MoeLayer) -> f64 {
     differ as f64 / train.tokens.len() as f64
 }
 
-/// The routing diff moved to `moe_audit::routing`; its old paths under `analyze::compare` still
-/// compile (deprecated) for a release, and answer alike.
-#[test]
-#[allow(deprecated)]
-fn the_routing_diff_keeps_its_old_paths() {
-    use moe_audit::analyze::compare;
-    let c = config("expert-choice");
-    let logits = ndarray::Array3::from_shape_fn((2, 8, c.experts), |(b, s, e)| ((b * 31 + s * 7 + e * 3) % 11) as f32);
-    let mut changed = logits.clone();
-    changed[[1, 3, 0]] += 5.0;
-    let (a, b) = (moe_audit::assign(&c, logits.view()).unwrap(), moe_audit::assign(&c, changed.view()).unwrap());
-    let mut any = false;
-    for t in &a.tokens {
-        let at = (t.batch, t.pos);
-        let old: compare::TokenDiff = compare::diff_token(&a, at, &b, at);
-        assert_eq!(old, diff_token(&a, at, &b, at));
-        assert_eq!(compare::capacity_of(&a, t), moe_audit::routing::capacity_of(&a, t));
-        any |= old.any();
-    }
-    assert!(any, "the change must show");
-    assert_eq!(compare::WEIGHT_TOLERANCE, moe_audit::routing::WEIGHT_TOLERANCE);
-}
-
 #[test]
 fn m_reports_how_often_training_and_serving_disagree() {
     for name in ["sinkhorn", "expert-choice-tc-serve"] {

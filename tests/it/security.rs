@@ -207,8 +207,8 @@ fn trace_folder_files_do_not_lead_out_of_the_folder() {
 fn a_sweep_grid_names_no_router_outside_its_folder() {
     let dir = tmp("sweep");
     std::fs::create_dir_all(dir.join("g")).unwrap();
-    let router = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/routers/switch.toml"));
-    std::fs::write(dir.join("outside.toml"), router.unwrap()).unwrap();
+    let router = moe_audit::config::preset("switch").unwrap().toml;
+    std::fs::write(dir.join("outside.toml"), router).unwrap();
     for name in ["../outside.toml", dir.join("outside.toml").to_str().unwrap()] {
         let grid = format!("routers = [{name:?}]\nheatmap = {name:?}\n");
         std::fs::write(dir.join("g/grid.toml"), grid).unwrap();
@@ -222,8 +222,8 @@ fn a_sweep_grid_names_no_router_outside_its_folder() {
 #[test]
 fn a_router_config_runs_nothing() {
     let dir = tmp("toml");
-    let router = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/routers/switch.toml"));
-    std::fs::write(dir.join("r.toml"), router.unwrap() + "command = \"touch PWNED\"\n").unwrap();
+    let router = moe_audit::config::preset("switch").unwrap().toml;
+    std::fs::write(dir.join("r.toml"), router.to_string() + "command = \"touch PWNED\"\n").unwrap();
     let e = refused(&dir, &["route", "r.toml"]);
     assert!(e.contains("unknown field `command`"), "{e}");
     assert!(!dir.join("PWNED").exists());

@@ -145,7 +145,7 @@ fn cli_python_helper_and_library_give_the_same_bytes() {
 
 /// A copy of the megatron-probs preset as a TOML router, with `edit` applied.
 fn megatron_toml(dir: &Path, edit: impl Fn(String) -> String) {
-    let text = std::fs::read_to_string(repo().join("fixtures/routers/megatron-probs.toml")).expect("the preset");
+    let text = moe_audit::config::preset("megatron-probs").expect("the preset").toml.to_string();
     std::fs::write(dir.join("router.toml"), edit(text)).unwrap();
 }
 

@@ -1,6 +1,7 @@
 //! F, future (C-content): the same length, only the tokens after t of one sequence changed;
 //! half the trials random, half targeted at the experts token t uses.
 
+use super::Modes;
 use crate::analyze::explain::positions_later;
 use crate::analyze::witness::Witness;
 use super::{run_cases, Cases, Ctx, Rows, Rule, Sample};
@@ -24,7 +25,7 @@ impl Rule for Future {
         Property::CContent
     }
 
-    fn calls(&self, _: Option<&Witness>, _: &AuditOptions, _: bool, _: bool) -> [String; 2] {
+    fn calls(&self, _: Option<&Witness>, _: &AuditOptions, _: Modes) -> [String; 2] {
         ["the sequence".into(), "the same sequence with later tokens changed".into()]
     }
 

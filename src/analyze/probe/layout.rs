@@ -5,6 +5,7 @@
 //! sequences per rank) runs expert-parallel on R ranks and its outputs are checked against the
 //! single-device layer's.
 
+use super::Modes;
 use super::{Ctx, Rule, Sample};
 use crate::analyze::case::{CallMode, Case};
 use crate::analyze::layer_check::ranks_split;
@@ -31,7 +32,7 @@ impl Rule for Layout {
         Property::L
     }
 
-    fn calls(&self, _: Option<&Witness>, options: &AuditOptions, _: bool, _: bool) -> [String; 2] {
+    fn calls(&self, _: Option<&Witness>, options: &AuditOptions, _: Modes) -> [String; 2] {
         ["1 rank".into(), format!("{} expert-parallel ranks (or the other flattening)", options.ranks)]
     }
 

@@ -84,6 +84,15 @@ probes! {
     }
 }
 
+/// Where a router's two modes come from, for the words of M's calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Modes {
+    /// A configuration: its training rule and its `[inference]` table.
+    Config,
+    /// A router outside moe-audit, audited in this mode (`check --mode`); M calls the other second.
+    External(CallMode),
+}
+
 /// One probe's rule: what it changes, on logits and in the layer sample, and how its witness
 /// replays.
 pub(crate) trait Rule: Sync {
@@ -94,9 +103,8 @@ pub(crate) trait Rule: Sync {
     fn property(&self) -> Property;
 
     /// The two calls the probe compares, in words, reference first: sized from the witness when
-    /// there is one; `configured`: the router has a configuration (not an external router);
-    /// `serving`: it is audited in its serving mode (`check --mode inference`).
-    fn calls(&self, w: Option<&Witness>, options: &AuditOptions, configured: bool, serving: bool) -> [String; 2];
+    /// there is one; `modes`: where the router's training and serving modes come from.
+    fn calls(&self, w: Option<&Witness>, options: &AuditOptions, modes: Modes) -> [String; 2];
 
     /// Where a leak's cause was, in words.
     fn cause(&self, f: &Finding) -> String;

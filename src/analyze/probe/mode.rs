@@ -1,5 +1,6 @@
 //! M, mode (T/I): the training configuration against the `[inference]` one on the same input.
 
+use super::Modes;
 use super::{run_repeat, Ctx, Rule, Sample};
 use crate::analyze::case::{Call, CallMode, Case};
 use crate::analyze::witness::{Replayer, Witness};
@@ -19,17 +20,13 @@ impl Rule for Mode {
         Property::TI
     }
 
-    fn calls(&self, _: Option<&Witness>, _: &AuditOptions, configured: bool, serving: bool) -> [String; 2] {
-        if configured {
-            ["the training configuration".into(), "the [inference] configuration".into()]
-        } else {
+    fn calls(&self, _: Option<&Witness>, _: &AuditOptions, modes: Modes) -> [String; 2] {
+        match modes {
+            Modes::Config => ["the training configuration".into(), "the [inference] configuration".into()],
             // An external router has modes, not an `[inference]` table; the mode audited comes
             // first (the witness's `before` is its routing).
-            if serving {
-                ["inference mode".into(), "training mode".into()]
-            } else {
-                ["training mode".into(), "inference mode".into()]
-            }
+            Modes::External(CallMode::Inference) => ["inference mode".into(), "training mode".into()],
+            Modes::External(CallMode::Train) => ["training mode".into(), "inference mode".into()],
         }
     }
 

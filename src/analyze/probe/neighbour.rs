@@ -1,6 +1,7 @@
 //! N, neighbour (B): one other sequence of the batch changed (random, or every token pushed
 //! toward the experts of a token of another sequence); the untouched sequences compared.
 
+use super::Modes;
 use crate::analyze::witness::Witness;
 use super::{run_cases, Cases, Ctx, Rows, Rule, Sample};
 use crate::analyze::case::{Call, Case};
@@ -23,7 +24,7 @@ impl Rule for Neighbour {
         Property::B
     }
 
-    fn calls(&self, _: Option<&Witness>, _: &AuditOptions, _: bool, _: bool) -> [String; 2] {
+    fn calls(&self, _: Option<&Witness>, _: &AuditOptions, _: Modes) -> [String; 2] {
         ["the batch".into(), "the same batch with another sequence changed".into()]
     }
 

@@ -13,6 +13,7 @@
 //! bf16 and f32 and pairwise in f16 and bf16, against the exact sum (f64 is exact here), for a
 //! growing number of terms: the combine of many experts, a reduction across many ranks.
 
+use super::Modes;
 use super::{Ctx, Rule, Sample};
 use crate::analyze::case::{Call, Case};
 use crate::routing::diff_token;
@@ -99,7 +100,7 @@ impl Rule for NumericsProbe {
         Property::TI
     }
 
-    fn calls(&self, _: Option<&Witness>, _: &AuditOptions, _: bool, _: bool) -> [String; 2] {
+    fn calls(&self, _: Option<&Witness>, _: &AuditOptions, _: Modes) -> [String; 2] {
         ["f32 routing".into(), "bf16 or f16 routing".into()]
     }
 

@@ -22,6 +22,7 @@
 //! [`Router::prefix_stable`]: crate::router::Router::prefix_stable
 
 
+use super::Modes;
 use crate::analyze::explain::{plural, positions_later};
 use crate::analyze::witness::Witness;
 use super::{run_cases, Cases, Ctx, Rule, Sample};
@@ -47,7 +48,7 @@ impl Rule for Prefix {
         Property::CLength
     }
 
-    fn calls(&self, w: Option<&Witness>, _: &AuditOptions, _: bool, _: bool) -> [String; 2] {
+    fn calls(&self, w: Option<&Witness>, _: &AuditOptions, _: Modes) -> [String; 2] {
         [
             w.map_or("the full sequence".into(), |w| format!("the sequence of {}", plural(w.a.seq_len, "token"))),
             w.map_or("a prefix of it".into(), |w| format!("its prefix of {}", plural(w.b.seq_len, "token"))),

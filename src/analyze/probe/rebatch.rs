@@ -1,6 +1,7 @@
 //! R, re-batch (B): the sequences permuted, one dropped, one added, padding appended and (for
 //! routers that take a padding mask) padding on the left.
 
+use super::Modes;
 use crate::analyze::explain::plural;
 use crate::analyze::witness::Witness;
 use super::{run_cases, Cases, Ctx, Rule, Sample};
@@ -23,7 +24,7 @@ impl Rule for Rebatch {
         Property::B
     }
 
-    fn calls(&self, w: Option<&Witness>, _: &AuditOptions, _: bool, _: bool) -> [String; 2] {
+    fn calls(&self, w: Option<&Witness>, _: &AuditOptions, _: Modes) -> [String; 2] {
         [
             w.map_or("the batch".into(), |w| format!("a batch of {}", plural(w.a.batch, "sequence"))),
             w.map_or("the batch re-ordered, resized or re-padded".into(), |w| {

@@ -3,6 +3,7 @@
 //! router is random, and the noise test (`analyze/noise.rs`) weighs every other probe's leak
 //! against D's rate.
 
+use super::Modes;
 use super::{run_repeat, Ctx, Rule, Sample};
 use crate::analyze::case::{Call, CallMode};
 use crate::analyze::layer_check::{SampleCase, SampleInput};
@@ -23,7 +24,7 @@ impl Rule for Repeat {
         Property::D
     }
 
-    fn calls(&self, _: Option<&Witness>, _: &AuditOptions, _: bool, _: bool) -> [String; 2] {
+    fn calls(&self, _: Option<&Witness>, _: &AuditOptions, _: Modes) -> [String; 2] {
         ["the call".into(), "the same call again".into()]
     }
 

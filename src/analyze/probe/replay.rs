@@ -4,6 +4,7 @@
 //! (`analyze/repeats.rs`), so a router that mutates itself in an inference call (HF's NLLB-MoE
 //! overwrites its capacity) leaks here, whichever probes run.
 
+use super::Modes;
 use super::{Ctx, Rule, Sample};
 use crate::analyze::case::{Call, CallMode};
 use crate::analyze::layer_check::{SampleCase, SampleInput};
@@ -27,7 +28,7 @@ impl Rule for Replay {
         Property::S
     }
 
-    fn calls(&self, _: Option<&Witness>, _: &AuditOptions, _: bool, _: bool) -> [String; 2] {
+    fn calls(&self, _: Option<&Witness>, _: &AuditOptions, _: Modes) -> [String; 2] {
         ["the call alone".into(), "the same call after another call".into()]
     }
 

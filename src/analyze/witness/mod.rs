@@ -151,7 +151,7 @@ impl Witness {
 
     /// Parses and validates a witness; `path` names it in errors.
     pub fn parse(text: &str, path: &Path) -> Result<Witness> {
-        let w: Witness = serde_json::from_str(text).map_err(|e| Error::input(path, format!("not a witness: {e}")))?;
+        let w: Witness = serde_json::from_str(text).map_err(|e| Error::parse(path, "not a witness", e))?;
         if w.format == FORMAT_UNSEALED {
             return Err(Error::input(
                 path,
@@ -168,9 +168,9 @@ impl Witness {
             return Err(Error::input(path, "no `sha256` content hash to check".to_string()));
         }
         match (&w.router, &w.handshake) {
-            (Some(router), None) => router.validate().map_err(|(field, message)| {
-                Error::config(&path.display().to_string(), &format!("router.{field}"), message)
-            })?,
+            (Some(router), None) => {
+                router.validate().map_err(|e| e.within("router").in_config(&path.display().to_string()))?
+            }
             (None, Some(_)) if w.experts().is_some() && w.name().is_some() => {}
             (None, Some(_)) => {
                 return Err(Error::input(path, "`handshake` needs a `name` and a number of `experts` of at least 1"))
@@ -220,7 +220,7 @@ impl Witness {
         use sha2::{Digest, Sha256};
         debug_assert!(self.sha256.is_empty(), "the hash covers every field but itself");
         let mut hasher = Sha256::new();
-        serde_json::to_writer(&mut hasher, self).map_err(|e| Error::Usage(format!("cannot hash a witness: {e}")))?;
+        serde_json::to_writer(&mut hasher, self).map_err(|e| Error::system("cannot hash a witness", e))?;
         Ok(hasher.finalize().iter().map(|b| format!("{b:02x}")).collect())
     }
 

@@ -51,7 +51,7 @@ impl Replayer for RouterConfig {
             CallMode::Inference => {
                 let inference = self
                     .inference_config()?
-                    .ok_or_else(|| Error::Usage("an inference-mode witness needs an [inference] table".into()))?;
+                    .ok_or_else(|| Error::Invalid("an inference-mode witness needs an [inference] table".into()))?;
                 route_with(&inference, call)
             }
         }
@@ -89,7 +89,7 @@ pub(super) fn replay_pair(
     modes: (CallMode, CallMode),
 ) -> Result<(Routing, Routing, TokenDiff)> {
     let Some(tb) = pair.token_b() else {
-        return Err(Error::Usage("witness token has no counterpart in call b".into()));
+        return Err(Error::Invalid("witness token has no counterpart in call b".into()));
     };
     let (ra, rb) = probe.rule().replay(with, &pair.a, &pair.b, modes)?;
     let diff = diff_token(&ra, pair.token, &rb, tb);
