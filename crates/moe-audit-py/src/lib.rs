@@ -77,7 +77,7 @@ fn compare(
     });
     Ok(match done {
         Ok(text) => (true, text),
-        Err(e) => (false, moe_audit::command::one_line_message(&e.to_string())),
+        Err(e) => (false, moe_audit::command::one_line_message(&moe_audit::error::chain(&e))),
     })
 }
 
