@@ -147,3 +147,59 @@ impl Ids {
         Ok(Ids::Owned(all))
     }
 }
+
+/// The process's own memory map (`/proc/self/maps`; empty elsewhere than Linux).
+pub(crate) struct Maps(String);
+
+impl Maps {
+    pub(crate) fn of_process() -> Maps {
+        Maps(std::fs::read_to_string("/proc/self/maps").unwrap_or_default())
+    }
+
+    /// Whether `bytes` lie in one read-only shared mapping of a file (an `np.memmap` opened with
+    /// mode "r"): only such pages may be given back after reading, since the file holds them
+    /// unchanged; anonymous or writable memory never is.
+    pub(crate) fn holds_read_only_file(&self, bytes: &[u8]) -> bool {
+        let (start, end) = (bytes.as_ptr() as usize, bytes.as_ptr() as usize + bytes.len());
+        !bytes.is_empty()
+            && self.0.lines().any(|line| {
+                let f: Vec<&str> = line.split_whitespace().collect();
+                let Some((lo, hi)) = f.first().and_then(|r| r.split_once('-')) else { return false };
+                let (Ok(lo), Ok(hi)) = (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16)) else {
+                    return false;
+                };
+                lo <= start && end <= hi && f.get(1) == Some(&"r--s") && f.get(4).is_some_and(|inode| *inode != "0")
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn only_a_read_only_file_mapping_is_given_back() {
+        let path = std::env::temp_dir().join(format!("moe-audit-ids-{}", std::process::id()));
+        std::fs::write(&path, vec![7u8; 1 << 16]).unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        let map = unsafe { memmap2::Mmap::map(&file) }.unwrap();
+        let heap = vec![7u8; 1 << 16];
+        let maps = Maps::of_process();
+        assert!(maps.holds_read_only_file(&map[100..200]));
+        assert!(!maps.holds_read_only_file(&heap));
+        assert!(!maps.holds_read_only_file(&map[..0]));
+        // Given back and read again: the same bytes.
+        let mut ids = Ids::Stored { bytes: Bytes::from_owner(map), elem: Elem::U8, mapped: false };
+        if let Ids::Stored { bytes, .. } = &ids {
+            let whole = bytes.clone();
+            ids.mark_mapped(&whole);
+        }
+        let mut out = Vec::new();
+        ids.decode(0..1 << 16, &mut out);
+        ids.release(0..1 << 16);
+        ids.decode(0..1 << 16, &mut out);
+        assert!(out.iter().all(|&v| v == 7));
+        std::fs::remove_file(path).unwrap();
+    }
+}

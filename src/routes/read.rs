@@ -5,7 +5,7 @@
 
 use super::config::Layout;
 use super::formats::{self, Dtype, Raw};
-use super::{array, clean, Budget};
+use super::{array, clean, ids, Budget};
 use crate::error::{Error, Result, Setting};
 use crate::files::{open_unblocked, read_bounded};
 use bytes::Bytes;
@@ -113,7 +113,8 @@ pub struct IdArray {
 
 /// A record of arrays in memory, one sequence each (named `name` in the report and errors),
 /// its layers numbered `layers` when given, made comparable as a file's is: the bytes are read
-/// in place (types wider than i32 are decoded within the budget).
+/// in place (types wider than i32 are decoded within the budget); those of a file mapped
+/// read-only (`np.load(..., mmap_mode="r")`) are given back once read, as a record file's are.
 pub fn from_ids(
     name: &str,
     parts: Vec<IdArray>,
@@ -126,6 +127,7 @@ pub fn from_ids(
         return Err(bad(path, "no arrays: give one [tokens, layers, top_k] array, or one per sequence"));
     };
     let (dtype, [_, l, k]) = (first.dtype.clone(), first.shape);
+    let maps = ids::Maps::of_process();
     let mut raws = Vec::with_capacity(parts.len());
     for (i, p) in parts.into_iter().enumerate() {
         if p.dtype != dtype || p.shape[1..] != [l, k] {
@@ -143,8 +145,13 @@ pub fn from_ids(
         if Some(p.bytes.len()) != p.shape.iter().try_fold(elem.size(), |a, &d| a.checked_mul(d)) {
             return Err(bad(path, format!("sequence {i}: {} bytes for {} {:?}", p.bytes.len(), p.dtype, p.shape)));
         }
-        let a = array::Array { name: format!("sequence {i}"), shape: p.shape.to_vec(), elem, data: p.bytes };
-        raws.push(Raw::bare(Format::Npy, Dtype::of(elem), p.shape, a.expert_ids(path, budget)?));
+        let mut ids =
+            array::Array { name: format!("sequence {i}"), shape: p.shape.to_vec(), elem, data: p.bytes.clone() }
+                .expert_ids(path, budget)?;
+        if maps.holds_read_only_file(&p.bytes) {
+            ids.mark_mapped(&p.bytes);
+        }
+        raws.push(Raw::bare(Format::Npy, Dtype::of(elem), p.shape, ids));
     }
     let mut raw = if raws.len() == 1 { raws.pop().expect("one") } else { Raw::concat(path, raws, budget)? };
     let declared = layers.is_some();
