@@ -7,7 +7,6 @@
 //! independent routers agree on a whole top-k set almost never by chance (1 in C(64, 8) for a
 //! random pair), so a layer or offset that matches another on most tokens is that other one.
 
-use super::measure::Measures;
 use super::read::{ranges, Record};
 use super::Budget;
 use crate::error::{Error, Result};
@@ -514,7 +513,7 @@ fn aliases(h: &Hashes, routed: &[usize], rows: impl Iterator<Item = usize>) -> V
     out
 }
 
-fn pct(share: f64) -> String {
+pub(super) fn pct(share: f64) -> String {
     format!("{:.1}%", share * 100.0)
 }
 
@@ -730,46 +729,4 @@ fn declared_segments(a: &Record, b: &Record) -> Result<(Vec<Declared>, Vec<Diagn
         notes.push(note(kind, found, ""));
     }
     Ok((out, notes))
-}
-
-/// What a replay check (`--max-disagreement 0`) concludes from the measures: replayed routes
-/// are identical by construction, so every layer that differs did not receive the replay.
-pub(super) fn replay_check(m: &Measures) -> Option<Diagnosis> {
-    let off: Vec<&super::LayerMeasure> = m.layers.iter().filter(|l| l.differ > 0.0).collect();
-    let first = off.first()?;
-    let all = off.len() == m.layers.len();
-    let list: Vec<String> = off.iter().take(8).map(|l| format!("{} ({})", l.trainer, pct(l.differ))).collect();
-    let more = if off.len() > 8 { format!(" and {} more", off.len() - 8) } else { String::new() };
-    let found = format!(
-        "{} of {} layers differ from the rollout: {}{more}; {} of all router decisions differ (an unreplayed engine-trainer pair differs on about 10%, Ma et al. 2025)",
-        off.len(),
-        m.layers.len(),
-        list.join(", "),
-        pct(m.decisions_differ)
-    );
-    let change = if all {
-        "the replay was not applied at all: check that the trainer's live routers receive the replay targets (a rebuilt or re-wrapped decoder keeps the old ones)".to_string()
-    } else {
-        format!(
-            "layers from {} on did not receive the replay: register every router with the replay (MoE and MTP layers alike)",
-            first.trainer
-        )
-    };
-    Some(defect(DiagnosisKind::ReplayNotApplied, found, change))
-}
-
-/// The order note: same expert sets in another order, left out of the disagreement.
-pub(super) fn order_note(m: &Measures) -> Option<Diagnosis> {
-    (m.order_only > 0).then(|| {
-        note(
-            DiagnosisKind::Order,
-            format!(
-                "{} of {} (token, layer) pairs have the same expert set in another slot order ({}): counted as agreeing",
-                m.order_only,
-                m.decisions,
-                pct(m.order_only as f64 / m.decisions.max(1) as f64)
-            ),
-            "nothing: the set of experts decides the computation; compare weights per expert, not per slot",
-        )
-    })
 }

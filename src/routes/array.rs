@@ -233,7 +233,7 @@ pub(crate) fn npy(bytes: &Bytes, name: &str, path: &Path) -> Result<Array> {
 pub(crate) fn npz(bytes: &[u8], path: &Path, budget: &mut Budget) -> Result<BTreeMap<String, Bytes>> {
     let bad = |m: String| Error::input(path, m);
     let mut zip =
-        zip::ZipArchive::new(std::io::Cursor::new(bytes)).map_err(|e| bad(format!("not an .npz archive: {e}")))?;
+        zip::ZipArchive::new(std::io::Cursor::new(bytes)).map_err(|e| Error::parse(path, "not an .npz archive", e))?;
     let mut out = BTreeMap::new();
     for i in 0..zip.len() {
         let method = zip.by_index_raw(i).map_err(|e| bad(format!("entry {i}: {e}")))?.compression();
@@ -286,9 +286,10 @@ fn elem_of(dtype: safetensors::Dtype) -> Option<Elem> {
 /// sizes), and its `__metadata__`.
 pub(crate) fn safetensors(bytes: &Bytes, path: &Path) -> Result<(Vec<Array>, BTreeMap<String, String>)> {
     let bad = |m: String| Error::input(path, m);
-    let file = safetensors::SafeTensors::deserialize(bytes).map_err(|e| bad(format!("not a safetensors file: {e}")))?;
+    let file =
+        safetensors::SafeTensors::deserialize(bytes).map_err(|e| Error::parse(path, "not a safetensors file", e))?;
     let (_, meta) =
-        safetensors::SafeTensors::read_metadata(bytes).map_err(|e| bad(format!("not a safetensors file: {e}")))?;
+        safetensors::SafeTensors::read_metadata(bytes).map_err(|e| Error::parse(path, "not a safetensors file", e))?;
     let metadata = meta.metadata().clone().unwrap_or_default().into_iter().collect();
     let mut arrays = Vec::new();
     for (name, view) in file.iter() {

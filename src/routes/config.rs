@@ -56,8 +56,7 @@ impl Layout {
     /// Reads `config.json` (a multimodal config's `text_config` when it has one).
     pub fn load(path: &Path) -> Result<Layout> {
         let text = read_text(path, TEXT_LIMIT, "a config.json")?;
-        let value: Value =
-            serde_json::from_str(&text).map_err(|e| Error::input(path, format!("not a JSON config: {e}")))?;
+        let value: Value = serde_json::from_str(&text).map_err(|e| Error::parse(path, "not a JSON config", e))?;
         Layout::from_json(&value).map_err(|m| Error::input(path, m))
     }
 

@@ -4,7 +4,7 @@
 //! pair (physical instead of logical ids, ids modulo 256, records not paired at all). No
 //! comparison ends silently: one that is implausible for two routers of one model fails.
 
-use super::align::{Alignment, Diagnosis, DiagnosisKind};
+use super::align::{pct, Alignment, Diagnosis, DiagnosisKind};
 use super::config::{LayerKind, Layout};
 use super::measure::Measures;
 use super::read::{ranges, Record};
@@ -335,4 +335,46 @@ fn mapping(sets: &[(Vec<i32>, Vec<i32>)]) -> Option<(usize, (i32, i32))> {
         })
         .count();
     Some((agree, example))
+}
+
+/// What a replay check (`--max-disagreement 0`) concludes from the measures: replayed routes
+/// are identical by construction, so every layer that differs did not receive the replay.
+pub(super) fn replay_check(m: &Measures) -> Option<Diagnosis> {
+    let off: Vec<&super::LayerMeasure> = m.layers.iter().filter(|l| l.differ > 0.0).collect();
+    let first = off.first()?;
+    let all = off.len() == m.layers.len();
+    let list: Vec<String> = off.iter().take(8).map(|l| format!("{} ({})", l.trainer, pct(l.differ))).collect();
+    let more = if off.len() > 8 { format!(" and {} more", off.len() - 8) } else { String::new() };
+    let found = format!(
+        "{} of {} layers differ from the rollout: {}{more}; {} of all router decisions differ (an unreplayed engine-trainer pair differs on about 10%, Ma et al. 2025)",
+        off.len(),
+        m.layers.len(),
+        list.join(", "),
+        pct(m.decisions_differ)
+    );
+    let change = if all {
+        "the replay was not applied at all: check that the trainer's live routers receive the replay targets (a rebuilt or re-wrapped decoder keeps the old ones)".to_string()
+    } else {
+        format!(
+            "layers from {} on did not receive the replay: register every router with the replay (MoE and MTP layers alike)",
+            first.trainer
+        )
+    };
+    Some(defect(DiagnosisKind::ReplayNotApplied, found, &change))
+}
+
+/// The order note: same expert sets in another order, left out of the disagreement.
+pub(super) fn order_note(m: &Measures) -> Option<Diagnosis> {
+    (m.order_only > 0).then(|| {
+        note(
+            DiagnosisKind::Order,
+            format!(
+                "{} of {} (token, layer) pairs have the same expert set in another slot order ({}): counted as agreeing",
+                m.order_only,
+                m.decisions,
+                pct(m.order_only as f64 / m.decisions.max(1) as f64)
+            ),
+            "nothing: the set of experts decides the computation; compare weights per expert, not per slot",
+        )
+    })
 }

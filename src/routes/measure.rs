@@ -184,6 +184,22 @@ impl Measures {
     }
 }
 
+/// Which record of the pair.
+#[derive(Clone, Copy)]
+enum Role {
+    Rollout,
+    Trainer,
+}
+
+impl Role {
+    fn name(self) -> &'static str {
+        match self {
+            Role::Rollout => "rollout",
+            Role::Trainer => "trainer",
+        }
+    }
+}
+
 /// Tokens per parallel chunk.
 const CHUNK: usize = 1024;
 
@@ -200,10 +216,10 @@ pub(super) fn measure_in(
     chunk: usize,
 ) -> Result<Measures> {
     let n = al.layers.len();
-    // With logits, one margin per decision.
+    // With logits, one margin per decision: the trainer's when it has them, else the rollout's.
     let logits = match (&b.logits, b.num_experts, &a.logits, a.num_experts) {
-        (Some(l), Some(w), _, _) => Some(("trainer", b, l, w)),
-        (_, _, Some(l), Some(w)) => Some(("rollout", a, l, w)),
+        (Some(l), Some(w), _, _) => Some((Role::Trainer, b, l, w)),
+        (_, _, Some(l), Some(w)) => Some((Role::Rollout, a, l, w)),
         _ => None,
     };
     if logits.is_some() {
@@ -263,8 +279,8 @@ pub(super) fn measure_in(
                         c.decisions[p] += 1;
                         if let Some((side, r, l, w)) = logits {
                             let (t, li) = match side {
-                                "trainer" => (rb + i, pair.trainer_index),
-                                _ => (ra + i, pair.rollout_index),
+                                Role::Trainer => (rb + i, pair.trainer_index),
+                                Role::Rollout => (ra + i, pair.rollout_index),
                             };
                             let at = (t * r.layers.len() + li) * w;
                             c.margins.push((margin(&l[at..at + w], r.top_k, scratch), !same));
@@ -305,7 +321,7 @@ pub(super) fn measure_in(
         };
         let near = flips.iter().filter(|&&m| (m as f64) < threshold / 10.0).count();
         Margins {
-            side,
+            side: side.name(),
             flips: flips.len(),
             near_ties: share(near as u64, flips.len() as u64),
             median_flip: median(&mut flips),

@@ -163,10 +163,10 @@ pub fn compare(
     let measures = measure::measure(rollout, trainer, &alignment, budget)?;
     let pair = defects::of_pair(rollout, trainer, &alignment, &measures, diagnoses.iter().any(|d| d.defect))?;
     if options.max_disagreement == Some(0.0) && pair.is_empty() {
-        diagnoses.extend(align::replay_check(&measures));
+        diagnoses.extend(defects::replay_check(&measures));
     }
     diagnoses.extend(pair);
-    diagnoses.extend(align::order_note(&measures));
+    diagnoses.extend(defects::order_note(&measures));
     if measures.missing > 0 {
         diagnoses.push(Diagnosis {
             kind: DiagnosisKind::Missing,

@@ -31,12 +31,12 @@ fn bad(path: &Path, message: impl Into<String>) -> Error {
 /// A record file's bytes: a regular file is mapped (its arrays are read in place, a chunk at a
 /// time, see `ids`), anything else read whole within the budget.
 fn open(path: &Path, budget: &mut Budget) -> Result<File> {
-    let file = open_unblocked(path, false).map_err(|e| bad(path, format!("cannot read: {e}")))?;
-    let meta = file.metadata().map_err(|e| bad(path, format!("cannot read: {e}")))?;
+    let file = open_unblocked(path, false).map_err(|e| Error::io(path, "cannot read", e))?;
+    let meta = file.metadata().map_err(|e| Error::io(path, "cannot read", e))?;
     if meta.is_file() && meta.len() > 0 {
         // SAFETY: mapped read-only; a record changed while it is compared is the caller's race,
         // as with any reader of a file that changes under it.
-        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| bad(path, format!("cannot read: {e}")))?;
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, "cannot read", e))?;
         return Ok(File { bytes: Bytes::from_owner(map), mapped: true });
     }
     Ok(File { bytes: Bytes::from(read_whole(path, budget)?), mapped: false })
@@ -60,7 +60,7 @@ fn read_whole(path: &Path, budget: &mut Budget) -> Result<Vec<u8>> {
 
 /// The `router_trace_rank{r}.jsonl` files of a folder, in rank order.
 fn trace_folder(dir: &Path, budget: &mut Budget) -> Result<Vec<(String, Vec<u8>)>> {
-    let entries = std::fs::read_dir(dir).map_err(|e| bad(dir, format!("cannot read: {e}")))?;
+    let entries = std::fs::read_dir(dir).map_err(|e| Error::io(dir, "cannot read", e))?;
     let mut ranks = Vec::new();
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
@@ -188,7 +188,7 @@ fn dispatch(
         }
         // The parsed tree holds the base64 text once more.
         budget.take(&format!("parsing {}", path.display()), bytes.len() as u64 * 2)?;
-        let value: Value = serde_json::from_slice(bytes).map_err(|e| bad(path, format!("not JSON: {e}")))?;
+        let value: Value = serde_json::from_slice(bytes).map_err(|e| Error::parse(path, "not JSON", e))?;
         let shape = match (layout, hint) {
             (Some(l), _) => Some((l.kinds.iter().filter(|k| **k != super::LayerKind::Mtp).count(), l.top_k)),
             (None, Some(h)) => Some((h.layers, h.top_k)),

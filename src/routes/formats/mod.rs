@@ -277,7 +277,7 @@ pub(crate) fn base64(path: &Path, what: &str, text: &str, budget: &mut Budget) -
     budget.take(&format!("decoding {}", path.display()), text.len() as u64 / 4 * 3)?;
     ::base64::engine::general_purpose::STANDARD
         .decode(text.trim())
-        .map_err(|e| bad(path, format!("{what} is not base64: {e}")))
+        .map_err(|e| Error::parse(path, format!("{what} is not base64"), e))
 }
 
 /// Little-endian bytes of `elem` as expert ids.
