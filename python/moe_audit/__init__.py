@@ -14,8 +14,7 @@
 - ``moe_audit.snapshot``: snapshot tests of a router's routing decisions, also as the pytest
   fixture ``moe_audit_snapshot`` (``moe_audit.pytest_plugin``, with ``--moe-audit-update``).
 
-The wire codecs are private (``moe_audit._wire``); ``moe_audit.v1`` and ``moe_audit.v2`` remain
-as deprecated aliases.
+The wire codecs are private (``moe_audit._wire``).
 """
 
 from __future__ import annotations

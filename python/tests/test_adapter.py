@@ -158,30 +158,6 @@ def test_trace_answers_keep_a_scoped_capacity_over_v2_only(tmp_path):
         assert json.loads((tmp_path / "decisions.jsonl").read_text())["capacity"] == capacity
 
 
-def test_the_old_moe_audit_router_module_is_a_deprecated_alias_speaking_v1():
-    # Adapters written for the single-file `moe_audit_router` (before the package) import it still,
-    # with a warning naming the replacement, and speak the /1 protocol it spoke.
-    import importlib
-    import sys
-
-    sys.modules.pop("moe_audit_router", None)
-    with pytest.warns(DeprecationWarning, match="import from moe_audit instead"):
-        old = importlib.import_module("moe_audit_router")
-    assert old.PROTOCOL == v1.PROTOCOL and old.routes_from_arrays is moe_audit.routes_from_arrays
-
-    def route(data, mode):
-        t = data.shape[0] * data.shape[1]
-        return old.routes_from_arrays(np.ones((t, 1)), np.ones((t, 1))), None
-
-    request = {"id": 7, "mode": "train", "batch": 1, "seq_len": 2, "data": [[[0.0, 1.0], [1.0, 0.0]]]}
-    out = io.BytesIO()
-    old.serve(route, "old", 2, 1, stdin=io.BufferedReader(io.BytesIO(json.dumps(request).encode() + b"\n")),
-              stdout=out)
-    hs, response = out.getvalue().decode().splitlines()
-    assert json.loads(hs)["protocol"] == "moe-audit/1"
-    assert json.loads(response)["id"] == 7 and json.loads(response)["tokens"][1][0]["expert"] == 1
-
-
 def safetensors(path, tensors):
     """Writes tensors given as name -> (dtype, shape, raw bytes) as a safetensors file."""
     header, body = {}, b""
@@ -229,15 +205,14 @@ def test_bad_safetensors_say_what_is_wrong(tmp_path):
         moe_audit.read_safetensors(path)
 
 
-def test_the_old_codec_modules_warn_and_name_the_replacement():
-    for v in ("v1", "v2"):
-        sys.modules.pop(f"moe_audit.{v}", None)
-        with pytest.warns(DeprecationWarning, match=f"moe_audit._wire.{v}.*protocol="):
-            old = importlib.import_module(f"moe_audit.{v}")
-        assert old.PROTOCOL == f"moe-audit/{v[1]}" and old.response is getattr(moe_audit._wire, v).response
+def test_the_package_imports_without_a_warning():
+    # The codecs are private (moe_audit._wire); 0.1.0's public aliases were never released.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        importlib.reload(moe_audit.adapter)  # the package itself uses the private codecs
+        importlib.reload(moe_audit.adapter)
+    for v in ("v1", "v2"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(f"moe_audit.{v}")
 
 
 def test_run_parses_its_arguments(tmp_path, capsys):
