@@ -230,7 +230,7 @@ class Comparison:
 
 
 #: One array as the extension reads it: (its data's address, size in bytes, dtype name, shape).
-Part = tuple[int, int, str, tuple[int, ...]]
+Part = tuple[int, int, str, tuple[int, int, int]]
 
 
 def _part(a: Any, what: str) -> tuple[np.ndarray, Part]:
@@ -253,7 +253,8 @@ def _part(a: Any, what: str) -> tuple[np.ndarray, Part]:
         raise RoutesError(f"{what}: shape {list(a.shape)}: expert ids are [tokens, layers, top_k]")
     if a.dtype.byteorder == ">" or not a.flags.c_contiguous:
         a = np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<"))
-    return a, (a.__array_interface__["data"][0], a.nbytes, a.dtype.name, tuple(int(n) for n in a.shape))
+    tokens, layers, top_k = (int(n) for n in a.shape)
+    return a, (a.__array_interface__["data"][0], a.nbytes, a.dtype.name, (tokens, layers, top_k))
 
 
 def _side(x: Any, role: str) -> tuple[list[np.ndarray], str | tuple[str, list[Part], list[int] | None]]:
@@ -279,9 +280,8 @@ def _side(x: Any, role: str) -> tuple[list[np.ndarray], str | tuple[str, list[Pa
     parts: list[Any] = [_part(a, role if i is None else f"{role} sequence {i}") for i, a in arrays]
     held = [p[0] for p in parts]
     parts = [p[1] for p in parts]
-    first = parts[0] if parts else (0, 0, "int", (0,))
     sequences = f", {len(parts)} sequences" if len(parts) > 1 else ""
-    name = f"{role} ({first[2]} {'x'.join(str(n) for n in first[3])}{sequences})"
+    name = f"{role} ({parts[0][2]} {'x'.join(str(n) for n in parts[0][3])}{sequences})" if parts else role
     return held, (name, parts, None if layers is None else [int(g) for g in layers])
 
 

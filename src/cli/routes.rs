@@ -1,7 +1,7 @@
 //! `moe-audit routes`: rollout against trainer routing records (`compare`, the gate) and one
 //! record summarised (`show`).
 
-use super::io_error;
+use super::{exit, io_error};
 use clap::{Args, Subcommand, ValueEnum};
 use moe_audit::error::{Error, Result};
 use moe_audit::files::Staged;
@@ -152,7 +152,7 @@ fn compare(args: &CompareArgs, out: &mut dyn Write) -> Result<u8> {
     }
     staged.commit()?;
     out.write_all(text.as_bytes()).map_err(io_error)?;
-    Ok(c.exit_code())
+    Ok(exit::failed_if(c.failed))
 }
 
 fn show(args: &ShowArgs, out: &mut dyn Write) -> Result<u8> {
@@ -165,5 +165,5 @@ fn show(args: &ShowArgs, out: &mut dyn Write) -> Result<u8> {
         ShowFormat::Json => json(&summary),
     };
     out.write_all(text.as_bytes()).map_err(io_error)?;
-    Ok(0)
+    Ok(exit::OK)
 }

@@ -127,13 +127,6 @@ pub struct Comparison {
     pub failed: bool,
 }
 
-impl Comparison {
-    /// The exit code of the gate: 1 when it failed, else 0.
-    pub fn exit_code(&self) -> u8 {
-        u8::from(self.failed)
-    }
-}
-
 /// Aligns `rollout` against `trainer` (with the model's `layout` when known), diagnoses, measures.
 pub fn compare(
     rollout: &Record,
