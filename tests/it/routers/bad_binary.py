@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 
-from moe_audit import v2
+from moe_audit._wire import v2  # the codec, to write frames a router must not send
 
 KIND = sys.argv[1]
 out = sys.stdout.buffer
