@@ -1,6 +1,7 @@
-//! Arrays inside routing record files: `.npy`, `.npz` and `.safetensors`, read from bytes already
-//! in memory (read with a bound by `files::read_bounded`), checked before any copy is made:
-//! header, dtype, shape, and that the data is exactly as long as the shape says.
+//! Arrays inside routing record files: `.npy`, `.npz` and `.safetensors`, parsed from the file's
+//! bytes (a mapping of it, or read with a bound by `files::read_bounded`), each checked before
+//! it is read: header, dtype, shape, and that the data is exactly as long as the shape says. An
+//! array's data is a slice of those bytes (copied only out of an archive or to swap its order).
 
 use super::ids::Ids;
 use super::Budget;

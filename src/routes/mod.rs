@@ -2,7 +2,8 @@
 //! trainer (Megatron, FSDP, a Hugging Face model recorded by `moe_audit.routes`), aligned,
 //! diagnosed for the silent bugs of routing replay (R3), then measured.
 //!
-//! The data flows through one file per step: [`read`] (every record format, bounded) and
+//! The data flows through one file per step: [`read`] (every record format, read in place
+//! within bounds) and
 //! [`config`] (a Hugging Face layer layout) → `align` (token and layer alignment, the
 //! diagnoses) → `measure` (disagreement per layer, per token, overall; margins at flips) →
 //! [`Comparison`], rendered by `render::routes`. docs/ROUTES.md explains every diagnosis.

@@ -1,5 +1,6 @@
-//! The routing record every reader produces: expert ids `[tokens, layers, top_k]` (-1 = nothing
-//! to compare), the global number of each layer, the sequences, and what reading found and
+//! The routing record every reader produces: expert ids `[tokens, layers, top_k]` as stored,
+//! read a chunk of rows at a time through what cleaning decided (-1 = nothing to compare), the
+//! global number of each layer, the sequences, and what reading found and
 //! inferred (the writer, the dtype as stored, the layer numbering, padding, missing routes,
 //! zero-filled layers, wrapped ids), so `routes show` and every diagnosis can say it.
 
