@@ -5,7 +5,6 @@ Needs torch and transformers; tiny random-init Qwen3-MoE models, seeded.
 """
 
 import json
-import subprocess
 
 import numpy as np
 import pytest
@@ -13,10 +12,10 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install moe-audit[hf])")
 pytest.importorskip("transformers", reason="transformers is not installed (pip install moe-audit[hf])")
 
+from routes_cli import routes_compare  # noqa: E402
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 
 import moe_audit.routes as routes  # noqa: E402
-from moe_audit import binary  # noqa: E402
 
 LAYERS, EXPERTS, TOP_K, VOCAB = 4, 16, 4, 256
 
@@ -34,15 +33,6 @@ def model():
 
 def ids(batch=2, seq=12, seed=1):
     return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
-
-
-def compare(a, b, *extra):
-    out = subprocess.run(
-        [binary(), "routes", "compare", str(a), str(b), "--format", "json", *extra],
-        capture_output=True, text=True, timeout=120,
-    )
-    assert out.returncode in (0, 1), out.stderr
-    return out.returncode, json.loads(out.stdout)
 
 
 def test_a_forward_records_every_moe_layer_with_its_global_number(model, tmp_path):
@@ -64,7 +54,7 @@ def test_the_binary_reads_a_recording_and_a_repeat_is_a_clean_replay(model, tmp_
     x = ids()
     routes.record(model, x, tmp_path / "a.safetensors", mode="eval")
     routes.record(model, x, tmp_path / "b.safetensors", mode="eval")
-    code, report = compare(tmp_path / "a.safetensors", tmp_path / "b.safetensors", "--max-disagreement", "0")
+    code, report = routes_compare(tmp_path / "a.safetensors", tmp_path / "b.safetensors", "--max-disagreement", "0")
     assert code == 0, report["diagnoses"]
     assert report["measures"]["decisions"] == 24 * 2
     assert report["measures"]["decisions_differ"] == 0.0
@@ -76,7 +66,7 @@ def test_kv_cache_decoding_covers_the_same_tokens(model, tmp_path):
     rec = routes.record(model, x, tmp_path / "gen.safetensors", mode="eval", generate=True, prefill=5)
     assert rec["metadata"]["source"] == "hf-generate"
     assert rec["arrays"]["experts"].shape == (32, 2, TOP_K)
-    code, report = compare(tmp_path / "gen.safetensors", tmp_path / "train.safetensors")
+    code, report = routes_compare(tmp_path / "gen.safetensors", tmp_path / "train.safetensors")
     assert code == 0, report["diagnoses"]
     assert report["alignment"]["tokens"] == 32
     # fp32 decode and fp32 forward of one model route alike but for near-ties.
@@ -90,7 +80,7 @@ def test_padding_rows_route_nowhere_and_are_aligned_past(model, tmp_path):
     rec = routes.record(model, x, tmp_path / "pad.safetensors", mode="eval", attention_mask=mask)
     assert (rec["arrays"]["experts"][:3] == -1).all() and (rec["arrays"]["experts"][3:] >= 0).all()
     routes.record(model, x[:, 3:], tmp_path / "plain.safetensors", mode="eval")
-    code, report = compare(tmp_path / "plain.safetensors", tmp_path / "pad.safetensors")
+    code, report = routes_compare(tmp_path / "plain.safetensors", tmp_path / "pad.safetensors")
     assert any(d["kind"] == "padding" for d in report["diagnoses"])
     assert report["alignment"]["tokens"] == 7
 

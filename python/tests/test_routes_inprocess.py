@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from routes_cli import routes_compare
 
 import moe_audit
 import moe_audit.routes as routes
@@ -39,15 +40,6 @@ CONFIG = {
 }
 
 
-def cli(a, b, *extra):
-    out = subprocess.run(
-        [binary(), "routes", "compare", str(a), str(b), "--format", "json", *extra],
-        capture_output=True, text=True, timeout=120,
-    )
-    assert out.returncode in (0, 1), out.stderr
-    return out.returncode, json.loads(out.stdout)
-
-
 def without_paths(doc):
     doc = json.loads(json.dumps(doc))
     for side in ("rollout", "trainer"):
@@ -74,7 +66,7 @@ def test_to_dict_is_the_commands_json_on_the_same_files(files, extra):
     if extra.get("config"):
         kwargs["config"] = d / "config.json"
         flags += ["--config", str(d / "config.json")]
-    code, doc = cli(d / "engine.npy", d / "trainer.npy", *flags)
+    code, doc = routes_compare(d / "engine.npy", d / "trainer.npy", *flags)
     c = routes.compare(d / "engine.npy", str(d / "trainer.npy"), **kwargs)
     assert c.to_dict() == doc
     assert c.exit_code == code and c.failed == doc["failed"]
@@ -88,7 +80,7 @@ def test_arrays_give_what_the_command_gives_on_their_npy_files(files):
     np.save(d / "engine.npy", a)
     cases: list[tuple[dict[str, Any], list[str]]] = [({}, []), ({"max_disagreement": 0.0}, ["--max-disagreement", "0"])]
     for extra, flags in cases:
-        code, doc = cli(d / "engine.npy", d / "trainer.npy", *flags)
+        code, doc = routes_compare(d / "engine.npy", d / "trainer.npy", *flags)
         c = routes.compare(a, b, **extra)
         assert without_paths(c.to_dict()) == without_paths(doc)
         assert c.failed == bool(code)

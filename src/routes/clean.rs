@@ -117,12 +117,14 @@ pub(crate) fn finish(path: &Path, raw: Raw, layout: Option<&Layout>) -> Result<R
     // (below -1, at or beyond the expert count), padding rows found; rows that are no route
     // kept aside.
     let limit = num_experts.map_or(i32::MAX, |e| e as i32);
-    let blocks: Vec<Block> = chunks(&experts, tokens, w, |first, chunk| {
-        let wrapped = value.apply(chunk);
-        let mut b = block(chunk, first, n_layers, k, limit, pad_mask.as_deref(), format, num_experts);
-        b.wrapped = wrapped;
-        b
-    });
+    let blocks: Vec<Block> = experts
+        .par_chunks(tokens, w, BLOCK, |rows, chunk| {
+            let wrapped = value.apply(chunk);
+            let mut b = block(chunk, rows.start, n_layers, k, limit, pad_mask.as_deref(), format, num_experts);
+            b.wrapped = wrapped;
+            b
+        })
+        .collect();
     let (mut negative, mut beyond) = (None, (0usize, -1i32, 0usize));
     let mut pad = Vec::with_capacity(tokens);
     let mut odd: Vec<(usize, Row)> = Vec::new();
@@ -386,20 +388,6 @@ fn block(
         }
     }
     out
-}
-
-/// `f` on each block of [`BLOCK`] token rows of `ids` as stored (decoded into a buffer of its
-/// own), in parallel; the results in token order.
-fn chunks<T: Send>(ids: &Ids, tokens: usize, w: usize, f: impl Fn(usize, &mut [i32]) -> T + Sync) -> Vec<T> {
-    (0..tokens.div_ceil(BLOCK))
-        .into_par_iter()
-        .map_init(Vec::new, |buf, c| {
-            let rows = c * BLOCK..((c + 1) * BLOCK).min(tokens);
-            ids.decode(rows.start * w..rows.end * w, buf);
-            ids.release(rows.start * w..rows.end * w);
-            f(rows.start, buf)
-        })
-        .collect()
 }
 
 /// What a stored value means, by its dtype and the expert count.

@@ -57,6 +57,25 @@ impl Ids {
         }
     }
 
+    /// `f` on every chunk of `chunk` token rows (`width` ids each) as stored, decoded into a
+    /// buffer of its thread, in parallel, each chunk's mapped pages given back once decoded;
+    /// the results in token order, whatever the thread count.
+    pub(crate) fn par_chunks<'a, T: Send + 'a>(
+        &'a self,
+        tokens: usize,
+        width: usize,
+        chunk: usize,
+        f: impl Fn(Range<usize>, &mut [i32]) -> T + Sync + Send + 'a,
+    ) -> impl rayon::iter::IndexedParallelIterator<Item = T> + 'a {
+        use rayon::prelude::*;
+        (0..tokens.div_ceil(chunk)).into_par_iter().map_init(Vec::new, move |buf, c| {
+            let rows = c * chunk..((c + 1) * chunk).min(tokens);
+            self.decode(rows.start * width..rows.end * width, buf);
+            self.release(rows.start * width..rows.end * width);
+            f(rows, buf)
+        })
+    }
+
     /// The largest id other than `skip`, over all ids (a pass over stored bytes without
     /// decoding them, in parallel chunks given back once read).
     pub(crate) fn max_except(&self, skip: i32) -> Option<i32> {

@@ -176,13 +176,10 @@ impl Record {
         merge: impl Fn(T, T) -> T + Sync + Send,
     ) -> Option<T> {
         use rayon::prelude::*;
-        let w = self.layers.len() * self.top_k;
-        (0..self.tokens.div_ceil(chunk))
-            .into_par_iter()
-            .map_init(Vec::new, |buf, c| {
-                let tokens = c * chunk..((c + 1) * chunk).min(self.tokens);
-                self.rows(tokens.clone(), buf);
-                self.ids.release(tokens.start * w..tokens.end * w);
+        let each = &each;
+        self.ids
+            .par_chunks(self.tokens, self.layers.len() * self.top_k, chunk, |tokens, buf| {
+                self.fix.apply(tokens.clone(), buf);
                 each(tokens.start, buf)
             })
             .reduce_with(merge)

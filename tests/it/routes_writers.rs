@@ -244,13 +244,14 @@ fn sglang_bad_input_is_one_line() {
 
 /// `CompletionOutput.routed_experts` saved with `np.save`: uint8 for at most 256 experts
 /// (vllm-project/vllm@v0.25.0: vllm/model_executor/layers/fused_moe/routed_experts_capturer.py:279),
-/// rows `[prompt_start, P + O - 1)` (vllm/v1/core/sched/scheduler.py:1664), zero buffers.
+/// rows `[prompt_start, P + O - 1)` (vllm-project/vllm@v0.25.0: vllm/v1/core/sched/scheduler.py:1664),
+/// zero buffers.
 fn vllm_npy(rows: &[i32], n: usize) -> Vec<u8> {
     npy("|u1", &[n, DECODER, K], &as_u8(rows))
 }
 
 /// The HTTP response: `choices[i].routed_experts` = base64 of the `.npy`
-/// (vllm/entrypoints/scale_out/token_in_token_out/serving.py:287).
+/// (vllm-project/vllm@v0.25.0: vllm/entrypoints/scale_out/token_in_token_out/serving.py:287).
 fn vllm_http(seqs: &[Vec<i32>]) -> String {
     let choices: Vec<Value> = seqs
         .iter()
@@ -520,7 +521,8 @@ fn slime_pad_rows_and_trailing_segment_are_padding() {
 /// SkyRL's batch: compacted by the largest id (NovaSky-AI/SkyRL@a956457:
 /// skyrl/backends/skyrl_train/utils/routed_experts.py:9-34: uint8 here), every row first
 /// `arange(K)` in every layer, the routes copied left-padded to the batch's longest, and
-/// `router_padding_mask` (True = no route) (skyrl/train/dataset/preprocess.py:17-55, :230-273).
+/// `router_padding_mask` (True = no route) (NovaSky-AI/SkyRL@a956457:
+/// skyrl/train/dataset/preprocess.py:17-55, :230-273).
 fn skyrl(seqs: &[Vec<i32>]) -> Vec<u8> {
     let total = *LENS.iter().max().unwrap();
     let (mut batch, mut mask) = (Vec::new(), Vec::new());
