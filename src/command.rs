@@ -4,6 +4,9 @@
 //! codes, panic message and signal handling. Not a library API.
 
 use crate::cli::{exit, flag, run, Cli};
+/// A report as its JSON output (the wheel's in-process `routes compare` prints what the command
+/// line does).
+pub use crate::render::json;
 use crate::runtime::{self, one_line};
 use clap::Parser;
 use std::ffi::OsString;

@@ -1,48 +1,34 @@
 //! moe-audit: Mixture-of-Experts layers on candle, and an auditor for train/inference causality
 //! leaks in MoE routers.
 //!
-//! The crate follows the data flow:
-//! [`config`] (TOML, validated) → [`router`] (scores → assignment) → [`routing::Routing`] (the
-//! record) → [`layer`] (dispatch → experts → combine).
+//! This crate is the `moe-audit` binary's (the command line, its rendering, progress bars and
+//! fonts). Its library target gathers the workspace's crates under one name, so that a user
+//! depends on `moe-audit` alone, and holds the command line as a function for the Python
+//! wheel's `moe-audit` ([`command`]):
+//! - `moe-audit-core`: [`config`], [`router`], [`routing`], [`layer`], [`error`], [`files`],
+//!   [`memory`], [`names`];
+//! - `moe-audit-parallel`: [`parallel`] (expert parallelism, all-reduce in low precision);
+//! - `moe-audit-records`: [`routes`] (rollout and trainer routing records);
+//! - `moe-audit-auditor`: [`analyze`], [`external`], [`model`], [`snapshot`](mod@snapshot), [`sweep`],
+//!   [`exploit`], [`progress`], [`seeds`], [`sizes`].
 #![warn(missing_docs)]
 
-// The command line is compiled here (feature `cli`) so that the binary and the Python
-// extension run the same code; its files name this crate as `moe_audit::`, as a binary would.
+// The command line's files name this crate as `moe_audit::`, as a binary would.
 extern crate self as moe_audit;
 
-pub mod analyze;
-#[cfg(feature = "cli")]
 mod cli;
-#[cfg(feature = "cli")]
 #[doc(hidden)]
 pub mod command;
-pub mod config;
-pub mod error;
-pub mod exploit;
-pub mod external;
-pub mod files;
 mod font;
-pub mod layer;
-pub mod memory;
-pub mod model;
-pub mod names;
-pub mod parallel;
-pub mod progress;
-pub mod render;
-pub mod router;
-pub mod routes;
-pub mod routing;
-#[cfg(feature = "cli")]
+mod render;
 mod runtime;
-pub mod seeds;
-pub mod sizes;
-pub mod snapshot;
-pub mod sweep;
 
-pub use config::RouterConfig;
-pub use error::{Error, Result};
-pub use memory::MemoryBudget;
-pub use router::{ConfigRouter, Router};
-pub use routing::{assign, assign_masked, Logits, Routing};
-pub use sizes::RunSizes;
-pub use snapshot::snapshot;
+pub use moe_audit_auditor::{analyze, exploit, external, model, progress, seeds, sizes, snapshot, sweep};
+pub use moe_audit_core::{config, error, files, layer, memory, names, router, routing};
+pub use moe_audit_parallel as parallel;
+pub use moe_audit_records as routes;
+
+pub use moe_audit_auditor::RunSizes;
+pub use moe_audit_core::{
+    assign, assign_masked, ConfigRouter, Error, Logits, MemoryBudget, Result, Router, RouterConfig, Routing,
+};

@@ -42,13 +42,13 @@ pub struct CollectivesArgs {
     #[arg(long, value_name = "FILE")]
     pub gradients: Option<PathBuf>,
     /// Algorithms compared.
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "ring,halving,hierarchical,direct")]
+    #[arg(long, value_parser = super::one_of(Algorithm::ALL, Algorithm::name, Algorithm::about), value_delimiter = ',', default_value = "ring,halving,hierarchical,direct")]
     pub algorithms: Vec<Algorithm>,
     /// Wire precisions compared.
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "f32,bf16,f16")]
+    #[arg(long, value_parser = super::precision(), value_delimiter = ',', default_value = "f32,bf16,f16")]
     pub wire: Vec<Precision>,
     /// Accumulator precisions compared.
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "f32,bf16,f16")]
+    #[arg(long, value_parser = super::precision(), value_delimiter = ',', default_value = "f32,bf16,f16")]
     pub accumulate: Vec<Precision>,
     /// Ranks per domain of the hierarchical algorithm (must divide every rank count).
     #[arg(long, default_value_t = 4)]

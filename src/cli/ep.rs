@@ -46,10 +46,10 @@ pub struct EpArgs {
     pub memory: MemoryArgs,
     /// Precision of the expert outputs on their way back (the combine's wire); with a
     /// low-precision combine the report compares the output with the f32 combine's.
-    #[arg(long, value_enum, default_value_t = Precision::F32)]
+    #[arg(long, value_parser = super::precision(), default_value = "f32")]
     pub combine_wire: Precision,
     /// Precision of the combine's sum of each token's weighted expert outputs.
-    #[arg(long, value_enum, default_value_t = Precision::F32)]
+    #[arg(long, value_parser = super::precision(), default_value = "f32")]
     pub combine_accumulate: Precision,
 }
 

@@ -177,6 +177,24 @@ pub(crate) fn io_error(e: std::io::Error) -> moe_audit::Error {
     moe_audit::Error::input("<stdout>", e.to_string())
 }
 
+/// A clap parser of one of `all` by its `name`, each value with its `about` as help (what
+/// `#[derive(ValueEnum)]` gives a type of this crate, for the library's enums).
+fn one_of<T: Copy + Send + Sync + 'static, const N: usize>(
+    all: [T; N],
+    name: fn(T) -> &'static str,
+    about: fn(T) -> &'static str,
+) -> impl clap::builder::TypedValueParser<Value = T> {
+    use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
+    PossibleValuesParser::new(all.map(|v| PossibleValue::new(name(v)).help(about(v))))
+        .map(move |s| all.into_iter().find(|&v| name(v) == s).expect("clap checked the value"))
+}
+
+/// [`one_of`] the precisions of the collectives.
+fn precision() -> impl clap::builder::TypedValueParser<Value = moe_audit::parallel::reduce::Precision> {
+    use moe_audit::parallel::reduce::Precision;
+    one_of(Precision::ALL, Precision::name, Precision::about)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -17,15 +17,13 @@ mod routes;
 mod sweep;
 mod text;
 
-pub use crate::parallel::{CombineFigures, EpReport};
+pub use crate::parallel::EpReport;
 pub use ci::{render_github, render_junit};
 pub use collectives::{collectives_chart, collectives_config_name, render_collectives, CollectivesReport};
 pub use ep::render_ep;
-pub use exploit::{exploit_markdown, exploit_text, learning_curve, write_exploit};
+pub use exploit::{exploit_markdown, exploit_text, write_exploit};
 pub use json::{json, witness_path, write_witnesses};
 pub use model::render_model_text;
-pub use routes::{
-    routes_chart, routes_github, routes_junit, routes_markdown, routes_text, show_text, PAPER_DECISIONS, PAPER_TOKENS,
-};
-pub use sweep::{csv as sweep_csv, markdown as sweep_markdown, write_sweep};
+pub use routes::{routes_chart, routes_github, routes_junit, routes_markdown, routes_text, show_text};
+pub use sweep::{markdown as sweep_markdown, write_sweep};
 pub use text::{render_markdown, render_replay, render_text, render_zoo};

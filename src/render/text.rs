@@ -363,4 +363,37 @@ mod tests {
         let zoo = render_zoo(&report);
         assert!(zoo.contains("\n1 of 2 presets leak."), "{zoo}");
     }
+
+    #[test]
+    fn a_capacity_only_change_is_said_as_such_in_the_table_and_the_replay() {
+        // A capacity computed from the call's length (megatron-probs, factor 64) changes under P
+        // before any decision does (tests/it/analyze.rs checks the verdict and the replay).
+        use crate::analyze::{audit, Subject, Witness};
+        let mut config = crate::config::preset("megatron-probs").unwrap().config().unwrap();
+        config.capacity.as_mut().unwrap().factor = Some(64.0);
+        let layer =
+            crate::layer::MoeLayer::seeded(config, 32, 32, 0, candle_core::DType::F32, &candle_core::Device::Cpu)
+                .unwrap();
+        let options = AuditOptions {
+            probes: vec![Probe::P],
+            batch: 4,
+            seq_len: 32,
+            trials: 16,
+            seed: 0,
+            ranks: 2,
+            exhaustive: false,
+        };
+        let router = audit(&Subject::layer(&layer), &options, &crate::progress::Silent).unwrap();
+        let table = render_text(&Report { options, routers: vec![router.clone()] }, &|_, _| None);
+        assert!(table.contains("LEAK") && table.contains("the capacity in force changed, no decision did"), "{table}");
+
+        let witness = router.findings[0].witness.as_ref().expect("a witness of the capacity change");
+        let path = std::env::temp_dir().join(format!("moe-audit-render-capacity-{}.json", std::process::id()));
+        std::fs::write(&path, serde_json::to_string(witness).unwrap()).unwrap();
+        let replay = Witness::read(&path).unwrap().replay(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        let text = render_replay(&replay);
+        assert!(text.starts_with("LEAK reproduced: router megatron-probs, probe P"), "{text}");
+        assert!(text.contains("routes differently (capacity)\n  before: [") && text.contains(", capacity "), "{text}");
+    }
 }

@@ -689,12 +689,7 @@ fn a_capacity_only_change_leaks_and_its_witness_replays_as_a_leak() {
     let replay = Witness::read(&path).unwrap().replay(&path).unwrap();
     std::fs::remove_file(&path).unwrap();
     assert!(replay.reproduces() && replay.diff.capacity && !replay.diff.decision());
-    let text = moe_audit::render::render_replay(&replay);
-    assert!(text.starts_with("LEAK reproduced: router megatron-probs, probe P"), "{text}");
-    assert!(text.contains("routes differently (capacity)\n  before: [") && text.contains(", capacity "), "{text}");
-    let report = moe_audit::analyze::Report { options: options(&[P]), routers: vec![r.clone()] };
-    let table = moe_audit::render::render_text(&report, &|_, _| None);
-    assert!(table.contains("LEAK") && table.contains("the capacity in force changed, no decision did"), "{table}");
+    // How the report and the replay say it: src/render/text.rs's tests.
 }
 
 #[test]

@@ -37,7 +37,7 @@ fn a_small_grid_writes_every_output_byte_identically() {
 
     let json = std::fs::read_to_string(a.join("sweep.json")).unwrap();
     let report: moe_audit::sweep::SweepReport = serde_json::from_str(&json).unwrap();
-    assert_eq!(moe_audit::render::json(&report), json, "the leak_<probe> fields read back as written");
+    assert_eq!(moe_audit::command::json(&report), json, "the leak_<probe> fields read back as written");
     // 3 routers × k {1, 2}; one capacity factor.
     assert_eq!(report.cells.len(), 6);
     let csv = std::fs::read_to_string(a.join("sweep.csv")).unwrap();

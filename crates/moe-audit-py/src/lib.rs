@@ -126,7 +126,7 @@ fn run(
     };
     let options = CompareOptions { max_disagreement };
     let c = routes::compare(&r, &t, layout.as_ref(), &options, &mut budget)?;
-    Ok(moe_audit::render::json(&c))
+    Ok(moe_audit::command::json(&c))
 }
 
 fn hint(r: &routes::Record) -> routes::read::ShapeHint {

@@ -1,0 +1,202 @@
+//! Replaying a witness: routing its two calls again, as the probe that found it prescribes, and
+//! judging the token by the audit's own rule, so a witness replays with its audit's verdict.
+//!
+//! What routes the calls is a `Replayer`: the witness's router config (pure, from the file
+//! alone), or a live router for a witness of a router outside moe-audit (`check --replay W
+//! --router-cmd CMD`). Shrinking replays each candidate pair through the same `replay_pair`, so
+//! what shrinking keeps is what a replay sees.
+
+use super::{load, Witness};
+use crate::analyze::case::{Call, CallMode};
+use crate::analyze::Probe;
+use moe_audit_core::config::RouterConfig;
+use moe_audit_core::error::{Error, Result};
+use moe_audit_core::router::Router;
+use moe_audit_core::routing::{assign_routes, capacity_of, diff_token, Routing, TokenDiff, TokenRouting};
+use std::path::Path;
+
+/// A case reduced to one token, the unit that shrinking works on and a replay routes.
+#[derive(Debug, Clone)]
+pub(super) struct Pair {
+    pub(super) a: Call,
+    pub(super) b: Call,
+    pub(super) seq_map: Vec<Option<usize>>,
+    pub(super) offset: usize,
+    pub(super) token: (usize, usize),
+}
+
+impl Pair {
+    pub(super) fn token_b(&self) -> Option<(usize, usize)> {
+        self.seq_map[self.token.0].map(|j| (j, self.token.1 + self.offset))
+    }
+}
+
+/// Routes `call` under `config` for a comparison (routes only).
+fn route_with(config: &RouterConfig, call: &Call) -> Result<Routing> {
+    assign_routes(config, call.logits.view(), call.padding.as_ref().map(|m| m.view()))
+}
+
+/// What routes a witness's calls: its router config, or a live router.
+pub(crate) trait Replayer: Sync {
+    /// The routing of `call` in `mode`, for a comparison.
+    fn route(&self, call: &Call, mode: CallMode) -> Result<Routing>;
+    /// Whether two calls may be routed at once (a config's routing is a pure function).
+    fn concurrent(&self) -> bool;
+}
+
+impl Replayer for RouterConfig {
+    fn route(&self, call: &Call, mode: CallMode) -> Result<Routing> {
+        match mode {
+            CallMode::Train => route_with(self, call),
+            CallMode::Inference => {
+                let inference = self
+                    .inference_config()?
+                    .ok_or_else(|| Error::Invalid("an inference-mode witness needs an [inference] table".into()))?;
+                route_with(&inference, call)
+            }
+        }
+    }
+
+    fn concurrent(&self) -> bool {
+        true
+    }
+}
+
+/// A live router (an external one, for `check --replay W --router-cmd CMD`).
+struct Live<'a>(&'a dyn Router);
+
+impl Replayer for Live<'_> {
+    fn route(&self, call: &Call, mode: CallMode) -> Result<Routing> {
+        match mode {
+            CallMode::Train => call.routes(self.0),
+            CallMode::Inference => match self.0.inference()? {
+                Some(inference) => call.routes(inference.as_ref()),
+                None => Err(Error::Usage(format!("router `{}` has no inference mode", self.0.name()))),
+            },
+        }
+    }
+
+    fn concurrent(&self) -> bool {
+        self.0.concurrent()
+    }
+}
+
+/// Routes both sides as `probe` prescribes and diffs the token.
+pub(super) fn replay_pair(
+    with: &dyn Replayer,
+    probe: Probe,
+    pair: &Pair,
+    modes: (CallMode, CallMode),
+) -> Result<(Routing, Routing, TokenDiff)> {
+    let Some(tb) = pair.token_b() else {
+        return Err(Error::Invalid("witness token has no counterpart in call b".into()));
+    };
+    let (ra, rb) = probe.rule().replay(with, &pair.a, &pair.b, modes)?;
+    let diff = diff_token(&ra, pair.token, &rb, tb);
+    Ok((ra, rb, diff))
+}
+
+/// The outcome of replaying a witness.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Replay {
+    /// The witness as read.
+    pub witness: Witness,
+    /// What differs now (nothing: the leak no longer reproduces).
+    pub diff: TokenDiff,
+    /// The token's routing in the reference run now.
+    pub before: TokenRouting,
+    /// The token's routing in the changed run now.
+    pub after: TokenRouting,
+    /// The capacity in force for the token in each run now (its own, else its group's).
+    pub capacity: (Option<usize>, Option<usize>),
+}
+
+impl Replay {
+    /// Whether the leak (X: the drift) reproduces, judged by the audit's rule
+    /// ([`TokenDiff::any`]): a capacity in force that changed is a leak, whether or not a
+    /// decision did.
+    pub fn reproduces(&self) -> bool {
+        self.diff.any()
+    }
+}
+
+impl Witness {
+    /// Replays the witness from its own contents (a witness with a router config).
+    pub fn replay(self, path: &Path) -> Result<Replay> {
+        let Some(config) = self.router.clone() else {
+            return Err(Error::Usage(format!(
+                "{}: the witness is of router `{}` outside moe-audit: replay it with {}",
+                path.display(),
+                self.name().unwrap_or_default(),
+                moe_audit_core::error::Setting::RouterCmd
+            )));
+        };
+        self.replay_with(path, &config, config.experts)
+    }
+
+    /// Replays the witness against a live router, which must introduce itself as the witness's
+    /// handshake says (name, experts, top-k, input and hidden size; the protocol may differ).
+    pub fn replay_on(self, path: &Path, router: &dyn Router) -> Result<Replay> {
+        let Some(stored) = &self.handshake else {
+            return Err(Error::Usage(format!(
+                "{}: the witness holds a router config: replay it without {}",
+                path.display(),
+                moe_audit_core::error::Setting::RouterCmd
+            )));
+        };
+        let live = router.handshake().unwrap_or_default();
+        let same = ["name", "experts", "top_k", "input", "hidden_size"]
+            .iter()
+            .all(|k| stored.get(k).filter(|v| !v.is_null()) == live.get(k).filter(|v| !v.is_null()));
+        if !same {
+            return Err(Error::input(
+                path,
+                format!("the witness's router is {stored}, the command's router is {live}: not the same router"),
+            ));
+        }
+        self.replay_with(path, &Live(router), router.row_width())
+    }
+
+    /// Replays with `with`, the calls' rows `width` wide.
+    fn replay_with(mut self, path: &Path, with: &dyn Replayer, width: usize) -> Result<Replay> {
+        let (a, b) = (load(&self.a, "a", path)?, load(&self.b, "b", path)?);
+        if a.logits.dim().2 != width || b.logits.dim().2 != width {
+            return Err(Error::input(
+                path,
+                format!("the calls' rows hold {} values, the router takes {width}", a.logits.dim().2),
+            ));
+        }
+        let (ta, tb) = ((self.token_a.batch, self.token_a.pos), (self.token_b.batch, self.token_b.pos));
+        let (ba, sa) = a.dims();
+        let (bb, sb) = b.dims();
+        let changes_input = self.probe.rule().changes_input();
+        if ta.0 >= ba || ta.1 >= sa || (changes_input && (tb.0 >= bb || tb.1 >= sb)) {
+            return Err(Error::input(path, "the witness token lies outside its calls".to_string()));
+        }
+        let mut seq_map = vec![None; ba];
+        seq_map[ta.0] = Some(if changes_input { tb.0 } else { ta.0 });
+        let offset = if changes_input {
+            tb.1.checked_sub(ta.1).ok_or_else(|| Error::input(path, "token_b lies before token_a".to_string()))?
+        } else {
+            0
+        };
+        // Last of the checks, so that each edit above gets its own message.
+        let stored = std::mem::take(&mut self.sha256);
+        if stored != self.content_hash()? {
+            return Err(Error::input(
+                path,
+                format!(
+                    "the content does not match its `sha256` (edited or corrupted): write the witness again with {}",
+                    moe_audit_core::error::Setting::WitnessDir
+                ),
+            ));
+        }
+        self.sha256 = stored;
+        let pair = Pair { a, b, seq_map, offset, token: ta };
+        let (ra, rb, diff) = replay_pair(with, self.probe, &pair, (self.a_mode, self.b_mode))?;
+        let tb = pair.token_b().expect("mapped");
+        let (before, after) = (ra.token(ta.0, ta.1).clone(), rb.token(tb.0, tb.1).clone());
+        let capacity = (capacity_of(&ra, &before), capacity_of(&rb, &after));
+        Ok(Replay { before, after, capacity, diff, witness: self })
+    }
+}

@@ -1,0 +1,546 @@
+//! The `moe-audit/1` and `moe-audit/2` messages (docs/PROTOCOL.md) and their validation: a
+//! response becomes a [`Routing`] only when every field fits the request, so no verdict is ever
+//! drawn from bad data. `/2` frames its requests (a JSON header line, then little-endian bytes),
+//! may answer in binary frames, states a capacity with its scope, and carries a padding mask.
+
+use moe_audit_core::config::{Flatten, ScopeConfig, ScopeGroup};
+use moe_audit_core::routing::{scores, Decisions, GroupRecord, Route, Routing, ScopeRecord, TokenRouting};
+use ndarray::ArrayView2;
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// The protocol tag of version 1 (JSON lines both ways).
+pub const PROTOCOL: &str = "moe-audit/1";
+/// The protocol tag of version 2 (binary frames, scoped capacity, padding mask).
+pub const PROTOCOL_2: &str = "moe-audit/2";
+
+/// What a router's rows hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum InputKind {
+    /// E gate logits per token: the analyzer crafts targeted rows itself.
+    Logits,
+    /// H hidden values per token: the router applies its own gate.
+    Hidden,
+}
+
+/// How a `moe-audit/2` router writes its responses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Encoding {
+    /// One JSON line per response, as in `/1`.
+    Json,
+    /// A JSON header line, then the routes as little-endian columns.
+    Binary,
+}
+
+/// The first line a router writes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Handshake {
+    /// [`PROTOCOL`] or [`PROTOCOL_2`].
+    pub protocol: String,
+    /// Name used in reports.
+    pub name: String,
+    /// Number of experts E.
+    pub experts: usize,
+    /// Experts per token; `null` for expert choice.
+    pub top_k: Option<usize>,
+    /// Row contents.
+    pub input: InputKind,
+    /// Hidden size H (required with `input: hidden`).
+    #[serde(default)]
+    pub hidden_size: Option<usize>,
+    /// `/2` only: how responses are written (default JSON lines).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub responses: Option<Encoding>,
+    /// `/2` only: requests carry a padding mask, so the audit's padding cases apply.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub padding_mask: bool,
+    /// `/2` only: the adapter serving the router can apply each request's `seed` to the
+    /// router's random draws itself, with its option `seed_calls=True` (`moe_audit.hf`): `false`
+    /// when it is off, `true` when on. Absent: no such option; the advice for a random router
+    /// then names only the `seed` every request carries.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seed_calls: Option<bool>,
+}
+
+/// The largest `experts` and `hidden_size` a handshake may declare (2^20: a million experts, as
+/// in product-key MoE); rows are allocated from them, so absurd values are errors, not crashes.
+pub const MAX_SIZE: usize = 1 << 20;
+
+impl Handshake {
+    /// Checks the handshake; the error says which field is wrong.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.protocol != PROTOCOL && self.protocol != PROTOCOL_2 {
+            return Err(format!("handshake: protocol `{}`, expected `{PROTOCOL}` or `{PROTOCOL_2}`", self.protocol));
+        }
+        if !self.framed() && (self.responses.is_some() || self.padding_mask || self.seed_calls.is_some()) {
+            return Err(format!(
+                "handshake: `responses`, `padding_mask` and `seed_calls` need protocol `{PROTOCOL_2}`"
+            ));
+        }
+        if let Err(e) = moe_audit_core::names::check(&self.name) {
+            return Err(format!("handshake: name {e}"));
+        }
+        if !(1..=MAX_SIZE).contains(&self.experts) {
+            return Err(format!("handshake: experts {} is not from 1 to {MAX_SIZE}", self.experts));
+        }
+        if let Some(h) = self.hidden_size.filter(|&h| h > MAX_SIZE) {
+            return Err(format!("handshake: hidden_size {h} is over {MAX_SIZE}"));
+        }
+        if let Some(k) = self.top_k {
+            if k == 0 || k > self.experts {
+                return Err(format!("handshake: top_k {k} is not from 1 to {}", self.experts));
+            }
+        }
+        match (self.input, self.hidden_size) {
+            (InputKind::Hidden, None | Some(0)) => Err("handshake: input `hidden` needs hidden_size >= 1".into()),
+            _ => Ok(()),
+        }
+    }
+
+    /// Whether the router speaks `/2` (framed requests).
+    pub fn framed(&self) -> bool {
+        self.protocol == PROTOCOL_2
+    }
+
+    /// Whether responses come as binary frames.
+    pub fn binary_responses(&self) -> bool {
+        self.responses == Some(Encoding::Binary)
+    }
+
+    /// Values per row of a request.
+    pub fn row_width(&self) -> usize {
+        match self.input {
+            InputKind::Logits => self.experts,
+            InputKind::Hidden => self.hidden_size.unwrap_or(0),
+        }
+    }
+}
+
+/// Which configuration the router must route with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// Training (every probe but M's second call).
+    Train,
+    /// Serving (the M probe).
+    Inference,
+}
+
+impl Mode {
+    /// The other mode.
+    pub fn other(self) -> Mode {
+        match self {
+            Mode::Train => Mode::Inference,
+            Mode::Inference => Mode::Train,
+        }
+    }
+}
+
+impl fmt::Display for Mode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Mode::Train => "train",
+            Mode::Inference => "inference",
+        })
+    }
+}
+
+/// One `/1` call: `batch * seq_len` rows, sequence-major.
+#[derive(Debug, Serialize)]
+pub struct Request<'a> {
+    /// Request number, from 1.
+    pub id: u64,
+    /// Configuration to route with.
+    pub mode: Mode,
+    /// Sequences.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq_len: usize,
+    /// The rows.
+    pub data: Vec<&'a [f32]>,
+}
+
+/// The header line of a `/2` request; `bytes` bytes follow it: the rows as little-endian f32
+/// (sequence-major, `batch * seq_len * width` values), then with `padding` one byte per token
+/// (1 = padding).
+#[derive(Debug, Serialize)]
+struct FrameHeader {
+    id: u64,
+    mode: Mode,
+    batch: usize,
+    seq_len: usize,
+    width: usize,
+    seed: u64,
+    padding: bool,
+    bytes: usize,
+}
+
+/// A `/2` request as written: its header line, then its payload.
+///
+/// # Shapes
+/// `rows`: `batch * seq_len * width` values, sequence-major; `padding`: `batch * seq_len` flags.
+pub fn frame_request(
+    (id, mode, seed): (u64, Mode, u64),
+    (batch, seq_len, width): (usize, usize, usize),
+    rows: &[f32],
+    padding: Option<&[bool]>,
+) -> Vec<u8> {
+    let bytes = 4 * rows.len() + padding.map_or(0, <[bool]>::len);
+    let header = FrameHeader { id, mode, batch, seq_len, width, seed, padding: padding.is_some(), bytes };
+    let mut out = serde_json::to_vec(&header).expect("a header always serialises");
+    out.push(b'\n');
+    out.reserve(bytes);
+    rows.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes()));
+    padding.into_iter().flatten().for_each(|&p| out.push(u8::from(p)));
+    out
+}
+
+/// One route of a response.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteOut {
+    /// Expert id (signed, so a negative id is reported as out of range, not as a parse error).
+    pub expert: i64,
+    /// Combine weight when kept; the gate before dropping otherwise.
+    pub weight: f32,
+    /// False when capacity dropped the route.
+    pub kept: bool,
+}
+
+/// The capacity a response states.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged, try_from = "serde_json::Value")]
+pub enum Capacity {
+    /// Slots per expert over the call (`/1`): one routing group, the whole call.
+    PerExpert(Vec<usize>),
+    /// Slots per expert in each routing group of a scope (`/2`).
+    Scoped(ScopedCapacity),
+}
+
+/// A capacity with its scope: which tokens compete together, and each group's slots.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScopedCapacity {
+    /// `batch`, `sequence` or `tokens:N`, as a built-in router's `[scope] group`.
+    pub scope: ScopeGroup,
+    /// Slots of every expert, one count per group, in group order.
+    pub slots: Vec<usize>,
+    /// The order `tokens:N` groups are cut from; default sequence-major (the rows' order).
+    #[serde(default = "sequence_major")]
+    pub flatten: Flatten,
+}
+
+impl TryFrom<serde_json::Value> for Capacity {
+    type Error = String;
+
+    /// A list or a scope, each with its own errors (an untagged enum would name neither).
+    fn try_from(v: serde_json::Value) -> Result<Self, String> {
+        let result = match v {
+            serde_json::Value::Array(_) => serde_json::from_value(v).map(Capacity::PerExpert),
+            serde_json::Value::Object(_) => serde_json::from_value(v).map(Capacity::Scoped),
+            _ => return Err("capacity must be null, a list of slots per expert, or {scope, slots}".into()),
+        };
+        result.map_err(|e| format!("capacity: {e}"))
+    }
+}
+
+fn sequence_major() -> Flatten {
+    Flatten::SequenceMajor
+}
+
+/// A router's answer to one request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Response {
+    /// The request's id.
+    pub id: u64,
+    /// Per token (sequence-major), its routes in choice order.
+    pub tokens: Vec<Vec<RouteOut>>,
+    /// `null` (or absent) when dropless.
+    #[serde(default)]
+    pub capacity: Option<Capacity>,
+}
+
+/// The header line of a binary `/2` response; `bytes` bytes follow it.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BinaryHeader {
+    /// The request's id.
+    pub id: u64,
+    /// Routes R over all tokens.
+    pub routes: u64,
+    /// As in [`Response`].
+    #[serde(default)]
+    pub capacity: Option<Capacity>,
+    /// Payload length: `4 * tokens + 9 * routes`.
+    pub bytes: u64,
+}
+
+impl BinaryHeader {
+    /// Parses a header line; the error quotes the start of a line that is not one.
+    pub fn parse(line: &str) -> Result<Self, String> {
+        serde_json::from_str(line).map_err(|e| {
+            let head: String = line.chars().take(80).collect();
+            format!("not a binary response header ({e}): `{head}`")
+        })
+    }
+
+    /// The payload length once checked against what `tokens` tokens of `hs` can hold (at most
+    /// `top_k` or E routes each) and against `limit`: nothing is allocated from a header
+    /// before this.
+    pub fn payload_len(&self, hs: &Handshake, tokens: usize, limit: u64) -> Result<usize, String> {
+        let per_token = hs.top_k.unwrap_or(hs.experts) as u64;
+        let most = (tokens as u64).saturating_mul(per_token);
+        if self.routes > most {
+            return Err(format!(
+                "{} routes, more than {tokens} tokens x {per_token} routes each can hold",
+                self.routes
+            ));
+        }
+        let want = self.routes.checked_mul(9).and_then(|r| r.checked_add(4 * tokens as u64));
+        let Some(want) = want.filter(|&w| w == self.bytes) else {
+            return Err(format!(
+                "the header says {} bytes, {tokens} tokens and {} routes take {}",
+                self.bytes,
+                self.routes,
+                want.map_or("more than 2^64".to_string(), |w| w.to_string())
+            ));
+        };
+        if want > limit {
+            return Err(format!(
+                "a payload of {want} bytes is over {limit} ({})",
+                moe_audit_core::error::Setting::MaxMemory
+            ));
+        }
+        usize::try_from(want).map_err(|_| format!("a payload of {want} bytes does not fit in memory"))
+    }
+
+    /// The response the payload holds: counts (u32), experts (i32), weights (f32) and kept
+    /// flags (u8, 0 or 1), little-endian. `payload` has [`BinaryHeader::payload_len`] bytes.
+    pub fn decode(self, payload: &[u8], tokens: usize) -> Result<Response, String> {
+        let r = self.routes as usize;
+        let (counts, rest) = payload.split_at(4 * tokens);
+        let (experts, rest) = rest.split_at(4 * r);
+        let (weights, kept) = rest.split_at(4 * r);
+        let word = |b: &[u8]| <[u8; 4]>::try_from(b).expect("4 bytes");
+        let mut total = 0u64;
+        let counts: Vec<usize> = counts
+            .chunks_exact(4)
+            .map(|c| {
+                let n = u32::from_le_bytes(word(c));
+                total += u64::from(n);
+                n as usize
+            })
+            .collect();
+        if total != self.routes {
+            return Err(format!("the token counts add up to {total} routes, the header says {}", self.routes));
+        }
+        if let Some(i) = kept.iter().position(|&k| k > 1) {
+            return Err(format!("route {i}: kept flag {} is not 0 or 1", kept[i]));
+        }
+        let mut routes = experts.chunks_exact(4).zip(weights.chunks_exact(4)).zip(kept).map(|((e, w), &k)| RouteOut {
+            expert: i64::from(i32::from_le_bytes(word(e))),
+            weight: f32::from_le_bytes(word(w)),
+            kept: k == 1,
+        });
+        let tokens = counts.iter().map(|&n| routes.by_ref().take(n).collect()).collect();
+        Ok(Response { id: self.id, tokens, capacity: self.capacity })
+    }
+}
+
+/// What a response answers: the request's id, shape, padding mask (`true` = padding) and its
+/// rows when they are logits (for the load statistics).
+pub struct Asked<'a> {
+    /// The request's id.
+    pub id: u64,
+    /// Sequences.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq_len: usize,
+    /// `[batch, seq_len]`; a padding token may have no route.
+    pub padding: Option<ArrayView2<'a, bool>>,
+    /// The rows, when they are logits.
+    pub logits: Option<&'a [f32]>,
+}
+
+impl Response {
+    /// Checks the response against its request and builds the routing record.
+    pub fn into_routing(self, hs: &Handshake, asked: &Asked) -> Result<Routing, String> {
+        let Asked { id, batch, seq_len, .. } = *asked;
+        if self.id != id {
+            return Err(format!("response id {} does not match", self.id));
+        }
+        let n = batch * seq_len;
+        if self.tokens.len() != n {
+            return Err(format!("{} tokens, expected batch {batch} x seq_len {seq_len} = {n}", self.tokens.len()));
+        }
+        let e = hs.experts;
+        let mut tokens = Vec::with_capacity(n);
+        for (i, routes) in self.tokens.into_iter().enumerate() {
+            let (b, s) = (i / seq_len, i % seq_len);
+            let at = || format!("token {i} (batch {b}, position {s})");
+            let mut seen = vec![false; e];
+            let mut out = Vec::with_capacity(routes.len());
+            for r in routes {
+                let expert = usize::try_from(r.expert).ok().filter(|&x| x < e);
+                let Some(expert) = expert else {
+                    return Err(format!("{}: expert {} is out of range 0 to {}", at(), r.expert, e.saturating_sub(1)));
+                };
+                if std::mem::replace(&mut seen[expert], true) {
+                    return Err(format!("{}: expert {expert} appears twice", at()));
+                }
+                if !r.weight.is_finite() {
+                    return Err(format!("{}: weight {} of expert {expert} is not finite", at(), r.weight));
+                }
+                out.push(Route { expert, weight: r.weight, kept: r.kept, padded: false });
+            }
+            // A padding token may be left unrouted, as built-in routers that exclude it do.
+            let unrouted_padding = out.is_empty() && asked.padding.is_some_and(|m| m[[b, s]]);
+            if let Some(k) = hs.top_k.filter(|&k| out.len() != k && !unrouted_padding) {
+                return Err(format!("{}: {} routes, the handshake declared top_k {k}", at(), out.len()));
+            }
+            tokens.push(TokenRouting { batch: b, pos: s, group: 0, routes: out, capacity: None });
+        }
+        let (capacity, scope) = scope_of(self.capacity, e, batch, seq_len)?;
+        for (g, members) in scope_members(&scope, batch, seq_len).into_iter().enumerate() {
+            members.into_iter().for_each(|i| tokens[i].group = g);
+        }
+        let softmax = asked.logits.map(|flat| scores::softmax_rows(flat, e)).unwrap_or_default();
+        let decisions =
+            Decisions { router: hs.name.clone(), batch, seq_len, experts: e, top_k: hs.top_k, capacity, scope, tokens };
+        Ok(Routing::assemble(decisions, Some(&softmax)))
+    }
+}
+
+/// The record's capacity (per expert over the call) and scope of a stated capacity. Without
+/// a scope the call is one group; unequal per-expert capacities count by their largest.
+fn scope_of(
+    capacity: Option<Capacity>,
+    e: usize,
+    batch: usize,
+    seq_len: usize,
+) -> Result<(Option<Vec<usize>>, ScopeRecord), String> {
+    let n = batch * seq_len;
+    let whole = |capacity: Option<usize>| ScopeRecord {
+        group: ScopeGroup::Batch,
+        flatten: Flatten::SequenceMajor,
+        groups: vec![GroupRecord { tokens: n, capacity }],
+    };
+    match capacity {
+        None => Ok((None, whole(None))),
+        Some(Capacity::PerExpert(c)) => {
+            if c.len() != e {
+                return Err(format!("capacity has {} entries, expected one per expert ({e})", c.len()));
+            }
+            let largest = c.iter().copied().max();
+            Ok((Some(c), whole(largest)))
+        }
+        Some(Capacity::Scoped(ScopedCapacity { scope, slots, flatten })) => {
+            let config = ScopeConfig { group: scope, flatten };
+            let groups = moe_audit_core::routing::scope::groups(&config, batch, seq_len);
+            if slots.len() != groups.len() {
+                return Err(format!(
+                    "capacity scope `{scope}` has {} groups in batch {batch} x seq_len {seq_len}, slots has {} entries",
+                    groups.len(),
+                    slots.len()
+                ));
+            }
+            let total = slots.iter().try_fold(0usize, |a, &c| a.checked_add(c));
+            let Some(total) = total else {
+                return Err("capacity slots add up to more than 2^64".into());
+            };
+            let groups = groups.iter().zip(&slots).map(|(g, &c)| GroupRecord { tokens: g.len(), capacity: Some(c) });
+            Ok((Some(vec![total; e]), ScopeRecord { group: scope, flatten, groups: groups.collect() }))
+        }
+    }
+}
+
+/// Flat token indices of each group of `scope`.
+fn scope_members(scope: &ScopeRecord, batch: usize, seq_len: usize) -> Vec<Vec<usize>> {
+    moe_audit_core::routing::scope::groups(&ScopeConfig { group: scope.group, flatten: scope.flatten }, batch, seq_len)
+}
+
+/// Parses one response line; the error quotes the start of a line that is not a response.
+pub fn parse_response(line: &str) -> Result<Response, String> {
+    serde_json::from_str(line).map_err(|e| {
+        let head: String = line.chars().take(80).collect();
+        format!("not a response ({e}): `{head}`")
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hs() -> Handshake {
+        Handshake {
+            protocol: PROTOCOL.into(),
+            name: "t".into(),
+            experts: 4,
+            top_k: Some(2),
+            input: InputKind::Logits,
+            hidden_size: None,
+            responses: None,
+            padding_mask: false,
+            seed_calls: None,
+        }
+    }
+
+    fn check(line: &str) -> Result<Routing, String> {
+        let asked = Asked { id: 3, batch: 1, seq_len: 2, padding: None, logits: None };
+        parse_response(line)?.into_routing(&hs(), &asked)
+    }
+
+    #[test]
+    fn a_valid_response_becomes_the_record() {
+        let r = check(r#"{"id": 3, "tokens": [[{"expert": 1, "weight": 0.6, "kept": true}, {"expert": 0, "weight": 0.4, "kept": false}], [{"expert": 1, "weight": 0.5, "kept": true}, {"expert": 3, "weight": 0.5, "kept": true}]], "capacity": [1, 2, 1, 1]}"#).unwrap();
+        assert_eq!(r.token(0, 0).routes[1], Route { expert: 0, weight: 0.4, kept: false, padded: false });
+        assert_eq!(r.token(0, 1).pos, 1);
+        assert_eq!(r.scope.groups, vec![GroupRecord { tokens: 2, capacity: Some(2) }]);
+        assert_eq!((r.experts_load[1].routed, r.experts_load[0].kept), (2, 0));
+    }
+
+    #[test]
+    fn every_inconsistency_is_named() {
+        let route = |e: i64| format!(r#"{{"expert": {e}, "weight": 0.5, "kept": true}}"#);
+        let two = |a: i64, b: i64| format!("[{}, {}]", route(a), route(b));
+        let cases = [
+            (
+                format!(r#"{{"id": 3, "tokens": [{}, [{}]], "capacity": null}}"#, two(0, 1), route(2)),
+                "token 1 (batch 0, position 1): 1 routes, the handshake declared top_k 2",
+            ),
+            (
+                format!(r#"{{"id": 3, "tokens": [{}, {}], "capacity": null}}"#, two(0, 1), two(2, 2)),
+                "token 1 (batch 0, position 1): expert 2 appears twice",
+            ),
+            (
+                format!(r#"{{"id": 3, "tokens": [{}, {}], "capacity": null}}"#, two(-1, 1), two(2, 3)),
+                "token 0 (batch 0, position 0): expert -1 is out of range 0 to 3",
+            ),
+            (
+                format!(r#"{{"id": 3, "tokens": [{}, {}], "capacity": null, "extra": 1}}"#, two(0, 1), two(2, 3)),
+                "not a response (unknown field `extra`",
+            ),
+        ];
+        for (line, want) in cases {
+            let err = check(&line).unwrap_err();
+            assert!(err.starts_with(want), "{err}");
+        }
+    }
+
+    #[test]
+    fn handshakes_are_validated() {
+        assert_eq!(
+            Handshake { input: InputKind::Hidden, ..hs() }.validate(),
+            Err("handshake: input `hidden` needs hidden_size >= 1".into())
+        );
+        assert_eq!(
+            Handshake { protocol: "moe-audit/3".into(), ..hs() }.validate(),
+            Err("handshake: protocol `moe-audit/3`, expected `moe-audit/1` or `moe-audit/2`".into())
+        );
+        assert_eq!(Handshake { top_k: None, ..hs() }.validate(), Ok(()));
+    }
+}

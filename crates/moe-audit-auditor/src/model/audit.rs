@@ -1,0 +1,484 @@
+//! The whole-model audit: the probes P F N R D S M on token ids, and G (generation against
+//! training), every routed layer compared with the full-record diff, outputs compared at the
+//! positions that must not change.
+//!
+//! Each case is one model call (its reference is the base call, made once): cases are never
+//! packed as sequences of one call, because whether sequences of a call interact is what N and
+//! R test, and a model's scope is its own claim (docs/PROTOCOL.md, "Calls").
+
+mod plan;
+
+use super::compare::{classify_case, compare_pair, CaseClass, PairResult, OUTPUT_TOLERANCE};
+use super::{Model, ModelInfo, ModelOutput, TokenCall};
+use crate::analyze::{Property, Verdict};
+use moe_audit_core::error::{Error, Result, Setting};
+use moe_audit_core::routing::Route;
+use plan::{Case, Plan};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+
+/// A probe on token ids.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum TokenProbe {
+    /// Prefix: the sequences cut after position t; positions ≤ t compared.
+    P,
+    /// Future: tokens after t of one sequence replaced (random ids, or token t repeated so the
+    /// later tokens want the same experts); positions ≤ t compared.
+    F,
+    /// Neighbour: another sequence of the batch replaced.
+    N,
+    /// Re-batch: sequences reversed, the batch halved, padding on the right and on the left.
+    R,
+    /// Repeat: the same call twice.
+    D,
+    /// Replay: the same call after another call.
+    S,
+    /// Mode: training against inference mode.
+    M,
+    /// Generation: the generation path (prefill, then one token at a time through the KV
+    /// cache) against one full forward.
+    G,
+}
+
+impl TokenProbe {
+    /// Every probe, in report order.
+    pub const ALL: &'static [TokenProbe] = &[
+        TokenProbe::P,
+        TokenProbe::F,
+        TokenProbe::N,
+        TokenProbe::R,
+        TokenProbe::D,
+        TokenProbe::S,
+        TokenProbe::M,
+        TokenProbe::G,
+    ];
+
+    /// The property the probe tests.
+    pub fn property(self) -> Property {
+        match self {
+            TokenProbe::P => Property::CLength,
+            TokenProbe::F => Property::CContent,
+            TokenProbe::N | TokenProbe::R => Property::B,
+            TokenProbe::D => Property::D,
+            TokenProbe::S => Property::S,
+            TokenProbe::M | TokenProbe::G => Property::TI,
+        }
+    }
+
+    /// Its long name.
+    pub fn name(self) -> &'static str {
+        match self {
+            TokenProbe::P => "prefix",
+            TokenProbe::F => "future",
+            TokenProbe::N => "neighbour",
+            TokenProbe::R => "re-batch",
+            TokenProbe::D => "repeat",
+            TokenProbe::S => "replay",
+            TokenProbe::M => "mode",
+            TokenProbe::G => "generation",
+        }
+    }
+
+    /// A comma-separated list of letters; L and X (layout, numerics of a router's rows) have
+    /// no meaning for a model answering token ids and are refused.
+    pub fn parse_list(list: &str) -> Result<Vec<TokenProbe>> {
+        let mut out = Vec::new();
+        for word in list.split(',').map(str::trim).filter(|w| !w.is_empty()) {
+            let probe = TokenProbe::ALL.iter().copied().find(|p| format!("{p:?}").eq_ignore_ascii_case(word));
+            match probe {
+                Some(p) if !out.contains(&p) => out.push(p),
+                Some(_) => {}
+                None => {
+                    return Err(Error::Usage(format!(
+                        "{}: unknown probe `{word}` for a whole model: expected letters of P,F,N,R,D,S,M,G",
+                        Setting::Probes
+                    )))
+                }
+            }
+        }
+        if out.is_empty() {
+            return Err(Error::Usage(format!("{} is empty: an audit that runs no probe cannot pass", Setting::Probes)));
+        }
+        out.sort();
+        Ok(out)
+    }
+}
+
+/// Sizes and knobs of a whole-model audit.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelAuditOptions {
+    /// Probes to run.
+    pub probes: Vec<TokenProbe>,
+    /// Sequences per call.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq_len: usize,
+    /// Cases of F and N.
+    pub trials: usize,
+    /// Seed of the token ids and every random choice.
+    pub seed: u64,
+    /// Positions G prefills before generating one at a time (default half the sequence).
+    pub prefill: usize,
+}
+
+/// One routed layer's figures in a probe.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LayerTally {
+    /// Global layer number.
+    pub layer: usize,
+    /// Tokens compared at this layer over all cases.
+    pub compared: usize,
+    /// Tokens whose routing decision changed in leaking cases.
+    pub changed: usize,
+    /// `changed / compared`.
+    pub rate: f64,
+    /// Of `changed`, tokens whose earliest changed layer is this one.
+    pub first: usize,
+    /// Of `changed`, tokens that had already changed at an earlier layer.
+    pub inherited: usize,
+    /// Tokens whose routing changed in drift cases (numerics, and what it carried along).
+    pub drift: usize,
+    /// Tokens whose capacity in force changed while their routes did not.
+    pub capacity_only: usize,
+    /// Changed tokens (any case) a near-tie explains: the flip is within the logits' change.
+    pub near_ties: usize,
+    /// Largest top-k margin of a near-tie flip.
+    pub max_tie_margin: Option<f32>,
+    /// Smallest top-k margin of a real change of experts.
+    pub min_real_margin: Option<f32>,
+}
+
+/// The output rows' figures in a probe.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct OutputTally {
+    /// Output rows compared.
+    pub compared: usize,
+    /// Rows beyond the f32 tolerance in leaking cases.
+    pub changed: usize,
+    /// Largest relative difference of a row within the tolerance (drift).
+    pub drift: Option<f64>,
+}
+
+/// A leak as two calls and one token: replayable against the live model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TokenWitness {
+    /// The model's name.
+    pub model: String,
+    /// The probe that found it.
+    pub probe: TokenProbe,
+    /// The routed layer where the token changed first; `None`: only its output row changed.
+    pub layer: Option<usize>,
+    /// The reference call.
+    pub a: TokenCall,
+    /// The changed call.
+    pub b: TokenCall,
+    /// The token `(sequence, position)` in `a`.
+    pub token_a: (usize, usize),
+    /// The same token in `b`.
+    pub token_b: (usize, usize),
+    /// What changed (`experts, kept, weight, ...` or `output`).
+    pub changed: String,
+    /// Its routes at `layer` in `a`.
+    pub routes_a: Vec<Route>,
+    /// Its routes at `layer` in `b`.
+    pub routes_b: Vec<Route>,
+}
+
+/// The result of one probe on a model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelFinding {
+    /// The probe.
+    pub probe: TokenProbe,
+    /// The property it tests.
+    pub property: Property,
+    /// Pass, leak, drift or not applicable.
+    pub verdict: Verdict,
+    /// Cases run (model calls, besides the base call; S makes two per case).
+    pub cases: usize,
+    /// Cases whose changes numerics explain.
+    pub drift_cases: usize,
+    /// Cases with a real change.
+    pub leak_cases: usize,
+    /// The earliest routed layer where some token's routing changed in a leaking case.
+    pub first_layer: Option<usize>,
+    /// Per routed layer.
+    pub layers: Vec<LayerTally>,
+    /// The output rows, when the model returns them.
+    pub outputs: OutputTally,
+    /// One line on what was done or why the probe does not apply.
+    pub note: String,
+    /// The first leaking token, with both calls.
+    pub witness: Option<TokenWitness>,
+}
+
+/// A whole-model audit.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelReport {
+    /// The model as it introduced itself.
+    pub model: ModelInfo,
+    /// The options the audit ran with.
+    pub options: ModelAuditOptions,
+    /// One finding per probe run.
+    pub findings: Vec<ModelFinding>,
+}
+
+impl ModelReport {
+    /// Whether a probe found a real leak.
+    pub fn leaks(&self) -> bool {
+        self.findings.iter().any(|f| f.verdict == Verdict::Leak)
+    }
+
+    /// Whether a probe found only numerics.
+    pub fn drifts(&self) -> bool {
+        self.findings.iter().any(|f| f.verdict == Verdict::Drift)
+    }
+
+    /// The finding of `probe`, if it ran.
+    pub fn finding(&self, probe: TokenProbe) -> Option<&ModelFinding> {
+        self.findings.iter().find(|f| f.probe == probe)
+    }
+}
+
+/// Seed offset of the probes' random streams.
+const PROBE_SALT: u64 = 0x746f_6b65_6e00;
+
+/// Runs `options.probes` on `model`, in report order, one call at a time.
+pub fn audit_model(model: &dyn Model, options: &ModelAuditOptions) -> Result<ModelReport> {
+    let info = model.info();
+    moe_audit_core::error::ensure_positive(&[
+        (Setting::Batch, options.batch),
+        (Setting::SeqLen, options.seq_len),
+        (Setting::Trials, options.trials),
+    ])?;
+    if options.prefill > options.seq_len {
+        return Err(Error::Usage(format!(
+            "prefill {} is over the sequence length {}",
+            options.prefill, options.seq_len
+        )));
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(options.seed);
+    let (b, s) = (options.batch, options.seq_len);
+    let tokens: Vec<u32> = (0..b * s).map(|_| rng.random_range(0..info.vocab as u32)).collect();
+    let base = TokenCall::forward(b, s, options.seed, tokens);
+    let base_out = model.call(&base)?;
+    let mut findings = Vec::new();
+    for &probe in &options.probes {
+        // One stream per probe, whichever others run.
+        let mut rng = ChaCha8Rng::seed_from_u64(options.seed ^ (PROBE_SALT + probe as u64));
+        let plan = Plan::of(probe, info, &base, options, &mut rng);
+        findings.push(run_probe(model, probe, &base, &base_out, plan)?);
+    }
+    Ok(ModelReport { model: info.clone(), options: options.clone(), findings })
+}
+
+/// Runs the cases of one probe and folds them into its finding.
+fn run_probe(
+    model: &dyn Model,
+    probe: TokenProbe,
+    base: &TokenCall,
+    base_out: &ModelOutput,
+    plan: Plan,
+) -> Result<ModelFinding> {
+    let info = model.info();
+    let mut layers: Vec<LayerTally> = info.routed().map(|l| LayerTally::new(l.layer)).collect();
+    let mut finding = ModelFinding::new(probe, plan.cases.len(), plan.note);
+    for case in &plan.cases {
+        for call in &case.before {
+            model.call(call)?;
+        }
+        let out = model.call(&case.b)?;
+        let results: Vec<PairResult> =
+            case.pairs.iter().map(|&(ia, ib)| compare_pair(base_out, ia, &out, ib, info.outputs)).collect();
+        let class = classify_case(&results);
+        match class {
+            CaseClass::Leak => finding.leak_cases += 1,
+            CaseClass::Drift => finding.drift_cases += 1,
+            CaseClass::Same => {}
+        }
+        for r in &results {
+            tally_layers(&mut layers, r, class);
+            finding.outputs.add(r.output, class);
+        }
+        if class == CaseClass::Leak && finding.witness.is_none() {
+            finding.witness = Some(witness(info, probe, base, base_out, case, &out, &results));
+        }
+    }
+    finding.finish(layers);
+    Ok(finding)
+}
+
+/// Counts one token pair of a case at every routed layer: decisions changed (first at this
+/// layer or inherited from an earlier one; drift in a drift case), capacities changed alone,
+/// and the top-k margins of near-ties and of real changes.
+fn tally_layers(layers: &mut [LayerTally], r: &PairResult, class: CaseClass) {
+    let mut seen = false;
+    for (l, (tally, change)) in layers.iter_mut().zip(&r.layers).enumerate() {
+        tally.compared += 1;
+        tally.capacity_only += usize::from(r.capacity[l]);
+        // A capacity alone makes the case leak (`classify_case`); the counts are decisions.
+        let Some(c) = change.filter(|c| c.diff.decision()) else { continue };
+        if c.numerics {
+            tally.near_ties += 1;
+            tally.max_tie_margin = max_opt(tally.max_tie_margin, c.margin);
+        } else if c.diff.experts {
+            tally.min_real_margin = c.margin.map(|m| tally.min_real_margin.map_or(m, |x: f32| x.min(m)));
+        }
+        match class {
+            CaseClass::Leak => {
+                tally.changed += 1;
+                if seen {
+                    tally.inherited += 1;
+                } else {
+                    tally.first += 1;
+                }
+            }
+            _ => tally.drift += 1,
+        }
+        seen = true;
+    }
+}
+
+impl LayerTally {
+    fn new(layer: usize) -> LayerTally {
+        LayerTally {
+            layer,
+            compared: 0,
+            changed: 0,
+            rate: 0.0,
+            first: 0,
+            inherited: 0,
+            drift: 0,
+            capacity_only: 0,
+            near_ties: 0,
+            max_tie_margin: None,
+            min_real_margin: None,
+        }
+    }
+}
+
+impl OutputTally {
+    /// Counts one output row's relative difference (`None`: the model returns no outputs).
+    fn add(&mut self, difference: Option<f64>, class: CaseClass) {
+        let Some(d) = difference else { return };
+        self.compared += 1;
+        if d > OUTPUT_TOLERANCE {
+            self.changed += usize::from(class == CaseClass::Leak);
+        } else if d > 0.0 {
+            self.drift = Some(self.drift.map_or(d, |x| x.max(d)));
+        }
+    }
+}
+
+impl ModelFinding {
+    /// A finding before its cases run: not applicable without cases, else passing so far.
+    fn new(probe: TokenProbe, cases: usize, note: String) -> ModelFinding {
+        ModelFinding {
+            probe,
+            property: probe.property(),
+            verdict: if cases == 0 { Verdict::NotApplicable } else { Verdict::Pass },
+            cases,
+            drift_cases: 0,
+            leak_cases: 0,
+            first_layer: None,
+            layers: Vec::new(),
+            outputs: OutputTally::default(),
+            note,
+            witness: None,
+        }
+    }
+
+    /// The layers' rates, the first changed layer and the verdict from the cases counted.
+    fn finish(&mut self, mut layers: Vec<LayerTally>) {
+        for t in &mut layers {
+            t.rate = if t.compared == 0 { 0.0 } else { t.changed as f64 / t.compared as f64 };
+        }
+        self.first_layer = layers.iter().find(|t| t.first > 0).map(|t| t.layer);
+        self.layers = layers;
+        if self.verdict == Verdict::Pass {
+            self.verdict = match (self.leak_cases, self.drift_cases) {
+                (0, 0) => Verdict::Pass,
+                (0, _) => Verdict::Drift,
+                _ => Verdict::Leak,
+            };
+        }
+    }
+}
+
+fn max_opt(a: Option<f32>, b: Option<f32>) -> Option<f32> {
+    match (a, b) {
+        (Some(x), Some(y)) => Some(x.max(y)),
+        (x, y) => x.or(y),
+    }
+}
+
+/// The leaking case's first token at its earliest changed layer (by layer, then token order),
+/// or its first changed output row.
+fn witness(
+    info: &ModelInfo,
+    probe: TokenProbe,
+    base: &TokenCall,
+    base_out: &ModelOutput,
+    case: &Case,
+    out: &ModelOutput,
+    results: &[PairResult],
+) -> TokenWitness {
+    let layers = base_out.layers.len();
+    let at_layer = (0..layers).find_map(|l| {
+        let i = results.iter().position(|r| r.layers[l].is_some_and(|c| !c.numerics))?;
+        Some((Some(l), i, results[i].layers[l].expect("found").diff.describe()))
+    });
+    let (layer, i, changed) = at_layer.unwrap_or_else(|| {
+        let i = results.iter().position(|r| r.output.is_some_and(|d| d > OUTPUT_TOLERANCE)).unwrap_or(0);
+        (None, i, "output".to_string())
+    });
+    let (ia, ib) = case.pairs[i];
+    let token_a = (ia / base.seq_len, ia % base.seq_len);
+    let token_b = (ib / case.b.seq_len, ib % case.b.seq_len);
+    let routes = |o: &ModelOutput, (s, p): (usize, usize)| {
+        layer.map_or(Vec::new(), |l| o.layers[l].routing.token(s, p).routes.clone())
+    };
+    TokenWitness {
+        model: info.name.clone(),
+        probe,
+        layer: layer.map(|l| base_out.layers[l].layer),
+        a: base.clone(),
+        b: case.b.clone(),
+        token_a,
+        token_b,
+        changed,
+        routes_a: routes(base_out, token_a),
+        routes_b: routes(out, token_b),
+    }
+}
+
+/// Replays a witness against `model`: both calls again, and whether the token still differs
+/// at the witness's layer (or in its output row) beyond numerics.
+pub fn replay(model: &dyn Model, w: &TokenWitness) -> Result<bool> {
+    let info = model.info();
+    if w.model != info.name {
+        return Err(Error::Invalid(format!("the witness is of model `{}`, not `{}`", w.model, info.name)));
+    }
+    let index = |call: &TokenCall, (s, p): (usize, usize)| -> Result<usize> {
+        if s >= call.batch || p >= call.seq_len {
+            return Err(Error::Invalid(format!("the witness's token ({s}, {p}) is outside its call")));
+        }
+        Ok(s * call.seq_len + p)
+    };
+    let (ia, ib) = (index(&w.a, w.token_a)?, index(&w.b, w.token_b)?);
+    let layer = match w.layer {
+        Some(layer) => match info.routed().position(|l| l.layer == layer) {
+            Some(i) => Some(i),
+            None => {
+                return Err(Error::Invalid(format!("the witness's layer {layer} is not a routed layer of the model")))
+            }
+        },
+        None => None,
+    };
+    let (a, b) = (model.call(&w.a)?, model.call(&w.b)?);
+    let r = compare_pair(&a, ia, &b, ib, info.outputs);
+    Ok(match layer {
+        Some(l) => r.layers[l].is_some_and(|c| !c.numerics),
+        None => r.output.is_some_and(|d| d > OUTPUT_TOLERANCE),
+    })
+}

@@ -1,0 +1,163 @@
+//! The routing record: every decision a router made for one call, complete and serde-stable.
+//!
+//! Field names are a public JSON contract (README, "The routing record"); probes compare these
+//! records token by token, so nothing that decides an output may be left out.
+
+use super::stats::{load_stats, ExpertLoad, LoadStats};
+use crate::config::{Flatten, ScopeGroup};
+use serde::{Deserialize, Serialize};
+
+/// Every routing decision of one call over a `[batch, seq_len]` input.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Routing {
+    /// The router's name.
+    pub router: String,
+    /// Sequences in the call.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq_len: usize,
+    /// Number of experts E.
+    pub experts: usize,
+    /// Experts per token; `None` for expert choice.
+    pub top_k: Option<usize>,
+    /// Slots per expert over the whole call (the sum over scope groups); `None` when dropless.
+    pub capacity: Option<Vec<usize>>,
+    /// How the call was split into routing groups, and each group's capacity.
+    pub scope: ScopeRecord,
+    /// One entry per token, sequence-major: index `batch * seq_len + pos`.
+    pub tokens: Vec<TokenRouting>,
+    /// Per expert: routes before and after dropping.
+    pub experts_load: Vec<ExpertLoad>,
+    /// Load-balance summary.
+    pub stats: LoadStats,
+}
+
+/// The scope routing was computed in.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ScopeRecord {
+    /// Grouping rule.
+    pub group: ScopeGroup,
+    /// Flattening order inside a group.
+    pub flatten: Flatten,
+    /// The groups, in order.
+    pub groups: Vec<GroupRecord>,
+}
+
+/// One routing group: the tokens that competed together.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupRecord {
+    /// Tokens in the group.
+    pub tokens: usize,
+    /// Capacity of every expert in this group; `None` when dropless.
+    pub capacity: Option<usize>,
+}
+
+/// The routes of one token.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TokenRouting {
+    /// Sequence index.
+    pub batch: usize,
+    /// Position in the sequence.
+    pub pos: usize,
+    /// Index into `scope.groups` of the group the token competed in.
+    pub group: usize,
+    /// Routes in choice order (1st choice first); padding slots last, by expert id.
+    pub routes: Vec<Route>,
+    /// The capacity in force for this token when it is not its group's: causal capacity `C(t)`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity: Option<usize>,
+}
+
+/// One (token, expert) pair.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Route {
+    /// Expert id.
+    pub expert: usize,
+    /// Combine weight when kept; for a dropped route, the gate it had before dropping (it
+    /// contributes nothing); 0 for a padding slot.
+    pub weight: f32,
+    /// False when capacity dropped the route.
+    pub kept: bool,
+    /// True for a gate-0 padding slot added by pad-to-capacity.
+    pub padded: bool,
+}
+
+/// What a router decided for one call: a record's fields before its load figures.
+pub struct Decisions {
+    /// The router's name.
+    pub router: String,
+    /// Sequences in the call.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq_len: usize,
+    /// Real experts (null-expert slots left out).
+    pub experts: usize,
+    /// k of a token-choice router; `None` for expert choice.
+    pub top_k: Option<usize>,
+    /// Each routing group's capacity per expert; `None` without a capacity.
+    pub capacity: Option<Vec<usize>>,
+    /// How the call was split into routing groups.
+    pub scope: ScopeRecord,
+    /// Every token's routes, in flattening order.
+    pub tokens: Vec<TokenRouting>,
+}
+
+impl Routing {
+    /// The one builder of a record (built-in routing, the external protocol, the expert-parallel
+    /// gather): the expert loads counted from the tokens and, given `softmax` (every token's
+    /// softmax row, concatenated; empty: no probabilities, aux loss 0), the load statistics.
+    /// Without it they stay zero, for records only compared route by route.
+    pub fn assemble(d: Decisions, softmax: Option<&[f32]>) -> Routing {
+        let experts_load = loads(d.experts, &d.tokens);
+        let stats = match softmax {
+            // A row is as wide as the logits: null experts' columns (past `experts`) are ignored.
+            Some(rows) => load_stats(&experts_load, rows.chunks_exact((rows.len() / d.tokens.len().max(1)).max(1))),
+            None => LoadStats::default(),
+        };
+        Routing {
+            router: d.router,
+            batch: d.batch,
+            seq_len: d.seq_len,
+            experts: d.experts,
+            top_k: d.top_k,
+            capacity: d.capacity,
+            scope: d.scope,
+            tokens: d.tokens,
+            experts_load,
+            stats,
+        }
+    }
+
+    /// The routes of token `pos` of sequence `batch`.
+    pub fn token(&self, batch: usize, pos: usize) -> &TokenRouting {
+        &self.tokens[batch * self.seq_len + pos]
+    }
+
+    /// Kept routes of every expert as `(flat token index, weight)`, in token order; padding
+    /// slots included (weight 0). This is what dispatch sends to each expert.
+    pub fn expert_rows(&self) -> Vec<Vec<(usize, f32)>> {
+        let mut rows = vec![Vec::new(); self.experts];
+        for (i, t) in self.tokens.iter().enumerate() {
+            for r in t.routes.iter().filter(|r| r.kept) {
+                rows[r.expert].push((i, r.weight));
+            }
+        }
+        rows
+    }
+}
+
+/// Routes per expert before and after dropping.
+fn loads(experts: usize, tokens: &[TokenRouting]) -> Vec<ExpertLoad> {
+    let mut loads: Vec<ExpertLoad> =
+        (0..experts).map(|expert| ExpertLoad { expert, routed: 0, kept: 0, padded: 0 }).collect();
+    for r in tokens.iter().flat_map(|t| &t.routes) {
+        let l = &mut loads[r.expert];
+        if r.padded {
+            l.padded += 1;
+        } else {
+            l.routed += 1;
+            l.kept += usize::from(r.kept);
+        }
+    }
+    loads
+}

@@ -1,0 +1,570 @@
+//! From what a writer stored to what is compared. Every writer fills slots that hold no route:
+//! engines zero-fill (dense layers, the last token, padding: SGLang and vLLM allocate with
+//! `torch.zeros`/`np.zeros`), SkyRL and NeMo-RL pad with `arange(top_k)` in every layer, slime
+//! with `arange(n·layers·top_k) % experts`, NeMo-RL marks a missing route with -1, and compact
+//! dtypes wrap a -1 to 255. Here each is recognised, counted in [`Found`] and set to -1 (nothing
+//! to compare), the layer numbers are fixed (declared, or inferred from the config *and* the
+//! data), and ids are checked against the expert count.
+
+use super::config::{LayerKind, Layout};
+use super::formats::Raw;
+use super::ids::Ids;
+use super::read::ranges;
+use super::record::{Format, Found, Record};
+use moe_audit_core::error::{Error, Result};
+use rayon::prelude::*;
+use std::path::Path;
+
+fn bad(path: &Path, message: impl Into<String>) -> Error {
+    Error::input(path, message.into())
+}
+
+/// What one (token, layer) row holds.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Row {
+    /// Every slot -1.
+    Empty,
+    /// Every slot 0 with top-k > 1 (no router picks one expert twice).
+    Zero,
+    /// Another repeated id: a fill, not a route.
+    Repeat,
+    /// A route (possibly partial).
+    Route,
+}
+
+fn classify(row: &[i32]) -> Row {
+    let k = row.len();
+    let (mut negative, mut zero) = (0, 0);
+    for &e in row {
+        negative += usize::from(e < 0);
+        zero += usize::from(e == 0);
+    }
+    if negative == k {
+        return Row::Empty;
+    }
+    if k > 1 && zero == k {
+        return Row::Zero;
+    }
+    // Fills repeat 0 or one constant; only such rows are searched for a repeat (the search
+    // is most of the cost of this pass).
+    if zero >= 2 || (k > 1 && (row[0] == row[1] || row[0] == row[k - 1])) {
+        for i in 1..k {
+            let x = row[i];
+            if x >= 0 && row[..i].contains(&x) {
+                return Row::Repeat;
+            }
+        }
+    }
+    Row::Route
+}
+
+/// Whether a whole token row (every layer) is a framework's fill pattern: `arange(top_k)` in
+/// every layer (SkyRL, NeMo-RL) or consecutive ids modulo the expert count (slime's
+/// `arange(n·L·K) % E`). Needs two layers at least: one layer's `[0, 1]` may be a route.
+fn fill_pattern(row: &[i32], k: usize, experts: Option<usize>) -> Option<&'static str> {
+    if row.len() < 2 * k || row.len() < 4 {
+        return None;
+    }
+    if row.chunks_exact(k).all(|l| l.iter().enumerate().all(|(i, &e)| e == i as i32)) {
+        return Some("fill arange(top_k) in every layer");
+    }
+    let next = |a: i32, b: i32| match experts {
+        Some(e) => b == (a + 1) % e as i32,
+        None => b == a + 1 || (b == 0 && a > 0),
+    };
+    (row[0] >= 0 && row.windows(2).all(|w| next(w[0], w[1]))).then_some("fill arange(n*layers*top_k) % experts")
+}
+
+/// Turns a writer's stored record into the compared one (see the module doc).
+pub(crate) fn finish(path: &Path, raw: Raw, layout: Option<&Layout>) -> Result<Record> {
+    let Raw {
+        format,
+        dtype,
+        tokens,
+        top_k: k,
+        n_layers,
+        layers,
+        experts,
+        logits,
+        input_ids,
+        mut sequences,
+        pad_mask,
+        meta,
+        notes,
+        axis,
+    } = raw;
+    if tokens == 0 || n_layers == 0 || k == 0 {
+        return Err(bad(path, format!("[{tokens}, {n_layers}, {k}] routes: no routes")));
+    }
+    if experts.len() != tokens * n_layers * k {
+        return Err(bad(path, format!("{} ids for [{tokens}, {n_layers}, {k}]", experts.len())));
+    }
+    let mut found = Found { dtype: dtype.name.clone(), notes, ..Found::default() };
+    let num_experts = layout.map(|l| l.experts).or(logits.as_ref().map(|l| l.1));
+    if let Some(l) = layout {
+        if k != l.top_k {
+            return Err(bad(
+                path,
+                format!("the config contradicts the record: top-k {} in the config, {k} in the record", l.top_k),
+            ));
+        }
+    }
+    let w = n_layers * k;
+    let value = Value::of(&experts, &dtype, num_experts, &mut found);
+
+    // One token-major pass over blocks of tokens (in parallel, merged in order, so the result
+    // is the same whatever the thread count): every (token, layer) row classified, ids checked
+    // (below -1, at or beyond the expert count), padding rows found; rows that are no route
+    // kept aside.
+    let limit = num_experts.map_or(i32::MAX, |e| e as i32);
+    let blocks: Vec<Block> = experts
+        .par_chunks(tokens, w, BLOCK, |rows, chunk| {
+            let wrapped = value.apply(chunk);
+            let mut b = block(chunk, rows.start, n_layers, k, limit, pad_mask.as_deref(), format, num_experts);
+            b.wrapped = wrapped;
+            b
+        })
+        .collect();
+    let (mut negative, mut beyond) = (None, (0usize, -1i32, 0usize));
+    let mut pad = Vec::with_capacity(tokens);
+    let mut odd: Vec<(usize, Row)> = Vec::new();
+    let mut held = vec![(0usize, 0usize); n_layers]; // (routes, zero rows)
+    let mut wrapped = 0;
+    for b in blocks {
+        negative = negative.or(b.negative);
+        if b.beyond.1 > beyond.1 {
+            beyond = (beyond.0, b.beyond.1, b.beyond.2);
+        }
+        beyond.0 += b.beyond.0;
+        wrapped += b.wrapped;
+        pad.extend(b.pad);
+        odd.extend(b.odd);
+        for (h, x) in held.iter_mut().zip(b.held) {
+            h.0 += x.0;
+            h.1 += x.1;
+        }
+        for (c, n) in b.causes {
+            *found.padding.entry(c.to_string()).or_default() += n;
+        }
+    }
+    match value {
+        Value::MinusOne(_) => found.wrapped_minus_one = wrapped,
+        Value::Unwrap(_) => found.wrapped_ids = wrapped,
+        Value::AsIs => {}
+    }
+    if let Some((i, v)) = negative {
+        return Err(bad(path, format!("value {v} at flat index {i} is not an expert id or -1")));
+    }
+    // Ids a little beyond the expert count may be physical (EPLB) slots, tested against the
+    // other record; far beyond is bad input.
+    if beyond.0 > 0 {
+        let e = limit as usize;
+        let (t, l) = (beyond.2 / w, beyond.2 % w / k);
+        let whose = if layout.is_some() { "the config's" } else { "the logits'" };
+        if beyond.1 as usize >= 2 * e {
+            return Err(bad(
+                path,
+                format!(
+                    "expert id {} at token {t}, layer index {l} is not below {whose} {e} experts (nor a physical slot of an expert-parallel layout, at most {})",
+                    beyond.1,
+                    2 * e - 1
+                ),
+            ));
+        }
+        found.beyond = Some((beyond.0, beyond.1));
+    }
+    // A trailing packed segment made only of padding (slime's pad to a multiple of the TP size).
+    while sequences.len() > 1 && sequences.last().is_some_and(|s| s.rows.clone().all(|t| pad[t])) {
+        sequences.pop();
+        found.pad_segments += 1;
+    }
+
+    // With top-1, a 0 is a route unless the whole layer holds nothing else.
+    if k == 1 {
+        for h in held.iter_mut().filter(|h| h.0 > 0) {
+            h.0 += h.1;
+            h.1 = 0;
+        }
+        odd.retain(|&(at, c)| !(c == Row::Zero && held[at % n_layers].1 == 0));
+    }
+    let routes_in = |l: usize| held[l].0 > 0;
+
+    let (numbers, declared, numbering) = match layers {
+        Some(numbers) => {
+            if numbers.len() != n_layers {
+                return Err(bad(path, format!("{} layer numbers for a layer axis of {n_layers}", numbers.len())));
+            }
+            let mut seen = numbers.clone();
+            seen.sort_unstable();
+            if let Some(w) = seen.windows(2).find(|w| w[0] == w[1]) {
+                return Err(bad(path, format!("layer {} appears twice in its layer numbers", w[0])));
+            }
+            (numbers, true, "declared in the file".to_string())
+        }
+        None => match layout {
+            Some(l) => {
+                let (numbers, how) = infer_numbers(n_layers, l, axis, &routes_in)
+                    .map_err(|m| bad(path, format!("the config contradicts the record: {m}")))?;
+                (numbers, true, how)
+            }
+            None => {
+                ((0..n_layers).collect(), false, format!("its {n_layers} layers are taken as 0 to {}", n_layers - 1))
+            }
+        },
+    };
+    found.numbering = numbering;
+
+    // Dense layers (by the config) are never compared, whatever they hold; a layer of zeros is
+    // cleared too; in the others, zero or repeated rows and -1 rows are missing, counted apart.
+    #[derive(Clone, Copy, PartialEq)]
+    enum Act {
+        Clear,
+        Keep { count_empty: bool },
+    }
+    let mut acts = Vec::with_capacity(n_layers);
+    for (i, &g) in numbers.iter().enumerate() {
+        let kind = match layout {
+            Some(l) => match l.kinds.get(g) {
+                Some(&kind) => Some(kind),
+                None => {
+                    return Err(bad(
+                        path,
+                        format!(
+                            "the config contradicts the record: layer {g} in the record; the config has {} layers",
+                            l.kinds.len()
+                        ),
+                    ))
+                }
+            },
+            None => None,
+        };
+        let (routes, zeros) = held[i];
+        acts.push(if kind == Some(LayerKind::Dense) {
+            if routes + zeros > 0 {
+                found.dense_filled.push(g);
+            }
+            Act::Clear
+        } else if routes == 0 && zeros > 0 {
+            // Only zeros: dense (zero-filled) without a config, capture never ran with one.
+            found.zero_layers.push(g);
+            Act::Clear
+        } else {
+            Act::Keep { count_empty: kind.is_some() || routes > 0 }
+        });
+    }
+    // In the kept layers, zero or repeated rows are cleared and, with -1 rows, counted missing.
+    let mut holes = Vec::new();
+    for &(at, c) in &odd {
+        match (acts[at % n_layers], c) {
+            (Act::Keep { .. }, Row::Zero | Row::Repeat) if k > 1 => {
+                holes.push(at);
+                found.missing += 1;
+            }
+            (Act::Keep { count_empty: true }, Row::Empty) => found.missing += 1,
+            _ => {}
+        }
+    }
+    let clear: Vec<bool> = acts.iter().map(|a| *a == Act::Clear).collect();
+    let routed = (0..n_layers).map(|l| !clear[l] && held[l].0 > 0).collect();
+
+    if let Some(ids) = &input_ids {
+        if let Some(v) = ids.iter().find(|&&v| v < 0) {
+            return Err(bad(path, format!("`input_ids` holds {v}, not a token id")));
+        }
+    }
+    Ok(Record {
+        path: path.to_path_buf(),
+        format,
+        tokens,
+        top_k: k,
+        layers: numbers,
+        layers_declared: declared,
+        ids: experts,
+        fix: Fix { value, pad, clear, holes, n_layers, top_k: k },
+        routed,
+        num_experts: logits.as_ref().map(|l| l.1).or(num_experts),
+        logits: logits.map(|l| l.0),
+        input_ids,
+        sequences,
+        meta,
+        found,
+    })
+}
+
+/// Tokens per block of the classifying pass.
+const BLOCK: usize = 512;
+
+/// What the classifying pass found in one block of tokens.
+struct Block {
+    /// Values the value rule changed.
+    wrapped: usize,
+    negative: Option<(usize, i32)>,
+    beyond: (usize, i32, usize),
+    pad: Vec<bool>,
+    causes: Vec<(&'static str, usize)>,
+    odd: Vec<(usize, Row)>,
+    held: Vec<(usize, usize)>,
+}
+
+/// Classifies the rows of `chunk` (tokens from `first`), finds its padding rows.
+#[allow(clippy::too_many_arguments)]
+fn block(
+    chunk: &[i32],
+    first: usize,
+    n_layers: usize,
+    k: usize,
+    limit: i32,
+    mask: Option<&[bool]>,
+    format: Format,
+    experts: Option<usize>,
+) -> Block {
+    let w = n_layers * k;
+    let mut out = Block {
+        wrapped: 0,
+        negative: None,
+        beyond: (0, -1, 0),
+        pad: Vec::with_capacity(chunk.len() / w),
+        causes: Vec::new(),
+        odd: Vec::new(),
+        held: vec![(0, 0); n_layers],
+    };
+    let mut classes = vec![Row::Empty; n_layers];
+    for (j, row) in chunk.chunks_exact(w).enumerate() {
+        let t = first + j;
+        // Ids out of range are rare: the whole token row is checked at once, each id only then.
+        let (lo, hi) = row.iter().fold((i32::MAX, i32::MIN), |(lo, hi), &e| (lo.min(e), hi.max(e)));
+        let check = lo < -1 || hi >= limit;
+        for (l, c) in classes.iter_mut().enumerate() {
+            let ids = &row[l * k..(l + 1) * k];
+            for (i, &id) in ids.iter().enumerate().filter(|_| check) {
+                if id < -1 {
+                    out.negative.get_or_insert((t * w + l * k + i, id));
+                } else if id >= limit {
+                    out.beyond.0 += 1;
+                    if id > out.beyond.1 {
+                        out.beyond = (out.beyond.0, id, t * w + l * k);
+                    }
+                }
+            }
+            *c = classify(ids);
+        }
+        // Padding: a mask, or a whole token row (every layer) that is no route.
+        let none = |c: &Row| matches!(c, Row::Zero | Row::Repeat | Row::Empty);
+        let cause = if mask.is_some_and(|m| m[t]) {
+            Some("mask")
+        } else if classes.iter().all(|c| *c == Row::Empty) {
+            (format != Format::NemoRl).then_some("no route (-1) in any layer")
+        } else if w >= 2 && (classes.iter().all(|c| *c == Row::Zero) || (k == 1 && row.iter().all(|&e| e == 0))) {
+            Some("all-zero")
+        } else if classes.iter().all(none) {
+            Some("repeated ids in every layer")
+        } else if row[0] == 0 || classes.iter().all(|c| *c == Row::Route) {
+            fill_pattern(row, k, experts)
+        } else {
+            None
+        };
+        out.pad.push(cause.is_some());
+        if let Some(c) = cause {
+            match out.causes.iter_mut().find(|x| x.0 == c) {
+                Some(x) => x.1 += 1,
+                None => out.causes.push((c, 1)),
+            }
+            continue;
+        }
+        for (l, &c) in classes.iter().enumerate() {
+            let at = t * n_layers + l;
+            match c {
+                Row::Route if k == 1 && row[l] == 0 => {
+                    out.held[l].1 += 1;
+                    out.odd.push((at, Row::Zero));
+                }
+                Row::Route => out.held[l].0 += 1,
+                Row::Zero => {
+                    out.held[l].1 += 1;
+                    out.odd.push((at, c));
+                }
+                Row::Repeat | Row::Empty => out.odd.push((at, c)),
+            }
+        }
+    }
+    out
+}
+
+/// What a stored value means, by its dtype and the expert count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Value {
+    /// As stored.
+    AsIs,
+    /// This value (255 in uint8, 65535 in uint16) is a -1 stored unsigned.
+    MinusOne(i32),
+    /// Values below -1 are ids wrapped negative by a signed narrowing cast (int8, int16):
+    /// unwrapped with this mask.
+    Unwrap(i32),
+}
+
+impl Value {
+    /// The rule for `ids` of `dtype` with `e` experts (when known); says a cast too narrow.
+    fn of(ids: &Ids, dtype: &super::formats::Dtype, e: Option<usize>, found: &mut Found) -> Value {
+        use super::array::Elem;
+        let Some(elem) = dtype.elem else { return Value::AsIs };
+        let narrow = matches!(elem, Elem::U8 | Elem::I8) && e.is_some_and(|e| e > 256);
+        if narrow {
+            found.narrow_for = e;
+        }
+        match elem {
+            Elem::U8 | Elem::U16 => {
+                let all = if elem == Elem::U8 { 255 } else { 65535 };
+                // 255 is an expert of a model with 256; a -1 when the model has fewer (or, without
+                // a config, when no other id comes near).
+                let wrapped = match e {
+                    Some(e) => (all as usize) >= e,
+                    None => elem == Elem::U16 || ids.max_except(all).unwrap_or(0) < 128,
+                };
+                if wrapped {
+                    Value::MinusOne(all)
+                } else {
+                    Value::AsIs
+                }
+            }
+            Elem::I8 => Value::Unwrap(0xff),
+            Elem::I16 => Value::Unwrap(0xffff),
+            _ => Value::AsIs,
+        }
+    }
+
+    /// Applies the rule to `ids`; returns how many values it changed.
+    fn apply(self, ids: &mut [i32]) -> usize {
+        let mut n = 0;
+        match self {
+            Value::AsIs => {}
+            Value::MinusOne(all) => ids.iter_mut().filter(|v| **v == all).for_each(|v| {
+                *v = -1;
+                n += 1;
+            }),
+            Value::Unwrap(mask) => ids.iter_mut().filter(|v| **v < -1).for_each(|v| {
+                *v &= mask;
+                n += 1;
+            }),
+        }
+        n
+    }
+}
+
+/// What cleaning decided, applied to every row read: the value rule, padding tokens, cleared
+/// layers, and the rows (token × layer + layer index) that are a fill, not a route.
+#[derive(Debug, Clone)]
+pub(crate) struct Fix {
+    value: Value,
+    pad: Vec<bool>,
+    clear: Vec<bool>,
+    holes: Vec<usize>,
+    n_layers: usize,
+    top_k: usize,
+}
+
+impl Fix {
+    /// Cleans `ids`, the stored ids of token rows `tokens`.
+    pub(crate) fn apply(&self, tokens: std::ops::Range<usize>, ids: &mut [i32]) {
+        self.value.apply(ids);
+        let (l, k) = (self.n_layers, self.top_k);
+        let mut h = self.holes.partition_point(|&r| r < tokens.start * l);
+        for (t, row) in tokens.zip(ids.chunks_exact_mut(l * k)) {
+            if self.pad[t] {
+                row.fill(-1);
+            }
+            for (layer, _) in self.clear.iter().enumerate().filter(|c| *c.1) {
+                row[layer * k..(layer + 1) * k].fill(-1);
+            }
+            while h < self.holes.len() && self.holes[h] < (t + 1) * l {
+                let layer = self.holes[h] - t * l;
+                row[layer * k..(layer + 1) * k].fill(-1);
+                h += 1;
+            }
+        }
+    }
+
+    /// Cleans `ids`, the stored ids of one (token, layer index) row.
+    pub(crate) fn apply_row(&self, token: usize, layer: usize, ids: &mut [i32]) {
+        self.value.apply(ids);
+        if self.pad[token] || self.clear[layer] || self.holes.binary_search(&(token * self.n_layers + layer)).is_ok() {
+            ids.fill(-1);
+        }
+    }
+}
+
+/// What the writer says its layer axis is, when it says anything.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) enum Axis {
+    /// Unknown: every numbering is tried.
+    #[default]
+    Any,
+    /// Every decoder layer, never MTP (SGLang's and vLLM's capture buffers).
+    Decoder,
+    /// The MoE routers in instantiation order, MTP included when built (Megatron inference).
+    Routers,
+}
+
+/// The global numbers of an undeclared layer axis of `n` layers: every decoder layer (without,
+/// then with the MTP layers after them), then the MoE layers without MTP, then with MTP; the
+/// first whose count matches and whose dense layers hold no route is taken, and the note says
+/// which and why.
+fn infer_numbers(
+    n: usize,
+    l: &Layout,
+    axis: Axis,
+    routes_in: &dyn Fn(usize) -> bool,
+) -> std::result::Result<(Vec<usize>, String), String> {
+    let backbone = l.kinds.iter().filter(|k| **k != LayerKind::Mtp).count();
+    let moe: Vec<usize> = (0..backbone).filter(|&g| l.kinds[g] == LayerKind::Moe).collect();
+    let candidates: Vec<(Vec<usize>, &str)> = [
+        ((0..backbone).collect::<Vec<_>>(), "every decoder layer", axis != Axis::Routers),
+        ((0..l.kinds.len()).collect(), "every decoder layer and the MTP layers", axis == Axis::Any),
+        (moe.clone(), "the MoE layers", axis != Axis::Decoder),
+        (l.routed(), "the MoE and MTP layers", axis != Axis::Decoder),
+    ]
+    .into_iter()
+    .filter(|c| c.2 && c.0.len() == n)
+    .map(|c| (c.0, c.1))
+    .collect();
+    // Numberings that give the same layers are one (a model with no dense and no MTP layer).
+    let mut candidates = candidates;
+    let mut seen: Vec<Vec<usize>> = Vec::new();
+    candidates.retain(|c| {
+        let new = !seen.contains(&c.0);
+        seen.push(c.0.clone());
+        new
+    });
+    let dense_with_routes = |numbers: &[usize]| -> Vec<usize> {
+        numbers
+            .iter()
+            .enumerate()
+            .filter(|&(i, &g)| l.kinds[g] == LayerKind::Dense && routes_in(i))
+            .map(|(_, &g)| g)
+            .collect()
+    };
+    let mut rejected = Vec::new();
+    for (numbers, name) in &candidates {
+        let wrong = dense_with_routes(numbers);
+        if wrong.is_empty() {
+            let mut how = format!("its {n} layers are {name} ({})", ranges(numbers));
+            if let Some(first) = rejected.first() {
+                how.push_str(&format!("; not {first}"));
+            } else if candidates.len() > 1 {
+                let others: Vec<&str> = candidates.iter().skip(1).map(|c| c.1).collect();
+                how.push_str(&format!(
+                    " (taken first; the count also fits {}, but the layers the config calls dense hold no route)",
+                    others.join(", ")
+                ));
+            }
+            return Ok((numbers.clone(), how));
+        }
+        rejected.push(format!("{name} (config-dense layer {} holds routes)", ranges(&wrong)));
+    }
+    if let Some((numbers, name)) = candidates.first() {
+        // Every count-matching numbering puts routes in a dense layer: say it, take the first.
+        return Ok((numbers.clone(), format!("its {n} layers are taken as {name}, although {}", rejected.join("; "))));
+    }
+    let mtp = l.kinds.len() - backbone;
+    let with_mtp = if mtp > 0 { format!(" and {mtp} MTP layer(s)") } else { String::new() };
+    Err(format!("{n} layers in the record; the config has {backbone} decoder layers, {} of them MoE,{with_mtp} (tried every decoder layer, MoE layers, with and without MTP)", moe.len()))
+}

@@ -1,0 +1,33 @@
+//! slime's routed experts, as THUDM/slime 624b824 (same layout at v0.3.1) keeps them:
+//!
+//! - per sample `rollout_routed_experts` int32 `[len(tokens) - 1, num_layers, top_k]`, decoded
+//!   from SGLang as int32 whatever its dtype (`slime/utils/types.py` L352-395,
+//!   `slime/utils/misc.py` L13-35); every decoder layer, dense ones 0, no MTP; on disk inside
+//!   `torch.save` of the samples (`slime/observability/rollout_data_utils.py` L140-153), which
+//!   moe-audit does not unpickle: save the arrays as `.npz`/safetensors;
+//! - the trainer's packed replay target (`slime/backends/megatron_utils/cp_utils.py` L254-297):
+//!   each sample plus one pad row, concatenated, then a trailing pad segment to a multiple of
+//!   the TP size x 128; pad rows are `arange(n*layers*top_k).reshape(n, layers, top_k) %
+//!   num_experts` (L239-251), which look like routes; `cu_seqlens` has one segment per sample
+//!   and one for the trailing pad (`data.py` L55-90). Read from `rollout_routed_experts`
+//!   `[tokens, layers, top_k]` with `cu_seqlens`.
+
+use super::generic::boundaries;
+use super::{bad, Dtype, Raw};
+use crate::array::Array;
+use crate::record::Format;
+use crate::Budget;
+use moe_audit_core::error::Result;
+use std::path::Path;
+
+pub(crate) fn read(path: &Path, arrays: &[Array], budget: &mut Budget) -> Result<Raw> {
+    let find = |n: &str| arrays.iter().find(|a| a.name == n);
+    let a = find("rollout_routed_experts").expect("dispatched");
+    let (shape, ids) = super::ids3(a, path, budget)?;
+    let mut raw = Raw::bare(Format::Slime, Dtype::of(a.elem), shape, ids);
+    if let Some(cu) = find("cu_seqlens") {
+        let cu = cu.ints(path, budget)?;
+        raw.sequences = boundaries(&cu, raw.tokens).map_err(|m| bad(path, format!("`cu_seqlens` {m}")))?;
+    }
+    Ok(raw)
+}

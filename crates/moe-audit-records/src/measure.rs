@@ -1,0 +1,377 @@
+//! The measures on aligned pairs: per layer the share of tokens whose expert set differs and
+//! the mean top-k overlap; per token the first layer that differs; overall the R3 paper's two
+//! headline numbers (share of router decisions that differ, share of tokens that differ in at
+//! least one layer); with logits, the margin at each flip against the median margin.
+//!
+//! A decision is one (token, layer) pair where at least one side routes; its expert *set* is
+//! compared (slot order is counted apart, as `order_only`). Counts are integers summed per
+//! chunk, so the result is the same whatever the thread count.
+
+use super::align::Alignment;
+use super::read::Record;
+use super::Budget;
+use moe_audit_core::error::Result;
+use rayon::prelude::*;
+use serde::Serialize;
+
+/// One compared layer.
+#[derive(Debug, Clone, Serialize)]
+pub struct LayerMeasure {
+    /// The rollout layer's global number.
+    pub rollout: usize,
+    /// The trainer layer's global number.
+    pub trainer: usize,
+    /// Decisions compared.
+    pub decisions: usize,
+    /// Share of them whose expert set differs.
+    pub differ: f64,
+    /// Mean share of the top-k both sides chose.
+    pub overlap: f64,
+    /// Tokens whose first differing layer (in trainer order) is this one.
+    pub first_differing: usize,
+}
+
+/// Router margins at flips against all margins (the gap between the k-th and the (k+1)-th
+/// logit of the side that recorded logits).
+#[derive(Debug, Clone, Serialize)]
+pub struct Margins {
+    /// `trainer` or `rollout`: whose logits.
+    pub side: &'static str,
+    /// Decisions whose set differs.
+    pub flips: usize,
+    /// Median margin over the flips.
+    pub median_flip: f64,
+    /// Median margin over every compared decision.
+    pub median_all: f64,
+    /// Share of flips whose margin is under a tenth of the median margin.
+    pub near_ties: f64,
+}
+
+/// Everything measured on the aligned pairs.
+#[derive(Debug, Clone, Serialize)]
+pub struct Measures {
+    /// Tokens compared.
+    pub tokens: usize,
+    /// Decisions compared.
+    pub decisions: usize,
+    /// Share of decisions whose expert set differs (headline 1).
+    pub decisions_differ: f64,
+    /// Share of tokens that differ in at least one layer (headline 2).
+    pub tokens_differ: f64,
+    /// Mean share of the top-k both sides chose, over all decisions.
+    pub overlap: f64,
+    /// Decisions with the same set in another slot order (counted as agreeing).
+    pub order_only: usize,
+    /// (token, layer) pairs routed on one side only (a missing route): not decisions.
+    pub missing: usize,
+    /// Per layer, in the trainer's order.
+    pub layers: Vec<LayerMeasure>,
+    /// Mean index (in trainer layer order, 0-based) of the first differing layer of the tokens
+    /// that differ.
+    pub mean_first_differing: Option<f64>,
+    /// With logits: margins at flips against all margins.
+    pub margins: Option<Margins>,
+}
+
+/// Counts of one chunk of tokens, summed afterwards.
+#[derive(Default, Clone)]
+struct Counts {
+    decisions: Vec<u64>,
+    differ: Vec<u64>,
+    common: Vec<u64>,
+    width: Vec<u64>,
+    first: Vec<u64>,
+    order_only: u64,
+    missing: u64,
+    tokens_differ: u64,
+    first_sum: u64,
+    margins: Vec<(f32, bool)>,
+}
+
+impl Counts {
+    fn new(layers: usize) -> Self {
+        let z = vec![0; layers];
+        Counts {
+            decisions: z.clone(),
+            differ: z.clone(),
+            common: z.clone(),
+            width: z.clone(),
+            first: z,
+            ..Default::default()
+        }
+    }
+
+    fn add(mut self, o: Counts) -> Counts {
+        for (x, y) in [
+            (&mut self.decisions, &o.decisions),
+            (&mut self.differ, &o.differ),
+            (&mut self.common, &o.common),
+            (&mut self.width, &o.width),
+            (&mut self.first, &o.first),
+        ] {
+            x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
+        }
+        self.order_only += o.order_only;
+        self.missing += o.missing;
+        self.tokens_differ += o.tokens_differ;
+        self.first_sum += o.first_sum;
+        self.margins.extend(o.margins);
+        self
+    }
+}
+
+/// The non-negative ids of a row, sorted, into `out`.
+fn sorted(row: &[i32], out: &mut Vec<i32>) {
+    out.clear();
+    out.extend(row.iter().copied().filter(|&e| e >= 0));
+    out.sort_unstable();
+}
+
+/// Size of the intersection of two sorted lists.
+fn common(x: &[i32], y: &[i32]) -> usize {
+    let (mut i, mut j, mut n) = (0, 0, 0);
+    while i < x.len() && j < y.len() {
+        match x[i].cmp(&y[j]) {
+            std::cmp::Ordering::Less => i += 1,
+            std::cmp::Ordering::Greater => j += 1,
+            std::cmp::Ordering::Equal => {
+                n += 1;
+                i += 1;
+                j += 1;
+            }
+        }
+    }
+    n
+}
+
+/// The gap between the k-th and (k+1)-th largest of `row` (`scratch` reused).
+fn margin(row: &[f32], k: usize, scratch: &mut Vec<f32>) -> f32 {
+    if k == 0 || k >= row.len() {
+        return f32::INFINITY;
+    }
+    scratch.clear();
+    scratch.extend_from_slice(row);
+    scratch.select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a));
+    let kth = scratch[k - 1];
+    let next = scratch[k..].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    kth - next
+}
+
+fn median(values: &mut [f32]) -> f64 {
+    if values.is_empty() {
+        return f64::NAN;
+    }
+    let mid = values.len() / 2;
+    let (_, m, _) = values.select_nth_unstable_by(mid, f32::total_cmp);
+    *m as f64
+}
+
+impl Measures {
+    /// Nothing measured (a record with no route at all).
+    pub fn none() -> Measures {
+        Measures {
+            tokens: 0,
+            decisions: 0,
+            decisions_differ: 0.0,
+            tokens_differ: 0.0,
+            overlap: 0.0,
+            order_only: 0,
+            missing: 0,
+            layers: Vec::new(),
+            mean_first_differing: None,
+            margins: None,
+        }
+    }
+}
+
+/// Which record of the pair.
+#[derive(Clone, Copy)]
+enum Role {
+    Rollout,
+    Trainer,
+}
+
+impl Role {
+    fn name(self) -> &'static str {
+        match self {
+            Role::Rollout => "rollout",
+            Role::Trainer => "trainer",
+        }
+    }
+}
+
+/// Tokens per parallel chunk.
+const CHUNK: usize = 1024;
+
+pub(super) fn measure(a: &Record, b: &Record, al: &Alignment, budget: &mut Budget) -> Result<Measures> {
+    measure_in(a, b, al, budget, CHUNK)
+}
+
+/// [`measure`] reading `chunk` tokens of each side at a time (any size gives the same result).
+pub(super) fn measure_in(
+    a: &Record,
+    b: &Record,
+    al: &Alignment,
+    budget: &mut Budget,
+    chunk: usize,
+) -> Result<Measures> {
+    let n = al.layers.len();
+    // With logits, one margin per decision: the trainer's when it has them, else the rollout's.
+    let logits = match (&b.logits, b.num_experts, &a.logits, a.num_experts) {
+        (Some(l), Some(w), _, _) => Some((Role::Trainer, b, l, w)),
+        (_, _, Some(l), Some(w)) => Some((Role::Rollout, a, l, w)),
+        _ => None,
+    };
+    if logits.is_some() {
+        budget.take("margins", (al.tokens * n) as u64 * 8)?;
+    }
+    // Every aligned run of rows, in pieces of CHUNK tokens: both sides' rows read a piece at a
+    // time, pieces in parallel.
+    let pieces: Vec<(usize, usize, usize)> = al
+        .segments
+        .iter()
+        .flat_map(|s| (0..s.len).step_by(chunk).map(move |k| (s.rollout + k, s.trainer + k, chunk.min(s.len - k))))
+        .collect();
+    let (wa, wb) = (a.layers.len() * a.top_k, b.layers.len() * b.top_k);
+    let counts = pieces
+        .par_iter()
+        .map_init(
+            || (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new()),
+            |(rows_a, rows_b, x, y, scratch), &(ra, rb, len)| {
+                a.rows(ra..ra + len, rows_a);
+                b.rows(rb..rb + len, rows_b);
+                a.ids.release(ra * wa..(ra + len) * wa);
+                b.ids.release(rb * wb..(rb + len) * wb);
+                let mut c = Counts::new(n);
+                for i in 0..len {
+                    let mut first = None;
+                    for (p, pair) in al.layers.iter().enumerate() {
+                        let ra_row = &rows_a[i * wa + pair.rollout_index * a.top_k..][..a.top_k];
+                        let rb_row = &rows_b[i * wb + pair.trainer_index * b.top_k..][..b.top_k];
+                        // (Compared element by element: a slice `==` calls memcmp for 8 ids.)
+                        let same = if ra_row.len() == rb_row.len() && ra_row.iter().zip(rb_row).all(|(x, y)| x == y) {
+                            // The common case, without sorting: one set, in one slot order.
+                            let routes = ra_row.iter().filter(|&&e| e >= 0).count();
+                            if routes == 0 {
+                                continue;
+                            }
+                            c.common[p] += routes as u64;
+                            c.width[p] += routes as u64;
+                            true
+                        } else {
+                            sorted(ra_row, x);
+                            sorted(rb_row, y);
+                            if x.is_empty() || y.is_empty() {
+                                c.missing += u64::from(x.len() != y.len());
+                                continue;
+                            }
+                            let same = x == y;
+                            if same {
+                                c.order_only += 1;
+                            } else {
+                                c.differ[p] += 1;
+                                first.get_or_insert(p);
+                            }
+                            c.common[p] += common(x, y) as u64;
+                            c.width[p] += x.len().max(y.len()) as u64;
+                            same
+                        };
+                        c.decisions[p] += 1;
+                        if let Some((side, r, l, w)) = logits {
+                            let (t, li) = match side {
+                                Role::Trainer => (rb + i, pair.trainer_index),
+                                Role::Rollout => (ra + i, pair.rollout_index),
+                            };
+                            let at = (t * r.layers.len() + li) * w;
+                            c.margins.push((margin(&l[at..at + w], r.top_k, scratch), !same));
+                        }
+                    }
+                    if let Some(p) = first {
+                        c.tokens_differ += 1;
+                        c.first[p] += 1;
+                        c.first_sum += p as u64;
+                    }
+                }
+                c
+            },
+        )
+        .reduce(|| Counts::new(n), Counts::add);
+    let compared = al.tokens;
+    let share = |x: u64, of: u64| if of == 0 { 0.0 } else { x as f64 / of as f64 };
+    let layers = al
+        .layers
+        .iter()
+        .enumerate()
+        .map(|(p, pair)| LayerMeasure {
+            rollout: pair.rollout,
+            trainer: pair.trainer,
+            decisions: counts.decisions[p] as usize,
+            differ: share(counts.differ[p], counts.decisions[p]),
+            overlap: share(counts.common[p], counts.width[p]),
+            first_differing: counts.first[p] as usize,
+        })
+        .collect();
+    let decisions: u64 = counts.decisions.iter().sum();
+    let differ: u64 = counts.differ.iter().sum();
+    let margins = logits.map(|(side, ..)| {
+        let mut flips: Vec<f32> = counts.margins.iter().filter(|m| m.1).map(|m| m.0).collect();
+        let threshold = {
+            let mut all: Vec<f32> = counts.margins.iter().map(|m| m.0).collect();
+            median(&mut all)
+        };
+        let near = flips.iter().filter(|&&m| (m as f64) < threshold / 10.0).count();
+        Margins {
+            side: side.name(),
+            flips: flips.len(),
+            near_ties: share(near as u64, flips.len() as u64),
+            median_flip: median(&mut flips),
+            median_all: threshold,
+        }
+    });
+    Ok(Measures {
+        tokens: compared,
+        decisions: decisions as usize,
+        decisions_differ: share(differ, decisions),
+        tokens_differ: share(counts.tokens_differ, compared as u64),
+        overlap: share(counts.common.iter().sum(), counts.width.iter().sum()),
+        order_only: counts.order_only as usize,
+        missing: counts.missing as usize,
+        layers,
+        mean_first_differing: (counts.tokens_differ > 0).then(|| counts.first_sum as f64 / counts.tokens_differ as f64),
+        margins,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{from_ids, IdArray};
+
+    fn record(name: &str, ids: &[i32], tokens: usize, budget: &mut Budget) -> Record {
+        let bytes = ids.iter().flat_map(|x| (*x as i16).to_le_bytes()).collect::<Vec<u8>>();
+        let part = IdArray { bytes: bytes.into(), dtype: "int16".into(), shape: [tokens, 3, 2] };
+        from_ids(name, vec![part], None, None, budget).expect("a record")
+    }
+
+    /// Pieces of any size, and rows shifted between two sequences, give the same measures.
+    #[test]
+    fn any_chunk_gives_the_same_measures() {
+        let tokens = 2500;
+        // Distinct pairs of 16 experts, the trainer's differing on every 7th row.
+        let a: Vec<i32> = (0..tokens * 3).flat_map(|r| [(r * 5 % 16) as i32, ((r * 5 + 3) % 16) as i32]).collect();
+        let b: Vec<i32> = a
+            .chunks(2)
+            .enumerate()
+            .flat_map(|(r, p)| if r % 7 == 0 { [p[0], (p[1] + 1) % 16] } else { [p[0], p[1]] })
+            .collect();
+        let mut budget = Budget::new(moe_audit_core::MemoryBudget::from_request(None));
+        let (ra, rb) = (record("a", &a, tokens, &mut budget), record("b", &b, tokens, &mut budget));
+        let (al, _) = crate::align::align(&ra, &rb, &mut budget).expect("aligned");
+        let whole = serde_json::to_string(&measure_in(&ra, &rb, &al, &mut budget, tokens).unwrap()).unwrap();
+        for chunk in [1, 7, 512, 1024] {
+            let m = measure_in(&ra, &rb, &al, &mut budget, chunk).unwrap();
+            assert_eq!(serde_json::to_string(&m).unwrap(), whole, "chunk {chunk}");
+        }
+        assert!(whole.contains("\"decisions\":7500"), "{whole}");
+    }
+}

@@ -1,0 +1,225 @@
+//! Reading a routing record within `--max-memory`: the bytes read with a bound, the writer
+//! recognised by content (`formats`), then made comparable (`clean`). A record never names
+//! another file: nothing in it is followed. A folder is read only for Megatron's per-rank
+//! `router_trace_rank{r}.jsonl` files directly inside it (symlinks refused).
+
+use super::config::Layout;
+use super::formats::{self, Dtype, Raw};
+use super::{array, clean, ids, Budget};
+use bytes::Bytes;
+use moe_audit_core::error::{Error, Result, Setting};
+use moe_audit_core::files::{open_unblocked, read_bounded};
+use serde_json::Value;
+use std::path::Path;
+
+pub use super::record::{Format, Found, Record, Sequence, GENERIC};
+
+/// What the other record tells about a record without a shape (SGLang's flat payload): its
+/// top-k and layer count.
+#[derive(Debug, Clone, Copy)]
+pub struct ShapeHint {
+    /// Layers of the layer axis.
+    pub layers: usize,
+    /// Experts per token.
+    pub top_k: usize,
+}
+
+fn bad(path: &Path, message: impl Into<String>) -> Error {
+    Error::input(path, message.into())
+}
+
+/// A record file's bytes: a regular file is mapped (its arrays are read in place, a chunk at a
+/// time, see `ids`), anything else read whole within the budget.
+fn open(path: &Path, budget: &mut Budget) -> Result<File> {
+    let file = open_unblocked(path, false).map_err(|e| Error::io(path, "cannot read", e))?;
+    let meta = file.metadata().map_err(|e| Error::io(path, "cannot read", e))?;
+    if meta.is_file() && meta.len() > 0 {
+        // SAFETY: mapped read-only; a record changed while it is compared is the caller's race,
+        // as with any reader of a file that changes under it.
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, "cannot read", e))?;
+        return Ok(File { bytes: Bytes::from_owner(map), mapped: true });
+    }
+    Ok(File { bytes: Bytes::from(read_whole(path, budget)?), mapped: false })
+}
+
+/// A record file's bytes, and whether they are a mapping of it.
+struct File {
+    bytes: Bytes,
+    mapped: bool,
+}
+
+fn read_whole(path: &Path, budget: &mut Budget) -> Result<Vec<u8>> {
+    let what = format!("reading {}", path.display());
+    if let Some(size) = std::fs::metadata(path).ok().filter(|m| m.is_file()).map(|m| m.len()) {
+        Budget::clone(budget).take(&what, size)?;
+    }
+    let bytes = read_bounded(path, budget.left(), &Setting::MaxMemory.to_string())?;
+    budget.take(&what, bytes.len() as u64)?;
+    Ok(bytes)
+}
+
+/// The `router_trace_rank{r}.jsonl` files of a folder, in rank order.
+fn trace_folder(dir: &Path, budget: &mut Budget) -> Result<Vec<(String, Vec<u8>)>> {
+    let entries = std::fs::read_dir(dir).map_err(|e| Error::io(dir, "cannot read", e))?;
+    let mut ranks = Vec::new();
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let rank = name
+            .strip_prefix("router_trace_rank")
+            .and_then(|r| r.strip_suffix(".jsonl"))
+            .and_then(|r| r.parse::<u64>().ok());
+        if let Some(r) = rank {
+            if e.file_type().is_ok_and(|t| t.is_symlink()) {
+                return Err(bad(&e.path(), "a symlink in a trace folder is not followed"));
+            }
+            ranks.push((r, name, e.path()));
+        }
+    }
+    if ranks.is_empty() {
+        return Err(bad(dir, "a folder holds a record only as Megatron's router_trace_rank{r}.jsonl files: none here"));
+    }
+    ranks.sort();
+    ranks.into_iter().map(|(_, name, p)| Ok((name, read_whole(&p, budget)?))).collect()
+}
+
+/// Reads a record, made comparable against `layout` when given. `hint` shapes a record with no
+/// shape of its own (SGLang) when no layout is given; the record's notes say so.
+pub fn load(path: &Path, layout: Option<&Layout>, hint: Option<ShapeHint>, budget: &mut Budget) -> Result<Record> {
+    let raw = if std::fs::metadata(path).is_ok_and(|m| m.is_dir()) {
+        let files = trace_folder(path, budget)?;
+        formats::megatron::trace(path, &files, layout, budget)?
+    } else {
+        let file = open(path, budget)?;
+        let mut raw = dispatch(path, &file.bytes, layout, hint, budget)?;
+        if file.mapped {
+            raw.experts.mark_mapped(&file.bytes);
+        }
+        raw
+    };
+    clean::finish(path, raw, layout)
+}
+
+/// One array of expert ids `[tokens, layers, top_k]` in memory (one sequence): little-endian,
+/// C-contiguous bytes of a numpy dtype (`uint8`, `int16`, `int32`, ...), read in place.
+#[derive(Debug, Clone)]
+pub struct IdArray {
+    /// The array's data.
+    pub bytes: Bytes,
+    /// numpy's name of its dtype.
+    pub dtype: String,
+    /// `[tokens, layers, top_k]`.
+    pub shape: [usize; 3],
+}
+
+/// A record of arrays in memory, one sequence each (named `name` in the report and errors),
+/// its layers numbered `layers` when given, made comparable as a file's is: the bytes are read
+/// in place (types wider than i32 are decoded within the budget); those of a file mapped
+/// read-only (`np.load(..., mmap_mode="r")`) are given back once read, as a record file's are.
+pub fn from_ids(
+    name: &str,
+    parts: Vec<IdArray>,
+    layers: Option<Vec<usize>>,
+    layout: Option<&Layout>,
+    budget: &mut Budget,
+) -> Result<Record> {
+    let path = Path::new(name);
+    let Some(first) = parts.first() else {
+        return Err(bad(path, "no arrays: give one [tokens, layers, top_k] array, or one per sequence"));
+    };
+    let (dtype, [_, l, k]) = (first.dtype.clone(), first.shape);
+    let maps = ids::Maps::of_process();
+    let mut raws = Vec::with_capacity(parts.len());
+    for (i, p) in parts.into_iter().enumerate() {
+        if p.dtype != dtype || p.shape[1..] != [l, k] {
+            return Err(bad(
+                path,
+                format!(
+                    "sequence {i} is {} {:?}, sequence 0 {dtype} [_, {l}, {k}]: every sequence has the same layers, top-k and dtype",
+                    p.dtype, p.shape
+                ),
+            ));
+        }
+        let elem = Dtype::named(&p.dtype)
+            .and_then(|d| d.elem)
+            .ok_or_else(|| bad(path, format!("dtype {}: expert ids must be integers", p.dtype)))?;
+        if Some(p.bytes.len()) != p.shape.iter().try_fold(elem.size(), |a, &d| a.checked_mul(d)) {
+            return Err(bad(path, format!("sequence {i}: {} bytes for {} {:?}", p.bytes.len(), p.dtype, p.shape)));
+        }
+        let mut ids =
+            array::Array { name: format!("sequence {i}"), shape: p.shape.to_vec(), elem, data: p.bytes.clone() }
+                .expert_ids(path, budget)?;
+        if maps.holds_read_only_file(&p.bytes) {
+            ids.mark_mapped(&p.bytes);
+        }
+        raws.push(Raw::bare(Format::Npy, Dtype::of(elem), p.shape, ids));
+    }
+    let mut raw = if raws.len() == 1 { raws.pop().expect("one") } else { Raw::concat(path, raws, budget)? };
+    let declared = layers.is_some();
+    raw.layers = layers;
+    let mut record = clean::finish(path, raw, layout)?;
+    if declared {
+        record.found.numbering = "declared by the caller".to_string();
+    }
+    Ok(record)
+}
+
+fn dispatch(
+    path: &Path,
+    bytes: &Bytes,
+    layout: Option<&Layout>,
+    hint: Option<ShapeHint>,
+    budget: &mut Budget,
+) -> Result<Raw> {
+    if bytes.starts_with(b"\x93NUMPY") {
+        return formats::vllm::npy(path, bytes, budget);
+    }
+    if bytes.starts_with(b"PK\x03\x04") || bytes.starts_with(b"PK\x05\x06") {
+        let entries = array::npz(bytes, path, budget)?;
+        let arrays = entries.iter().map(|(name, data)| array::npy(data, name, path)).collect::<Result<Vec<_>>>()?;
+        return formats::from_arrays(path, arrays, Default::default(), budget);
+    }
+    if bytes.iter().find(|b| !b.is_ascii_whitespace()).is_some_and(|&b| b == b'{' || b == b'[') {
+        // Text is parsed whole: it takes its size from the budget (arrays are read in place).
+        budget.take(&format!("reading {}", path.display()), bytes.len() as u64)?;
+        if formats::megatron::is_trace(bytes) {
+            let name =
+                path.file_name().map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned());
+            return formats::megatron::trace(path, &[(name, bytes.to_vec())], layout, budget);
+        }
+        // The parsed tree holds the base64 text once more.
+        budget.take(&format!("parsing {}", path.display()), bytes.len() as u64 * 2)?;
+        let value: Value = serde_json::from_slice(bytes).map_err(|e| Error::parse(path, "not JSON", e))?;
+        let shape = match (layout, hint) {
+            (Some(l), _) => Some((l.kinds.iter().filter(|k| **k != super::LayerKind::Mtp).count(), l.top_k)),
+            (None, Some(h)) => Some((h.layers, h.top_k)),
+            (None, None) => None,
+        };
+        let mut raw = formats::from_json(path, &value, shape, budget)?;
+        if layout.is_none() && raw.format == Format::Sglang {
+            raw.notes.push(format!(
+                "no shape in the payload and no {}: shaped as [rows, {}, {}] from the other record",
+                Setting::Config,
+                raw.n_layers,
+                raw.top_k
+            ));
+        }
+        return Ok(raw);
+    }
+    let (arrays, meta) = array::safetensors(bytes, path)?;
+    formats::from_arrays(path, arrays, meta, budget)
+}
+
+/// `3 to 61` style list of layer numbers: runs joined.
+pub fn ranges(layers: &[usize]) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < layers.len() {
+        let mut j = i;
+        while j + 1 < layers.len() && layers[j + 1] == layers[j] + 1 {
+            j += 1;
+        }
+        out.push(if j > i { format!("{} to {}", layers[i], layers[j]) } else { layers[i].to_string() });
+        i = j + 1;
+    }
+    out.join(", ")
+}
