@@ -11,7 +11,7 @@ mod route_files;
 #[path = "common/timing.rs"]
 mod timing;
 
-use moe_audit::routes::{self, Budget, CompareOptions, Layout};
+use moe_audit::records::{self, Budget, CompareOptions, Layout};
 use route_files::*;
 use std::time::Instant;
 use timing::{flag, median, ms, reps};
@@ -60,21 +60,21 @@ fn main() -> Result<(), String> {
         std::fs::read(&npy_path).map(drop).map_err(|e| e.to_string())
     })?;
     time("read rollout.npy", &mut || {
-        routes::load(&npy_path, Some(&layout), None, &mut Budget::new(limit)).map(drop).map_err(err)
+        records::load(&npy_path, Some(&layout), None, &mut Budget::new(limit)).map(drop).map_err(err)
     })?;
     time("read trainer.safetensors", &mut || {
-        routes::load(&st_path, Some(&layout), None, &mut Budget::new(limit)).map(drop).map_err(err)
+        records::load(&st_path, Some(&layout), None, &mut Budget::new(limit)).map(drop).map_err(err)
     })?;
     time("read rollout.json (SGLang, base64)", &mut || {
-        routes::load(&json_path, Some(&layout), None, &mut Budget::new(limit)).map(drop).map_err(err)
+        records::load(&json_path, Some(&layout), None, &mut Budget::new(limit)).map(drop).map_err(err)
     })?;
-    let a = routes::load(&npy_path, Some(&layout), None, &mut Budget::new(limit)).map_err(err)?;
-    let b = routes::load(&st_path, Some(&layout), None, &mut Budget::new(limit)).map_err(err)?;
+    let a = records::load(&npy_path, Some(&layout), None, &mut Budget::new(limit)).map_err(err)?;
+    let b = records::load(&st_path, Some(&layout), None, &mut Budget::new(limit)).map_err(err)?;
     let options = CompareOptions { max_disagreement: Some(0.2) };
     let mut used = 0;
     time("compare (align + diagnose + measure)", &mut || {
         let mut budget = Budget::new(limit);
-        let c = routes::compare(&a, &b, Some(&layout), &options, &mut budget).map_err(err)?;
+        let c = records::compare(&a, &b, Some(&layout), &options, &mut budget).map_err(err)?;
         assert!((c.measures.decisions_differ - flipped as f64 / (tokens * layers) as f64).abs() < 1e-12);
         used = limit.bytes() - budget.left();
         Ok(())
@@ -82,9 +82,9 @@ fn main() -> Result<(), String> {
     let mut whole = 0;
     time("read both + compare (what the CLI does)", &mut || {
         let mut budget = Budget::new(limit);
-        let a = routes::load(&npy_path, Some(&layout), None, &mut budget).map_err(err)?;
-        let b = routes::load(&st_path, Some(&layout), None, &mut budget).map_err(err)?;
-        routes::compare(&a, &b, Some(&layout), &options, &mut budget).map_err(err)?;
+        let a = records::load(&npy_path, Some(&layout), None, &mut budget).map_err(err)?;
+        let b = records::load(&st_path, Some(&layout), None, &mut budget).map_err(err)?;
+        records::compare(&a, &b, Some(&layout), &options, &mut budget).map_err(err)?;
         whole = limit.bytes() - budget.left();
         Ok(())
     })?;

@@ -8,7 +8,7 @@
 //! - `moe-audit-core`: [`config`], [`router`], [`routing`], [`layer`], [`error`], [`files`],
 //!   [`memory`], [`names`];
 //! - `moe-audit-parallel`: [`parallel`] (expert parallelism, all-reduce in low precision);
-//! - `moe-audit-records`: [`routes`] (rollout and trainer routing records);
+//! - `moe-audit-records`: [`records`] (rollout and trainer routing records);
 //! - `moe-audit-auditor`: [`analyze`], [`external`], [`model`], [`snapshot`](mod@snapshot), [`sweep`],
 //!   [`exploit`], [`progress`], [`seeds`], [`sizes`].
 #![warn(missing_docs)]
@@ -26,7 +26,7 @@ mod runtime;
 pub use moe_audit_auditor::{analyze, exploit, external, model, progress, seeds, sizes, snapshot, sweep};
 pub use moe_audit_core::{config, error, files, layer, memory, names, router, routing};
 pub use moe_audit_parallel as parallel;
-pub use moe_audit_records as routes;
+pub use moe_audit_records as records;
 
 pub use moe_audit_auditor::RunSizes;
 pub use moe_audit_core::{

@@ -5,9 +5,9 @@ use super::{exit, io_error};
 use clap::{Args, Subcommand, ValueEnum};
 use moe_audit::error::{Error, Result};
 use moe_audit::files::Staged;
+use moe_audit::records::read::ShapeHint;
+use moe_audit::records::{self, Budget, CompareOptions, Layout, Record};
 use moe_audit::render::{json, routes_chart, routes_github, routes_junit, routes_markdown, routes_text, show_text};
-use moe_audit::routes::read::ShapeHint;
-use moe_audit::routes::{self, Budget, CompareOptions, Layout, Record};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -130,15 +130,15 @@ fn compare(args: &CompareArgs, out: &mut dyn Write) -> Result<u8> {
     let mut budget = Budget::new(args.memory.budget());
     // A flat SGLang record without a config takes its shape from the other record.
     let (rollout, trainer) = if is_json(&args.rollout) && !is_json(&args.trainer) {
-        let trainer = routes::load(&args.trainer, layout.as_ref(), None, &mut budget)?;
-        (routes::load(&args.rollout, layout.as_ref(), Some(hint(&trainer)), &mut budget)?, trainer)
+        let trainer = records::load(&args.trainer, layout.as_ref(), None, &mut budget)?;
+        (records::load(&args.rollout, layout.as_ref(), Some(hint(&trainer)), &mut budget)?, trainer)
     } else {
-        let rollout = routes::load(&args.rollout, layout.as_ref(), None, &mut budget)?;
-        let trainer = routes::load(&args.trainer, layout.as_ref(), Some(hint(&rollout)), &mut budget)?;
+        let rollout = records::load(&args.rollout, layout.as_ref(), None, &mut budget)?;
+        let trainer = records::load(&args.trainer, layout.as_ref(), Some(hint(&rollout)), &mut budget)?;
         (rollout, trainer)
     };
     let options = CompareOptions { max_disagreement: args.max_disagreement };
-    let c = routes::compare(&rollout, &trainer, layout.as_ref(), &options, &mut budget)?;
+    let c = records::compare(&rollout, &trainer, layout.as_ref(), &options, &mut budget)?;
     let text = match args.format {
         CompareFormat::Text => routes_text(&c),
         CompareFormat::Json => json(&c),
@@ -158,8 +158,8 @@ fn compare(args: &CompareArgs, out: &mut dyn Write) -> Result<u8> {
 fn show(args: &ShowArgs, out: &mut dyn Write) -> Result<u8> {
     let layout = layout(&args.config)?;
     let mut budget = Budget::new(args.memory.budget());
-    let record = routes::load(&args.file, layout.as_ref(), None, &mut budget)?;
-    let summary = routes::show(&record, layout.as_ref().map(|l| l.experts));
+    let record = records::load(&args.file, layout.as_ref(), None, &mut budget)?;
+    let summary = records::show(&record, layout.as_ref().map(|l| l.experts));
     let text = match args.format {
         ShowFormat::Text => show_text(&summary),
         ShowFormat::Json => json(&summary),

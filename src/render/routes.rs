@@ -6,7 +6,7 @@ use crate::error::{Error, Result};
 use crate::files::Staged;
 use crate::font::{register_font, FONT};
 use crate::names::xml;
-use crate::routes::{Comparison, Summary};
+use crate::records::{Comparison, Summary};
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use std::fmt::Write;
@@ -50,7 +50,7 @@ fn verdict(c: &Comparison) -> String {
     }
 }
 
-fn side_line(s: &crate::routes::Side) -> String {
+fn side_line(s: &crate::records::Side) -> String {
     format!(
         "{} {} ({}, {} tokens, {} layers, top-{}{})",
         s.role,
@@ -200,7 +200,7 @@ pub fn routes_markdown(c: &Comparison) -> String {
 
 /// JUnit XML: one test case per defect kind the alignment checks, and one for the threshold.
 pub fn routes_junit(c: &Comparison) -> String {
-    use crate::routes::DiagnosisKind as K;
+    use crate::records::DiagnosisKind as K;
     let checks = [K::LayerMapping, K::TokenOffset, K::Packing, K::Aliasing, K::ReplayNotApplied];
     let mut cases = Vec::new();
     for k in checks {
@@ -318,7 +318,7 @@ pub fn show_text(s: &Summary) -> String {
         }
     );
     let _ = writeln!(out, "missing routes: {}", f.missing);
-    let list = |v: &[usize]| crate::routes::read::ranges(v);
+    let list = |v: &[usize]| crate::records::read::ranges(v);
     if !f.dense_filled.is_empty() {
         let _ = writeln!(out, "dense layers holding placeholders: {} (not compared)", list(&f.dense_filled));
     }

@@ -6,7 +6,7 @@
 //!   `moe-audit routes compare --format json` prints;
 //! - [`main`]: the wheel's `moe-audit` command, the binary's command line.
 
-use moe_audit::routes::{self, Budget, CompareOptions, Layout};
+use moe_audit::records::{self, Budget, CompareOptions, Layout};
 use moe_audit::MemoryBudget;
 use pyo3::prelude::*;
 use std::path::Path;
@@ -47,10 +47,10 @@ impl AsRef<[u8]> for Buffer {
 }
 
 /// The arrays of a side as the record's in-memory parts (their bytes read in place).
-fn id_arrays(parts: &[RawPart]) -> Vec<routes::IdArray> {
+fn id_arrays(parts: &[RawPart]) -> Vec<records::IdArray> {
     parts
         .iter()
-        .map(|&(address, len, ref dtype, (t, l, k))| routes::IdArray {
+        .map(|&(address, len, ref dtype, (t, l, k))| records::IdArray {
             bytes: bytes::Bytes::from_owner(Buffer { address, len }),
             dtype: dtype.clone(),
             shape: [t, l, k],
@@ -107,9 +107,9 @@ fn run(
     };
     let mut budget = Budget::new(MemoryBudget::from_request(limit));
     let load = |side: &Side, hint, budget: &mut Budget| match side {
-        Side::Path(p) => routes::load(p, layout.as_ref(), hint, budget),
+        Side::Path(p) => records::load(p, layout.as_ref(), hint, budget),
         Side::Arrays(name, parts, layers) => {
-            routes::from_ids(name, id_arrays(parts), layers.clone(), layout.as_ref(), budget)
+            records::from_ids(name, id_arrays(parts), layers.clone(), layout.as_ref(), budget)
         }
     };
     // A flat SGLang record without a config takes its shape from the other record, as the
@@ -125,12 +125,12 @@ fn run(
         (r, t)
     };
     let options = CompareOptions { max_disagreement };
-    let c = routes::compare(&r, &t, layout.as_ref(), &options, &mut budget)?;
+    let c = records::compare(&r, &t, layout.as_ref(), &options, &mut budget)?;
     Ok(moe_audit::command::json(&c))
 }
 
-fn hint(r: &routes::Record) -> routes::read::ShapeHint {
-    routes::read::ShapeHint { layers: r.layers.iter().max().map_or(0, |&l| l + 1), top_k: r.top_k }
+fn hint(r: &records::Record) -> records::read::ShapeHint {
+    records::read::ShapeHint { layers: r.layers.iter().max().map_or(0, |&l| l + 1), top_k: r.top_k }
 }
 
 /// The wheel's `moe-audit` command: the binary's command line on `sys.argv`. Never returns:

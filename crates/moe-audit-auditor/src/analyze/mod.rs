@@ -5,8 +5,8 @@
 //! be per token, and the MoE layer is run on a sample of each probe so layer bugs (outputs that
 //! change while routing does not) are caught too.
 
-mod budget;
 mod case;
+mod estimate;
 pub mod explain;
 mod layer_check;
 mod noise;
