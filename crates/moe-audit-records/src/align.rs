@@ -271,66 +271,123 @@ fn spread(len: usize, n: usize) -> impl Iterator<Item = usize> {
     (0..n).map(move |i| i * len / n.max(1))
 }
 
-/// Pairs the records and diagnoses the pairing.
+/// Pairs the records and diagnoses the pairing, in steps: the declared pairing (sequences,
+/// positions, padding), the layer mapping the routes show, then each sequence's offset.
 pub(super) fn align(a: &Record, b: &Record, budget: &mut Budget) -> Result<(Alignment, Vec<Diagnosis>)> {
-    let mut diagnoses = Vec::new();
-    let (segments, mut notes) = declared_segments(a, b)?;
-    diagnoses.append(&mut notes);
-    let (la, lb) = (a.layers.len(), b.layers.len());
-    let routed_a: Vec<usize> = (0..la).filter(|&i| a.layer_routed(i)).collect();
-    let routed_b: Vec<usize> = (0..lb).filter(|&j| b.layer_routed(j)).collect();
-    if routed_a.is_empty() || routed_b.is_empty() {
-        let role = if routed_a.is_empty() { &a.path } else { &b.path };
+    let (segments, mut diagnoses) = declared_segments(a, b)?;
+    let routed = (routed_layers(a), routed_layers(b));
+    if routed.0.is_empty() || routed.1.is_empty() {
+        let role = if routed.0.is_empty() { &a.path } else { &b.path };
         return Err(Error::input(role, "no layer has any route (every id is -1)"));
     }
+    let mapping = map_layers(a, b, &sample(&segments), &routed, budget)?;
+    diagnoses.extend(mapping_diagnosis(a, b, &mapping.remapped));
+    diagnoses.extend(aliasing_diagnosis("rollout", a, &mapping.aliases.0));
+    diagnoses.extend(aliasing_diagnosis("trainer", b, &mapping.aliases.1));
+    diagnoses.extend(unpaired_note(a, b, &routed, &mapping.pairs));
+    if mapping.pairs.is_empty() {
+        return Err(Error::input(&b.path, "no trainer layer has a rollout counterpart to compare with"));
+    }
+    let (segments_found, shifts) = sequence_offsets(a, b, &segments, &mapping.pairs, budget)?;
+    diagnoses.extend(offset_diagnosis(&segments, &shifts));
+    let tokens = segments_found.iter().map(|s| s.len).sum();
+    if tokens == 0 {
+        return Err(Error::input(&b.path, "no token of the trainer pairs with a rollout token"));
+    }
+    let mut layers = mapping.pairs;
+    layers.sort_by_key(|p| (p.trainer, p.rollout));
+    Ok((Alignment { segments: segments_found, layers, tokens }, diagnoses))
+}
 
-    // Token pairs sampled along the declared segments, each with the trainer rows its sequence
-    // may shift within.
+/// Indices of the layers of `r` that carry any route.
+fn routed_layers(r: &Record) -> Vec<usize> {
+    (0..r.layers.len()).filter(|&i| r.layer_routed(i)).collect()
+}
+
+/// A token pair sampled along a declared segment, with the trainer rows its sequence may shift
+/// within (`lo..hi`).
+#[derive(Debug, Clone, Copy)]
+struct Sampled {
+    rollout: usize,
+    trainer: usize,
+    lo: usize,
+    hi: usize,
+}
+
+impl Sampled {
+    /// The pair with the trainer token moved by `d`, if it stays within its sequence.
+    fn shifted(&self, d: i64) -> Option<(usize, usize)> {
+        let t = self.trainer as i64 + d;
+        (t >= self.lo as i64 && t < self.hi as i64).then_some((self.rollout, t as usize))
+    }
+}
+
+/// [`SAMPLE`] token pairs spread evenly over the declared segments.
+fn sample(segments: &[Declared]) -> Vec<Sampled> {
     let all: usize = segments.iter().map(|s| s.0.len).sum();
-    let sample: Vec<(usize, usize, usize, usize)> = {
-        let mut flat = Vec::with_capacity(SAMPLE.min(all));
-        let mut cum = 0;
-        let mut seg = 0;
-        for k in spread(all, SAMPLE) {
-            while k >= cum + segments[seg].0.len {
-                cum += segments[seg].0.len;
-                seg += 1;
-            }
-            let (s, bounds) = &segments[seg];
-            flat.push((s.rollout + k - cum, s.trainer + k - cum, bounds.start, bounds.end));
+    let mut flat = Vec::with_capacity(SAMPLE.min(all));
+    let (mut cum, mut seg) = (0, 0);
+    for k in spread(all, SAMPLE) {
+        while k >= cum + segments[seg].0.len {
+            cum += segments[seg].0.len;
+            seg += 1;
         }
-        flat
-    };
-    // The rows the layer mapping looks at: the sample, the trainer's shifted as far as searched.
-    let ha = Hashes::of(a, sample.iter().map(|s| s.0).collect(), budget)?;
+        let (s, bounds) = &segments[seg];
+        flat.push(Sampled {
+            rollout: s.rollout + k - cum,
+            trainer: s.trainer + k - cum,
+            lo: bounds.start,
+            hi: bounds.end,
+        });
+    }
+    flat
+}
+
+/// A trainer layer that matches another rollout layer than its own number says.
+struct Remap {
+    trainer: usize,
+    rollout: usize,
+    /// Its match rate with that rollout layer, and with its own.
+    rate: f64,
+    own_rate: f64,
+}
+
+/// Two routed layers of one record (indices) that route the same on `share` of sampled tokens.
+struct Alias {
+    first: usize,
+    second: usize,
+    share: f64,
+}
+
+/// Which rollout layer each routed trainer layer is compared with.
+struct LayerMapping {
+    pairs: Vec<LayerPair>,
+    remapped: Vec<Remap>,
+    /// Aliased layers of the rollout, then of the trainer.
+    aliases: (Vec<Alias>, Vec<Alias>),
+}
+
+/// The layer mapping, at the global offset (within [`GLOBAL_SHIFT`]) that matches best: each
+/// trainer layer keeps the rollout layer of its own number unless another matches on at least
+/// [`SAME`] and by [`BETTER`] more; an aliased trainer layer keeps its own.
+fn map_layers(
+    a: &Record,
+    b: &Record,
+    sample: &[Sampled],
+    (routed_a, routed_b): &(Vec<usize>, Vec<usize>),
+    budget: &mut Budget,
+) -> Result<LayerMapping> {
+    // The rows looked at: the sample, the trainer's shifted as far as searched.
+    let ha = Hashes::of(a, sample.iter().map(|s| s.rollout).collect(), budget)?;
     let hb = Hashes::of(
         b,
-        sample
-            .iter()
-            .flat_map(|&(_, tb, lo, hi)| {
-                (-GLOBAL_SHIFT..=GLOBAL_SHIFT)
-                    .map(move |d| tb as i64 + d)
-                    .filter(move |&t| t >= lo as i64 && t < hi as i64)
-                    .map(|t| t as usize)
-            })
-            .collect(),
+        sample.iter().flat_map(|s| (-GLOBAL_SHIFT..=GLOBAL_SHIFT).filter_map(|d| s.shifted(d)).map(|p| p.1)).collect(),
         budget,
     )?;
     let shifted = |d: i64, n: usize| -> Vec<(usize, usize)> {
         let step = (sample.len() / n.max(1)).max(1);
-        let pairs = sample
-            .iter()
-            .step_by(step)
-            .filter_map(|&(ta, tb, lo, hi)| {
-                let t = tb as i64 + d;
-                (t >= lo as i64 && t < hi as i64).then_some((ta, t as usize))
-            })
-            .collect();
-        held(&ha, &hb, pairs)
+        held(&ha, &hb, sample.iter().step_by(step).filter_map(|s| s.shifted(d)).collect())
     };
-
-    // The layer mapping, at the offset that matches best.
-    let declared_partner = |j: usize| a.layers.iter().position(|&g| g == b.layers[j]).filter(|i| routed_a.contains(i));
     let score = |pairs: &[(usize, usize)]| -> f64 {
         let best: f64 =
             routed_b.iter().map(|&j| routed_a.iter().map(|&i| rate(&ha, i, &hb, j, pairs)).fold(0.0, f64::max)).sum();
@@ -346,17 +403,18 @@ pub(super) fn align(a: &Record, b: &Record, budget: &mut Budget) -> Result<(Alig
         }
     }
     let pairs = shifted(best_d, SAMPLE);
-    let aliases_b = aliases(&hb, &routed_b, pairs.iter().map(|p| p.1));
-    let aliases_a = aliases(&ha, &routed_a, pairs.iter().map(|p| p.0));
+    let aliases_b = aliases(&hb, routed_b, pairs.iter().map(|p| p.1));
+    let aliases_a = aliases(&ha, routed_a, pairs.iter().map(|p| p.0));
+    let declared_partner = |j: usize| a.layers.iter().position(|&g| g == b.layers[j]).filter(|i| routed_a.contains(i));
     let mut layer_pairs = Vec::new();
-    let mut remapped: Vec<(usize, usize, f64, f64)> = Vec::new();
-    for &j in &routed_b {
+    let mut remapped = Vec::new();
+    for &j in routed_b {
         let own = declared_partner(j);
         let own_rate = own.map_or(0.0, |i| rate(&ha, i, &hb, j, &pairs));
-        let aliased = aliases_b.iter().any(|al| al.1 == j);
+        let aliased = aliases_b.iter().any(|al| al.second == j);
         let (mut best_i, mut best_rate) = (own, own_rate);
         if !aliased {
-            for &i in &routed_a {
+            for &i in routed_a {
                 let r = rate(&ha, i, &hb, j, &pairs);
                 if r >= SAME && r >= own_rate + BETTER && best_i.is_none_or(|_| r > best_rate) {
                     best_i = Some(i);
@@ -366,7 +424,7 @@ pub(super) fn align(a: &Record, b: &Record, budget: &mut Budget) -> Result<(Alig
         }
         if let Some(i) = best_i {
             if Some(i) != own {
-                remapped.push((j, i, best_rate, own_rate));
+                remapped.push(Remap { trainer: j, rollout: i, rate: best_rate, own_rate });
             }
             layer_pairs.push(LayerPair {
                 rollout_index: i,
@@ -376,53 +434,74 @@ pub(super) fn align(a: &Record, b: &Record, budget: &mut Budget) -> Result<(Alig
             });
         }
     }
-    diagnoses.extend(mapping_diagnosis(a, b, &remapped));
-    for (role, r, found) in [("rollout", a, &aliases_a), ("trainer", b, &aliases_b)] {
-        if !found.is_empty() {
-            let list: Vec<String> = found
-                .iter()
-                .take(6)
-                .map(|&(i, j, s)| format!("layer {} repeats layer {} on {}", r.layers[j], r.layers[i], pct(s)))
-                .collect();
-            let more = if found.len() > 6 { format!(" (and {} more)", found.len() - 6) } else { String::new() };
-            diagnoses.push(defect(
-                DiagnosisKind::Aliasing,
-                format!("{role}: {}{more} of sampled tokens", list.join("; ")),
-                format!(
-                    "give each router its own record slot: layer {} took layer {}'s routes (an MTP layer picking up the backbone's first MoE layer is the known case)",
-                    r.layers[found[0].1], r.layers[found[0].0]
-                ),
-            ));
-        }
-    }
-    let unpaired: Vec<usize> =
-        routed_b.iter().filter(|&&j| !layer_pairs.iter().any(|p| p.trainer_index == j)).map(|&j| b.layers[j]).collect();
-    let unpaired_a: Vec<usize> =
-        routed_a.iter().filter(|&&i| !layer_pairs.iter().any(|p| p.rollout_index == i)).map(|&i| a.layers[i]).collect();
-    let dense_a: Vec<usize> = (0..la).filter(|i| !routed_a.contains(i)).map(|i| a.layers[i]).collect();
-    let dense_b: Vec<usize> = (0..lb).filter(|j| !routed_b.contains(j)).map(|j| b.layers[j]).collect();
-    let mut parts = Vec::new();
-    for (what, list) in [
-        ("trainer routed layers with no rollout counterpart", &unpaired),
-        ("rollout routed layers with no trainer counterpart", &unpaired_a),
-        ("rollout layers with no route at all (dense)", &dense_a),
-        ("trainer layers with no route at all (dense)", &dense_b),
-    ] {
-        if !list.is_empty() {
-            parts.push(format!("{what}: {}", ranges(list)));
-        }
-    }
-    if !parts.is_empty() {
-        diagnoses.push(note(DiagnosisKind::Unpaired, format!("left out: {}", parts.join("; ")), ""));
-    }
-    if layer_pairs.is_empty() {
-        return Err(Error::input(&b.path, "no trainer layer has a rollout counterpart to compare with"));
-    }
-    let budget_now = Budget::clone(budget);
+    Ok(LayerMapping { pairs: layer_pairs, remapped, aliases: (aliases_a, aliases_b) })
+}
 
-    // Per-sequence offsets, on the mapped layers: sequences in parallel, each hashing only the
-    // rows it samples (results in sequence order).
-    let layer_pairs = &layer_pairs;
+/// The aliasing defect of one record (`role`), if any of its layers repeat another.
+fn aliasing_diagnosis(role: &str, r: &Record, found: &[Alias]) -> Option<Diagnosis> {
+    let first = found.first()?;
+    let list: Vec<String> = found
+        .iter()
+        .take(6)
+        .map(|al| format!("layer {} repeats layer {} on {}", r.layers[al.second], r.layers[al.first], pct(al.share)))
+        .collect();
+    let more = if found.len() > 6 { format!(" (and {} more)", found.len() - 6) } else { String::new() };
+    Some(defect(
+        DiagnosisKind::Aliasing,
+        format!("{role}: {}{more} of sampled tokens", list.join("; ")),
+        format!(
+            "give each router its own record slot: layer {} took layer {}'s routes (an MTP layer picking up the backbone's first MoE layer is the known case)",
+            r.layers[first.second], r.layers[first.first]
+        ),
+    ))
+}
+
+/// The note on the layers left out of the comparison: routed with no counterpart, or dense.
+fn unpaired_note(
+    a: &Record,
+    b: &Record,
+    (routed_a, routed_b): &(Vec<usize>, Vec<usize>),
+    pairs: &[LayerPair],
+) -> Option<Diagnosis> {
+    let unpaired_b: Vec<usize> =
+        routed_b.iter().filter(|&&j| !pairs.iter().any(|p| p.trainer_index == j)).map(|&j| b.layers[j]).collect();
+    let unpaired_a: Vec<usize> =
+        routed_a.iter().filter(|&&i| !pairs.iter().any(|p| p.rollout_index == i)).map(|&i| a.layers[i]).collect();
+    let dense = |r: &Record, routed: &[usize]| -> Vec<usize> {
+        (0..r.layers.len()).filter(|i| !routed.contains(i)).map(|i| r.layers[i]).collect()
+    };
+    let parts: Vec<String> = [
+        ("trainer routed layers with no rollout counterpart", unpaired_b),
+        ("rollout routed layers with no trainer counterpart", unpaired_a),
+        ("rollout layers with no route at all (dense)", dense(a, routed_a)),
+        ("trainer layers with no route at all (dense)", dense(b, routed_b)),
+    ]
+    .into_iter()
+    .filter(|(_, list)| !list.is_empty())
+    .map(|(what, list)| format!("{what}: {}", ranges(&list)))
+    .collect();
+    (!parts.is_empty()).then(|| note(DiagnosisKind::Unpaired, format!("left out: {}", parts.join("; ")), ""))
+}
+
+/// A sequence that matches the rollout better shifted by `offset` (match rate `rate`, against
+/// `at_zero` unshifted).
+struct Shift {
+    sequence: usize,
+    offset: i64,
+    rate: f64,
+    at_zero: f64,
+}
+
+/// Each declared segment at the offset (within [`SEQUENCE_SHIFT`]) where its mapped layers match
+/// best, clipped to rows both sides have; and the sequences that moved. Sequences are searched
+/// in parallel, each hashing only the rows it samples (results in sequence order).
+fn sequence_offsets(
+    a: &Record,
+    b: &Record,
+    segments: &[Declared],
+    layer_pairs: &[LayerPair],
+    budget: &Budget,
+) -> Result<(Vec<Segment>, Vec<Shift>)> {
     let searched = segments
         .par_iter()
         .map(|(s, bounds)| -> Result<(i64, f64, f64)> {
@@ -435,7 +514,7 @@ pub(super) fn align(a: &Record, b: &Record, budget: &mut Budget) -> Result<(Alig
                     })
                     .collect()
             };
-            let mut local = Budget::clone(&budget_now);
+            let mut local = Budget::clone(budget);
             let ha = Hashes::of(a, pairs_at(0).iter().map(|p| p.0).collect(), &mut local)?;
             let hb = Hashes::of(
                 b,
@@ -461,18 +540,18 @@ pub(super) fn align(a: &Record, b: &Record, budget: &mut Budget) -> Result<(Alig
             Ok((d_best, r_best, at_zero))
         })
         .collect::<Result<Vec<_>>>()?;
-    let mut final_segments = Vec::with_capacity(segments.len());
-    let mut shifts: Vec<(usize, i64, f64, f64)> = Vec::new();
+    let mut found = Vec::with_capacity(segments.len());
+    let mut shifts = Vec::new();
     for ((s, bounds), (d_best, r_best, at_zero)) in segments.iter().zip(searched) {
         let d = if d_best != 0 && r_best >= SAME && r_best >= at_zero + BETTER { d_best } else { 0 };
         if d != 0 {
-            shifts.push((s.sequence, d, r_best, at_zero));
+            shifts.push(Shift { sequence: s.sequence, offset: d, rate: r_best, at_zero });
         }
         // The shifted pairing, clipped to rows both sides have.
         let lo = (bounds.start as i64 - (s.trainer as i64 + d)).max(0) as usize;
         let hi = (bounds.end as i64 - (s.trainer as i64 + d)).clamp(0, s.len as i64) as usize;
         if hi > lo {
-            final_segments.push(Segment {
+            found.push(Segment {
                 sequence: s.sequence,
                 rollout: s.rollout + lo,
                 trainer: (s.trainer as i64 + d + lo as i64) as usize,
@@ -481,18 +560,11 @@ pub(super) fn align(a: &Record, b: &Record, budget: &mut Budget) -> Result<(Alig
             });
         }
     }
-    diagnoses.extend(offset_diagnosis(&segments, &shifts));
-    let tokens = final_segments.iter().map(|s| s.len).sum();
-    if tokens == 0 {
-        return Err(Error::input(&b.path, "no token of the trainer pairs with a rollout token"));
-    }
-    let mut layers = layer_pairs.clone();
-    layers.sort_by_key(|p| (p.trainer, p.rollout));
-    Ok((Alignment { segments: final_segments, layers, tokens }, diagnoses))
+    Ok((found, shifts))
 }
 
 /// Pairs of routed layers of one record that route the same on at least [`ALIAS`] of `rows` (held).
-fn aliases(h: &Hashes, routed: &[usize], rows: impl Iterator<Item = usize>) -> Vec<(usize, usize, f64)> {
+fn aliases(h: &Hashes, routed: &[usize], rows: impl Iterator<Item = usize>) -> Vec<Alias> {
     let rows: Vec<usize> = rows.collect();
     let mut out = Vec::new();
     for (x, &i) in routed.iter().enumerate() {
@@ -506,7 +578,7 @@ fn aliases(h: &Hashes, routed: &[usize], rows: impl Iterator<Item = usize>) -> V
                 }
             }
             if both >= 16 && same as f64 >= ALIAS * both as f64 {
-                out.push((i, j, same as f64 / both as f64));
+                out.push(Alias { first: i, second: j, share: same as f64 / both as f64 });
             }
         }
     }
@@ -518,13 +590,13 @@ pub(super) fn pct(share: f64) -> String {
 }
 
 /// The layer-mapping defect, said as one shift when the remapped layers share one.
-fn mapping_diagnosis(a: &Record, b: &Record, remapped: &[(usize, usize, f64, f64)]) -> Option<Diagnosis> {
+fn mapping_diagnosis(a: &Record, b: &Record, remapped: &[Remap]) -> Option<Diagnosis> {
     let first = remapped.first()?;
-    let shift = |&(j, i, _, _): &(usize, usize, f64, f64)| a.layers[i] as i64 - b.layers[j] as i64;
+    let shift = |r: &Remap| a.layers[r.rollout] as i64 - b.layers[r.trainer] as i64;
     let common = shift(first);
     let same_shift = remapped.iter().all(|r| shift(r) == common);
-    let worst = remapped.iter().map(|r| r.2).fold(1.0, f64::min);
-    let own = remapped.iter().map(|r| r.3).fold(0.0, f64::max);
+    let worst = remapped.iter().map(|r| r.rate).fold(1.0, f64::min);
+    let own = remapped.iter().map(|r| r.own_rate).fold(0.0, f64::max);
     let routed_b = (0..b.layers.len()).filter(|&j| b.layer_routed(j)).count();
     let found = if same_shift {
         let sign = if common >= 0 { format!("+{common}") } else { common.to_string() };
@@ -533,15 +605,15 @@ fn mapping_diagnosis(a: &Record, b: &Record, remapped: &[(usize, usize, f64, f64
             pct(worst),
             remapped.len(),
             routed_b,
-            b.layers[first.0],
-            a.layers[first.1],
+            b.layers[first.trainer],
+            a.layers[first.rollout],
             pct(own)
         )
     } else {
         let list: Vec<String> = remapped
             .iter()
             .take(8)
-            .map(|&(j, i, r, _)| format!("trainer {} = rollout {} ({})", b.layers[j], a.layers[i], pct(r)))
+            .map(|r| format!("trainer {} = rollout {} ({})", b.layers[r.trainer], a.layers[r.rollout], pct(r.rate)))
             .collect();
         format!("{} trainer layers match another rollout layer than their own: {}", remapped.len(), list.join(", "))
     };
@@ -557,21 +629,18 @@ fn mapping_diagnosis(a: &Record, b: &Record, remapped: &[(usize, usize, f64, f64
 }
 
 /// The token-offset or packing defect from the sequences that matched shifted.
-fn offset_diagnosis(
-    segments: &[(Segment, std::ops::Range<usize>)],
-    shifts: &[(usize, i64, f64, f64)],
-) -> Option<Diagnosis> {
+fn offset_diagnosis(segments: &[Declared], shifts: &[Shift]) -> Option<Diagnosis> {
     let first = shifts.first()?;
     let compared = segments.iter().filter(|s| s.0.len >= 8).count();
-    if shifts.iter().all(|s| s.1 == first.1) && shifts.len() == compared {
-        let d = first.1;
-        let best = shifts.iter().map(|s| s.2).fold(1.0, f64::min);
-        let zero = shifts.iter().map(|s| s.3).fold(0.0, f64::max);
+    if shifts.iter().all(|s| s.offset == first.offset) && shifts.len() == compared {
+        let d = first.offset;
+        let best = shifts.iter().map(|s| s.rate).fold(1.0, f64::min);
+        let zero = shifts.iter().map(|s| s.at_zero).fold(0.0, f64::max);
         // The rollout's rows start d positions late and it is shorter by at least d: rows
         // dropped at the start and not recorded (vLLM's routed_experts_prompt_start).
         let late = d > 0
             && shifts.iter().all(|s| {
-                segments.iter().find(|g| g.0.sequence == s.0).is_some_and(|g| g.1.len() >= g.0.len + d as usize)
+                segments.iter().find(|g| g.0.sequence == s.sequence).is_some_and(|g| g.1.len() >= g.0.len + d as usize)
             });
         if late {
             return Some(defect(
@@ -604,7 +673,7 @@ fn offset_diagnosis(
         ));
     }
     let list: Vec<String> =
-        shifts.iter().take(8).map(|s| format!("sequence {} at {:+} ({})", s.0, s.1, pct(s.2))).collect();
+        shifts.iter().take(8).map(|s| format!("sequence {} at {:+} ({})", s.sequence, s.offset, pct(s.rate))).collect();
     Some(defect(
         DiagnosisKind::Packing,
         format!(

@@ -75,7 +75,9 @@ fn fill_pattern(row: &[i32], k: usize, experts: Option<usize>) -> Option<&'stati
     (row[0] >= 0 && row.windows(2).all(|w| next(w[0], w[1]))).then_some("fill arange(n*layers*top_k) % experts")
 }
 
-/// Turns a writer's stored record into the compared one (see the module doc).
+/// Turns a writer's stored record into the compared one (see the module doc), in steps: the
+/// shape checked, every row classified in one pass, ids checked, padding segments dropped, the
+/// layer numbers fixed, dense and empty layers cleared, missing routes counted.
 pub(crate) fn finish(path: &Path, raw: Raw, layout: Option<&Layout>) -> Result<Record> {
     let Raw {
         format,
@@ -93,104 +95,184 @@ pub(crate) fn finish(path: &Path, raw: Raw, layout: Option<&Layout>) -> Result<R
         notes,
         axis,
     } = raw;
+    check_shape(path, [tokens, n_layers, k], experts.len(), layout)?;
+    let mut found = Found { dtype: dtype.name.clone(), notes, ..Found::default() };
+    let num_experts = layout.map(|l| l.experts).or(logits.as_ref().map(|l| l.1));
+    let value = Value::of(&experts, &dtype, num_experts, &mut found);
+    let limit = num_experts.map_or(i32::MAX, |e| e as i32);
+    let mut scan = scan(&experts, &value, [tokens, n_layers, k], limit, pad_mask.as_deref(), format, num_experts);
+    match value {
+        Value::MinusOne(_) => found.wrapped_minus_one = scan.wrapped,
+        Value::Unwrap(_) => found.wrapped_ids = scan.wrapped,
+        Value::AsIs => {}
+    }
+    for (c, n) in std::mem::take(&mut scan.causes) {
+        *found.padding.entry(c.to_string()).or_default() += n;
+    }
+    check_ids(path, &scan, limit, [n_layers, k], layout, &mut found)?;
+    // A trailing packed segment made only of padding (slime's pad to a multiple of the TP size).
+    while sequences.len() > 1 && sequences.last().is_some_and(|s| s.rows.clone().all(|t| scan.pad[t])) {
+        sequences.pop();
+        found.pad_segments += 1;
+    }
+    // With top-1, a 0 is a route unless the whole layer holds nothing else.
+    if k == 1 {
+        for h in scan.held.iter_mut().filter(|h| h.0 > 0) {
+            h.0 += h.1;
+            h.1 = 0;
+        }
+        let held = &scan.held;
+        scan.odd.retain(|&(at, c)| !(c == Row::Zero && held[at % n_layers].1 == 0));
+    }
+    let (numbers, declared, numbering) = layer_numbers(path, layers, layout, axis, n_layers, |l| scan.held[l].0 > 0)?;
+    found.numbering = numbering;
+    let acts = layer_acts(path, &numbers, layout, &scan.held, &mut found)?;
+    // In the kept layers, zero or repeated rows are cleared and, with -1 rows, counted missing.
+    let mut holes = Vec::new();
+    for &(at, c) in &scan.odd {
+        match (acts[at % n_layers], c) {
+            (Act::Keep { .. }, Row::Zero | Row::Repeat) if k > 1 => {
+                holes.push(at);
+                found.missing += 1;
+            }
+            (Act::Keep { count_empty: true }, Row::Empty) => found.missing += 1,
+            _ => {}
+        }
+    }
+    let clear: Vec<bool> = acts.iter().map(|a| *a == Act::Clear).collect();
+    let routed = (0..n_layers).map(|l| !clear[l] && scan.held[l].0 > 0).collect();
+    if let Some(v) = input_ids.as_ref().and_then(|ids| ids.iter().find(|&&v| v < 0)) {
+        return Err(bad(path, format!("`input_ids` holds {v}, not a token id")));
+    }
+    Ok(Record {
+        path: path.to_path_buf(),
+        format,
+        tokens,
+        top_k: k,
+        layers: numbers,
+        layers_declared: declared,
+        ids: experts,
+        fix: Fix { value, pad: scan.pad, clear, holes, n_layers, top_k: k },
+        routed,
+        num_experts: logits.as_ref().map(|l| l.1).or(num_experts),
+        logits: logits.map(|l| l.0),
+        input_ids,
+        sequences,
+        meta,
+        found,
+    })
+}
+
+/// `[tokens, layers, top_k]` with routes, `ids` of them, and the config's top-k if any.
+fn check_shape(path: &Path, [tokens, n_layers, k]: [usize; 3], ids: usize, layout: Option<&Layout>) -> Result<()> {
     if tokens == 0 || n_layers == 0 || k == 0 {
         return Err(bad(path, format!("[{tokens}, {n_layers}, {k}] routes: no routes")));
     }
-    if experts.len() != tokens * n_layers * k {
-        return Err(bad(path, format!("{} ids for [{tokens}, {n_layers}, {k}]", experts.len())));
+    if ids != tokens * n_layers * k {
+        return Err(bad(path, format!("{ids} ids for [{tokens}, {n_layers}, {k}]")));
     }
-    let mut found = Found { dtype: dtype.name.clone(), notes, ..Found::default() };
-    let num_experts = layout.map(|l| l.experts).or(logits.as_ref().map(|l| l.1));
-    if let Some(l) = layout {
-        if k != l.top_k {
-            return Err(bad(
-                path,
-                format!("the config contradicts the record: top-k {} in the config, {k} in the record", l.top_k),
-            ));
-        }
+    match layout {
+        Some(l) if k != l.top_k => Err(bad(
+            path,
+            format!("the config contradicts the record: top-k {} in the config, {k} in the record", l.top_k),
+        )),
+        _ => Ok(()),
     }
-    let w = n_layers * k;
-    let value = Value::of(&experts, &dtype, num_experts, &mut found);
+}
 
-    // One token-major pass over blocks of tokens (in parallel, merged in order, so the result
-    // is the same whatever the thread count): every (token, layer) row classified, ids checked
-    // (below -1, at or beyond the expert count), padding rows found; rows that are no route
-    // kept aside.
-    let limit = num_experts.map_or(i32::MAX, |e| e as i32);
+/// One token-major pass over blocks of tokens (in parallel, merged in order, so the result is
+/// the same whatever the thread count): every (token, layer) row classified, ids checked
+/// (below -1, at or beyond the expert count), padding rows found; rows that are no route kept
+/// aside.
+fn scan(
+    experts: &Ids,
+    value: &Value,
+    [tokens, n_layers, k]: [usize; 3],
+    limit: i32,
+    pad_mask: Option<&[bool]>,
+    format: Format,
+    num_experts: Option<usize>,
+) -> Block {
     let blocks: Vec<Block> = experts
-        .par_chunks(tokens, w, BLOCK, |rows, chunk| {
+        .par_chunks(tokens, n_layers * k, BLOCK, |rows, chunk| {
             let wrapped = value.apply(chunk);
-            let mut b = block(chunk, rows.start, n_layers, k, limit, pad_mask.as_deref(), format, num_experts);
+            let mut b = block(chunk, rows.start, n_layers, k, limit, pad_mask, format, num_experts);
             b.wrapped = wrapped;
             b
         })
         .collect();
-    let (mut negative, mut beyond) = (None, (0usize, -1i32, 0usize));
-    let mut pad = Vec::with_capacity(tokens);
-    let mut odd: Vec<(usize, Row)> = Vec::new();
-    let mut held = vec![(0usize, 0usize); n_layers]; // (routes, zero rows)
-    let mut wrapped = 0;
+    let mut all = Block {
+        wrapped: 0,
+        negative: None,
+        beyond: (0, -1, 0),
+        pad: Vec::with_capacity(tokens),
+        causes: Vec::new(),
+        odd: Vec::new(),
+        held: vec![(0, 0); n_layers],
+    };
     for b in blocks {
-        negative = negative.or(b.negative);
-        if b.beyond.1 > beyond.1 {
-            beyond = (beyond.0, b.beyond.1, b.beyond.2);
+        all.negative = all.negative.or(b.negative);
+        if b.beyond.1 > all.beyond.1 {
+            all.beyond = (all.beyond.0, b.beyond.1, b.beyond.2);
         }
-        beyond.0 += b.beyond.0;
-        wrapped += b.wrapped;
-        pad.extend(b.pad);
-        odd.extend(b.odd);
-        for (h, x) in held.iter_mut().zip(b.held) {
+        all.beyond.0 += b.beyond.0;
+        all.wrapped += b.wrapped;
+        all.pad.extend(b.pad);
+        all.odd.extend(b.odd);
+        for (h, x) in all.held.iter_mut().zip(b.held) {
             h.0 += x.0;
             h.1 += x.1;
         }
-        for (c, n) in b.causes {
-            *found.padding.entry(c.to_string()).or_default() += n;
-        }
+        all.causes.extend(b.causes);
     }
-    match value {
-        Value::MinusOne(_) => found.wrapped_minus_one = wrapped,
-        Value::Unwrap(_) => found.wrapped_ids = wrapped,
-        Value::AsIs => {}
-    }
-    if let Some((i, v)) = negative {
+    all
+}
+
+/// Fails on an id below -1, or far beyond the expert count; ids a little beyond may be physical
+/// (EPLB) slots, tested against the other record, and are noted in `found`.
+fn check_ids(
+    path: &Path,
+    scan: &Block,
+    limit: i32,
+    [n_layers, k]: [usize; 2],
+    layout: Option<&Layout>,
+    found: &mut Found,
+) -> Result<()> {
+    if let Some((i, v)) = scan.negative {
         return Err(bad(path, format!("value {v} at flat index {i} is not an expert id or -1")));
     }
-    // Ids a little beyond the expert count may be physical (EPLB) slots, tested against the
-    // other record; far beyond is bad input.
-    if beyond.0 > 0 {
+    let (count, largest, at) = scan.beyond;
+    if count > 0 {
         let e = limit as usize;
-        let (t, l) = (beyond.2 / w, beyond.2 % w / k);
+        let w = n_layers * k;
+        let (t, l) = (at / w, at % w / k);
         let whose = if layout.is_some() { "the config's" } else { "the logits'" };
-        if beyond.1 as usize >= 2 * e {
+        if largest as usize >= 2 * e {
             return Err(bad(
                 path,
                 format!(
-                    "expert id {} at token {t}, layer index {l} is not below {whose} {e} experts (nor a physical slot of an expert-parallel layout, at most {})",
-                    beyond.1,
+                    "expert id {largest} at token {t}, layer index {l} is not below {whose} {e} experts (nor a physical slot of an expert-parallel layout, at most {})",
                     2 * e - 1
                 ),
             ));
         }
-        found.beyond = Some((beyond.0, beyond.1));
+        found.beyond = Some((count, largest));
     }
-    // A trailing packed segment made only of padding (slime's pad to a multiple of the TP size).
-    while sequences.len() > 1 && sequences.last().is_some_and(|s| s.rows.clone().all(|t| pad[t])) {
-        sequences.pop();
-        found.pad_segments += 1;
-    }
+    Ok(())
+}
 
-    // With top-1, a 0 is a route unless the whole layer holds nothing else.
-    if k == 1 {
-        for h in held.iter_mut().filter(|h| h.0 > 0) {
-            h.0 += h.1;
-            h.1 = 0;
-        }
-        odd.retain(|&(at, c)| !(c == Row::Zero && held[at % n_layers].1 == 0));
-    }
-    let routes_in = |l: usize| held[l].0 > 0;
-
-    let (numbers, declared, numbering) = match layers {
-        Some(numbers) => {
+/// The global number of each layer of the axis: declared (checked), inferred from the config
+/// and where routes are, or taken as `0..n`; whether they were given, and how they were taken.
+fn layer_numbers(
+    path: &Path,
+    layers: Option<Vec<usize>>,
+    layout: Option<&Layout>,
+    axis: Axis,
+    n_layers: usize,
+    routes_in: impl Fn(usize) -> bool,
+) -> Result<(Vec<usize>, bool, String)> {
+    match (layers, layout) {
+        (Some(numbers), _) => {
             if numbers.len() != n_layers {
                 return Err(bad(path, format!("{} layer numbers for a layer axis of {n_layers}", numbers.len())));
             }
@@ -199,46 +281,49 @@ pub(crate) fn finish(path: &Path, raw: Raw, layout: Option<&Layout>) -> Result<R
             if let Some(w) = seen.windows(2).find(|w| w[0] == w[1]) {
                 return Err(bad(path, format!("layer {} appears twice in its layer numbers", w[0])));
             }
-            (numbers, true, "declared in the file".to_string())
+            Ok((numbers, true, "declared in the file".to_string()))
         }
-        None => match layout {
-            Some(l) => {
-                let (numbers, how) = infer_numbers(n_layers, l, axis, &routes_in)
-                    .map_err(|m| bad(path, format!("the config contradicts the record: {m}")))?;
-                (numbers, true, how)
-            }
-            None => {
-                ((0..n_layers).collect(), false, format!("its {n_layers} layers are taken as 0 to {}", n_layers - 1))
-            }
-        },
-    };
-    found.numbering = numbering;
-
-    // Dense layers (by the config) are never compared, whatever they hold; a layer of zeros is
-    // cleared too; in the others, zero or repeated rows and -1 rows are missing, counted apart.
-    #[derive(Clone, Copy, PartialEq)]
-    enum Act {
-        Clear,
-        Keep { count_empty: bool },
+        (None, Some(l)) => {
+            let (numbers, how) = infer_numbers(n_layers, l, axis, &routes_in)
+                .map_err(|m| bad(path, format!("the config contradicts the record: {m}")))?;
+            Ok((numbers, true, how))
+        }
+        (None, None) => {
+            Ok(((0..n_layers).collect(), false, format!("its {n_layers} layers are taken as 0 to {}", n_layers - 1)))
+        }
     }
-    let mut acts = Vec::with_capacity(n_layers);
-    for (i, &g) in numbers.iter().enumerate() {
+}
+
+/// What is done with a layer's slots.
+#[derive(Clone, Copy, PartialEq)]
+enum Act {
+    Clear,
+    Keep { count_empty: bool },
+}
+
+/// Dense layers (by the config) are never compared, whatever they hold; a layer of zeros is
+/// cleared too; in the others, zero or repeated rows and -1 rows are missing, counted apart.
+fn layer_acts(
+    path: &Path,
+    numbers: &[usize],
+    layout: Option<&Layout>,
+    held: &[(usize, usize)],
+    found: &mut Found,
+) -> Result<Vec<Act>> {
+    let mut acts = Vec::with_capacity(numbers.len());
+    for (&g, &(routes, zeros)) in numbers.iter().zip(held) {
         let kind = match layout {
-            Some(l) => match l.kinds.get(g) {
-                Some(&kind) => Some(kind),
-                None => {
-                    return Err(bad(
-                        path,
-                        format!(
-                            "the config contradicts the record: layer {g} in the record; the config has {} layers",
-                            l.kinds.len()
-                        ),
-                    ))
-                }
-            },
+            Some(l) => Some(*l.kinds.get(g).ok_or_else(|| {
+                bad(
+                    path,
+                    format!(
+                        "the config contradicts the record: layer {g} in the record; the config has {} layers",
+                        l.kinds.len()
+                    ),
+                )
+            })?),
             None => None,
         };
-        let (routes, zeros) = held[i];
         acts.push(if kind == Some(LayerKind::Dense) {
             if routes + zeros > 0 {
                 found.dense_filled.push(g);
@@ -252,49 +337,13 @@ pub(crate) fn finish(path: &Path, raw: Raw, layout: Option<&Layout>) -> Result<R
             Act::Keep { count_empty: kind.is_some() || routes > 0 }
         });
     }
-    // In the kept layers, zero or repeated rows are cleared and, with -1 rows, counted missing.
-    let mut holes = Vec::new();
-    for &(at, c) in &odd {
-        match (acts[at % n_layers], c) {
-            (Act::Keep { .. }, Row::Zero | Row::Repeat) if k > 1 => {
-                holes.push(at);
-                found.missing += 1;
-            }
-            (Act::Keep { count_empty: true }, Row::Empty) => found.missing += 1,
-            _ => {}
-        }
-    }
-    let clear: Vec<bool> = acts.iter().map(|a| *a == Act::Clear).collect();
-    let routed = (0..n_layers).map(|l| !clear[l] && held[l].0 > 0).collect();
-
-    if let Some(ids) = &input_ids {
-        if let Some(v) = ids.iter().find(|&&v| v < 0) {
-            return Err(bad(path, format!("`input_ids` holds {v}, not a token id")));
-        }
-    }
-    Ok(Record {
-        path: path.to_path_buf(),
-        format,
-        tokens,
-        top_k: k,
-        layers: numbers,
-        layers_declared: declared,
-        ids: experts,
-        fix: Fix { value, pad, clear, holes, n_layers, top_k: k },
-        routed,
-        num_experts: logits.as_ref().map(|l| l.1).or(num_experts),
-        logits: logits.map(|l| l.0),
-        input_ids,
-        sequences,
-        meta,
-        found,
-    })
+    Ok(acts)
 }
 
 /// Tokens per block of the classifying pass.
 const BLOCK: usize = 512;
 
-/// What the classifying pass found in one block of tokens.
+/// What the classifying pass found in one block of tokens (merged: in the whole record).
 struct Block {
     /// Values the value rule changed.
     wrapped: usize,
