@@ -8,7 +8,7 @@
 
 mod plan;
 
-use super::compare::{classify_case, compare_pair, CaseClass, PairResult, OUTPUT_TOLERANCE};
+use super::answer_diff::{classify_case, compare_pair, CaseClass, PairResult, OUTPUT_TOLERANCE};
 use super::{Model, ModelInfo, ModelOutput, TokenCall};
 use crate::analyze::{Property, Verdict};
 use moe_audit_core::error::{Error, Result, Setting};

@@ -11,15 +11,15 @@
 //!   `moe_audit.snapshot`), whose answers `moe-audit snapshot --traces DIR` turns into the same
 //!   bytes as the CLI and [`snapshot()`].
 
-mod compare;
 mod file;
 mod make;
+mod table_diff;
 
-pub use compare::{compare, TableDiff};
 pub use file::{
     write_atomic, Header, InputSpec, RouterSource, Rows, SnapshotFile, FORMAT, FORMAT_UNSEALED, WEIGHT_DECIMALS,
 };
 pub use make::{is_snapshot_plan, make, write_plan, PLAN_RECIPE};
+pub use table_diff::{compare, TableDiff};
 
 use moe_audit_core::error::{Error, Result, Setting};
 use moe_audit_core::routing::{render_table, Routing};
