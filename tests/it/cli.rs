@@ -325,7 +325,7 @@ fn witnesses_are_written_and_replay_with_exit_1() {
     assert_eq!(code, 1);
     let witness = dir.join("megatron-probs-F.json");
     assert!(text.contains(&format!("[witness {}]", witness.display())), "{text}");
-    let (code, text) = check(&["check", "--replay", witness.to_str().unwrap()]);
+    let (code, text) = check(&["replay", witness.to_str().unwrap()]);
     assert_eq!(code, 1, "{text}");
     assert!(
         text.starts_with("LEAK reproduced: router megatron-probs, probe F (future), property C-content: token "),
@@ -346,17 +346,17 @@ fn a_drift_witness_replays_as_drift_and_fails_only_on_drift() {
     assert_eq!(check(&args).0, 0, "drift is reported, not failed");
     let witness = dir.join("mixtral-X.json");
     let witness = witness.to_str().unwrap();
-    let (code, text) = check(&["check", "--replay", witness]);
+    let (code, text) = check(&["replay", witness]);
     assert_eq!(code, 0, "{text}");
     assert!(text.starts_with("DRIFT reproduced: router mixtral, probe X (numerics), property T/I: token "), "{text}");
-    let (code, text) = check(&["check", "--replay", witness, "--fail-on", "leak,drift"]);
+    let (code, text) = check(&["replay", witness, "--fail-on", "leak,drift"]);
     assert_eq!(code, 1, "{text}");
 }
 
 #[test]
 fn replay_of_a_file_that_is_not_a_witness() {
     let path = file("not_a_witness.json", "{\"format\": \"moe-audit-witness/1\"}");
-    let err = fail(&["check", "--replay", &path]);
+    let err = fail(&["replay", &path]);
     assert!(err.starts_with("error: [TMP]/not_a_witness.json: not a witness: missing field"), "{err}");
 }
 

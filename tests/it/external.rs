@@ -183,7 +183,7 @@ fn plan_outputs_share_the_normal_file_mode() {
     let snap = dir.join("snapshot-plan");
     let (p, s) = (plan.to_str().unwrap(), snap.to_str().unwrap());
     let plan_args = ["plan", "--output", p, "--experts", "4", "--top-k", "2", "--batch", "1", "--seq-len", "2"];
-    let snapshot_args = ["snapshot", "--plan", s, "--experts", "4", "--top-k", "2"];
+    let snapshot_args = ["snapshot", "plan", s, "--experts", "4", "--top-k", "2"];
     for (args, out) in [(&plan_args[..], &plan), (&snapshot_args[..], &snap)] {
         let run = run(args);
         assert!(run.status.success(), "{args:?}: {}", String::from_utf8_lossy(&run.stderr));
