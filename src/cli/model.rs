@@ -34,14 +34,14 @@ pub struct ModelArgs {
     #[command(flatten, next_help_heading = "Model")]
     pub timeout: TimeoutArgs,
     /// Decoder layers of the built-in model (layer 0 dense).
-    #[arg(long, default_value_t = 4, requires = "router", help_heading = "Model")]
+    #[arg(long, default_value_t = 4, conflicts_with = "cmd", help_heading = "Model")]
     pub layers: usize,
     /// Vocabulary of the built-in model.
-    #[arg(long, default_value_t = 256, requires = "router", help_heading = "Model")]
+    #[arg(long, default_value_t = 256, conflicts_with = "cmd", help_heading = "Model")]
     pub vocab: usize,
     /// A layer of the built-in model whose attention sees later tokens (a deliberate bug the
     /// audit must catch).
-    #[arg(long, value_name = "LAYER", requires = "router", help_heading = "Model")]
+    #[arg(long, value_name = "LAYER", conflicts_with = "cmd", help_heading = "Model")]
     pub non_causal: Option<usize>,
     /// Probes to run, comma separated: P prefix, F future, N neighbour, R re-batch, D repeat,
     /// S replay, M mode, G generation.

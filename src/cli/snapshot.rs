@@ -87,7 +87,7 @@ pub struct RecordArgs {
     #[arg(long, value_name = "DIR", conflicts_with_all = ["batch", "seq_len", "seed", "hidden", "logits", "hidden_states"], help_heading = "External routers")]
     pub traces: Option<PathBuf>,
     /// A safetensors checkpoint holding the gate of ROUTER (whose hidden size is its own).
-    #[arg(long, value_name = "FILE.safetensors", requires_all = ["gate", "router"], conflicts_with = "hidden", help_heading = "External routers")]
+    #[arg(long, value_name = "FILE.safetensors", requires = "gate", conflicts_with_all = ["router_cmd", "traces", "hidden"], help_heading = "External routers")]
     pub weights: Option<PathBuf>,
     /// The gate matrix `[experts, hidden]` in --weights.
     #[arg(long, value_name = "TENSOR", requires = "weights", help_heading = "External routers")]

@@ -367,6 +367,42 @@ fn check_rejects_bad_probes_and_sizes() {
     insta::assert_snapshot!(fail(&["check", "no-such-router"]), @"error: unknown router `no-such-router`: not a preset (mixtral, deepseek-v3, switch, megatron-probs, megatron-position, megatron-probs-pad, deepspeed-top1, deepspeed-top2, deepspeed-topk-probs, expert-choice, aux-loss-free, causal-capacity, sinkhorn, batch-prioritized, expert-choice-tc-serve, expert-threshold, null-experts) and not a file");
 }
 
+/// Each mode is a subcommand, and the flags that do not go together are refused by the parser,
+/// before anything runs: one line, exit 2.
+#[test]
+fn flags_that_do_not_go_together_are_refused_by_the_parser() {
+    let cases: [(&[&str], &str); 11] = [
+        (&["check"], "required arguments were not provided: <ROUTERS|--router-cmd <COMMAND>|--traces <DIR>>"),
+        (&["check", "mixtral", "--mode", "inference"], "required arguments were not provided: --router-cmd <COMMAND>"),
+        (
+            &["check", "--router-cmd", "true", "--traces", "t"],
+            "'--router-cmd <COMMAND>' cannot be used with '--traces <DIR>'",
+        ),
+        (
+            &["check", "--router-cmd", "true", "--weights", "w.safetensors", "--gate", "g"],
+            "required arguments were not provided: <ROUTERS>",
+        ),
+        (&["check", "mixtral", "--replay", "w.json"], "unexpected argument '--replay' found"),
+        (&["model"], "required arguments were not provided: <ROUTER|--cmd <COMMAND>>"),
+        (&["model", "mixtral", "--cmd", "true"], "'[ROUTER]' cannot be used with '--cmd <COMMAND>'"),
+        (&["model", "--cmd", "true", "--layers", "3"], "'--cmd <COMMAND>' cannot be used with '--layers <LAYERS>'"),
+        (
+            &["model", "mixtral", "--replay", "w.json", "--format", "json"],
+            "'--replay <WITNESS.json>' cannot be used with '--format <FORMAT>'",
+        ),
+        (&["replay", "w.json", "--mode", "inference"], "required arguments were not provided: --router-cmd <COMMAND>"),
+        (
+            &["snapshot", "record", "--router-cmd", "true", "--weights", "w.safetensors", "--gate", "g"],
+            "'--router-cmd <COMMAND>' cannot be used with '--weights <FILE.safetensors>'",
+        ),
+    ];
+    for (args, want) in cases {
+        let err = fail(args);
+        assert!(err.starts_with("error: ") && err.contains(want) && err.ends_with("(see --help)"), "{args:?}: {err}");
+    }
+    // Formats of one mode are not offered by another.
+    assert!(fail(&["model", "mixtral", "--format", "junit"]).contains("invalid value 'junit' for '--format <FORMAT>'"));
+}
 #[test]
 fn zoo_prints_every_preset_with_verdicts_and_load() {
     let (code, text) = check(&["zoo"]);
