@@ -169,7 +169,7 @@ fn trace_files_give_the_subprocess_verdicts() {
     );
 }
 
-/// Every file `plan` and `snapshot --plan` write gets the mode a new file gets here (0666 less
+/// Every file `plan` and `snapshot plan` write gets the mode a new file gets here (0666 less
 /// the umask): the inputs were once 0600 beside a 0644 manifest.
 #[cfg(unix)]
 #[test]
