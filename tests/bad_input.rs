@@ -192,7 +192,7 @@ fn catalogue() -> Vec<(&'static str, Vec<String>)> {
     let external = |command: String| {
         check(&["--router-cmd", &command, "--batch", "1", "--seq-len", "1", "--probes", "D", "--timeout", "5"])
     };
-    let replay = |path: String| check(&["--replay", &path]);
+    let replay = |path: String| vec!["replay".to_string(), path];
     let external_timeout = |t: &str| check(&["--router-cmd", "true", "--timeout", t]);
     vec![
         // Router configs
@@ -422,7 +422,7 @@ fn catalogue() -> Vec<(&'static str, Vec<String>)> {
                 "100MiB".into(),
             ],
         ),
-        ("witness: /dev/zero", check(&["--replay", "/dev/zero", "--max-memory", "64MiB"])),
+        ("witness: /dev/zero", vec!["replay".into(), "/dev/zero".into(), "--max-memory".into(), "64MiB".into()]),
         ("sweep: grid is /dev/zero", sweep("/dev/zero".into())),
         (
             "weights: /dev/zero",
@@ -511,8 +511,8 @@ fn catalogue() -> Vec<(&'static str, Vec<String>)> {
         ("witness: a FIFO with no writer", replay(fifo("w_fifo.json"))),
         ("traces: decisions.jsonl a FIFO with no writer", check(&["--traces", &traces_fifo()])),
         (
-            "snapshot --check /dev/zero",
-            vec!["snapshot".into(), "--check".into(), "/dev/zero".into(), "--max-memory".into(), "64MiB".into()],
+            "snapshot check /dev/zero",
+            vec!["snapshot".into(), "check".into(), "/dev/zero".into(), "--max-memory".into(), "64MiB".into()],
         ),
         (
             "--output: a FIFO with no reader",
@@ -618,7 +618,7 @@ fn every_bad_input_exits_2_with_one_line_and_no_panic() {
     unknown command
       error: unrecognized subcommand 'frobnicate' (see --help)
     missing router
-      error: the following required arguments were not provided: <ROUTERS>... (see --help)
+      error: the following required arguments were not provided: <ROUTERS|--router-cmd <COMMAND>|--traces <DIR>> (see --help)
     --format unknown
       error: invalid value 'yaml' for '--format <FORMAT>' [possible values: text, json, markdown, junit] (see --help)
     logits: missing file
@@ -763,7 +763,7 @@ fn every_bad_input_exits_2_with_one_line_and_no_panic() {
       error: [TMP]/w_fifo.json: not a witness: EOF while parsing a value at line 1 column 0
     traces: decisions.jsonl a FIFO with no writer
       error: [TMP]/t_fifo/decisions.jsonl: no response for call 1 (train, tensor `call.0`)
-    snapshot --check /dev/zero
+    snapshot check /dev/zero
       error: /dev/zero: larger than 16.0 MiB (a quarter of --max-memory); it may never end
     --output: a FIFO with no reader
       error: [TMP]/out_fifo.txt: cannot write: No such device or address (os error 6)

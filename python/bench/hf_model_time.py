@@ -1,5 +1,5 @@
 """Time of a whole-model audit (issue #27): a 4-layer Qwen3-MoE-style model (hidden 128, 64
-experts, top 8, random init, seed 0), ``moe-audit check --model-cmd`` at the default sizes, end
+experts, top 8, random init, seed 0), ``moe-audit model --cmd`` at the default sizes, end
 to end as a user runs it (a fresh interpreter: torch and transformers imported, the model built,
 every call answered), then the same audit in-process (``moe_audit.check``, torch imported).
 
@@ -32,11 +32,11 @@ def main():
         with open(script, "w") as f:
             f.write(MODEL + "import moe_audit.hf\nmoe_audit.hf.run(model)\n")
         start = time.perf_counter()
-        proc = subprocess.run([binary(), "check", "--model-cmd", f"{sys.executable} {script}", "--timeout", "600"],
+        proc = subprocess.run([binary(), "model", "--cmd", f"{sys.executable} {script}", "--timeout", "600"],
                               capture_output=True, text=True, env=env)
         took = time.perf_counter() - start
     last = (proc.stdout.strip().splitlines() or [""])[-1]
-    print(f"--model-cmd, end to end (imports included)   {took:6.1f} s (exit {proc.returncode}: {last})")
+    print(f"model --cmd, end to end (imports included)   {took:6.1f} s (exit {proc.returncode}: {last})")
     if proc.returncode == 2:
         print(proc.stderr, file=sys.stderr)
     scope = {}

@@ -193,8 +193,8 @@ def _answer(listener: _Listener, answer_streams: Callable[[BinaryIO, BinaryIO], 
 
 
 def check(router: Any, *args: Any, timeout: float = 900, **spec: Any) -> Report:
-    """Runs ``moe-audit check --router-cmd ... --format json ARGS...`` (``--model-cmd`` for a
-    whole model) against ``router`` served from this process, and returns its :class:`Report`
+    """Runs ``moe-audit check --router-cmd ... --format json ARGS...`` (``moe-audit model --cmd
+    ...`` for a whole model) against ``router`` served from this process, and returns its :class:`Report`
     (exit code 0 or 1). An error of moe-audit (exit code 2) raises :class:`CheckError` with its
     message; an exception raised by the router is raised here (after moe-audit has stopped).
 
@@ -210,13 +210,13 @@ def check(router: Any, *args: Any, timeout: float = 900, **spec: Any) -> Report:
         # A whole model (moe_audit.hf.wrap of a model taking token ids) serves moe-audit/3 itself.
         if spec:
             raise TypeError(f"unknown options: {', '.join(sorted(spec))}")
-        flag, answer_streams = "--model-cmd", router.serve
+        subcommand, flag, answer_streams = "model", "--cmd", router.serve
         name = getattr(router, "name", None) or type(router).__name__
     else:
         route, hs = describe(router, spec)
         if spec:
             raise TypeError(f"unknown options: {', '.join(sorted(spec))}")
-        flag = "--router-cmd"
+        subcommand, flag = "check", "--router-cmd"
 
         def answer_streams(inp: BinaryIO, out: BinaryIO) -> None:
             serve(route, stdin=inp, stdout=out, **hs)
@@ -232,7 +232,7 @@ def check(router: Any, *args: Any, timeout: float = 900, **spec: Any) -> Report:
                                   name="moe-audit-router", daemon=True)
         thread.start()
         try:
-            proc = subprocess.run([binary(), "check", flag, command, *own],
+            proc = subprocess.run([binary(), subcommand, flag, command, *own],
                                   capture_output=True, text=True, timeout=timeout)
         finally:
             stop.set()

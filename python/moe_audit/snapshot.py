@@ -12,9 +12,9 @@ method and ``name``, ``experts``, ``top_k``, ``input``, ``hidden_size`` attribut
 
 The ``moe-audit`` binary does everything but the routing, so the file has the same bytes as
 ``moe-audit snapshot`` and ``moe_audit::snapshot`` for the same routing: it writes the inputs
-(``moe-audit snapshot --plan DIR``: seeded rows, or ``logits=``/``hidden_states=`` files), the
+(``moe-audit snapshot plan DIR``: seeded rows, or ``logits=``/``hidden_states=`` files), the
 router answers them here, in-process, in training and inference mode, and the binary renders and
-compares (``moe-audit snapshot --traces DIR --check FILE``). A printed weight may move by one
+compares (``moe-audit snapshot check FILE --traces DIR``). A printed weight may move by one
 unit of its 4th decimal (float noise) without failing; any other change fails with a diff naming
 each token's change and how many tokens moved.
 
@@ -76,7 +76,7 @@ def _moe_audit(*args: Any, codes: Sequence[int] = (0,)) -> subprocess.CompletedP
             timeout=TIMEOUT,
         )
     except subprocess.TimeoutExpired as e:
-        raise SnapshotError(f"moe-audit snapshot took over {TIMEOUT} s: {e.cmd}") from None
+        raise SnapshotError(f"moe-audit snapshot record took over {TIMEOUT} s: {e.cmd}") from None
     if proc.returncode not in codes:
         raise SnapshotError(proc.stderr.strip() or f"moe-audit exited with {proc.returncode}")
     return proc
@@ -86,7 +86,7 @@ def _plan(router: Any, directory: str, options: dict[str, Any]) -> None:
     """Writes the inputs into directory and answers them with the router; returns nothing."""
     options = dict(options)
     route, spec = describe(router, options)
-    args = ["--plan", directory, "--name", spec["name"], "--experts", spec["experts"],
+    args = ["plan", directory, "--name", spec["name"], "--experts", spec["experts"],
             "--input", spec["input"]]
     if spec["top_k"] is not None:
         args += ["--top-k", spec["top_k"]]
@@ -113,7 +113,7 @@ def routing_snapshot(router: Any, **options: Any) -> str:
     """
     with tempfile.TemporaryDirectory(prefix="moe-audit-snapshot-") as directory:
         _plan(router, directory, options)
-        return _moe_audit("--traces", directory).stdout
+        return _moe_audit("record", "--traces", directory).stdout
 
 
 def update_mode(option: str | None = None) -> str:
@@ -141,19 +141,19 @@ def assert_routing_snapshot(router: Any, path: str | os.PathLike[str], *, update
         write = mode == "always" or (not exists and mode == "auto" and not os.environ.get("CI"))
         if write:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            _moe_audit("--traces", directory, "--output", path)
+            _moe_audit("record", "--traces", directory, "--output", path)
             return
         if not exists:
             if mode == "new":
-                _moe_audit("--traces", directory, "--output", path + ".new")
+                _moe_audit("record", "--traces", directory, "--output", path + ".new")
             raise AssertionError(
                 f"{path}: no snapshot; write it with MOE_AUDIT_UPDATE=1 (or INSTA_UPDATE=always, or pytest "
                 "--moe-audit-update)"
             )
-        proc = _moe_audit("--check", path, "--traces", directory, codes=(0, 1))
+        proc = _moe_audit("check", path, "--traces", directory, codes=(0, 1))
         if proc.returncode == 1:
             hint = "rewrite it with MOE_AUDIT_UPDATE=1 (or INSTA_UPDATE=always, or pytest --moe-audit-update)"
             if mode == "new":
-                _moe_audit("--traces", directory, "--output", path + ".new")
+                _moe_audit("record", "--traces", directory, "--output", path + ".new")
                 hint = f"the new snapshot is {path}.new"
             raise AssertionError(f"{proc.stdout}{hint}")

@@ -2,9 +2,9 @@
 //! accumulator over a range of rank counts, against the exact sum (the GPT-4 failure, README
 //! §1). Exit 1 when a configuration's bias exceeds `--max-bias`.
 
-use super::check::CommKind;
+use super::common::{CommKind, MemoryArgs};
 use super::exit;
-use super::{io_error, MemoryArgs};
+use super::io_error;
 use clap::{Args, ValueEnum};
 use moe_audit::error::{Error, Result};
 use moe_audit::parallel::reduce::{Algorithm, Precision, ReducePlan};
@@ -138,7 +138,7 @@ fn on_mpi(args: &CollectivesArgs, payload: &Payload, plan: &AuditPlan) -> Result
 
 #[cfg(not(feature = "mpi"))]
 fn on_mpi(_: &CollectivesArgs, _: &Payload, _: &AuditPlan) -> Result<Option<Vec<Figures>>> {
-    Err(super::check::no_mpi())
+    Err(super::common::no_mpi())
 }
 
 /// Every rule on the flags in one place; reads the gradients file.

@@ -1,9 +1,9 @@
 //! `moe-audit ep`: one expert-parallel forward of a seeded layer, with each rank's traffic
 //! beside the all-to-all formula of docs/ROUTING.md and the output checked against the single-device layer.
 
-use super::check::CommKind;
+use super::common::{CommKind, MemoryArgs, SizeArgs};
 use super::exit;
-use super::{io_error, MemoryArgs, SizeArgs};
+use super::io_error;
 use candle_core::{DType, Device, Tensor};
 use clap::{Args, ValueEnum};
 use moe_audit::config::RouterConfig;
@@ -138,5 +138,5 @@ fn on_mpi<T>(ranks: Option<usize>, work: impl Fn(&dyn Communicator) -> Result<T>
 
 #[cfg(not(feature = "mpi"))]
 fn on_mpi<T>(_: Option<usize>, _: impl Fn(&dyn Communicator) -> Result<T>) -> Result<Option<T>> {
-    Err(super::check::no_mpi())
+    Err(super::common::no_mpi())
 }

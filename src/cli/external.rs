@@ -1,9 +1,9 @@
-//! The `check` flags for routers outside moe-audit (a subprocess, trace files, a real gate),
-//! and `moe-audit plan`.
+//! The routers of `check` that live outside moe-audit (subprocesses, trace files, a real gate),
+//! and `moe-audit plan`, which writes the inputs of an audit for a harness to answer.
 
 use super::bars::AuditBar;
+use super::common::{InputArg, MemoryArgs, ModeArg, TimeoutArgs};
 use super::exit;
-use super::MemoryArgs;
 use clap::Args;
 use moe_audit::analyze::{audit, AuditOptions, Probe, RouterReport, Subject};
 use moe_audit::config::RouterConfig;
@@ -14,79 +14,99 @@ use moe_audit::router::Router;
 use moe_audit::MemoryBudget;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
-/// `--router-cmd` and `--timeout`: routers run as subprocesses, declared once for `check` and
-/// `snapshot`.
+/// The `check` flags of routers outside moe-audit.
 #[derive(Debug, Args)]
 #[command(next_help_heading = "External routers")]
-pub struct RouterCmdArgs {
+pub struct ExternalArgs {
     /// A command speaking the moe-audit/1 or /2 protocol on stdin/stdout (docs/PROTOCOL.md), run
-    /// with `sh -c`; `check` takes it repeated, for several routers.
+    /// with `sh -c`; repeat it for several routers.
     #[arg(long, value_name = "COMMAND")]
     pub router_cmd: Vec<String>,
-    /// Seconds to wait for a router's handshake and for each answer.
-    #[arg(long, default_value_t = 60.0, value_name = "SECS", allow_hyphen_values = true)]
-    pub timeout: f64,
-}
-
-impl RouterCmdArgs {
-    /// The timeout as a duration, checked.
-    pub fn timeout(&self) -> Result<std::time::Duration> {
-        moe_audit::external::process::timeout(self.timeout)
-    }
-}
-
-/// Routers that live outside moe-audit.
-#[derive(Debug, Args)]
-pub struct ExternalArgs {
-    /// A router run as a subprocess.
+    /// How long a router command may take.
     #[command(flatten)]
-    pub cmd: RouterCmdArgs,
+    pub timeout: TimeoutArgs,
     /// The mode --router-cmd routers are audited in: every probe's requests carry it (M compares
     /// it with the other mode); `inference` audits the serving path.
-    #[arg(long, value_enum, default_value_t = ModeArg::Train, help_heading = "External routers")]
+    #[arg(long, value_enum, default_value_t = ModeArg::Train, requires = "router_cmd")]
     pub mode: ModeArg,
     /// A trace directory (`moe-audit plan`, answered by your harness); the audit runs with the
     /// plan's probes and sizes.
-    #[arg(long, value_name = "DIR", help_heading = "External routers")]
+    #[arg(long, value_name = "DIR", conflicts_with = "router_cmd")]
     pub traces: Option<PathBuf>,
     /// A safetensors checkpoint holding the gate of the routers named on the command line.
-    #[arg(long, value_name = "FILE.safetensors", requires = "gate", help_heading = "External routers")]
+    #[arg(long, value_name = "FILE.safetensors", requires_all = ["gate", "routers"])]
     pub weights: Option<PathBuf>,
     /// The gate matrix `[experts, hidden]` in --weights.
-    #[arg(long, value_name = "TENSOR", requires = "weights", help_heading = "External routers")]
+    #[arg(long, value_name = "TENSOR", requires = "weights")]
     pub gate: Option<String>,
     /// A selection-only expert bias `[experts]` in --weights (DeepSeek-V3
     /// `e_score_correction_bias`); replaces the config's `expert_bias`.
-    #[arg(long, value_name = "TENSOR", requires = "gate", help_heading = "External routers")]
+    #[arg(long, value_name = "TENSOR", requires = "gate")]
     pub bias: Option<String>,
     /// Real hidden states `[..., hidden]` to sample the audit's tokens from, with --weights
     /// (`FILE.safetensors` holding one tensor, or `FILE.safetensors:TENSOR`); default: seeded
     /// standard normal.
-    #[arg(long, value_name = "FILE[:TENSOR]", requires = "gate", help_heading = "External routers")]
+    #[arg(long, value_name = "FILE[:TENSOR]", requires = "gate")]
     pub hidden_states: Option<String>,
 }
 
-impl ExternalArgs {
-    /// Whether the configs named on the command line take their gate from --weights.
-    pub(super) fn real_gate(&self) -> bool {
-        self.weights.is_some()
-    }
+/// The routers outside moe-audit of one `check`, validated.
+#[derive(Debug)]
+pub struct External {
+    /// Router commands, each audited as its own router.
+    pub commands: Vec<String>,
+    /// How long each may take to answer.
+    pub timeout: Duration,
+    /// The mode they are audited in.
+    pub mode: Mode,
+    /// A planned audit answered by a harness.
+    pub traces: Option<PathBuf>,
+    /// A checkpoint whose gate the named configs route with instead of a seeded layer.
+    pub gate: Option<Gate>,
+}
 
+/// `--weights`, `--gate`, `--bias`, `--hidden-states`.
+#[derive(Debug)]
+pub struct Gate {
+    weights: PathBuf,
+    gate: String,
+    bias: Option<String>,
+    hidden_states: Option<(PathBuf, Option<String>)>,
+}
+
+impl ExternalArgs {
+    /// These flags checked (clap has checked which go together).
+    pub fn validated(&self) -> Result<External> {
+        let timeout = self.timeout.validated()?;
+        let gate = match (&self.weights, &self.gate) {
+            (Some(weights), Some(gate)) => Some(Gate {
+                weights: weights.clone(),
+                gate: gate.clone(),
+                bias: self.bias.clone(),
+                // `FILE:TENSOR`, unless the whole spec names a file.
+                hidden_states: self.hidden_states.as_deref().map(|spec| match spec.rsplit_once(':') {
+                    Some((file, tensor)) if !Path::new(spec).is_file() => (file.into(), Some(tensor.to_string())),
+                    _ => (spec.into(), None),
+                }),
+            }),
+            _ => None,
+        };
+        Ok(External {
+            commands: self.router_cmd.clone(),
+            timeout,
+            mode: self.mode.into(),
+            traces: self.traces.clone(),
+            gate,
+        })
+    }
+}
+
+impl External {
     /// The audit options: the plan's when auditing traces (from its manifest; the traces
     /// themselves are read once, by the audit).
-    pub(super) fn options(&self, options: AuditOptions, budget: MemoryBudget) -> Result<AuditOptions> {
-        self.cmd.timeout()?;
-        if self.mode != ModeArg::Train && self.cmd.router_cmd.is_empty() {
-            return Err(Error::Usage(
-                "--mode sets the mode of --router-cmd routers; built-in routers and traces have their own".into(),
-            ));
-        }
-        if self.traces.is_some() && !self.cmd.router_cmd.is_empty() {
-            return Err(Error::Usage(
-                "--traces replays one planned audit; audit --router-cmd routers in another run".into(),
-            ));
-        }
+    pub fn options(&self, options: AuditOptions, budget: MemoryBudget) -> Result<AuditOptions> {
         match &self.traces {
             Some(dir) => planned_options(dir, budget),
             None => Ok(options),
@@ -94,7 +114,7 @@ impl ExternalArgs {
     }
 
     /// Audits the configs on a real gate, the router commands and the traces.
-    pub(super) fn audit(
+    pub fn audit(
         &self,
         configs: Vec<RouterConfig>,
         options: &AuditOptions,
@@ -111,25 +131,17 @@ impl ExternalArgs {
             bar.finish();
             report
         };
-        if self.weights.is_some() && configs.is_empty() {
-            return Err(Error::Usage(
-                "--weights: name the routers (presets or TOML files) to audit on the gate".into(),
-            ));
-        }
-        if let (Some(weights), Some(gate)) = (&self.weights, &self.gate) {
-            let hidden_states = self.hidden_states.as_deref().map(|spec| match spec.rsplit_once(':') {
-                Some((file, tensor)) if !Path::new(spec).is_file() => (Path::new(file), Some(tensor)),
-                _ => (Path::new(spec), None),
-            });
-            let source = GateSource { weights, gate, bias: self.bias.as_deref(), hidden_states, budget };
+        if let Some(g) = &self.gate {
+            let hidden_states = g.hidden_states.as_ref().map(|(file, tensor)| (file.as_path(), tensor.as_deref()));
+            let source =
+                GateSource { weights: &g.weights, gate: &g.gate, bias: g.bias.as_deref(), hidden_states, budget };
             for config in configs {
                 let router = source.router(config)?;
                 reports.push(audit_router(&router)?);
             }
         }
-        for command in &self.cmd.router_cmd {
-            let timeout = self.cmd.timeout()?;
-            let router = ExternalRouter::spawn(command, timeout, options.seed, self.mode.into(), budget)?;
+        for command in &self.commands {
+            let router = ExternalRouter::spawn(command, self.timeout, options.seed, self.mode, budget)?;
             reports.push(audit_router(&router)?);
         }
         if let Some(dir) = &self.traces {
@@ -137,24 +149,6 @@ impl ExternalArgs {
             reports.push(audit_router(&router)?);
         }
         Ok(reports)
-    }
-}
-
-/// `--mode` of `check`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum ModeArg {
-    /// Training mode (the default).
-    Train,
-    /// Serving mode.
-    Inference,
-}
-
-impl From<ModeArg> for Mode {
-    fn from(m: ModeArg) -> Mode {
-        match m {
-            ModeArg::Train => Mode::Train,
-            ModeArg::Inference => Mode::Inference,
-        }
     }
 }
 
@@ -199,61 +193,69 @@ pub struct PlanArgs {
     pub memory: MemoryArgs,
 }
 
-/// `--input` of `plan`.
-#[derive(Debug, Clone, Copy, clap::ValueEnum)]
-pub enum InputArg {
-    /// E gate logits per token.
-    Logits,
-    /// H hidden values per token.
-    Hidden,
+/// A validated `plan`: the handshake of the router to plan for and the audit's options.
+#[derive(Debug)]
+pub struct PlanOptions {
+    router: Handshake,
+    options: AuditOptions,
+    output: PathBuf,
+    budget: MemoryBudget,
 }
 
-pub(super) fn run_plan(args: &PlanArgs, out: &mut dyn Write) -> Result<u8> {
-    let input = match args.input {
-        InputArg::Logits => InputKind::Logits,
-        InputArg::Hidden => InputKind::Hidden,
-    };
-    let router = Handshake {
-        protocol: moe_audit::external::protocol::PROTOCOL.into(),
-        name: args.name.clone(),
-        experts: args.experts,
-        top_k: args.top_k,
-        input,
-        hidden_size: args.hidden_size,
-        responses: None,
-        padding_mask: false,
-        seed_calls: None,
-    };
-    // Each flag named in its own words (the handshake's checks would blame the handshake).
-    ensure_positive(&[(Setting::Batch, args.batch), (Setting::SeqLen, args.seq_len), (Setting::Trials, args.trials)])?;
-    let max = moe_audit::external::protocol::MAX_SIZE;
-    if !(1..=max).contains(&args.experts) {
-        return Err(Error::Usage(format!("--experts must be from 1 to {max}, got {}", args.experts)));
-    }
-    if let Some(k) = args.top_k.filter(|&k| k == 0 || k > args.experts) {
-        return Err(Error::Usage(format!("--top-k must be from 1 to {} (--experts), got {k}", args.experts)));
-    }
-    match (input, args.hidden_size) {
-        (InputKind::Hidden, h) if !(1..=max).contains(&h.unwrap_or(0)) => {
-            return Err(Error::Usage(format!("--input hidden needs --hidden-size from 1 to {max}")));
+impl PlanArgs {
+    /// Every rule on the flags in one place.
+    pub fn validated(&self) -> Result<PlanOptions> {
+        let input: InputKind = self.input.into();
+        let router = Handshake {
+            protocol: moe_audit::external::protocol::PROTOCOL.into(),
+            name: self.name.clone(),
+            experts: self.experts,
+            top_k: self.top_k,
+            input,
+            hidden_size: self.hidden_size,
+            responses: None,
+            padding_mask: false,
+            seed_calls: None,
+        };
+        // Each flag named in its own words (the handshake's checks would blame the handshake).
+        ensure_positive(&[
+            (Setting::Batch, self.batch),
+            (Setting::SeqLen, self.seq_len),
+            (Setting::Trials, self.trials),
+        ])?;
+        let max = moe_audit::external::protocol::MAX_SIZE;
+        if !(1..=max).contains(&self.experts) {
+            return Err(Error::Usage(format!("--experts must be from 1 to {max}, got {}", self.experts)));
         }
-        _ => {}
+        if let Some(k) = self.top_k.filter(|&k| k == 0 || k > self.experts) {
+            return Err(Error::Usage(format!("--top-k must be from 1 to {} (--experts), got {k}", self.experts)));
+        }
+        match (input, self.hidden_size) {
+            (InputKind::Hidden, h) if !(1..=max).contains(&h.unwrap_or(0)) => {
+                return Err(Error::Usage(format!("--input hidden needs --hidden-size from 1 to {max}")));
+            }
+            _ => {}
+        }
+        moe_audit::names::check(&self.name).map_err(|m| Error::Usage(format!("--name {m}")))?;
+        let options = AuditOptions {
+            probes: Probe::parse_list(&self.probes)?,
+            batch: self.batch,
+            seq_len: self.seq_len,
+            trials: self.trials,
+            seed: self.seed,
+            ..AuditOptions::default()
+        };
+        Ok(PlanOptions { router, options, output: self.output.clone(), budget: self.memory.budget() })
     }
-    moe_audit::names::check(&args.name).map_err(|m| Error::Usage(format!("--name {m}")))?;
-    let options = AuditOptions {
-        probes: Probe::parse_list(&args.probes)?,
-        batch: args.batch,
-        seq_len: args.seq_len,
-        trials: args.trials,
-        seed: args.seed,
-        ..AuditOptions::default()
-    };
-    let calls = plan(&router, &options, &args.output, args.memory.budget())?;
+}
+
+pub(super) fn run_plan(planned: &PlanOptions, out: &mut dyn Write) -> Result<u8> {
+    let calls = plan(&planned.router, &planned.options, &planned.output, planned.budget)?;
     writeln!(
         out,
         "planned {calls} calls in {}: answer each call of manifest.json, in order, with one response line in decisions.jsonl, then run `moe-audit check --traces {}`",
-        args.output.display(),
-        args.output.display()
+        planned.output.display(),
+        planned.output.display()
     )
     .map_err(super::io_error)?;
     Ok(exit::OK)

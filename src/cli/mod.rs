@@ -1,13 +1,17 @@
-//! The command line: clap structs (dumb), one function per command, output formats.
+//! The command line: one subcommand per mode. Each command's clap struct stays dumb; its
+//! `validated()` turns it, once, into the options its `run` takes (every rule clap cannot say,
+//! sizes and memory arithmetic, files the flags name loaded), so `run` never sees a flag.
 
 mod bars;
 mod check;
 mod collectives;
+mod common;
 mod ep;
 pub(crate) mod exit;
 mod exploit;
 mod external;
 mod model;
+mod replay;
 mod route;
 mod routes;
 mod snapshot;
@@ -15,10 +19,9 @@ mod sweep;
 #[cfg(test)]
 mod synopsis;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Parser, Subcommand};
 use moe_audit::config::presets;
 use moe_audit::error::{Result, Setting};
-use moe_audit::RunSizes;
 use std::io::Write;
 
 use check::{CheckArgs, ZooArgs};
@@ -26,6 +29,8 @@ use collectives::CollectivesArgs;
 use ep::EpArgs;
 use exploit::ExploitArgs;
 use external::PlanArgs;
+use model::ModelArgs;
+use replay::ReplayArgs;
 use route::RouteArgs;
 use routes::RoutesArgs;
 use snapshot::SnapshotArgs;
@@ -47,8 +52,14 @@ pub enum Command {
     Presets,
     /// Route seeded inputs (or given logits) and print the routing record and load summary.
     Route(RouteArgs),
-    /// Audit routers for causality leaks (exit 0 no leak, 1 leak, 2 error).
+    /// Audit routers for causality leaks: presets, router TOML files (on a seeded layer or the
+    /// gate of a checkpoint), router commands, trace directories (exit 0 no leak, 1 leak, 2 error).
     Check(CheckArgs),
+    /// Replay a router's witness file: exit 1 while it still shows the leak, 0 when not.
+    Replay(ReplayArgs),
+    /// Audit a whole model on token ids, every MoE layer compared: the built-in decoder with a
+    /// router, or a model of yours over moe-audit/3 (exit 0 no leak, 1 leak, 2 error).
+    Model(ModelArgs),
     /// Audit every preset at default sizes and print the verdicts beside load balance.
     Zoo(ZooArgs),
     /// Write the inputs of an audit for a router that cannot run as a subprocess (trace files).
@@ -58,8 +69,8 @@ pub enum Command {
     Ep(EpArgs),
     /// Load balance against causality over a grid of routers and sizes: CSV, JSON, charts.
     Sweep(SweepArgs),
-    /// Snapshot a router's decisions on fixed inputs (train and inference) to a `.snap` file, or
-    /// check one (exit 0 unchanged, 1 changed, 2 error).
+    /// Snapshot a router's decisions on fixed inputs (train and inference) to a `.snap` file,
+    /// check one (exit 0 unchanged, 1 changed, 2 error), update one, or plan one for a harness.
     Snapshot(SnapshotArgs),
     /// Gradient-like payloads all-reduced with every algorithm × wire × accumulator precision
     /// against the exact sum: error, swamping, bias, traffic (exit 1 when a bias exceeds --max-bias).
@@ -83,15 +94,17 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<u8> {
             Ok(exit::OK)
         }
         Command::Route(args) => route::run(&args, out),
-        Command::Check(args) => check::run(&args, out),
+        Command::Check(args) => check::run(args.validated()?, out),
+        Command::Replay(args) => replay::run(&args.validated()?, out),
+        Command::Model(args) => model::run(args.validated()?, out),
         Command::Zoo(args) => check::zoo(&args, out),
-        Command::Plan(args) => external::run_plan(&args, out),
+        Command::Plan(args) => external::run_plan(&args.validated()?, out),
         Command::Ep(args) => ep::run(&args, out),
         Command::Sweep(args) => sweep::run(&args, out),
-        Command::Snapshot(args) => snapshot::run(&args, out),
+        Command::Snapshot(args) => snapshot::run(args.validated()?, out),
         Command::Collectives(args) => collectives::run(&args, out),
         Command::Exploit(args) => exploit::run(&args, out),
-        Command::Routes(args) => routes::run(&args, out),
+        Command::Routes(args) => routes::run(args.validated()?, out),
     }
 }
 
@@ -108,9 +121,9 @@ pub fn flag(setting: Setting) -> &'static str {
         Setting::Timeout => "--timeout",
         Setting::RouterCmd => "--router-cmd",
         Setting::MaxMemory => "--max-memory",
-        Setting::Update => "--update",
+        Setting::Update => "snapshot update",
         Setting::Traces => "--traces",
-        Setting::Plan => "--plan",
+        Setting::Plan => "snapshot plan",
         Setting::Logits => "--logits",
         Setting::HiddenStates => "--hidden-states",
         Setting::Vocab => "--vocab",
@@ -126,50 +139,6 @@ pub fn flag(setting: Setting) -> &'static str {
         Setting::Config => "--config",
         Setting::WitnessDir => "--witness-dir",
         Setting::Output => "--output",
-    }
-}
-
-/// `--batch`, `--seq-len`, `--hidden`, `--ffn`: a seeded layer's call, declared once for `check`
-/// and `ep`, with [`RunSizes`]' defaults.
-#[derive(Debug, Args)]
-pub struct SizeArgs {
-    /// Sequences per call (split evenly over expert-parallel ranks).
-    #[arg(long, default_value_t = RunSizes::default().batch)]
-    pub batch: usize,
-    /// Tokens per sequence.
-    #[arg(long, default_value_t = RunSizes::default().seq_len)]
-    pub seq_len: usize,
-    /// Hidden size of the seeded layer.
-    #[arg(long, default_value_t = RunSizes::default().hidden)]
-    pub hidden: usize,
-    /// Expert FFN size of the seeded layer.
-    #[arg(long, default_value_t = RunSizes::default().ffn)]
-    pub ffn: usize,
-}
-
-impl SizeArgs {
-    /// These sizes with `trials` and `ranks`, checked.
-    pub fn validated(&self, trials: usize, ranks: usize) -> Result<RunSizes> {
-        let sizes =
-            RunSizes { batch: self.batch, seq_len: self.seq_len, hidden: self.hidden, ffn: self.ffn, trials, ranks };
-        sizes.validate()?;
-        Ok(sizes)
-    }
-}
-
-/// `--max-memory`, declared once for every command.
-#[derive(Debug, Args)]
-pub struct MemoryArgs {
-    /// Refuse to start a run estimated to need more memory (e.g. `4GiB`; default: half of
-    /// physical memory).
-    #[arg(long, value_name = "SIZE", value_parser = moe_audit::memory::parse_size, allow_hyphen_values = true)]
-    pub max_memory: Option<bytesize::ByteSize>,
-}
-
-impl MemoryArgs {
-    /// The budget in force.
-    pub fn budget(&self) -> moe_audit::MemoryBudget {
-        moe_audit::MemoryBudget::from_request(self.max_memory)
     }
 }
 
@@ -209,6 +178,7 @@ mod tests {
     fn every_setting_has_its_own_flag() {
         let flags: std::collections::BTreeSet<_> = Setting::ALL.iter().map(|&s| flag(s)).collect();
         assert_eq!(flags.len(), Setting::ALL.len());
-        assert!(flags.iter().all(|f| f.starts_with("--")));
+        // Flags, or the subcommand that is the setting (`snapshot update`).
+        assert!(flags.iter().all(|f| f.starts_with("--") || f.starts_with("snapshot ")));
     }
 }

@@ -1,11 +1,10 @@
-//! `check --model` and `check --model-cmd`: whole-model audits on token ids (the built-in
-//! decoder, or a model over `moe-audit/3`), and the replay of their witnesses.
+//! `moe-audit model`: whole-model audits on token ids (the built-in decoder, or a model over
+//! `moe-audit/3`), and the replay of their witnesses.
 
-use super::check::{CheckArgs, CheckFormat};
+use super::common::{FailOn, MemoryArgs, SizeArgs, TimeoutArgs};
 use super::exit;
 use super::io_error;
-use clap::Args;
-use moe_audit::analyze::Probe;
+use clap::{ArgGroup, Args, ValueEnum};
 use moe_audit::config::RouterConfig;
 use moe_audit::error::{Error, Result};
 use moe_audit::model::audit::{replay, TokenWitness};
@@ -14,125 +13,194 @@ use moe_audit::model::{
 };
 use moe_audit::render::render_model_text;
 use moe_audit::MemoryBudget;
+use moe_audit::RunSizes;
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
 
-/// Whole models: token ids in, every MoE layer compared.
+/// Arguments of `moe-audit model`.
 #[derive(Debug, Args)]
+#[command(group(ArgGroup::new("model").args(["router", "cmd"]).required(true)))]
 pub struct ModelArgs {
     /// Audit the built-in decoder (token embeddings, --layers × (causal attention + FFN), layer
     /// 0 dense and the others MoE with this router: a preset name or a router TOML file).
-    #[arg(long, value_name = "ROUTER", conflicts_with = "model_cmd", help_heading = "Whole models")]
-    pub model: Option<String>,
+    #[arg(value_name = "ROUTER")]
+    pub router: Option<String>,
     /// Audit a model in a command speaking moe-audit/3 on stdin/stdout (docs/PROTOCOL.md), run
     /// with `sh -c`.
-    #[arg(long, value_name = "COMMAND", help_heading = "Whole models")]
-    pub model_cmd: Option<String>,
+    #[arg(long, value_name = "COMMAND", help_heading = "Model")]
+    pub cmd: Option<String>,
+    /// How long the model command may take.
+    #[command(flatten, next_help_heading = "Model")]
+    pub timeout: TimeoutArgs,
     /// Decoder layers of the built-in model (layer 0 dense).
-    #[arg(long, default_value_t = 4, requires = "model", help_heading = "Whole models")]
+    #[arg(long, default_value_t = 4, conflicts_with = "cmd", help_heading = "Model")]
     pub layers: usize,
     /// Vocabulary of the built-in model.
-    #[arg(long, default_value_t = 256, requires = "model", help_heading = "Whole models")]
+    #[arg(long, default_value_t = 256, conflicts_with = "cmd", help_heading = "Model")]
     pub vocab: usize,
     /// A layer of the built-in model whose attention sees later tokens (a deliberate bug the
     /// audit must catch).
-    #[arg(long, value_name = "LAYER", requires = "model", help_heading = "Whole models")]
+    #[arg(long, value_name = "LAYER", conflicts_with = "cmd", help_heading = "Model")]
     pub non_causal: Option<usize>,
+    /// Probes to run, comma separated: P prefix, F future, N neighbour, R re-batch, D repeat,
+    /// S replay, M mode, G generation.
+    #[arg(long, default_value_t = default_probes(), help_heading = "Audit")]
+    pub probes: String,
+    /// Sizes of the audit's calls (and of the built-in model).
+    #[command(flatten, next_help_heading = "Audit")]
+    pub sizes: SizeArgs,
+    /// Trials of the randomised probes.
+    #[arg(long, default_value_t = RunSizes::default().trials, help_heading = "Audit")]
+    pub trials: usize,
+    /// Seed of the built-in model, the token ids and every random choice.
+    #[arg(long, default_value_t = 0, help_heading = "Audit")]
+    pub seed: u64,
     /// Positions the generation probe (G) prefills before feeding one token at a time
     /// [default: half of --seq-len].
-    #[arg(long, help_heading = "Whole models")]
+    #[arg(long, help_heading = "Audit")]
     pub prefill: Option<usize>,
+    /// Verdicts that make the audit exit 1, comma separated: `leak`, `drift`.
+    #[arg(long, value_name = "VERDICTS", default_value = "leak", value_parser = FailOn::parse, help_heading = "Audit")]
+    pub fail_on: FailOn,
+    /// Report format.
+    #[arg(long, value_enum, default_value_t = ModelFormat::Text, help_heading = "Output")]
+    pub format: ModelFormat,
+    /// Write the report here instead of stdout.
+    #[arg(long, value_name = "FILE", help_heading = "Output")]
+    pub output: Option<PathBuf>,
+    /// Write one witness file per leak here (`<model>-<probe>.json`).
+    #[arg(long, value_name = "DIR", help_heading = "Output")]
+    pub witness_dir: Option<PathBuf>,
+    /// Replay a witness of this model instead of auditing it: exit 1 while the token still
+    /// changes, 0 when not.
+    #[arg(long, value_name = "WITNESS.json", conflicts_with_all = ["probes", "prefill", "trials", "format", "output", "witness_dir"], help_heading = "Output")]
+    pub replay: Option<PathBuf>,
+    /// The memory limit.
+    #[command(flatten)]
+    pub memory: MemoryArgs,
+}
+
+fn default_probes() -> String {
+    TokenProbe::ALL.iter().map(|p| format!("{p:?}")).collect::<Vec<_>>().join(",")
+}
+
+/// Report formats of `model`.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum ModelFormat {
+    /// One row per layer × probe, for a terminal.
+    Text,
+    /// The whole report.
+    Json,
+}
+
+/// A validated `model`: which model, and what to do with it.
+#[derive(Debug)]
+pub struct ModelOptions {
+    source: Source,
+    /// The largest call of the audit (R pads a quarter of the sequence on), checked against the
+    /// memory limit once the built-in model exists.
+    largest_call: (usize, usize),
+    action: Action,
+    fail_on: FailOn,
+    budget: MemoryBudget,
+}
+
+/// Where the model comes from.
+#[derive(Debug)]
+enum Source {
+    Builtin(Box<BuiltinSpec>),
+    Command { command: String, timeout: Duration },
+}
+
+/// An audit, or the replay of a witness.
+#[derive(Debug)]
+enum Action {
+    Audit { options: ModelAuditOptions, format: ModelFormat, output: Option<PathBuf>, witness_dir: Option<PathBuf> },
+    Replay(PathBuf),
 }
 
 impl ModelArgs {
-    fn selected(&self) -> bool {
-        self.model.is_some() || self.model_cmd.is_some()
+    /// Every rule on the flags that clap cannot say, in one place; loads the router.
+    pub fn validated(&self) -> Result<ModelOptions> {
+        let (batch, seq_len) = (self.sizes.batch, self.sizes.seq_len);
+        let source = match (&self.cmd, &self.router) {
+            (Some(command), _) => Source::Command { command: command.clone(), timeout: self.timeout.validated()? },
+            (None, Some(router)) => Source::Builtin(Box::new(BuiltinSpec {
+                router: RouterConfig::load(router)?,
+                layers: self.layers,
+                vocab: self.vocab,
+                hidden: self.sizes.hidden,
+                ffn: self.sizes.ffn,
+                seed: self.seed,
+                non_causal: self.non_causal,
+            })),
+            (None, None) => unreachable!("clap requires ROUTER or --cmd"),
+        };
+        let action = match &self.replay {
+            Some(path) => Action::Replay(path.clone()),
+            None => Action::Audit {
+                options: ModelAuditOptions {
+                    probes: TokenProbe::parse_list(&self.probes)?,
+                    batch,
+                    seq_len,
+                    trials: self.trials,
+                    seed: self.seed,
+                    prefill: self.prefill.unwrap_or(seq_len / 2),
+                },
+                format: self.format,
+                output: self.output.clone(),
+                witness_dir: self.witness_dir.clone(),
+            },
+        };
+        Ok(ModelOptions {
+            source,
+            largest_call: (batch, seq_len + seq_len / 4 + 1),
+            action,
+            fail_on: self.fail_on,
+            budget: self.memory.budget(),
+        })
     }
 }
 
-/// Runs `check` on a model when `--model` or `--model-cmd` selects one; `None` otherwise.
-pub(super) fn run(args: &CheckArgs, out: &mut dyn Write) -> Result<Option<u8>> {
-    let m = &args.model;
-    if !m.selected() {
-        return Ok(None);
-    }
-    if !args.routers.is_empty() || !args.external.cmd.router_cmd.is_empty() || args.external.traces.is_some() {
-        return Err(Error::Usage("--model and --model-cmd audit one model: name no router beside it".into()));
-    }
-    let router_only = [
-        ("--exhaustive", args.exhaustive),
-        ("--ranks", args.ranks.is_some()),
-        ("--comm", args.comm != super::check::CommKind::InProcess),
-        ("--github", args.github),
-        ("--mode", args.external.mode != super::external::ModeArg::Train),
-        ("--weights", args.external.weights.is_some()),
-    ];
-    if let Some((flag, _)) = router_only.iter().find(|(_, set)| *set) {
-        return Err(Error::Usage(format!("{flag} applies to routers, not to --model or --model-cmd")));
-    }
-    let budget = args.memory.budget();
-    let model = open(args, budget)?;
-    if let Some(path) = &args.replay {
-        return replay_witness(model.as_ref(), path, budget, args, out).map(Some);
-    }
-    // The single-layer default list names L, which has no meaning here: the default is every
-    // token probe.
-    let probes = match args.probes == Probe::default_list() {
-        true => TokenProbe::ALL.to_vec(),
-        false => TokenProbe::parse_list(&args.probes)?,
-    };
-    let options = ModelAuditOptions {
-        probes,
-        batch: args.sizes.batch,
-        seq_len: args.sizes.seq_len,
-        trials: args.trials,
-        seed: args.seed,
-        prefill: m.prefill.unwrap_or(args.sizes.seq_len / 2),
+/// Audits the model, or replays a witness on it.
+pub(super) fn run(m: ModelOptions, out: &mut dyn Write) -> Result<u8> {
+    let model = open(m.source, m.largest_call, m.budget)?;
+    let (options, format, output, witness_dir) = match m.action {
+        Action::Replay(path) => return replay_witness(model.as_ref(), &path, m.budget, m.fail_on, out),
+        Action::Audit { options, format, output, witness_dir } => (options, format, output, witness_dir),
     };
     let report = audit_model(model.as_ref(), &options)?;
-    let text = match args.format {
-        CheckFormat::Text => render_model_text(&report),
-        CheckFormat::Json => serde_json::to_string_pretty(&report).expect("a report always serialises") + "\n",
-        other => {
-            let name = format!("{other:?}").to_lowercase();
-            return Err(Error::Usage(format!("--format {name} is not written for whole models: text or json")));
-        }
+    let text = match format {
+        ModelFormat::Text => render_model_text(&report),
+        ModelFormat::Json => serde_json::to_string_pretty(&report).expect("a report always serialises") + "\n",
     };
     let mut staged = moe_audit::files::Staged::new();
-    if let Some(dir) = &args.witness_dir {
+    if let Some(dir) = &witness_dir {
         write_witnesses(&report, dir, &mut staged)?;
     }
-    match &args.output {
+    match &output {
         Some(path) => staged.write(path, text.as_bytes())?,
         None => out.write_all(text.as_bytes()).map_err(io_error)?,
     }
     staged.commit()?;
-    let fails = (args.fail_on.leak && report.leaks()) || (args.fail_on.drift && report.drifts());
-    Ok(Some(exit::failed_if(fails)))
+    let fails = (m.fail_on.leak && report.leaks()) || (m.fail_on.drift && report.drifts());
+    Ok(exit::failed_if(fails))
 }
 
-/// The model the flags name, checked to fit in memory at the audit's sizes.
-fn open(args: &CheckArgs, budget: MemoryBudget) -> Result<Box<dyn Model>> {
-    let m = &args.model;
-    if let Some(command) = &m.model_cmd {
-        let timeout = moe_audit::external::process::timeout(args.external.cmd.timeout)?;
-        return Ok(Box::new(ModelProcess::spawn(command, timeout, budget)?));
+/// The model, the built-in one checked to fit in memory at the audit's largest call.
+fn open(source: Source, (batch, seq_len): (usize, usize), budget: MemoryBudget) -> Result<Box<dyn Model>> {
+    match source {
+        Source::Command { command, timeout } => Ok(Box::new(ModelProcess::spawn(&command, timeout, budget)?)),
+        Source::Builtin(spec) => {
+            let model = Builtin::new(*spec)?;
+            budget.ensure_fits(
+                &format!("the audit of model `{}`", model.info().name),
+                model.call_bytes(batch, seq_len),
+            )?;
+            Ok(Box::new(model))
+        }
     }
-    let router = RouterConfig::load(m.model.as_deref().expect("selected"))?;
-    let spec = BuiltinSpec {
-        router,
-        layers: m.layers,
-        vocab: m.vocab,
-        hidden: args.sizes.hidden,
-        ffn: args.sizes.ffn,
-        seed: args.seed,
-        non_causal: m.non_causal,
-    };
-    let model = Builtin::new(spec)?;
-    // R pads a quarter of the sequence on.
-    let estimate = model.call_bytes(args.sizes.batch, args.sizes.seq_len + args.sizes.seq_len / 4 + 1);
-    budget.ensure_fits(&format!("the audit of model `{}`", model.info().name), estimate)?;
-    Ok(Box::new(model))
 }
 
 /// One witness file per leaking probe: `<model>-<probe letter>.json`.
@@ -151,7 +219,7 @@ fn replay_witness(
     model: &dyn Model,
     path: &Path,
     budget: MemoryBudget,
-    args: &CheckArgs,
+    fail_on: FailOn,
     out: &mut dyn Write,
 ) -> Result<u8> {
     let text = moe_audit::files::read_text(path, budget.text(), "a witness")?;
@@ -168,5 +236,5 @@ fn replay_witness(
         w.token_a.1
     );
     out.write_all(line.as_bytes()).map_err(io_error)?;
-    Ok(exit::failed_if(still && args.fail_on.leak))
+    Ok(exit::failed_if(still && fail_on.leak))
 }

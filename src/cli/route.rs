@@ -1,7 +1,8 @@
 //! `moe-audit route`: one call through a router, shown as a table or the JSON record.
 
+use super::common::MemoryArgs;
 use super::exit;
-use super::{io_error, MemoryArgs};
+use super::io_error;
 use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};
 use moe_audit::config::RouterConfig;

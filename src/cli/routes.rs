@@ -8,6 +8,7 @@ use moe_audit::files::Staged;
 use moe_audit::records::read::ShapeHint;
 use moe_audit::records::{self, Budget, CompareOptions, Layout, Record};
 use moe_audit::render::{json, routes_chart, routes_github, routes_junit, routes_markdown, routes_text, show_text};
+use moe_audit::MemoryBudget;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -54,7 +55,7 @@ pub struct CompareArgs {
     pub chart: Option<PathBuf>,
     /// `--max-memory`.
     #[command(flatten)]
-    pub memory: super::MemoryArgs,
+    pub memory: super::common::MemoryArgs,
 }
 
 /// Output formats of `routes compare`.
@@ -85,7 +86,7 @@ pub struct ShowArgs {
     pub format: ShowFormat,
     /// `--max-memory`.
     #[command(flatten)]
-    pub memory: super::MemoryArgs,
+    pub memory: super::common::MemoryArgs,
 }
 
 /// Output formats of `routes show`.
@@ -97,10 +98,69 @@ pub enum ShowFormat {
     Json,
 }
 
-pub(super) fn run(args: &RoutesArgs, out: &mut dyn Write) -> Result<u8> {
-    match &args.command {
-        RoutesCommand::Compare(a) => compare(a, out),
-        RoutesCommand::Show(a) => show(a, out),
+/// A validated `routes` subcommand.
+#[derive(Debug)]
+pub enum RoutesOptions {
+    /// `routes compare`.
+    Compare(Compare),
+    /// `routes show`.
+    Show { file: PathBuf, config: Option<PathBuf>, format: ShowFormat, budget: MemoryBudget },
+}
+
+/// A validated `routes compare`.
+#[derive(Debug)]
+pub struct Compare {
+    rollout: PathBuf,
+    trainer: PathBuf,
+    config: Option<PathBuf>,
+    options: CompareOptions,
+    format: CompareFormat,
+    chart: Option<PathBuf>,
+    budget: MemoryBudget,
+}
+
+impl RoutesArgs {
+    /// The subcommand's flags checked.
+    pub fn validated(&self) -> Result<RoutesOptions> {
+        Ok(match &self.command {
+            RoutesCommand::Compare(a) => RoutesOptions::Compare(a.validated()?),
+            RoutesCommand::Show(a) => RoutesOptions::Show {
+                file: a.file.clone(),
+                config: a.config.clone(),
+                format: a.format,
+                budget: a.memory.budget(),
+            },
+        })
+    }
+}
+
+impl CompareArgs {
+    fn validated(&self) -> Result<Compare> {
+        if let Some(m) = self.max_disagreement.filter(|m| !(0.0..=1.0).contains(m)) {
+            return Err(Error::Usage(format!("--max-disagreement must be a share between 0 and 1, got {m}")));
+        }
+        if let Some(chart) = &self.chart {
+            let ext = chart.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase);
+            if !matches!(ext.as_deref(), Some("png" | "svg")) {
+                return Err(Error::input(chart, "--chart takes a .png or .svg file"));
+            }
+        }
+        Ok(Compare {
+            rollout: self.rollout.clone(),
+            trainer: self.trainer.clone(),
+            config: self.config.clone(),
+            options: CompareOptions { max_disagreement: self.max_disagreement },
+            format: self.format,
+            chart: self.chart.clone(),
+            budget: self.memory.budget(),
+        })
+    }
+}
+
+pub(super) fn run(routes: RoutesOptions, out: &mut dyn Write) -> Result<u8> {
+    match routes {
+        RoutesOptions::Compare(c) => compare(&c, out),
+        RoutesOptions::Show { file, config, format, budget } => show(&file, &config, format, budget, out),
     }
 }
 
@@ -116,18 +176,9 @@ fn is_json(path: &Path) -> bool {
     path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json"))
 }
 
-fn compare(args: &CompareArgs, out: &mut dyn Write) -> Result<u8> {
-    if let Some(m) = args.max_disagreement.filter(|m| !(0.0..=1.0).contains(m)) {
-        return Err(Error::Usage(format!("--max-disagreement must be a share between 0 and 1, got {m}")));
-    }
-    if let Some(chart) = &args.chart {
-        let ext = chart.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase);
-        if !matches!(ext.as_deref(), Some("png" | "svg")) {
-            return Err(Error::input(chart, "--chart takes a .png or .svg file"));
-        }
-    }
+fn compare(args: &Compare, out: &mut dyn Write) -> Result<u8> {
     let layout = layout(&args.config)?;
-    let mut budget = Budget::new(args.memory.budget());
+    let mut budget = Budget::new(args.budget);
     // A flat SGLang record without a config takes its shape from the other record.
     let (rollout, trainer) = if is_json(&args.rollout) && !is_json(&args.trainer) {
         let trainer = records::load(&args.trainer, layout.as_ref(), None, &mut budget)?;
@@ -137,8 +188,7 @@ fn compare(args: &CompareArgs, out: &mut dyn Write) -> Result<u8> {
         let trainer = records::load(&args.trainer, layout.as_ref(), Some(hint(&rollout)), &mut budget)?;
         (rollout, trainer)
     };
-    let options = CompareOptions { max_disagreement: args.max_disagreement };
-    let c = records::compare(&rollout, &trainer, layout.as_ref(), &options, &mut budget)?;
+    let c = records::compare(&rollout, &trainer, layout.as_ref(), &args.options, &mut budget)?;
     let text = match args.format {
         CompareFormat::Text => routes_text(&c),
         CompareFormat::Json => json(&c),
@@ -155,12 +205,18 @@ fn compare(args: &CompareArgs, out: &mut dyn Write) -> Result<u8> {
     Ok(exit::failed_if(c.failed))
 }
 
-fn show(args: &ShowArgs, out: &mut dyn Write) -> Result<u8> {
-    let layout = layout(&args.config)?;
-    let mut budget = Budget::new(args.memory.budget());
-    let record = records::load(&args.file, layout.as_ref(), None, &mut budget)?;
+fn show(
+    file: &Path,
+    config: &Option<PathBuf>,
+    format: ShowFormat,
+    budget: MemoryBudget,
+    out: &mut dyn Write,
+) -> Result<u8> {
+    let layout = layout(config)?;
+    let mut budget = Budget::new(budget);
+    let record = records::load(file, layout.as_ref(), None, &mut budget)?;
     let summary = records::show(&record, layout.as_ref().map(|l| l.experts));
-    let text = match args.format {
+    let text = match format {
         ShowFormat::Text => show_text(&summary),
         ShowFormat::Json => json(&summary),
     };

@@ -1,45 +1,93 @@
-//! `moe-audit snapshot`: a router's decisions on fixed inputs to a `.snap` file, `--check` and
-//! `--update` of one, and `--plan` (inputs for a harness such as the Python helper).
+//! `moe-audit snapshot`: `record` a router's decisions on fixed inputs to a `.snap` file,
+//! `check` one or `update` it (made again from its header), and `plan` the inputs for a harness
+//! that routes them itself (the Python helper).
 
+use super::common::{utf8, InputArg, MemoryArgs, TimeoutArgs};
 use super::exit;
-use super::external::{InputArg, RouterCmdArgs};
-use super::{io_error, MemoryArgs};
-use clap::Args;
+use super::io_error;
+use clap::{ArgGroup, Args, Subcommand};
 use moe_audit::config::presets;
 use moe_audit::error::{Error, Result};
 use moe_audit::external::protocol::PROTOCOL;
-use moe_audit::external::{Handshake, InputKind};
+use moe_audit::external::Handshake;
 use moe_audit::snapshot::{
     check, make, remake, write_atomic, write_plan, Header, InputSpec, RouterSource, Rows, SnapshotFile,
 };
+use moe_audit::MemoryBudget;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
 /// Arguments of `moe-audit snapshot`.
 #[derive(Debug, Args)]
 pub struct SnapshotArgs {
+    /// What to do with a snapshot.
+    #[command(subcommand)]
+    pub command: SnapshotCommand,
+}
+
+/// The `snapshot` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum SnapshotCommand {
+    /// Route fixed inputs (train and inference) through one router and write the snapshot.
+    Record(RecordArgs),
+    /// Make the snapshot FILE's header describes again and compare: exit 0 when unchanged, 1
+    /// with a diff when the routing changed, 2 for a bad or edited file.
+    Check(AgainArgs),
+    /// Make the snapshot FILE's header describes again and rewrite FILE (also migrates the
+    /// unsealed format).
+    Update(AgainArgs),
+    /// Write the inputs of a snapshot into DIR for a harness that routes them itself (the Python
+    /// helper); `snapshot record --traces DIR` then makes the snapshot from its answers.
+    Plan(PlanArgs),
+}
+
+/// The inputs of a snapshot: `record` and `plan`.
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Input")]
+pub struct InputArgs {
+    /// Sequences [default: 2].
+    #[arg(long)]
+    pub batch: Option<usize>,
+    /// Tokens per sequence [default: 8; with --logits or --hidden-states, from the file].
+    #[arg(long)]
+    pub seq_len: Option<usize>,
+    /// Hidden size of a preset's or TOML router's seeded gate and hidden states [default: 64].
+    #[arg(long)]
+    pub hidden: Option<usize>,
+    /// Seed of the inputs (standard normal rows) and of a preset's or TOML router's gate
+    /// [default: 0].
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Route these logits: a JSON array of batch*seq_len rows of E numbers, sequence-major.
+    #[arg(long, value_name = "FILE", conflicts_with = "hidden_states")]
+    pub logits: Option<PathBuf>,
+    /// Route these hidden states: a JSON array of batch*seq_len rows of H numbers.
+    #[arg(long, value_name = "FILE")]
+    pub hidden_states: Option<PathBuf>,
+}
+
+/// Arguments of `snapshot record`.
+#[derive(Debug, Args)]
+#[command(group(ArgGroup::new("source").args(["router", "router_cmd", "traces"]).required(true)))]
+pub struct RecordArgs {
     /// A preset name or router TOML file (with a seeded gate, or the gate of --weights).
     pub router: Option<String>,
     /// Write the snapshot here (atomically: complete or untouched) instead of stdout.
     #[arg(long, value_name = "FILE.snap", help_heading = "Output")]
     pub output: Option<PathBuf>,
-    /// Make the snapshot FILE's header describes again and compare: exit 0 when unchanged, 1
-    /// with a diff when the routing changed, 2 for a bad or edited file. A router command runs
-    /// only when given here with --router-cmd (the header's is never run).
-    #[arg(long, value_name = "FILE.snap", conflicts_with = "update", help_heading = "Output")]
-    pub check: Option<PathBuf>,
-    /// Make the snapshot FILE's header describes again and rewrite FILE.
-    #[arg(long, value_name = "FILE.snap", help_heading = "Output")]
-    pub update: Option<PathBuf>,
-    /// A router run as a subprocess (one).
-    #[command(flatten)]
-    pub cmd: RouterCmdArgs,
-    /// A trace directory answered by a harness (`moe-audit plan`, or `snapshot --plan`): the
-    /// first call of each mode is snapshotted. With --check/--update: where the answers are now.
-    #[arg(long, value_name = "DIR", help_heading = "External routers")]
+    /// A router run as a subprocess: a command speaking the moe-audit/1 or /2 protocol
+    /// (docs/PROTOCOL.md), run with `sh -c` (its hidden size is its own).
+    #[arg(long, value_name = "COMMAND", conflicts_with = "hidden", help_heading = "External routers")]
+    pub router_cmd: Option<String>,
+    /// How long the router command may take.
+    #[command(flatten, next_help_heading = "External routers")]
+    pub timeout: TimeoutArgs,
+    /// A trace directory answered by a harness (`moe-audit plan`, or `snapshot plan`): the first
+    /// call of each mode is snapshotted, on the plan's own inputs.
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["batch", "seq_len", "seed", "hidden", "logits", "hidden_states"], help_heading = "External routers")]
     pub traces: Option<PathBuf>,
-    /// A safetensors checkpoint holding the gate of ROUTER.
-    #[arg(long, value_name = "FILE.safetensors", requires = "gate", help_heading = "External routers")]
+    /// A safetensors checkpoint holding the gate of ROUTER (whose hidden size is its own).
+    #[arg(long, value_name = "FILE.safetensors", requires = "gate", conflicts_with_all = ["router_cmd", "traces", "hidden"], help_heading = "External routers")]
     pub weights: Option<PathBuf>,
     /// The gate matrix `[experts, hidden]` in --weights.
     #[arg(long, value_name = "TENSOR", requires = "weights", help_heading = "External routers")]
@@ -47,77 +95,111 @@ pub struct SnapshotArgs {
     /// A selection-only expert bias `[experts]` in --weights.
     #[arg(long, value_name = "TENSOR", requires = "gate", help_heading = "External routers")]
     pub bias: Option<String>,
-    /// Sequences [default: 2].
-    #[arg(long, help_heading = "Input")]
-    pub batch: Option<usize>,
-    /// Tokens per sequence [default: 8; with --logits or --hidden-states, from the file].
-    #[arg(long, help_heading = "Input")]
-    pub seq_len: Option<usize>,
-    /// Hidden size of a preset's or TOML router's seeded gate and hidden states [default: 64].
-    #[arg(long, help_heading = "Input")]
-    pub hidden: Option<usize>,
-    /// Seed of the inputs (standard normal rows) and of a preset's or TOML router's gate
-    /// [default: 0].
-    #[arg(long, help_heading = "Input")]
-    pub seed: Option<u64>,
-    /// Route these logits: a JSON array of batch*seq_len rows of E numbers, sequence-major.
-    #[arg(long, value_name = "FILE", conflicts_with = "hidden_states", help_heading = "Input")]
-    pub logits: Option<PathBuf>,
-    /// Route these hidden states: a JSON array of batch*seq_len rows of H numbers.
-    #[arg(long, value_name = "FILE", help_heading = "Input")]
-    pub hidden_states: Option<PathBuf>,
-    /// Write the inputs of a snapshot into DIR for a harness that routes them itself (the Python
-    /// helper); `snapshot --traces DIR` then makes the snapshot from its answers.
-    #[arg(long, value_name = "DIR", requires = "experts", help_heading = "Harness")]
-    pub plan: Option<PathBuf>,
-    /// The router's name (with --plan).
-    #[arg(long, requires = "plan", default_value = "router", help_heading = "Harness")]
-    pub name: String,
-    /// Number of experts E (with --plan).
-    #[arg(long, requires = "plan", help_heading = "Harness")]
-    pub experts: Option<usize>,
-    /// Experts per token (with --plan; omit for expert choice).
-    #[arg(long, requires = "plan", help_heading = "Harness")]
-    pub top_k: Option<usize>,
-    /// What the router's rows hold (with --plan).
-    #[arg(long, value_enum, requires = "plan", help_heading = "Harness")]
-    pub input: Option<InputArg>,
-    /// Hidden size H (with --plan --input hidden).
-    #[arg(long, requires = "plan", help_heading = "Harness")]
-    pub hidden_size: Option<usize>,
+    /// The inputs.
+    #[command(flatten)]
+    pub input: InputArgs,
     /// The memory limit.
     #[command(flatten)]
     pub memory: MemoryArgs,
 }
 
+/// Arguments of `snapshot check` and `snapshot update`: the file's header says everything else.
+#[derive(Debug, Args)]
+pub struct AgainArgs {
+    /// The snapshot.
+    #[arg(value_name = "FILE.snap")]
+    pub file: PathBuf,
+    /// The router command, when the header's router is one (the header's is never run: it runs
+    /// only when given here, and must be the header's).
+    #[arg(long, value_name = "COMMAND")]
+    pub router_cmd: Option<String>,
+    /// Where a harness's answers are now (a snapshot made from traces or a plan).
+    #[arg(long, value_name = "DIR")]
+    pub traces: Option<PathBuf>,
+    /// The memory limit.
+    #[command(flatten)]
+    pub memory: MemoryArgs,
+}
+
+/// Arguments of `snapshot plan`.
+#[derive(Debug, Args)]
+pub struct PlanArgs {
+    /// Where to write the inputs.
+    #[arg(value_name = "DIR")]
+    pub dir: PathBuf,
+    /// The router's name.
+    #[arg(long, default_value = "router", help_heading = "Router")]
+    pub name: String,
+    /// Number of experts E.
+    #[arg(long, help_heading = "Router")]
+    pub experts: usize,
+    /// Experts per token (omit for expert choice).
+    #[arg(long, help_heading = "Router")]
+    pub top_k: Option<usize>,
+    /// What the router's rows hold.
+    #[arg(long, value_enum, default_value_t = InputArg::Logits, help_heading = "Router")]
+    pub input: InputArg,
+    /// Hidden size H (with --input hidden).
+    #[arg(long, help_heading = "Router")]
+    pub hidden_size: Option<usize>,
+    /// The inputs.
+    #[command(flatten)]
+    pub rows: InputArgs,
+    /// The memory limit.
+    #[command(flatten)]
+    pub memory: MemoryArgs,
+}
+
+/// A validated `snapshot`.
+#[derive(Debug)]
+pub enum SnapshotOptions {
+    /// Make a snapshot of one router.
+    Record { source: RouterSource, input: InputSpec, output: Option<PathBuf>, budget: MemoryBudget },
+    /// Make a stored snapshot again: compare (`check`) or rewrite it (`update`).
+    Again { file: PathBuf, update: bool, router_cmd: Option<String>, traces: Option<PathBuf>, budget: MemoryBudget },
+    /// Write the inputs for a harness.
+    Plan { dir: PathBuf, router: Handshake, input: InputSpec, budget: MemoryBudget },
+}
+
 impl SnapshotArgs {
-    /// Flags that describe a snapshot to make (not allowed with --check/--update).
-    fn making_flags(&self) -> Vec<&'static str> {
-        let given = [
-            ("ROUTER", self.router.is_some()),
-            ("--output", self.output.is_some()),
-            ("--weights", self.weights.is_some()),
-            ("--batch", self.batch.is_some()),
-            ("--seq-len", self.seq_len.is_some()),
-            ("--hidden", self.hidden.is_some()),
-            ("--seed", self.seed.is_some()),
-            ("--logits", self.logits.is_some()),
-            ("--hidden-states", self.hidden_states.is_some()),
-            ("--plan", self.plan.is_some()),
-        ];
-        given.iter().filter(|(_, g)| *g).map(|(f, _)| *f).collect()
+    /// The subcommand's flags checked, its router and inputs resolved.
+    pub fn validated(&self) -> Result<SnapshotOptions> {
+        Ok(match &self.command {
+            SnapshotCommand::Record(a) => SnapshotOptions::Record {
+                source: a.source()?,
+                input: a.input.spec()?,
+                output: a.output.clone(),
+                budget: a.memory.budget(),
+            },
+            SnapshotCommand::Check(a) | SnapshotCommand::Update(a) => SnapshotOptions::Again {
+                file: a.file.clone(),
+                update: matches!(self.command, SnapshotCommand::Update(_)),
+                router_cmd: a.router_cmd.clone(),
+                traces: a.traces.clone(),
+                budget: a.memory.budget(),
+            },
+            SnapshotCommand::Plan(a) => SnapshotOptions::Plan {
+                dir: a.dir.clone(),
+                router: Handshake {
+                    protocol: PROTOCOL.into(),
+                    name: a.name.clone(),
+                    experts: a.experts,
+                    top_k: a.top_k,
+                    input: a.input.into(),
+                    hidden_size: a.hidden_size,
+                    responses: None,
+                    padding_mask: false,
+                    seed_calls: None,
+                },
+                input: a.rows.spec()?,
+                budget: a.memory.budget(),
+            },
+        })
     }
+}
 
-    /// The `--router-cmd` a `--check`/`--update` may run: at most one.
-    fn one_router_cmd(&self) -> Result<Option<&str>> {
-        match self.cmd.router_cmd.as_slice() {
-            [] => Ok(None),
-            [one] => Ok(Some(one)),
-            _ => Err(Error::Usage("a snapshot holds one router: give --router-cmd once".into())),
-        }
-    }
-
-    fn input(&self) -> Result<InputSpec> {
+impl InputArgs {
+    fn spec(&self) -> Result<InputSpec> {
         let (rows, file) = match (&self.logits, &self.hidden_states) {
             (Some(f), _) => (Rows::Logits, Some(f)),
             (_, Some(f)) => (Rows::HiddenStates, Some(f)),
@@ -134,44 +216,18 @@ impl SnapshotArgs {
             sha256: String::new(),
         })
     }
+}
 
-    /// The one router to snapshot.
+impl RecordArgs {
+    /// The one router to snapshot (clap has checked there is one).
     fn source(&self) -> Result<RouterSource> {
-        let sources =
-            usize::from(self.router.is_some()) + self.cmd.router_cmd.len() + usize::from(self.traces.is_some());
-        if sources != 1 {
-            return Err(Error::Usage(
-                "snapshot one router: a preset or TOML file (with --weights, on that gate), --router-cmd, or --traces"
-                    .into(),
-            ));
-        }
-        let unused = match () {
-            _ if self.traces.is_some() => [
-                ("--batch", self.batch.is_some()),
-                ("--seq-len", self.seq_len.is_some()),
-                ("--seed", self.seed.is_some()),
-                ("--hidden", self.hidden.is_some()),
-                ("--logits", self.logits.is_some()),
-                ("--hidden-states", self.hidden_states.is_some()),
-            ]
-            .iter()
-            .find(|(_, given)| *given)
-            .map(|(flag, _)| (*flag, "--traces snapshots the plan's own inputs")),
-            _ if self.hidden.is_some() && (!self.cmd.router_cmd.is_empty() || self.weights.is_some()) => {
-                Some(("--hidden", "the router's hidden size is its own"))
-            }
-            _ => None,
-        };
-        if let Some((flag, why)) = unused {
-            return Err(Error::Usage(format!("{why}: drop {flag}")));
-        }
-        if let Some(command) = self.cmd.router_cmd.first() {
-            return Ok(RouterSource::Command { command: command.clone(), timeout: self.cmd.timeout });
+        if let Some(command) = &self.router_cmd {
+            return Ok(RouterSource::Command { command: command.clone(), timeout: self.timeout.timeout });
         }
         if let Some(dir) = &self.traces {
             return Ok(RouterSource::Traces { dir: utf8(dir, "--traces")?, sha256: String::new() });
         }
-        let router = self.router.clone().expect("one source");
+        let router = self.router.clone().expect("clap requires one source");
         if let (Some(weights), Some(gate)) = (&self.weights, &self.gate) {
             return Ok(RouterSource::Gate {
                 router,
@@ -192,85 +248,79 @@ impl SnapshotArgs {
     }
 }
 
-fn utf8(path: &Path, flag: &str) -> Result<String> {
-    path.to_str().map(str::to_string).ok_or_else(|| Error::Usage(format!("{flag}: the path is not UTF-8")))
+pub(super) fn run(snapshot: SnapshotOptions, out: &mut dyn Write) -> Result<u8> {
+    match snapshot {
+        SnapshotOptions::Record { source, input, output, budget } => record(&source, &input, output, budget, out),
+        SnapshotOptions::Again { file, update, router_cmd, traces, budget } => {
+            again(&file, update, router_cmd.as_deref(), traces.as_deref(), budget, out)
+        }
+        SnapshotOptions::Plan { dir, router, input, budget } => {
+            write_plan(&dir, &router, &input, budget)?;
+            writeln!(
+                out,
+                "wrote the inputs of a snapshot in {}: answer its 2 calls in decisions.jsonl, then run `moe-audit snapshot record --traces {}`",
+                dir.display(),
+                dir.display()
+            )
+            .map_err(io_error)?;
+            Ok(exit::OK)
+        }
+    }
 }
 
-pub(super) fn run(args: &SnapshotArgs, out: &mut dyn Write) -> Result<u8> {
-    let budget = args.memory.budget();
-    let again = args.check.as_ref().or(args.update.as_ref());
-    if let Some(path) = again {
-        let flag = if args.check.is_some() { "--check" } else { "--update" };
-        if let Some(f) = args.making_flags().first() {
-            return Err(Error::Usage(format!(
-                "{flag} makes the snapshot its header describes: drop {f} (only --router-cmd, --traces DIR and --max-memory go with it)"
-            )));
-        }
-        // The file, its parsed copy and the fresh one stay in memory together; read bounded, as
-        // a FIFO or `/dev/zero` has no size to check beforehand.
-        if let Ok(meta) = std::fs::metadata(path) {
-            budget.ensure_fits(&format!("reading {}", path.display()), meta.len().saturating_mul(4))?;
-        }
-        let text = moe_audit::files::read_text_within(path, budget)?;
-        let stored = SnapshotFile::parse(&text, path);
-        if args.update.is_some() {
-            // The header says how to remake it (the unsealed format too: this migrates it); the
-            // sections may be anything.
-            let end = text.find("\n=== ").map_or(text.len(), |i| i + 1);
-            let header = Header::parse_unsealed(&text[..end], path)?;
-            let fresh = remake(path, &header, args.one_router_cmd()?, args.traces.as_deref(), budget)?;
-            let bytes = fresh.render();
-            if text != bytes {
-                write_atomic(path, bytes.as_bytes())?;
-            }
-            let what = match stored.ok().map(|s| check(path, &s, &fresh)) {
-                Some(Ok(outcome)) if !outcome.changed => "unchanged".to_string(),
-                Some(Ok(outcome)) => format!("updated\n{}", outcome.report),
-                _ => "updated".to_string(),
-            };
-            writeln!(out, "{}: {what}", path.display()).map_err(io_error)?;
-            return Ok(exit::OK);
-        }
-        let stored = stored?;
-        let fresh = remake(path, &stored.header, args.one_router_cmd()?, args.traces.as_deref(), budget)?;
-        let outcome = check(path, &stored, &fresh)?;
-        let verdict = if outcome.changed { "routing changed" } else { "unchanged" };
-        write!(out, "{}: {verdict}\n{}", path.display(), outcome.report).map_err(io_error)?;
-        return Ok(exit::failed_if(outcome.changed));
+/// `snapshot check` and `snapshot update`.
+fn again(
+    path: &Path,
+    update: bool,
+    router_cmd: Option<&str>,
+    traces: Option<&Path>,
+    budget: MemoryBudget,
+    out: &mut dyn Write,
+) -> Result<u8> {
+    // The file, its parsed copy and the fresh one stay in memory together; read bounded, as
+    // a FIFO or `/dev/zero` has no size to check beforehand.
+    if let Ok(meta) = std::fs::metadata(path) {
+        budget.ensure_fits(&format!("reading {}", path.display()), meta.len().saturating_mul(4))?;
     }
-    if let Some(dir) = &args.plan {
-        if args.router.is_some() || !args.cmd.router_cmd.is_empty() || args.traces.is_some() || args.weights.is_some() {
-            return Err(Error::Usage(
-                "--plan writes inputs for a router outside moe-audit: describe it with --name, --experts, --top-k, --input, --hidden-size".into(),
-            ));
+    let text = moe_audit::files::read_text_within(path, budget)?;
+    let stored = SnapshotFile::parse(&text, path);
+    if update {
+        // The header says how to remake it (the unsealed format too: this migrates it); the
+        // sections may be anything.
+        let end = text.find("\n=== ").map_or(text.len(), |i| i + 1);
+        let header = Header::parse_unsealed(&text[..end], path)?;
+        let fresh = remake(path, &header, router_cmd, traces, budget)?;
+        let bytes = fresh.render();
+        if text != bytes {
+            write_atomic(path, bytes.as_bytes())?;
         }
-        let hs = Handshake {
-            protocol: PROTOCOL.into(),
-            name: args.name.clone(),
-            experts: args.experts.expect("clap requires --experts"),
-            top_k: args.top_k,
-            input: match args.input {
-                Some(InputArg::Hidden) => InputKind::Hidden,
-                _ => InputKind::Logits,
-            },
-            hidden_size: args.hidden_size,
-            responses: None,
-            padding_mask: false,
-            seed_calls: None,
+        let what = match stored.ok().map(|s| check(path, &s, &fresh)) {
+            Some(Ok(outcome)) if !outcome.changed => "unchanged".to_string(),
+            Some(Ok(outcome)) => format!("updated\n{}", outcome.report),
+            _ => "updated".to_string(),
         };
-        write_plan(dir, &hs, &args.input()?, budget)?;
-        writeln!(
-            out,
-            "wrote the inputs of a snapshot in {}: answer its 2 calls in decisions.jsonl, then run `moe-audit snapshot --traces {}`",
-            dir.display(),
-            dir.display()
-        )
-        .map_err(io_error)?;
+        writeln!(out, "{}: {what}", path.display()).map_err(io_error)?;
         return Ok(exit::OK);
     }
-    let made = make(&args.source()?, &args.input()?, None, budget)?;
+    let stored = stored?;
+    let fresh = remake(path, &stored.header, router_cmd, traces, budget)?;
+    let outcome = check(path, &stored, &fresh)?;
+    let verdict = if outcome.changed { "routing changed" } else { "unchanged" };
+    write!(out, "{}: {verdict}\n{}", path.display(), outcome.report).map_err(io_error)?;
+    Ok(exit::failed_if(outcome.changed))
+}
+
+/// `snapshot record`.
+fn record(
+    source: &RouterSource,
+    input: &InputSpec,
+    output: Option<PathBuf>,
+    budget: MemoryBudget,
+    out: &mut dyn Write,
+) -> Result<u8> {
+    let made = make(source, input, None, budget)?;
     let bytes = made.render();
-    match &args.output {
+    match &output {
         Some(path) => {
             if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
                 std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, "cannot create", e))?;

@@ -1,8 +1,9 @@
 //! `moe-audit sweep`: the grid of routers × sizes, load balance against leaks, with charts.
 
 use super::bars::bar as progress_bar;
+use super::common::MemoryArgs;
 use super::exit;
-use super::{io_error, MemoryArgs};
+use super::io_error;
 use clap::Args;
 use moe_audit::error::Result;
 use moe_audit::sweep::{self, Grid};

@@ -24,12 +24,29 @@ pub fn synopsis(cli: &Command, width: usize) -> String {
     out
 }
 
-/// One command's synopsis: its name, positionals, then each option in declaration order.
+/// One command's synopsis: its name, positionals, then each option in declaration order. The
+/// members of a required group (one of them must be given) are shown together, where the first
+/// of them would be: `<ROUTER|--cmd COMMAND>`.
 fn entry(path: &[String], command: &Command, width: usize) -> String {
     let visible = |a: &&Arg| !a.is_hide_set() && !matches!(a.get_action(), ArgAction::Help | ArgAction::Version);
-    let positionals = command.get_positionals().filter(visible).map(positional);
-    let options = command.get_arguments().filter(visible).filter(|a| !a.is_positional()).map(option);
-    let words: Vec<String> = std::iter::once(path.join(" ")).chain(positionals).chain(options).collect();
+    let groups: Vec<Vec<&str>> = command
+        .get_groups()
+        .filter(|g| g.is_required_set())
+        .map(|g| g.get_args().map(|id| id.as_str()).collect())
+        .collect();
+    let args = command.get_positionals().chain(command.get_arguments().filter(|a| !a.is_positional()));
+    let mut words = vec![path.join(" ")];
+    for a in args.filter(visible) {
+        match groups.iter().find(|g| g.contains(&a.get_id().as_str())) {
+            Some(group) if group[0] == a.get_id().as_str() => {
+                let member = |id: &&str| command.get_arguments().find(|m| m.get_id() == *id).map(bare);
+                words.push(format!("<{}>", group.iter().filter_map(member).collect::<Vec<_>>().join("|")));
+            }
+            Some(_) => {}
+            None if a.is_positional() => words.push(positional(a)),
+            None => words.push(option(a)),
+        }
+    }
     wrap(&words, width)
 }
 
@@ -38,13 +55,27 @@ fn value_name(a: &Arg) -> String {
     a.get_value_names().and_then(|n| n.first()).map_or(a.get_id().as_str().to_uppercase(), |n| n.to_string())
 }
 
+/// A positional or an option as it is written when given: `ROUTERS...`, `--batch 4`.
+fn bare(a: &Arg) -> String {
+    if a.is_positional() {
+        let many = matches!(a.get_action(), ArgAction::Append) || a.get_num_args().is_some_and(|n| n.max_values() > 1);
+        return format!("{}{}", value_name(a), if many { "..." } else { "" });
+    }
+    let long = format!("--{}", a.get_long().expect("options have a long name"));
+    if !a.get_action().takes_values() {
+        return long;
+    }
+    let values: Vec<String> =
+        a.get_possible_values().iter().filter(|v| !v.is_hide_set()).map(|v| v.get_name().to_string()).collect();
+    // The choices, else the default (as `--batch 4`), else the value's name.
+    let default = a.get_default_values().first().map(|v| v.to_string_lossy().into_owned());
+    let value = if values.is_empty() { default.unwrap_or_else(|| value_name(a)) } else { values.join("|") };
+    format!("{long} {value}")
+}
+
 fn positional(a: &Arg) -> String {
-    let name = value_name(a);
-    let many = if matches!(a.get_action(), ArgAction::Append) || a.get_num_args().is_some_and(|n| n.max_values() > 1) {
-        "..."
-    } else {
-        ""
-    };
+    let text = bare(a);
+    let (name, many) = text.split_at(text.len() - if text.ends_with("...") { 3 } else { 0 });
     if a.is_required_set() {
         format!("<{name}>{many}")
     } else {
@@ -53,21 +84,10 @@ fn positional(a: &Arg) -> String {
 }
 
 fn option(a: &Arg) -> String {
-    let long = format!("--{}", a.get_long().expect("options have a long name"));
-    let text = if a.get_action().takes_values() {
-        let values: Vec<String> =
-            a.get_possible_values().iter().filter(|v| !v.is_hide_set()).map(|v| v.get_name().to_string()).collect();
-        // The choices, else the default (as `--batch 4`), else the value's name.
-        let default = a.get_default_values().first().map(|v| v.to_string_lossy().into_owned());
-        let value = if values.is_empty() { default.unwrap_or_else(|| value_name(a)) } else { values.join("|") };
-        format!("{long} {value}")
-    } else {
-        long
-    };
     if a.is_required_set() {
-        text
+        bare(a)
     } else {
-        format!("[{text}]")
+        format!("[{}]", bare(a))
     }
 }
 
@@ -123,5 +143,8 @@ mod tests {
         assert!(text.starts_with("moe-audit presets\nmoe-audit route "), "{text}");
         assert!(text.lines().all(|l| l.len() <= 100 || !l.trim_start().contains(' ')), "{text}");
         assert!(text.contains("\nmoe-audit routes compare "), "{text}");
+        // One of a required group: the router, or the model's command.
+        assert!(text.contains("\nmoe-audit model <ROUTER|--cmd COMMAND> [--timeout 60]"), "{text}");
+        assert!(text.contains("\nmoe-audit snapshot check <FILE.snap> "), "{text}");
     }
 }

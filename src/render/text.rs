@@ -259,7 +259,7 @@ pub fn render_zoo(report: &Report) -> String {
     out
 }
 
-/// The outcome of `check --replay`: the leak (X: the drift) reproduced, with the before and
+/// The outcome of `replay`: the leak (X: the drift) reproduced, with the before and
 /// after routes, or gone.
 pub fn render_replay(replay: &Replay) -> String {
     let w = &replay.witness;

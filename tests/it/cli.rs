@@ -325,7 +325,7 @@ fn witnesses_are_written_and_replay_with_exit_1() {
     assert_eq!(code, 1);
     let witness = dir.join("megatron-probs-F.json");
     assert!(text.contains(&format!("[witness {}]", witness.display())), "{text}");
-    let (code, text) = check(&["check", "--replay", witness.to_str().unwrap()]);
+    let (code, text) = check(&["replay", witness.to_str().unwrap()]);
     assert_eq!(code, 1, "{text}");
     assert!(
         text.starts_with("LEAK reproduced: router megatron-probs, probe F (future), property C-content: token "),
@@ -346,17 +346,17 @@ fn a_drift_witness_replays_as_drift_and_fails_only_on_drift() {
     assert_eq!(check(&args).0, 0, "drift is reported, not failed");
     let witness = dir.join("mixtral-X.json");
     let witness = witness.to_str().unwrap();
-    let (code, text) = check(&["check", "--replay", witness]);
+    let (code, text) = check(&["replay", witness]);
     assert_eq!(code, 0, "{text}");
     assert!(text.starts_with("DRIFT reproduced: router mixtral, probe X (numerics), property T/I: token "), "{text}");
-    let (code, text) = check(&["check", "--replay", witness, "--fail-on", "leak,drift"]);
+    let (code, text) = check(&["replay", witness, "--fail-on", "leak,drift"]);
     assert_eq!(code, 1, "{text}");
 }
 
 #[test]
 fn replay_of_a_file_that_is_not_a_witness() {
     let path = file("not_a_witness.json", "{\"format\": \"moe-audit-witness/1\"}");
-    let err = fail(&["check", "--replay", &path]);
+    let err = fail(&["replay", &path]);
     assert!(err.starts_with("error: [TMP]/not_a_witness.json: not a witness: missing field"), "{err}");
 }
 
@@ -367,6 +367,42 @@ fn check_rejects_bad_probes_and_sizes() {
     insta::assert_snapshot!(fail(&["check", "no-such-router"]), @"error: unknown router `no-such-router`: not a preset (mixtral, deepseek-v3, switch, megatron-probs, megatron-position, megatron-probs-pad, deepspeed-top1, deepspeed-top2, deepspeed-topk-probs, expert-choice, aux-loss-free, causal-capacity, sinkhorn, batch-prioritized, expert-choice-tc-serve, expert-threshold, null-experts) and not a file");
 }
 
+/// Each mode is a subcommand, and the flags that do not go together are refused by the parser,
+/// before anything runs: one line, exit 2.
+#[test]
+fn flags_that_do_not_go_together_are_refused_by_the_parser() {
+    let cases: [(&[&str], &str); 11] = [
+        (&["check"], "required arguments were not provided: <ROUTERS|--router-cmd <COMMAND>|--traces <DIR>>"),
+        (&["check", "mixtral", "--mode", "inference"], "required arguments were not provided: --router-cmd <COMMAND>"),
+        (
+            &["check", "--router-cmd", "true", "--traces", "t"],
+            "'--router-cmd <COMMAND>' cannot be used with '--traces <DIR>'",
+        ),
+        (
+            &["check", "--router-cmd", "true", "--weights", "w.safetensors", "--gate", "g"],
+            "required arguments were not provided: <ROUTERS>",
+        ),
+        (&["check", "mixtral", "--replay", "w.json"], "unexpected argument '--replay' found"),
+        (&["model"], "required arguments were not provided: <ROUTER|--cmd <COMMAND>>"),
+        (&["model", "mixtral", "--cmd", "true"], "'[ROUTER]' cannot be used with '--cmd <COMMAND>'"),
+        (&["model", "--cmd", "true", "--layers", "3"], "'--cmd <COMMAND>' cannot be used with '--layers <LAYERS>'"),
+        (
+            &["model", "mixtral", "--replay", "w.json", "--format", "json"],
+            "'--replay <WITNESS.json>' cannot be used with '--format <FORMAT>'",
+        ),
+        (&["replay", "w.json", "--mode", "inference"], "required arguments were not provided: --router-cmd <COMMAND>"),
+        (
+            &["snapshot", "record", "--router-cmd", "true", "--weights", "w.safetensors", "--gate", "g"],
+            "'--router-cmd <COMMAND>' cannot be used with '--weights <FILE.safetensors>'",
+        ),
+    ];
+    for (args, want) in cases {
+        let err = fail(args);
+        assert!(err.starts_with("error: ") && err.contains(want) && err.ends_with("(see --help)"), "{args:?}: {err}");
+    }
+    // Formats of one mode are not offered by another.
+    assert!(fail(&["model", "mixtral", "--format", "junit"]).contains("invalid value 'junit' for '--format <FORMAT>'"));
+}
 #[test]
 fn zoo_prints_every_preset_with_verdicts_and_load() {
     let (code, text) = check(&["zoo"]);

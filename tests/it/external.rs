@@ -169,7 +169,7 @@ fn trace_files_give_the_subprocess_verdicts() {
     );
 }
 
-/// Every file `plan` and `snapshot --plan` write gets the mode a new file gets here (0666 less
+/// Every file `plan` and `snapshot plan` write gets the mode a new file gets here (0666 less
 /// the umask): the inputs were once 0600 beside a 0644 manifest.
 #[cfg(unix)]
 #[test]
@@ -183,7 +183,7 @@ fn plan_outputs_share_the_normal_file_mode() {
     let snap = dir.join("snapshot-plan");
     let (p, s) = (plan.to_str().unwrap(), snap.to_str().unwrap());
     let plan_args = ["plan", "--output", p, "--experts", "4", "--top-k", "2", "--batch", "1", "--seq-len", "2"];
-    let snapshot_args = ["snapshot", "--plan", s, "--experts", "4", "--top-k", "2"];
+    let snapshot_args = ["snapshot", "plan", s, "--experts", "4", "--top-k", "2"];
     for (args, out) in [(&plan_args[..], &plan), (&snapshot_args[..], &snap)] {
         let run = run(args);
         assert!(run.status.success(), "{args:?}: {}", String::from_utf8_lossy(&run.stderr));

@@ -109,7 +109,7 @@ const SMALL: &[&str] = &["--batch", "2", "--seq-len", "8", "--trials", "4", "--t
 
 fn toy(how: &str) -> (i32, String, String) {
     let cmd = format!("python3 tests/it/routers/toy_model3.py {how}");
-    let mut args = vec!["check", "--model-cmd", cmd.as_str()];
+    let mut args = vec!["model", "--cmd", cmd.as_str()];
     args.extend_from_slice(SMALL);
     run(&args)
 }
@@ -117,18 +117,18 @@ fn toy(how: &str) -> (i32, String, String) {
 #[test]
 fn check_model_builtin_through_the_binary() {
     let (code, out, err) =
-        run(&["check", "--model", "expert-choice", "--layers", "3", "--batch", "2", "--seq-len", "8", "--trials", "2"]);
+        run(&["model", "expert-choice", "--layers", "3", "--batch", "2", "--seq-len", "8", "--trials", "2"]);
     assert_eq!(code, 1, "{err}");
     assert!(
         out.starts_with("model builtin-expert-choice: vocab 256; layers 0 dense, 1-2 moe (8 experts, expert choice)"),
         "{out}"
     );
     assert!(out.contains("first at layer 1"), "{out}");
-    let (code, _, err) = run(&["check", "--model", "mixtral", "--layers", "1"]);
+    let (code, _, err) = run(&["model", "mixtral", "--layers", "1"]);
     assert_eq!(code, 2);
     assert_eq!(err.trim().lines().count(), 1, "{err}");
     assert!(err.contains("has no MoE layer"), "{err}");
-    let (code, _, err) = run(&["check", "--model", "mixtral", "--probes", "P,L"]);
+    let (code, _, err) = run(&["model", "mixtral", "--probes", "P,L"]);
     assert_eq!(code, 2);
     assert!(err.contains("unknown probe `L` for a whole model"), "{err}");
 }
@@ -170,8 +170,7 @@ fn a_witness_with_token_ids_beyond_the_vocabulary_is_refused() {
     std::fs::write(&path, serde_json::to_string(&w).unwrap()).unwrap();
     let path = path.to_str().unwrap();
     let (code, _, err) = run(&[
-        "check",
-        "--model",
+        "model",
         "expert-choice",
         "--hidden",
         "32",

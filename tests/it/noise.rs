@@ -209,7 +209,7 @@ fn an_external_routers_witness_replays_against_the_live_router() {
     let file = dir.join("stateful-py-S.json");
     let replay = |env: &[(&str, &str)], with_router: bool| {
         let cmd = format!("python3 {}", router.display());
-        let mut args = vec!["check", "--replay", file.to_str().unwrap()];
+        let mut args = vec!["replay", file.to_str().unwrap()];
         if with_router {
             args.extend(["--router-cmd", &cmd]);
         }

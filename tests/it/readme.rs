@@ -117,7 +117,7 @@ fn the_documented_workflow_is_the_file_it_names() {
     assert_eq!(shown.expect("docs/CI.md shows the workflow"), body, "docs/CI.md's workflow differs from the file");
     // Its snapshot step checks a snapshot committed here, of the example router.
     let checks: Vec<&str> =
-        body.iter().filter_map(|l| l.trim().strip_prefix("run: moe-audit snapshot --check ")).collect();
+        body.iter().filter_map(|l| l.trim().strip_prefix("run: moe-audit snapshot check ")).collect();
     assert!(!checks.is_empty(), "the workflow checks no snapshot");
     if !crate::external::numpy() {
         return;
@@ -126,7 +126,7 @@ fn the_documented_workflow_is_the_file_it_names() {
         let file = check.split_whitespace().next().expect("a snapshot file");
         // The step as written (its flags and quoting), run by a shell as CI runs it.
         let out = Command::new("sh")
-            .args(["-c", &format!("\"$0\" snapshot --check {check}"), BIN])
+            .args(["-c", &format!("\"$0\" snapshot check {check}"), BIN])
             .current_dir(env!("CARGO_MANIFEST_DIR"))
             .envs(crate::external::python_env())
             .output()

@@ -55,15 +55,13 @@ fn a_snapshot_header_never_runs_its_command() {
     }
     let dir = tmp("command");
     std::fs::write(dir.join("r.py"), ROUTER).unwrap();
-    ok(&dir, &["snapshot", "--router-cmd", "python3 r.py", "--output", "r.snap"]);
+    ok(&dir, &["snapshot", "record", "--router-cmd", "python3 r.py", "--output", "r.snap"]);
     let text = std::fs::read_to_string(dir.join("r.snap")).unwrap();
     assert!(text.contains("command = \"python3 r.py\"\n"), "{text}");
     // Given on the command line, the command runs and the snapshot checks clean.
-    assert!(
-        ok(&dir, &["snapshot", "--check", "r.snap", "--router-cmd", "python3 r.py"]).starts_with("r.snap: unchanged")
-    );
+    assert!(ok(&dir, &["snapshot", "check", "r.snap", "--router-cmd", "python3 r.py"]).starts_with("r.snap: unchanged"));
     // Without it, nothing runs: the header's command is named, not executed.
-    let e = refused(&dir, &["snapshot", "--check", "r.snap"]);
+    let e = refused(&dir, &["snapshot", "check", "r.snap"]);
     assert_eq!(
         e,
         "error: r.snap: [router] command = \"python3 r.py\" is a record for the reader, never run from the file: give the router's command with --router-cmd"
@@ -73,11 +71,11 @@ fn a_snapshot_header_never_runs_its_command() {
     let edited = text.replace("command = \"python3 r.py\"", "command = \"touch PWNED; python3 r.py\"");
     std::fs::write(dir.join("r.snap"), &edited).unwrap();
     for args in [
-        &["snapshot", "--check", "r.snap"][..],
-        &["snapshot", "--update", "r.snap"],
-        &["snapshot", "--check", "r.snap", "--router-cmd", "python3 r.py"],
-        &["snapshot", "--update", "r.snap", "--router-cmd", "python3 r.py"],
-        &["snapshot", "--check", "r.snap", "--router-cmd", "touch PWNED; python3 r.py"],
+        &["snapshot", "check", "r.snap"][..],
+        &["snapshot", "update", "r.snap"],
+        &["snapshot", "check", "r.snap", "--router-cmd", "python3 r.py"],
+        &["snapshot", "update", "r.snap", "--router-cmd", "python3 r.py"],
+        &["snapshot", "check", "r.snap", "--router-cmd", "touch PWNED; python3 r.py"],
     ] {
         let e = refused(&dir, args);
         assert!(e.starts_with("error: r.snap: the header does not match its `header_sha256`"), "{args:?}: {e}");
@@ -90,7 +88,7 @@ fn a_snapshot_header_never_runs_its_command() {
     f.header.router =
         moe_audit::snapshot::RouterSource::Command { command: "touch PWNED; python3 r.py".into(), timeout: 60.0 };
     std::fs::write(dir.join("r.snap"), f.render()).unwrap();
-    for flag in ["--check", "--update"] {
+    for flag in ["check", "update"] {
         assert_eq!(
             refused(&dir, &["snapshot", flag, "r.snap"]),
             "error: r.snap: [router] command = \"touch PWNED; python3 r.py\" is a record for the reader, never run from the file: give the router's command with --router-cmd"
@@ -102,7 +100,7 @@ fn a_snapshot_header_never_runs_its_command() {
     }
     assert!(!dir.join("PWNED").exists());
     // --timeout has the bounds of every other router command.
-    let e = refused(&dir, &["snapshot", "--router-cmd", "python3 r.py", "--timeout", "1e30"]);
+    let e = refused(&dir, &["snapshot", "record", "--router-cmd", "python3 r.py", "--timeout", "1e30"]);
     assert_eq!(e, "error: --timeout must be a number of seconds in (0, 86400], got 1e30");
 }
 
@@ -110,7 +108,7 @@ fn a_snapshot_header_never_runs_its_command() {
 #[test]
 fn an_edited_snapshot_header_is_refused_and_a_resealed_one_is_bounded() {
     let dir = tmp("header");
-    ok(&dir, &["snapshot", "megatron-probs", "--output", "m.snap"]);
+    ok(&dir, &["snapshot", "record", "megatron-probs", "--output", "m.snap"]);
     let text = std::fs::read_to_string(dir.join("m.snap")).unwrap();
     for (from, to) in [
         ("seed = 0", "seed = 1"),
@@ -120,7 +118,7 @@ fn an_edited_snapshot_header_is_refused_and_a_resealed_one_is_bounded() {
     ] {
         assert!(text.contains(from), "{from}");
         std::fs::write(dir.join("e.snap"), text.replace(from, to)).unwrap();
-        for flag in ["--check", "--update"] {
+        for flag in ["check", "update"] {
             let e = refused(&dir, &["snapshot", flag, "e.snap"]);
             assert!(e.starts_with("error: e.snap: the header does not match its `header_sha256`"), "{to}: {e}");
         }
@@ -133,17 +131,17 @@ fn an_edited_snapshot_header_is_refused_and_a_resealed_one_is_bounded() {
         std::fs::write(dir.join(name), f.render()).unwrap();
     };
     write("huge.snap", &|f| f.header.input.batch = 1 << 40);
-    let e = refused(&dir, &["snapshot", "--check", "huge.snap", "--max-memory", "1GiB"]);
+    let e = refused(&dir, &["snapshot", "check", "huge.snap", "--max-memory", "1GiB"]);
     assert!(e.starts_with("error: this snapshot needs about"), "{e}");
     write("wide.snap", &|f| f.header.input.hidden = Some(1 << 40));
-    let e = refused(&dir, &["snapshot", "--check", "wide.snap", "--max-memory", "1GiB"]);
+    let e = refused(&dir, &["snapshot", "check", "wide.snap", "--max-memory", "1GiB"]);
     assert!(e.starts_with("error: this snapshot needs about"), "{e}");
     // A preset name that is a path is not read.
     write("path.snap", &|f| {
         f.header.router = moe_audit::snapshot::RouterSource::Preset { name: "/etc/hostname".into() }
     });
     assert_eq!(
-        refused(&dir, &["snapshot", "--check", "path.snap"]),
+        refused(&dir, &["snapshot", "check", "path.snap"]),
         "error: path.snap: [router] name = \"/etc/hostname\" is not a preset"
     );
 }
@@ -158,8 +156,8 @@ fn snapshot_header_paths_stay_inside_the_working_directory() {
     std::fs::write(work.join("l.json"), serde_json::to_string(&rows).unwrap()).unwrap();
     std::fs::write(dir.join("outside.json"), serde_json::to_string(&rows).unwrap()).unwrap();
     std::os::unix::fs::symlink("../outside.json", work.join("link.json")).unwrap();
-    ok(&work, &["snapshot", "mixtral", "--logits", "l.json", "--output", "l.snap"]);
-    ok(&work, &["snapshot", "--check", "l.snap"]);
+    ok(&work, &["snapshot", "record", "mixtral", "--logits", "l.json", "--output", "l.snap"]);
+    ok(&work, &["snapshot", "check", "l.snap"]);
     let stored =
         SnapshotFile::parse(&std::fs::read_to_string(work.join("l.snap")).unwrap(), Path::new("l.snap")).unwrap();
     let outside = dir.join("outside.json");
@@ -171,14 +169,14 @@ fn snapshot_header_paths_stay_inside_the_working_directory() {
         let mut f = stored.clone();
         f.header.input.file = Some(file.into());
         std::fs::write(work.join("p.snap"), f.render()).unwrap();
-        let e = refused(&work, &["snapshot", "--check", "p.snap"]);
+        let e = refused(&work, &["snapshot", "check", "p.snap"]);
         assert!(e.contains(want), "{file}: {e}");
     }
     // A router TOML named by the header, likewise.
     let mut f = stored.clone();
     f.header.router = moe_audit::snapshot::RouterSource::Config { path: "../r.toml".into(), sha256: String::new() };
     std::fs::write(work.join("c.snap"), f.render()).unwrap();
-    assert!(refused(&work, &["snapshot", "--check", "c.snap"]).contains("[router] path: an absolute path or `..`"));
+    assert!(refused(&work, &["snapshot", "check", "c.snap"]).contains("[router] path: an absolute path or `..`"));
 }
 
 /// A trace folder's files are its own: a symlink out of it is not followed.
@@ -187,10 +185,10 @@ fn trace_folder_files_do_not_lead_out_of_the_folder() {
     let dir = tmp("traces");
     let t = dir.join("t");
     let ts = t.to_str().unwrap();
-    ok(&dir, &["snapshot", "--plan", ts, "--experts", "4", "--top-k", "1", "--seq-len", "2", "--batch", "1"]);
+    ok(&dir, &["snapshot", "plan", ts, "--experts", "4", "--top-k", "1", "--seq-len", "2", "--batch", "1"]);
     std::fs::write(dir.join("secret.jsonl"), "{\"id\": 1, \"token\": \"s3cret\"}\n").unwrap();
     std::os::unix::fs::symlink("../secret.jsonl", t.join("decisions.jsonl")).unwrap();
-    for args in [&["snapshot", "--traces", ts][..], &["check", "--traces", ts]] {
+    for args in [&["snapshot", "record", "--traces", ts][..], &["check", "--traces", ts]] {
         let e = refused(&dir, args);
         assert!(e.contains("decisions.jsonl: decisions.jsonl: a symlink leads out of"), "{args:?}: {e}");
         assert!(!e.contains("s3cret"), "{e}");
@@ -243,7 +241,7 @@ fn a_witness_runs_nothing_and_names_no_file() {
     let mut json: serde_json::Value = serde_json::from_str(&text).unwrap();
     json["router"]["name"] = "touch PWNED".into();
     std::fs::write(&path, json.to_string()).unwrap();
-    assert!(refused(&dir, &["check", "--replay", "w/megatron-probs-P.json"]).contains("does not match its `sha256`"));
+    assert!(refused(&dir, &["replay", "w/megatron-probs-P.json"]).contains("does not match its `sha256`"));
     // Resealed, with a command for a name and a file and command beside: replayed from the data.
     let mut w: moe_audit::analyze::Witness = serde_json::from_str(&text).unwrap();
     w.router.as_mut().expect("a config witness").name = "touch PWNED".into();
@@ -252,7 +250,7 @@ fn a_witness_runs_nothing_and_names_no_file() {
     json["command"] = "touch PWNED2".into();
     json["logits_file"] = "/etc/hostname".into();
     std::fs::write(&path, json.to_string()).unwrap();
-    let out = run_in(&dir, &["check", "--replay", "w/megatron-probs-P.json"]);
+    let out = run_in(&dir, &["replay", "w/megatron-probs-P.json"]);
     assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stdout).contains("touch PWNED"));
     assert!(!dir.join("PWNED").exists() && !dir.join("PWNED2").exists());

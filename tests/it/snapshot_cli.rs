@@ -1,5 +1,5 @@
 //! `moe-audit snapshot` through the binary, and the Python helper `moe_audit.snapshot`: the same
-//! bytes as `moe_audit::snapshot` for the same routing; routing changes fail `--check` with a
+//! bytes as `moe_audit::snapshot` for the same routing; routing changes fail `snapshot check` with a
 //! diff naming them, float noise below the precision does not; external routers round-trip.
 //!
 //! The Python parts need python3 with numpy (as tests/it/external.rs: a notice without, a
@@ -113,13 +113,17 @@ fn cli_python_helper_and_library_give_the_same_bytes() {
     let dir = tmp("same-bytes");
     let l = logits(&dir);
     let text = snapshot(&assign(&RouterConfig::load("mixtral").unwrap(), l.view()).unwrap());
-    expect(&dir, &["snapshot", "mixtral", "--logits", "logits.json", "--batch", "2", "--output", "cli.snap"], 0);
+    expect(
+        &dir,
+        &["snapshot", "record", "mixtral", "--logits", "logits.json", "--batch", "2", "--output", "cli.snap"],
+        0,
+    );
     let cli = std::fs::read_to_string(dir.join("cli.snap")).unwrap();
     assert_eq!(sections(&cli), [("train".to_string(), text.clone()), ("inference".to_string(), text.clone())]);
     // The same command writes the same bytes, whatever the thread count, and leaves no temporary file.
-    assert_eq!(expect(&dir, &["snapshot", "mixtral", "--logits", "logits.json", "--batch", "2"], 0), cli);
+    assert_eq!(expect(&dir, &["snapshot", "record", "mixtral", "--logits", "logits.json", "--batch", "2"], 0), cli);
     let one_thread = Command::new(BIN)
-        .args(["snapshot", "mixtral", "--logits", "logits.json", "--batch", "2"])
+        .args(["snapshot", "record", "mixtral", "--logits", "logits.json", "--batch", "2"])
         .current_dir(&dir)
         .env("RAYON_NUM_THREADS", "1")
         .output()
@@ -153,13 +157,13 @@ fn megatron_toml(dir: &Path, edit: impl Fn(String) -> String) {
 fn a_changed_capacity_formula_fails_with_a_diff_naming_it() {
     let dir = tmp("capacity");
     megatron_toml(&dir, |t| t);
-    expect(&dir, &["snapshot", "router.toml", "--output", "r.snap"], 0);
+    expect(&dir, &["snapshot", "record", "router.toml", "--output", "r.snap"], 0);
     assert_eq!(
-        expect(&dir, &["snapshot", "--check", "r.snap"], 0),
+        expect(&dir, &["snapshot", "check", "r.snap"], 0),
         "r.snap: unchanged\ntrain: unchanged\ninference: unchanged\n"
     );
     megatron_toml(&dir, |t| t.replace("factor = 1.0", "factor = 1.25"));
-    let diff = expect(&dir, &["snapshot", "--check", "r.snap"], 1);
+    let diff = expect(&dir, &["snapshot", "check", "r.snap"], 1);
     assert!(diff.starts_with("r.snap: routing changed\nnote: the router's file changed since the snapshot"), "{diff}");
     assert!(
         diff.contains("train: 3 of 16 tokens moved (experts 0, order 0, kept flag 3, weight 0); the call changed"),
@@ -168,19 +172,19 @@ fn a_changed_capacity_formula_fails_with_a_diff_naming_it() {
     assert!(diff.contains("  call: capacity 4 per expert per group -> capacity 5 per expert per group\n"), "{diff}");
     assert!(diff.contains("  batch 0 pos 2: e5 dropped -> kept\n"), "{diff}");
     assert!(diff.contains("    -   0    2  e7   0.5549  e5   0.4451x\n    +   0    2  e7   0.5549  e5   0.4451\n"));
-    // --update rewrites it; then it checks clean.
-    let updated = expect(&dir, &["snapshot", "--update", "r.snap"], 0);
+    // `snapshot update` rewrites it; then it checks clean.
+    let updated = expect(&dir, &["snapshot", "update", "r.snap"], 0);
     assert!(updated.starts_with("r.snap: updated\n"), "{updated}");
-    expect(&dir, &["snapshot", "--check", "r.snap"], 0);
-    assert_eq!(expect(&dir, &["snapshot", "--update", "r.snap"], 0), "r.snap: unchanged\n");
+    expect(&dir, &["snapshot", "check", "r.snap"], 0);
+    assert_eq!(expect(&dir, &["snapshot", "update", "r.snap"], 0), "r.snap: unchanged\n");
 }
 
 #[test]
 fn checked_from_another_folder_the_error_names_the_snapshot_and_where_paths_are_looked_up() {
     let dir = tmp("elsewhere");
     megatron_toml(&dir, |t| t);
-    expect(&dir, &["snapshot", "router.toml", "--output", "r.snap"], 0);
-    let out = run_in(dir.parent().unwrap(), &["snapshot", "--check", "elsewhere/r.snap"]);
+    expect(&dir, &["snapshot", "record", "router.toml", "--output", "r.snap"], 0);
+    let out = run_in(dir.parent().unwrap(), &["snapshot", "check", "elsewhere/r.snap"]);
     assert_eq!(out.status.code(), Some(2));
     assert_eq!(
         stderr(&out),
@@ -192,9 +196,9 @@ fn checked_from_another_folder_the_error_names_the_snapshot_and_where_paths_are_
 fn a_renormalised_weight_fails_with_a_diff_naming_it() {
     let dir = tmp("renormalised");
     megatron_toml(&dir, |t| t);
-    expect(&dir, &["snapshot", "router.toml", "--output", "r.snap"], 0);
+    expect(&dir, &["snapshot", "record", "router.toml", "--output", "r.snap"], 0);
     megatron_toml(&dir, |t| t.replace("policy = \"probs\"", "policy = \"probs\"\nrenormalize_after_drop = true"));
-    let diff = expect(&dir, &["snapshot", "--check", "r.snap"], 1);
+    let diff = expect(&dir, &["snapshot", "check", "r.snap"], 1);
     // Ids and kept flags stay; the surviving gate becomes 1.
     assert!(diff.contains("train: 7 of 16 tokens moved (experts 0, order 0, kept flag 0, weight 7)\n"), "{diff}");
     assert!(diff.contains("  batch 0 pos 2: e7 weight 0.5549 -> 1.0000\n"), "{diff}");
@@ -203,13 +207,13 @@ fn a_renormalised_weight_fails_with_a_diff_naming_it() {
 #[test]
 fn float_noise_below_the_precision_passes_and_more_fails() {
     let dir = tmp("noise");
-    expect(&dir, &["snapshot", "megatron-probs", "--output", "r.snap"], 0);
+    expect(&dir, &["snapshot", "record", "megatron-probs", "--output", "r.snap"], 0);
     let text = std::fs::read_to_string(dir.join("r.snap")).unwrap();
     // e6 0.5519 at batch 0, position 0: last-bit noise can print it one unit away, either side.
     assert!(text.contains("  0    0  e6   0.5519  e5   0.4481\n"));
     for (noise, code) in [("0.5520", 0), ("0.5518", 0), ("0.5521", 1)] {
         std::fs::write(dir.join("r.snap"), text.replacen("e6   0.5519", &format!("e6   {noise}"), 1)).unwrap();
-        let out = expect(&dir, &["snapshot", "--check", "r.snap"], code);
+        let out = expect(&dir, &["snapshot", "check", "r.snap"], code);
         if code == 1 {
             assert!(out.contains("  batch 0 pos 0: e6 weight 0.5521 -> 0.5519\n"), "{out}");
             assert!(out.contains("inference: unchanged"), "{out}");
@@ -220,9 +224,9 @@ fn float_noise_below_the_precision_passes_and_more_fails() {
     let value: f64 = aux.rsplit(' ').next().unwrap().parse().unwrap();
     let moved = |d: f64| aux.replace(&format!("{value:.3}"), &format!("{:.3}", value + d));
     std::fs::write(dir.join("r.snap"), text.replacen(&aux, &moved(0.001), 1)).unwrap();
-    expect(&dir, &["snapshot", "--check", "r.snap"], 0);
+    expect(&dir, &["snapshot", "check", "r.snap"], 0);
     std::fs::write(dir.join("r.snap"), text.replacen(&aux, &moved(0.002), 1)).unwrap();
-    assert!(expect(&dir, &["snapshot", "--check", "r.snap"], 1).contains("aux loss"));
+    assert!(expect(&dir, &["snapshot", "check", "r.snap"], 1).contains("aux loss"));
 }
 
 /// A Python router on logits, top-2 with a tie rule, served over the protocol.
@@ -256,12 +260,12 @@ fn a_changed_tie_rule_fails_and_an_external_router_round_trips() {
     let rows: Vec<Vec<f32>> = (0..12).map(|t| (0..8).map(|e| ((e * 3 + t) % 4) as f32).collect()).collect();
     std::fs::write(dir.join("ties.json"), serde_json::to_string(&rows).unwrap()).unwrap();
     tie_router(&dir, true);
-    let make = ["snapshot", "--router-cmd", "python3 tie.py", "--logits", "ties.json", "--batch", "2"];
+    let make = ["snapshot", "record", "--router-cmd", "python3 tie.py", "--logits", "ties.json", "--batch", "2"];
     expect(&dir, &[&make[..], &["--output", "t.snap"]].concat(), 0);
     assert!(std::fs::read_to_string(dir.join("t.snap"))
         .unwrap()
         .contains("source = \"command\"\ncommand = \"python3 tie.py\""));
-    let check = ["snapshot", "--check", "t.snap", "--router-cmd", "python3 tie.py"];
+    let check = ["snapshot", "check", "t.snap", "--router-cmd", "python3 tie.py"];
     expect(&dir, &check, 0);
     // Ties to the highest id now: tokens with tied logits change order or experts.
     tie_router(&dir, false);
@@ -278,7 +282,7 @@ fn a_python_router_snapshots_alike_through_the_cli_the_helper_and_trace_files() 
     let dir = tmp("external");
     let cmd = "python3 python/examples/megatron_probs_router.py";
     let out = Command::new(BIN)
-        .args(["snapshot", "--router-cmd", cmd, "--output"])
+        .args(["snapshot", "record", "--router-cmd", cmd, "--output"])
         .arg(dir.join("cmd.snap"))
         .current_dir(repo())
         .envs(crate::external::python_env())
@@ -307,13 +311,13 @@ assert_routing_snapshot(m.route, "py.snap", name="megatron-probs-py", experts=8,
         .output()
         .unwrap();
     assert!(answer.status.success(), "{}", stderr(&answer));
-    expect(&dir, &["snapshot", "--traces", t, "--output", "traces.snap"], 0);
+    expect(&dir, &["snapshot", "record", "--traces", t, "--output", "traces.snap"], 0);
     // The header records the folder as given (here absolute): a check names it again.
-    expect(&dir, &["snapshot", "--check", "traces.snap", "--traces", t], 0);
+    expect(&dir, &["snapshot", "check", "traces.snap", "--traces", t], 0);
     let traced = std::fs::read_to_string(dir.join("traces.snap")).unwrap();
     assert!(traced.contains("source = \"traces\"") && traced.contains("rows = \"traces\""), "{traced}");
     // A harness snapshot needs its harness: a clear error without one.
-    let out = run_in(&dir, &["snapshot", "--check", "py.snap"]);
+    let out = run_in(&dir, &["snapshot", "check", "py.snap"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(stderr(&out).starts_with("error: py.snap: answered by a harness (the Python helper)"), "{}", stderr(&out));
 }
@@ -351,7 +355,7 @@ fn a_real_gate_and_hidden_states_files_snapshot_and_check() {
     let rows: Vec<Vec<f32>> =
         (0..8).map(|t| (0..16).map(|h| (((t * 16 + h) * 29 % 17) as f32 - 8.0) / 4.0).collect()).collect();
     std::fs::write(dir.join("h.json"), serde_json::to_string(&rows).unwrap()).unwrap();
-    let make = ["snapshot", "megatron-probs", "--weights", "w.safetensors", "--gate", "g"];
+    let make = ["snapshot", "record", "megatron-probs", "--weights", "w.safetensors", "--gate", "g"];
     expect(&dir, &[&make[..], &["--hidden-states", "h.json", "--output", "g.snap"]].concat(), 0);
     let text = std::fs::read_to_string(dir.join("g.snap")).unwrap();
     assert!(
@@ -359,48 +363,56 @@ fn a_real_gate_and_hidden_states_files_snapshot_and_check() {
         "{text}"
     );
     assert!(text.contains("batch = 2\nseq_len = 4\nrows = \"hidden-states\""), "{text}");
-    expect(&dir, &["snapshot", "--check", "g.snap"], 0);
+    expect(&dir, &["snapshot", "check", "g.snap"], 0);
     // A retrained gate: the file's hash is noted, the routing compared.
     save(1.0 + 1e-7);
-    let out = run_in(&dir, &["snapshot", "--check", "g.snap"]);
+    let out = run_in(&dir, &["snapshot", "check", "g.snap"]);
     assert!(stdout(&out).contains("note: the router's file changed since the snapshot"), "{}", stdout(&out));
     save(-1.0);
-    let diff = expect(&dir, &["snapshot", "--check", "g.snap"], 1);
+    let diff = expect(&dir, &["snapshot", "check", "g.snap"], 1);
     assert!(diff.contains("train: 8 of 8 tokens moved"), "{diff}");
     // A TOML router's seeded gate on given hidden states; --hidden is their width.
-    expect(&dir, &["snapshot", "mixtral", "--hidden-states", "h.json", "--hidden", "16", "--output", "m.snap"], 0);
-    expect(&dir, &["snapshot", "--check", "m.snap"], 0);
+    expect(
+        &dir,
+        &["snapshot", "record", "mixtral", "--hidden-states", "h.json", "--hidden", "16", "--output", "m.snap"],
+        0,
+    );
+    expect(&dir, &["snapshot", "check", "m.snap"], 0);
 }
 
 #[test]
 fn bad_snapshots_and_flags_exit_2_with_one_line() {
     let dir = tmp("bad");
     logits(&dir);
-    expect(&dir, &["snapshot", "mixtral", "--logits", "logits.json", "--batch", "2", "--output", "l.snap"], 0);
+    expect(
+        &dir,
+        &["snapshot", "record", "mixtral", "--logits", "logits.json", "--batch", "2", "--output", "l.snap"],
+        0,
+    );
     std::fs::write(dir.join("garbage.snap"), "hello\n").unwrap();
     let good = std::fs::read_to_string(dir.join("l.snap")).unwrap();
     std::fs::write(dir.join("broken.snap"), good.replace("  0    1  e", "  0    1  q")).unwrap();
     let cases: [(&[&str], &str); 10] = [
-        (&["snapshot", "--check", "l.snap", "--max-memory", "100B"], "error: reading l.snap needs about"),
+        (&["snapshot", "check", "l.snap", "--max-memory", "100B"], "error: reading l.snap needs about"),
         (
-            &["snapshot", "--traces", "t", "--batch", "2"],
-            "error: --traces snapshots the plan's own inputs: drop --batch",
+            &["snapshot", "record", "--traces", "t", "--batch", "2"],
+            "error: the argument '--traces <DIR>' cannot be used with '--batch <BATCH>'",
         ),
         (
-            &["snapshot", "mixtral", "--hidden-states", "logits.json"],
+            &["snapshot", "record", "mixtral", "--hidden-states", "logits.json"],
             "error: logits.json: row 0 has 8 values, the router's hidden size is 64",
         ),
-        (&["snapshot", "--check", "missing.snap"], "error: missing.snap: cannot read"),
-        (&["snapshot", "--check", "garbage.snap"], "error: garbage.snap: not a moe-audit snapshot header"),
-        (&["snapshot", "--check", "broken.snap"], "error: broken.snap: section `train`: line 4 of the routing text"),
+        (&["snapshot", "check", "missing.snap"], "error: missing.snap: cannot read"),
+        (&["snapshot", "check", "garbage.snap"], "error: garbage.snap: not a moe-audit snapshot header"),
+        (&["snapshot", "check", "broken.snap"], "error: broken.snap: section `train`: line 4 of the routing text"),
+        (&["snapshot", "check", "l.snap", "--batch", "4"], "error: unexpected argument '--batch' found"),
         (
-            &["snapshot", "--check", "l.snap", "--batch", "4"],
-            "error: --check makes the snapshot its header describes: drop --batch",
+            &["snapshot", "record", "mixtral", "--router-cmd", "true"],
+            "error: the argument '[ROUTER]' cannot be used with '--router-cmd <COMMAND>'",
         ),
-        (&["snapshot", "mixtral", "--router-cmd", "true"], "error: snapshot one router"),
-        (&["snapshot", "mixtral", "--output", "logits.json/x.snap"], "error: logits.json: cannot create"),
+        (&["snapshot", "record", "mixtral", "--output", "logits.json/x.snap"], "error: logits.json: cannot create"),
         (
-            &["snapshot", "mixtral", "--logits", "logits.json", "--batch", "5"],
+            &["snapshot", "record", "mixtral", "--logits", "logits.json", "--batch", "5"],
             "error: logits.json: 12 rows cannot be split",
         ),
     ];
@@ -416,12 +428,12 @@ fn bad_snapshots_and_flags_exit_2_with_one_line() {
         std::fs::read_to_string(dir.join("logits.json")).unwrap().replacen("-1", "-2", 1),
     )
     .unwrap();
-    let out = run_in(&dir, &["snapshot", "--check", "l.snap"]);
+    let out = run_in(&dir, &["snapshot", "check", "l.snap"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(stderr(&out).contains("l.snap: the inputs are not those the snapshot was made from"), "{}", stderr(&out));
     // A hand-edited header: refused by its seal before anything is made.
     std::fs::write(dir.join("edited.snap"), good.replace("rows = \"logits\"", "rows = \"traces\"")).unwrap();
-    let out = run_in(&dir, &["snapshot", "--check", "edited.snap"]);
+    let out = run_in(&dir, &["snapshot", "check", "edited.snap"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(
         stderr(&out).starts_with("error: edited.snap: the header does not match its `header_sha256`"),
@@ -429,6 +441,6 @@ fn bad_snapshots_and_flags_exit_2_with_one_line() {
         stderr(&out)
     );
     // A missing directory is made, as insta does.
-    expect(&dir, &["snapshot", "mixtral", "--output", "snapshots/new/m.snap"], 0);
+    expect(&dir, &["snapshot", "record", "mixtral", "--output", "snapshots/new/m.snap"], 0);
     assert!(dir.join("snapshots/new/m.snap").is_file());
 }

@@ -337,7 +337,7 @@ class WholeModel:
             sys.stdout = user_out
 
     def run(self, argv: Sequence[str] | None = None) -> None:
-        """Serves the model on stdin/stdout (``moe-audit check --model-cmd``). ``argv``: this
+        """Serves the model on stdin/stdout (``moe-audit model --cmd``). ``argv``: this
         wrapper's arguments (it takes none); None leaves the script's command line to the script."""
         if argv:
             sys.exit(f"usage: {sys.argv[0]} (serves {wire3.PROTOCOL} on stdin/stdout)")

@@ -10,7 +10,7 @@ use moe_audit_core::error::Result;
 use moe_audit_core::MemoryBudget;
 use std::time::Duration;
 
-/// A model behind a command (`check --model-cmd "python3 serve.py"`).
+/// A model behind a command (`model --cmd "python3 serve.py"`).
 pub struct ModelProcess {
     peer: Peer,
     info: ModelInfo,

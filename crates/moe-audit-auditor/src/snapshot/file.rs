@@ -2,7 +2,7 @@
 //! then one section per mode holding exactly [`snapshot`](super::snapshot)'s text.
 //!
 //! ```text
-//! # moe-audit routing snapshot. Compare: moe-audit snapshot --check FILE; rewrite: --update FILE.
+//! # moe-audit routing snapshot. Compare: moe-audit snapshot check FILE; rewrite: moe-audit snapshot update FILE.
 //! format = "moe-audit-snapshot/2"
 //! ...
 //! header_sha256 = "…"
@@ -31,7 +31,7 @@ pub const FORMAT_UNSEALED: &str = "moe-audit-snapshot/1";
 pub const WEIGHT_DECIMALS: u32 = 4;
 
 const COMMENT: &str =
-    "# moe-audit routing snapshot. Compare: moe-audit snapshot --check FILE; rewrite: moe-audit snapshot --update FILE.\n";
+    "# moe-audit routing snapshot. Compare: moe-audit snapshot check FILE; rewrite: moe-audit snapshot update FILE.\n";
 
 /// How a snapshot was made: the first part of the file.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -93,7 +93,7 @@ impl Header {
         }
         if header.format == FORMAT && header.header_sha256 != header.sealed().header_sha256 {
             return Err(bad(
-                format!("the header does not match its `header_sha256` (edited or corrupted): nothing is made from it; make the snapshot again (`moe-audit snapshot ROUTER {} FILE`)", moe_audit_core::error::Setting::Output),
+                format!("the header does not match its `header_sha256` (edited or corrupted): nothing is made from it; make the snapshot again (`moe-audit snapshot record ROUTER {} FILE`)", moe_audit_core::error::Setting::Output),
             ));
         }
         Ok(header)
@@ -155,7 +155,7 @@ pub enum RouterSource {
         sha256: String,
     },
     /// A router answered in-process by a harness that re-runs it to check (the Python helper):
-    /// `moe-audit snapshot --plan DIR` wrote the inputs, the harness answered them.
+    /// `moe-audit snapshot plan DIR` wrote the inputs, the harness answered them.
     Harness {
         /// The router's name.
         name: String,

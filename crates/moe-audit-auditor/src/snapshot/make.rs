@@ -1,5 +1,5 @@
 //! Making a snapshot from its header: build the router, make the inputs, route them in every
-//! mode. `snapshot` runs this once to write a file and `snapshot --check` again to compare.
+//! mode. `snapshot` runs this once to write a file and `snapshot check` again to compare.
 
 use super::file::{file_sha256, sha256, write_atomic, Header, InputSpec, RouterSource, Rows, SnapshotFile};
 use super::file::{FORMAT, WEIGHT_DECIMALS};
@@ -19,7 +19,7 @@ use ndarray::Array3;
 use std::collections::HashMap;
 use std::path::Path;
 
-/// The recipe a `snapshot --plan` directory carries, so the snapshot of its answers records the
+/// The recipe a `snapshot plan` directory carries, so the snapshot of its answers records the
 /// router and inputs rather than a temporary directory.
 pub const PLAN_RECIPE: &str = "snapshot.toml";
 
@@ -109,7 +109,7 @@ pub fn make(
 
 type Routed = Vec<(Mode, Array3<f32>, moe_audit_core::routing::Routing)>;
 
-/// A `snapshot --plan` directory answered by a harness: the router and inputs its recipe
+/// A `snapshot plan` directory answered by a harness: the router and inputs its recipe
 /// records, routed by the answers.
 fn harness(dir: &Path, router: &mut RouterSource, input: &mut InputSpec, budget: MemoryBudget) -> Result<Routed> {
     let recipe = read_recipe(dir)?.ok_or_else(|| {
@@ -279,7 +279,7 @@ pub fn is_snapshot_plan(dir: &Path) -> bool {
 
 /// Writes the inputs of a snapshot of the router `hs` describes into `dir`, for a harness to
 /// answer (`manifest.json` with one train and one inference call, `inputs.safetensors`) with the
-/// recipe of the snapshot beside them; `moe-audit snapshot --traces DIR` then makes the snapshot.
+/// recipe of the snapshot beside them; `moe-audit snapshot record --traces DIR` then makes the snapshot.
 pub fn write_plan(dir: &Path, hs: &Handshake, input: &InputSpec, budget: MemoryBudget) -> Result<()> {
     hs.validate().map_err(Error::Usage)?;
     let mut input = InputSpec { hidden: None, ..input.clone() };

@@ -8,7 +8,7 @@
 //!   the working directory; and [`check`] compares a stored file with a fresh one as values: a printed weight may move by one unit of its last
 //!   decimal (float noise rounding across a boundary), anything more is a change;
 //! - [`write_plan`]: the inputs for a harness that routes in-process (the Python helper
-//!   `moe_audit.snapshot`), whose answers `moe-audit snapshot --traces DIR` turns into the same
+//!   `moe_audit.snapshot`), whose answers `moe-audit snapshot record --traces DIR` turns into the same
 //!   bytes as the CLI and [`snapshot()`].
 
 mod file;

@@ -1,5 +1,5 @@
 //! Witnesses: the smallest input pair found that still shows a leak, saved as a file that
-//! replays from itself alone (`moe-audit check --replay witness.json`).
+//! replays from itself alone (`moe-audit replay witness.json`).
 //!
 //! This file is the witness file format: the two calls, the token, what changed, sealed by a
 //! sha256 of the content that a replay checks before it routes. Building and shrinking a witness
@@ -9,7 +9,7 @@
 //! A router outside moe-audit (a subprocess, trace files) has no config to replay from: its
 //! witness keeps the two calls as the audit sent them, unshrunk (shrinking would call the router
 //! again, and change what a stateful router answers the probes after it), with its handshake,
-//! and replays against the live router (`check --replay W --router-cmd CMD`).
+//! and replays against the live router (`replay W --router-cmd CMD`).
 
 mod replay;
 mod shrink;

@@ -2,7 +2,7 @@
 //! judging the token by the audit's own rule, so a witness replays with its audit's verdict.
 //!
 //! What routes the calls is a `Replayer`: the witness's router config (pure, from the file
-//! alone), or a live router for a witness of a router outside moe-audit (`check --replay W
+//! alone), or a live router for a witness of a router outside moe-audit (`replay W
 //! --router-cmd CMD`). Shrinking replays each candidate pair through the same `replay_pair`, so
 //! what shrinking keeps is what a replay sees.
 
@@ -62,7 +62,7 @@ impl Replayer for RouterConfig {
     }
 }
 
-/// A live router (an external one, for `check --replay W --router-cmd CMD`).
+/// A live router (an external one, for `replay W --router-cmd CMD`).
 struct Live<'a>(&'a dyn Router);
 
 impl Replayer for Live<'_> {

@@ -1,0 +1,84 @@
+//! `moe-audit replay`: a router's witness (written by `check --witness-dir`) replayed from its
+//! file alone, or against the live router with `--router-cmd`. A witness holds its router's
+//! config or handshake, so no other flag describes the router. (A whole model's witness holds
+//! only tokens: it replays with the model's own command line, `model ... --replay`.)
+
+use super::common::{FailOn, MemoryArgs, ModeArg, TimeoutArgs};
+use super::{exit, io_error};
+use clap::Args;
+use moe_audit::analyze::{Probe, Witness};
+use moe_audit::error::Result;
+use moe_audit::external::{ExternalRouter, Mode};
+use moe_audit::render::render_replay;
+use moe_audit::MemoryBudget;
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Arguments of `moe-audit replay`.
+#[derive(Debug, Args)]
+pub struct ReplayArgs {
+    /// The witness file.
+    #[arg(value_name = "WITNESS.json")]
+    pub witness: PathBuf,
+    /// Replay against this live router (the witness of a router outside moe-audit), a command
+    /// speaking the moe-audit/1 or /2 protocol, run with `sh -c`.
+    #[arg(long, value_name = "COMMAND")]
+    pub router_cmd: Option<String>,
+    /// How long the router command may take.
+    #[command(flatten)]
+    pub timeout: TimeoutArgs,
+    /// The mode the router command is called in.
+    #[arg(long, value_enum, default_value_t = ModeArg::Train, requires = "router_cmd")]
+    pub mode: ModeArg,
+    /// Seed the router command is started with.
+    #[arg(long, default_value_t = 0, requires = "router_cmd")]
+    pub seed: u64,
+    /// Verdicts that make the replay exit 1 when they reproduce: `leak`, `drift` (an X witness).
+    #[arg(long, value_name = "VERDICTS", default_value = "leak", value_parser = FailOn::parse)]
+    pub fail_on: FailOn,
+    /// The memory limit.
+    #[command(flatten)]
+    pub memory: MemoryArgs,
+}
+
+/// A validated `replay`.
+#[derive(Debug)]
+pub struct ReplayOptions {
+    witness: PathBuf,
+    /// The live router: its command, timeout, seed and mode.
+    router: Option<(String, Duration, u64, Mode)>,
+    fail_on: FailOn,
+    budget: MemoryBudget,
+}
+
+impl ReplayArgs {
+    /// The flags checked.
+    pub fn validated(&self) -> Result<ReplayOptions> {
+        let timeout = self.timeout.validated()?;
+        Ok(ReplayOptions {
+            witness: self.witness.clone(),
+            router: self.router_cmd.clone().map(|command| (command, timeout, self.seed, self.mode.into())),
+            fail_on: self.fail_on,
+            budget: self.memory.budget(),
+        })
+    }
+}
+
+/// Replays the witness: exit 1 while it still shows its leak (or drift, under `--fail-on
+/// drift`), 0 when not.
+pub(super) fn run(replay: &ReplayOptions, out: &mut dyn Write) -> Result<u8> {
+    let path = &replay.witness;
+    let witness = Witness::read_within(path, replay.budget)?;
+    let outcome = match &replay.router {
+        None => witness.replay(path)?,
+        Some((command, timeout, seed, mode)) => {
+            let router = ExternalRouter::spawn(command, *timeout, *seed, *mode, replay.budget)?;
+            witness.replay_on(path, &router)?
+        }
+    };
+    out.write_all(render_replay(&outcome).as_bytes()).map_err(io_error)?;
+    // An X witness is drift: it fails as the audit that wrote it did, under `--fail-on drift`.
+    let fails = if outcome.witness.probe == Probe::X { replay.fail_on.drift } else { replay.fail_on.leak };
+    Ok(exit::failed_if(outcome.reproduces() && fails))
+}
