@@ -20,7 +20,7 @@ pub use case::{Call, Case};
 pub use explain::Explanation;
 pub use noise::fix as random_router_fix;
 pub(crate) use probe::TARGET_LOGIT;
-pub use probe::{numerics, Probe};
+pub use probe::{numerics, Audit, Probe};
 pub use witness::Witness;
 
 use crate::error::{Error, FieldError, Result, Setting};
@@ -336,6 +336,9 @@ pub fn audit(subject: &Subject, options: &AuditOptions, progress: &dyn Progress)
             Setting::Batch,
             Setting::SeqLen
         )));
+    }
+    if let Some(e) = options.probes.iter().find_map(|p| p.check_router().err()) {
+        return Err(Error::Usage(e));
     }
     let router = subject.router;
     let hidden = match router.hidden_size() {

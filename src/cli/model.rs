@@ -5,13 +5,11 @@ use super::check::{CheckArgs, CheckFormat};
 use super::exit;
 use super::io_error;
 use clap::Args;
-use moe_audit::analyze::Probe;
+use moe_audit::analyze::{Audit, Probe};
 use moe_audit::config::RouterConfig;
 use moe_audit::error::{Error, Result};
 use moe_audit::model::audit::{replay, TokenWitness};
-use moe_audit::model::{
-    audit_model, Builtin, BuiltinSpec, Model, ModelAuditOptions, ModelProcess, ModelReport, TokenProbe,
-};
+use moe_audit::model::{audit_model, Builtin, BuiltinSpec, Model, ModelAuditOptions, ModelProcess, ModelReport};
 use moe_audit::render::render_model_text;
 use moe_audit::MemoryBudget;
 use std::io::Write;
@@ -78,8 +76,8 @@ pub(super) fn run(args: &CheckArgs, out: &mut dyn Write) -> Result<Option<u8>> {
     // The single-layer default list names L, which has no meaning here: the default is every
     // token probe.
     let probes = match args.probes == Probe::default_list() {
-        true => TokenProbe::ALL.to_vec(),
-        false => TokenProbe::parse_list(&args.probes)?,
+        true => Probe::MODEL.to_vec(),
+        false => Probe::parse_list_for(&args.probes, Audit::Model)?,
     };
     let options = ModelAuditOptions {
         probes,

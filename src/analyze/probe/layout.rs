@@ -12,7 +12,7 @@ use crate::analyze::layer_check::ranks_split;
 use crate::analyze::tally::{pick_witness_token, witness_hit, Tally};
 use crate::analyze::{
     witness::{self, Witness},
-    AuditOptions, Finding, Probe, Property, Verdict,
+    AuditOptions, Finding, Probe, Verdict,
 };
 use crate::config::{Flatten, RouterConfig, ScopeGroup};
 use crate::error::Result;
@@ -24,14 +24,6 @@ use std::sync::Arc;
 pub(crate) struct Layout;
 
 impl Rule for Layout {
-    fn name(&self) -> &'static str {
-        "layout"
-    }
-
-    fn property(&self) -> Property {
-        Property::L
-    }
-
     fn calls(&self, _: Option<&Witness>, options: &AuditOptions, _: Modes) -> [String; 2] {
         ["1 rank".into(), format!("{} expert-parallel ranks (or the other flattening)", options.ranks)]
     }
