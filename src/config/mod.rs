@@ -1,7 +1,9 @@
 //! Router configuration: the TOML schema, its validation, and the built-in presets.
 //!
-//! One serde struct is the file format, the CLI input and the report header. Parsing and
-//! validation happen here, once, so the routing code can trust every field it reads.
+//! A config is the shared fields and a [`RouterKind`] carrying that kind's settings; it reads and
+//! writes as one flat TOML table (`file.rs`), which is the file format, the CLI input and the
+//! report header. Parsing and validation happen here, once, so the routing code can trust every
+//! field it reads.
 
 mod family;
 mod file;
