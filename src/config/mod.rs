@@ -14,7 +14,8 @@ mod validate;
 
 pub use family::Family;
 pub use inference::{CapacityOverrides, GroupLimitOverrides, InferenceOverrides, ScopeOverrides};
-pub use kind::{ExpertChoice, KindName, RouterKind, ThresholdConfig, TokenChoice};
+// Every kind and its settings (a new kind is one variant and its settings in `kind.rs`).
+pub use kind::*;
 pub use presets::{preset, presets, Preset};
 pub(crate) use validate::MAX_CAPACITY_FACTOR;
 
