@@ -25,10 +25,8 @@ use std::path::PathBuf;
 pub struct CheckArgs {
     /// Preset names or router TOML files.
     pub routers: Vec<String>,
-    /// Probes to run, comma separated: P prefix, F future, N neighbour, R re-batch, D repeat,
-    /// S replay, M mode, L layout; X numerics (bf16/f16 routing flips, accumulator swamping) is
-    /// opt-in.
-    #[arg(long, default_value_t = Probe::default_list(), help_heading = "Audit")]
+    // Probes to run: the help lists the registry's (`analyze/probe/mod.rs`).
+    #[arg(long, help = Probe::help(), default_value_t = Probe::default_list(), help_heading = "Audit")]
     pub probes: String,
     /// Sizes of the seeded layer's calls.
     #[command(flatten, next_help_heading = "Audit")]

@@ -5,12 +5,11 @@ use super::common::{FailOn, MemoryArgs, SizeArgs, TimeoutArgs};
 use super::exit;
 use super::io_error;
 use clap::{ArgGroup, Args, ValueEnum};
+use moe_audit::analyze::{Audit, Probe};
 use moe_audit::config::RouterConfig;
 use moe_audit::error::{Error, Result};
 use moe_audit::model::audit::{replay, TokenWitness};
-use moe_audit::model::{
-    audit_model, Builtin, BuiltinSpec, Model, ModelAuditOptions, ModelProcess, ModelReport, TokenProbe,
-};
+use moe_audit::model::{audit_model, Builtin, BuiltinSpec, Model, ModelAuditOptions, ModelProcess, ModelReport};
 use moe_audit::render::render_model_text;
 use moe_audit::MemoryBudget;
 use moe_audit::RunSizes;
@@ -82,7 +81,7 @@ pub struct ModelArgs {
 }
 
 fn default_probes() -> String {
-    TokenProbe::ALL.iter().map(|p| format!("{p:?}")).collect::<Vec<_>>().join(",")
+    Probe::MODEL.iter().map(Probe::to_string).collect::<Vec<_>>().join(",")
 }
 
 /// Report formats of `model`.
@@ -141,7 +140,7 @@ impl ModelArgs {
             Some(path) => Action::Replay(path.clone()),
             None => Action::Audit {
                 options: ModelAuditOptions {
-                    probes: TokenProbe::parse_list(&self.probes)?,
+                    probes: Probe::parse_list_for(&self.probes, Audit::Model)?,
                     batch,
                     seq_len,
                     trials: self.trials,

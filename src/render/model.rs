@@ -3,8 +3,9 @@
 //! probe's disagreements with their top-k margins. JSON is the serde form of [`ModelReport`].
 
 use super::text::verdict_word;
+use crate::analyze::Probe;
 use crate::analyze::Verdict;
-use crate::model::audit::{ModelFinding, ModelReport, TokenProbe, TokenWitness};
+use crate::model::audit::{ModelFinding, ModelReport, TokenWitness};
 use crate::model::{LayerKind, ModelInfo};
 use crate::routing::Route;
 use std::fmt::Write;
@@ -126,7 +127,7 @@ pub fn render_model_text(report: &ModelReport) -> String {
         if let Some(d) = f.outputs.drift {
             let _ = writeln!(s, "  outputs within tolerance differ by up to {d:.2e} (relative)");
         }
-        if f.probe == TokenProbe::G && f.verdict != Verdict::NotApplicable {
+        if f.probe == Probe::G && f.verdict != Verdict::NotApplicable {
             for t in &f.layers {
                 let disagree = t.changed + t.drift;
                 let margin = |m: Option<f32>| m.map_or("-".into(), |m| format!("{m:.3e}"));

@@ -507,8 +507,7 @@ fn every_witness_replays_from_its_file_alone() {
             let mut fixed = w.clone();
             let router = fixed.router.as_mut().unwrap();
             router.capacity = None;
-            router.kind = moe_audit::config::RouterKind::TokenChoice;
-            router.top_k = Some(2);
+            router.kind = moe_audit::config::RouterKind::TokenChoice(moe_audit::config::TokenChoice::new(2));
             router.score = moe_audit::config::ScoreFn::SoftmaxPost;
             // An edit not sealed again is refused: the content no longer matches its hash.
             std::fs::write(&path, serde_json::to_string(&fixed).unwrap()).unwrap();

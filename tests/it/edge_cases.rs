@@ -23,7 +23,7 @@ fn all_equal_logits_tie_to_the_lowest_expert_then_the_lowest_token() {
         let c = p.config().unwrap();
         let r = route_const(&c, 2, 8, 0.25).unwrap();
         match c.kind {
-            RouterKind::TokenChoice => {
+            RouterKind::TokenChoice(_) => {
                 // Every token picks experts 0..k in order.
                 for t in &r.tokens {
                     let ids: Vec<usize> = t.routes.iter().filter(|x| !x.padded).map(|x| x.expert).collect();
@@ -34,11 +34,11 @@ fn all_equal_logits_tie_to_the_lowest_expert_then_the_lowest_token() {
                     assert!(r.experts_load[0].kept <= cap[0], "{}", p.name);
                 }
             }
-            RouterKind::ExpertThreshold => {
+            RouterKind::ExpertThreshold(_) => {
                 // Every token alike: each takes the same experts (here none: 1/8 < 2/8).
                 assert!(r.tokens.iter().all(|t| t.routes == r.tokens[0].routes), "{}", p.name);
             }
-            RouterKind::ExpertChoice => {
+            RouterKind::ExpertChoice(_) => {
                 // Each expert takes the same first C tokens of the group order (sequence-major
                 // for this preset): those tokens get every expert, the rest none.
                 let c0 = r.scope.groups[0].capacity.unwrap();
@@ -98,9 +98,8 @@ fn one_expert_takes_every_token_at_weight_one() {
     for name in ["mixtral", "megatron-probs", "deepspeed-top1"] {
         let mut c = config(name);
         c.experts = 1;
-        c.top_k = Some(1);
-        c.expert_bias = None;
-        c.group_limit = None;
+        let tc = c.token_choice_mut().unwrap();
+        (tc.top_k, tc.expert_bias, tc.group_limit) = (1, None, None);
         let r = route_const(&c, 2, 5, 0.3).unwrap();
         for t in &r.tokens {
             assert_eq!(t.routes.len(), 1, "{name}");
@@ -113,7 +112,7 @@ fn one_expert_takes_every_token_at_weight_one() {
 #[test]
 fn top_k_equal_to_experts_routes_every_expert_in_score_order() {
     let mut c = config("mixtral");
-    c.top_k = Some(c.experts);
+    c.token_choice_mut().unwrap().top_k = c.experts;
     let row: Vec<f32> = (0..c.experts).map(|e| [0.5, -1.0, 2.0, 0.0, 1.5, -0.5, 1.0, -2.0][e % 8]).collect();
     let r = assign(&c, Logits::from_shape_vec((1, 1, c.experts), row).unwrap().view()).unwrap();
     let ids: Vec<usize> = r.tokens[0].routes.iter().map(|x| x.expert).collect();

@@ -1,17 +1,17 @@
 //! Cases computed by hand from docs/ROUTING.md: each pins one published rule.
 
 use moe_audit::config::{
-    preset, Arithmetic, CapacityConfig, DropPolicy, Flatten, RouterConfig, ScopeConfig, ScopeGroup, ScoreFn,
-    ThresholdConfig,
+    preset, Arithmetic, CapacityConfig, DropPolicy, Flatten, RouterConfig, RouterKind, ScopeConfig, ScopeGroup,
+    ScoreFn, ThresholdConfig,
 };
-use moe_audit::routing::Route;
+use moe_audit::routing::{Route, StepBatch};
 use moe_audit::{assign, Logits, Routing};
 
 fn token_choice(experts: usize, k: usize, score: ScoreFn, capacity: Option<CapacityConfig>) -> RouterConfig {
     let mut c = preset("megatron-probs").unwrap().config().unwrap();
     c.name = "hand".into();
     c.experts = experts;
-    c.top_k = Some(k);
+    c.token_choice_mut().unwrap().top_k = k;
     c.score = score;
     c.capacity = capacity;
     c
@@ -33,6 +33,12 @@ fn route(config: &RouterConfig, batch: usize, rows: &[&[f32]]) -> Routing {
     let e = rows[0].len();
     let logits = Logits::from_shape_vec((batch, rows.len() / batch, e), rows.concat()).unwrap();
     assign(config, logits.view()).unwrap()
+}
+
+/// One training step of the router's state on `logits` (routed as a forward routes them).
+fn step(config: &mut RouterConfig, logits: &Logits) {
+    let routing = assign(config, logits.view()).unwrap();
+    config.step(&StepBatch { logits: logits.view(), loads: &routing.experts_load }).unwrap();
 }
 
 fn kept(expert: usize, weight: f32) -> Route {
@@ -275,12 +281,14 @@ fn aux_loss_free_bias_moves_against_the_load_and_only_selects() {
     // 1.5: one step at rate 0.01 gives bias [-0.01, +0.01]; σ(1) - 0.01 ≈ 0.7211 < σ(0.95) + 0.01
     // ≈ 0.7311, so expert 1 now wins, at its unbiased gate σ(0.95).
     let mut c = preset("aux-loss-free").unwrap().config().unwrap();
-    (c.experts, c.top_k, c.expert_bias) = (2, Some(1), None);
+    c.experts = 2;
+    let tc = c.token_choice_mut().unwrap();
+    (tc.top_k, tc.expert_bias) = (1, None);
     let rows: Vec<&[f32]> = vec![&[1.0, 0.95]; 3];
     let before = route(&c, 1, &rows);
     assert!(before.tokens.iter().all(|t| t.routes[0].expert == 0));
-    c.balance_step(&before.experts_load).unwrap();
-    assert_eq!(c.expert_bias, Some(vec![-0.01, 0.01]));
+    step(&mut c, &Logits::from_shape_vec((1, 3, 2), rows.concat()).unwrap());
+    assert_eq!(c.token_choice().unwrap().expert_bias, Some(vec![-0.01, 0.01]));
     let after = route(&c, 1, &rows);
     let sigmoid = |x: f32| 1.0 / (1.0 + (-x).exp());
     assert!(after.tokens.iter().all(|t| t.routes == [kept(1, sigmoid(0.95))]), "{:?}", after.tokens);
@@ -292,7 +300,8 @@ fn batch_priority_ranks_second_choices_by_the_tokens_max_probability() {
     // 0.19, 0.8]: both 2nd choices want expert 1. BPR serves B first (max probability 0.8 > 0.45),
     // so A's 2nd choice drops although its gate (0.35) beats B's (0.19), which `probs` keeps.
     let mut config = preset("batch-prioritized").unwrap().config().unwrap();
-    (config.experts, config.top_k) = (3, Some(2));
+    config.experts = 3;
+    config.token_choice_mut().unwrap().top_k = 2;
     config.capacity.as_mut().unwrap().factor = Some(0.5);
     let (a, b) = ([ln(0.45), ln(0.35), ln(0.2)], [ln(0.01), ln(0.19), ln(0.8)]);
     let r = route(&config, 1, &[&a, &b]);
@@ -313,7 +322,7 @@ fn expert_threshold(score: ScoreFn, values: Vec<f32>, factor: f64, ema: f32) -> 
     c.name = "hand".into();
     c.experts = values.len();
     c.score = score;
-    c.threshold = Some(ThresholdConfig { factor, ema, values });
+    c.kind = RouterKind::ExpertThreshold(ThresholdConfig { factor, ema, values });
     c
 }
 
@@ -354,17 +363,18 @@ fn expert_threshold_step_moves_each_threshold_toward_its_c_th_best_score() {
     assert_eq!(moe_audit::routing::threshold::quantiles(&config, logits.view()).unwrap(), vec![0.5, 0.5]);
     // A forward reads the thresholds and never moves them.
     let before = assign(&config, logits.view()).unwrap();
-    assert_eq!(config.threshold.as_ref().unwrap().values, vec![0.6, 0.3]);
-    config.threshold_step(logits.view()).unwrap();
+    assert_eq!(config.threshold().unwrap().values, vec![0.6, 0.3]);
+    step(&mut config, &logits);
     // τ + α(q − τ), α 0.5, in f32.
-    assert_eq!(config.threshold.as_ref().unwrap().values, vec![0.6 + 0.5 * (0.5 - 0.6), 0.3 + 0.5 * (0.5 - 0.3)]);
+    assert_eq!(config.threshold().unwrap().values, vec![0.6 + 0.5 * (0.5 - 0.6), 0.3 + 0.5 * (0.5 - 0.3)]);
     // Here the move changes no decision (0.55 and 0.4 split the scores as 0.6 and 0.3 did).
     assert_eq!(assign(&config, logits.view()).unwrap(), before);
     // α 1 sets τ to the quantile: routing the same batch takes expert choice's 2 picks of each
     // expert less the one tied with the 2nd score (0.5 is not above 0.5).
-    config.threshold.as_mut().unwrap().ema = 1.0;
-    config.threshold_step(logits.view()).unwrap();
-    assert_eq!(config.threshold.as_ref().unwrap().values, vec![0.5, 0.5]);
+    let RouterKind::ExpertThreshold(t) = &mut config.kind else { unreachable!("an expert-threshold router") };
+    t.ema = 1.0;
+    step(&mut config, &logits);
+    assert_eq!(config.threshold().unwrap().values, vec![0.5, 0.5]);
     let r = assign(&config, logits.view()).unwrap();
     let (big, _) = three_to_one();
     let routes: Vec<Vec<Route>> = r.tokens.iter().map(|t| t.routes.clone()).collect();
@@ -375,7 +385,7 @@ fn expert_threshold_step_moves_each_threshold_toward_its_c_th_best_score() {
 fn null_experts_compute_nothing_and_leave_the_record_with_fewer_routes() {
     // 2 real experts and 1 null (id 2); top-2 of softmax over all 3, normalised over the 2.
     let mut config = token_choice(3, 2, ScoreFn::SoftmaxPre, None);
-    config.null_experts = 1;
+    config.token_choice_mut().unwrap().null_experts = 1;
     config.normalize = Some(true);
     let r = route(&config, 1, &[&[0.0, -20.0, 0.0], &[0.0, 0.0, -20.0], &[-20.0, -20.0, 0.0]]);
     assert_eq!(r.experts, 2, "the record holds the real experts");

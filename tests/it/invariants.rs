@@ -13,8 +13,8 @@
 //! overridable with `PROPTEST_CASES`, and no regression files are written.
 
 use moe_audit::config::{
-    preset, presets, Arithmetic, CapacityConfig, DropPolicy, Flatten, GroupLimit, RouterConfig, RouterKind,
-    ScopeConfig, ScopeGroup, ScoreFn, Selection,
+    preset, presets, Arithmetic, CapacityConfig, DropPolicy, ExpertChoice, Flatten, GroupLimit, RouterConfig,
+    RouterKind, ScopeConfig, ScopeGroup, ScoreFn, Selection, TokenChoice,
 };
 use moe_audit::routing::capacity::capacity;
 use moe_audit::routing::LoadStats;
@@ -152,7 +152,7 @@ fn reference_sinkhorn(rows: &[Vec<f32>]) -> Vec<Vec<f32>> {
 /// Each token's choice; Sinkhorn selection balances over the token's routing group.
 fn reference_choices(c: &RouterConfig, x: &Array3<f32>) -> Vec<Choice> {
     let (b, s, _) = x.dim();
-    if c.selection == Selection::TopK {
+    if c.token_choice().is_none_or(|tc| tc.selection == Selection::TopK) {
         return (0..b * s).map(|i| reference_choice(c, &row(x, i), None)).collect();
     }
     let mut out: Vec<Option<Choice>> = (0..b * s).map(|_| None).collect();
@@ -168,10 +168,11 @@ fn reference_choices(c: &RouterConfig, x: &Array3<f32>) -> Vec<Choice> {
 fn reference_choice(c: &RouterConfig, row: &[f32], select_on: Option<Vec<f32>>) -> Choice {
     let aff = affinity(c.score, row);
     let mut select = select_on.unwrap_or_else(|| aff.clone());
-    if let Some(bias) = &c.expert_bias {
+    let tc = c.token_choice().expect("a token-choice router");
+    if let Some(bias) = &tc.expert_bias {
         select.iter_mut().zip(bias).for_each(|(s, b)| *s += b);
     }
-    if let Some(GroupLimit { groups, top_groups, score_top }) = c.group_limit.clone() {
+    if let Some(GroupLimit { groups, top_groups, score_top }) = tc.group_limit.clone() {
         let per = c.experts / groups;
         let group_score: Vec<f32> =
             select.chunks(per).map(|chunk| top_k(chunk, score_top).iter().map(|&i| chunk[i]).sum()).collect();
@@ -219,9 +220,9 @@ fn check_all(c: &RouterConfig, x: &Array3<f32>, extreme: bool) -> Check {
     let r = assign(c, x.view()).map_err(|e| TestCaseError::fail(format!("assign failed on finite logits: {e}")))?;
     check_record(c, x, &r)?;
     match c.kind {
-        RouterKind::TokenChoice => check_token_choice(c, x, &r, extreme)?,
-        RouterKind::ExpertChoice => check_expert_choice(c, x, &r)?,
-        RouterKind::ExpertThreshold => check_expert_threshold(c, x, &r)?,
+        RouterKind::TokenChoice(_) => check_token_choice(c, x, &r, extreme)?,
+        RouterKind::ExpertChoice(_) => check_expert_choice(c, x, &r)?,
+        RouterKind::ExpertThreshold(_) => check_expert_threshold(c, x, &r)?,
     }
     check_loads(&r)?;
     // D: the same call twice gives the same record, and the same JSON bytes.
@@ -294,10 +295,10 @@ fn row(x: &Array3<f32>, flat: usize) -> Vec<f32> {
 /// Shape, tokens, groups and capacity fields.
 fn check_record(c: &RouterConfig, x: &Array3<f32>, r: &Routing) -> Check {
     let (b, s, e) = x.dim();
-    let e = e - c.null_experts;
+    let e = e - c.null_experts();
     prop_assert_eq!((r.batch, r.seq_len, r.experts), (b, s, e));
     prop_assert_eq!(&r.router, &c.name);
-    prop_assert_eq!(r.top_k, if c.kind == RouterKind::TokenChoice { Some(c.k()) } else { None });
+    prop_assert_eq!(r.top_k, c.token_choice().map(|tc| tc.top_k));
     prop_assert_eq!(r.tokens.len(), b * s);
     for (i, t) in r.tokens.iter().enumerate() {
         prop_assert_eq!((t.batch, t.pos), (i / s, i % s), "tokens are not sequence-major");
@@ -306,7 +307,7 @@ fn check_record(c: &RouterConfig, x: &Array3<f32>, r: &Routing) -> Check {
     prop_assert_eq!(r.scope.flatten, c.scope.flatten);
     let groups = reference_groups(&c.scope, b, s);
     prop_assert_eq!(r.scope.groups.len(), groups.len(), "number of routing groups");
-    let k = if c.kind == RouterKind::TokenChoice { c.k() } else { 1 };
+    let k = c.k();
     for (g, members) in groups.iter().enumerate() {
         let rec = &r.scope.groups[g];
         prop_assert_eq!(rec.tokens, members.len(), "tokens of group {}", g);
@@ -392,7 +393,7 @@ fn check_token_choice(c: &RouterConfig, x: &Array3<f32>, r: &Routing, extreme: b
         let (kept_ids, kept_gates): (Vec<usize>, Vec<f32>) =
             ch.experts.iter().zip(&ch.gates).filter(|(&x, _)| x < c.real_experts()).map(|(&x, &g)| (x, g)).unzip();
         let ch = &Choice { experts: kept_ids, gates: kept_gates };
-        let k = if c.null_experts > 0 { ch.experts.len() } else { k };
+        let k = if c.null_experts() > 0 { ch.experts.len() } else { k };
         // Exactly k real routes, in choice order, then the padding slots by expert id.
         prop_assert_eq!(real.len(), k, "token ({}, {}) has {} routes, want k = {}", t.batch, t.pos, real.len(), k);
         prop_assert!(t.routes.iter().take(k).all(|r| !r.padded), "padding slot before a real route: {:?}", t.routes);
@@ -442,7 +443,7 @@ fn check_token_choice(c: &RouterConfig, x: &Array3<f32>, r: &Routing, extreme: b
                     scale
                 );
             }
-        } else if c.normalizes() && c.null_experts == 0 && (!extreme || gate_sum > 0.5) {
+        } else if c.normalizes() && c.null_experts() == 0 && (!extreme || gate_sum > 0.5) {
             // Normalised gates sum to 1 before dropping; dropped routes keep their gate.
             prop_assert!(
                 close(all_sum, scale),
@@ -594,7 +595,7 @@ fn check_causal(c: &RouterConfig, cap: &CapacityConfig, members: &[usize], r: &R
 /// Expert threshold: exactly the experts whose score is strictly above their threshold, gate the
 /// score, strongest first, ties to the lower id; whatever the other tokens are.
 fn check_expert_threshold(c: &RouterConfig, x: &Array3<f32>, r: &Routing) -> Check {
-    let tau = &c.threshold.as_ref().expect("expert threshold has thresholds").values;
+    let tau = &c.threshold().expect("expert threshold has thresholds").values;
     for (i, t) in r.tokens.iter().enumerate() {
         let aff = affinity(c.score, &row(x, i));
         let mut want: Vec<usize> = (0..c.experts).filter(|&e| aff[e] > tau[e]).collect();
@@ -741,10 +742,11 @@ fn deepseek_small(bias: bool) -> RouterConfig {
     let mut c = cfg("deepseek-v3");
     c.name = "deepseek-small".into();
     c.experts = 16;
-    c.top_k = Some(4);
-    c.group_limit = Some(GroupLimit { groups: 4, top_groups: 2, score_top: 2 });
+    let tc = c.token_choice_mut().unwrap();
+    tc.top_k = 4;
+    tc.group_limit = Some(GroupLimit { groups: 4, top_groups: 2, score_top: 2 });
     // A selection-only bias large enough to change choices (gates stay unbiased).
-    c.expert_bias = bias.then(|| (0..16).map(|e| ((e * 7) % 5) as f32 * 0.3 - 0.6).collect());
+    tc.expert_bias = bias.then(|| (0..16).map(|e| ((e * 7) % 5) as f32 * 0.3 - 0.6).collect());
     c
 }
 
@@ -766,17 +768,18 @@ fn modified_configs() -> Vec<RouterConfig> {
     }
     let mut c = small("causal-capacity", 4);
     c.name += "-k1-cf0.5-renorm";
-    c.top_k = Some(1);
+    c.token_choice_mut().unwrap().top_k = 1;
     let cap = c.capacity.as_mut().unwrap();
     (cap.factor, cap.renormalize_after_drop) = (Some(0.5), true);
     out.push(c);
     let mut c = small("batch-prioritized", 4);
     c.name += "-k2";
-    c.top_k = Some(2);
+    c.token_choice_mut().unwrap().top_k = 2;
     out.push(c);
     let mut c = small("sinkhorn", 4);
     c.name += "-k2-softmax-per-sequence";
-    (c.top_k, c.score, c.scope.group) = (Some(2), ScoreFn::SoftmaxPre, ScopeGroup::Sequence);
+    c.token_choice_mut().unwrap().top_k = 2;
+    (c.score, c.scope.group) = (ScoreFn::SoftmaxPre, ScopeGroup::Sequence);
     out.push(c);
     let mut switch = small("switch", 4);
     switch.capacity.as_mut().unwrap().fixed = Some(2);
@@ -808,13 +811,10 @@ fn modified_configs() -> Vec<RouterConfig> {
     out.push(RouterConfig {
         name: "sigmoid-k3-renorm".into(),
         description: String::new(),
-        kind: RouterKind::TokenChoice,
+        kind: RouterKind::TokenChoice(TokenChoice::new(3)),
         experts: 6,
-        top_k: Some(3),
         score: ScoreFn::Sigmoid,
         normalize: None,
-        expert_bias: None,
-        group_limit: None,
         routed_scaling: 2.0,
         capacity: Some(CapacityConfig {
             factor: Some(0.75),
@@ -832,13 +832,10 @@ fn modified_configs() -> Vec<RouterConfig> {
     out.push(RouterConfig {
         name: "softmax-pre-k3-pad".into(),
         description: String::new(),
-        kind: RouterKind::TokenChoice,
+        kind: RouterKind::TokenChoice(TokenChoice::new(3)),
         experts: 4,
-        top_k: Some(3),
         score: ScoreFn::SoftmaxPre,
         normalize: Some(true),
-        expert_bias: None,
-        group_limit: None,
         routed_scaling: 1.0,
         capacity: Some(CapacityConfig {
             factor: Some(0.5),
@@ -856,13 +853,10 @@ fn modified_configs() -> Vec<RouterConfig> {
     out.push(RouterConfig {
         name: "expert-choice-sigmoid".into(),
         description: String::new(),
-        kind: RouterKind::ExpertChoice,
+        kind: RouterKind::ExpertChoice(ExpertChoice),
         experts: 4,
-        top_k: None,
         score: ScoreFn::Sigmoid,
         normalize: None,
-        expert_bias: None,
-        group_limit: None,
         routed_scaling: 1.5,
         capacity: Some(CapacityConfig {
             factor: Some(0.5),
@@ -900,7 +894,7 @@ fn modified_configs_hold_the_invariants() {
 fn capacity_binds_in_the_scaled_down_configs() {
     // Otherwise the dropping checks above pass vacuously (docs/PROPERTIES.md, "targeted rows").
     let mut rng = TestRunner::new(Config { rng_seed: RngSeed::Fixed(7), ..Config::default() });
-    for c in modified_configs().iter().filter(|c| c.capacity.is_some() && c.kind == RouterKind::TokenChoice) {
+    for c in modified_configs().iter().filter(|c| c.capacity.is_some() && c.token_choice().is_some()) {
         let mut dropped = 0;
         for _ in 0..20 {
             let x = logits(c.experts).new_tree(&mut rng).unwrap().current();

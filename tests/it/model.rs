@@ -3,9 +3,10 @@
 //! caught, witnesses that replay, and a model over `moe-audit/3` with every protocol failure
 //! ending in one line and exit 2.
 
+use moe_audit::analyze::Probe;
 use moe_audit::analyze::Verdict;
 use moe_audit::model::audit::replay;
-use moe_audit::model::{audit_model, Builtin, BuiltinSpec, Model, ModelAuditOptions, ModelReport, TokenProbe};
+use moe_audit::model::{audit_model, Builtin, BuiltinSpec, Model, ModelAuditOptions, ModelReport};
 use moe_audit::RouterConfig;
 use std::process::Command;
 
@@ -17,14 +18,14 @@ fn builtin(router: &str, non_causal: Option<usize>) -> Builtin {
 }
 
 fn options() -> ModelAuditOptions {
-    ModelAuditOptions { probes: TokenProbe::ALL.to_vec(), batch: 2, seq_len: 16, trials: 6, seed: 0, prefill: 8 }
+    ModelAuditOptions { probes: Probe::MODEL.to_vec(), batch: 2, seq_len: 16, trials: 6, seed: 0, prefill: 8 }
 }
 
 fn audit(model: &Builtin) -> ModelReport {
     audit_model(model, &options()).expect("audit")
 }
 
-fn verdict(r: &ModelReport, p: TokenProbe) -> Verdict {
+fn verdict(r: &ModelReport, p: Probe) -> Verdict {
     r.finding(p).expect("ran").verdict
 }
 
@@ -37,7 +38,7 @@ fn a_dropless_model_passes_every_layer() {
         assert!(f.layers.iter().all(|t| t.changed == 0), "{:?}", f.probe);
     }
     // Every routed layer was compared, outputs too.
-    let p = r.finding(TokenProbe::P).unwrap();
+    let p = r.finding(Probe::P).unwrap();
     assert_eq!(p.layers.iter().map(|t| t.layer).collect::<Vec<_>>(), vec![1, 2, 3]);
     assert!(p.outputs.compared > 0 && p.layers.iter().all(|t| t.compared == p.outputs.compared));
 }
@@ -45,7 +46,7 @@ fn a_dropless_model_passes_every_layer() {
 #[test]
 fn expert_choice_leaks_first_at_the_first_moe_layer_and_spreads() {
     let r = audit(&builtin("expert-choice", None));
-    for p in [TokenProbe::P, TokenProbe::F, TokenProbe::N] {
+    for p in [Probe::P, Probe::F, Probe::N] {
         let f = r.finding(p).unwrap();
         assert_eq!(f.verdict, Verdict::Leak, "{p:?}");
         assert_eq!(f.first_layer, Some(1), "{p:?}");
@@ -54,16 +55,16 @@ fn expert_choice_leaks_first_at_the_first_moe_layer_and_spreads() {
         let w = f.witness.as_ref().expect("witness");
         assert_eq!(w.layer, Some(1));
     }
-    assert_eq!(verdict(&r, TokenProbe::D), Verdict::Pass);
-    assert_eq!(verdict(&r, TokenProbe::S), Verdict::Pass);
+    assert_eq!(verdict(&r, Probe::D), Verdict::Pass);
+    assert_eq!(verdict(&r, Probe::S), Verdict::Pass);
 }
 
 #[test]
 fn batch_capacity_leaks_at_layer_one_and_generation_differs_for_real() {
     let r = audit(&builtin("megatron-probs", None));
-    let p = r.finding(TokenProbe::P).unwrap();
+    let p = r.finding(Probe::P).unwrap();
     assert_eq!((p.verdict, p.first_layer), (Verdict::Leak, Some(1)));
-    let g = r.finding(TokenProbe::G).unwrap();
+    let g = r.finding(Probe::G).unwrap();
     assert_eq!(g.verdict, Verdict::Leak, "{}", g.note);
     assert!(g.layers[0].changed > g.layers[0].near_ties, "capacity makes real differences at layer 1");
 }
@@ -71,20 +72,20 @@ fn batch_capacity_leaks_at_layer_one_and_generation_differs_for_real() {
 #[test]
 fn a_non_causal_attention_layer_is_caught_in_outputs_and_routing_from_there_on() {
     let r = audit(&builtin("mixtral", Some(2)));
-    let p = r.finding(TokenProbe::P).unwrap();
+    let p = r.finding(Probe::P).unwrap();
     assert_eq!(p.verdict, Verdict::Leak);
     assert!(p.outputs.changed > 0);
     assert_eq!(p.first_layer, Some(2), "layer 1 sees no later token; layer 2's MoE reads the leaky attention");
     assert_eq!(p.layers[0].changed, 0);
     // Generation cannot see later tokens: it disagrees with the leaky forward.
-    assert_eq!(verdict(&r, TokenProbe::G), Verdict::Leak);
+    assert_eq!(verdict(&r, Probe::G), Verdict::Leak);
 }
 
 #[test]
 fn witnesses_replay_against_the_live_model() {
     let model = builtin("expert-choice", None);
     let r = audit(&model);
-    let w = r.finding(TokenProbe::F).unwrap().witness.clone().expect("witness");
+    let w = r.finding(Probe::F).unwrap().witness.clone().expect("witness");
     assert!(replay(&model, &w).expect("replay"));
     // The same witness on a dropless model of the same name no longer leaks.
     let mut fixed = w.clone();
@@ -161,7 +162,7 @@ fn protocol_failures_are_one_line_and_exit_2() {
 #[test]
 fn a_witness_with_token_ids_beyond_the_vocabulary_is_refused() {
     let model = builtin("expert-choice", None);
-    let mut w = audit(&model).finding(TokenProbe::P).unwrap().witness.clone().expect("witness");
+    let mut w = audit(&model).finding(Probe::P).unwrap().witness.clone().expect("witness");
     w.model = "builtin-expert-choice".into();
     w.b.tokens[0] = 1000;
     let dir = std::env::temp_dir().join(format!("moe-audit-it-model-{}", std::process::id()));

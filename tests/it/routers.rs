@@ -8,7 +8,7 @@ use moe_audit::config::{preset, RouterConfig};
 use moe_audit::layer::{MoeLayer, Seeded};
 use moe_audit::progress::Silent;
 use moe_audit::router::{logits_to_host, Router};
-use moe_audit::routing::diff_token;
+use moe_audit::routing::{diff_token, StepBatch};
 use moe_audit::Routing;
 use ndarray::ArrayView3;
 use std::sync::Mutex;
@@ -58,10 +58,13 @@ fn aux_loss_free_moves_toward_balance_between_steps_and_passes_d_and_s() {
             let r = run(&Subject::layer(&layer), &[P, F, N, R, D, S]);
             assert_eq!(verdicts(&r), [Pass; 6], "step {step}");
         }
-        let bias = layer.router().config().unwrap().expert_bias.clone();
-        let (_, routing) = layer.forward(&skewed(step, 64)).unwrap();
-        assert_eq!(layer.router().config().unwrap().expert_bias, bias, "a forward changed the bias");
-        layer.balance_step(&routing.experts_load).unwrap();
+        let bias = |layer: &MoeLayer| layer.router().config().unwrap().token_choice().unwrap().expert_bias.clone();
+        let before = bias(&layer);
+        let x = skewed(step, 64);
+        let (_, routing) = layer.forward(&x).unwrap();
+        assert_eq!(bias(&layer), before, "a forward changed the bias");
+        let logits = logits_to_host(&layer.router().scores(&x).unwrap()).unwrap();
+        layer.step(&StepBatch { logits: logits.view(), loads: &routing.experts_load }).unwrap();
     }
     let last_cv = cv(&layer);
     assert!(last_cv < 0.5 * first_cv, "load CV {first_cv} -> {last_cv}: the bias did not balance");
@@ -87,7 +90,7 @@ impl Router for UpdatesInForward {
     fn assign(&self, logits: ArrayView3<f32>) -> moe_audit::Result<Routing> {
         let mut config = self.config.lock().unwrap();
         let routing = moe_audit::assign(&config, logits)?;
-        config.balance_step(&routing.experts_load)?;
+        config.step(&StepBatch { logits: logits.view(), loads: &routing.experts_load })?;
         Ok(routing)
     }
 }
@@ -95,7 +98,7 @@ impl Router for UpdatesInForward {
 #[test]
 fn balancing_inside_the_forward_fails_d_and_s() {
     let mut c = config("aux-loss-free");
-    c.bias_update_rate = Some(0.05);
+    c.token_choice_mut().unwrap().bias_update_rate = Some(0.05);
     let router = UpdatesInForward { experts: c.experts, config: Mutex::new(c) };
     let r = run(&Subject { router: &router, layer: None }, &[D, S]);
     // Every call changes the bias, so the same call twice already differs (D), and S's changes

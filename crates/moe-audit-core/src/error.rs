@@ -166,6 +166,12 @@ pub struct FieldError {
     pub message: String,
 }
 
+impl std::fmt::Display for FieldError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.field, self.message)
+    }
+}
+
 impl FieldError {
     /// `field` is wrong: `message`.
     pub fn new(field: impl Into<String>, message: impl Into<String>) -> Self {

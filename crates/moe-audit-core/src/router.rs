@@ -186,17 +186,9 @@ impl ConfigRouter {
         Ok(Self { config, gate: self.gate.clone() })
     }
 
-    /// One aux-loss-free balancing step between training batches ([`RouterConfig::balance_step`]).
-    pub fn balance_step(&mut self, loads: &[crate::routing::ExpertLoad]) -> Result<()> {
-        self.config.balance_step(loads)
-    }
-
-    /// One expert-threshold step between training batches ([`RouterConfig::threshold_step`]).
-    ///
-    /// # Shapes
-    /// `logits`: `[batch, seq_len, experts]`.
-    pub fn threshold_step(&mut self, logits: ArrayView3<f32>) -> Result<()> {
-        self.config.threshold_step(logits)
+    /// One step of the router's state between training batches ([`RouterConfig::step`]).
+    pub fn step(&mut self, batch: &crate::routing::StepBatch) -> Result<()> {
+        self.config.step(batch)
     }
 
     /// The gate matrix `[experts, hidden]`.

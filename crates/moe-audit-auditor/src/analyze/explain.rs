@@ -158,7 +158,7 @@ fn fix(probe: Probe, config: Option<&RouterConfig>) -> String {
     let Some(config) = config else {
         return "token t's routing must depend only on tokens <= t of its own sequence: dropless token choice, or capacity per sequence kept by position".into();
     };
-    let k = config.top_k.unwrap_or(1).min(2);
+    let k = config.top_k().unwrap_or(1).min(2);
     // Figures of the committed sweep at the same k (k 2 stands for k >= 2).
     let (dropless, causal_drop, cf2) =
         if k == 1 { ("1.406", "14.8", "2.0% under N") } else { ("1.234", "6.8", "0.1% under P") };

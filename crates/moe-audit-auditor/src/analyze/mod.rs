@@ -20,7 +20,7 @@ pub use explain::Explanation;
 pub use moe_audit_parallel::Layer;
 pub use noise::fix as random_router_fix;
 pub(crate) use probe::TARGET_LOGIT;
-pub use probe::{numerics, Probe};
+pub use probe::{numerics, Audit, Probe};
 pub use witness::Witness;
 
 use crate::progress::Progress;
@@ -337,6 +337,9 @@ pub fn audit(subject: &Subject, options: &AuditOptions, progress: &dyn Progress)
             Setting::Batch,
             Setting::SeqLen
         )));
+    }
+    if let Some(e) = options.probes.iter().find_map(|p| p.check_router().err()) {
+        return Err(Error::Usage(e));
     }
     let router = subject.router;
     let hidden = match router.hidden_size() {

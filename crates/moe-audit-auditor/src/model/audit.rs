@@ -10,7 +10,7 @@ mod plan;
 
 use super::answer_diff::{classify_case, compare_pair, CaseClass, PairResult, OUTPUT_TOLERANCE};
 use super::{Model, ModelInfo, ModelOutput, TokenCall};
-use crate::analyze::{Property, Verdict};
+use crate::analyze::{Probe, Property, Verdict};
 use moe_audit_core::error::{Error, Result, Setting};
 use moe_audit_core::routing::Route;
 use plan::{Case, Plan};
@@ -18,98 +18,11 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
-/// A probe on token ids.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-pub enum TokenProbe {
-    /// Prefix: the sequences cut after position t; positions ≤ t compared.
-    P,
-    /// Future: tokens after t of one sequence replaced (random ids, or token t repeated so the
-    /// later tokens want the same experts); positions ≤ t compared.
-    F,
-    /// Neighbour: another sequence of the batch replaced.
-    N,
-    /// Re-batch: sequences reversed, the batch halved, padding on the right and on the left.
-    R,
-    /// Repeat: the same call twice.
-    D,
-    /// Replay: the same call after another call.
-    S,
-    /// Mode: training against inference mode.
-    M,
-    /// Generation: the generation path (prefill, then one token at a time through the KV
-    /// cache) against one full forward.
-    G,
-}
-
-impl TokenProbe {
-    /// Every probe, in report order.
-    pub const ALL: &'static [TokenProbe] = &[
-        TokenProbe::P,
-        TokenProbe::F,
-        TokenProbe::N,
-        TokenProbe::R,
-        TokenProbe::D,
-        TokenProbe::S,
-        TokenProbe::M,
-        TokenProbe::G,
-    ];
-
-    /// The property the probe tests.
-    pub fn property(self) -> Property {
-        match self {
-            TokenProbe::P => Property::CLength,
-            TokenProbe::F => Property::CContent,
-            TokenProbe::N | TokenProbe::R => Property::B,
-            TokenProbe::D => Property::D,
-            TokenProbe::S => Property::S,
-            TokenProbe::M | TokenProbe::G => Property::TI,
-        }
-    }
-
-    /// Its long name.
-    pub fn name(self) -> &'static str {
-        match self {
-            TokenProbe::P => "prefix",
-            TokenProbe::F => "future",
-            TokenProbe::N => "neighbour",
-            TokenProbe::R => "re-batch",
-            TokenProbe::D => "repeat",
-            TokenProbe::S => "replay",
-            TokenProbe::M => "mode",
-            TokenProbe::G => "generation",
-        }
-    }
-
-    /// A comma-separated list of letters; L and X (layout, numerics of a router's rows) have
-    /// no meaning for a model answering token ids and are refused.
-    pub fn parse_list(list: &str) -> Result<Vec<TokenProbe>> {
-        let mut out = Vec::new();
-        for word in list.split(',').map(str::trim).filter(|w| !w.is_empty()) {
-            let probe = TokenProbe::ALL.iter().copied().find(|p| format!("{p:?}").eq_ignore_ascii_case(word));
-            match probe {
-                Some(p) if !out.contains(&p) => out.push(p),
-                Some(_) => {}
-                None => {
-                    return Err(Error::Usage(format!(
-                        "{}: unknown probe `{word}` for a whole model: expected letters of P,F,N,R,D,S,M,G",
-                        Setting::Probes
-                    )))
-                }
-            }
-        }
-        if out.is_empty() {
-            return Err(Error::Usage(format!("{} is empty: an audit that runs no probe cannot pass", Setting::Probes)));
-        }
-        out.sort();
-        Ok(out)
-    }
-}
-
 /// Sizes and knobs of a whole-model audit.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModelAuditOptions {
     /// Probes to run.
-    pub probes: Vec<TokenProbe>,
+    pub probes: Vec<Probe>,
     /// Sequences per call.
     pub batch: usize,
     /// Tokens per sequence.
@@ -166,7 +79,7 @@ pub struct TokenWitness {
     /// The model's name.
     pub model: String,
     /// The probe that found it.
-    pub probe: TokenProbe,
+    pub probe: Probe,
     /// The routed layer where the token changed first; `None`: only its output row changed.
     pub layer: Option<usize>,
     /// The reference call.
@@ -189,7 +102,7 @@ pub struct TokenWitness {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModelFinding {
     /// The probe.
-    pub probe: TokenProbe,
+    pub probe: Probe,
     /// The property it tests.
     pub property: Property,
     /// Pass, leak, drift or not applicable.
@@ -235,7 +148,7 @@ impl ModelReport {
     }
 
     /// The finding of `probe`, if it ran.
-    pub fn finding(&self, probe: TokenProbe) -> Option<&ModelFinding> {
+    pub fn finding(&self, probe: Probe) -> Option<&ModelFinding> {
         self.findings.iter().find(|f| f.probe == probe)
     }
 }
@@ -257,6 +170,13 @@ pub fn audit_model(model: &dyn Model, options: &ModelAuditOptions) -> Result<Mod
             options.prefill, options.seq_len
         )));
     }
+    if let Some(p) = options.probes.iter().find(|p| !Probe::MODEL.contains(p)) {
+        let letters = Probe::MODEL.iter().map(Probe::to_string).collect::<Vec<_>>().join(",");
+        return Err(Error::Usage(format!(
+            "{}: probe {p} does not audit whole models: expected letters of {letters}",
+            Setting::Probes
+        )));
+    }
     let mut rng = ChaCha8Rng::seed_from_u64(options.seed);
     let (b, s) = (options.batch, options.seq_len);
     let tokens: Vec<u32> = (0..b * s).map(|_| rng.random_range(0..info.vocab as u32)).collect();
@@ -275,7 +195,7 @@ pub fn audit_model(model: &dyn Model, options: &ModelAuditOptions) -> Result<Mod
 /// Runs the cases of one probe and folds them into its finding.
 fn run_probe(
     model: &dyn Model,
-    probe: TokenProbe,
+    probe: Probe,
     base: &TokenCall,
     base_out: &ModelOutput,
     plan: Plan,
@@ -372,7 +292,7 @@ impl OutputTally {
 
 impl ModelFinding {
     /// A finding before its cases run: not applicable without cases, else passing so far.
-    fn new(probe: TokenProbe, cases: usize, note: String) -> ModelFinding {
+    fn new(probe: Probe, cases: usize, note: String) -> ModelFinding {
         ModelFinding {
             probe,
             property: probe.property(),
@@ -416,7 +336,7 @@ fn max_opt(a: Option<f32>, b: Option<f32>) -> Option<f32> {
 /// or its first changed output row.
 fn witness(
     info: &ModelInfo,
-    probe: TokenProbe,
+    probe: Probe,
     base: &TokenCall,
     base_out: &ModelOutput,
     case: &Case,

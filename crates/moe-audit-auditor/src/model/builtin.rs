@@ -107,7 +107,7 @@ impl Builtin {
                 Ffn::Dense(Expert::new(h, ffn, VarBuilder::from_tensors(tensors, DType::F32, dev).pp("experts.0"))?)
             } else {
                 let kind = LayerKind::Moe;
-                infos.push(LayerInfo { layer: l, kind, experts: Some(router.real_experts()), top_k: router.top_k });
+                infos.push(LayerInfo { layer: l, kind, experts: Some(router.real_experts()), top_k: router.top_k() });
                 let layer = MoeLayer::seeded(router.clone(), h, ffn, layer_seed, DType::F32, dev)?;
                 let serve = layer.router().inference()?;
                 Ffn::Moe(Box::new(layer), serve)

@@ -15,7 +15,7 @@ pub mod process;
 pub mod protocol;
 
 pub use crate::external::Mode;
-pub use audit::{audit_model, ModelAuditOptions, ModelFinding, ModelReport, TokenProbe};
+pub use audit::{audit_model, ModelAuditOptions, ModelFinding, ModelReport};
 pub use builtin::{Builtin, BuiltinSpec};
 pub use process::ModelProcess;
 

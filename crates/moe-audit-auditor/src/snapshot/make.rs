@@ -163,7 +163,7 @@ fn config_routings(
         protocol: PROTOCOL.into(),
         name: router.name().into(),
         experts,
-        top_k: router.config().and_then(|c| c.top_k),
+        top_k: router.config().and_then(|c| c.top_k()),
         input: if logits { InputKind::Logits } else { InputKind::Hidden },
         hidden_size: router.hidden_size(),
         responses: None,

@@ -2,7 +2,7 @@
 //! sizes to cross. A TOML file or the built-in default; validated like a router config.
 
 use crate::exploit::ExploitOptions;
-use moe_audit_core::config::{parse_toml, RouterConfig, RouterKind};
+use moe_audit_core::config::{parse_toml, RouterConfig};
 use moe_audit_core::error::{Error, FieldError, Result};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -229,37 +229,20 @@ impl Grid {
         let (mut cells, mut skipped) = (Vec::new(), Vec::new());
         for base in routers {
             for &experts in &self.experts {
-                let ks: Vec<Option<usize>> = match base.kind {
-                    RouterKind::TokenChoice => self.top_k.iter().copied().map(Some).collect(),
-                    RouterKind::ExpertChoice | RouterKind::ExpertThreshold => vec![None],
+                // The k axis applies where tokens choose.
+                let ks: Vec<Option<usize>> = match base.top_k() {
+                    Some(_) => self.top_k.iter().copied().map(Some).collect(),
+                    None => vec![None],
                 };
                 // An expert-threshold router's target load factor is its capacity factor.
-                let derived =
-                    base.capacity.as_ref().and_then(|c| c.factor).or(base.threshold.as_ref().map(|t| t.factor));
+                let derived = base.capacity.as_ref().and_then(|c| c.factor).or(base.threshold().map(|t| t.factor));
                 let factors: Vec<Option<f64>> = match derived {
                     Some(_) => self.capacity_factor.iter().copied().map(Some).collect(),
                     None => vec![None],
                 };
                 for &top_k in &ks {
                     for &capacity_factor in &factors {
-                        let mut c = base.clone();
-                        // The axis counts experts that compute: null ones come on top.
-                        c.experts = experts + c.null_experts;
-                        c.top_k = top_k.or(c.top_k);
-                        if let (Some(cap), Some(f)) = (c.capacity.as_mut(), capacity_factor) {
-                            cap.factor = Some(f);
-                        }
-                        if let Some(t) = c.threshold.as_mut() {
-                            t.factor = capacity_factor.unwrap_or(t.factor);
-                            if t.values.len() != experts {
-                                // Every expert starts at the mean of the given thresholds.
-                                let mean = t.values.iter().sum::<f32>() / t.values.len().max(1) as f32;
-                                t.values = vec![mean; experts];
-                            }
-                        }
-                        if let Some(bias) = c.expert_bias.as_mut().filter(|b| b.len() != experts) {
-                            *bias = vec![0.0; experts];
-                        }
+                        let c = resized(base, experts, top_k, capacity_factor);
                         let what = format!(
                             "{} with experts = {experts}, top_k = {top_k:?}, capacity factor {capacity_factor:?}",
                             base.name
@@ -279,6 +262,19 @@ impl Grid {
         }
         (cells, skipped)
     }
+}
+
+/// `base` resized to a cell of the grid: `experts` that compute (null ones come on top), `top_k`
+/// and the capacity factor when the cell sets them; a kind's per-expert settings follow E
+/// (`RouterKind::resize`).
+fn resized(base: &RouterConfig, experts: usize, top_k: Option<usize>, factor: Option<f64>) -> RouterConfig {
+    let mut c = base.clone();
+    c.experts = experts + c.null_experts();
+    if let (Some(cap), Some(f)) = (c.capacity.as_mut(), factor) {
+        cap.factor = Some(f);
+    }
+    c.kind.resize(experts, top_k, factor);
+    c
 }
 
 #[cfg(test)]

@@ -21,8 +21,8 @@ use candle_core::{DType, Device, Tensor};
 use moe_audit_core::error::Result;
 use moe_audit_core::layer::{MoeLayer, Seeded};
 use moe_audit_core::router::{logits_to_host, Router};
-use moe_audit_core::routing::diff_token;
 use moe_audit_core::routing::Routing;
+use moe_audit_core::routing::{diff_token, StepBatch};
 use moe_audit_core::MemoryBudget;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -227,29 +227,21 @@ pub fn cell_count(grid: &Grid, source_name: &str, base: &std::path::Path) -> Res
 /// The cell's seeded layer, after its balancing steps (on batches of the cell's size).
 fn trained_layer(grid: &Grid, cell: &Cell) -> Result<MoeLayer> {
     let mut layer = MoeLayer::seeded(cell.config.clone(), grid.hidden, grid.ffn, grid.seed, DType::F32, &Device::Cpu)?;
-    if has_state(&cell.config) {
+    if cell.config.has_state() {
         for step in 0..grid.balance_steps as u64 {
             let x = Seeded::new(grid.seed ^ (crate::seeds::BALANCE_STEP + step))
                 .normal(&[cell.batch, cell.seq_len, grid.hidden], &Device::Cpu)?;
-            if cell.config.threshold.is_some() {
-                let logits = moe_audit_core::router::logits_to_host(&layer.router().scores(&x)?)?;
-                layer.threshold_step(logits.view())?;
-            } else {
-                let (_, routing) = layer.forward(&x)?;
-                layer.balance_step(&routing.experts_load)?;
-            }
+            let logits = moe_audit_core::router::logits_to_host(&layer.router().scores(&x)?)?;
+            // What the layer's forward routes, without the experts' compute.
+            let routing = layer.router().assign(logits.view())?;
+            layer.step(&StepBatch { logits: logits.view(), loads: &routing.experts_load })?;
         }
     }
     Ok(layer)
 }
 
-/// Whether a router carries state moved between steps (a balancing bias, thresholds).
-fn has_state(config: &moe_audit_core::config::RouterConfig) -> bool {
-    config.bias_update_rate.is_some() || config.threshold.is_some()
-}
-
 fn balance_steps(grid: &Grid, cell: &Cell) -> usize {
-    if has_state(&cell.config) {
+    if cell.config.has_state() {
         grid.balance_steps
     } else {
         0

@@ -1,7 +1,7 @@
 //! Which family of router design a configuration belongs to (the sweep's chart markers, the
 //! report's advice on how to fix a leak).
 
-use super::{DropPolicy, RouterConfig, RouterKind, ScopeGroup, Selection};
+use super::{DropPolicy, RouterConfig, ScopeGroup, Selection, TokenChoice};
 
 /// A router's design family (the sweep chart gives each its own marker shape).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord)]
@@ -24,10 +24,13 @@ pub enum Family {
 impl Family {
     /// The family of a router configuration.
     pub fn of(config: &RouterConfig) -> Family {
+        config.kind.family(config)
+    }
+
+    /// A token-choice router's family: how it balances or drops.
+    pub(super) fn of_token_choice(config: &RouterConfig, tc: &TokenChoice) -> Family {
         match &config.capacity {
-            _ if config.kind == RouterKind::ExpertChoice => Family::ExpertChoice,
-            _ if config.kind == RouterKind::ExpertThreshold => Family::ExpertThreshold,
-            _ if config.selection == Selection::Sinkhorn => Family::Balanced,
+            _ if tc.selection == Selection::Sinkhorn => Family::Balanced,
             None => Family::Dropless,
             Some(c) if c.policy == DropPolicy::Causal || config.scope.group == ScopeGroup::Sequence => {
                 Family::SequenceCapacity

@@ -2,8 +2,9 @@
 //! configuration. Parsed with the file (so a bad field is reported at its own line), applied
 //! field by field: no TOML text is written and parsed again.
 
+use super::file::RouterFile;
 use super::{
-    Arithmetic, CapacityConfig, DropPolicy, Flatten, GroupLimit, PaddingMask, RouterConfig, RouterKind, ScopeGroup,
+    Arithmetic, CapacityConfig, DropPolicy, Flatten, GroupLimit, KindName, PaddingMask, RouterConfig, ScopeGroup,
     ScoreFn, Selection,
 };
 use crate::error::FieldError;
@@ -18,7 +19,7 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct InferenceOverrides {
-    /// Replaces [`RouterConfig::bias_update_rate`].
+    /// Replaces the token-choice [`TokenChoice::bias_update_rate`](super::TokenChoice::bias_update_rate).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bias_update_rate: Option<f32>,
     /// Overrides fields of [`RouterConfig::capacity`] (a capacity of defaults when there is none).
@@ -30,18 +31,18 @@ pub struct InferenceOverrides {
     /// `true`: serve without a capacity (nothing is dropped).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dropless: Option<bool>,
-    /// Replaces [`RouterConfig::expert_bias`].
+    /// Replaces the token-choice [`TokenChoice::expert_bias`](super::TokenChoice::expert_bias).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expert_bias: Option<Vec<f32>>,
     /// Replaces [`RouterConfig::experts`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub experts: Option<usize>,
-    /// Overrides fields of [`RouterConfig::group_limit`].
+    /// Overrides fields of the token-choice [`TokenChoice::group_limit`](super::TokenChoice::group_limit).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub group_limit: Option<GroupLimitOverrides>,
-    /// Replaces [`RouterConfig::kind`].
+    /// Replaces the kind ([`RouterConfig::kind`]; the settings it needs come from the file).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub kind: Option<RouterKind>,
+    pub kind: Option<KindName>,
     /// Replaces [`RouterConfig::name`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
@@ -60,10 +61,10 @@ pub struct InferenceOverrides {
     /// Replaces [`RouterConfig::score`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub score: Option<ScoreFn>,
-    /// Replaces [`RouterConfig::selection`].
+    /// Replaces the token-choice [`TokenChoice::selection`](super::TokenChoice::selection).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub selection: Option<Selection>,
-    /// Replaces [`RouterConfig::top_k`].
+    /// Replaces the token-choice [`TokenChoice::top_k`](super::TokenChoice::top_k).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub top_k: Option<usize>,
 }
@@ -131,9 +132,11 @@ fn set<T: Clone>(field: &mut T, value: &Option<T>) {
 
 impl InferenceOverrides {
     /// `training` with these overrides applied, without its own `[inference]` table; not yet
-    /// validated. Errors are `(field, message)`, as [`RouterConfig::validate`]'s.
+    /// validated. Applied to the flat file, so serving may change the kind (expert choice
+    /// trained, token choice served). Errors are `(field, message)`, as
+    /// [`RouterConfig::validate`]'s.
     pub(super) fn apply(&self, training: &RouterConfig) -> Result<RouterConfig, FieldError> {
-        let mut c = RouterConfig { inference: None, ..training.clone() };
+        let mut c = RouterFile { inference: None, ..RouterFile::from(training.clone()) };
         if self.dropless == Some(true) {
             c.capacity = None;
         }
@@ -176,7 +179,7 @@ impl InferenceOverrides {
         set(&mut c.score, &self.score);
         set(&mut c.selection, &self.selection);
         set(&mut c.top_k, &self.top_k.map(Some));
-        Ok(c)
+        RouterConfig::try_from(c)
     }
 }
 
@@ -196,9 +199,9 @@ mod tests {
         let c = served("capacity = { factor = 4.0 }\nscope = { flatten = \"sequence-major\" }\nname = \"s\"\n")
             .unwrap()
             .unwrap();
-        let cap = c.capacity.unwrap();
+        let cap = c.capacity.clone().unwrap();
         assert_eq!((cap.factor, cap.policy), (Some(4.0), DropPolicy::Position), "policy kept from training");
-        assert_eq!((c.scope.flatten, c.name.as_str(), c.top_k), (Flatten::SequenceMajor, "s", Some(2)));
+        assert_eq!((c.scope.flatten, c.name.as_str(), c.top_k()), (Flatten::SequenceMajor, "s", Some(2)));
         assert!(c.inference.is_none());
     }
 

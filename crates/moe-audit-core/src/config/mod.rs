@@ -1,82 +1,59 @@
 //! Router configuration: the TOML schema, its validation, and the built-in presets.
 //!
-//! One serde struct is the file format, the CLI input and the report header. Parsing and
-//! validation happen here, once, so the routing code can trust every field it reads.
+//! A config is the shared fields and a [`RouterKind`] carrying that kind's settings; it reads and
+//! writes as one flat TOML table (`file.rs`), which is the file format, the CLI input and the
+//! report header. Parsing and validation happen here, once, so the routing code can trust every
+//! field it reads.
 
 mod family;
+mod file;
 mod inference;
+mod kind;
 mod presets;
 mod validate;
 
 pub use family::Family;
 pub use inference::{CapacityOverrides, GroupLimitOverrides, InferenceOverrides, ScopeOverrides};
+// Every kind and its settings (a new kind is one variant and its settings in `kind.rs`).
+pub use kind::*;
 pub use presets::{preset, presets, Preset};
 pub use validate::MAX_CAPACITY_FACTOR;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, FieldError, Result};
+use file::RouterFile;
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::path::Path;
 
-/// A router configuration, as written in a TOML file.
+/// A router configuration: the shared fields, and the kind with its own settings.
+///
+/// Read and written as one flat TOML table (`file.rs`); reading checks which keys the kind may
+/// have, [`RouterConfig::from_toml`] then checks the values.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(try_from = "RouterFile", into = "RouterFile")]
 pub struct RouterConfig {
     /// Name used in reports and records.
     pub name: String,
     /// One line saying what the router reproduces.
-    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub description: String,
-    /// Token choice (each token picks experts) or expert choice (each expert picks tokens).
+    /// Who chooses whom, with the kind's own settings (top-k, thresholds, ...).
     pub kind: RouterKind,
     /// Number of experts E.
     pub experts: usize,
-    /// Experts per token k (token choice only).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub top_k: Option<usize>,
     /// How logits become selection scores and gates.
     pub score: ScoreFn,
     /// Divide the k gates by their sum. Default: no for `softmax-pre`, yes for `sigmoid` with
     /// k > 1; `softmax-post` is normalised by construction.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub normalize: Option<bool>,
-    /// Selection-only bias per expert (DeepSeek-V3): added to scores to choose, never to gates.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub expert_bias: Option<Vec<f32>>,
-    /// Group-limited top-k (DeepSeek-V3).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub group_limit: Option<GroupLimit>,
     /// Multiplier on every gate after normalisation (DeepSeek-V3's `routed_scaling_factor`).
-    #[serde(default = "one", skip_serializing_if = "is_one")]
     pub routed_scaling: f32,
-    /// How a token's experts are selected: plain top-k, or top-k of a Sinkhorn-balanced score
-    /// matrix over the routing group (training-time balancing; serve with `selection = "top-k"`).
-    #[serde(default, skip_serializing_if = "Selection::is_top_k")]
-    pub selection: Selection,
-    /// Aux-loss-free balancing (DeepSeek-V3): between training steps the selection bias moves by
-    /// `rate * sign(mean_load - load_e)` ([`RouterConfig::balance_step`]); never inside a forward.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub bias_update_rate: Option<f32>,
     /// Capacity and token dropping; absent for a dropless router.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub capacity: Option<CapacityConfig>,
     /// Which tokens compete with each other.
-    #[serde(default)]
     pub scope: ScopeConfig,
     /// How the router treats padding when given a padding mask; absent: it takes no mask.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub padding_mask: Option<PaddingMask>,
-    /// Expert-threshold routing (`kind = "expert-threshold"`): the per-expert thresholds and how
-    /// they move between steps ([`RouterConfig::threshold_step`]); absent for every other kind.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub threshold: Option<ThresholdConfig>,
-    /// Null experts (token choice, dropless): the last `null_experts` of the `experts` ids are
-    /// zero-compute slots. A token's top-k may land on them; those routes produce nothing and are
-    /// left out of the record, so the number of real experts per token varies from 0 to k.
-    #[serde(default, skip_serializing_if = "is_zero")]
-    pub null_experts: usize,
     /// Fields overridden when serving (`[inference]`); `dropless = true` removes the capacity.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub inference: Option<InferenceOverrides>,
 }
 
@@ -88,45 +65,6 @@ pub enum PaddingMask {
     Exclude,
     /// Padding is routed like any token and takes capacity (the bug of scenario 11).
     Compete,
-}
-
-fn is_zero(n: &usize) -> bool {
-    *n == 0
-}
-
-fn one() -> f32 {
-    1.0
-}
-
-fn is_one(x: &f32) -> bool {
-    *x == 1.0
-}
-
-/// Who chooses whom.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum RouterKind {
-    /// Each token takes its k best experts.
-    TokenChoice,
-    /// Each expert takes its C best tokens of the scope (Zhou et al. 2022).
-    ExpertChoice,
-    /// Each expert takes every token whose score is above its threshold, a state moved between
-    /// steps toward the expert's top-(cf/E) score quantile (Sun et al. 2026, arXiv 2603.11535).
-    ExpertThreshold,
-}
-
-/// The state and update rule of expert-threshold routing (docs/ROUTING.md).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ThresholdConfig {
-    /// Target load factor cf: a step moves expert e's threshold toward the score of its
-    /// `c = max(1, round_half_even(cf*T/E))`-th best token of the batch (cf 1: the top-1/E quantile).
-    pub factor: f64,
-    /// EMA rate α in (0, 1]: `τ ← τ + α·(q − τ)` (f32) at every step.
-    pub ema: f32,
-    /// The thresholds in force, one per expert: the state a forward routes with (frozen within
-    /// a forward; the first batch routes with the values as given).
-    pub values: Vec<f32>,
 }
 
 /// How a token's logits become selection scores and gates.
@@ -316,7 +254,8 @@ impl fmt::Display for Flatten {
 impl RouterConfig {
     /// Parses and validates a TOML document; `source_name` names it in errors.
     pub fn from_toml(text: &str, source_name: &str) -> Result<Self> {
-        let config: RouterConfig = parse_toml(text, source_name)?;
+        let file: RouterFile = parse_toml(text, source_name)?;
+        let config = RouterConfig::try_from(file).map_err(|e| e.in_config(source_name))?;
         config.check(source_name)?;
         Ok(config)
     }
@@ -365,14 +304,57 @@ impl RouterConfig {
         })
     }
 
-    /// k for token choice; expert choice has none.
+    /// Experts per token for token choice; `None` when the experts choose.
+    pub fn top_k(&self) -> Option<usize> {
+        self.token_choice().map(|tc| tc.top_k)
+    }
+
+    /// k for token choice; 1 for the kinds where experts choose.
     pub fn k(&self) -> usize {
-        self.top_k.unwrap_or(1)
+        self.top_k().unwrap_or(1)
+    }
+
+    /// The token-choice settings, when the router is one.
+    pub fn token_choice(&self) -> Option<&TokenChoice> {
+        match &self.kind {
+            RouterKind::TokenChoice(tc) => Some(tc),
+            _ => None,
+        }
+    }
+
+    /// The token-choice settings to change, when the router is one.
+    pub fn token_choice_mut(&mut self) -> Option<&mut TokenChoice> {
+        match &mut self.kind {
+            RouterKind::TokenChoice(tc) => Some(tc),
+            _ => None,
+        }
+    }
+
+    /// The thresholds, when the router is an expert-threshold one.
+    pub fn threshold(&self) -> Option<&ThresholdConfig> {
+        match &self.kind {
+            RouterKind::ExpertThreshold(t) => Some(t),
+            _ => None,
+        }
+    }
+
+    /// Zero-compute expert slots (token choice only).
+    pub fn null_experts(&self) -> usize {
+        self.token_choice().map_or(0, |tc| tc.null_experts)
     }
 
     /// The experts that compute: `experts` less the null ones (the routing record's E).
     pub fn real_experts(&self) -> usize {
-        self.experts - self.null_experts
+        self.experts - self.null_experts()
+    }
+
+    /// This configuration with a selection-only bias (e.g. read from weights), checked as if
+    /// the file had said `expert_bias = [...]`.
+    pub fn with_expert_bias(self, bias: Vec<f32>) -> std::result::Result<RouterConfig, FieldError> {
+        let file = RouterFile { expert_bias: Some(bias), ..RouterFile::from(self) };
+        let config = RouterConfig::try_from(file)?;
+        config.validate()?;
+        Ok(config)
     }
 
     /// Whether the k gates are divided by their sum (see [`RouterConfig::normalize`]).

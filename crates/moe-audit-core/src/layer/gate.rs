@@ -100,8 +100,9 @@ impl GateSource<'_> {
                     format!("tensor `{name}` has shape {:?}, expected [{experts}]", bias.dims()),
                 ));
             }
-            config.expert_bias = Some(bias.to_vec1()?);
-            config.validate().map_err(|e| e.in_config(&format!("{}:{name}", path.display())))?;
+            config = config
+                .with_expert_bias(bias.to_vec1()?)
+                .map_err(|e| e.in_config(&format!("{}:{name}", path.display())))?;
         }
         let vb = VarBuilder::from_tensors(HashMap::from([("weight".to_string(), gate)]), DType::F32, &Device::Cpu);
         ConfigRouter::new(config, hidden, vb)

@@ -114,17 +114,10 @@ impl MoeLayer {
         &self.router
     }
 
-    /// One aux-loss-free balancing step of the router, between training batches.
-    pub fn balance_step(&mut self, loads: &[crate::routing::ExpertLoad]) -> Result<()> {
-        self.router.balance_step(loads)
-    }
-
-    /// One expert-threshold step of the router on a batch's logits, between training batches.
-    ///
-    /// # Shapes
-    /// `logits`: `[batch, seq_len, experts]`.
-    pub fn threshold_step(&mut self, logits: ndarray::ArrayView3<f32>) -> Result<()> {
-        self.router.threshold_step(logits)
+    /// One step of the router's state (a balancing bias, thresholds) between training batches;
+    /// the router's kind decides what moves ([`crate::RouterConfig::step`]).
+    pub fn step(&mut self, batch: &crate::routing::StepBatch) -> Result<()> {
+        self.router.step(batch)
     }
 
     /// The experts, by id.

@@ -4,7 +4,7 @@
 //! deterministic and stateless within a step (the D and S probes check it).
 
 use super::ExpertLoad;
-use crate::config::RouterConfig;
+use crate::config::{RouterConfig, TokenChoice};
 use crate::error::{Error, Result};
 
 /// Moves `bias` toward balance given one step's loads (routes chosen before any dropping).
@@ -19,26 +19,20 @@ pub fn update_bias(bias: &mut [f32], loads: &[ExpertLoad], rate: f32) {
     }
 }
 
-impl RouterConfig {
-    /// One balancing step between training batches: applies [`update_bias`] with this router's
-    /// `bias_update_rate` to `expert_bias` (zero when absent), given the loads of the batch.
-    pub fn balance_step(&mut self, loads: &[ExpertLoad]) -> Result<()> {
-        let Some(rate) = self.bias_update_rate else {
-            return Err(Error::config(
-                &self.name,
-                "bias_update_rate",
-                "is not set: the router does no aux-loss-free balancing",
-            ));
-        };
-        if loads.len() != self.experts {
-            return Err(Error::shape(
-                &format!("router `{}`", self.name),
-                format!("{} expert loads for {} experts", loads.len(), self.experts),
-            ));
-        }
-        update_bias(self.expert_bias.get_or_insert_with(|| vec![0.0; self.experts]), loads, rate);
-        Ok(())
+/// One balancing step between training batches: the settings after [`update_bias`] with the
+/// router's `bias_update_rate` moved its `expert_bias` (zero when absent), given the loads of the
+/// batch; unchanged without a rate.
+pub(crate) fn step(config: &RouterConfig, tc: &TokenChoice, loads: &[ExpertLoad]) -> Result<TokenChoice> {
+    let mut tc = tc.clone();
+    let Some(rate) = tc.bias_update_rate else { return Ok(tc) };
+    if loads.len() != config.experts {
+        return Err(Error::shape(
+            &format!("router `{}`", config.name),
+            format!("{} expert loads for {} experts", loads.len(), config.experts),
+        ));
     }
+    update_bias(tc.expert_bias.get_or_insert_with(|| vec![0.0; config.experts]), loads, rate);
+    Ok(tc)
 }
 
 #[cfg(test)]

@@ -9,6 +9,7 @@ pub mod balance;
 pub mod capacity;
 mod diff;
 mod expert_choice;
+mod kind;
 mod prefix;
 mod record;
 pub mod scope;
@@ -20,13 +21,14 @@ pub mod threshold;
 mod token_choice;
 
 pub use diff::{capacity_of, diff_token, TokenDiff, WEIGHT_TOLERANCE};
+pub use kind::StepBatch;
 pub use prefix::prefix_stable;
 pub use record::Decisions;
 pub use record::{GroupRecord, Route, Routing, ScopeRecord, TokenRouting};
 pub use stats::{ExpertLoad, LoadStats};
 pub use table::render_table;
 
-use crate::config::{PaddingMask, RouterConfig, RouterKind, ScoreFn};
+use crate::config::{PaddingMask, RouterConfig, ScoreFn};
 use crate::error::{Error, Result};
 use ndarray::{ArrayView2, ArrayView3};
 
@@ -132,11 +134,7 @@ fn assign_with(
     for (g, mut members) in scope::groups(&config.scope, batch, seq_len).into_iter().enumerate() {
         members.retain(|&i| !excluded(i));
         let rows: Vec<scores::Row> = members.iter().map(|&i| row(i)).collect();
-        let routed = match config.kind {
-            RouterKind::TokenChoice => token_choice::route_group(config, &rows),
-            RouterKind::ExpertChoice => expert_choice::route_group(config, &rows),
-            RouterKind::ExpertThreshold => threshold::route_group(config, &rows),
-        };
+        let routed = config.kind.rule().route_group(config, &rows);
         for (n, (&i, routes)) in members.iter().zip(routed.routes).enumerate() {
             tokens[i].group = g;
             tokens[i].routes = routes;
@@ -155,10 +153,7 @@ fn assign_with(
         seq_len,
         // Null experts compute nothing and are not in the record.
         experts: config.real_experts(),
-        top_k: match config.kind {
-            RouterKind::TokenChoice => Some(config.k()),
-            RouterKind::ExpertChoice | RouterKind::ExpertThreshold => None,
-        },
+        top_k: config.top_k(),
         capacity,
         scope: ScopeRecord { group: config.scope.group, flatten: config.scope.flatten, groups },
         tokens,

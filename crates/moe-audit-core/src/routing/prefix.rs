@@ -18,16 +18,18 @@
 //!
 //! Everything else may differ between a prefix and the whole call, and is routed.
 
-use crate::config::{DropPolicy, Flatten, RouterConfig, RouterKind, ScopeGroup, Selection};
+use crate::config::{DropPolicy, Flatten, RouterConfig, ScopeGroup, Selection, TokenChoice};
 
 /// Whether `config` routes every prefix of a call of `batch` sequences (no padding mask) as the
 /// whole call's routing restricted to it, token for token (routes and capacity in force).
 pub fn prefix_stable(config: &RouterConfig, batch: usize) -> bool {
-    // Expert threshold: every token against fixed thresholds, nothing shared.
-    if config.kind == RouterKind::ExpertThreshold {
-        return true;
-    }
-    if config.kind != RouterKind::TokenChoice || config.selection != Selection::TopK {
+    config.kind.rule().prefix_stable(config, batch)
+}
+
+/// [`prefix_stable`] for a token-choice router: top-k (not balanced over the group), and a
+/// capacity that neither later tokens nor the call's size can change.
+pub(super) fn token_choice_prefix_stable(config: &RouterConfig, tc: &TokenChoice, batch: usize) -> bool {
+    if tc.selection != Selection::TopK {
         return false;
     }
     let Some(cap) = &config.capacity else { return true };
@@ -79,8 +81,9 @@ mod tests {
                     let mut c = config.clone();
                     c.scope.flatten = flatten;
                     c.scope.group = group;
+                    let token_choice = c.token_choice().is_some();
                     if let Some(cap) = &mut c.capacity {
-                        if cap.policy == DropPolicy::Position && c.kind == RouterKind::TokenChoice {
+                        if cap.policy == DropPolicy::Position && token_choice {
                             cap.factor = None;
                             cap.fixed = Some(2);
                         }

@@ -229,13 +229,16 @@ impl Choices {
             }
         };
         let mut select = select_on.unwrap_or(aff);
-        if config.expert_bias.is_some() || config.group_limit.is_some() {
+        let tc = config.token_choice();
+        let (expert_bias, group_limit) =
+            (tc.and_then(|t| t.expert_bias.as_ref()), tc.and_then(|t| t.group_limit.as_ref()));
+        if expert_bias.is_some() || group_limit.is_some() {
             buf.clear();
             buf.extend_from_slice(select);
-            if let Some(bias) = &config.expert_bias {
+            if let Some(bias) = expert_bias {
                 buf.iter_mut().zip(bias).for_each(|(s, b)| *s += b);
             }
-            if let Some(g) = &config.group_limit {
+            if let Some(g) = group_limit {
                 let per_group = config.experts / g.groups;
                 groups.clear();
                 for chunk in buf.chunks(per_group) {
@@ -356,11 +359,11 @@ mod tests {
     fn deepseek_bias_selects_but_does_not_weigh() {
         let mut config = preset("deepseek-v3").unwrap().config().unwrap();
         config.experts = 8;
-        config.top_k = Some(2);
-        config.group_limit = None;
+        let tc = config.token_choice_mut().unwrap();
+        (tc.top_k, tc.group_limit) = (2, None);
         let mut bias = vec![0.0; 8];
         bias[7] = 10.0;
-        config.expert_bias = Some(bias);
+        tc.expert_bias = Some(bias);
         let logits = [3.0, 2.0, 0.0, 0.0, 0.0, 0.0, 0.0, -3.0];
         let c = choose(&config, Row { logits: &logits, softmax: &softmax(&logits) });
         assert_eq!(c.0, vec![7, 0]);
@@ -372,8 +375,9 @@ mod tests {
     fn group_limit_excludes_experts_of_unchosen_groups() {
         let mut config = preset("deepseek-v3").unwrap().config().unwrap();
         config.experts = 8;
-        config.top_k = Some(2);
-        config.group_limit = Some(crate::config::GroupLimit { groups: 4, top_groups: 1, score_top: 2 });
+        let tc = config.token_choice_mut().unwrap();
+        tc.top_k = 2;
+        tc.group_limit = Some(crate::config::GroupLimit { groups: 4, top_groups: 1, score_top: 2 });
         // Group 0 = {0,1}: best single expert (5.0) but weak partner; group 2 = {4,5}: 4.0 + 4.0.
         let c = choose(
             &config,

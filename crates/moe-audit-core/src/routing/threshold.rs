@@ -2,19 +2,19 @@
 //! whose score is strictly above its threshold `τ_e`, whatever the other tokens are, so the
 //! routing is per token (causal and batch-invariant by construction) and a token gets 0..E
 //! experts. The thresholds are state, moved between training steps by
-//! [`RouterConfig::threshold_step`] toward each expert's score quantile over the step's batch;
+//! [`step`] toward each expert's score quantile over the step's batch;
 //! a forward only reads them (docs/ROUTING.md, "Expert threshold").
 
 use super::scores::{affinities, desc, softmax_rows, Row};
 use super::GroupRouting;
-use crate::config::RouterConfig;
+use crate::config::{RouterConfig, ThresholdConfig};
 use crate::error::{Error, Result};
 use crate::routing::Route;
 use ndarray::ArrayView3;
 
 /// Routes one group (any scope: no token sees another).
-pub(crate) fn route_group(config: &RouterConfig, rows: &[Row]) -> GroupRouting {
-    let tau = &config.threshold.as_ref().expect("validated: expert threshold has thresholds").values;
+pub(crate) fn route_group(config: &RouterConfig, threshold: &ThresholdConfig, rows: &[Row]) -> GroupRouting {
+    let tau = &threshold.values;
     let routes = rows
         .iter()
         .map(|&row| {
@@ -47,7 +47,7 @@ pub fn quantile_rank(factor: f64, tokens: usize, experts: usize) -> usize {
 /// # Shapes
 /// `logits`: `[batch, seq_len, experts]`, finite.
 pub fn quantiles(config: &RouterConfig, logits: ArrayView3<f32>) -> Result<Vec<f32>> {
-    let t = config.threshold.as_ref().ok_or_else(|| not_threshold(config))?;
+    let t = config.threshold().ok_or_else(|| not_threshold(config))?;
     let (b, s, e) = logits.dim();
     if e != config.experts || b * s == 0 {
         return Err(Error::shape(
@@ -86,19 +86,16 @@ fn not_threshold(config: &RouterConfig) -> Error {
     Error::config(&config.name, "threshold", "is not set: the router is not an expert-threshold router")
 }
 
-impl RouterConfig {
-    /// One threshold step between training batches: every expert's threshold moves toward its
-    /// [`quantiles`] over `logits` (the step's whole batch, whatever the routing scope) at the
-    /// EMA rate. Never called inside a forward, so a forward's routing is stateless.
-    ///
-    /// # Shapes
-    /// `logits`: `[batch, seq_len, experts]`, finite.
-    pub fn threshold_step(&mut self, logits: ArrayView3<f32>) -> Result<()> {
-        let q = quantiles(self, logits)?;
-        let t = self.threshold.as_mut().expect("quantiles checked it");
-        t.values.iter_mut().zip(q).for_each(|(tau, q)| *tau = ema(*tau, q, t.ema));
-        Ok(())
-    }
+/// One threshold step between training batches: every expert's threshold moves toward its
+/// [`quantiles`] over `logits` (the step's whole batch, whatever the routing scope) at the EMA
+/// rate. Never called inside a forward, so a forward's routing is stateless.
+///
+/// # Shapes
+/// `logits`: `[batch, seq_len, experts]`, finite.
+pub(crate) fn step(config: &RouterConfig, t: &ThresholdConfig, logits: ArrayView3<f32>) -> Result<ThresholdConfig> {
+    let q = quantiles(config, logits)?;
+    let values = t.values.iter().zip(q).map(|(&tau, q)| ema(tau, q, t.ema)).collect();
+    Ok(ThresholdConfig { values, ..t.clone() })
 }
 
 #[cfg(test)]

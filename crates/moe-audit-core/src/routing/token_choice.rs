@@ -5,13 +5,13 @@ use super::capacity::{capacity, drop_causal, drop_routes};
 use super::scores::{Choices, Row};
 use super::sinkhorn::sinkhorn;
 use super::GroupRouting;
-use crate::config::{DropPolicy, RouterConfig, Selection};
+use crate::config::{DropPolicy, RouterConfig, Selection, TokenChoice};
 use crate::routing::Route;
 
 /// Routes one group; `rows` are the group's tokens in priority order.
-pub(crate) fn route_group(config: &RouterConfig, rows: &[Row]) -> GroupRouting {
+pub(crate) fn route_group(config: &RouterConfig, tc: &TokenChoice, rows: &[Row]) -> GroupRouting {
     let mut choices = Choices::new(config, rows.len());
-    match config.selection {
+    match tc.selection {
         Selection::TopK => rows.iter().for_each(|&row| choices.push(config, row)),
         Selection::Sinkhorn => {
             let logits: Vec<&[f32]> = rows.iter().map(|r| r.logits).collect();

@@ -2,14 +2,14 @@
 //! half the trials random, half targeted at the experts token t uses.
 
 use super::Modes;
-use crate::analyze::explain::positions_later;
-use crate::analyze::witness::Witness;
 use super::{run_cases, Cases, Ctx, Rows, Rule, Sample};
 use crate::analyze::case::{Call, Case};
+use crate::analyze::explain::positions_later;
 use crate::analyze::layer_check::{SampleCase, SampleInput};
-use crate::analyze::{AuditOptions, Finding, Probe, Property};
-use moe_audit_core::error::Result;
+use crate::analyze::witness::Witness;
+use crate::analyze::{AuditOptions, Finding, Probe};
 use candle_core::Tensor;
+use moe_audit_core::error::Result;
 use ndarray::s;
 use rand::Rng;
 
@@ -17,14 +17,6 @@ use rand::Rng;
 pub(crate) struct Future;
 
 impl Rule for Future {
-    fn name(&self) -> &'static str {
-        "future"
-    }
-
-    fn property(&self) -> Property {
-        Property::CContent
-    }
-
     fn calls(&self, _: Option<&Witness>, _: &AuditOptions, _: Modes) -> [String; 2] {
         ["the sequence".into(), "the same sequence with later tokens changed".into()]
     }

@@ -12,26 +12,18 @@ use crate::analyze::layer_check::ranks_split;
 use crate::analyze::tally::{pick_witness_token, witness_hit, Tally};
 use crate::analyze::{
     witness::{self, Witness},
-    AuditOptions, Finding, Probe, Property, Verdict,
+    AuditOptions, Finding, Probe, Verdict,
 };
 use moe_audit_core::config::{Flatten, RouterConfig, ScopeGroup};
 use moe_audit_core::error::Result;
-use moe_audit_parallel::RankTraffic;
 use moe_audit_core::routing::assign_routes;
+use moe_audit_parallel::RankTraffic;
 use std::sync::Arc;
 
 /// Probe L.
 pub(crate) struct Layout;
 
 impl Rule for Layout {
-    fn name(&self) -> &'static str {
-        "layout"
-    }
-
-    fn property(&self) -> Property {
-        Property::L
-    }
-
     fn calls(&self, _: Option<&Witness>, options: &AuditOptions, _: Modes) -> [String; 2] {
         ["1 rank".into(), format!("{} expert-parallel ranks (or the other flattening)", options.ranks)]
     }

@@ -24,64 +24,135 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::sync::Arc;
 
-/// The registry: the [`Probe`] enum (report order, serde names), each probe's [`Rule`], and the
-/// default set. Entry order is the report order and seeds the probes' random streams, so new
-/// entries go last in their group.
-macro_rules! probes {
-    (
-        default { $( $(#[doc = $doc:literal])* $letter:ident => $module:ident::$rule:ident, )* }
-        opt_in { $( $(#[doc = $odoc:literal])* $oletter:ident => $omodule:ident::$orule:ident, )* }
-    ) => {
-        $( mod $module; )*
-        $( pub mod $omodule; )*
+mod future;
+mod layout;
+mod mode;
+mod neighbour;
+pub mod numerics;
+mod prefix;
+mod rebatch;
+mod repeat;
+mod replay;
 
+/// The audits a probe serves (flags of a registry entry).
+mod serves {
+    /// A router audit runs it by default.
+    pub const ROUTER: u8 = 1;
+    /// A router audit runs it when asked (`--probes`).
+    pub const OPT_IN: u8 = 2;
+    /// A whole-model audit runs it (its cases: `model/audit/plan.rs`).
+    pub const MODEL: u8 = 4;
+}
+
+/// One probe as the registry describes it.
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    probe: Probe,
+    name: &'static str,
+    property: Property,
+    serves: u8,
+    /// What the help text adds after the name (opt-in probes).
+    note: &'static str,
+}
+
+/// The registry: the [`Probe`] enum (report order, serde names), each probe's long name,
+/// property, the audits it serves, and its router [`Rule`]. Every list of probes (the defaults,
+/// the names `--probes` accepts, the help text, a whole model's probes) is read from here. Entry
+/// order is the report order and seeds the probes' random streams, so new entries go last.
+macro_rules! probes {
+    ( $(
+        $(#[doc = $doc:literal])*
+        $letter:ident $name:literal $property:ident [$($serves:ident)|+] $(($note:literal))? $(=> $module:ident::$rule:ident)?,
+    )* ) => {
         /// A probe: one way of changing the input that must not change a token's routing.
         #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
         pub enum Probe {
             $( $(#[doc = $doc])* $letter, )*
-            $( $(#[doc = $odoc])* $oletter, )*
         }
 
-        impl Probe {
-            /// The default probes, in report order (the opt-in ones are left out).
-            pub const ALL: &'static [Probe] = &[$(Probe::$letter),*];
-            /// Every probe, in report order.
-            pub const KNOWN: &'static [Probe] = &[$(Probe::$letter,)* $(Probe::$oletter),*];
+        const REGISTRY: &[Entry] = &[$(
+            Entry {
+                probe: Probe::$letter,
+                name: $name,
+                property: Property::$property,
+                serves: 0 $(| serves::$serves)+,
+                note: probes!(@note $($note)?),
+            },
+        )*];
 
-            /// What the probe does, in its own file.
-            pub(crate) fn rule(self) -> &'static dyn Rule {
+        impl Probe {
+            /// What the probe does to a router, in its own file; `None` for a probe of whole
+            /// models only.
+            fn router_rule(self) -> Option<&'static dyn Rule> {
                 match self {
-                    $( Probe::$letter => &$module::$rule, )*
-                    $( Probe::$oletter => &$omodule::$orule, )*
+                    $( Probe::$letter => probes!(@rule $($module::$rule)?), )*
                 }
             }
         }
     };
+    (@note) => { "" };
+    (@note $note:literal) => { $note };
+    (@rule) => { None };
+    (@rule $module:ident::$rule:ident) => { Some(&$module::$rule) };
 }
 
 probes! {
-    default {
-        /// Prefix: truncate after t.
-        P => prefix::Prefix,
-        /// Future: change tokens after t.
-        F => future::Future,
-        /// Neighbour: change another sequence.
-        N => neighbour::Neighbour,
-        /// Re-batch: permute, resize, pad.
-        R => rebatch::Rebatch,
-        /// Repeat: the same call twice.
-        D => repeat::Repeat,
-        /// Replay: the same call after a different call.
-        S => replay::Replay,
-        /// Mode: training versus inference configuration.
-        M => mode::Mode,
-        /// Layout: 1 versus R expert-parallel ranks, `[S,B]` versus `[B,S]` flattening.
-        L => layout::Layout,
+    /// Prefix: truncate after t.
+    P "prefix" CLength [ROUTER | MODEL] => prefix::Prefix,
+    /// Future: change tokens after t.
+    F "future" CContent [ROUTER | MODEL] => future::Future,
+    /// Neighbour: change another sequence.
+    N "neighbour" B [ROUTER | MODEL] => neighbour::Neighbour,
+    /// Re-batch: permute, resize, pad.
+    R "re-batch" B [ROUTER | MODEL] => rebatch::Rebatch,
+    /// Repeat: the same call twice.
+    D "repeat" D [ROUTER | MODEL] => repeat::Repeat,
+    /// Replay: the same call after a different call.
+    S "replay" S [ROUTER | MODEL] => replay::Replay,
+    /// Mode: training versus inference configuration.
+    M "mode" TI [ROUTER | MODEL] => mode::Mode,
+    /// Layout: 1 versus R expert-parallel ranks, `[S,B]` versus `[B,S]` flattening.
+    L "layout" L [ROUTER] => layout::Layout,
+    /// Numerics: routing in bf16/f16 versus f32, and low-precision accumulation (off by default).
+    X "numerics" TI [OPT_IN] ("bf16/f16 routing flips, accumulator swamping") => numerics::NumericsProbe,
+    /// Generation (whole models): the generation path (prefill, then one token at a time
+    /// through the KV cache) against one full forward.
+    G "generation" TI [MODEL],
+}
+
+/// How many registry entries have any of the `serves` flags.
+const fn count(flags: u8) -> usize {
+    let (mut i, mut n) = (0, 0);
+    while i < REGISTRY.len() {
+        if REGISTRY[i].serves & flags != 0 {
+            n += 1;
+        }
+        i += 1;
     }
-    opt_in {
-        /// Numerics: routing in bf16/f16 versus f32, and low-precision accumulation (off by default).
-        X => numerics::NumericsProbe,
+    n
+}
+
+/// The probes with any of the `serves` flags, in registry order.
+const fn select<const N: usize>(flags: u8) -> [Probe; N] {
+    let mut out = [Probe::P; N];
+    let (mut i, mut n) = (0, 0);
+    while i < REGISTRY.len() {
+        if REGISTRY[i].serves & flags != 0 {
+            out[n] = REGISTRY[i].probe;
+            n += 1;
+        }
+        i += 1;
     }
+    out
+}
+
+/// Which audit a list of probes is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Audit {
+    /// A router (a layer, or a router outside moe-audit).
+    Router,
+    /// A whole model answering token ids.
+    Model,
 }
 
 /// Where a router's two modes come from, for the words of M's calls.
@@ -96,12 +167,6 @@ pub(crate) enum Modes {
 /// One probe's rule: what it changes, on logits and in the layer sample, and how its witness
 /// replays.
 pub(crate) trait Rule: Sync {
-    /// The long name (`prefix`).
-    fn name(&self) -> &'static str;
-
-    /// The property the probe tests.
-    fn property(&self) -> Property;
-
     /// The two calls the probe compares, in words, reference first: sized from the witness when
     /// there is one; `modes`: where the router's training and serving modes come from.
     fn calls(&self, w: Option<&Witness>, options: &AuditOptions, modes: Modes) -> [String; 2];
@@ -153,14 +218,48 @@ pub(crate) trait Rule: Sync {
 }
 
 impl Probe {
+    /// The default probes of a router audit, in report order (the opt-in ones are left out).
+    pub const ALL: &'static [Probe] = &select::<{ count(serves::ROUTER) }>(serves::ROUTER);
+    /// Every probe a router audit knows, in report order.
+    pub const KNOWN: &'static [Probe] =
+        &select::<{ count(serves::ROUTER | serves::OPT_IN) }>(serves::ROUTER | serves::OPT_IN);
+    /// Every probe of a whole-model audit (its default), in report order.
+    pub const MODEL: &'static [Probe] = &select::<{ count(serves::MODEL) }>(serves::MODEL);
+
+    /// What the probe does to a router. Router audits run router probes only: the lists they
+    /// take are checked ([`Probe::check_router`]).
+    pub(crate) fn rule(self) -> &'static dyn Rule {
+        self.router_rule().expect("a router audit runs router probes only")
+    }
+
+    /// `Ok` when a router audit knows the probe.
+    pub(crate) fn check_router(self) -> std::result::Result<(), String> {
+        match self.router_rule() {
+            Some(_) => Ok(()),
+            None => Err(format!("probe {self} ({}) audits whole models, not routers", self.name())),
+        }
+    }
+
+    fn entry(self) -> &'static Entry {
+        REGISTRY.iter().find(|e| e.probe == self).expect("every probe has an entry")
+    }
+
     /// The property the probe tests.
     pub fn property(self) -> Property {
-        self.rule().property()
+        self.entry().property
     }
 
     /// Its long name.
     pub fn name(self) -> &'static str {
-        self.rule().name()
+        self.entry().name
+    }
+
+    /// The probes `audit` knows.
+    pub fn known(audit: Audit) -> &'static [Probe] {
+        match audit {
+            Audit::Router => Probe::KNOWN,
+            Audit::Model => Probe::MODEL,
+        }
     }
 
     /// The default probes as a comma-separated list (`P,F,N,R,D,S,M,L`): the probe flags'
@@ -169,24 +268,53 @@ impl Probe {
         Probe::ALL.iter().map(Probe::to_string).collect::<Vec<_>>().join(",")
     }
 
-    /// Parses a comma-separated list such as `P,F,N`: sorted, without repeats.
+    /// The probe flags' help: every router probe by letter and name, the opt-in ones last.
+    pub fn help() -> String {
+        let named = |p: &Probe| format!("{p} {}", p.name());
+        let defaults: Vec<String> = Probe::ALL.iter().map(named).collect();
+        let opt_in: Vec<String> = Probe::KNOWN
+            .iter()
+            .filter(|p| !Probe::ALL.contains(p))
+            .map(|p| format!("{} ({})", named(p), p.entry().note))
+            .collect();
+        format!("Probes to run, comma separated: {}; {} is opt-in", defaults.join(", "), opt_in.join(", "))
+    }
+
+    /// Parses a comma-separated list such as `P,F,N` of the probes a router audit knows:
+    /// sorted, without repeats.
     pub fn parse_list(list: &str) -> Result<Vec<Probe>> {
+        Probe::parse_list_for(list, Audit::Router)
+    }
+
+    /// [`Probe::parse_list`] for `audit`: a letter it does not know is refused.
+    pub fn parse_list_for(list: &str, audit: Audit) -> Result<Vec<Probe>> {
+        let known = Probe::known(audit);
+        let letters = || known.iter().map(Probe::to_string).collect::<Vec<_>>().join(",");
         let mut probes = Vec::new();
         for item in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-            let probe = Probe::KNOWN.iter().copied().find(|p| p.to_string().eq_ignore_ascii_case(item));
+            let probe = known.iter().copied().find(|p| p.to_string().eq_ignore_ascii_case(item));
             let Some(probe) = probe else {
-                let known = Probe::KNOWN.iter().map(Probe::to_string).collect::<Vec<_>>().join(",");
-                return Err(Error::Usage(format!(
-                    "{}: unknown probe `{item}`, expected some of {known}",
-                    moe_audit_core::error::Setting::Probes
-                )));
+                let setting = moe_audit_core::error::Setting::Probes;
+                return Err(Error::Usage(match audit {
+                    Audit::Router => format!("{setting}: unknown probe `{item}`, expected some of {}", letters()),
+                    Audit::Model => {
+                        format!(
+                            "{setting}: unknown probe `{item}` for a whole model: expected letters of {}",
+                            letters()
+                        )
+                    }
+                }));
             };
             if !probes.contains(&probe) {
                 probes.push(probe);
             }
         }
         if probes.is_empty() {
-            return Err(Error::Usage(format!("{}: no probe given", moe_audit_core::error::Setting::Probes)));
+            let setting = moe_audit_core::error::Setting::Probes;
+            return Err(Error::Usage(match audit {
+                Audit::Router => format!("{setting}: no probe given"),
+                Audit::Model => format!("{setting} is empty: an audit that runs no probe cannot pass"),
+            }));
         }
         probes.sort();
         Ok(probes)

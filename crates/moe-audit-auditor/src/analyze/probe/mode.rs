@@ -4,7 +4,7 @@ use super::Modes;
 use super::{run_repeat, Ctx, Rule, Sample};
 use crate::analyze::case::{Call, CallMode, Case};
 use crate::analyze::witness::{Replayer, Witness};
-use crate::analyze::{AuditOptions, Finding, Probe, Property, Verdict};
+use crate::analyze::{AuditOptions, Finding, Probe, Verdict};
 use moe_audit_core::error::Result;
 use moe_audit_core::routing::Routing;
 
@@ -12,14 +12,6 @@ use moe_audit_core::routing::Routing;
 pub(crate) struct Mode;
 
 impl Rule for Mode {
-    fn name(&self) -> &'static str {
-        "mode"
-    }
-
-    fn property(&self) -> Property {
-        Property::TI
-    }
-
     fn calls(&self, _: Option<&Witness>, _: &AuditOptions, modes: Modes) -> [String; 2] {
         match modes {
             Modes::Config => ["the training configuration".into(), "the [inference] configuration".into()],

@@ -2,13 +2,13 @@
 //! toward the experts of a token of another sequence); the untouched sequences compared.
 
 use super::Modes;
-use crate::analyze::witness::Witness;
 use super::{run_cases, Cases, Ctx, Rows, Rule, Sample};
 use crate::analyze::case::{Call, Case};
 use crate::analyze::layer_check::{SampleCase, SampleInput};
-use crate::analyze::{AuditOptions, Finding, Probe, Property};
-use moe_audit_core::error::Result;
+use crate::analyze::witness::Witness;
+use crate::analyze::{AuditOptions, Finding, Probe};
 use candle_core::Tensor;
+use moe_audit_core::error::Result;
 use ndarray::s;
 use rand::Rng;
 
@@ -16,14 +16,6 @@ use rand::Rng;
 pub(crate) struct Neighbour;
 
 impl Rule for Neighbour {
-    fn name(&self) -> &'static str {
-        "neighbour"
-    }
-
-    fn property(&self) -> Property {
-        Property::B
-    }
-
     fn calls(&self, _: Option<&Witness>, _: &AuditOptions, _: Modes) -> [String; 2] {
         ["the batch".into(), "the same batch with another sequence changed".into()]
     }

@@ -16,13 +16,16 @@
 use super::Modes;
 use super::{Ctx, Rule, Sample};
 use crate::analyze::case::{Call, Case};
-use moe_audit_core::routing::diff_token;
-use crate::analyze::{witness::{self, Witness}, AuditOptions, Finding, Probe, Property, Verdict};
-use moe_audit_core::error::Result;
-use moe_audit_core::router::logits_to_host;
-use moe_audit_core::routing::{Logits, Routing};
+use crate::analyze::{
+    witness::{self, Witness},
+    AuditOptions, Finding, Probe, Verdict,
+};
 use candle_core::{DType, Tensor};
 use half::{bf16, f16};
+use moe_audit_core::error::Result;
+use moe_audit_core::router::logits_to_host;
+use moe_audit_core::routing::diff_token;
+use moe_audit_core::routing::{Logits, Routing};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
@@ -92,14 +95,6 @@ pub const SWAMPING_TERMS: [usize; 7] = [16, 128, 1024, 2048, 4096, 8192, 32_768]
 pub(crate) struct NumericsProbe;
 
 impl Rule for NumericsProbe {
-    fn name(&self) -> &'static str {
-        "numerics"
-    }
-
-    fn property(&self) -> Property {
-        Property::TI
-    }
-
     fn calls(&self, _: Option<&Witness>, _: &AuditOptions, _: Modes) -> [String; 2] {
         ["f32 routing".into(), "bf16 or f16 routing".into()]
     }

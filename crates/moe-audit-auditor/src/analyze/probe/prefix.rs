@@ -21,16 +21,15 @@
 //!
 //! [`Router::prefix_stable`]: moe_audit_core::router::Router::prefix_stable
 
-
 use super::Modes;
-use crate::analyze::explain::{plural, positions_later};
-use crate::analyze::witness::Witness;
 use super::{run_cases, Cases, Ctx, Rule, Sample};
 use crate::analyze::case::{Affected, Call, Case};
+use crate::analyze::explain::{plural, positions_later};
+use crate::analyze::layer_check::{SampleCase, SampleInput};
 use crate::analyze::tally::{pick_witness_token, witness_hit, Tally};
 use crate::analyze::witness;
-use crate::analyze::layer_check::{SampleCase, SampleInput};
-use crate::analyze::{AuditOptions, Finding, Probe, Property};
+use crate::analyze::witness::Witness;
+use crate::analyze::{AuditOptions, Finding, Probe};
 use moe_audit_core::error::Result;
 use rayon::prelude::*;
 use std::collections::BTreeMap;
@@ -40,14 +39,6 @@ use std::sync::Arc;
 pub(crate) struct Prefix;
 
 impl Rule for Prefix {
-    fn name(&self) -> &'static str {
-        "prefix"
-    }
-
-    fn property(&self) -> Property {
-        Property::CLength
-    }
-
     fn calls(&self, w: Option<&Witness>, _: &AuditOptions, _: Modes) -> [String; 2] {
         [
             w.map_or("the full sequence".into(), |w| format!("the sequence of {}", plural(w.a.seq_len, "token"))),
@@ -177,11 +168,7 @@ fn route(ctx: &Ctx, cases: &Cases, ts: &[usize]) -> Result<BTreeMap<usize, Seen>
 /// P at position t: every sequence truncated after t; positions ≤ t compared.
 fn case(base: &Arc<Call>, t: usize) -> Case {
     let b = base.dims().0;
-    Case {
-        compare: vec![t + 1; b],
-        change_from: vec![Some(t + 1); b],
-        ..Case::aligned(base, base.truncate(t + 1))
-    }
+    Case { compare: vec![t + 1; b], change_from: vec![Some(t + 1); b], ..Case::aligned(base, base.truncate(t + 1)) }
 }
 
 #[cfg(test)]

@@ -2,12 +2,12 @@
 //! routers that take a padding mask) padding on the left.
 
 use super::Modes;
-use crate::analyze::explain::plural;
-use crate::analyze::witness::Witness;
 use super::{run_cases, Cases, Ctx, Rule, Sample};
 use crate::analyze::case::{Call, Case};
+use crate::analyze::explain::plural;
 use crate::analyze::layer_check::{SampleCase, SampleInput};
-use crate::analyze::{AuditOptions, Finding, Probe, Property};
+use crate::analyze::witness::Witness;
+use crate::analyze::{AuditOptions, Finding, Probe};
 use moe_audit_core::error::Result;
 use ndarray::{Array2, Array3, Axis};
 use rand::Rng;
@@ -16,14 +16,6 @@ use rand::Rng;
 pub(crate) struct Rebatch;
 
 impl Rule for Rebatch {
-    fn name(&self) -> &'static str {
-        "re-batch"
-    }
-
-    fn property(&self) -> Property {
-        Property::B
-    }
-
     fn calls(&self, w: Option<&Witness>, _: &AuditOptions, _: Modes) -> [String; 2] {
         [
             w.map_or("the batch".into(), |w| format!("a batch of {}", plural(w.a.batch, "sequence"))),
@@ -34,7 +26,9 @@ impl Rule for Rebatch {
     }
 
     fn cause(&self, f: &Finding) -> String {
-        f.witness.as_ref().map_or("the batch re-ordered, resized or re-padded".into(), |w| format!("the batch {}", change(w)))
+        f.witness
+            .as_ref()
+            .map_or("the batch re-ordered, resized or re-padded".into(), |w| format!("the batch {}", change(w)))
     }
 
     fn run(&self, ctx: &Ctx, _sample: Option<&Sample>) -> Result<Finding> {

@@ -8,7 +8,7 @@ use super::{run_repeat, Ctx, Rule, Sample};
 use crate::analyze::case::{Call, CallMode};
 use crate::analyze::layer_check::{SampleCase, SampleInput};
 use crate::analyze::witness::{Replayer, Witness};
-use crate::analyze::{AuditOptions, Finding, Probe, Property};
+use crate::analyze::{AuditOptions, Finding, Probe};
 use moe_audit_core::error::Result;
 use moe_audit_core::routing::Routing;
 
@@ -16,14 +16,6 @@ use moe_audit_core::routing::Routing;
 pub(crate) struct Repeat;
 
 impl Rule for Repeat {
-    fn name(&self) -> &'static str {
-        "repeat"
-    }
-
-    fn property(&self) -> Property {
-        Property::D
-    }
-
     fn calls(&self, _: Option<&Witness>, _: &AuditOptions, _: Modes) -> [String; 2] {
         ["the call".into(), "the same call again".into()]
     }
@@ -51,7 +43,13 @@ impl Rule for Repeat {
         false
     }
 
-    fn replay(&self, with: &dyn Replayer, a: &Call, _: &Call, modes: (CallMode, CallMode)) -> Result<(Routing, Routing)> {
+    fn replay(
+        &self,
+        with: &dyn Replayer,
+        a: &Call,
+        _: &Call,
+        modes: (CallMode, CallMode),
+    ) -> Result<(Routing, Routing)> {
         Ok((with.route(a, modes.0)?, with.route(a, modes.0)?))
     }
 }

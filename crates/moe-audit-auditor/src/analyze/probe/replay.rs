@@ -8,26 +8,18 @@ use super::Modes;
 use super::{Ctx, Rule, Sample};
 use crate::analyze::case::{Call, CallMode};
 use crate::analyze::layer_check::{SampleCase, SampleInput};
+use crate::analyze::noise::Noise;
 use crate::analyze::tally::{pick_witness_token, witness_hit, Tally};
 use crate::analyze::witness::{self, Replayer, Witness};
-use crate::analyze::noise::Noise;
-use crate::analyze::{AuditOptions, Finding, Probe, Property, Verdict};
+use crate::analyze::{AuditOptions, Finding, Probe, Verdict};
+use candle_core::Tensor;
 use moe_audit_core::error::Result;
 use moe_audit_core::routing::Routing;
-use candle_core::Tensor;
 
 /// Probe S.
 pub(crate) struct Replay;
 
 impl Rule for Replay {
-    fn name(&self) -> &'static str {
-        "replay"
-    }
-
-    fn property(&self) -> Property {
-        Property::S
-    }
-
     fn calls(&self, _: Option<&Witness>, _: &AuditOptions, _: Modes) -> [String; 2] {
         ["the call alone".into(), "the same call after another call".into()]
     }
@@ -37,7 +29,10 @@ impl Rule for Replay {
     }
 
     fn fix(&self) -> Option<String> {
-        Some("keep forward stateless: update capacity or expert bias in an explicit training step, not in forward".into())
+        Some(
+            "keep forward stateless: update capacity or expert bias in an explicit training step, not in forward"
+                .into(),
+        )
     }
 
     /// Each comparison is judged against the randomness of the mode its two routings were made
@@ -100,7 +95,13 @@ impl Rule for Replay {
     }
 
     /// `a` in its mode, `b` in its own, then `a` again.
-    fn replay(&self, with: &dyn Replayer, a: &Call, b: &Call, modes: (CallMode, CallMode)) -> Result<(Routing, Routing)> {
+    fn replay(
+        &self,
+        with: &dyn Replayer,
+        a: &Call,
+        b: &Call,
+        modes: (CallMode, CallMode),
+    ) -> Result<(Routing, Routing)> {
         let first = with.route(a, modes.0)?;
         with.route(b, modes.1)?;
         Ok((first, with.route(a, modes.0)?))

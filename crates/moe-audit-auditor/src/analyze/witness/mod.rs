@@ -164,6 +164,7 @@ impl Witness {
         if w.format != FORMAT {
             return Err(Error::input(path, format!("format `{}` is not `{FORMAT}`", w.format)));
         }
+        w.probe.check_router().map_err(|m| Error::input(path, m))?;
         if w.sha256.is_empty() {
             return Err(Error::input(path, "no `sha256` content hash to check".to_string()));
         }

@@ -2,7 +2,8 @@
 //! (one case is one model call; its reference is the base call), and the note its finding
 //! carries.
 
-use super::{ModelAuditOptions, TokenProbe};
+use super::ModelAuditOptions;
+use crate::analyze::Probe;
 use crate::model::{Mode, ModelInfo, Path, TokenCall};
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
@@ -40,7 +41,7 @@ impl Plan {
 
     /// The cases of `probe` on `base`; random choices from `rng` (the probe's own stream).
     pub fn of(
-        probe: TokenProbe,
+        probe: Probe,
         info: &ModelInfo,
         base: &TokenCall,
         options: &ModelAuditOptions,
@@ -50,31 +51,36 @@ impl Plan {
         let every = || pairs_of(s, s, &same_rows(b), s, 0);
         let vocab = info.vocab as u32;
         match probe {
-            TokenProbe::P if s == 1 => Plan::none("a sequence of one token has no prefix"),
-            TokenProbe::P => prefixes(base),
-            TokenProbe::F if s > 1 => futures(base, options.trials, vocab, rng),
-            TokenProbe::F => Plan::none("a sequence of one token has no future"),
-            TokenProbe::N if b > 1 => neighbours(base, options.trials, vocab, rng),
-            TokenProbe::N => Plan::none("a batch of one sequence has no neighbour"),
-            TokenProbe::R => rebatched(base, info.padding_mask),
-            TokenProbe::D => Plan::new(vec![Case::single(base.clone(), every())], "the base call twice"),
-            TokenProbe::S => {
+            Probe::P if s == 1 => Plan::none("a sequence of one token has no prefix"),
+            Probe::P => prefixes(base),
+            Probe::F if s > 1 => futures(base, options.trials, vocab, rng),
+            Probe::F => Plan::none("a sequence of one token has no future"),
+            Probe::N if b > 1 => neighbours(base, options.trials, vocab, rng),
+            Probe::N => Plan::none("a batch of one sequence has no neighbour"),
+            Probe::R => rebatched(base, info.padding_mask),
+            Probe::D => Plan::new(vec![Case::single(base.clone(), every())], "the base call twice"),
+            Probe::S => {
                 let other: Vec<u32> = (0..b * s).map(|_| rng.random_range(0..vocab)).collect();
                 let other = TokenCall { tokens: other, ..base.clone() };
                 let case = Case { before: vec![other], b: base.clone(), pairs: every() };
                 Plan::new(vec![case], "the base call after another call")
             }
-            TokenProbe::M => Plan::new(
+            Probe::M => Plan::new(
                 vec![Case::single(TokenCall { mode: Mode::Inference, ..base.clone() }, every())],
                 "inference mode against training mode",
             ),
-            TokenProbe::G if info.generate => {
+            Probe::G if info.generate => {
                 let call = TokenCall { path: Path::Generate { prefill: options.prefill }, ..base.clone() };
                 let note =
                     format!("prefill {} positions, then one token at a time through the KV cache", options.prefill);
                 Plan::new(vec![Case::single(call, every())], note)
             }
-            TokenProbe::G => Plan::none("the model does not run the generation path"),
+            Probe::G => Plan::none("the model does not run the generation path"),
+            // The registry's other probes audit routers only; `audit_model` refuses them.
+            other => {
+                debug_assert!(!Probe::MODEL.contains(&other), "probe {other} serves models and has no plan");
+                Plan::none("a router probe")
+            }
         }
     }
 }
