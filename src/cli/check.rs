@@ -102,6 +102,8 @@ pub enum CheckFormat {
     Markdown,
     /// JUnit XML: one test case per router × probe.
     Junit,
+    /// One self-contained HTML page (with --output FILE): verdicts, witnesses, load balance.
+    Html,
 }
 
 impl CheckArgs {
@@ -217,6 +219,7 @@ fn audit_and_report(args: &CheckArgs, out: &mut dyn Write, comm: Option<&dyn Com
         CheckFormat::Json => json(&report),
         CheckFormat::Markdown => render_markdown(&report),
         CheckFormat::Junit => render_junit(&report),
+        CheckFormat::Html => moe_audit::render::check_html(&report),
     };
     match &args.output {
         Some(path) => staged.write(path, text.as_bytes())?,

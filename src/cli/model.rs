@@ -93,9 +93,10 @@ pub(super) fn run(args: &CheckArgs, out: &mut dyn Write) -> Result<Option<u8>> {
     let text = match args.format {
         CheckFormat::Text => render_model_text(&report),
         CheckFormat::Json => serde_json::to_string_pretty(&report).expect("a report always serialises") + "\n",
+        CheckFormat::Html => moe_audit::render::model_html(&report),
         other => {
             let name = format!("{other:?}").to_lowercase();
-            return Err(Error::Usage(format!("--format {name} is not written for whole models: text or json")));
+            return Err(Error::Usage(format!("--format {name} is not written for whole models: text, json or html")));
         }
     };
     let mut staged = moe_audit::files::Staged::new();

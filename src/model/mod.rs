@@ -10,7 +10,7 @@
 
 pub mod audit;
 pub mod builtin;
-mod compare;
+pub(crate) mod compare;
 pub mod process;
 pub mod protocol;
 
