@@ -200,7 +200,7 @@ fn lanes(b: &mut String, c: &Comparison) {
 
 /// Lanes as rows of cells, one per layer, coloured by the flip's kind.
 fn lane_grid(lanes: &[Lane], layers: usize, threshold: Option<f64>, trainer: &dyn Fn(usize) -> usize) -> String {
-    let cw = (760 / layers.max(1) as i64).clamp(6, 18);
+    let cw = (760 / layers.max(1) as i64).clamp(6, 40);
     let (rh, left, top) = (12i64, 110i64, 16i64);
     let width = left + cw * layers as i64 + 10;
     let height = top + rh * lanes.len() as i64 + 4;
