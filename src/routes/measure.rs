@@ -81,7 +81,7 @@ pub struct Measures {
 pub const LANES: usize = 48;
 
 /// One token that differs in at least one layer.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Lane {
     /// Its index among the aligned tokens (segment order).
     pub order: usize,
@@ -96,7 +96,7 @@ pub struct Lane {
 }
 
 /// One decision whose expert set differs.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Flip {
     /// Index into [`Measures::layers`].
     pub layer: usize,
@@ -430,10 +430,16 @@ mod tests {
         let mut budget = Budget::new(crate::MemoryBudget::from_request(None));
         let (ra, rb) = (record("a", &a, tokens, &mut budget), record("b", &b, tokens, &mut budget));
         let (al, _) = super::super::align::align(&ra, &rb, &mut budget).expect("aligned");
-        let whole = serde_json::to_string(&measure_in(&ra, &rb, &al, &mut budget, tokens).unwrap()).unwrap();
+        let one = measure_in(&ra, &rb, &al, &mut budget, tokens).unwrap();
+        let whole = serde_json::to_string(&one).unwrap();
+        // The lanes: the first differing tokens, in order (row 3t + layer differs every 7th row:
+        // tokens 0, 2, 4, ...).
+        assert_eq!(one.lanes.len(), LANES);
+        assert_eq!(one.lanes.iter().map(|l| l.order).take(3).collect::<Vec<_>>(), [0, 2, 4]);
         for chunk in [1, 7, 512, 1024] {
             let m = measure_in(&ra, &rb, &al, &mut budget, chunk).unwrap();
             assert_eq!(serde_json::to_string(&m).unwrap(), whole, "chunk {chunk}");
+            assert_eq!(m.lanes, one.lanes, "chunk {chunk}");
         }
         assert!(whole.contains("\"decisions\":7500"), "{whole}");
     }
