@@ -85,6 +85,8 @@ pub enum CheckFormat {
     Markdown,
     /// JUnit XML: one test case per router × probe.
     Junit,
+    /// One self-contained HTML page (with --output FILE): verdicts, witnesses, load balance.
+    Html,
 }
 
 /// A validated `check`: what to audit, how, and where the report goes.
@@ -230,6 +232,7 @@ fn audit_and_report(check: CheckOptions, out: &mut dyn Write, comm: Option<&dyn 
         CheckFormat::Json => json(&report),
         CheckFormat::Markdown => render_markdown(&report),
         CheckFormat::Junit => render_junit(&report),
+        CheckFormat::Html => moe_audit::render::check_html(&report),
     };
     match &check.output {
         Some(path) => staged.write(path, text.as_bytes())?,

@@ -91,6 +91,8 @@ pub enum ModelFormat {
     Text,
     /// The whole report.
     Json,
+    /// One self-contained page: heatmaps of where routing changed, drift, generation (docs/HTML.md).
+    Html,
 }
 
 /// A validated `model`: which model, and what to do with it.
@@ -173,6 +175,7 @@ pub(super) fn run(m: ModelOptions, out: &mut dyn Write) -> Result<u8> {
     let text = match format {
         ModelFormat::Text => render_model_text(&report),
         ModelFormat::Json => serde_json::to_string_pretty(&report).expect("a report always serialises") + "\n",
+        ModelFormat::Html => moe_audit::render::model_html(&report),
     };
     let mut staged = moe_audit::files::Staged::new();
     if let Some(dir) = &witness_dir {

@@ -53,6 +53,9 @@ pub struct CompareArgs {
     /// Also draw the disagreement per layer (`.png` or `.svg`).
     #[arg(long, value_name = "FILE")]
     pub chart: Option<PathBuf>,
+    /// Write the report here instead of stdout.
+    #[arg(long, value_name = "FILE")]
+    pub output: Option<PathBuf>,
     /// `--max-memory`.
     #[command(flatten)]
     pub memory: super::common::MemoryArgs,
@@ -71,6 +74,8 @@ pub enum CompareFormat {
     Junit,
     /// GitHub Actions annotations.
     Github,
+    /// One self-contained HTML page (with --output FILE): diagnoses, layers, flips per token.
+    Html,
 }
 
 /// Arguments of `routes show`.
@@ -116,6 +121,7 @@ pub struct Compare {
     options: CompareOptions,
     format: CompareFormat,
     chart: Option<PathBuf>,
+    output: Option<PathBuf>,
     budget: MemoryBudget,
 }
 
@@ -152,6 +158,7 @@ impl CompareArgs {
             options: CompareOptions { max_disagreement: self.max_disagreement },
             format: self.format,
             chart: self.chart.clone(),
+            output: self.output.clone(),
             budget: self.memory.budget(),
         })
     }
@@ -195,13 +202,19 @@ fn compare(args: &Compare, out: &mut dyn Write) -> Result<u8> {
         CompareFormat::Markdown => routes_markdown(&c),
         CompareFormat::Junit => routes_junit(&c),
         CompareFormat::Github => routes_github(&c),
+        CompareFormat::Html => moe_audit::render::routes_html(&c),
     };
     let mut staged = Staged::new();
     if let Some(chart) = &args.chart {
         routes_chart(&c, chart, &mut staged)?;
     }
+    if let Some(path) = &args.output {
+        staged.write(path, text.as_bytes())?;
+    }
     staged.commit()?;
-    out.write_all(text.as_bytes()).map_err(io_error)?;
+    if args.output.is_none() {
+        out.write_all(text.as_bytes()).map_err(io_error)?;
+    }
     Ok(exit::failed_if(c.failed))
 }
 

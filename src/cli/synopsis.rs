@@ -139,7 +139,7 @@ mod tests {
     #[test]
     fn options_show_their_values_and_lines_wrap() {
         let text = synopsis(&crate::cli::Cli::command(), 100);
-        assert!(text.contains("[--format text|json|markdown|junit|github]"), "{text}");
+        assert!(text.contains("[--format text|json|markdown|junit|github|html]"), "{text}");
         assert!(text.starts_with("moe-audit presets\nmoe-audit route "), "{text}");
         assert!(text.lines().all(|l| l.len() <= 100 || !l.trim_start().contains(' ')), "{text}");
         assert!(text.contains("\nmoe-audit routes compare "), "{text}");

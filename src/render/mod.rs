@@ -1,7 +1,8 @@
 //! Every output format in one place: the check report as text, markdown, JSON, JUnit XML and
 //! GitHub annotations; the zoo table; a witness replay; the sweep's CSV, markdown and charts
 //! (SVG, PNG); the `ep` traffic table; the `collectives` tables and charts; the `exploit` text,
-//! markdown and learning curve; the `routes` comparison and its per-layer chart. (The routing table, [`crate::routing::render_table`],
+//! markdown and learning curve; the `routes` comparison and its per-layer chart; self-contained
+//! HTML pages of a check (routers or a whole model) and of a records comparison. (The routing table, [`crate::routing::render_table`],
 //! stays beside the record it draws.) Renderers take the library's report types and return
 //! strings; the CLI picks one by its flag and writes it. Adding a format is a function here and
 //! the flag that selects it.
@@ -11,6 +12,7 @@ mod ci;
 mod collectives;
 mod ep;
 mod exploit;
+mod html;
 mod json;
 mod model;
 mod routes;
@@ -22,6 +24,7 @@ pub use ci::{render_github, render_junit};
 pub use collectives::{collectives_chart, collectives_config_name, render_collectives, CollectivesReport};
 pub use ep::render_ep;
 pub use exploit::{exploit_markdown, exploit_text, write_exploit};
+pub use html::{check_html, model_html, routes_html};
 pub use json::{json, witness_path, write_witnesses};
 pub use model::render_model_text;
 pub use routes::{routes_chart, routes_github, routes_junit, routes_markdown, routes_text, show_text};

@@ -11,7 +11,7 @@ use crate::routing::Route;
 use std::fmt::Write;
 
 /// The model's layers in a few words: `0 dense, 1-3 moe (8 experts, top 2)`.
-fn layers_line(info: &ModelInfo) -> String {
+pub(crate) fn layers_line(info: &ModelInfo) -> String {
     let mut runs: Vec<(usize, usize, String)> = Vec::new();
     for l in &info.layers {
         let word = match (l.kind, l.top_k) {

@@ -21,7 +21,7 @@ fn pct(x: f64) -> String {
     format!("{:.2}%", 100.0 * x)
 }
 
-fn verdict(c: &Comparison) -> String {
+pub(crate) fn verdict(c: &Comparison) -> String {
     let defects: Vec<&str> = c.diagnoses.iter().filter(|d| d.defect).map(|d| d.kind.name()).collect();
     let over = c.max_disagreement.filter(|&m| c.measures.decisions_differ > m);
     let mut why = Vec::new();
@@ -50,7 +50,7 @@ fn verdict(c: &Comparison) -> String {
     }
 }
 
-fn side_line(s: &crate::records::Side) -> String {
+pub(crate) fn side_line(s: &crate::records::Side) -> String {
     format!(
         "{} {} ({}, {} tokens, {} layers, top-{}{})",
         s.role,
@@ -63,7 +63,7 @@ fn side_line(s: &crate::records::Side) -> String {
     )
 }
 
-fn margins_line(c: &Comparison) -> Option<String> {
+pub(crate) fn margins_line(c: &Comparison) -> Option<String> {
     let m = c.measures.margins.as_ref()?;
     let reading = if m.flips == 0 {
         "no flips".to_string()

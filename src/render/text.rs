@@ -80,7 +80,7 @@ pub(crate) fn details(f: &Finding) -> Vec<(&'static str, String)> {
 
 /// A detail's text, except a fix already written for this router (`fixes`), which is "as above":
 /// the fix depends on the router's design more than on the probe.
-fn once_per_router(fixes: &mut Vec<String>, label: &str, text: String) -> String {
+pub(crate) fn once_per_router(fixes: &mut Vec<String>, label: &str, text: String) -> String {
     if label != "fix" {
         return text;
     }
@@ -157,7 +157,7 @@ pub fn render_text(report: &Report, witness_paths: &dyn Fn(&str, Probe) -> Optio
 }
 
 /// The line on random routers whose verdicts are inconclusive (they fail the gate, exit 1).
-fn inconclusive_line(report: &Report) -> Option<String> {
+pub(crate) fn inconclusive_line(report: &Report) -> Option<String> {
     let random: Vec<&str> = report.routers.iter().filter(|r| r.inconclusive()).map(|r| r.router.as_str()).collect();
     (!random.is_empty()).then(|| {
         format!(

@@ -8,6 +8,7 @@ mod exploit;
 mod external;
 mod faults;
 mod hand_computed;
+mod html;
 mod invariants;
 mod layer;
 mod model;

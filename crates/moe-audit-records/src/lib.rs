@@ -22,7 +22,7 @@ mod show;
 
 pub use align::{Alignment, Diagnosis, DiagnosisKind, LayerPair, Segment};
 pub use config::{LayerKind, Layout};
-pub use measure::{LayerMeasure, Margins, Measures};
+pub use measure::{Flip, Lane, LayerMeasure, Margins, Measures, LANES};
 pub use read::{from_ids, load, Format, Found, IdArray, Record};
 pub use show::{show, LayerLoad, Summary};
 

@@ -71,6 +71,41 @@ pub struct Measures {
     pub mean_first_differing: Option<f64>,
     /// With logits: margins at flips against all margins.
     pub margins: Option<Margins>,
+    /// The first [`LANES`] tokens that differ, in aligned order, with every flip: the HTML
+    /// report's lanes (not in the JSON, whose figures are shares).
+    #[serde(skip)]
+    pub lanes: Vec<Lane>,
+}
+
+/// Tokens kept as lanes: enough to see a pattern, few enough for a page.
+pub const LANES: usize = 48;
+
+/// One token that differs in at least one layer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Lane {
+    /// Its index among the aligned tokens (segment order).
+    pub order: usize,
+    /// The sequence.
+    pub sequence: usize,
+    /// Its rollout row.
+    pub rollout: usize,
+    /// Its trainer row.
+    pub trainer: usize,
+    /// Every layer whose expert set differs, in trainer order.
+    pub flips: Vec<Flip>,
+}
+
+/// One decision whose expert set differs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Flip {
+    /// Index into [`Measures::layers`].
+    pub layer: usize,
+    /// The rollout's experts, sorted.
+    pub rollout: Vec<i32>,
+    /// The trainer's experts, sorted.
+    pub trainer: Vec<i32>,
+    /// The router margin there, when a side recorded logits.
+    pub margin: Option<f32>,
 }
 
 /// Counts of one chunk of tokens, summed afterwards.
@@ -86,6 +121,7 @@ struct Counts {
     tokens_differ: u64,
     first_sum: u64,
     margins: Vec<(f32, bool)>,
+    lanes: Vec<Lane>,
 }
 
 impl Counts {
@@ -116,6 +152,10 @@ impl Counts {
         self.tokens_differ += o.tokens_differ;
         self.first_sum += o.first_sum;
         self.margins.extend(o.margins);
+        // The first lanes in aligned order, whatever order the pieces are summed in.
+        self.lanes.extend(o.lanes);
+        self.lanes.sort_unstable_by_key(|l| l.order);
+        self.lanes.truncate(LANES);
         self
     }
 }
@@ -180,6 +220,7 @@ impl Measures {
             layers: Vec::new(),
             mean_first_differing: None,
             margins: None,
+            lanes: Vec::new(),
         }
     }
 }
@@ -227,17 +268,26 @@ pub(super) fn measure_in(
     }
     // Every aligned run of rows, in pieces of CHUNK tokens: both sides' rows read a piece at a
     // time, pieces in parallel.
-    let pieces: Vec<(usize, usize, usize)> = al
+    let starts = al.segments.iter().scan(0, |order, s| {
+        *order += s.len;
+        Some(*order - s.len)
+    });
+    let pieces: Vec<(usize, usize, usize, usize, usize)> = al
         .segments
         .iter()
-        .flat_map(|s| (0..s.len).step_by(chunk).map(move |k| (s.rollout + k, s.trainer + k, chunk.min(s.len - k))))
+        .zip(starts)
+        .flat_map(|(s, start)| {
+            (0..s.len)
+                .step_by(chunk)
+                .map(move |k| (s.rollout + k, s.trainer + k, chunk.min(s.len - k), start + k, s.sequence))
+        })
         .collect();
     let (wa, wb) = (a.layers.len() * a.top_k, b.layers.len() * b.top_k);
     let counts = pieces
         .par_iter()
         .map_init(
             || (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new()),
-            |(rows_a, rows_b, x, y, scratch), &(ra, rb, len)| {
+            |(rows_a, rows_b, x, y, scratch), &(ra, rb, len, start, sequence)| {
                 a.rows(ra..ra + len, rows_a);
                 b.rows(rb..rb + len, rows_b);
                 a.ids.release(ra * wa..(ra + len) * wa);
@@ -245,10 +295,12 @@ pub(super) fn measure_in(
                 let mut c = Counts::new(n);
                 for i in 0..len {
                     let mut first = None;
+                    let mut flips = Vec::new();
                     for (p, pair) in al.layers.iter().enumerate() {
                         let ra_row = &rows_a[i * wa + pair.rollout_index * a.top_k..][..a.top_k];
                         let rb_row = &rows_b[i * wb + pair.trainer_index * b.top_k..][..b.top_k];
                         // (Compared element by element: a slice `==` calls memcmp for 8 ids.)
+                        let mut flip = None;
                         let same = if ra_row.len() == rb_row.len() && ra_row.iter().zip(rb_row).all(|(x, y)| x == y) {
                             // The common case, without sorting: one set, in one slot order.
                             let routes = ra_row.iter().filter(|&&e| e >= 0).count();
@@ -271,6 +323,10 @@ pub(super) fn measure_in(
                             } else {
                                 c.differ[p] += 1;
                                 first.get_or_insert(p);
+                                if c.lanes.len() < LANES {
+                                    flip =
+                                        Some(Flip { layer: p, rollout: x.clone(), trainer: y.clone(), margin: None });
+                                }
                             }
                             c.common[p] += common(x, y) as u64;
                             c.width[p] += x.len().max(y.len()) as u64;
@@ -283,13 +339,19 @@ pub(super) fn measure_in(
                                 Role::Rollout => (ra + i, pair.rollout_index),
                             };
                             let at = (t * r.layers.len() + li) * w;
-                            c.margins.push((margin(&l[at..at + w], r.top_k, scratch), !same));
+                            let m = margin(&l[at..at + w], r.top_k, scratch);
+                            c.margins.push((m, !same));
+                            flip.iter_mut().for_each(|f| f.margin = Some(m));
                         }
+                        flips.extend(flip);
                     }
                     if let Some(p) = first {
                         c.tokens_differ += 1;
                         c.first[p] += 1;
                         c.first_sum += p as u64;
+                    }
+                    if !flips.is_empty() {
+                        c.lanes.push(Lane { order: start + i, sequence, rollout: ra + i, trainer: rb + i, flips });
                     }
                 }
                 c
@@ -339,6 +401,7 @@ pub(super) fn measure_in(
         layers,
         mean_first_differing: (counts.tokens_differ > 0).then(|| counts.first_sum as f64 / counts.tokens_differ as f64),
         margins,
+        lanes: counts.lanes,
     })
 }
 
@@ -367,10 +430,16 @@ mod tests {
         let mut budget = Budget::new(moe_audit_core::MemoryBudget::from_request(None));
         let (ra, rb) = (record("a", &a, tokens, &mut budget), record("b", &b, tokens, &mut budget));
         let (al, _) = crate::align::align(&ra, &rb, &mut budget).expect("aligned");
-        let whole = serde_json::to_string(&measure_in(&ra, &rb, &al, &mut budget, tokens).unwrap()).unwrap();
+        let one = measure_in(&ra, &rb, &al, &mut budget, tokens).unwrap();
+        let whole = serde_json::to_string(&one).unwrap();
+        // The lanes: the first differing tokens, in order (row 3t + layer differs every 7th row:
+        // tokens 0, 2, 4, ...).
+        assert_eq!(one.lanes.len(), LANES);
+        assert_eq!(one.lanes.iter().map(|l| l.order).take(3).collect::<Vec<_>>(), [0, 2, 4]);
         for chunk in [1, 7, 512, 1024] {
             let m = measure_in(&ra, &rb, &al, &mut budget, chunk).unwrap();
             assert_eq!(serde_json::to_string(&m).unwrap(), whole, "chunk {chunk}");
+            assert_eq!(m.lanes, one.lanes, "chunk {chunk}");
         }
         assert!(whole.contains("\"decisions\":7500"), "{whole}");
     }

@@ -123,6 +123,50 @@ pub struct ModelFinding {
     pub note: String,
     /// The first leaking token, with both calls.
     pub witness: Option<TokenWitness>,
+    /// The same counts by position, for the HTML report's heatmaps; not in the JSON, whose
+    /// figures are per layer.
+    #[serde(skip)]
+    pub positions: PositionTally,
+}
+
+/// Where on the sequence a probe changed routing: per routed layer (report order) and position
+/// of the reference call, tokens changed first there and tokens carried from an earlier layer
+/// in leaking cases; per position, the largest relative difference of an output row.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PositionTally {
+    /// `[layer][position]`: tokens whose earliest changed layer is this one.
+    pub first: Vec<Vec<usize>>,
+    /// `[layer][position]`: tokens that had already changed at an earlier layer.
+    pub carried: Vec<Vec<usize>>,
+    /// `[position]`: the largest relative difference of an output row (any case).
+    pub output: Vec<Option<f64>>,
+}
+
+impl PositionTally {
+    fn new(layers: usize, seq_len: usize) -> PositionTally {
+        PositionTally {
+            first: vec![vec![0; seq_len]; layers],
+            carried: vec![vec![0; seq_len]; layers],
+            output: vec![None; seq_len],
+        }
+    }
+
+    /// Counts one token pair at position `pos`, as [`tally_layers`] counts it per layer.
+    fn add(&mut self, pos: usize, r: &PairResult, class: CaseClass) {
+        if let Some(d) = r.output {
+            self.output[pos] = Some(self.output[pos].map_or(d, |x| x.max(d)));
+        }
+        if class != CaseClass::Leak {
+            return;
+        }
+        let changed = r.layers.iter().map(|c| c.is_some_and(|c| c.diff.decision()));
+        let mut seen = false;
+        for (l, _) in changed.enumerate().filter(|(_, c)| *c) {
+            let counts = if seen { &mut self.carried } else { &mut self.first };
+            counts[l][pos] += 1;
+            seen = true;
+        }
+    }
 }
 
 /// A whole-model audit.
@@ -203,6 +247,7 @@ fn run_probe(
     let info = model.info();
     let mut layers: Vec<LayerTally> = info.routed().map(|l| LayerTally::new(l.layer)).collect();
     let mut finding = ModelFinding::new(probe, plan.cases.len(), plan.note);
+    finding.positions = PositionTally::new(layers.len(), base.seq_len);
     for case in &plan.cases {
         for call in &case.before {
             model.call(call)?;
@@ -216,8 +261,9 @@ fn run_probe(
             CaseClass::Drift => finding.drift_cases += 1,
             CaseClass::Same => {}
         }
-        for r in &results {
+        for (r, &(ia, _)) in results.iter().zip(&case.pairs) {
             tally_layers(&mut layers, r, class);
+            finding.positions.add(ia % base.seq_len, r, class);
             finding.outputs.add(r.output, class);
         }
         if class == CaseClass::Leak && finding.witness.is_none() {
@@ -305,6 +351,7 @@ impl ModelFinding {
             outputs: OutputTally::default(),
             note,
             witness: None,
+            positions: PositionTally::default(),
         }
     }
 

@@ -8,7 +8,7 @@
 //! built-in seeded decoder ([`builtin`]) that Rust CI audits without Python. [`audit`] runs the
 //! token probes on either and compares every layer.
 
-mod answer_diff;
+pub mod answer_diff;
 pub mod audit;
 pub mod builtin;
 pub mod process;
