@@ -95,7 +95,7 @@ impl RouterKind {
 
     /// The settings for `experts` experts that compute (a sweep cell): `top_k` and the load
     /// factor where the kind takes them, per-expert state resized.
-    pub(crate) fn resize(&mut self, experts: usize, top_k: Option<usize>, factor: Option<f64>) {
+    pub fn resize(&mut self, experts: usize, top_k: Option<usize>, factor: Option<f64>) {
         match self {
             RouterKind::TokenChoice(tc) => {
                 tc.top_k = top_k.unwrap_or(tc.top_k);
