@@ -3,7 +3,7 @@
 //! on that kind, so routing code never meets a `top_k` on an expert-choice router.
 //!
 //! A kind's routing and its state between training steps are `routing/kind.rs`'s
-//! [`KindRouting`](crate::routing::KindRouting).
+//! `KindRouting`.
 
 use super::validate::{ensure, Check, MAX_CAPACITY_FACTOR};
 use super::{Family, GroupLimit, RouterConfig, ScoreFn, Selection};

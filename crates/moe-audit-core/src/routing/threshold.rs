@@ -2,8 +2,8 @@
 //! whose score is strictly above its threshold `τ_e`, whatever the other tokens are, so the
 //! routing is per token (causal and batch-invariant by construction) and a token gets 0..E
 //! experts. The thresholds are state, moved between training steps by
-//! [`step`] toward each expert's score quantile over the step's batch;
-//! a forward only reads them (docs/ROUTING.md, "Expert threshold").
+//! [`RouterConfig::step`](crate::RouterConfig::step) toward each expert's score quantile over
+//! the step's batch; a forward only reads them (docs/ROUTING.md, "Expert threshold").
 
 use super::scores::{affinities, desc, softmax_rows, Row};
 use super::GroupRouting;
