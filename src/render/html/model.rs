@@ -16,6 +16,22 @@ use std::fmt::Write;
 
 /// Output differences drawn from this relative size up (a log scale down to it).
 const FLOOR: f64 = 1e-8;
+/// Columns of a drawing along the sequence: a longer sequence is drawn in spans of positions,
+/// so that a page stays a few MB whatever `--seq-len`.
+const COLUMNS: usize = 256;
+
+/// Positions per column for `len` positions.
+fn span(len: usize) -> usize {
+    len.div_ceil(COLUMNS).max(1)
+}
+
+/// The positions `[c * span, (c + 1) * span)` of column `c`, in words.
+fn positions(c: usize, span: usize) -> String {
+    match span {
+        1 => format!("position {c}"),
+        _ => format!("positions {}-{}", c * span, (c + 1) * span - 1),
+    }
+}
 
 /// The audit of a model as one HTML document.
 pub fn model_html(report: &ModelReport) -> String {
@@ -87,17 +103,22 @@ fn finding(b: &mut String, f: &ModelFinding) {
     );
     let p = &f.positions;
     let labels: Vec<String> = f.layers.iter().map(|t| format!("layer {}", t.layer)).collect();
-    let grid = |g: &[Vec<usize>]| g.iter().map(|r| r.iter().map(|&v| v as f64).collect()).collect::<Vec<Vec<f64>>>();
+    let span = span(p.output.len());
+    // Counts summed over each column's positions.
+    let grid = |g: &[Vec<usize>]| {
+        g.iter().map(|r| r.chunks(span).map(|c| c.iter().sum::<usize>() as f64).collect()).collect::<Vec<Vec<f64>>>()
+    };
     if p.first.iter().flatten().any(|&v| v > 0) {
         b.push_str("<h3>Where routing first changed (layers × positions)</h3><div class=\"scroll\">");
-        let title =
-            |r: usize, c: usize, v: f64| format!("{}, position {c}: {v} token(s) changed first here", labels[r]);
-        b.push_str(&heatmap(&grid(&p.first), &labels, (207, 34, 46), &title));
+        let title = |r: usize, c: usize, v: f64| {
+            format!("{}, {}: {v} token(s) changed first here", labels[r], positions(c, span))
+        };
+        b.push_str(&heatmap(&grid(&p.first), &labels, span, (207, 34, 46), &title));
         b.push_str("</div><h3>Where a change was carried from an earlier layer</h3><div class=\"scroll\">");
         let title = |r: usize, c: usize, v: f64| {
-            format!("{}, position {c}: {v} token(s) carried a change from before", labels[r])
+            format!("{}, {}: {v} token(s) carried a change from before", labels[r], positions(c, span))
         };
-        b.push_str(&heatmap(&grid(&p.carried), &labels, (9, 105, 218), &title));
+        b.push_str(&heatmap(&grid(&p.carried), &labels, span, (9, 105, 218), &title));
         b.push_str("</div>");
     }
     if p.output.iter().any(|d| d.is_some_and(|d| d > 0.0)) {
@@ -115,14 +136,19 @@ fn finding(b: &mut String, f: &ModelFinding) {
 fn output_drift(b: &mut String, output: &[Option<f64>]) {
     b.push_str("<h3>Output drift per position (largest relative difference of a row)</h3><div class=\"scroll\">");
     let decades = -FLOOR.log10();
+    let span = span(output.len());
+    // The largest difference over each column's positions.
     let items: Vec<Bar> = output
-        .iter()
+        .chunks(span)
         .enumerate()
-        .map(|(pos, d)| {
-            let d = d.unwrap_or(0.0);
+        .map(|(c, ds)| {
+            let d = ds.iter().flatten().copied().fold(0.0, f64::max);
             let height = if d > FLOOR { d.log10() + decades } else { 0.0 };
             let colour = if d > OUTPUT_TOLERANCE { "#cf222e" } else { "#bf8700" };
-            Bar { label: pos.to_string(), parts: vec![(height, colour, format!("position {pos}: {d:.2e}"))] }
+            Bar {
+                label: (c * span).to_string(),
+                parts: vec![(height, colour, format!("{}: {d:.2e}", positions(c, span)))],
+            }
         })
         .collect();
     b.push_str(&bars(&items, decades, &|v| format!("1e{}", (v - decades).round())));
@@ -238,4 +264,16 @@ fn strip(label: &str, call: &TokenCall, (seq, focus): (usize, usize), other: (&T
         })
         .collect();
     Strip { label: format!("{label} (sequence {seq})"), focus, cells }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_long_sequence_is_drawn_in_spans_of_positions() {
+        assert_eq!((span(0), span(128), span(256), span(257), span(4096)), (1, 1, 1, 2, 16));
+        assert_eq!(positions(3, 1), "position 3");
+        assert_eq!(positions(3, 4), "positions 12-15");
+    }
 }

@@ -91,10 +91,11 @@ fn shade(v: f64, max: f64, rgb: (u8, u8, u8)) -> String {
     format!("#{:02x}{:02x}{:02x}", mix(rgb.0), mix(rgb.1), mix(rgb.2))
 }
 
-/// A heatmap: one row per label, one column per position; zero cells stay white.
+/// A heatmap: one row per label, one column per `span` positions; zero cells stay white.
 pub(super) fn heatmap(
     grid: &[Vec<f64>],
     labels: &[String],
+    span: usize,
     rgb: (u8, u8, u8),
     title: &dyn Fn(usize, usize, f64) -> String,
 ) -> String {
@@ -126,7 +127,12 @@ pub(super) fn heatmap(
     let step = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024].into_iter().find(|s| s * cw >= 40).unwrap_or(2048);
     let base = top + rh * grid.len() as i64 + 13;
     for c in (0..cols).step_by(step as usize) {
-        let _ = write!(out, "<text x=\"{}\" y=\"{base}\" style=\"font-size:9px\">{c}</text>", left + c * cw);
+        let _ = write!(
+            out,
+            "<text x=\"{}\" y=\"{base}\" style=\"font-size:9px\">{}</text>",
+            left + c * cw,
+            c as usize * span
+        );
     }
     out.push_str("</svg>\n");
     out
