@@ -77,7 +77,7 @@ fn pages() -> &'static [(String, PathBuf, Vec<String>)] {
     PAGES.get_or_init(|| {
         let d = dir("pages");
         let (_, check, report) = both(&d, "check", ROUTERS);
-        let (_, model, model_report) = both(&d, "model", &["check", "--model", "switch", "--non-causal", "2"]);
+        let (_, model, model_report) = both(&d, "model", &["model", "switch", "--non-causal", "2"]);
         let (routes, _) = routes_pair(&d);
         let mut expect_check = vec!["megatron-probs".to_string(), "LEAK".into(), "Load balance against leaks".into()];
         expect_check.push(pct(&report["routers"][1]["findings"][0]["rate"], 1));
@@ -157,7 +157,7 @@ fn names_and_notes_are_escaped() {
 #[test]
 fn a_whole_model_audit_holds_its_heatmaps_drift_and_generation_per_layer() {
     let d = dir("model");
-    let (code, html, report) = both(&d, "model", &["check", "--model", "switch", "--non-causal", "2"]);
+    let (code, html, report) = both(&d, "model", &["model", "switch", "--non-causal", "2"]);
     assert_eq!(code, 1, "a non-causal layer leaks");
     self_contained(&html);
     for f in report["findings"].as_array().expect("findings") {
