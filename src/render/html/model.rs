@@ -36,7 +36,7 @@ fn positions(c: usize, span: usize) -> String {
 /// The audit of a model as one HTML document.
 pub fn model_html(report: &ModelReport) -> String {
     let (info, o) = (&report.model, &report.options);
-    let mut b = format!("<h1>moe-audit check: model {}</h1>\n", esc(&info.name));
+    let mut b = format!("<h1>moe-audit model: {}</h1>\n", esc(&info.name));
     let _ = writeln!(
         b,
         "<p class=\"sub\">vocab {}; layers {}<br>audit: batch {} × seq_len {}, {} trials, seed {}</p>",
@@ -57,7 +57,7 @@ pub fn model_html(report: &ModelReport) -> String {
     for f in report.findings.iter().filter(|f| f.verdict != Verdict::NotApplicable) {
         finding(&mut b, f);
     }
-    page(&format!("moe-audit check: model {}", info.name), &b)
+    page(&format!("moe-audit model: {}", info.name), &b)
 }
 
 fn verdicts(b: &mut String, report: &ModelReport) {
