@@ -7,7 +7,7 @@ use super::exit;
 use super::external::{External, ExternalArgs};
 use super::io_error;
 use clap::{ArgGroup, Args, ValueEnum};
-use moe_audit::analyze::{audit_configs, AuditOptions, Probe, Report};
+use moe_audit::analyze::{audit_configs, Audit, AuditOptions, Probe, Report};
 use moe_audit::config::{presets, RouterConfig};
 use moe_audit::error::{Error, Result};
 use moe_audit::parallel::{split_batch, Communicator};
@@ -26,7 +26,7 @@ pub struct CheckArgs {
     /// Preset names or router TOML files.
     pub routers: Vec<String>,
     // Probes to run: the help lists the registry's (`analyze/probe/mod.rs`).
-    #[arg(long, help = Probe::help(), default_value_t = Probe::default_list(), help_heading = "Audit")]
+    #[arg(long, help = Probe::help(Audit::Router), default_value_t = Probe::default_list(), help_heading = "Audit")]
     pub probes: String,
     /// Sizes of the seeded layer's calls.
     #[command(flatten, next_help_heading = "Audit")]

@@ -42,9 +42,8 @@ pub struct ModelArgs {
     /// audit must catch).
     #[arg(long, value_name = "LAYER", conflicts_with = "cmd", help_heading = "Model")]
     pub non_causal: Option<usize>,
-    /// Probes to run, comma separated: P prefix, F future, N neighbour, R re-batch, D repeat,
-    /// S replay, M mode, G generation.
-    #[arg(long, default_value_t = default_probes(), help_heading = "Audit")]
+    // Probes to run: the help lists the registry's (`analyze/probe/mod.rs`).
+    #[arg(long, help = Probe::help(Audit::Model), default_value_t = default_probes(), help_heading = "Audit")]
     pub probes: String,
     /// Sizes of the audit's calls (and of the built-in model).
     #[command(flatten, next_help_heading = "Audit")]

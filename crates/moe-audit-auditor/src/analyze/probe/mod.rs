@@ -268,16 +268,25 @@ impl Probe {
         Probe::ALL.iter().map(Probe::to_string).collect::<Vec<_>>().join(",")
     }
 
-    /// The probe flags' help: every router probe by letter and name, the opt-in ones last.
-    pub fn help() -> String {
+    /// The `--probes` help of `audit`: every probe it runs by default, named, then (a router's)
+    /// the opt-in ones with their note.
+    pub fn help(audit: Audit) -> String {
         let named = |p: &Probe| format!("{p} {}", p.name());
-        let defaults: Vec<String> = Probe::ALL.iter().map(named).collect();
-        let opt_in: Vec<String> = Probe::KNOWN
+        let (defaults, known) = match audit {
+            Audit::Router => (Probe::ALL, Probe::KNOWN),
+            Audit::Model => (Probe::MODEL, Probe::MODEL),
+        };
+        let list: Vec<String> = defaults.iter().map(named).collect();
+        let mut help = format!("Probes to run, comma separated: {}", list.join(", "));
+        let opt_in: Vec<String> = known
             .iter()
-            .filter(|p| !Probe::ALL.contains(p))
+            .filter(|p| !defaults.contains(p))
             .map(|p| format!("{} ({})", named(p), p.entry().note))
             .collect();
-        format!("Probes to run, comma separated: {}; {} is opt-in", defaults.join(", "), opt_in.join(", "))
+        if !opt_in.is_empty() {
+            help += &format!("; {} is opt-in", opt_in.join(", "));
+        }
+        help
     }
 
     /// Parses a comma-separated list such as `P,F,N` of the probes a router audit knows:
