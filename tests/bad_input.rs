@@ -620,7 +620,7 @@ fn every_bad_input_exits_2_with_one_line_and_no_panic() {
     missing router
       error: the following required arguments were not provided: <ROUTERS|--router-cmd <COMMAND>|--traces <DIR>> (see --help)
     --format unknown
-      error: invalid value 'yaml' for '--format <FORMAT>' [possible values: text, json, markdown, junit] (see --help)
+      error: invalid value 'yaml' for '--format <FORMAT>' [possible values: text, json, markdown, junit, html] (see --help)
     logits: missing file
       error: [TMP]/none.json: cannot read: No such file or directory (os error 2)
     logits: not JSON
