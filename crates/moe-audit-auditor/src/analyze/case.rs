@@ -25,6 +25,16 @@ impl CallMode {
     pub fn is_train(&self) -> bool {
         *self == CallMode::Train
     }
+
+    /// The mode `router` is audited in: inference for a router audited serving
+    /// (`check --mode inference`), else training.
+    pub fn audited(router: &dyn Router) -> CallMode {
+        if router.serving() {
+            CallMode::Inference
+        } else {
+            CallMode::Train
+        }
+    }
 }
 
 /// One call to a router: logits and, for routers that take one, a padding mask.

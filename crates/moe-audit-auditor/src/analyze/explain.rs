@@ -33,12 +33,13 @@ pub struct Explanation {
 }
 
 /// The explanation of a leak or a drift (none for a pass or a probe that does not apply).
-/// `serving`: the router is audited in its serving mode (M's calls are inference, then training).
+/// `audited_in`: the mode the router is audited in (serving: M's calls are inference, then
+/// training).
 pub(crate) fn explain(
     f: &Finding,
     options: &AuditOptions,
     config: Option<&RouterConfig>,
-    serving: bool,
+    audited_in: CallMode,
 ) -> Option<Explanation> {
     if !matches!(f.verdict, Verdict::Leak | Verdict::Drift) {
         return None;
@@ -46,7 +47,7 @@ pub(crate) fn explain(
     let w = f.witness.as_ref();
     Some(Explanation {
         token: w.map(|w| w.token_a),
-        calls: f.probe.rule().calls(w, options, modes(config.is_some(), serving)),
+        calls: f.probe.rule().calls(w, options, modes(config, audited_in)),
         changed: w.map(|w| changed(&w.differs, &w.before, &w.after)),
         cause: cause(f),
         fix: fix(f.probe, config),
@@ -55,11 +56,10 @@ pub(crate) fn explain(
 
 /// Where the router's modes come from: its configuration, or (an external router) the mode
 /// it is audited in.
-fn modes(configured: bool, serving: bool) -> Modes {
-    match (configured, serving) {
-        (true, _) => Modes::Config,
-        (false, true) => Modes::External(CallMode::Inference),
-        (false, false) => Modes::External(CallMode::Train),
+fn modes(config: Option<&RouterConfig>, audited_in: CallMode) -> Modes {
+    match config {
+        Some(_) => Modes::Config,
+        None => Modes::External(audited_in),
     }
 }
 

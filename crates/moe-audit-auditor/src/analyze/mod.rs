@@ -397,10 +397,11 @@ pub fn audit(subject: &Subject, options: &AuditOptions, progress: &dyn Progress)
         findings.push(run_probe(&mut ctx, Probe::S, sample.as_ref())?);
     }
     findings.sort_by_key(|f| options.probes.iter().position(|&p| p == f.probe));
-    let noise = noise::Noise::of(ctx.repeats(), router.serving());
+    let audited_in = case::CallMode::audited(router);
+    let noise = noise::Noise::of(ctx.repeats(), audited_in);
     let random_fix = noise::separate(&mut findings, &noise, router.seed_calls());
     for finding in &mut findings {
-        finding.explain = explain::explain(finding, options, router.config(), router.serving());
+        finding.explain = explain::explain(finding, options, router.config(), audited_in);
         // D leaking for randomness: the fix that names the mode and what the adapter offers.
         if let (Probe::D, Some(e), Some(fix)) = (finding.probe, &mut finding.explain, &random_fix) {
             e.fix = fix.clone();

@@ -58,18 +58,18 @@ pub(crate) struct Noise {
     audited: Option<(usize, usize)>,
     /// D in the other mode (`CallMode::Inference`), when the router has one and it differed.
     other: Option<(usize, usize)>,
-    /// The audited mode is inference (`check --mode inference`): names the modes.
-    serving: bool,
+    /// The router's mode the audit calls (its `CallMode::Train` calls): names the modes.
+    audited_in: CallMode,
 }
 
 impl Noise {
     /// The noise of an audit's repeats.
-    pub(crate) fn of(repeats: &Repeats, serving: bool) -> Noise {
+    pub(crate) fn of(repeats: &Repeats, audited_in: CallMode) -> Noise {
         let random = |mode| {
             let t = repeats.repeat_in(mode).map(Observed::tally)?;
             t.differs().then(|| (t.affected, t.compared()))
         };
-        Noise { audited: random(CallMode::Train), other: random(CallMode::Inference), serving }
+        Noise { audited: random(CallMode::Train), other: random(CallMode::Inference), audited_in }
     }
 
     fn of_mode(&self, mode: CallMode) -> Option<(usize, usize)> {
@@ -81,7 +81,7 @@ impl Noise {
 
     /// The name of a call mode (`Train` is the audited one): "training" or "inference".
     pub(crate) fn name(&self, mode: CallMode) -> &'static str {
-        if mode.is_train() != self.serving {
+        if mode.is_train() == self.audited_in.is_train() {
             "training"
         } else {
             "inference"
@@ -112,7 +112,7 @@ impl Noise {
     /// Whether the router is random in training mode, and in inference mode.
     fn random_modes(&self) -> (bool, bool) {
         let (audited, other) = (self.audited.is_some(), self.other.is_some());
-        if self.serving {
+        if !self.audited_in.is_train() {
             (other, audited)
         } else {
             (audited, other)
@@ -127,9 +127,9 @@ pub fn fix() -> String {
 }
 
 /// The fix for a router random in (training, inference) mode, naming only what its adapter
-/// offers (`seed_calls`, as its handshake declares it); `serving`: audited in inference mode,
-/// where `--mode inference` is no advice.
-pub(crate) fn fix_for(seed_calls: Option<bool>, (training, inference): (bool, bool), serving: bool) -> String {
+/// offers (`seed_calls`, as its handshake declares it), for a router audited in `audited_in`
+/// (audited in inference mode, `--mode inference` is no advice).
+pub(crate) fn fix_for(seed_calls: Option<bool>, (training, inference): (bool, bool), audited_in: CallMode) -> String {
     let seed = match seed_calls {
         None => "seed every request's random draws from the `seed` moe-audit/2 sends".to_string(),
         Some(false) => {
@@ -138,12 +138,12 @@ pub(crate) fn fix_for(seed_calls: Option<bool>, (training, inference): (bool, bo
         }
         Some(true) => "seed_calls=True is on, yet the same call routes differently: some random draw does not come from the generator it seeds".into(),
     };
-    match (training, inference, serving) {
-        (true, false, false) => format!(
+    match (training, inference, audited_in) {
+        (true, false, CallMode::Train) => format!(
             "random in training: {seed}, or audit {} inference (S and M call training mode too: inconclusive there unless it is seeded)",
             Setting::Mode
         ),
-        (true, false, true) => format!("random in training: {seed}"),
+        (true, false, CallMode::Inference) => format!("random in training: {seed}"),
         (false, _, _) => format!("random when serving: no random selection or sampling at inference, or {seed}"),
         (true, true, _) => format!("random in both modes: {seed}, or route without random selection or sampling"),
     }
@@ -167,7 +167,7 @@ pub(crate) fn separate(findings: &mut [Finding], noise: &Noise, seed_calls: Opti
     if noise.audited.is_none() && noise.other.is_none() {
         return None;
     }
-    let fix = fix_for(seed_calls, noise.random_modes(), noise.serving);
+    let fix = fix_for(seed_calls, noise.random_modes(), noise.audited_in);
     let twice = |(k, n): (usize, usize)| {
         format!("{k} of {n} tokens ({:.1}%) route differently when the same call is routed twice", percent(k, n))
     };
@@ -256,7 +256,7 @@ mod tests {
     fn a_mode_random_only_in_the_other_mode_makes_only_the_probes_calling_it_inconclusive() {
         // Audited in inference mode, random in training only (Mixtral's router jitter): P and F
         // call inference mode only and keep their leaks; M compares with training calls.
-        let noise = Noise { other: Some((16, 64)), serving: true, ..Noise::default() };
+        let noise = Noise { other: Some((16, 64)), audited_in: CallMode::Inference, ..Noise::default() };
         let leak = |probe| Finding {
             verdict: Verdict::Leak,
             affected: 21,
@@ -287,9 +287,11 @@ mod tests {
     #[test]
     fn the_fix_names_seed_calls_only_where_the_adapter_offers_it() {
         let training = (true, false);
-        assert!(!fix_for(None, training, false).contains("seed_calls"));
-        assert!(fix_for(Some(false), training, false).contains("with seed_calls=True"));
-        assert!(fix_for(Some(true), training, false).contains("seed_calls=True is on, yet"));
-        assert!(fix_for(None, (false, true), true).starts_with("random when serving: no random selection"));
+        assert!(!fix_for(None, training, CallMode::Train).contains("seed_calls"));
+        assert!(fix_for(Some(false), training, CallMode::Train).contains("with seed_calls=True"));
+        assert!(fix_for(Some(true), training, CallMode::Train).contains("seed_calls=True is on, yet"));
+        assert!(
+            fix_for(None, (false, true), CallMode::Inference).starts_with("random when serving: no random selection")
+        );
     }
 }

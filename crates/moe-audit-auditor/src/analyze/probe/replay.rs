@@ -40,7 +40,7 @@ impl Rule for Replay {
     /// the training calls around an inference call differently, and that is noise, not state.
     fn run(&self, ctx: &Ctx, _sample: Option<&Sample>) -> Result<Finding> {
         let mut finding = Finding::empty(Probe::S);
-        let noise = Noise::of(ctx.repeats(), ctx.router.serving());
+        let noise = Noise::of(ctx.repeats(), CallMode::audited(ctx.router));
         let (mut all, mut standing) = (Tally::default(), Tally::default());
         let (mut differs, mut explained) = (Vec::new(), Vec::new());
         let mut hit = None;
