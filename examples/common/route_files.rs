@@ -194,6 +194,19 @@ pub fn config(layers: usize, dense: usize, experts: usize, k: usize) -> String {
     .to_string()
 }
 
+/// Makes a flipped row of logits a near-tie: its chosen experts (`chosen`) clamped to [1, 1.5],
+/// the weakest of them at 1 and the best other expert at 0.999, so its k-th and (k+1)-th
+/// experts are 0.001 apart.
+pub fn near_tie(row: &mut [f32], chosen: &[i32]) {
+    for &e in chosen {
+        row[e as usize] = row[e as usize].clamp(1.0, 1.5);
+    }
+    let low = *chosen.iter().min_by(|p, q| row[**p as usize].total_cmp(&row[**q as usize])).unwrap();
+    row[low as usize] = 1.0;
+    let out = (0..row.len() as i32).find(|e| !chosen.contains(e)).unwrap();
+    row[out as usize] = 0.999;
+}
+
 /// Seeded router logits `[rows, experts]` whose top-`k` are the given routes (flat
 /// `[rows, k]`): chosen experts score 1 + a random margin, the rest below 1.
 pub fn logits_for(routes: &[i32], k: usize, experts: usize, seed: u64) -> Vec<f32> {

@@ -203,16 +203,12 @@ fn routes_pair(d: &Path) -> (PathBuf, Value) {
             if n % 2 == 0 {
                 continue;
             }
-            let lg = &mut logits[row * e..(row + 1) * e];
-            for &ex in y {
-                lg[ex as usize] = lg[ex as usize].clamp(1.0, 1.5);
-            }
-            let low = *y.iter().min_by(|p, q| lg[**p as usize].total_cmp(&lg[**q as usize])).unwrap();
-            lg[low as usize] = 1.0;
-            let out = (0..e as i32).find(|ex| !y.contains(ex)).unwrap();
-            lg[out as usize] = 0.999;
+            near_tie(&mut logits[row * e..(row + 1) * e], y);
         }
     }
+    // The rollout as an engine records it: rows [0, seqlen-1), one short of the trainer's
+    // (sgl-project/sglang@v0.5.10: python/sglang/srt/layers/moe/routed_experts_capturer.py:78,
+    // :211; tests/it/routes_writers.rs builds SGLang's own format), here as a bare int32 npy.
     let a = d.join("rollout.npy");
     std::fs::write(&a, npy("<i4", &[t - 1, l, k], &i32_bytes(&r[..(t - 1) * l * k]))).expect("write");
     let layers: Vec<usize> = (0..l).collect();

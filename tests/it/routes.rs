@@ -354,15 +354,7 @@ fn flips_at_near_ties_are_told_from_real_differences() {
     let mut logits = logits_for(&t, K, E, 19);
     for (row, (x, y)) in r.chunks_exact(K).zip(t.chunks_exact(K)).enumerate() {
         if x != y {
-            // The flipped row's k-th and (k+1)-th experts 0.001 apart.
-            let l = &mut logits[row * E..(row + 1) * E];
-            for &e in y {
-                l[e as usize] = l[e as usize].clamp(1.0, 1.5);
-            }
-            let low = *y.iter().min_by(|p, q| l[**p as usize].total_cmp(&l[**q as usize])).unwrap();
-            l[low as usize] = 1.0;
-            let out = (0..E as i32).find(|e| !y.contains(e)).unwrap();
-            l[out as usize] = 0.999;
+            near_tie(&mut logits[row * E..(row + 1) * E], y);
         }
     }
     let a = generic(&d, "rollout.safetensors", &r, T, &layers(L));

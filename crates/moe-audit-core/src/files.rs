@@ -301,6 +301,8 @@ mod tests {
 
     fn dir(name: &str) -> PathBuf {
         let d = std::env::temp_dir().join(format!("moe-audit-files-{name}-{}", std::process::id()));
+        // Fresh: a directory left by an earlier run with the same process id would be counted.
+        let _ = std::fs::remove_dir_all(&d);
         std::fs::create_dir_all(&d).unwrap();
         d
     }
