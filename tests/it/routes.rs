@@ -579,13 +579,21 @@ fn threat_model_npz() {
     }
     let z = put(&d, "deflated.npz", packed);
     assert!(bounded(&["routes", "compare", &z, &good]).contains("np.savez, not np.savez_compressed"));
-    // An entry declaring more than the memory limit is refused before it is read.
+    // An entry declaring more than the memory limit is refused before it is read: 40 MiB of
+    // its size in the central directory, over the 32 MiB that 64 MiB leaves to records. Under
+    // a limit it fits, it is read, and refused for the 512 bytes it holds.
     let mut lying = npz(&[("experts.npy", npy("<i4", &[4, L, K], &i32_bytes(&random_routes(4, L, K, E, 26))))]);
     let at = lying.windows(4).position(|w| w == b"PK\x01\x02").unwrap();
-    lying[at + 24..at + 28].copy_from_slice(&u32::MAX.to_le_bytes());
+    lying[at + 24..at + 28].copy_from_slice(&(40u32 << 20).to_le_bytes());
     let z = put(&d, "lying.npz", lying);
-    let err = bounded(&["routes", "compare", &z, &good, "--max-memory", "64MiB"]);
-    assert!(err.contains("over the limit") || err.contains("entry"), "{err}");
+    assert_eq!(
+        bounded(&["routes", "compare", &z, &good, "--max-memory", "64MiB"]),
+        format!("error: reading {z} needs about 72.0 MiB of memory, over the limit of 64.0 MiB (--max-memory; the default is half of physical memory): use smaller sizes or raise the limit\n")
+    );
+    assert_eq!(
+        bounded(&["routes", "compare", &z, &good, "--max-memory", "128MiB"]),
+        format!("error: {z}: entry `experts.npy` declares {} bytes but holds only {}\n", 40 << 20, 128 + 4 * L * K * 4)
+    );
 }
 
 #[test]
@@ -654,14 +662,31 @@ fn threat_model_trace_folder() {
     put(&empty, "experts.npy", npy("<i4", &[4, L, K], &i32_bytes(&random_routes(4, L, K, E, 33))));
     assert!(bounded(&["routes", "compare", &good, empty.to_str().unwrap()])
         .contains("router_trace_rank{r}.jsonl files: none here"));
-    // A trace line that never ends is bounded by --max-memory.
-    let line = format!(
-        "{{\"step\": 0, \"block\": \"decoder\", \"layer\": 0, \"num_tokens\": 1, \"topk\": 4, \"top_indices\": [{}",
-        "[0,1,2,3],".repeat(2_000_000)
+    // A trace larger than the memory limit is refused before it is parsed, though it is valid
+    // JSON: keys as Megatron-Core writes them (see routes_writers.rs), the first line padded
+    // with JSON whitespace to 48 MiB in all, over the 8 MiB that 40 MiB leaves to records.
+    let routes = random_routes(4, L, K, E, 32);
+    let lines: Vec<String> = (0..L)
+        .map(|l| {
+            let rows: Vec<Vec<i32>> = (0..4).map(|t| routes[(t * L + l) * K..][..K].to_vec()).collect();
+            serde_json::json!({"step": 0, "stage": "pre_dispatch", "block": "decoder", "layer": l, "rank": 0,
+                "num_tokens": 4, "topk": K, "top_indices": rows})
+            .to_string()
+                + "\n"
+        })
+        .collect();
+    let size = 48 << 20;
+    let pad = " ".repeat(size - lines.concat().len());
+    let trace = lines[0].replacen("\"top_indices\":", &format!("\"top_indices\":{pad}"), 1) + &lines[1..].concat();
+    assert_eq!(trace.len(), size);
+    let f = put(&d, "router_trace_rank0.jsonl", trace);
+    assert_eq!(
+        bounded(&["routes", "compare", &good, &f, "--max-memory", "40MiB"]),
+        format!("error: reading {f} needs about 80.0 MiB of memory, over the limit of 40.0 MiB (--max-memory; the default is half of physical memory): use smaller sizes or raise the limit\n")
     );
-    let f = put(&d, "router_trace_rank0.jsonl", line);
-    let err = bounded(&["routes", "compare", &good, &f, "--max-memory", "40MiB"]);
-    assert!(err.contains("limit") || err.contains("not JSON"), "{err}");
+    // Under a limit that holds it, it is read, and it is the rollout's routing.
+    let (code, report) = compare(&[&good, &f, "--max-memory", "256MiB"]);
+    assert_eq!((code, report["measures"]["decisions_differ"].as_f64()), (0, Some(0.0)));
 }
 
 /// The same rollout read in place from an int8 `.npy` (a chunk at a time, its mapped pages

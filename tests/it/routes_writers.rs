@@ -707,8 +707,12 @@ fn records_not_paired_fail_even_without_a_threshold() {
         };
         put(&d, "t5.safetensors", gen.bytes())
     };
-    let out = Command::new(BIN).args(["routes", "compare", &a, &t5, "--format", "json"]).output().unwrap();
-    assert_ne!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stdout));
+    // Refused in one line (exit 2), naming the response whose bytes do not fit the shape.
+    let bytes = (LENS[0] - 1) * DECODER * K * 4;
+    assert_eq!(
+        bad(&["routes", "compare", &a, &t5, "--format", "json"]),
+        format!("error: {a}: response 0: {bytes} bytes of int32 do not divide into rows of 5 layers x top-k {K}\n")
+    );
 }
 
 #[test]

@@ -255,7 +255,8 @@ pub(crate) fn npz(bytes: &[u8], path: &Path, budget: &mut Budget) -> Result<BTre
             .read_to_end(&mut data)
             .map_err(|e| bad(format!("entry `{name}`: {e}")))?;
         if data.len() as u64 != size {
-            return Err(bad(format!("entry `{name}` declares {size} bytes but holds more")));
+            let held = if data.len() as u64 > size { "more".into() } else { format!("only {}", data.len()) };
+            return Err(bad(format!("entry `{name}` declares {size} bytes but holds {held}")));
         }
         out.insert(stem.to_string(), Bytes::from(data));
     }
