@@ -2,9 +2,11 @@
 //! comparison) as self-contained pages. Their structure is asserted here (every verdict and
 //! number of the JSON report on the page, text escaped, nothing fetched, the size at default
 //! sizes), then a real browser opens each: headless Chromium (Debian's `chromium`) must log no
-//! console error, draw a screenshot that is not blank, and hold the verdicts in its DOM.
+//! console error, lay out every chart with each of its marks, draw as many lane cells of each
+//! kind as the records hold, draw a screenshot that is not blank, and hold the verdicts in its DOM.
 
 use super::routes::route_files::*;
+use moe_audit::records::LANES;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -71,14 +73,22 @@ fn word(verdict: &Value) -> &'static str {
     }
 }
 
+/// A page of the browser test: what its DOM holds, and the lane cells it draws (near-tie, real).
+struct Page {
+    kind: &'static str,
+    path: PathBuf,
+    texts: Vec<String>,
+    lane_cells: (usize, usize),
+}
+
 /// The three pages of the browser test, written once.
-fn pages() -> &'static [(String, PathBuf, Vec<String>)] {
-    static PAGES: std::sync::OnceLock<Vec<(String, PathBuf, Vec<String>)>> = std::sync::OnceLock::new();
+fn pages() -> &'static [Page] {
+    static PAGES: std::sync::OnceLock<Vec<Page>> = std::sync::OnceLock::new();
     PAGES.get_or_init(|| {
         let d = dir("pages");
-        let (_, check, report) = both(&d, "check", ROUTERS);
-        let (_, model, model_report) = both(&d, "model", &["model", "switch", "--non-causal", "2"]);
-        let (routes, _) = routes_pair(&d);
+        let (_, _, report) = both(&d, "check", ROUTERS);
+        let (_, _, model_report) = both(&d, "model", &["model", "switch", "--non-causal", "2"]);
+        let (routes, _, flips) = routes_pair(&d);
         let mut expect_check = vec!["megatron-probs".to_string(), "LEAK".into(), "Load balance against leaks".into()];
         expect_check.push(pct(&report["routers"][1]["findings"][0]["rate"], 1));
         expect_check.push("M mode: witness".into());
@@ -87,11 +97,15 @@ fn pages() -> &'static [(String, PathBuf, Vec<String>)] {
             format!("{}", model_report["findings"][0]["cases"]),
             "layer 3".into(),
         ];
-        let _ = (check, model);
         vec![
-            ("check".into(), d.join("check.html"), expect_check),
-            ("model".into(), d.join("model.html"), expect_model),
-            ("routes".into(), routes, vec!["Flips per token".into(), "near-tie".into(), "one row short".into()]),
+            Page { kind: "check", path: d.join("check.html"), texts: expect_check, lane_cells: (0, 0) },
+            Page { kind: "model", path: d.join("model.html"), texts: expect_model, lane_cells: (0, 0) },
+            Page {
+                kind: "routes",
+                path: routes,
+                texts: vec!["Flips per token".into(), "near-tie".into(), "one row short".into()],
+                lane_cells: (flips.lane_near, flips.lane_real),
+            },
         ]
     })
 }
@@ -188,24 +202,52 @@ fn a_whole_model_audit_holds_its_heatmaps_drift_and_generation_per_layer() {
     assert!(html.contains("Witness: sequence "));
 }
 
+/// The flips of a records comparison, counted from the arrays it compares: all of them, and
+/// those its lanes draw.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Flips {
+    /// Decisions that differ, and how many of them are near-ties.
+    all: usize,
+    near: usize,
+    /// Tokens that differ in at least one layer.
+    tokens: usize,
+    /// The lanes: the first `LANES` tokens that differ (aligned order), every flip of each,
+    /// near-tie or real.
+    lanes: usize,
+    lane_near: usize,
+    lane_real: usize,
+}
+
 /// A rollout one row short (a note) against a trainer with logits whose flips are near-ties on
-/// half the flipped rows and real on the others.
-fn routes_pair(d: &Path) -> (PathBuf, Value) {
+/// half the flipped rows and real on the others; the page, the JSON report and its flips.
+fn routes_pair(d: &Path) -> (PathBuf, Value, Flips) {
     let (t, l, k, e) = (256, 6, 4, 32);
     let r = random_routes(t, l, k, e, 17);
     let mut tr = r.clone();
     flip(&mut tr, k, e, 0.05, 18);
     let mut logits = logits_for(&tr, k, e, 19);
-    let mut n = 0;
-    for (row, (x, y)) in r.chunks_exact(k).zip(tr.chunks_exact(k)).enumerate() {
-        if x != y {
-            n += 1;
-            if n % 2 == 0 {
-                continue;
-            }
-            near_tie(&mut logits[row * e..(row + 1) * e], y);
-        }
+    let differs = |row: usize| r[row * k..][..k] != tr[row * k..][..k];
+    // Near-ties on every other flipped row: margin 0.001, against at least 0.8 for a real flip
+    // (`logits_for`), so the tenth of the median margin parts them whatever the median is.
+    let near_rows: Vec<usize> = (0..t * l).filter(|&row| differs(row)).step_by(2).collect();
+    for &row in &near_rows {
+        near_tie(&mut logits[row * e..(row + 1) * e], &tr[row * k..(row + 1) * k]);
     }
+    // The comparison sees the rollout's t - 1 rows; a token's flips are its rows that differ.
+    let tokens: Vec<Vec<bool>> = (0..t - 1)
+        .map(|tok| (tok * l..(tok + 1) * l).filter(|&row| differs(row)).map(|row| near_rows.contains(&row)).collect())
+        .filter(|flips: &Vec<bool>| !flips.is_empty())
+        .collect();
+    let count = |tokens: &[Vec<bool>], near: bool| tokens.iter().flatten().filter(|&&n| n == near).count();
+    let lanes = &tokens[..tokens.len().min(LANES)];
+    let flips = Flips {
+        all: tokens.iter().map(Vec::len).sum(),
+        near: count(&tokens, true),
+        tokens: tokens.len(),
+        lanes: lanes.len(),
+        lane_near: count(lanes, true),
+        lane_real: count(lanes, false),
+    };
     // The rollout as an engine records it: rows [0, seqlen-1), one short of the trainer's
     // (sgl-project/sglang@v0.5.10: python/sglang/srt/layers/moe/routed_experts_capturer.py:78,
     // :211; tests/it/routes_writers.rs builds SGLang's own format), here as a bare int32 npy.
@@ -226,13 +268,13 @@ fn routes_pair(d: &Path) -> (PathBuf, Value) {
     let (code, html, report) = both(d, "routes", &["routes", "compare", a.to_str().unwrap(), b.to_str().unwrap()]);
     assert_eq!(code, 0);
     std::fs::write(d.join("routes.html"), &html).expect("write");
-    (d.join("routes.html"), report)
+    (d.join("routes.html"), report, flips)
 }
 
 #[test]
 fn a_records_comparison_shows_diagnoses_layers_and_flips_per_token() {
     let d = dir("routes");
-    let (page, report) = routes_pair(&d);
+    let (page, report, flips) = routes_pair(&d);
     let html = std::fs::read_to_string(page).expect("the page");
     self_contained(&html);
     let m = &report["measures"];
@@ -248,18 +290,15 @@ fn a_records_comparison_shows_diagnoses_layers_and_flips_per_token() {
     for layer in m["layers"].as_array().unwrap() {
         assert!(html.contains(&format!(">{}<", pct(&layer["differ"], 2))), "{layer}");
     }
-    // Lanes: as many near-tie cells as flips sit at near-ties, the rest real.
-    let flips = m["margins"]["flips"].as_u64().unwrap() as usize;
-    let near = (m["margins"]["near_ties"].as_f64().unwrap() * flips as f64).round() as usize;
-    assert!(near > 0 && near < flips, "{near} of {flips}");
-    let lanes = html.matches("<text x=\"0\" y=").count();
-    assert!(lanes > 0 && lanes <= 48);
+    // The report counts the fixture's flips and near-ties; more tokens differ than lanes hold,
+    // so the lanes are the first of them.
+    let near = (m["margins"]["near_ties"].as_f64().unwrap() * flips.all as f64).round() as usize;
+    assert_eq!((m["margins"]["flips"].as_u64(), near), (Some(flips.all as u64), flips.near));
+    assert!(flips.tokens > LANES && flips.lane_near > 0 && flips.lane_real > 0, "{flips:?}");
+    // Lanes: one per drawn token, a near-tie cell per near-tie among their flips, the rest real.
+    assert_eq!(html.matches("<text x=\"0\" y=").count(), flips.lanes);
     let cells = |kind: &str| html.matches(&format!(": {kind}, margin ")).count();
-    if flips <= 48 {
-        assert_eq!((cells("near-tie"), cells("real flip")), (near, flips - near));
-    } else {
-        assert!(cells("near-tie") > 0 && cells("real flip") > 0);
-    }
+    assert_eq!((cells("near-tie"), cells("real flip")), (flips.lane_near, flips.lane_real));
 }
 
 #[test]
@@ -402,6 +441,36 @@ impl Browser {
         html["outerHTML"].as_str().expect("html").to_string()
     }
 
+    /// What the browser laid out. For each `<svg>` (every chart, heatmap, strip and lane grid):
+    /// its box, its marks (the elements that carry a `<title>`: a bar, a cell, a point, a flip)
+    /// and how many of them have a non-empty box inside the chart's, visible. Then the lanes'
+    /// cells so laid out, near-ties and real flips.
+    fn layout(&mut self, session: &str) -> Value {
+        let expression = r#"(() => {
+            const box = e => e.getBoundingClientRect();
+            const laid = (e, o) => {
+                const b = box(e);
+                return b.width > 0 && b.height > 0 && b.left < o.right && b.right > o.left && b.top < o.bottom
+                    && b.bottom > o.top && getComputedStyle(e).visibility === "visible";
+            };
+            const charts = [...document.querySelectorAll("svg")].map(s => {
+                const o = box(s), marks = [...s.querySelectorAll("title")].map(t => t.parentElement);
+                return {width: o.width, height: o.height, marks: marks.length, laid: marks.filter(m => laid(m, o)).length};
+            });
+            const cells = kind => [...document.querySelectorAll("svg rect > title")]
+                .filter(t => t.textContent.includes(`: ${kind}, margin `) && laid(t.parentElement, box(t.closest("svg"))))
+                .length;
+            return {charts, near: cells("near-tie"), real: cells("real flip")};
+        })()"#;
+        let answer = self.call(
+            Some(session),
+            "Runtime.evaluate",
+            serde_json::json!({"expression": expression, "returnByValue": true}),
+        );
+        assert!(answer["exceptionDetails"].is_null(), "{}", answer["exceptionDetails"]);
+        answer["result"]["value"].clone()
+    }
+
     fn screenshot(&mut self, session: &str) -> Vec<u8> {
         use base64::Engine;
         let shot = self.call(Some(session), "Page.captureScreenshot", serde_json::json!({"format": "png"}));
@@ -426,24 +495,55 @@ fn colours(png_bytes: &[u8]) -> usize {
     set.len()
 }
 
+/// The charts of a `Browser::layout` that show nothing: no box, no mark, or a mark not laid
+/// out inside the chart.
+fn blank(layout: &Value) -> Vec<String> {
+    let charts = layout["charts"].as_array().expect("charts");
+    let shown = |c: &Value| c["width"].as_f64() > Some(0.0) && c["height"].as_f64() > Some(0.0);
+    let drawn = |c: &Value| c["marks"].as_u64() > Some(0) && c["laid"] == c["marks"];
+    charts.iter().enumerate().filter(|(_, c)| !shown(c) || !drawn(c)).map(|(i, c)| format!("svg {i}: {c}")).collect()
+}
+
 #[test]
 fn a_browser_opens_each_report_without_error_and_draws_it() {
     let Some(binary) = chromium() else { return };
     let d = dir("browser");
     let mut browser = Browser::start(binary, &d.join("profile"));
-    // The harness sees an error where there is one: a console error and a failed load.
+    // The harness sees an error where there is one: a console error and a failed load; and a
+    // chart that shows nothing: one empty, one with no box, one whose marks are outside it or
+    // of no size.
     let bad = d.join("bad.html");
-    std::fs::write(&bad, "<!DOCTYPE html><body><script>console.error('broken')</script><img src=\"gone.png\">")
-        .unwrap();
-    browser.open(&bad, (400, 300));
+    std::fs::write(
+        &bad,
+        concat!(
+            "<!DOCTYPE html><body><script>console.error('broken')</script><img src=\"gone.png\">",
+            "<svg width=\"200\" height=\"100\"></svg>",
+            "<svg width=\"0\" height=\"100\"><rect width=\"10\" height=\"10\"><title>a</title></rect></svg>",
+            "<svg width=\"100\" height=\"100\"><rect x=\"200\" width=\"10\" height=\"10\"><title>b</title></rect>",
+            "<rect width=\"0\" height=\"10\"><title>c</title></rect></svg>",
+            "<svg width=\"100\" height=\"100\"><rect width=\"10\" height=\"10\"><title>d</title></rect></svg>",
+        ),
+    )
+    .unwrap();
+    let session = browser.open(&bad, (400, 300));
     assert!(browser.errors().len() >= 2, "{:?}", browser.errors());
-    for (kind, page, expected) in pages() {
-        let session = browser.open(page, (1280, 1600));
+    let laid_out = browser.layout(&session);
+    let flagged: Vec<String> = blank(&laid_out).iter().map(|b| b.split(':').next().unwrap().to_string()).collect();
+    assert_eq!(flagged, ["svg 0", "svg 1", "svg 2"], "{laid_out}");
+    for page in pages() {
+        let kind = page.kind;
+        let session = browser.open(&page.path, (1280, 1600));
         assert!(browser.errors().is_empty(), "{kind}: {:?}", browser.errors());
         let dom = browser.dom(&session);
-        for e in expected {
+        for e in &page.texts {
             assert!(dom.contains(e.as_str()), "{kind}: the DOM lacks {e:?}");
         }
+        // Every chart is laid out with its marks; the lanes' cells are the report's flips.
+        let laid_out = browser.layout(&session);
+        assert!(!laid_out["charts"].as_array().unwrap().is_empty(), "{kind}: no chart");
+        assert_eq!(blank(&laid_out), Vec::<String>::new(), "{kind}");
+        let cells = (laid_out["near"].as_u64().unwrap() as usize, laid_out["real"].as_u64().unwrap() as usize);
+        assert_eq!(cells, page.lane_cells, "{kind}: lane cells (near-tie, real)");
         let shot = browser.screenshot(&session);
         let n = colours(&shot);
         assert!(n >= 16, "{kind}: the screenshot has {n} colours");
