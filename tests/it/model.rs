@@ -129,9 +129,10 @@ fn check_model_builtin_through_the_binary() {
     assert_eq!(code, 2);
     assert_eq!(err.trim().lines().count(), 1, "{err}");
     assert!(err.contains("has no MoE layer"), "{err}");
-    let (code, _, err) = run(&["model", "mixtral", "--probes", "P,L"]);
-    assert_eq!(code, 2);
-    assert!(err.contains("unknown probe `L` for a whole model"), "{err}");
+    assert_eq!(
+        crate::routes::bad(&["model", "mixtral", "--probes", "P,L"]),
+        "error: --probes: unknown probe `L` for a whole model: expected letters of P,F,N,R,D,S,M,G\n"
+    );
 }
 
 #[test]
