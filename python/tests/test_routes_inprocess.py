@@ -1,6 +1,7 @@
 """moe_audit.routes.compare: the rollout-against-trainer check in this process (the native
 extension), against ``moe-audit routes compare --format json`` on the same inputs."""
 
+import base64
 import json
 import os
 import subprocess
@@ -85,6 +86,26 @@ def test_arrays_give_what_the_command_gives_on_their_npy_files(files):
         assert without_paths(c.to_dict()) == without_paths(doc)
         assert c.failed == bool(code)
     assert c.to_dict()["rollout"]["path"] == f"rollout (int32 {TOKENS}x{LAYERS}x{TOP_K})"
+
+
+def test_an_sglang_json_rollout_reads_as_the_command_reads_it(files):
+    # The extension's own branch: a `.json` rollout is read after the trainer, whose top-k shapes
+    # it with the response's own row count. As SGLang writes it (sgl-project/sglang@v0.5.10):
+    # `meta_info.routed_experts`, base64 of the int32 bytes of [seqlen - 1, num_hidden_layers,
+    # top_k] (tokenizer_manager.py:1593-1598, routed_experts_capturer.py:211-220), with
+    # prompt_tokens + completion_tokens = seqlen (scheduler_output_processor_mixin.py:1044-1046).
+    d, a, _ = files
+    payload = base64.b64encode(a[:-1].astype(np.int32).tobytes()).decode()
+    meta = {"prompt_tokens": TOKENS - 6, "completion_tokens": 6, "routed_experts": payload}
+    (d / "engine.json").write_text(json.dumps({"text": "..", "meta_info": meta}))
+    config = d / "config.json"
+    for kwargs, flags in (({}, []), ({"config": config}, ["--config", str(config)])):
+        code, doc = routes_compare(d / "engine.json", d / "trainer.npy", *flags)
+        c = routes.compare(d / "engine.json", d / "trainer.npy", **kwargs)
+        assert c.to_dict() == doc
+        assert c.exit_code == code
+        assert doc["rollout"]["format"] == "sglang" and doc["rollout"]["layers"] == list(range(LAYERS))
+        assert doc["measures"]["decisions"] == (TOKENS - 1) * LAYERS
 
 
 def test_a_torch_tensor_and_a_numpy_array_give_the_same_result(files):

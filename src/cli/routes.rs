@@ -5,8 +5,7 @@ use super::{exit, io_error};
 use clap::{Args, Subcommand, ValueEnum};
 use moe_audit::error::{Error, Result};
 use moe_audit::files::Staged;
-use moe_audit::records::read::ShapeHint;
-use moe_audit::records::{self, Budget, CompareOptions, Layout, Record};
+use moe_audit::records::{self, Budget, CompareOptions, Layout, Source};
 use moe_audit::render::{json, routes_chart, routes_github, routes_junit, routes_markdown, routes_text, show_text};
 use moe_audit::MemoryBudget;
 use std::io::Write;
@@ -175,26 +174,11 @@ fn layout(config: &Option<PathBuf>) -> Result<Option<Layout>> {
     config.as_deref().map(Layout::load).transpose()
 }
 
-fn hint(r: &Record) -> ShapeHint {
-    ShapeHint { layers: r.layers.iter().max().map_or(0, |&l| l + 1), top_k: r.top_k }
-}
-
-fn is_json(path: &Path) -> bool {
-    path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json"))
-}
-
 fn compare(args: &Compare, out: &mut dyn Write) -> Result<u8> {
     let layout = layout(&args.config)?;
     let mut budget = Budget::new(args.budget);
-    // A flat SGLang record without a config takes its shape from the other record.
-    let (rollout, trainer) = if is_json(&args.rollout) && !is_json(&args.trainer) {
-        let trainer = records::load(&args.trainer, layout.as_ref(), None, &mut budget)?;
-        (records::load(&args.rollout, layout.as_ref(), Some(hint(&trainer)), &mut budget)?, trainer)
-    } else {
-        let rollout = records::load(&args.rollout, layout.as_ref(), None, &mut budget)?;
-        let trainer = records::load(&args.trainer, layout.as_ref(), Some(hint(&rollout)), &mut budget)?;
-        (rollout, trainer)
-    };
+    let (rollout, trainer) =
+        records::load_pair(Source::File(&args.rollout), Source::File(&args.trainer), layout.as_ref(), &mut budget)?;
     let c = records::compare(&rollout, &trainer, layout.as_ref(), &args.options, &mut budget)?;
     let text = match args.format {
         CompareFormat::Text => routes_text(&c),

@@ -761,3 +761,214 @@ fn show_says_what_it_inferred() {
         assert!(t.contains(want), "{want}\n{t}");
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Padding by the writer's rule: a fill a router could also choose is padding only where the
+// writer that writes it puts it, never because one row looks like it.
+
+/// Every layer MoE, 8 experts, top-2, 2 layers: slime's fill row `arange(L*K) % E` is `[0, 1]`
+/// then `[2, 3]`, SkyRL's and NeMo-RL's `arange(top_k)` in every layer `[0, 1]` twice, and this
+/// router may choose either.
+const E8: usize = 8;
+const L2: usize = 2;
+
+/// Seeded routes `[n, L2, k]` of 8 experts, with the rows `at` set.
+fn routes_with(n: usize, k: usize, seed: u64, at: &[(usize, &[i32])]) -> Vec<i32> {
+    let mut r = random_routes(n, L2, k, E8, seed);
+    for &(t, row) in at {
+        r[t * L2 * k..(t + 1) * L2 * k].copy_from_slice(row);
+    }
+    r
+}
+
+/// `moe-audit-routes/1` of `seqs` (each `[n, L2, k]`), layers 0 and 1, one sequence each.
+fn trainer_of(d: &Path, name: &str, seqs: &[&[i32]], k: usize) -> String {
+    let mut cu = vec![0i64];
+    for s in seqs {
+        cu.push(cu.last().unwrap() + (s.len() / L2 / k) as i64);
+    }
+    let routes = seqs.concat();
+    let g = Generic {
+        routes: &routes,
+        tokens: routes.len() / L2 / k,
+        layers: &[0, 1],
+        k,
+        logits: None,
+        input_ids: None,
+        cu_seqlens: Some(&cu),
+    };
+    put(d, name, g.bytes())
+}
+
+fn mixtral_like(d: &Path) -> String {
+    put(
+        d,
+        "config8.json",
+        json!({"num_hidden_layers": L2, "num_local_experts": E8, "num_experts_per_tok": 2}).to_string(),
+    )
+}
+
+#[test]
+fn an_engines_routes_that_look_like_another_writers_fill_keep_every_token() {
+    let d = dir("fill-like");
+    // vLLM writes no fill: `P + O - 1` rows, each a captured route, uint8 for at most 256
+    // experts (vllm-project/vllm@v0.25.0: vllm/model_executor/layers/fused_moe/routed_experts_capturer.py:279-287,
+    // `get` :307-336). Its first and last rows route as slime's fill, one as SkyRL's.
+    let full = routes_with(24, 2, 81, &[(0, &[0, 1, 2, 3]), (10, &[0, 1, 0, 1]), (22, &[0, 1, 2, 3])]);
+    let rows = &full[..23 * L2 * 2];
+    let a = put(&d, "engine.npy", npy("|u1", &[23, L2, 2], &as_u8(rows)));
+    let t = trainer_of(&d, "trainer.safetensors", &[&full], 2);
+    let c = mixtral_like(&d);
+    for config in [&[][..], &["--config", &c][..]] {
+        let (code, r) = compare(&[&[a.as_str(), &t, "--max-disagreement", "0"][..], config].concat());
+        assert_eq!(code, 0, "{config:?}: {}", r["diagnoses"]);
+        assert_eq!(r["measures"]["decisions"], 23 * L2, "{config:?}: {}", r["diagnoses"]);
+        assert_eq!(r["rollout"]["found"]["padding"], json!({}), "{config:?}");
+        assert_eq!(r["trainer"]["found"]["padding"], json!({}), "{config:?}");
+    }
+    // Top-1: expert 0 in every layer is a route, not a zero fill (vLLM fills no row).
+    let full = routes_with(24, 1, 82, &[(3, &[0, 0]), (22, &[0, 0])]);
+    let a = put(&d, "top1.npy", npy("|u1", &[23, L2, 1], &as_u8(&full[..23 * L2])));
+    let t = trainer_of(&d, "top1.safetensors", &[&full], 1);
+    let (code, r) = compare(&[&a, &t, "--max-disagreement", "0"]);
+    assert_eq!((code, r["measures"]["decisions"].clone()), (0, json!(23 * L2)), "{}", r["diagnoses"]);
+    assert_eq!(r["rollout"]["found"]["padding"], json!({}));
+}
+
+/// slime's packed replay target as `prepare_routed_experts_for_routing_replay` builds it
+/// (THUDM/slime@v0.3.1: slime/backends/megatron_utils/cp_utils.py:376 one pad row per sample,
+/// :393-394 a trailing pad to a multiple of the pad size, :347-359 each pad block
+/// `arange(n*L*K) % E` from 0), with `cu_seqlens` as `get_batch` builds it (data.py:91-101, one
+/// segment per sample and one for the trailing pad).
+fn slime_packed(samples: &[&[i32]], k: usize, pad_size: usize) -> Vec<u8> {
+    let w = L2 * k;
+    let fill = |n: usize| -> Vec<i32> { (0..n * w).map(|i| (i % E8) as i32).collect() };
+    let (mut packed, mut cu) = (Vec::new(), vec![0i64]);
+    for s in samples {
+        packed.extend_from_slice(&s[..s.len() - w]); // `len - 1` rows: the last token never forwarded
+        packed.extend(fill(1));
+        cu.push((packed.len() / w) as i64);
+    }
+    let pad = (pad_size - packed.len() / w % pad_size) % pad_size;
+    packed.extend(fill(pad));
+    cu.push((packed.len() / w) as i64);
+    let rows = packed.len() / w;
+    npz(&[
+        ("rollout_routed_experts.npy", npy("<i4", &[rows, L2, k], &i32_bytes(&packed))),
+        ("cu_seqlens.npy", npy("<i8", &[cu.len()], &i64_bytes(&cu))),
+    ])
+}
+
+#[test]
+fn slimes_pad_rows_are_padding_where_slime_puts_them_and_nowhere_else() {
+    let d = dir("slime-fill");
+    // Sample 0 routes as the fill in a middle row and in its last forwarded row, just before its
+    // pad row; sample 1 as SkyRL's fill.
+    let s0 = routes_with(12, 2, 83, &[(4, &[0, 1, 2, 3]), (10, &[0, 1, 2, 3])]);
+    let s1 = routes_with(9, 2, 84, &[(2, &[0, 1, 0, 1])]);
+    let p = put(&d, "packed.npz", slime_packed(&[&s0, &s1], 2, 8));
+    let t = trainer_of(&d, "trainer.safetensors", &[&s0, &s1], 2);
+    let c = mixtral_like(&d);
+    // Without --config the expert count is where the fill wraps.
+    for config in [&[][..], &["--config", &c][..]] {
+        let (code, r) = compare(&[&[p.as_str(), &t, "--max-disagreement", "0"][..], config].concat());
+        assert_eq!(code, 0, "{config:?}: {}", r["diagnoses"]);
+        assert_eq!(r["measures"]["decisions"], (11 + 8) * L2, "{config:?}: {}", r["diagnoses"]);
+        // 21 rows + 3 to a multiple of 8: a pad row per sample, the trailing segment dropped.
+        assert_eq!(r["rollout"]["found"]["padding"], json!({"fill arange(n*layers*top_k) % experts": 5}), "{config:?}");
+        assert_eq!(r["rollout"]["found"]["pad_segments"], 1);
+    }
+    // The same rows without `cu_seqlens` are a sample's array (slime/utils/types.py:377-395):
+    // no pad, every row a route.
+    let one = put(
+        &d,
+        "sample.npz",
+        npz(&[("rollout_routed_experts.npy", npy("<i4", &[11, L2, 2], &i32_bytes(&s0[..11 * L2 * 2])))]),
+    );
+    let t0 = trainer_of(&d, "t0.safetensors", &[&s0], 2);
+    let (code, r) = compare(&[&one, &t0, "--max-disagreement", "0"]);
+    assert_eq!((code, r["measures"]["decisions"].clone()), (0, json!(11 * L2)), "{}", r["diagnoses"]);
+}
+
+/// DeepSeek-V3's layout at small size: 6 decoder layers, the first 3 dense, one MTP layer.
+const DS_LAYERS: usize = 6;
+const DS_K: usize = 8;
+
+/// SGLang `/generate` responses for sequences `[n, 4, DS_K]` (MoE layers 3..5 and MTP 6): each
+/// `meta_info` with `prompt_tokens`, `completion_tokens` (sgl-project/sglang@v0.5.10:
+/// python/sglang/srt/managers/tokenizer_manager.py:1552, :1578, counted in
+/// scheduler_output_processor_mixin.py:1044-1046) and `routed_experts`, base64 of int32
+/// `[seqlen - 1, num_hidden_layers, top_k]` (routed_experts_capturer.py:211-220,
+/// tokenizer_manager.py:1593-1598): every decoder layer, dense ones left 0, no MTP.
+fn sglang_v3(seqs: &[Vec<i32>]) -> Vec<Value> {
+    seqs.iter()
+        .map(|s| {
+            let n = s.len() / 4 / DS_K;
+            let mut rows = vec![0; (n - 1) * DS_LAYERS * DS_K];
+            for t in 0..n - 1 {
+                rows[(t * DS_LAYERS + 3) * DS_K..(t * DS_LAYERS + 6) * DS_K].copy_from_slice(&s[t * 4 * DS_K..(t * 4 + 3) * DS_K]);
+            }
+            json!({"text": "..", "meta_info": {"prompt_tokens": n - 5, "completion_tokens": 5, "routed_experts": b64(&i32_bytes(&rows))}})
+        })
+        .collect()
+}
+
+#[test]
+fn an_sglang_response_is_shaped_by_its_own_row_count() {
+    let d = dir("sglang-v3");
+    let config = json!({"num_hidden_layers": DS_LAYERS, "n_routed_experts": 256, "num_experts_per_tok": DS_K,
+        "first_k_dense_replace": 3, "num_nextn_predict_layers": 1});
+    let c = put(&d, "config.json", config.to_string());
+    // 36 and 29 tokens: 35 and 28 rows of 48 ids are also whole rows of 7 layers x top-8, the
+    // shape of the trainer's layers 3..6.
+    let seqs: Vec<Vec<i32>> =
+        [36, 29].iter().enumerate().map(|(i, &n)| random_routes(n, 4, DS_K, 256, 90 + i as u64)).collect();
+    let routes = seqs.concat();
+    let cu = [0i64, 36, 65];
+    let g = Generic {
+        routes: &routes,
+        tokens: 65,
+        layers: &[3, 4, 5, 6],
+        k: DS_K,
+        logits: None,
+        input_ids: None,
+        cu_seqlens: Some(&cu),
+    };
+    let t = put(&d, "trainer.safetensors", g.bytes());
+    let a = put(&d, "rollout.json", Value::Array(sglang_v3(&seqs)).to_string());
+    for config in [&[][..], &["--config", &c][..]] {
+        let (code, r) = compare(&[&[a.as_str(), &t, "--max-disagreement", "0"][..], config].concat());
+        assert_eq!(code, 0, "{config:?}: {}", r["diagnoses"]);
+        assert_eq!(r["rollout"]["layers"], json!([0, 1, 2, 3, 4, 5]), "{config:?}");
+        assert_eq!(r["measures"]["decisions"], (35 + 28) * 3, "{config:?}");
+    }
+    let (_, r) = compare(&[&a, &t]);
+    assert!(
+        text(&r, "reading").contains("shaped as [rows, 6, 8], rows by its prompt_tokens + completion_tokens"),
+        "{}",
+        text(&r, "reading")
+    );
+    // Layers from top-k takes top-k from somewhere: one line, exit 2, saying what to give.
+    let e = bad(&["routes", "show", &a]);
+    assert!(
+        e.contains("response 0: 35 rows of 48 ids each, layers x top-k: give the model's config.json (--config)"),
+        "{e}"
+    );
+    let e = bad(&["routes", "compare", &a, &a]);
+    assert!(e.contains("35 rows of 48 ids each"), "{e}");
+    // A start the response does not return (routed_experts_start_len = 5, sgl-project/sglang@v0.5.23:
+    // python/sglang/srt/state_capturer/base.py:173-188): fewer rows than its counts say.
+    let mut items = sglang_v3(&seqs[..1]);
+    let payload = base64::engine::general_purpose::STANDARD
+        .decode(items[0]["meta_info"]["routed_experts"].as_str().unwrap())
+        .unwrap();
+    items[0]["meta_info"]["routed_experts"] = json!(b64(&payload[5 * DS_LAYERS * DS_K * 4..]));
+    let cut = put(&d, "start.json", Value::Array(items).to_string());
+    let e = bad(&["routes", "compare", &cut, &t]);
+    assert!(
+        e.contains(
+            "response 0: 1440 ids are not 35 rows (prompt_tokens + completion_tokens - 1 - routed_experts_start_len)"
+        ),
+        "{e}"
+    );
+}

@@ -27,6 +27,16 @@ enum Side {
     Arrays(String, Vec<RawPart>, Option<Vec<usize>>),
 }
 
+impl Side {
+    /// Where the records library reads it from.
+    fn source(&self) -> records::Source<'_> {
+        match self {
+            Side::Path(p) => records::Source::File(p),
+            Side::Arrays(name, parts, layers) => records::Source::Arrays(name, id_arrays(parts), layers.clone()),
+        }
+    }
+}
+
 /// An array's data in the caller's memory, as the bytes of a record.
 struct Buffer {
     address: usize,
@@ -106,31 +116,10 @@ fn run(
         (None, None) => None,
     };
     let mut budget = Budget::new(MemoryBudget::from_request(limit));
-    let load = |side: &Side, hint, budget: &mut Budget| match side {
-        Side::Path(p) => records::load(p, layout.as_ref(), hint, budget),
-        Side::Arrays(name, parts, layers) => {
-            records::from_ids(name, id_arrays(parts), layers.clone(), layout.as_ref(), budget)
-        }
-    };
-    // A flat SGLang record without a config takes its shape from the other record, as the
-    // command reads it (src/cli/routes.rs).
-    let is_json =
-        |s: &Side| matches!(s, Side::Path(p) if p.extension().is_some_and(|e| e.eq_ignore_ascii_case("json")));
-    let (r, t) = if is_json(rollout) && !is_json(trainer) {
-        let t = load(trainer, None, &mut budget)?;
-        (load(rollout, Some(hint(&t)), &mut budget)?, t)
-    } else {
-        let r = load(rollout, None, &mut budget)?;
-        let t = load(trainer, Some(hint(&r)), &mut budget)?;
-        (r, t)
-    };
+    let (r, t) = records::load_pair(rollout.source(), trainer.source(), layout.as_ref(), &mut budget)?;
     let options = CompareOptions { max_disagreement };
     let c = records::compare(&r, &t, layout.as_ref(), &options, &mut budget)?;
     Ok(moe_audit::command::json(&c))
-}
-
-fn hint(r: &records::Record) -> records::read::ShapeHint {
-    records::read::ShapeHint { layers: r.layers.iter().max().map_or(0, |&l| l + 1), top_k: r.top_k }
 }
 
 /// The wheel's `moe-audit` command: the binary's command line on `sys.argv`. Never returns:

@@ -5,14 +5,20 @@
 //! dtypes wrap a -1 to 255. Here each is recognised, counted in [`Found`] and set to -1 (nothing
 //! to compare), the layer numbers are fixed (declared, or inferred from the config *and* the
 //! data), and ids are checked against the expert count.
+//!
+//! A token row is padding when it can hold no route (-1 in every slot, a repeated id in every
+//! layer), by the writer's own mask, or by the writer's fill where that writer puts it ([`Fill`]):
+//! a fill a router could also choose (`[0, 1]` then `[2, 3]` is a route of 8 experts, top-2) is
+//! never taken from one row's values alone, nor from a writer that does not write it.
 
 use super::config::{LayerKind, Layout};
 use super::formats::Raw;
 use super::ids::Ids;
 use super::read::ranges;
-use super::record::{Format, Found, Record};
+use super::record::{Format, Found, Record, Sequence};
 use moe_audit_core::error::{Error, Result};
 use rayon::prelude::*;
+use std::ops::Range;
 use std::path::Path;
 
 fn bad(path: &Path, message: impl Into<String>) -> Error {
@@ -58,21 +64,149 @@ fn classify(row: &[i32]) -> Row {
     Row::Route
 }
 
-/// Whether a whole token row (every layer) is a framework's fill pattern: `arange(top_k)` in
-/// every layer (SkyRL, NeMo-RL) or consecutive ids modulo the expert count (slime's
-/// `arange(n·L·K) % E`). Needs two layers at least: one layer's `[0, 1]` may be a route.
-fn fill_pattern(row: &[i32], k: usize, experts: Option<usize>) -> Option<&'static str> {
-    if row.len() < 2 * k || row.len() < 4 {
-        return None;
+/// Why a token row holds no route whoever wrote it (`None`: it may hold one), from its layers'
+/// classes: -1 in every slot (NeMo-RL's missing route, not padding), 0 or a repeated id in
+/// every layer (no top-k picks an expert twice).
+fn no_route(classes: &[Row], format: Format) -> Option<&'static str> {
+    if classes.iter().all(|c| *c == Row::Empty) {
+        (format != Format::NemoRl).then_some("no route (-1) in any layer")
+    } else if classes.iter().all(|c| *c == Row::Zero) {
+        Some("all-zero")
+    } else if classes.iter().all(|c| *c != Row::Route) {
+        Some("repeated ids in every layer")
+    } else {
+        None
     }
-    if row.chunks_exact(k).all(|l| l.iter().enumerate().all(|(i, &e)| e == i as i32)) {
-        return Some("fill arange(top_k) in every layer");
+}
+
+/// How and where a writer fills token rows with values a router could also choose, as its code
+/// does (the reader names its writer's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) enum Fill {
+    /// No such fill: engines (SGLang, vLLM), Megatron, moe-audit's own format, an unknown batch.
+    #[default]
+    None,
+    /// `torch.zeros` rows after each sequence's routes (verl: the last token, a multi-turn tail).
+    ZeroTail,
+    /// `arange(top_k)` in every layer after each sequence's routes (NeMo-RL's right pad, SkyRL's
+    /// rows past the captured ones), and before them when `head` (SkyRL's left pad, when no mask
+    /// marks it).
+    TopK { head: bool },
+    /// slime's packed replay target: each sample closed by one `arange(layers·top_k) % experts`
+    /// row, the stream by a last segment `arange(n·layers·top_k) % experts`.
+    Slime,
+}
+
+/// Consecutive token rows padding by one cause.
+type Run = (Range<usize>, &'static str);
+
+const SLIME_FILL: &str = "fill arange(n*layers*top_k) % experts";
+
+/// Whether `ids`, the values of a block from its first, continue `arange(n) % experts` from
+/// `from` (`experts` unknown: where the values first wrap to 0, found and kept in `experts`).
+fn continues_arange(ids: &[i32], from: usize, experts: &mut Option<usize>) -> bool {
+    ids.iter().enumerate().all(|(i, &v)| {
+        let at = from + i;
+        if experts.is_none() && v == 0 && at > 0 {
+            *experts = Some(at);
+        }
+        usize::try_from(v).is_ok_and(|v| v == at % experts.unwrap_or(usize::MAX))
+    })
+}
+
+impl Fill {
+    /// Why `row` (after the value rule) is this edge fill, if it is (slime's is read by blocks).
+    fn cause(self, row: &[i32], k: usize) -> Option<&'static str> {
+        match self {
+            Fill::ZeroTail if row.iter().all(|&e| e == 0) => Some("all-zero"),
+            Fill::TopK { .. } if row.chunks_exact(k).all(|l| l.iter().enumerate().all(|(i, &e)| e == i as i32)) => {
+                Some("fill arange(top_k) in every layer")
+            }
+            _ => None,
+        }
     }
-    let next = |a: i32, b: i32| match experts {
-        Some(e) => b == (a + 1) % e as i32,
-        None => b == a + 1 || (b == 0 && a > 0),
-    };
-    (row[0] >= 0 && row.windows(2).all(|w| next(w[0], w[1]))).then_some("fill arange(n*layers*top_k) % experts")
+
+    /// The rows this fill makes padding, as runs in order: only a sequence's edges are read, a
+    /// row at a time; a row `padding` already (a mask, no route) is passed over, the first route
+    /// ends the edge.
+    fn rows(
+        self,
+        experts: &Ids,
+        value: &Value,
+        sequences: &[Sequence],
+        [n_layers, k]: [usize; 2],
+        num_experts: Option<usize>,
+        padding: impl Fn(usize, &[Row]) -> bool,
+    ) -> Vec<Run> {
+        let mut runs: Vec<Run> = Vec::new();
+        if self == Fill::None {
+            return runs;
+        }
+        let w = n_layers * k;
+        let mut buf = Vec::with_capacity(w);
+        let row = |t: usize, buf: &mut Vec<i32>| {
+            experts.decode(t * w..(t + 1) * w, buf);
+            value.apply(buf);
+        };
+        let passed = |t: usize, buf: &[i32]| {
+            let classes: Vec<Row> = buf.chunks_exact(k).map(classify).collect();
+            padding(t, &classes) || classes.iter().all(|c| *c == Row::Empty)
+        };
+        for (i, s) in sequences.iter().enumerate().filter(|(_, s)| !s.rows.is_empty()) {
+            if self == Fill::Slime {
+                // The last segment may be the stream's pad, one arange from its first row
+                // (THUDM/slime v0.3.1 slime/backends/megatron_utils/cp_utils.py:384-385, :393-394).
+                let mut e = num_experts;
+                let whole = i + 1 == sequences.len()
+                    && s.rows.clone().all(|t| {
+                        row(t, &mut buf);
+                        continues_arange(&buf, (t - s.rows.start) * w, &mut e)
+                    });
+                if whole {
+                    runs.push((s.rows.clone(), SLIME_FILL));
+                    continue;
+                }
+                // Else a sample's segment, closed by its one pad row (cp_utils.py:376).
+                let last = s.rows.end - 1;
+                row(last, &mut buf);
+                if continues_arange(&buf, 0, &mut num_experts.clone()) {
+                    runs.push((last..last + 1, SLIME_FILL));
+                }
+                continue;
+            }
+            let mut head = s.rows.start;
+            if self == (Fill::TopK { head: true }) {
+                while head < s.rows.end {
+                    row(head, &mut buf);
+                    if !passed(head, &buf) {
+                        let Some(c) = self.cause(&buf, k) else { break };
+                        push(&mut runs, head, c);
+                    }
+                    head += 1;
+                }
+            }
+            let mut tail = Vec::new();
+            for t in (head..s.rows.end).rev() {
+                row(t, &mut buf);
+                if !passed(t, &buf) {
+                    let Some(c) = self.cause(&buf, k) else { break };
+                    tail.push((t, c));
+                }
+            }
+            for (t, c) in tail.into_iter().rev() {
+                push(&mut runs, t, c);
+            }
+        }
+        runs
+    }
+}
+
+/// Adds row `t` to the runs (in order).
+fn push(runs: &mut Vec<Run>, t: usize, cause: &'static str) {
+    match runs.last_mut() {
+        Some((r, c)) if r.end == t && *c == cause => r.end = t + 1,
+        _ => runs.push((t..t + 1, cause)),
+    }
 }
 
 /// Turns a writer's stored record into the compared one (see the module doc), in steps: the
@@ -91,6 +225,7 @@ pub(crate) fn finish(path: &Path, raw: Raw, layout: Option<&Layout>) -> Result<R
         input_ids,
         mut sequences,
         pad_mask,
+        fill,
         meta,
         notes,
         axis,
@@ -100,7 +235,9 @@ pub(crate) fn finish(path: &Path, raw: Raw, layout: Option<&Layout>) -> Result<R
     let num_experts = layout.map(|l| l.experts).or(logits.as_ref().map(|l| l.1));
     let value = Value::of(&experts, &dtype, num_experts, &mut found);
     let limit = num_experts.map_or(i32::MAX, |e| e as i32);
-    let mut scan = scan(&experts, &value, [tokens, n_layers, k], limit, pad_mask.as_deref(), format, num_experts);
+    let pads = Pads { mask: pad_mask.as_deref(), fills: &[], format };
+    let fills = fill.rows(&experts, &value, &sequences, [n_layers, k], num_experts, |t, c| pads.cause(t, c).is_some());
+    let mut scan = scan(&experts, &value, [tokens, n_layers, k], limit, Pads { fills: &fills, ..pads });
     match value {
         Value::MinusOne(_) => found.wrapped_minus_one = scan.wrapped,
         Value::Unwrap(_) => found.wrapped_ids = scan.wrapped,
@@ -180,23 +317,38 @@ fn check_shape(path: &Path, [tokens, n_layers, k]: [usize; 3], ids: usize, layou
     }
 }
 
+/// What makes a token row padding besides holding no route: the writer's mask, its fill.
+#[derive(Clone, Copy)]
+struct Pads<'a> {
+    mask: Option<&'a [bool]>,
+    /// From [`Fill::rows`], in order.
+    fills: &'a [Run],
+    format: Format,
+}
+
+impl Pads<'_> {
+    /// Why token `t` (its layers' `classes`) is padding, if it is.
+    fn cause(&self, t: usize, classes: &[Row]) -> Option<&'static str> {
+        if self.mask.is_some_and(|m| m[t]) {
+            return Some("mask");
+        }
+        let run = self.fills.partition_point(|r| r.0.end <= t);
+        match self.fills.get(run) {
+            Some((rows, cause)) if rows.contains(&t) => Some(cause),
+            _ => no_route(classes, self.format),
+        }
+    }
+}
+
 /// One token-major pass over blocks of tokens (in parallel, merged in order, so the result is
 /// the same whatever the thread count): every (token, layer) row classified, ids checked
 /// (below -1, at or beyond the expert count), padding rows found; rows that are no route kept
 /// aside.
-fn scan(
-    experts: &Ids,
-    value: &Value,
-    [tokens, n_layers, k]: [usize; 3],
-    limit: i32,
-    pad_mask: Option<&[bool]>,
-    format: Format,
-    num_experts: Option<usize>,
-) -> Block {
+fn scan(experts: &Ids, value: &Value, [tokens, n_layers, k]: [usize; 3], limit: i32, pads: Pads<'_>) -> Block {
     let blocks: Vec<Block> = experts
         .par_chunks(tokens, n_layers * k, BLOCK, |rows, chunk| {
             let wrapped = value.apply(chunk);
-            let mut b = block(chunk, rows.start, n_layers, k, limit, pad_mask, format, num_experts);
+            let mut b = block(chunk, rows.start, [n_layers, k], limit, pads);
             b.wrapped = wrapped;
             b
         })
@@ -356,17 +508,7 @@ struct Block {
 }
 
 /// Classifies the rows of `chunk` (tokens from `first`), finds its padding rows.
-#[allow(clippy::too_many_arguments)]
-fn block(
-    chunk: &[i32],
-    first: usize,
-    n_layers: usize,
-    k: usize,
-    limit: i32,
-    mask: Option<&[bool]>,
-    format: Format,
-    experts: Option<usize>,
-) -> Block {
+fn block(chunk: &[i32], first: usize, [n_layers, k]: [usize; 2], limit: i32, pads: Pads<'_>) -> Block {
     let w = n_layers * k;
     let mut out = Block {
         wrapped: 0,
@@ -397,21 +539,7 @@ fn block(
             }
             *c = classify(ids);
         }
-        // Padding: a mask, or a whole token row (every layer) that is no route.
-        let none = |c: &Row| matches!(c, Row::Zero | Row::Repeat | Row::Empty);
-        let cause = if mask.is_some_and(|m| m[t]) {
-            Some("mask")
-        } else if classes.iter().all(|c| *c == Row::Empty) {
-            (format != Format::NemoRl).then_some("no route (-1) in any layer")
-        } else if w >= 2 && (classes.iter().all(|c| *c == Row::Zero) || (k == 1 && row.iter().all(|&e| e == 0))) {
-            Some("all-zero")
-        } else if classes.iter().all(none) {
-            Some("repeated ids in every layer")
-        } else if row[0] == 0 || classes.iter().all(|c| *c == Row::Route) {
-            fill_pattern(row, k, experts)
-        } else {
-            None
-        };
+        let cause = pads.cause(t, &classes);
         out.pad.push(cause.is_some());
         if let Some(c) = cause {
             match out.causes.iter_mut().find(|x| x.0 == c) {

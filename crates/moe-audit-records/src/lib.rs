@@ -23,7 +23,7 @@ mod show;
 pub use align::{Alignment, Diagnosis, DiagnosisKind, LayerPair, Segment};
 pub use config::{LayerKind, Layout};
 pub use measure::{Flip, Lane, LayerMeasure, Margins, Measures, LANES};
-pub use read::{from_ids, load, Format, Found, IdArray, Record};
+pub use read::{from_ids, load, load_pair, Format, Found, IdArray, Record, Source};
 pub use show::{show, LayerLoad, Summary};
 
 use moe_audit_core::error::Result;

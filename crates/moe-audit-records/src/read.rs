@@ -18,10 +18,59 @@ pub use super::record::{Format, Found, Record, Sequence, GENERIC};
 /// top-k and layer count.
 #[derive(Debug, Clone, Copy)]
 pub struct ShapeHint {
-    /// Layers of the layer axis.
+    /// Layers of the layer axis (the highest layer number + 1).
     pub layers: usize,
     /// Experts per token.
     pub top_k: usize,
+}
+
+impl ShapeHint {
+    /// What `other` tells.
+    pub fn of(other: &Record) -> Self {
+        ShapeHint { layers: other.layers.iter().max().map_or(0, |&l| l + 1), top_k: other.top_k }
+    }
+}
+
+/// Where a record is read from.
+#[derive(Debug)]
+pub enum Source<'a> {
+    /// A record file or a folder of trace files ([`load`]).
+    File(&'a Path),
+    /// Arrays in memory ([`from_ids`]): the record's name, one array per sequence, the global
+    /// layer numbers of axis 1 when known.
+    Arrays(&'a str, Vec<IdArray>, Option<Vec<usize>>),
+}
+
+impl Source<'_> {
+    /// A JSON file: possibly SGLang's payload, which has no shape of its own.
+    fn shapeless(&self) -> bool {
+        matches!(self, Source::File(p) if p.extension().is_some_and(|e| e.eq_ignore_ascii_case("json")))
+    }
+
+    fn load(self, layout: Option<&Layout>, other: Option<&Record>, budget: &mut Budget) -> Result<Record> {
+        match self {
+            Source::File(p) => load(p, layout, other.map(ShapeHint::of), budget),
+            Source::Arrays(name, parts, layers) => from_ids(name, parts, layers, layout, budget),
+        }
+    }
+}
+
+/// Reads the two records of a comparison against `layout` when given. A JSON record (an SGLang
+/// payload has no shape) is read after the other, which tells its top-k.
+pub fn load_pair(
+    rollout: Source<'_>,
+    trainer: Source<'_>,
+    layout: Option<&Layout>,
+    budget: &mut Budget,
+) -> Result<(Record, Record)> {
+    if rollout.shapeless() && !trainer.shapeless() {
+        let t = trainer.load(layout, None, budget)?;
+        Ok((rollout.load(layout, Some(&t), budget)?, t))
+    } else {
+        let r = rollout.load(layout, None, budget)?;
+        let t = trainer.load(layout, Some(&r), budget)?;
+        Ok((r, t))
+    }
 }
 
 fn bad(path: &Path, message: impl Into<String>) -> Error {
@@ -82,8 +131,9 @@ fn trace_folder(dir: &Path, budget: &mut Budget) -> Result<Vec<(String, Vec<u8>)
     ranks.into_iter().map(|(_, name, p)| Ok((name, read_whole(&p, budget)?))).collect()
 }
 
-/// Reads a record, made comparable against `layout` when given. `hint` shapes a record with no
-/// shape of its own (SGLang) when no layout is given; the record's notes say so.
+/// Reads a record, made comparable against `layout` when given. `hint`, the other record's,
+/// helps shape a record with no shape of its own (SGLang) when no layout is given; the record's
+/// notes say how.
 pub fn load(path: &Path, layout: Option<&Layout>, hint: Option<ShapeHint>, budget: &mut Budget) -> Result<Record> {
     let raw = if std::fs::metadata(path).is_ok_and(|m| m.is_dir()) {
         let files = trace_folder(path, budget)?;
@@ -189,21 +239,8 @@ fn dispatch(
         // The parsed tree holds the base64 text once more.
         budget.take(&format!("parsing {}", path.display()), bytes.len() as u64 * 2)?;
         let value: Value = serde_json::from_slice(bytes).map_err(|e| Error::parse(path, "not JSON", e))?;
-        let shape = match (layout, hint) {
-            (Some(l), _) => Some((l.kinds.iter().filter(|k| **k != super::LayerKind::Mtp).count(), l.top_k)),
-            (None, Some(h)) => Some((h.layers, h.top_k)),
-            (None, None) => None,
-        };
-        let mut raw = formats::from_json(path, &value, shape, budget)?;
-        if layout.is_none() && raw.format == Format::Sglang {
-            raw.notes.push(format!(
-                "no shape in the payload and no {}: shaped as [rows, {}, {}] from the other record",
-                Setting::Config,
-                raw.n_layers,
-                raw.top_k
-            ));
-        }
-        return Ok(raw);
+        let config = layout.map(|l| (l.kinds.iter().filter(|k| **k != super::LayerKind::Mtp).count(), l.top_k));
+        return formats::from_json(path, &value, config, hint, budget);
     }
     let (arrays, meta) = array::safetensors(bytes, path)?;
     formats::from_arrays(path, arrays, meta, budget)

@@ -80,7 +80,7 @@ pub struct Found {
     pub dtype: String,
     /// How the layer numbers were taken (declared in the file, or inferred and why).
     pub numbering: String,
-    /// Token rows left out as padding, by cause (`all-zero`, `fill pattern`, `mask`, ...).
+    /// Token rows left out as padding, by cause (`all-zero`, `mask`, a writer's fill, ...).
     pub padding: BTreeMap<String, usize>,
     /// Trailing packed segments made only of padding (slime's pad segment), dropped.
     pub pad_segments: usize,

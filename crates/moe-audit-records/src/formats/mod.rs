@@ -1,8 +1,9 @@
 //! One reader per writer, each following the writer's own source at a named release (the
 //! module doc of each file names it). A reader only lays out what the file holds, as the writer
 //! stored it: ids in the stored dtype, its rows and sequences, a padding mask when the writer
-//! keeps one, layer numbers when the file states them. What the values mean (fill, wraps,
-//! missing routes, dense layers, numbering) is decided once for every writer in `clean`.
+//! keeps one, which fill its writer pads with (`clean::Fill`), layer numbers when the file states
+//! them. What the values mean (fill, wraps, missing routes, dense layers, numbering) is decided
+//! once for every writer in `clean`.
 //!
 //! Which reader: by the file's content, never by its name: `.npy` magic, zip (`.npz`),
 //! JSON (by the keys each writer uses), JSON lines (Megatron's trace), a folder of trace files,
@@ -18,7 +19,7 @@ pub(crate) mod verl;
 pub(crate) mod vllm;
 
 use super::array::{Array, Elem};
-use super::clean::Axis;
+use super::clean::{Axis, Fill};
 use super::ids::Ids;
 use super::record::{Format, Sequence};
 use super::Budget;
@@ -80,6 +81,8 @@ pub(crate) struct Raw {
     pub sequences: Vec<Sequence>,
     /// Per row: padding by the writer's own mask.
     pub pad_mask: Option<Vec<bool>>,
+    /// The writer's fill that a router could also choose, and where the writer puts it.
+    pub fill: Fill,
     pub meta: BTreeMap<String, String>,
     pub notes: Vec<String>,
 }
@@ -100,6 +103,7 @@ impl Raw {
             input_ids: None,
             sequences: vec![Sequence { rows: 0..shape[0], first_position: 0 }],
             pad_mask: None,
+            fill: Fill::None,
             meta: BTreeMap::new(),
             notes: Vec::new(),
         }
@@ -230,7 +234,13 @@ pub(crate) fn from_arrays(
 }
 
 /// Reads a JSON response of an engine by the keys its writer uses.
-pub(crate) fn from_json(path: &Path, value: &Value, hint: Option<(usize, usize)>, budget: &mut Budget) -> Result<Raw> {
+pub(crate) fn from_json(
+    path: &Path,
+    value: &Value,
+    config: Option<(usize, usize)>,
+    other: Option<crate::read::ShapeHint>,
+    budget: &mut Budget,
+) -> Result<Raw> {
     let items: Vec<&Value> = match value {
         Value::Array(items) => items.iter().collect(),
         v => vec![v],
@@ -239,7 +249,7 @@ pub(crate) fn from_json(path: &Path, value: &Value, hint: Option<(usize, usize)>
     let choice0 = first.get("choices").and_then(Value::as_array).and_then(|c| c.first());
     let choice_field = |c: &Value, key: &str| c.get(key).or_else(|| c.get("message").and_then(|m| m.get(key))).cloned();
     if first.get("meta_info").is_some() || first.get("sglext").is_some() {
-        return sglang::read(path, &items, hint, budget);
+        return sglang::read(path, &items, config, other, budget);
     }
     if let Some(c) = choice0 {
         if c.get("moe_topk_indices").is_some() {

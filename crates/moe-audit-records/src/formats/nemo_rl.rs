@@ -13,6 +13,7 @@
 
 use super::{bad, base64, batch, choices, ids_of_bytes, length_mask, Dtype, Raw};
 use crate::array::Array;
+use crate::clean::Fill;
 use crate::record::Format;
 use crate::Budget;
 use moe_audit_core::error::Result;
@@ -36,6 +37,8 @@ pub(crate) fn read(path: &Path, arrays: &[Array], budget: &mut Budget) -> Result
             break;
         }
     }
+    // Right padded: the fill rows past the routes, within the length too (the last token).
+    raw.fill = Fill::TopK { head: false };
     Ok(raw)
 }
 

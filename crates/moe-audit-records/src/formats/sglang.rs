@@ -18,29 +18,38 @@
 //!   start is not echoed in the response, so a `routed_experts_start_len` found next to the
 //!   payload is taken, else 0.
 //!
-//! The payload has no shape: layers and top-k come from the config, or (said in a note) from the
-//! other record.
+//! - row count: `seqlen - 1` at 0.5.10 (`routed_experts_capturer.py` L211-220), `seqlen - 1 -
+//!   start` at 0.5.23 (`base.py` L173-188, the request's `routed_experts_start_len`, 0.5.10
+//!   `srt/managers/io_struct.py` L172-173), seqlen being `meta_info.prompt_tokens +
+//!   completion_tokens` (0.5.10 `scheduler_output_processor_mixin.py` L1044-1046,
+//!   `tokenizer_manager.py` L1552, L1578); OpenAI endpoints: the response's `usage`, which sums
+//!   every choice (`entrypoints/openai/usage_processor.py` L18-29), so only with one choice.
+//!
+//! The payload has no shape: layers and top-k come from the config; without it, the rows from
+//! the response's own counts and top-k from the other record (layers = ids / rows / top-k), and
+//! a response without counts is shaped as the other record (said in a note).
 
 use super::{bad, base64, ids_of_bytes, Dtype, Raw};
 use crate::array::Elem;
 use crate::clean::Axis;
+use crate::read::ShapeHint;
 use crate::record::Format;
 use crate::Budget;
-use moe_audit_core::error::Result;
+use moe_audit_core::error::{Result, Setting};
 use serde_json::Value;
 use std::path::Path;
 
-pub(crate) fn read(path: &Path, items: &[&Value], shape: Option<(usize, usize)>, budget: &mut Budget) -> Result<Raw> {
-    let Some((n_layers, top_k)) = shape else {
-        return Err(bad(
-            path,
-            format!(
-                "SGLang routes have no shape: give the model's config.json ({}) for num_hidden_layers and top-k",
-                moe_audit_core::error::Setting::Config
-            ),
-        ));
-    };
+/// Reads SGLang responses, shaped by `config` (decoder layers, top-k) when given, else by their
+/// own row counts and the `other` record's top-k.
+pub(crate) fn read(
+    path: &Path,
+    items: &[&Value],
+    config: Option<(usize, usize)>,
+    other: Option<ShapeHint>,
+    budget: &mut Budget,
+) -> Result<Raw> {
     let mut parts = Vec::with_capacity(items.len());
+    let mut how = None;
     for (i, item) in items.iter().enumerate() {
         let holder = item.get("meta_info").or_else(|| item.get("sglext"));
         let text = holder.and_then(|h| h.get("routed_experts")).and_then(Value::as_str).ok_or_else(|| {
@@ -64,6 +73,14 @@ pub(crate) fn read(path: &Path, items: &[&Value], shape: Option<(usize, usize)>,
         let start =
             holder.and_then(|h| h.get("routed_experts_start_len")).and_then(Value::as_u64).unwrap_or(0) as usize;
         let raw = base64(path, &format!("response {i}: `routed_experts`"), text, budget)?;
+        if raw.len() % elem.size() != 0 {
+            return Err(bad(path, format!("response {i}: {} bytes are not whole {} values", raw.len(), elem.name())));
+        }
+        let (n_layers, top_k) = shape(raw.len() / elem.size(), rows(item, start), config, other, &mut how)
+            .map_err(|m| bad(path, format!("response {i}: {m}")))?;
+        if n_layers == 0 || top_k == 0 {
+            return Err(bad(path, format!("response {i}: shaped as {n_layers} layers x top-k {top_k}: no routes")));
+        }
         let width = n_layers * top_k * elem.size();
         if raw.len() % width != 0 {
             return Err(bad(
@@ -84,5 +101,67 @@ pub(crate) fn read(path: &Path, items: &[&Value], shape: Option<(usize, usize)>,
     }
     let mut all = Raw::concat(path, parts, budget)?;
     all.axis = Axis::Decoder;
+    if let Some(how) = how {
+        all.notes.push(format!(
+            "no shape in the payload and no {}: shaped as [rows, {}, {}], {how}",
+            Setting::Config,
+            all.n_layers,
+            all.top_k
+        ));
+    }
     Ok(all)
+}
+
+/// The rows a response says it holds: prompt + completion - 1 - start, from `meta_info` (native)
+/// or a one-choice response's `usage` (OpenAI endpoints).
+fn rows(item: &Value, start: usize) -> Option<usize> {
+    let counts = match item.get("meta_info") {
+        Some(m) => m,
+        None if item.get("choices").and_then(Value::as_array).is_some_and(|c| c.len() == 1) => item.get("usage")?,
+        None => return None,
+    };
+    let count = |key: &str| counts.get(key).and_then(Value::as_u64).map(|n| n as usize);
+    // SGLang clamps the start to the last row (0.5.23 base.py L182).
+    Some(count("prompt_tokens")?.saturating_add(count("completion_tokens")?).saturating_sub(1).saturating_sub(start))
+}
+
+/// `(layers, top-k)` of a response holding `ids` values: the config's, else `rows` (the
+/// response's own count) rows of the other record's top-k, else the other record's shape;
+/// `how` says which, when not the config.
+fn shape(
+    ids: usize,
+    rows: Option<usize>,
+    config: Option<(usize, usize)>,
+    other: Option<ShapeHint>,
+    how: &mut Option<String>,
+) -> std::result::Result<(usize, usize), String> {
+    if let Some(shape) = config {
+        return Ok(shape);
+    }
+    let give = format!("give the model's config.json ({}) for num_hidden_layers and top-k", Setting::Config);
+    let Some(rows) = rows else {
+        let other = other
+            .ok_or_else(|| format!("SGLang routes have no shape and no prompt_tokens and completion_tokens: {give}"))?;
+        how.get_or_insert_with(|| {
+            "as the other record (no prompt_tokens and completion_tokens in the response)".into()
+        });
+        return Ok((other.layers, other.top_k));
+    };
+    if rows == 0 || ids % rows != 0 {
+        return Err(format!(
+            "{ids} ids are not {rows} rows (prompt_tokens + completion_tokens - 1 - routed_experts_start_len) of whole layers x top-k (a start not returned with the response?): {give}"
+        ));
+    }
+    let per_row = ids / rows;
+    let Some(other) = other else {
+        return Err(format!("{rows} rows of {per_row} ids each, layers x top-k: {give} to tell them apart"));
+    };
+    if other.top_k == 0 || per_row % other.top_k != 0 {
+        return Err(format!(
+            "{rows} rows of {per_row} ids each are not whole layers of the other record's top-k {}: {give}",
+            other.top_k
+        ));
+    }
+    how.get_or_insert_with(|| "rows by its prompt_tokens + completion_tokens, top-k the other record's".into());
+    Ok((per_row / other.top_k, other.top_k))
 }

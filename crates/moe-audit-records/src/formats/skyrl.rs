@@ -13,7 +13,7 @@
 
 use super::{bad, base64, batch, choices, ids_of_bytes, mask, Dtype, Raw};
 use crate::array::Array;
-use crate::clean::Axis;
+use crate::clean::{Axis, Fill};
 use crate::record::Format;
 use crate::Budget;
 use moe_audit_core::error::Result;
@@ -33,6 +33,9 @@ pub(crate) fn read(path: &Path, arrays: &[Array], budget: &mut Budget) -> Result
         (None, Some(m)) => Some(mask(m, raw.tokens, path, budget, 0)?),
         (None, None) => None,
     };
+    // `router_padding_mask` marks every fill row, `attention_mask` only the pads: the rows past
+    // the captured ones are filled too; without a mask, the left pad as well.
+    raw.fill = Fill::TopK { head: raw.pad_mask.is_none() };
     Ok(raw)
 }
 

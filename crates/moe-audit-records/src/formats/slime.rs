@@ -5,16 +5,20 @@
 //!   `slime/utils/misc.py` L13-35); every decoder layer, dense ones 0, no MTP; on disk inside
 //!   `torch.save` of the samples (`slime/observability/rollout_data_utils.py` L140-153), which
 //!   moe-audit does not unpickle: save the arrays as `.npz`/safetensors;
-//! - the trainer's packed replay target (`slime/backends/megatron_utils/cp_utils.py` L254-297):
-//!   each sample plus one pad row, concatenated, then a trailing pad segment to a multiple of
-//!   the TP size x 128; pad rows are `arange(n*layers*top_k).reshape(n, layers, top_k) %
-//!   num_experts` (L239-251), which look like routes; `cu_seqlens` has one segment per sample
-//!   and one for the trailing pad (`data.py` L55-90). Read from `rollout_routed_experts`
-//!   `[tokens, layers, top_k]` with `cu_seqlens`.
+//! - the trainer's packed replay target (THUDM/slime v0.3.1
+//!   `slime/backends/megatron_utils/cp_utils.py` L362-405): each sample plus one pad row (L376),
+//!   concatenated, then a trailing pad block to a multiple of the TP size x the pad multiplier
+//!   (L384-385, L393-394); pad rows are `arange(n*layers*top_k).reshape(n, layers, top_k) %
+//!   num_experts`, counted from 0 in each block (L347-359), which look like routes; `cu_seqlens`
+//!   has one segment per sample and one for the trailing pad (`data.py` L72-101). Read from
+//!   `rollout_routed_experts` `[tokens, layers, top_k]` with `cu_seqlens`: the pad is the last
+//!   row of each segment and a last segment that is one fill block (`clean::Fill::Slime`);
+//!   without `cu_seqlens` the array is a sample's, which has no pad.
 
 use super::generic::boundaries;
 use super::{bad, Dtype, Raw};
 use crate::array::Array;
+use crate::clean::Fill;
 use crate::record::Format;
 use crate::Budget;
 use moe_audit_core::error::Result;
@@ -28,6 +32,9 @@ pub(crate) fn read(path: &Path, arrays: &[Array], budget: &mut Budget) -> Result
     if let Some(cu) = find("cu_seqlens") {
         let cu = cu.ints(path, budget)?;
         raw.sequences = boundaries(&cu, raw.tokens).map_err(|m| bad(path, format!("`cu_seqlens` {m}")))?;
+        // The packed replay target: its pad rows close the segments (without `cu_seqlens`, the
+        // per-sample array, which has none).
+        raw.fill = Fill::Slime;
     }
     Ok(raw)
 }

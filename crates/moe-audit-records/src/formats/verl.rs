@@ -10,6 +10,7 @@
 
 use super::{bad, batch, mask, Raw};
 use crate::array::Array;
+use crate::clean::Fill;
 use crate::record::Format;
 use crate::Budget;
 use moe_audit_core::error::Result;
@@ -21,5 +22,8 @@ pub(crate) fn read(path: &Path, arrays: &[Array], budget: &mut Budget) -> Result
     let (mut raw, _) = batch(Format::Verl, a, path, budget)?;
     let m = find("attention_mask").ok_or_else(|| bad(path, "verl routes need `attention_mask` next to them"))?;
     raw.pad_mask = Some(mask(m, raw.tokens, path, budget, 0)?);
+    // The mask covers the pads; the zero rows past the engine's (the last token, a multi-turn
+    // tail) are real tokens' (agent_loop.py:767-779).
+    raw.fill = Fill::ZeroTail;
     Ok(raw)
 }
