@@ -663,12 +663,19 @@ fn threat_model_trace_folder() {
     assert!(bounded(&["routes", "compare", &good, empty.to_str().unwrap()])
         .contains("router_trace_rank{r}.jsonl files: none here"));
     // A trace larger than the memory limit is refused before it is parsed, though it is valid
-    // JSON: keys as Megatron-Core writes them (see routes_writers.rs), the first line padded
-    // with JSON whitespace to 48 MiB in all, over the 8 MiB that 40 MiB leaves to records.
+    // JSON: the keys of NVIDIA/Megatron-LM@core_v0.19.0
+    // megatron/core/transformer/moe/router_trace.py:291-305, ids ascending (:353), the first
+    // line padded with JSON whitespace to 48 MiB in all, over the 8 MiB that 40 MiB leaves to
+    // records.
     let routes = random_routes(4, L, K, E, 32);
     let lines: Vec<String> = (0..L)
         .map(|l| {
-            let rows: Vec<Vec<i32>> = (0..4).map(|t| routes[(t * L + l) * K..][..K].to_vec()).collect();
+            let row = |t: usize| {
+                let mut r = routes[(t * L + l) * K..][..K].to_vec();
+                r.sort_unstable();
+                r
+            };
+            let rows: Vec<Vec<i32>> = (0..4).map(row).collect();
             serde_json::json!({"step": 0, "stage": "pre_dispatch", "block": "decoder", "layer": l, "rank": 0,
                 "num_tokens": 4, "topk": K, "top_indices": rows})
             .to_string()
