@@ -972,3 +972,42 @@ fn an_sglang_response_is_shaped_by_its_own_row_count() {
         "{e}"
     );
 }
+
+#[test]
+fn verls_zero_tail_and_skyrls_unmasked_fill_are_padding_at_their_place_only() {
+    let d = dir("edge-fills");
+    // verl at top-1: `torch.zeros`, the engine's `len - 1` rows copied from `start_pos`, the mask
+    // 1 on the sequence (verl-project/verl@1dda039: verl/experimental/agent_loop/agent_loop.py:767-779):
+    // the last token's zero row is the fill, a real token on expert 0 in every layer is a route.
+    let full = routes_with(24, 1, 85, &[(5, &[0, 0])]);
+    let (left, total) = (4, 4 + 24 + 3);
+    let mut batch = vec![0; total * L2];
+    batch[left * L2..][..23 * L2].copy_from_slice(&full[..23 * L2]);
+    let mask: Vec<i64> = (0..total).map(|p| i64::from((left..left + 24).contains(&p))).collect();
+    let a = put(
+        &d,
+        "verl.npz",
+        npz(&[
+            ("routed_experts.npy", npy("<i2", &[1, total, L2, 1], &as_i16(&batch))),
+            ("attention_mask.npy", npy("<i8", &[1, total], &i64_bytes(&mask))),
+        ]),
+    );
+    let t = trainer_of(&d, "verl-trainer.safetensors", &[&full], 1);
+    let (code, r) = compare(&[&a, &t, "--max-disagreement", "0"]);
+    assert_eq!((code, r["measures"]["decisions"].clone()), (0, json!(23 * L2)), "{}", r["diagnoses"]);
+    assert_eq!(r["rollout"]["found"]["padding"], json!({"mask": 7, "all-zero": 1}));
+    // SkyRL without its mask: every row `arange(top_k)` first, the routes copied left-padded
+    // (NovaSky-AI/SkyRL@a956457: skyrl/backends/skyrl_train/utils/replay_utils.py:59-60,
+    // skyrl/train/dataset/preprocess.py:265-272): the fill before and after the routes is
+    // padding, a real token routing `[0, 1]` twice between them is not.
+    let full = routes_with(24, 2, 86, &[(5, &[0, 1, 0, 1]), (20, &[0, 1, 0, 1])]);
+    let (left, total) = (3, 3 + 24);
+    let mut batch: Vec<i32> = (0..total * L2 * 2).map(|i| (i % 2) as i32).collect();
+    batch[left * L2 * 2..][..23 * L2 * 2].copy_from_slice(&full[..23 * L2 * 2]);
+    let a =
+        put(&d, "skyrl.npz", npz(&[("rollout_expert_indices.npy", npy("|u1", &[1, total, L2, 2], &as_u8(&batch)))]));
+    let t = trainer_of(&d, "skyrl-trainer.safetensors", &[&full], 2);
+    let (code, r) = compare(&[&a, &t, "--max-disagreement", "0"]);
+    assert_eq!((code, r["measures"]["decisions"].clone()), (0, json!(23 * L2)), "{}", r["diagnoses"]);
+    assert_eq!(r["rollout"]["found"]["padding"], json!({"fill arange(top_k) in every layer": 4}));
+}

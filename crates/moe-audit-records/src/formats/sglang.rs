@@ -147,7 +147,7 @@ fn shape(
         });
         return Ok((other.layers, other.top_k));
     };
-    if rows == 0 || ids % rows != 0 {
+    if rows == 0 || !ids.is_multiple_of(rows) {
         return Err(format!(
             "{ids} ids are not {rows} rows (prompt_tokens + completion_tokens - 1 - routed_experts_start_len) of whole layers x top-k (a start not returned with the response?): {give}"
         ));
@@ -156,7 +156,7 @@ fn shape(
     let Some(other) = other else {
         return Err(format!("{rows} rows of {per_row} ids each, layers x top-k: {give} to tell them apart"));
     };
-    if other.top_k == 0 || per_row % other.top_k != 0 {
+    if other.top_k == 0 || !per_row.is_multiple_of(other.top_k) {
         return Err(format!(
             "{rows} rows of {per_row} ids each are not whole layers of the other record's top-k {}: {give}",
             other.top_k
