@@ -349,7 +349,7 @@ fn vllm_bad_input_is_one_line() {
 /// `mtp_idx` 0, layer 0 (router_trace.py:59-62); ids ascending (a bool routing map,
 /// :353-361); `step` the training iteration (:245-248); one micro-batch (one request) per
 /// forward. A rank with no router writes an empty file (:193).
-fn megatron_trace(seqs: &[Vec<i32>], rank: usize, first: usize, layers: &[usize]) -> String {
+fn megatron_trace(seqs: &[Vec<i32>], rank: usize, first: i64, layers: &[usize]) -> String {
     let mut out = String::new();
     for s in seqs {
         let n = s.len() / ROUTED / K;
@@ -362,7 +362,7 @@ fn megatron_trace(seqs: &[Vec<i32>], rank: usize, first: usize, layers: &[usize]
                 })
                 .collect();
             let (block, layer, mtp) =
-                if l == DECODER { ("mtp", 0, ", \"mtp_idx\": 0") } else { ("decoder", l - first, "") };
+                if l == DECODER { ("mtp", 0, ", \"mtp_idx\": 0") } else { ("decoder", l as i64 - first, "") };
             out.push_str(&format!(
                 "{{\"step\": 7, \"stage\": \"pre_dispatch\", \"block\": \"{block}\", \"layer\": {layer}, \"rank\": {rank}, \"num_tokens\": {n}, \"topk\": {K}{mtp}, \"top_indices\": [{}]}}\n",
                 rows.join(", ")
@@ -458,8 +458,7 @@ fn megatron_pipeline_stages_merge_by_the_config() {
         assert!(t.contains("give the folder of every rank's router_trace_rank{r}.jsonl"), "{t}");
     }
     // An uneven split: the first stage holds dense layer 0 alone, so its file is empty.
-    let stage1 = megatron_trace(&seqs, 1, 1, &[1, 2, 3, 4]);
-    let folder = rank_folder(&d, "uneven", &[(0, String::new()), (1, stage1.clone())]);
+    let folder = rank_folder(&d, "uneven", &[(0, String::new()), (1, megatron_trace(&seqs, 1, 1, &[1, 2, 3, 4]))]);
     for (name, settings) in [
         ("first.json", json!({"pipeline_model_parallel_size": 2, "num_layers_in_first_pipeline_stage": 1})),
         ("layout.json", json!({"pipeline_model_parallel_size": 2, "pipeline_model_parallel_layout": "Et|t*3mL"})),
@@ -494,6 +493,30 @@ fn megatron_pipeline_stages_merge_by_the_config() {
         let (code, r) = compare(&[&a, &folder, "--config", &c, "--max-disagreement", "0"]);
         assert_clean(&r, code, 0);
     }
+    // The inference path writes each router's 1-based global `layer_number` instead
+    // (router_trace.py:407-463, text_generation_controller.py:3124-3131): the stages' numbers
+    // do not collide, and the config tells the reading.
+    let folder = rank_folder(
+        &d,
+        "inference",
+        &[(0, megatron_trace(&seqs, 0, -1, &[1])), (1, megatron_trace(&seqs, 1, -1, &[2, 3]))],
+    );
+    let (code, r) = compare(&[&a, &folder, "--config", &pp2, "--max-disagreement", "0"]);
+    assert_clean(&r, code, 0);
+    assert!(text(&r, "reading").contains("read as 1-based global layer numbers"), "{}", text(&r, "reading"));
+    // Without pipeline parallelism every rank builds the whole model: two data-parallel ranks'
+    // files each hold every MoE layer, which places them without the settings; so is one of them.
+    let folder = rank_folder(
+        &d,
+        "dp-only",
+        &[(0, megatron_trace(dp0, 0, 0, &[1, 2, 3, 4])), (1, megatron_trace(dp1, 1, 0, &[1, 2, 3, 4]))],
+    );
+    let (code, r) = compare(&[&a, &folder, "--config", &plain, "--max-disagreement", "0"]);
+    assert_clean(&r, code, 0);
+    assert!(text(&r, "reading").contains("each holds every MoE layer of the config, so no pipeline stage"));
+    let one = put(&d, "router_trace_rank1.jsonl", megatron_trace(&seqs, 1, 0, &[1, 2, 3, 4]));
+    let (code, r) = compare(&[&a, &one, "--config", &plain, "--max-disagreement", "0"]);
+    assert_clean(&r, code, 0);
     // What the trace cannot say is refused in one line.
     let vpp = pipeline_config(
         &d,
@@ -515,8 +538,11 @@ fn megatron_pipeline_stages_merge_by_the_config() {
     // A rank file whose lines name another rank (not what Megatron writes), and a missing rank.
     let folder = rank_folder(&d, "lying", &[(0, stage0.clone()), (1, megatron_trace(&seqs, 0, 2, &[2, 3, 4]))]);
     assert!(bad(&["routes", "compare", &a, &folder, "--config", &pp2]).contains("`rank` 0 in rank 1's file"));
-    let folder = rank_folder(&d, "gap", &[(0, stage0), (2, megatron_trace(&seqs, 2, 2, &[2, 3, 4]))]);
+    let folder = rank_folder(&d, "gap", &[(0, stage0.clone()), (2, megatron_trace(&seqs, 2, 2, &[2, 3, 4]))]);
     assert!(bad(&["routes", "compare", &a, &folder, "--config", &pp2]).contains("rank 1 is missing"));
+    let folder = rank_folder(&d, "twice", &[(0, stage0), (1, stage1)]);
+    put(Path::new(&folder), "router_trace_rank01.jsonl", megatron_trace(&seqs, 1, 2, &[2, 3, 4]));
+    assert!(bad(&["routes", "compare", &a, &folder, "--config", &pp2]).contains("rank 1 has two files"));
 }
 
 /// The trace Megatron-LM core_v0.19.0 itself wrote (fixtures/megatron-trace/make.py: its

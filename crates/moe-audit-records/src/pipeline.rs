@@ -206,9 +206,11 @@ fn uneven_split(size: usize, decoder: usize, first: Option<usize>, last: Option<
         .checked_sub(ends)
         .ok_or(format!("the first and last pipeline stages hold {ends} layers, the config has {decoder}"))?;
     let per = match middle_stages {
-        0 if middle > 0 => return Err(format!(
+        0 if middle > 0 => {
+            return Err(format!(
             "the first and last pipeline stages hold {ends} of {decoder} layers and no stage is left for the others"
-        )),
+        ))
+        }
         0 => 0,
         m if !middle.is_multiple_of(m) => {
             return Err(format!("{middle} layers do not split evenly over the {m} middle pipeline stages"))

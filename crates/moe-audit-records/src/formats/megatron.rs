@@ -151,7 +151,7 @@ pub(crate) fn trace(path: &Path, files: &[TraceFile], layout: Option<&Layout>, b
                 (false, false) => at.first + layer,
             };
             let list = rows.entry((mtp, idx, global)).or_default();
-            if list.iter().any(|b| *b == block) {
+            if list.contains(&block) {
                 repeats += 1;
             } else {
                 list.push(block);
@@ -252,17 +252,20 @@ fn stages(path: &Path, files: &[RankFile], folder: bool, layout: Option<&Layout>
         ));
     }
     let world = folder.then_some(files.len());
-    if folder {
+    // A rank's stage follows from the world size: every rank's file must be there (Megatron
+    // creates each at start, router_trace.py L191-193).
+    if folder && p.size > 1 {
         if let Some(w) = p.world.filter(|&w| w != files.len()) {
             return Err(bad(path, format!("the folder holds {} rank files, the config's `world_size` is {w}: every rank writes its file (router_trace.py L191-193), so give them all", files.len())));
         }
-        if let Some((i, f)) = files.iter().enumerate().find(|(i, f)| f.rank != Some(*i as u64)) {
+        let ranks = files.iter().map(|f| f.rank.unwrap_or(0));
+        if let Some((i, r)) = ranks.enumerate().find(|&(i, r)| r != i as u64) {
+            let what = if r < i as u64 { format!("rank {r} has two files") } else { format!("rank {i} is missing") };
             return Err(bad(
                 path,
                 format!(
-                    "the folder's rank files are not ranks 0 to {}: {} is missing (every rank writes its file, router_trace.py L191-193; a rank's stage follows from the world size)",
-                    files.len() - 1,
-                    if f.rank.is_some() { format!("rank {i}") } else { f.name.to_string() }
+                    "the folder's rank files are not ranks 0 to {} once each: {what} (every rank writes its file, router_trace.py L191-193, and a rank's stage follows from the world size)",
+                    files.len() - 1
                 ),
             ));
         }
@@ -294,24 +297,27 @@ fn stages(path: &Path, files: &[RankFile], folder: bool, layout: Option<&Layout>
 }
 
 /// Whether decoder `layer` is the 1-based global number (the inference path), and the note that
-/// says how it was read. 0-based per stage (the training hook path) unless the config says it
-/// is not: some 0-based number would be dense or outside its stage while every 1-based one is
-/// a MoE layer inside it. A number that fits its stage neither way is refused.
+/// says how it was read. 0-based from its stage's first layer (the training hook path) unless
+/// the config says it is not: read so, some number would be dense or outside its stage, while
+/// read 1-based every one is a MoE layer inside it. Read 0-based, a number outside its stage
+/// is refused: the config's split is not the run's.
 fn numbering(path: &Path, files: &[RankFile], at: &[At], layout: Option<&Layout>) -> Result<(bool, String)> {
     let moe = |g: u64| layout.is_none_or(|l| l.kinds.get(g as usize) == Some(&LayerKind::Moe));
     let within = |a: &At, g: u64| a.layers.is_none_or(|n| g >= a.first && g < a.first + n);
-    let zero = |f: &RankFile, a: &At| f.decoder().iter().all(|&d| within(a, a.first + d) && moe(a.first + d));
-    let one = |f: &RankFile, a: &At| f.decoder().iter().all(|&d| d >= 1 && within(a, d - 1) && moe(d - 1));
-    let all = |fits: &dyn Fn(&RankFile, &At) -> bool| files.iter().zip(at).all(|(f, a)| fits(f, a));
-    let one_based = layout.is_some() && !all(&zero) && all(&one);
+    let fits = |global: &dyn Fn(&At, u64) -> Option<u64>| {
+        files
+            .iter()
+            .zip(at)
+            .all(|(f, a)| f.decoder().iter().all(|&d| global(a, d).is_some_and(|g| within(a, g) && moe(g))))
+    };
+    let one_based = layout.is_some() && !fits(&|a, d| Some(a.first + d)) && fits(&|_, d| d.checked_sub(1));
     if !one_based {
         for (f, a) in files.iter().zip(at) {
-            let (Some(n), d) = (a.layers, f.decoder()) else { continue };
-            if let Some(&bad_d) = d.iter().find(|&&d| !within(a, a.first + d) && !(d >= 1 && within(a, d - 1))) {
+            if let (Some(n), Some(d)) = (a.layers, f.decoder().into_iter().find(|&d| !within(a, a.first + d))) {
                 return Err(bad(
                     path,
                     format!(
-                        "{}: decoder layer {bad_d} is not among its stage's {n} layers (from {}) under the config's pipeline split: the config's split is not the run's",
+                        "{}: decoder layer {d} is not among its stage's {n} layers (from {}) under the config's pipeline split: the config's split is not the run's",
                         f.name, a.first
                     ),
                 ));
