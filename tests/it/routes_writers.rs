@@ -250,19 +250,24 @@ fn vllm_npy(rows: &[i32], n: usize) -> Vec<u8> {
     npy("|u1", &[n, DECODER, K], &as_u8(rows))
 }
 
-/// The HTTP response: `choices[i].routed_experts` = base64 of the `.npy`
-/// (vllm-project/vllm@v0.25.0: vllm/entrypoints/scale_out/token_in_token_out/serving.py:287).
+/// The HTTP responses of `/inference/v1/generate`, one request (one prompt) each: its one
+/// choice's `routed_experts` = base64 of the `.npy` that `np.save` writes, beside the
+/// generated `token_ids` (vllm-project/vllm@v0.25.0:
+/// vllm/entrypoints/scale_out/token_in_token_out/serving.py:281-299,
+/// vllm/entrypoints/scale_out/token_in_token_out/protocol.py:75, :176-192, :215-227).
 fn vllm_http(seqs: &[Vec<i32>]) -> String {
-    let choices: Vec<Value> = seqs
+    let responses: Vec<Value> = seqs
         .iter()
         .enumerate()
         .map(|(i, s)| {
             let rows = engine(s);
             let n = rows.len() / DECODER / K;
-            json!({"index": i, "finish_reason": "length", "token_ids": [1, 2], "routed_experts": b64(&vllm_npy(&rows, n))})
+            let choice = json!({"index": 0, "logprobs": null, "finish_reason": "length",
+                "token_ids": (0..8).collect::<Vec<i64>>(), "routed_experts": b64(&vllm_npy(&rows, n))});
+            json!({"request_id": format!("r{i}"), "model": null, "created": null, "choices": [choice], "usage": null})
         })
         .collect();
-    json!({"request_id": "r1", "choices": choices}).to_string()
+    Value::Array(responses).to_string()
 }
 
 #[test]
@@ -291,7 +296,7 @@ fn vllm_prompt_start_zero_capture_and_physical_ids_are_named() {
     let rows = engine(&seqs[1]);
     let n = LENS[1] - 1;
     // routed_experts_prompt_start = 6 drops the first 6 rows and is not recorded
-    // (vllm/sampling_params.py:328).
+    // (vllm-project/vllm@v0.25.0: vllm/sampling_params.py:328, vllm/v1/core/sched/scheduler.py:1672-1689).
     let a = put(&d, "start.npy", vllm_npy(&rows[6 * DECODER * K..], n - 6));
     let (code, r) = compare(&[&a, &t1, "--config", &c]);
     assert_eq!((code, defects(&r)), (1, vec!["prompt-start".to_string()]));
@@ -333,79 +338,279 @@ fn vllm_bad_input_is_one_line() {
 // ---------------------------------------------------------------------------------------------
 // Megatron-Core
 
-/// `router_trace_rank0.jsonl` of the training hook path: one line per (forward, router), keys
-/// as `_make_index_record` writes them (NVIDIA/Megatron-LM@core_v0.19.0:
-/// megatron/core/transformer/moe/router_trace.py:291, flushed with `json.dumps` at :465),
-/// `layer` the 0-based `decoder.layers` index (:45), MTP as block `mtp` with `mtp_idx`, ids
-/// ascending (a bool routing map, :353); one micro-batch (one request) per forward.
-fn megatron_trace(seqs: &[Vec<i32>], layers: &[usize]) -> String {
+/// `router_trace_rank{rank}.jsonl` of the training hook path, one pipeline stage's: one line
+/// per (forward, router) as `_make_index_record` builds it and `json.dumps` writes it, keys in
+/// its order and with its `", "` and `": "` separators (NVIDIA/Megatron-LM@core_v0.19.0:
+/// megatron/core/transformer/moe/router_trace.py:291-305, :465-474); `rank` the writer's global
+/// rank (:298, set from `torch.distributed.get_rank()` in megatron/training/training.py:3567);
+/// `layer` the index in the stage's own `decoder.layers` (router_trace.py:45-66), which every
+/// stage builds from 0 (megatron/core/transformer/transformer_block.py:363-366): the global layer
+/// less the stage's first, `first`; MTP (layer 4 here, on the last stage) as block `mtp`,
+/// `mtp_idx` 0, layer 0 (router_trace.py:59-62); ids ascending (a bool routing map,
+/// :353-361); `step` the training iteration (:245-248); one micro-batch (one request) per
+/// forward. A rank with no router writes an empty file (:193).
+fn megatron_trace(seqs: &[Vec<i32>], rank: usize, first: i64, layers: &[usize]) -> String {
     let mut out = String::new();
     for s in seqs {
         let n = s.len() / ROUTED / K;
         for &l in layers {
-            let rows: Vec<Vec<i32>> = (0..n)
+            let rows: Vec<String> = (0..n)
                 .map(|t| {
                     let mut r = s[(t * ROUTED + l - 1) * K..][..K].to_vec();
                     r.sort_unstable();
-                    r
+                    format!("[{}]", r.iter().map(i32::to_string).collect::<Vec<_>>().join(", "))
                 })
                 .collect();
-            let (block, layer) = if l == DECODER { ("mtp", 0) } else { ("decoder", l) };
-            let mut rec = json!({"step": 7, "stage": "pre_dispatch", "block": block, "layer": layer, "rank": 0,
-                "num_tokens": n, "topk": K});
-            if block == "mtp" {
-                rec["mtp_idx"] = json!(0);
-            }
-            rec["top_indices"] = json!(rows);
-            out.push_str(&rec.to_string());
-            out.push('\n');
+            let (block, layer, mtp) =
+                if l == DECODER { ("mtp", 0, ", \"mtp_idx\": 0") } else { ("decoder", l as i64 - first, "") };
+            out.push_str(&format!(
+                "{{\"step\": 7, \"stage\": \"pre_dispatch\", \"block\": \"{block}\", \"layer\": {layer}, \"rank\": {rank}, \"num_tokens\": {n}, \"topk\": {K}{mtp}, \"top_indices\": [{}]}}\n",
+                rows.join(", ")
+            ));
         }
     }
     out
+}
+
+/// The GLM-4.5-Air-style config with Megatron's pipeline settings added.
+fn pipeline_config(d: &Path, name: &str, settings: Value) -> String {
+    let mut c = json!({"model_type": "glm4_moe", "num_hidden_layers": DECODER, "n_routed_experts": E,
+        "num_experts_per_tok": K, "first_k_dense_replace": 1, "num_nextn_predict_layers": 1});
+    c.as_object_mut().unwrap().extend(settings.as_object().unwrap().clone());
+    put(d, name, c.to_string())
+}
+
+/// A folder of rank files, each `(rank, contents)`, made anew.
+fn rank_folder(d: &Path, name: &str, ranks: &[(usize, String)]) -> String {
+    let folder = d.join(name);
+    let _ = std::fs::remove_dir_all(&folder);
+    std::fs::create_dir_all(&folder).unwrap();
+    for (r, text) in ranks {
+        put(&folder, &format!("router_trace_rank{r}.jsonl"), text);
+    }
+    folder.to_str().unwrap().to_string()
 }
 
 #[test]
 fn megatron_trace_and_inference_arrays_read_right() {
     let d = dir("megatron");
     let (c, seqs) = (config(&d), model(7));
-    // The trace as the trainer's record against SGLang's rollout.
+    // One rank's trace of a run without pipeline parallelism as the trainer's record against
+    // SGLang's rollout: its stage is the whole model, so its numbers are global.
     let a = put(&d, "rollout.json", sglang_batch(&seqs, false));
-    let t = put(&d, "router_trace_rank0.jsonl", megatron_trace(&seqs, &[1, 2, 3, 4]));
+    let t = put(&d, "router_trace_rank0.jsonl", megatron_trace(&seqs, 0, 0, &[1, 2, 3, 4]));
     let (code, r) = compare(&[&a, &t, "--config", &c, "--max-disagreement", "0"]);
     assert_clean(&r, code, 0);
     assert!(text(&r, "order").contains("another slot order"));
-    // Two pipeline stages, two rank files: only rank 0's file is a stage never merged.
-    let folder = d.join("ranks");
-    std::fs::create_dir_all(&folder).unwrap();
-    put(&folder, "router_trace_rank0.jsonl", megatron_trace(&seqs, &[1, 2]));
-    let (code, r) = compare(&[&a, folder.join("router_trace_rank0.jsonl").to_str().unwrap(), "--config", &c]);
-    assert_eq!(code, 1);
-    assert!(
-        text(&r, "pipeline-not-merged").contains("MoE layers 3 (1 of 3) are not in the record"),
-        "{}",
-        r["diagnoses"]
-    );
-    put(&folder, "router_trace_rank1.jsonl", megatron_trace(&seqs, &[3, 4]));
-    let (code, r) = compare(&[&a, folder.to_str().unwrap(), "--config", &c, "--max-disagreement", "0"]);
-    assert_clean(&r, code, 0);
     // Inference routing over HTTP: int16 `[P + O - 1, moe_layers, K]`, MoE routers in order,
-    // MTP included, in the serializer's wrapper
-    // (NVIDIA/Megatron-LM@core_v0.19.0: megatron/core/inference/text_generation_controllers/text_generation_controller.py:1374,
-    // megatron/core/inference/inference_request.py:50).
+    // MTP included, in the serializer's wrapper, `prompt_moe_topk_indices` the same wrapper
+    // (its `[:prompt_length]` slices the 2-tuple), one choice per request, `index` counting
+    // (NVIDIA/Megatron-LM@core_v0.19.0: megatron/core/inference/text_generation_controllers/text_generation_controller.py:1370-1374,
+    // megatron/core/inference/inference_request.py:50-52, :190-195,
+    // megatron/core/inference/text_generation_server/dynamic_text_gen_server/endpoints/completions.py:253-279).
     let choices: Vec<Value> = seqs
         .iter()
-        .map(|s| {
+        .enumerate()
+        .map(|(i, s)| {
             let n = s.len() / ROUTED / K - 1;
             let rows: Vec<Vec<Vec<i32>>> =
                 (0..n).map(|t| (0..ROUTED).map(|l| s[(t * ROUTED + l) * K..][..K].to_vec()).collect()).collect();
-            json!({"index": 0, "moe_topk_indices": ["ndarray", {"data": rows, "dtype": "int16"}]})
+            let wrapped = json!(["ndarray", {"data": rows, "dtype": "int16"}]);
+            json!({"index": i, "text": "..", "finish_reason": "length", "moe_topk_indices": wrapped,
+                   "prompt_moe_topk_indices": wrapped})
         })
         .collect();
-    let a = put(&d, "inference.json", json!({"choices": choices}).to_string());
+    let a = put(&d, "inference.json", json!({"object": "text_completion", "choices": choices}).to_string());
     let (code, r) = compare(&[&a, &trainer(&d, &seqs), "--config", &c, "--max-disagreement", "0"]);
     assert_eq!(code, 0, "{}", r["diagnoses"]);
     assert!(text(&r, "layer-numbers").contains("the MoE and MTP layers (1 to 4)"), "{}", text(&r, "layer-numbers"));
     assert_eq!(r["measures"]["decisions"], LENS.iter().map(|n| (n - 1) * 4).sum::<usize>());
+}
+
+/// Two pipeline stages (decoder layers 0-1 and 2-3, MTP on the last), each numbering its
+/// layers from 0: merged by where the config says each stage begins, or refused saying what
+/// to give; one stage's file alone is a stage never merged.
+#[test]
+fn megatron_pipeline_stages_merge_by_the_config() {
+    let d = dir("megatron-pp");
+    let (plain, seqs) = (config(&d), model(18));
+    let a = put(&d, "rollout.json", sglang_batch(&seqs, false));
+    let pp2 = pipeline_config(&d, "pp2.json", json!({"pipeline_model_parallel_size": 2}));
+    let stage0 = megatron_trace(&seqs, 0, 0, &[1]);
+    let stage1 = megatron_trace(&seqs, 1, 2, &[2, 3, 4]);
+    assert!(stage1
+        .starts_with("{\"step\": 7, \"stage\": \"pre_dispatch\", \"block\": \"decoder\", \"layer\": 0, \"rank\": 1,"));
+    let folder = rank_folder(&d, "pp2", &[(0, stage0.clone()), (1, stage1.clone())]);
+    let (code, r) = compare(&[&a, &folder, "--config", &pp2, "--max-disagreement", "0"]);
+    assert_clean(&r, code, 0);
+    let reading = text(&r, "reading");
+    assert!(reading.contains("rank(s) 0: stage 0, layers 0 to 1; rank(s) 1: stage 1, layers 2 to 3"), "{reading}");
+    // Without the settings nothing tells where rank 1's layers begin: refused, saying what to give.
+    let e = bad(&["routes", "compare", &a, &folder, "--config", &plain]);
+    assert!(e.contains("2 rank files: which pipeline stage a rank ran is not in its trace"), "{e}");
+    assert!(e.contains("`pipeline_model_parallel_size` in the --config file"), "{e}");
+    // Rank 0's file alone, with or without them: stage 0, a stage never merged.
+    for c in [&plain, &pp2] {
+        let (code, r) = compare(&[&a, &format!("{folder}/router_trace_rank0.jsonl"), "--config", c]);
+        assert_eq!((code, defects(&r)), (1, vec!["pipeline-not-merged".to_string()]), "{}", r["diagnoses"]);
+        let t = text(&r, "pipeline-not-merged");
+        assert!(t.contains("MoE layers 2 to 3 (2 of 3) are not in the record"), "{t}");
+        assert!(t.contains("give the folder of every rank's router_trace_rank{r}.jsonl"), "{t}");
+    }
+    // An uneven split: the first stage holds dense layer 0 alone, so its file is empty.
+    let folder = rank_folder(&d, "uneven", &[(0, String::new()), (1, megatron_trace(&seqs, 1, 1, &[1, 2, 3, 4]))]);
+    for (name, settings) in [
+        ("first.json", json!({"pipeline_model_parallel_size": 2, "num_layers_in_first_pipeline_stage": 1})),
+        ("layout.json", json!({"pipeline_model_parallel_size": 2, "pipeline_model_parallel_layout": "Et|t*3mL"})),
+    ] {
+        let c = pipeline_config(&d, name, settings);
+        let (code, r) = compare(&[&a, &folder, "--config", &c, "--max-disagreement", "0"]);
+        assert_clean(&r, code, 0);
+        assert!(text(&r, "reading").contains("rank(s) 0: stage 0, layers 0; rank(s) 1: stage 1, layers 1 to 3"));
+    }
+    // Four ranks, two data-parallel replicas a stage (requests 0-1 and 2), in Megatron's
+    // default rank order (pipeline outermost, parallel_state.py:617) and in `tp-pp-dp`
+    // (megatron/training/initialize.py:388).
+    let dp = |rank: usize, stage: usize, part: &[Vec<i32>]| {
+        if stage == 0 {
+            megatron_trace(part, rank, 0, &[1])
+        } else {
+            megatron_trace(part, rank, 2, &[2, 3, 4])
+        }
+    };
+    let (dp0, dp1) = (&seqs[..2], &seqs[2..]);
+    for (settings, ranks) in [
+        (json!({"pipeline_model_parallel_size": 2}), [(0, dp0), (0, dp1), (1, dp0), (1, dp1)]),
+        (
+            json!({"pipeline_model_parallel_size": 2, "use_tp_pp_dp_mapping": true}),
+            [(0, dp0), (1, dp0), (0, dp1), (1, dp1)],
+        ),
+    ] {
+        let files: Vec<(usize, String)> =
+            ranks.iter().enumerate().map(|(r, &(stage, part))| (r, dp(r, stage, part))).collect();
+        let folder = rank_folder(&d, "dp", &files);
+        let c = pipeline_config(&d, "dp.json", settings);
+        let (code, r) = compare(&[&a, &folder, "--config", &c, "--max-disagreement", "0"]);
+        assert_clean(&r, code, 0);
+    }
+    // The inference path writes each router's 1-based global `layer_number` instead
+    // (router_trace.py:407-463, text_generation_controller.py:3124-3131): the stages' numbers
+    // do not collide, and the config tells the reading.
+    let folder = rank_folder(
+        &d,
+        "inference",
+        &[(0, megatron_trace(&seqs, 0, -1, &[1])), (1, megatron_trace(&seqs, 1, -1, &[2, 3]))],
+    );
+    let (code, r) = compare(&[&a, &folder, "--config", &pp2, "--max-disagreement", "0"]);
+    assert_clean(&r, code, 0);
+    assert!(text(&r, "reading").contains("read as 1-based global layer numbers"), "{}", text(&r, "reading"));
+    // Without pipeline parallelism every rank builds the whole model: two data-parallel ranks'
+    // files each hold every MoE layer, which places them without the settings; so is one of them.
+    let folder = rank_folder(
+        &d,
+        "dp-only",
+        &[(0, megatron_trace(dp0, 0, 0, &[1, 2, 3, 4])), (1, megatron_trace(dp1, 1, 0, &[1, 2, 3, 4]))],
+    );
+    let (code, r) = compare(&[&a, &folder, "--config", &plain, "--max-disagreement", "0"]);
+    assert_clean(&r, code, 0);
+    assert!(text(&r, "reading").contains("each holds every MoE layer of the config, so no pipeline stage"));
+    let one = put(&d, "router_trace_rank1.jsonl", megatron_trace(&seqs, 1, 0, &[1, 2, 3, 4]));
+    let (code, r) = compare(&[&a, &one, "--config", &plain, "--max-disagreement", "0"]);
+    assert_clean(&r, code, 0);
+    // What the trace cannot say is refused in one line.
+    let vpp = pipeline_config(
+        &d,
+        "vpp.json",
+        json!({"pipeline_model_parallel_size": 2, "pipeline_model_parallel_layout": "Et|t|t|tmL"}),
+    );
+    let folder = rank_folder(&d, "vpp", &[(0, stage0.clone()), (1, megatron_trace(&seqs, 1, 2, &[2, 3, 4]))]);
+    assert!(bad(&["routes", "compare", &a, &folder, "--config", &vpp]).contains("2 model chunks per rank"));
+    let t = put(&d, "router_trace_rank1.jsonl", megatron_trace(&seqs, 1, 2, &[2, 3, 4]));
+    assert!(bad(&["routes", "compare", &a, &t, "--config", &pp2]).contains("depends on the world size"));
+    // A split other than the run's: stage 1 would be layer 3 alone, but rank 1 wrote two layers.
+    let late = pipeline_config(
+        &d,
+        "late.json",
+        json!({"pipeline_model_parallel_size": 2, "num_layers_in_first_pipeline_stage": 3}),
+    );
+    let e = bad(&["routes", "compare", &a, &folder, "--config", &late]);
+    assert!(e.contains("decoder layer 1 is not among its stage's 1 layers (from 3)"), "{e}");
+    // A rank file whose lines name another rank (not what Megatron writes), and a missing rank.
+    let folder = rank_folder(&d, "lying", &[(0, stage0.clone()), (1, megatron_trace(&seqs, 0, 2, &[2, 3, 4]))]);
+    assert!(bad(&["routes", "compare", &a, &folder, "--config", &pp2]).contains("`rank` 0 in rank 1's file"));
+    let folder = rank_folder(&d, "gap", &[(0, stage0.clone()), (2, megatron_trace(&seqs, 2, 2, &[2, 3, 4]))]);
+    assert!(bad(&["routes", "compare", &a, &folder, "--config", &pp2]).contains("rank 1 is missing"));
+    let folder = rank_folder(&d, "twice", &[(0, stage0), (1, stage1)]);
+    put(Path::new(&folder), "router_trace_rank01.jsonl", megatron_trace(&seqs, 1, 2, &[2, 3, 4]));
+    assert!(bad(&["routes", "compare", &a, &folder, "--config", &pp2]).contains("rank 1 has two files"));
+}
+
+/// The trace Megatron-LM core_v0.19.0 itself wrote (fixtures/megatron-trace/make.py: its
+/// GPTModel and RouterTracer, four ranks, two pipeline stages of two data-parallel ranks, decoder
+/// layer 0 dense, 1-3 MoE, one MTP layer): ranks 2 and 3 write layers 0 and 1 for global 2 and 3.
+/// Merged by the config's pipeline size it is the record built here from the same lines with
+/// the stages placed by hand; without it, refused.
+#[test]
+fn megatron_trace_written_by_megatron_reads_right() {
+    let d = dir("megatron-real");
+    let folder = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/megatron-trace/pp2-dp2");
+    let model = json!({"num_hidden_layers": 4, "num_experts": 8, "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1, "num_nextn_predict_layers": 1});
+    let plain = put(&d, "config.json", model.to_string());
+    let mut with_pp = model.clone();
+    with_pp["pipeline_model_parallel_size"] = json!(2);
+    let pp = put(&d, "pp.json", with_pp.to_string());
+    // By hand: stage 0 (ranks 0, 1) holds global layer 1 as its layer 1; stage 1 (ranks 2, 3)
+    // global 2 and 3 as its 0 and 1, and the MTP layer; data-parallel rank 0's micro-batch first.
+    let lines = |r: usize| -> Vec<Value> {
+        std::fs::read_to_string(format!("{folder}/router_trace_rank{r}.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    let mut routes = Vec::new();
+    for dp in 0..2 {
+        let (s0, s1) = (lines(dp), lines(2 + dp));
+        let layers = [&s0[0], &s1[0], &s1[1], &s1[2]];
+        assert_eq!(
+            layers.map(|v| (v["block"].as_str().unwrap(), v["layer"].as_u64().unwrap(), v["rank"].as_u64().unwrap())),
+            [
+                ("decoder", 1, dp as u64),
+                ("decoder", 0, 2 + dp as u64),
+                ("decoder", 1, 2 + dp as u64),
+                ("mtp", 0, 2 + dp as u64)
+            ]
+        );
+        for t in 0..6 {
+            for v in layers {
+                routes.extend(v["top_indices"][t].as_array().unwrap().iter().map(|x| x.as_i64().unwrap() as i32));
+            }
+        }
+    }
+    let g = Generic {
+        routes: &routes,
+        tokens: 12,
+        layers: &[1, 2, 3, 4],
+        k: 2,
+        logits: None,
+        input_ids: None,
+        cu_seqlens: Some(&[0, 6, 12]),
+    };
+    let t = put(&d, "by-hand.safetensors", g.bytes());
+    let (code, r) = compare(&[&t, folder, "--config", &pp, "--max-disagreement", "0"]);
+    assert_eq!(code, 0, "{}", r["diagnoses"]);
+    assert_eq!(
+        (r["measures"]["decisions"].as_u64(), r["measures"]["decisions_differ"].as_f64()),
+        (Some(48), Some(0.0))
+    );
+    let reading = text(&r, "reading");
+    assert!(
+        reading.contains("rank(s) 0 to 1: stage 0, layers 0 to 1; rank(s) 2 to 3: stage 1, layers 2 to 3"),
+        "{reading}"
+    );
+    let e = bad(&["routes", "compare", &t, folder, "--config", &plain]);
+    assert!(e.contains("4 rank files: which pipeline stage a rank ran is not in its trace"), "{e}");
 }
 
 #[test]
@@ -413,11 +618,11 @@ fn megatron_bad_trace_lines_are_one_line() {
     let d = dir("megatron-bad");
     let (c, seqs) = (config(&d), model(8));
     let a = put(&d, "rollout.json", sglang_batch(&seqs, false));
-    let trace = megatron_trace(&seqs[..1], &[1, 2]).replace("\"num_tokens\":40", "\"num_tokens\":41");
+    let trace = megatron_trace(&seqs[..1], 0, 0, &[1, 2]).replace("\"num_tokens\": 40", "\"num_tokens\": 41");
     let t = put(&d, "router_trace_rank0.jsonl", trace);
     let e = bad(&["routes", "compare", &a, &t, "--config", &c]);
     assert!(e.contains("line 1: `top_indices` has 40 rows, `num_tokens` says 41"), "{e}");
-    let t = put(&d, "router_trace_rank1.jsonl", format!("{}{{\"step\": 7\n", megatron_trace(&seqs[..1], &[1])));
+    let t = put(&d, "router_trace_rank1.jsonl", format!("{}{{\"step\": 7\n", megatron_trace(&seqs[..1], 1, 0, &[1])));
     assert!(bad(&["routes", "compare", &a, &t, "--config", &c]).contains("line 2: not JSON"));
 }
 
@@ -474,7 +679,8 @@ fn verl_left_padding_is_padding_not_a_token_offset() {
 /// slime's packed replay target: each request's `len - 1` rows plus one pad row, then a
 /// trailing pad segment to a multiple of 128, pad rows `arange(n*L*K) % E`
 /// (THUDM/slime@624b824: slime/backends/megatron_utils/cp_utils.py:239-251, :268, :285),
-/// `cu_seqlens` with a segment for the trailing pad (slime/backends/megatron_utils/data.py:84).
+/// `cu_seqlens` (`torch.int`) with a segment for the trailing pad
+/// (slime/backends/megatron_utils/data.py:77-90).
 fn slime(seqs: &[Vec<i32>]) -> Vec<u8> {
     let pad = |n: usize| -> Vec<i32> { (0..n * DECODER * K).map(|i| (i % E) as i32).collect() };
     let (mut packed, mut cu) = (Vec::new(), vec![0i64]);
@@ -489,7 +695,7 @@ fn slime(seqs: &[Vec<i32>]) -> Vec<u8> {
     cu.push((rows + trailing) as i64);
     npz(&[
         ("rollout_routed_experts.npy", npy("<i4", &[rows + trailing, DECODER, K], &i32_bytes(&packed))),
-        ("cu_seqlens.npy", npy("<i8", &[cu.len()], &i64_bytes(&cu))),
+        ("cu_seqlens.npy", npy("<i4", &[cu.len()], &i32_bytes(&cu.iter().map(|&c| c as i32).collect::<Vec<_>>()))),
     ])
 }
 
@@ -550,16 +756,21 @@ fn skyrl_batch_and_wire_read_right() {
     let (code, r) = compare(&[&a, &t, "--config", &c, "--max-disagreement", "0"]);
     assert_clean(&r, code, 0);
     assert!(text(&r, "padding").contains("mask"));
-    // The wire: `{data, shape, dtype}` per choice
-    // (NovaSky-AI/SkyRL@a956457: skyrl/backends/skyrl_train/inference_servers/generate_wire.py:75-81).
-    let choices: Vec<Value> = seqs
+    // The wire: one response per request, its one choice's `routed_experts` = `{data, shape,
+    // dtype}` (NovaSky-AI/SkyRL@a956457:
+    // skyrl/backends/skyrl_train/inference_servers/generate_wire.py:75-81,
+    // skyrl/backends/skyrl_train/inference_servers/vllm_server_actor.py:462-475).
+    let responses: Vec<Value> = seqs
         .iter()
         .map(|s| {
             let rows = engine(s);
-            json!({"routed_experts": {"data": b64(&as_u8(&rows)), "shape": [rows.len() / DECODER / K, DECODER, K], "dtype": "uint8"}})
+            let wire =
+                json!({"data": b64(&as_u8(&rows)), "shape": [rows.len() / DECODER / K, DECODER, K], "dtype": "uint8"});
+            json!({"choices": [{"token_ids": (0..8).collect::<Vec<i64>>(), "finish_reason": "length", "logprobs": null,
+                "routed_experts": wire}]})
         })
         .collect();
-    let a = put(&d, "wire.json", json!({"choices": choices}).to_string());
+    let a = put(&d, "wire.json", Value::Array(responses).to_string());
     let (code, r) = compare(&[&a, &t, "--config", &c, "--max-disagreement", "0"]);
     assert_clean(&r, code, 0);
     let wrong =
@@ -572,11 +783,14 @@ fn skyrl_batch_and_wire_read_right() {
 // NeMo-RL
 
 /// NeMo-RL's generation output: the narrowest signed dtype (int8 for 32 experts,
-/// NVIDIA-NeMo/RL@7ea279a: nemo_rl/models/generation/interfaces.py:61-69), right padded,
-/// `arange(K)` first and the engine's rows over it, -1 in every slot for rows vLLM did not
-/// return (nemo_rl/models/generation/vllm/utils.py:220-234), with the sequence lengths.
+/// NVIDIA-NeMo/RL@7ea279a: nemo_rl/models/generation/interfaces.py:61-69), right padded to the
+/// padded prompt length plus the longest generation (8 tokens each here), `arange(K)` first
+/// and the engine's rows over it, -1 in every slot for rows vLLM did not return, with the
+/// sequence lengths, `torch.long` (nemo_rl/models/generation/vllm/utils.py:171, :220-234,
+/// nemo_rl/models/generation/vllm/vllm_worker.py:958, :994-1003, :1048-1062).
 fn nemo(seqs: &[Vec<i32>], missing_last: usize) -> Vec<u8> {
-    let s_len = *LENS.iter().max().unwrap() + 2;
+    // The batch's padded prompt length (its longest prompt) plus its longest generation.
+    let s_len = LENS.iter().map(|n| n - 8).max().unwrap() + 8;
     let mut out = Vec::new();
     for (i, s) in seqs.iter().enumerate() {
         let rows = engine(s);
@@ -613,17 +827,23 @@ fn nemo_rl_missing_routes_are_counted_apart() {
     assert_eq!(r["rollout"]["found"]["missing"], 15);
     assert_eq!(r["measures"]["decisions_differ"], 0.0);
     assert_eq!(r["measures"]["decisions"], LENS.iter().map(|n| (n - 1) * 3).sum::<usize>() - 15);
-    // The Gym wire envelope (NVIDIA-NeMo/RL@7ea279a: nemo_rl/utils/routed_experts_codec.py:62-67).
-    let choices: Vec<Value> = seqs
+    // The Gym chat responses: one per request, its choice's `message.routed_experts` the
+    // envelope of every position (`len` rows: the last, with no route, `arange(K)`)
+    // (NVIDIA-NeMo/RL@7ea279a: nemo_rl/models/generation/vllm/utils.py:238-303,
+    // nemo_rl/utils/routed_experts_codec.py:62-67).
+    let responses: Vec<Value> = seqs
         .iter()
         .map(|s| {
-            let rows = engine(s);
+            let mut rows = engine(s);
+            rows.extend((0..DECODER * K).map(|j| (j % K) as i32));
             let n = rows.len() / DECODER / K;
             let bytes: Vec<u8> = rows.iter().map(|&v| v as i8 as u8).collect();
-            json!({"message": {"routed_experts": format!("nrlre1:int8:{n}x{DECODER}x{K}:{}", b64(&bytes))}})
+            let envelope = format!("nrlre1:int8:{n}x{DECODER}x{K}:{}", b64(&bytes));
+            json!({"object": "chat.completion", "choices": [{"index": 0, "finish_reason": "length",
+                "message": {"role": "assistant", "content": "..", "routed_experts": envelope}}]})
         })
         .collect();
-    let a = put(&d, "gym.json", json!({"choices": choices}).to_string());
+    let a = put(&d, "gym.json", Value::Array(responses).to_string());
     let (code, r) = compare(&[&a, &t, "--config", &c, "--max-disagreement", "0"]);
     assert_clean(&r, code, 0);
 }

@@ -1,7 +1,9 @@
 //! A Hugging Face `config.json` as a layer layout: which decoder layers are MoE, dense or MTP,
 //! the expert count and top-k. Each family spells it differently; every spelling moe-audit
 //! knows is read here, and a config that names none of them is refused rather than guessed.
+//! Megatron-Core's pipeline settings, when the file has them, are read by the `pipeline` module.
 
+pub use crate::pipeline::{Pipeline, Stage};
 use moe_audit_core::error::{Error, Result};
 use moe_audit_core::files::{read_text, TEXT_LIMIT};
 use serde::Serialize;
@@ -45,6 +47,9 @@ pub struct Layout {
     pub experts: usize,
     /// Experts per token.
     pub top_k: usize,
+    /// Megatron-Core's pipeline split, when the config states it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<Pipeline>,
 }
 
 impl Layout {
@@ -120,7 +125,8 @@ impl Layout {
         if !kinds.iter().any(|k| k.routed()) {
             return Err("no layer is MoE under this config".into());
         }
-        Ok(Layout { kinds, experts, top_k })
+        let pipeline = Pipeline::from_config(config, c, layers)?;
+        Ok(Layout { kinds, experts, top_k, pipeline })
     }
 }
 

@@ -7,6 +7,7 @@
 use super::align::{pct, Alignment, Diagnosis, DiagnosisKind};
 use super::config::{LayerKind, Layout};
 use super::measure::Measures;
+use super::pipeline::HOW_TO_GIVE;
 use super::read::{ranges, Record};
 use moe_audit_core::error::{Error, Result};
 use std::collections::HashMap;
@@ -175,6 +176,11 @@ fn absent_stage(role: &str, r: &Record, l: &Layout) -> Option<Diagnosis> {
         let n = absent.len();
         moe[moe.len() - n..] == absent[..] || moe[..n] == absent[..]
     };
+    let change = if r.format == super::Format::MegatronTrace {
+        format!("give the folder of every rank's router_trace_rank{{r}}.jsonl, the stages' files merged by where each stage's layers begin: {HOW_TO_GIVE}")
+    } else {
+        "merge every pipeline stage's record (every rank's) before it is compared or replayed".to_string()
+    };
     block.then(|| {
         defect(
             DiagnosisKind::PipelineNotMerged,
@@ -184,7 +190,7 @@ fn absent_stage(role: &str, r: &Record, l: &Layout) -> Option<Diagnosis> {
                 absent.len(),
                 moe.len()
             ),
-            "give every rank's record (for Megatron-Core, the folder of router_trace_rank*.jsonl files) so every stage's layers are in it",
+            &change,
         )
     })
 }

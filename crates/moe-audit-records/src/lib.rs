@@ -16,6 +16,7 @@ mod defects;
 mod formats;
 mod ids;
 mod measure;
+mod pipeline;
 pub mod read;
 mod record;
 mod show;

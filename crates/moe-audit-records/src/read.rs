@@ -107,8 +107,8 @@ fn read_whole(path: &Path, budget: &mut Budget) -> Result<Vec<u8>> {
     Ok(bytes)
 }
 
-/// The `router_trace_rank{r}.jsonl` files of a folder, in rank order.
-fn trace_folder(dir: &Path, budget: &mut Budget) -> Result<Vec<(String, Vec<u8>)>> {
+/// The `router_trace_rank{r}.jsonl` files of a folder, in rank order, each with its rank.
+fn trace_folder(dir: &Path, budget: &mut Budget) -> Result<Vec<formats::megatron::TraceFile>> {
     let entries = std::fs::read_dir(dir).map_err(|e| Error::io(dir, "cannot read", e))?;
     let mut ranks = Vec::new();
     for e in entries.flatten() {
@@ -128,7 +128,7 @@ fn trace_folder(dir: &Path, budget: &mut Budget) -> Result<Vec<(String, Vec<u8>)
         return Err(bad(dir, "a folder holds a record only as Megatron's router_trace_rank{r}.jsonl files: none here"));
     }
     ranks.sort();
-    ranks.into_iter().map(|(_, name, p)| Ok((name, read_whole(&p, budget)?))).collect()
+    ranks.into_iter().map(|(r, name, p)| Ok((name, Some(r), read_whole(&p, budget)?))).collect()
 }
 
 /// Reads a record, made comparable against `layout` when given. `hint`, the other record's,
@@ -234,7 +234,7 @@ fn dispatch(
         if formats::megatron::is_trace(bytes) {
             let name =
                 path.file_name().map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned());
-            return formats::megatron::trace(path, &[(name, bytes.to_vec())], layout, budget);
+            return formats::megatron::trace(path, &[(name, None, bytes.to_vec())], layout, budget);
         }
         // The parsed tree holds the base64 text once more.
         budget.take(&format!("parsing {}", path.display()), bytes.len() as u64 * 2)?;
