@@ -927,11 +927,25 @@ fn records_not_paired_fail_even_without_a_threshold() {
         };
         put(&d, "t5.safetensors", gen.bytes())
     };
-    // Refused in one line (exit 2), naming the response whose bytes do not fit the shape.
-    let bytes = (LENS[0] - 1) * DECODER * K * 4;
+    // Its rows come from its own counts (rows = prompt + completion - 1 - start, SGLang v0.5.10
+    // `srt/layers/moe/routed_experts_capturer.py:211`), so its layer axis is its own: against a
+    // trainer of another layer count it reads right and is not paired.
+    let (code, r) = compare(&[&a, &t5]);
+    assert_eq!((code, defects(&r)), (1, vec!["not-paired".to_string()]));
+    // Counts that its bytes do not fit are bad input, refused in one line (exit 2).
+    let mut lying: Value = serde_json::from_str(&sglang_batch(&seqs, false)).unwrap();
+    lying[0]["meta_info"]["prompt_tokens"] = json!(lying[0]["meta_info"]["prompt_tokens"].as_u64().unwrap() + 1);
+    let a = put(&d, "lying.json", lying.to_string());
+    let err = bad(&["routes", "compare", &a, &t5, "--format", "json"]);
     assert_eq!(
-        bad(&["routes", "compare", &a, &t5, "--format", "json"]),
-        format!("error: {a}: response 0: {bytes} bytes of int32 do not divide into rows of 5 layers x top-k {K}\n")
+        err,
+        format!(
+            "error: {a}: response 0: {} ids are not {} rows (prompt_tokens + completion_tokens - 1 - \
+             routed_experts_start_len) of whole layers x top-k (a start not returned with the response?): \
+             give the model's config.json (--config) for num_hidden_layers and top-k\n",
+            (LENS[0] - 1) * DECODER * K,
+            LENS[0]
+        )
     );
 }
 

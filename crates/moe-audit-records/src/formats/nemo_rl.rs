@@ -72,5 +72,9 @@ pub(crate) fn envelopes(path: &Path, items: &[&Value], budget: &mut Budget) -> R
         }
         parts.push(Raw::bare(Format::NemoRl, dtype, [t, l, k], ids_of_bytes(path, &what, bytes, elem, budget)?));
     }
-    Raw::concat(path, parts, budget)
+    let mut raw = Raw::concat(path, parts, budget)?;
+    // Each envelope holds every position: the last, with no route, is the `arange(top_k)` fill
+    // (`nemo_rl/models/generation/vllm/utils.py` L238-303).
+    raw.fill = Fill::TopK { head: false };
+    Ok(raw)
 }
