@@ -26,7 +26,7 @@ use crate::array::Elem;
 use crate::clean::Axis;
 use crate::record::Format;
 use crate::Budget;
-use moe_audit_core::error::Result;
+use moe_audit_core::error::{excerpt, Result};
 use serde_json::Value;
 use std::path::Path;
 
@@ -56,7 +56,10 @@ pub(crate) fn read(path: &Path, items: &[&Value], shape: Option<(usize, usize)>,
             Some(v) => {
                 return Err(bad(
                     path,
-                    format!("response {i}: `routed_experts_dtype` {v} is not int32, uint16 or uint8"),
+                    format!(
+                        "response {i}: `routed_experts_dtype` {} is not int32, uint16 or uint8",
+                        excerpt(&v.to_string())
+                    ),
                 ))
             }
         };
