@@ -48,7 +48,7 @@ pub fn main(args: impl IntoIterator<Item = OsString>) -> u8 {
             let text = e.render().to_string();
             let first: Vec<&str> = text.lines().map(str::trim).take_while(|l| !l.is_empty()).collect();
             // The value clap quotes is the caller's, and may be long.
-            eprintln!("{} (see --help)", excerpt_long(&first.join(" ")));
+            eprintln!("{} (see --help)", excerpt_long(first.join(" ")));
             return exit::ERROR;
         }
     };

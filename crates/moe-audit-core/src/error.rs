@@ -364,7 +364,7 @@ pub const EXCERPT_CHARS: usize = 64;
 
 /// How many characters of a longer text a message keeps ([`excerpt_long`]): another library's
 /// message, which may echo what it read; [`chain`] bounds each cause to this.
-pub const CAUSE_CHARS: usize = 240;
+pub const CAUSE_CHARS: usize = 400;
 
 /// How many characters of a path a message shows: a path may be named by data (a snapshot
 /// header, an archive's entry), and a long one keeps its start and its file name.
@@ -402,12 +402,33 @@ pub fn excerpt_names<'a>(names: impl IntoIterator<Item = &'a str>) -> String {
     format!("{}{more}", shown.join(", "))
 }
 
-/// As [`excerpt`], keeping up to [`CAUSE_CHARS`] characters: for a text whose whole may matter,
-/// said by another program or library (a parser's message, which may echo what it read: serde's
-/// `invalid type: string "..."`; a router's last line on stderr; a JSON object), its start and
-/// its end (where parsers say the line and column) kept.
-pub fn excerpt_long(e: &dyn fmt::Display) -> String {
-    bounded(&e.to_string(), CAUSE_CHARS, false)
+/// A text said by another program or library, as a message quotes it: a parser's message,
+/// which may echo what it read (serde's `invalid type: string "..."`, `` unknown field `...` ``),
+/// a router's line or its last line on stderr. Each span it quotes (`"..."`, `` `...` ``) is
+/// an [`excerpt`], the rest is kept (what was expected, the line and column), and the whole is
+/// escaped and at most [`CAUSE_CHARS`] characters, its start and end kept.
+pub fn excerpt_long(text: impl fmt::Display) -> String {
+    let text = text.to_string();
+    let mut out = String::with_capacity(text.len().min(CAUSE_CHARS));
+    let mut rest = text.as_str();
+    while let Some(open) = rest.find(['"', '`']) {
+        let quote = rest.as_bytes()[open];
+        let body = &rest[open + 1..];
+        // The closing quote; a `"` span may hold `\"` (as `{:?}` writes a string).
+        let mut escaped = false;
+        let close = body.bytes().position(|b| {
+            let end = b == quote && !escaped;
+            escaped = quote == b'"' && b == b'\\' && !escaped;
+            end
+        });
+        let Some(close) = close else { break };
+        out.push_str(&rest[..=open]);
+        out.push_str(&excerpt(&body[..close]));
+        out.push(quote as char);
+        rest = &body[close + 1..];
+    }
+    out.push_str(rest);
+    bounded(&out, CAUSE_CHARS, false)
 }
 
 /// `path` as an error names it: escaped, at most [`PATH_CHARS`] characters.
@@ -520,6 +541,13 @@ mod tests {
         let inner = serde_json::from_str::<Vec<f32>>(&huge).unwrap_err();
         let line = chain(&Error::parse("h.safetensors", "not safetensors", Header(inner)));
         assert_eq!(line.matches("invalid type").count(), 1, "{line}");
+        // What the parser expected is kept whole; only what it quotes of the input is cut.
+        let fields: Vec<String> = (0..18).map(|i| format!("`field_{i}`")).collect();
+        let said = format!("unknown field `{}`, expected one of {}", "B".repeat(1 << 20), fields.join(", "));
+        let e = excerpt_long(&said);
+        assert!(e.starts_with("unknown field `BBBB") && e.ends_with(&fields.join(", ")), "{e}");
+        assert_eq!(e.matches("chars in all").count(), 1, "{e}");
+        assert_eq!(excerpt_long(r#"string "a\"b`c", expected `x`"#), r#"string "a\"b`c", expected `x`"#);
         assert!(
             line.starts_with("h.safetensors: not safetensors: invalid header: invalid type: string \"AAAA"),
             "{line}"

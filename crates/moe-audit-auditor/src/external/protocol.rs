@@ -285,7 +285,7 @@ impl BinaryHeader {
     /// Parses a header line; the error quotes an excerpt of a line that is not one.
     pub fn parse(line: &str) -> Result<Self, String> {
         serde_json::from_str(line)
-            .map_err(|e| format!("not a binary response header ({}): `{}`", excerpt_long(&e), excerpt(line)))
+            .map_err(|e| format!("not a binary response header ({}): `{}`", excerpt_long(&e), excerpt_long(line)))
     }
 
     /// The payload length once checked against what `tokens` tokens of `hs` can hold (at most
@@ -465,7 +465,7 @@ fn scope_members(scope: &ScopeRecord, batch: usize, seq_len: usize) -> Vec<Vec<u
 
 /// Parses one response line; the error quotes an excerpt of a line that is not a response.
 pub fn parse_response(line: &str) -> Result<Response, String> {
-    serde_json::from_str(line).map_err(|e| format!("not a response ({}): `{}`", excerpt_long(&e), excerpt(line)))
+    serde_json::from_str(line).map_err(|e| format!("not a response ({}): `{}`", excerpt_long(&e), excerpt_long(line)))
 }
 
 #[cfg(test)]

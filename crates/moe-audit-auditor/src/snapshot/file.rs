@@ -81,7 +81,7 @@ impl Header {
     pub fn parse_unsealed(text: &str, path: &Path) -> Result<Self> {
         let bad = |message: String| Error::input(path, message);
         let header: Header = toml::from_str(text).map_err(|e| {
-            bad(format!("not a moe-audit snapshot header: {}", excerpt_long(&e.to_string().replace('\n', " "))))
+            bad(format!("not a moe-audit snapshot header: {}", excerpt_long(e.to_string().replace('\n', " "))))
         })?;
         if header.format != FORMAT && header.format != FORMAT_UNSEALED {
             return Err(bad(format!("format `{}`, this moe-audit reads `{FORMAT}`", excerpt(&header.format))));

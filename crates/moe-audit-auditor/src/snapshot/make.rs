@@ -267,7 +267,7 @@ fn read_recipe(dir: &Path) -> Result<Option<PlanRecipe>> {
         "the most a snapshot recipe may hold",
     )?;
     toml::from_str(&text).map(Some).map_err(|e| {
-        Error::input(&path, format!("not a snapshot recipe: {}", excerpt_long(&e.to_string().replace('\n', " "))))
+        Error::input(&path, format!("not a snapshot recipe: {}", excerpt_long(e.to_string().replace('\n', " "))))
     })
 }
 

@@ -377,7 +377,7 @@ pub fn parse_toml<T: serde::de::DeserializeOwned>(text: &str, source_name: &str)
         let path = crate::error::excerpt(&e.path().to_string());
         let inner = e.into_inner();
         // toml messages may span lines; a report line must not.
-        let message = crate::error::excerpt_long(&inner.message().split_whitespace().collect::<Vec<_>>().join(" "));
+        let message = crate::error::excerpt_long(inner.message().split_whitespace().collect::<Vec<_>>().join(" "));
         let location = inner.span().map(|span| {
             let (line, col) = line_col(text, span.start);
             format!("line {line}, column {col}")
