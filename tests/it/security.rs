@@ -395,6 +395,12 @@ fn a_config_snapshot_witness_or_trace_folder_is_quoted_in_a_short_escaped_excerp
     assert!(
         e.ends_with("is a record for the reader, never run from the file: give the router's command with --router-cmd")
     );
+    // A path a header names, absolute and 4 MiB long: named in 256 characters at most.
+    let mut f = SnapshotFile::parse(&text, Path::new("m.snap")).unwrap();
+    f.header.input.file = Some(format!("/{}", huge(big)));
+    write("path.snap", &f.render());
+    let e = excerpted(&dir, &["snapshot", "check", "path.snap"], "error: /\\u{1b}[31m\\n\\u{202e}AAAA");
+    assert!(e.contains("AAAA: [input] file: an absolute path or `..` leads out of the working directory"), "{e}");
     // A witness's format.
     let args = ["check", "megatron-probs", "--probes", "P", "--seq-len", "8", "--batch", "2", "--witness-dir", "w"];
     assert_eq!(run_in(&dir, &args).status.code(), Some(1));
