@@ -4,10 +4,11 @@
 //! codes, panic message and signal handling. Not a library API.
 
 use crate::cli::{exit, flag, run, Cli};
+use crate::error::{excerpt_long, one_line};
 /// A report as its JSON output (the wheel's in-process `routes compare` prints what the command
 /// line does).
 pub use crate::render::json;
-use crate::runtime::{self, one_line};
+use crate::runtime;
 use clap::Parser;
 use std::ffi::OsString;
 
@@ -46,7 +47,8 @@ pub fn main(args: impl IntoIterator<Item = OsString>) -> u8 {
         Err(e) => {
             let text = e.render().to_string();
             let first: Vec<&str> = text.lines().map(str::trim).take_while(|l| !l.is_empty()).collect();
-            eprintln!("{} (see --help)", one_line(&first.join(" ")));
+            // The value clap quotes is the caller's, and may be long.
+            eprintln!("{} (see --help)", excerpt_long(first.join(" ")));
             return exit::ERROR;
         }
     };

@@ -92,12 +92,6 @@ pub fn clean_up() -> usize {
     killed
 }
 
-/// `message` on one line: newlines and other control characters escaped (`\n`), so a name or
-/// argument holding one cannot break an error into several lines.
-pub fn one_line(message: &str) -> String {
-    message.chars().map(|c| if c.is_control() { c.escape_default().to_string() } else { c.to_string() }).collect()
-}
-
 /// Ends the process after a signal: routers killed, temporary outputs removed.
 fn interrupted(signal: libc::c_int) -> ! {
     INTERRUPTED.store(true, std::sync::atomic::Ordering::SeqCst);
@@ -121,11 +115,6 @@ fn interrupted(signal: libc::c_int) -> ! {
 mod tests {
     use super::*;
     use std::ffi::OsStr;
-
-    #[test]
-    fn messages_become_one_line() {
-        assert_eq!(one_line("a\nb\tc\u{1b}d é"), "a\\nb\\tc\\u{1b}d é");
-    }
 
     #[test]
     fn the_thread_count_is_capped_and_checked() {

@@ -21,7 +21,7 @@ pub enum Error {
         message: String,
     },
     /// A router name that is neither a preset nor a file.
-    #[error("unknown router `{name}`: not a preset ({known}) and not a file")]
+    #[error("unknown router `{}`: not a preset ({known}) and not a file", excerpt(name))]
     UnknownRouter {
         /// What the user asked for.
         name: String,
@@ -49,7 +49,7 @@ pub enum Error {
         message: String,
     },
     /// An input file that could not be read or parsed.
-    #[error("{}: {message}", path.display())]
+    #[error("{}: {message}", shown(path))]
     Input {
         /// The file.
         path: PathBuf,
@@ -58,7 +58,7 @@ pub enum Error {
     },
     /// A file or directory that could not be read, written or created: what failed, and the
     /// system's error as its source.
-    #[error("{}: {doing}", path.display())]
+    #[error("{}: {doing}", shown(path))]
     Io {
         /// The file or directory.
         path: PathBuf,
@@ -70,7 +70,7 @@ pub enum Error {
     },
     /// A file whose content is not the document it should be (a witness, a plan manifest, a
     /// safetensors file): what it should have been, and the parser's error as its source.
-    #[error("{}: {expected}", path.display())]
+    #[error("{}: {expected}", shown(path))]
     Parse {
         /// The file.
         path: PathBuf,
@@ -341,19 +341,138 @@ impl fmt::Display for Setting {
 
 /// An error and its causes on one line, `what: cause: its cause`, as the command line prints
 /// it. A cause whose text the line already ends with (an error that prints its source, as
-/// candle's and some parsers' do) is not repeated.
+/// candle's and some parsers' do) is not repeated; each is bounded ([`excerpt_long`]).
 pub fn chain(e: &dyn std::error::Error) -> String {
     let mut line = e.to_string();
+    let mut last = line.clone();
     let mut cause = e.source();
     while let Some(c) = cause {
         let text = c.to_string();
-        if !line.ends_with(&text) {
+        if !last.ends_with(&text) {
             line.push_str(": ");
-            line.push_str(&text);
+            line.push_str(&excerpt_long(&text));
         }
+        last = text;
         cause = c.source();
     }
     line
+}
+
+/// How many characters of something read (a value, a name, a key) a message quotes at most:
+/// [`quote`] and [`excerpt`] keep this many.
+pub const EXCERPT_CHARS: usize = 64;
+
+/// How many characters of a longer text a message keeps ([`excerpt_long`]): another library's
+/// message, which may echo what it read; [`chain`] bounds each cause to this.
+pub const CAUSE_CHARS: usize = 400;
+
+/// How many characters of a path a message shows: a path may be named by data (a snapshot
+/// header, an archive's entry), and a long one keeps its start and its file name.
+pub const PATH_CHARS: usize = 256;
+
+/// How many characters an error line has at most, whatever built it ([`one_line`]).
+pub const LINE_CHARS: usize = 4096;
+
+/// `text`, something read, as a message quotes it: `"..."` with quotes, backslashes, control
+/// and other non-printable characters escaped (as `{:?}` writes a string), and at most
+/// [`EXCERPT_CHARS`] characters of it; a longer text keeps its start and its end around
+/// `…[N chars in all]…`. A file is written by a stranger: a 64 MiB field must not become a
+/// 64 MiB message, nor a newline or a terminal escape a second line or a recoloured screen.
+pub fn quote(text: &str) -> String {
+    format!("\"{}\"", bounded(text, EXCERPT_CHARS, true))
+}
+
+/// `text`, something read, as [`quote`] bounds and escapes it, without quotes: for what a
+/// message shows as it is (a shape, a number, a name in backticks).
+pub fn excerpt(text: &str) -> String {
+    bounded(text, EXCERPT_CHARS, false)
+}
+
+/// Names read from a file (arrays, tensors, keys) as a message lists them: the first 8, each
+/// an [`excerpt`], and how many there are when there are more.
+pub fn excerpt_names<'a>(names: impl IntoIterator<Item = &'a str>) -> String {
+    let (mut shown, mut n) = (Vec::new(), 0usize);
+    for name in names {
+        if n < 8 {
+            shown.push(excerpt(name));
+        }
+        n += 1;
+    }
+    let more = if n > 8 { format!(", ... ({n} in all)") } else { String::new() };
+    format!("{}{more}", shown.join(", "))
+}
+
+/// A text said by another program or library, as a message quotes it: a parser's message,
+/// which may echo what it read (serde's `invalid type: string "..."`, `` unknown field `...` ``),
+/// a router's line or its last line on stderr. Each span it quotes (`"..."`, `` `...` ``) is
+/// an [`excerpt`], the rest is kept (what was expected, the line and column), and the whole is
+/// escaped and at most [`CAUSE_CHARS`] characters, its start and end kept.
+pub fn excerpt_long(text: impl fmt::Display) -> String {
+    let text = text.to_string();
+    let mut out = String::with_capacity(text.len().min(CAUSE_CHARS));
+    let mut rest = text.as_str();
+    while let Some(open) = rest.find(['"', '`']) {
+        let quote = rest.as_bytes()[open];
+        let body = &rest[open + 1..];
+        // The closing quote; a `"` span may hold `\"` (as `{:?}` writes a string).
+        let mut escaped = false;
+        let close = body.bytes().position(|b| {
+            let end = b == quote && !escaped;
+            escaped = quote == b'"' && b == b'\\' && !escaped;
+            end
+        });
+        let Some(close) = close else { break };
+        out.push_str(&rest[..=open]);
+        out.push_str(&excerpt(&body[..close]));
+        out.push(quote as char);
+        rest = &body[close + 1..];
+    }
+    out.push_str(rest);
+    bounded(&out, CAUSE_CHARS, false)
+}
+
+/// `path` as an error names it: escaped, at most [`PATH_CHARS`] characters.
+fn shown(path: &std::path::Path) -> String {
+    bounded(&path.display().to_string(), PATH_CHARS, false)
+}
+
+/// `message` as the command line prints it: on one line (newlines and other control or
+/// non-printable characters escaped), at most [`LINE_CHARS`] characters. The last bound:
+/// every message quotes what it read through [`quote`] or [`excerpt`] already.
+pub fn one_line(message: &str) -> String {
+    bounded(message, LINE_CHARS, false)
+}
+
+/// `text` escaped (`quoted`: also `"` and `\`), and when the escaped text is longer than `max`
+/// characters, its first three quarters and last quarter of `max` around a marker that says how
+/// long `text` is.
+fn bounded(text: &str, max: usize, quoted: bool) -> String {
+    let escape = |c: char, out: &mut String| match c {
+        '"' | '\\' if quoted => out.extend(c.escape_default()),
+        '"' | '\'' | '\\' => out.push(c),
+        // `escape_debug` leaves a printable character as it is.
+        c => out.extend(c.escape_debug()),
+    };
+    let width = |c: char| match c {
+        '"' | '\\' if quoted => 2,
+        '"' | '\'' | '\\' => 1,
+        c => c.escape_debug().len(),
+    };
+    let mut out = String::new();
+    if text.chars().map(width).sum::<usize>() <= max {
+        text.chars().for_each(|c| escape(c, &mut out));
+        return out;
+    }
+    // Whole characters only, so an escape is never cut.
+    let fit = |chars: &mut dyn Iterator<Item = char>, room: usize| {
+        let mut used = 0;
+        chars.take_while(|&c| (used + width(c) <= room).then(|| used += width(c)).is_some()).collect::<Vec<_>>()
+    };
+    let (head, tail) = (max - max / 4, max / 4);
+    fit(&mut text.chars(), head).into_iter().for_each(|c| escape(c, &mut out));
+    out.push_str(&format!("…[{} chars in all]…", text.chars().count()));
+    fit(&mut text.chars().rev(), tail).into_iter().rev().for_each(|c| escape(c, &mut out));
+    out
 }
 
 /// The sizes that must be at least 1, checked in one place: the first that is 0 is named.
@@ -379,6 +498,60 @@ mod tests {
         // A cause the message already ends with (candle prints its source) is not repeated.
         let e = Error::Candle(candle_core::Error::Msg("bad dtype".into()));
         assert_eq!(chain(&e), "candle: bad dtype");
+    }
+
+    #[test]
+    fn what_was_read_is_quoted_short_escaped_and_on_one_line() {
+        // Short: as `{:?}` writes it (quoted), or as it is (an excerpt).
+        for s in ["decoder", "a \"b\" c\\d", "tab\there", "é ü 漢字", ""] {
+            assert_eq!(quote(s), format!("{s:?}"));
+        }
+        assert_eq!(excerpt("a \"b\" 'c' \\d é"), "a \"b\" 'c' \\d é");
+        // Control characters, terminal escapes and bidirectional overrides are escaped.
+        assert_eq!(excerpt("a\nb\r\u{1b}[31mc\u{202e}d\u{2028}\0"), "a\\nb\\r\\u{1b}[31mc\\u{202e}d\\u{2028}\\0");
+        assert_eq!(one_line("x\ny"), "x\\ny");
+        // Long: the start and the end, and how long the whole is.
+        let long = format!("start{}end", "x".repeat(64 << 20));
+        let q = quote(&long);
+        assert!(q.starts_with("\"startxxx") && q.ends_with("xxend\""), "{q}");
+        assert!(q.contains(&format!("…[{} chars in all]…", long.len())), "{q}");
+        assert!(q.chars().count() <= EXCERPT_CHARS + 40, "{} chars: {q}", q.chars().count());
+        assert_eq!(quote(&"y".repeat(EXCERPT_CHARS)), format!("\"{}\"", "y".repeat(EXCERPT_CHARS)));
+        assert!(quote(&"y".repeat(EXCERPT_CHARS + 1)).contains("chars in all"));
+        // Escapes count in the bound and are never cut in half.
+        let e = excerpt(&"\u{1b}".repeat(1000));
+        assert!(e.chars().count() <= EXCERPT_CHARS + 40, "{e}");
+        assert!(e.starts_with("\\u{1b}\\u{1b}") && e.ends_with("\\u{1b}"), "{e}");
+        assert!(one_line(&"z".repeat(1 << 20)).chars().count() <= LINE_CHARS + 40);
+    }
+
+    #[test]
+    fn a_cause_that_echoes_its_input_is_bounded() {
+        let huge = format!("[\"{}\"]", "A".repeat(1 << 20));
+        let e = Error::parse("rows.json", "not rows", serde_json::from_str::<Vec<f32>>(&huge).unwrap_err());
+        let line = chain(&e);
+        assert!(line.len() < 400, "{} bytes", line.len());
+        assert!(line.starts_with("rows.json: not rows: invalid type: string \"AAAA"), "{line}");
+        assert!(line.ends_with(&format!("AAAA\", expected f32 at line 1 column {}", huge.len() - 1)), "{line}");
+        // A cause that prints its own source (safetensors' header error) is not repeated, cut
+        // or not.
+        #[derive(Debug, thiserror::Error)]
+        #[error("invalid header: {0}")]
+        struct Header(#[source] serde_json::Error);
+        let inner = serde_json::from_str::<Vec<f32>>(&huge).unwrap_err();
+        let line = chain(&Error::parse("h.safetensors", "not safetensors", Header(inner)));
+        assert_eq!(line.matches("invalid type").count(), 1, "{line}");
+        // What the parser expected is kept whole; only what it quotes of the input is cut.
+        let fields: Vec<String> = (0..18).map(|i| format!("`field_{i}`")).collect();
+        let said = format!("unknown field `{}`, expected one of {}", "B".repeat(1 << 20), fields.join(", "));
+        let e = excerpt_long(&said);
+        assert!(e.starts_with("unknown field `BBBB") && e.ends_with(&fields.join(", ")), "{e}");
+        assert_eq!(e.matches("chars in all").count(), 1, "{e}");
+        assert_eq!(excerpt_long(r#"string "a\"b`c", expected `x`"#), r#"string "a\"b`c", expected `x`"#);
+        assert!(
+            line.starts_with("h.safetensors: not safetensors: invalid header: invalid type: string \"AAAA"),
+            "{line}"
+        );
     }
 
     #[test]

@@ -76,7 +76,10 @@ impl MemoryBudget {
 /// Parses `--max-memory` (`512MiB`, `4GiB`, `2000000000`): a positive size, said clearly when not.
 pub fn parse_size(text: &str) -> std::result::Result<ByteSize, String> {
     let size: ByteSize = text.trim().parse().ok().filter(|_| !text.trim_start().starts_with('-')).ok_or_else(|| {
-        format!("`{text}` is not a size: use a positive number of bytes with a unit, e.g. 512MiB or 4GiB")
+        format!(
+            "`{}` is not a size: use a positive number of bytes with a unit, e.g. 512MiB or 4GiB",
+            crate::error::excerpt(text)
+        )
     })?;
     if size.as_u64() == 0 {
         return Err("a limit of 0 bytes lets nothing run: use a positive size, e.g. 512MiB".into());

@@ -99,7 +99,7 @@ fn run(
     max_disagreement: Option<f64>,
     max_memory: Option<&str>,
 ) -> moe_audit::Result<String> {
-    use moe_audit::error::Error;
+    use moe_audit::error::{excerpt_long, Error};
     if let Some(m) = max_disagreement.filter(|m| !(0.0..=1.0).contains(m)) {
         return Err(Error::Usage(format!("--max-disagreement must be a share between 0 and 1, got {m}")));
     }
@@ -109,8 +109,8 @@ fn run(
     let layout = match (config, config_json) {
         (Some(path), _) => Some(Layout::load(path)?),
         (None, Some(text)) => {
-            let value: serde_json::Value =
-                serde_json::from_str(text).map_err(|e| Error::Usage(format!("config: not JSON: {e}")))?;
+            let value: serde_json::Value = serde_json::from_str(text)
+                .map_err(|e| Error::Usage(format!("config: not JSON: {}", excerpt_long(&e))))?;
             Some(Layout::from_json(&value).map_err(|m| Error::Usage(format!("config: {m}")))?)
         }
         (None, None) => None,

@@ -6,7 +6,7 @@
 use super::ids::Ids;
 use super::Budget;
 use bytes::Bytes;
-use moe_audit_core::error::{Error, Result};
+use moe_audit_core::error::{excerpt, excerpt_long, Error, Result};
 use std::collections::BTreeMap;
 use std::io::Read;
 use std::path::Path;
@@ -78,7 +78,7 @@ impl Array {
     }
 
     fn bad(&self, path: &Path, message: impl std::fmt::Display) -> Error {
-        Error::input(path, format!("array `{}`: {message}", self.name))
+        Error::input(path, format!("array `{}`: {message}", excerpt(&self.name)))
     }
 
     /// The values as i64, for any integer type (`what` says what they are, for errors).
@@ -153,7 +153,7 @@ fn elements(shape: &[usize]) -> Option<usize> {
 
 /// Parses one `.npy` file's bytes (`name` is the array's name; `path` for errors).
 pub(crate) fn npy(bytes: &Bytes, name: &str, path: &Path) -> Result<Array> {
-    let bad = |m: String| Error::input(path, format!("array `{name}`: {m}"));
+    let bad = |m: String| Error::input(path, format!("array `{}`: {m}", excerpt(name)));
     if bytes.len() < 10 || &bytes[..6] != b"\x93NUMPY" {
         return Err(bad("not an .npy array (no \\x93NUMPY magic)".into()));
     }
@@ -182,13 +182,14 @@ pub(crate) fn npy(bytes: &Bytes, name: &str, path: &Path) -> Result<Array> {
         .and_then(|r| r.strip_prefix('('))
         .and_then(|r| r.split(')').next())
         .ok_or_else(|| bad("the header has no 'shape'".into()))?;
+    let (shape_shown, descr_shown) = (excerpt(shape_text), excerpt(descr));
     let shape = shape_text
         .split(',')
         .map(str::trim)
         .filter(|s| !s.is_empty())
         .map(|s| s.trim_end_matches('L').parse::<usize>())
         .collect::<std::result::Result<Vec<_>, _>>()
-        .map_err(|_| bad(format!("shape ({shape_text}) is not a tuple of sizes")))?;
+        .map_err(|_| bad(format!("shape ({shape_shown}) is not a tuple of sizes")))?;
     let (order, code) = descr.split_at(descr.len().min(1));
     let elem = match code {
         "b1" => Elem::Bool,
@@ -203,16 +204,16 @@ pub(crate) fn npy(bytes: &Bytes, name: &str, path: &Path) -> Result<Array> {
         "f2" => Elem::F16,
         "f4" => Elem::F32,
         "f8" => Elem::F64,
-        _ => return Err(bad(format!("dtype '{descr}' is not supported (integers, bool, float16/32/64)"))),
+        _ => return Err(bad(format!("dtype '{descr_shown}' is not supported (integers, bool, float16/32/64)"))),
     };
-    let count = elements(&shape).ok_or_else(|| bad(format!("shape ({shape_text}) overflows")))?;
+    let count = elements(&shape).ok_or_else(|| bad(format!("shape ({shape_shown}) overflows")))?;
     let data_start = start + header_len;
-    let want = count.checked_mul(elem.size()).ok_or_else(|| bad(format!("shape ({shape_text}) overflows")))?;
+    let want = count.checked_mul(elem.size()).ok_or_else(|| bad(format!("shape ({shape_shown}) overflows")))?;
     let have = bytes.len() - data_start;
     if have != want {
         let what = if have < want { "truncated" } else { "trailing bytes" };
         return Err(bad(format!(
-            "{what}: shape ({shape_text}) of {} needs {want} bytes of data, the file has {have}",
+            "{what}: shape ({shape_shown}) of {} needs {want} bytes of data, the file has {have}",
             elem.name()
         )));
     }
@@ -224,7 +225,7 @@ pub(crate) fn npy(bytes: &Bytes, name: &str, path: &Path) -> Result<Array> {
                 .collect::<Vec<u8>>(),
         ),
         "<" | "|" | "=" | ">" => bytes.slice(data_start..),
-        _ => return Err(bad(format!("dtype '{descr}' has no byte order"))),
+        _ => return Err(bad(format!("dtype '{descr_shown}' has no byte order"))),
     };
     Ok(Array { name: name.to_string(), shape, elem, data })
 }
@@ -237,13 +238,13 @@ pub(crate) fn npz(bytes: &[u8], path: &Path, budget: &mut Budget) -> Result<BTre
         zip::ZipArchive::new(std::io::Cursor::new(bytes)).map_err(|e| Error::parse(path, "not an .npz archive", e))?;
     let mut out = BTreeMap::new();
     for i in 0..zip.len() {
-        let method = zip.by_index_raw(i).map_err(|e| bad(format!("entry {i}: {e}")))?.compression();
+        let method = zip.by_index_raw(i).map_err(|e| bad(format!("entry {i}: {}", excerpt_long(&e))))?.compression();
         if method != zip::CompressionMethod::Stored {
             return Err(bad(format!(
                 "entry {i} is compressed ({method}): write the archive with np.savez, not np.savez_compressed"
             )));
         }
-        let mut entry = zip.by_index(i).map_err(|e| bad(format!("entry {i}: {e}")))?;
+        let mut entry = zip.by_index(i).map_err(|e| bad(format!("entry {i}: {}", excerpt_long(&e))))?;
         let name = String::from_utf8_lossy(entry.name_raw()).into_owned();
         let Some(stem) = name.strip_suffix(".npy") else { continue };
         let size = entry.size();
@@ -253,10 +254,10 @@ pub(crate) fn npz(bytes: &[u8], path: &Path, budget: &mut Budget) -> Result<BTre
         (&mut entry)
             .take(size.saturating_add(1))
             .read_to_end(&mut data)
-            .map_err(|e| bad(format!("entry `{name}`: {e}")))?;
+            .map_err(|e| bad(format!("entry `{}`: {}", excerpt(&name), excerpt_long(&e))))?;
         if data.len() as u64 != size {
             let held = if data.len() as u64 > size { "more".into() } else { format!("only {}", data.len()) };
-            return Err(bad(format!("entry `{name}` declares {size} bytes but holds {held}")));
+            return Err(bad(format!("entry `{}` declares {size} bytes but holds {held}", excerpt(&name))));
         }
         out.insert(stem.to_string(), Bytes::from(data));
     }
@@ -296,7 +297,7 @@ pub(crate) fn safetensors(bytes: &Bytes, path: &Path) -> Result<(Vec<Array>, BTr
     let mut arrays = Vec::new();
     for (name, view) in file.iter() {
         let elem = elem_of(view.dtype())
-            .ok_or_else(|| bad(format!("tensor `{name}`: dtype {:?} is not supported", view.dtype())))?;
+            .ok_or_else(|| bad(format!("tensor `{}`: dtype {:?} is not supported", excerpt(name), view.dtype())))?;
         arrays.push(Array {
             name: name.to_string(),
             shape: view.shape().to_vec(),

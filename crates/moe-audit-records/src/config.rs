@@ -4,7 +4,7 @@
 //! Megatron-Core's pipeline settings, when the file has them, are read by the `pipeline` module.
 
 pub use crate::pipeline::{Pipeline, Stage};
-use moe_audit_core::error::{Error, Result};
+use moe_audit_core::error::{excerpt, Error, Result};
 use moe_audit_core::files::{read_text, TEXT_LIMIT};
 use serde::Serialize;
 use serde_json::Value;
@@ -68,16 +68,15 @@ impl Layout {
     /// The layout a parsed config describes; `Err` says which field is missing or wrong.
     pub fn from_json(config: &Value) -> std::result::Result<Layout, String> {
         let c = config.get("text_config").filter(|t| t.is_object()).unwrap_or(config);
-        let int = |key: &str| -> std::result::Result<Option<usize>, String> {
-            match c.get(key) {
-                None | Some(Value::Null) => Ok(None),
-                Some(v) => v
-                    .as_u64()
-                    .and_then(|n| usize::try_from(n).ok())
-                    .map(Some)
-                    .ok_or_else(|| format!("`{key}` must be a non-negative integer, got {v}")),
-            }
-        };
+        let int =
+            |key: &str| -> std::result::Result<Option<usize>, String> {
+                match c.get(key) {
+                    None | Some(Value::Null) => Ok(None),
+                    Some(v) => v.as_u64().and_then(|n| usize::try_from(n).ok()).map(Some).ok_or_else(|| {
+                        format!("`{key}` must be a non-negative integer, got {}", excerpt(&v.to_string()))
+                    }),
+                }
+            };
         let first = |keys: &[&str]| -> std::result::Result<Option<(usize, String)>, String> {
             for k in keys {
                 if let Some(v) = int(k)? {
@@ -107,9 +106,15 @@ impl Layout {
             None | Some(Value::Null) => Vec::new(),
             Some(Value::Array(items)) => items
                 .iter()
-                .map(|v| v.as_u64().map(|n| n as usize).ok_or(format!("`mlp_only_layers` holds {v}, not a layer")))
+                .map(|v| {
+                    v.as_u64()
+                        .map(|n| n as usize)
+                        .ok_or_else(|| format!("`mlp_only_layers` holds {}, not a layer", excerpt(&v.to_string())))
+                })
                 .collect::<std::result::Result<_, _>>()?,
-            Some(v) => return Err(format!("`mlp_only_layers` must be a list of layers, got {v}")),
+            Some(v) => {
+                return Err(format!("`mlp_only_layers` must be a list of layers, got {}", excerpt(&v.to_string())))
+            }
         };
         let mtp = int("num_nextn_predict_layers")?.unwrap_or(0);
         let moe = |l: usize| {

@@ -15,7 +15,7 @@
 
 use super::protocol::{frame_request, parse_response, Asked, BinaryHeader, Handshake, InputKind, Mode, Request};
 use super::{Answers, External};
-use moe_audit_core::error::{Error, Result};
+use moe_audit_core::error::{excerpt_long, Error, Result};
 use moe_audit_core::routing::Routing;
 use moe_audit_core::MemoryBudget;
 use ndarray::{ArrayView2, ArrayView3};
@@ -250,7 +250,7 @@ impl Peer {
         let _ = self.stderr_done.lock().unwrap_or_else(|e| e.into_inner()).recv_timeout(Duration::from_secs(1));
         let tail = String::from_utf8_lossy(&self.stderr.lock().unwrap_or_else(|e| e.into_inner())).trim().to_string();
         let message = match tail.lines().last() {
-            Some(last) if !last.is_empty() => format!("{message}; its stderr ends: {last}"),
+            Some(last) if !last.is_empty() => format!("{message}; its stderr ends: {}", excerpt_long(last)),
             _ => message,
         };
         conv.failed = Some(message.clone());
@@ -368,7 +368,7 @@ impl Peer {
         validate: impl Fn(&H) -> std::result::Result<(), String>,
     ) -> Result<H> {
         let line = self.receive_line("its handshake")?;
-        let shown = line.chars().take(120).collect::<String>();
+        let shown = excerpt_long(&line);
         if !line.trim_start().starts_with('{') {
             // Almost always a print() in the router's own code: stdout is the protocol channel.
             return Err(self.fail(format!(
@@ -376,7 +376,7 @@ impl Peer {
             )));
         }
         serde_json::from_str(&line)
-            .map_err(|e| e.to_string())
+            .map_err(|e| excerpt_long(&e))
             .and_then(|h: H| validate(&h).map(|()| h))
             .map_err(|e| self.fail(format!("bad handshake ({e}): `{shown}`")))
     }

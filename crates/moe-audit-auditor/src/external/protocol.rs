@@ -4,6 +4,7 @@
 //! may answer in binary frames, states a capacity with its scope, and carries a padding mask.
 
 use moe_audit_core::config::{Flatten, ScopeConfig, ScopeGroup};
+use moe_audit_core::error::{excerpt, excerpt_long};
 use moe_audit_core::routing::{scores, Decisions, GroupRecord, Route, Routing, ScopeRecord, TokenRouting};
 use ndarray::ArrayView2;
 use serde::{Deserialize, Serialize};
@@ -73,7 +74,8 @@ impl Handshake {
     /// Checks the handshake; the error says which field is wrong.
     pub fn validate(&self) -> Result<(), String> {
         if self.protocol != PROTOCOL && self.protocol != PROTOCOL_2 {
-            return Err(format!("handshake: protocol `{}`, expected `{PROTOCOL}` or `{PROTOCOL_2}`", self.protocol));
+            let protocol = excerpt(&self.protocol);
+            return Err(format!("handshake: protocol `{protocol}`, expected `{PROTOCOL}` or `{PROTOCOL_2}`"));
         }
         if !self.framed() && (self.responses.is_some() || self.padding_mask || self.seed_calls.is_some()) {
             return Err(format!(
@@ -243,7 +245,7 @@ impl TryFrom<serde_json::Value> for Capacity {
             serde_json::Value::Object(_) => serde_json::from_value(v).map(Capacity::Scoped),
             _ => return Err("capacity must be null, a list of slots per expert, or {scope, slots}".into()),
         };
-        result.map_err(|e| format!("capacity: {e}"))
+        result.map_err(|e| format!("capacity: {}", excerpt_long(&e)))
     }
 }
 
@@ -280,12 +282,10 @@ pub struct BinaryHeader {
 }
 
 impl BinaryHeader {
-    /// Parses a header line; the error quotes the start of a line that is not one.
+    /// Parses a header line; the error quotes an excerpt of a line that is not one.
     pub fn parse(line: &str) -> Result<Self, String> {
-        serde_json::from_str(line).map_err(|e| {
-            let head: String = line.chars().take(80).collect();
-            format!("not a binary response header ({e}): `{head}`")
-        })
+        serde_json::from_str(line)
+            .map_err(|e| format!("not a binary response header ({}): `{}`", excerpt_long(&e), excerpt_long(line)))
     }
 
     /// The payload length once checked against what `tokens` tokens of `hs` can hold (at most
@@ -463,12 +463,9 @@ fn scope_members(scope: &ScopeRecord, batch: usize, seq_len: usize) -> Vec<Vec<u
     moe_audit_core::routing::scope::groups(&ScopeConfig { group: scope.group, flatten: scope.flatten }, batch, seq_len)
 }
 
-/// Parses one response line; the error quotes the start of a line that is not a response.
+/// Parses one response line; the error quotes an excerpt of a line that is not a response.
 pub fn parse_response(line: &str) -> Result<Response, String> {
-    serde_json::from_str(line).map_err(|e| {
-        let head: String = line.chars().take(80).collect();
-        format!("not a response ({e}): `{head}`")
-    })
+    serde_json::from_str(line).map_err(|e| format!("not a response ({}): `{}`", excerpt_long(&e), excerpt_long(line)))
 }
 
 #[cfg(test)]

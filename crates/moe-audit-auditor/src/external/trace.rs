@@ -16,7 +16,7 @@ use super::{Answers, External};
 use crate::analyze::{audit, AuditOptions, Subject};
 use crate::progress::Silent;
 use candle_core::{Device, Tensor};
-use moe_audit_core::error::{Error, Result};
+use moe_audit_core::error::{excerpt, Error, Result};
 use moe_audit_core::layer::CallSizes;
 use moe_audit_core::routing::Routing;
 use moe_audit_core::MemoryBudget;
@@ -184,7 +184,7 @@ pub(crate) fn read_manifest(dir: &Path, budget: MemoryBudget) -> Result<Manifest
     let text = moe_audit_core::files::read_text_within(&path, budget)?;
     let manifest: Manifest = serde_json::from_str(&text).map_err(|e| Error::parse(&path, "not a plan manifest", e))?;
     if manifest.format != FORMAT {
-        return Err(Error::input(&path, format!("format `{}`, expected `{FORMAT}`", manifest.format)));
+        return Err(Error::input(&path, format!("format `{}`, expected `{FORMAT}`", excerpt(&manifest.format))));
     }
     manifest.router.validate().map_err(|e| Error::input(&path, e))?;
     manifest.options.check().map_err(|e| Error::input(&path, format!("options.{}: {}", e.field, e.message)))?;
@@ -232,9 +232,9 @@ impl TraceRouter {
         }
         let mut answers: HashMap<(Mode, Content), Vec<(u64, Routing)>> = HashMap::new();
         for call in &manifest.calls {
-            let t = inputs
-                .get(&call.tensor)
-                .ok_or_else(|| Error::input(&inputs_path, format!("no tensor `{}` (call {})", call.tensor, call.id)))?;
+            let t = inputs.get(&call.tensor).ok_or_else(|| {
+                Error::input(&inputs_path, format!("no tensor `{}` (call {})", excerpt(&call.tensor), call.id))
+            })?;
             let dims = (call.batch, call.seq_len, hs.row_width());
             let data =
                 t.dims3().ok().filter(|&d| d == dims).and_then(|_| {
@@ -243,14 +243,19 @@ impl TraceRouter {
             let Some(data) = data else {
                 return Err(Error::input(
                     &inputs_path,
-                    format!("tensor `{}` is {:?}, call {} needs {dims:?}", call.tensor, t.dims(), call.id),
+                    format!(
+                        "tensor `{}` is {}, call {} needs {dims:?}",
+                        excerpt(&call.tensor),
+                        excerpt(&format!("{:?}", t.dims())),
+                        call.id
+                    ),
                 ));
             };
             let rows = Array3::from_shape_vec(dims, data).expect("shape checked");
             let response = responses.remove(&call.id).ok_or_else(|| {
                 Error::input(
                     &decisions_path,
-                    format!("no response for call {} ({}, tensor `{}`)", call.id, call.mode, call.tensor),
+                    format!("no response for call {} ({}, tensor `{}`)", call.id, call.mode, excerpt(&call.tensor)),
                 )
             })?;
             let logits = (hs.input == InputKind::Logits).then(|| rows.as_slice().expect("standard layout"));

@@ -424,7 +424,8 @@ fn witness(
 pub fn replay(model: &dyn Model, w: &TokenWitness) -> Result<bool> {
     let info = model.info();
     if w.model != info.name {
-        return Err(Error::Invalid(format!("the witness is of model `{}`, not `{}`", w.model, info.name)));
+        let model = moe_audit_core::error::excerpt(&w.model);
+        return Err(Error::Invalid(format!("the witness is of model `{model}`, not `{}`", info.name)));
     }
     let index = |call: &TokenCall, (s, p): (usize, usize)| -> Result<usize> {
         if s >= call.batch || p >= call.seq_len {

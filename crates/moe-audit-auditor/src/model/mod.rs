@@ -98,7 +98,8 @@ impl ModelInfo {
     pub fn validate(&self) -> std::result::Result<(), String> {
         use crate::external::protocol::MAX_SIZE;
         if self.protocol != PROTOCOL_3 {
-            return Err(format!("handshake: protocol `{}`, expected `{PROTOCOL_3}`", self.protocol));
+            let protocol = moe_audit_core::error::excerpt(&self.protocol);
+            return Err(format!("handshake: protocol `{protocol}`, expected `{PROTOCOL_3}`"));
         }
         if let Err(e) = moe_audit_core::names::check(&self.name) {
             return Err(format!("handshake: name {e}"));
@@ -188,11 +189,12 @@ impl ModelInfo {
         if want == got {
             return Ok(());
         }
+        let listed = moe_audit_core::error::excerpt(&format!("{got:?}"));
         Err(match want.iter().find(|l| !got.contains(l)) {
             Some(missing) => {
-                format!("layer {missing} is missing (the response lists layers {got:?}, the handshake {want:?})")
+                format!("layer {missing} is missing (the response lists layers {listed}, the handshake {want:?})")
             }
-            None => format!("the response lists layers {got:?}, the handshake {want:?}"),
+            None => format!("the response lists layers {listed}, the handshake {want:?}"),
         })
     }
 

@@ -9,6 +9,7 @@
 use super::{LayerOutput, ModelInfo, ModelOutput, Path, TokenCall};
 use crate::external::protocol::{Asked, BinaryHeader, Capacity, Encoding, Handshake, InputKind, PROTOCOL_2};
 use crate::external::Mode;
+use moe_audit_core::error::excerpt_long;
 use ndarray::ArrayView2;
 use serde::{Deserialize, Serialize};
 
@@ -80,12 +81,10 @@ pub struct ResponseHeader {
 }
 
 impl ResponseHeader {
-    /// Parses a header line; the error quotes the start of a line that is not one.
+    /// Parses a header line; the error quotes an excerpt of a line that is not one.
     pub fn parse(line: &str) -> Result<Self, String> {
-        serde_json::from_str(line).map_err(|e| {
-            let head: String = line.chars().take(80).collect();
-            format!("not a response header ({e}): `{head}`")
-        })
+        serde_json::from_str(line)
+            .map_err(|e| format!("not a response header ({}): `{}`", excerpt_long(&e), excerpt_long(line)))
     }
 
     /// The payload length once the header is checked against the request (its id), the

@@ -18,7 +18,7 @@
 //! ```
 
 use crate::external::{InputKind, Mode};
-use moe_audit_core::error::{Error, Result};
+use moe_audit_core::error::{excerpt, excerpt_long, Error, Result};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
@@ -80,10 +80,11 @@ impl Header {
     /// sealed header must still match its seal.
     pub fn parse_unsealed(text: &str, path: &Path) -> Result<Self> {
         let bad = |message: String| Error::input(path, message);
-        let header: Header = toml::from_str(text)
-            .map_err(|e| bad(format!("not a moe-audit snapshot header: {}", e.to_string().replace('\n', " "))))?;
+        let header: Header = toml::from_str(text).map_err(|e| {
+            bad(format!("not a moe-audit snapshot header: {}", excerpt_long(e.to_string().replace('\n', " "))))
+        })?;
         if header.format != FORMAT && header.format != FORMAT_UNSEALED {
-            return Err(bad(format!("format `{}`, this moe-audit reads `{FORMAT}`", header.format)));
+            return Err(bad(format!("format `{}`, this moe-audit reads `{FORMAT}`", excerpt(&header.format))));
         }
         if header.weight_decimals != WEIGHT_DECIMALS {
             return Err(bad(format!(
@@ -245,7 +246,9 @@ impl SnapshotFile {
             let mode = match line.trim_end() {
                 "=== train ===" => Some(Mode::Train),
                 "=== inference ===" => Some(Mode::Inference),
-                l if l.starts_with("===") => return Err(bad(format!("line {}: unknown section `{l}`", i + 1))),
+                l if l.starts_with("===") => {
+                    return Err(bad(format!("line {}: unknown section `{}`", i + 1, excerpt(l))))
+                }
                 _ => None,
             };
             match (mode, sections.last_mut()) {

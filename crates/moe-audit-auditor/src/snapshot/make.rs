@@ -9,7 +9,7 @@ use crate::external::trace::{file_in, read_manifest, Manifest, PlannedCall, DECI
 use crate::external::{ExternalRouter, Handshake, InputKind, Mode, TraceRouter};
 use candle_core::{DType, Device, Tensor};
 use moe_audit_core::config::RouterConfig;
-use moe_audit_core::error::{ensure_positive, Error, Result, Setting};
+use moe_audit_core::error::{ensure_positive, excerpt, excerpt_long, Error, Result, Setting};
 use moe_audit_core::layer::gate::GateSource;
 use moe_audit_core::layer::CallSizes;
 use moe_audit_core::layer::{MoeLayer, Seeded};
@@ -218,7 +218,7 @@ fn rows(input: &mut InputSpec, hs: &Handshake, budget: MemoryBudget) -> Result<A
             InputKind::Logits => (Setting::Logits, format!("hidden states ({})", Setting::HiddenStates)),
             InputKind::Hidden => (Setting::HiddenStates, format!("logits ({})", Setting::Logits)),
         };
-        return Err(Error::Usage(format!("{given} {file}: router `{}` takes {takes}", hs.name)));
+        return Err(Error::Usage(format!("{given} {}: router `{}` takes {takes}", excerpt(file), hs.name)));
     }
     let what = match want {
         InputKind::Logits => format!("the router has {} experts", hs.experts),
@@ -266,9 +266,9 @@ fn read_recipe(dir: &Path) -> Result<Option<PlanRecipe>> {
         moe_audit_core::files::TEXT_LIMIT,
         "the most a snapshot recipe may hold",
     )?;
-    toml::from_str(&text)
-        .map(Some)
-        .map_err(|e| Error::input(&path, format!("not a snapshot recipe: {}", e.to_string().replace('\n', " "))))
+    toml::from_str(&text).map(Some).map_err(|e| {
+        Error::input(&path, format!("not a snapshot recipe: {}", excerpt_long(e.to_string().replace('\n', " "))))
+    })
 }
 
 /// Whether `dir` was written by [`write_plan`] (its snapshot then records the router, not the

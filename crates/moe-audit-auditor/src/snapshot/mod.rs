@@ -21,7 +21,7 @@ pub use file::{
 pub use make::{is_snapshot_plan, make, write_plan, PLAN_RECIPE};
 pub use table_diff::{compare, TableDiff};
 
-use moe_audit_core::error::{Error, Result, Setting};
+use moe_audit_core::error::{quote, Error, Result, Setting};
 use moe_audit_core::routing::{render_table, Routing};
 use moe_audit_core::MemoryBudget;
 use std::fmt::Write;
@@ -97,7 +97,8 @@ pub fn remake(
             return Err(Error::input(
                 path,
                 format!(
-                    "{what} = {name:?} is not in the working directory (paths in a snapshot header are relative to the directory it is checked from: run there)"
+                    "{what} = {} is not in the working directory (paths in a snapshot header are relative to the directory it is checked from: run there)",
+                    quote(name)
                 ),
             ));
         }
@@ -108,7 +109,8 @@ pub fn remake(
             return Err(Error::input(
                 path,
                 format!(
-                    "[router] command = {command:?} is a record for the reader, never run from the file: give the router's command with {}",
+                    "[router] command = {} is a record for the reader, never run from the file: give the router's command with {}",
+                    quote(command),
                     Setting::RouterCmd
                 ),
             ))
@@ -116,7 +118,12 @@ pub fn remake(
         (RouterSource::Command { command, .. }, Some(given)) if given != command => {
             return Err(Error::input(
                 path,
-                format!("{} {given:?} is not the header's [router] command = {command:?}: neither is run", Setting::RouterCmd),
+                format!(
+                    "{} {} is not the header's [router] command = {}: neither is run",
+                    Setting::RouterCmd,
+                    quote(given),
+                    quote(command)
+                ),
             ))
         }
         (RouterSource::Command { .. }, Some(_)) => {}
@@ -134,7 +141,7 @@ pub fn remake(
             ))
         }
         (RouterSource::Preset { name }, None) if moe_audit_core::config::preset(name).is_none() => {
-            return Err(Error::input(path, format!("[router] name = {name:?} is not a preset")))
+            return Err(Error::input(path, format!("[router] name = {} is not a preset", quote(name))))
         }
         (RouterSource::Config { path, .. }, None) => inside(path, "[router] path")?,
         (RouterSource::Gate { router, weights, .. }, None) => {

@@ -6,6 +6,7 @@
 //! value may therefore move by one unit (1e-4 for weights, 1e-3 for the load figures) without
 //! counting as a change; two units or more always count.
 
+use moe_audit_core::error::excerpt;
 use std::collections::BTreeMap;
 use std::fmt::Write;
 
@@ -60,14 +61,14 @@ fn parse_table(text: &str) -> Result<Table, String> {
     let mut next = |what: &str| lines.next().ok_or_else(|| format!("the routing text ends before {what}"));
     let (_, header) = next("its header")?;
     if !header.starts_with("router ") {
-        return Err(format!("line 1 of the routing text is not `router ...`: `{header}`"));
+        return Err(format!("line 1 of the routing text is not `router ...`: `{}`", excerpt(header)));
     }
     next("the column names")?;
     let mut tokens = Vec::new();
     let mut loads = BTreeMap::new();
     let stats_line = loop {
         let (i, line) = next("the load figures")?;
-        let at = |m: &str| format!("line {} of the routing text: {m}: `{line}`", i + 1);
+        let at = |m: &str| format!("line {} of the routing text: {m}: `{}`", i + 1, excerpt(line));
         let words: Vec<&str> = line.split_whitespace().collect();
         if line.starts_with("expert  routed") || line.starts_with('(') {
             continue;
@@ -104,8 +105,11 @@ fn parse_table(text: &str) -> Result<Table, String> {
     };
     let mut stats = Vec::new();
     for part in stats_line.split(" | ") {
-        let (name, value) = part.rsplit_once(' ').ok_or_else(|| format!("a load figure without a value: `{part}`"))?;
-        let value = value.parse::<f64>().map_err(|_| format!("load figure `{name}` is not a number: `{value}`"))?;
+        let (name, value) =
+            part.rsplit_once(' ').ok_or_else(|| format!("a load figure without a value: `{}`", excerpt(part)))?;
+        let value = value
+            .parse::<f64>()
+            .map_err(|_| format!("load figure `{}` is not a number: `{}`", excerpt(name), excerpt(value)))?;
         stats.push((name.to_string(), value));
     }
     Ok(Table { header: header.to_string(), tokens, loads, stats })

@@ -3,7 +3,7 @@
 
 use crate::exploit::ExploitOptions;
 use moe_audit_core::config::{parse_toml, RouterConfig};
-use moe_audit_core::error::{Error, FieldError, Result};
+use moe_audit_core::error::{excerpt, Error, FieldError, Result};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
@@ -191,7 +191,7 @@ impl Grid {
             }
         }
         if !self.routers.contains(&self.heatmap) {
-            return Err(FieldError::new("heatmap", format!("`{}` is not one of `routers`", self.heatmap)));
+            return Err(FieldError::new("heatmap", format!("`{}` is not one of `routers`", excerpt(&self.heatmap))));
         }
         match self.exploit.as_ref().map(ExploitOptions::validate) {
             Some(Err(Error::Setting { setting, message })) => {

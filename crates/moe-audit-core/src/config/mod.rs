@@ -207,9 +207,10 @@ impl TryFrom<String> for ScopeGroup {
             "sequence" => Ok(ScopeGroup::Sequence),
             other => match other.strip_prefix("tokens:").map(str::parse::<usize>) {
                 Some(Ok(n)) if n > 0 => Ok(ScopeGroup::Tokens(n)),
-                _ => {
-                    Err(format!("unknown scope group `{other}`, expected `batch`, `sequence` or `tokens:N` with N > 0"))
-                }
+                _ => Err(format!(
+                    "unknown scope group `{}`, expected `batch`, `sequence` or `tokens:N` with N > 0",
+                    crate::error::excerpt(other)
+                )),
             },
         }
     }
@@ -372,10 +373,11 @@ impl RouterConfig {
 pub fn parse_toml<T: serde::de::DeserializeOwned>(text: &str, source_name: &str) -> Result<T> {
     let de = toml::Deserializer::new(text);
     serde_path_to_error::deserialize(de).map_err(|e| {
-        let path = e.path().to_string();
+        // The field path is made of the document's keys, and toml's message may quote a value.
+        let path = crate::error::excerpt(&e.path().to_string());
         let inner = e.into_inner();
         // toml messages may span lines; a report line must not.
-        let message = inner.message().split_whitespace().collect::<Vec<_>>().join(" ");
+        let message = crate::error::excerpt_long(inner.message().split_whitespace().collect::<Vec<_>>().join(" "));
         let location = inner.span().map(|span| {
             let (line, col) = line_col(text, span.start);
             format!("line {line}, column {col}")

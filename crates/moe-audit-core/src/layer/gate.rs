@@ -3,7 +3,7 @@
 //! so the audit routes the scores a real model would produce.
 
 use crate::config::RouterConfig;
-use crate::error::{Error, Result};
+use crate::error::{excerpt, excerpt_names, Error, Result};
 use crate::router::{ConfigRouter, Hints, Router};
 use crate::routing::Routing;
 use crate::MemoryBudget;
@@ -56,8 +56,9 @@ impl GateSource<'_> {
                     return Err(Error::input(
                         path,
                         format!(
-                            "tensor `{name}` has shape {:?}, expected [..., {hidden}] (the gate's hidden size)",
-                            t.dims()
+                            "tensor `{}` has shape {}, expected [..., {hidden}] (the gate's hidden size)",
+                            excerpt(&name),
+                            excerpt(&format!("{:?}", t.dims()))
                         ),
                     ));
                 }
@@ -74,7 +75,11 @@ impl GateSource<'_> {
         let (experts, hidden) = gate.dims2().map_err(|_| {
             Error::input(
                 path,
-                format!("tensor `{}` has shape {:?}, expected [experts, hidden]", self.gate, gate.dims()),
+                format!(
+                    "tensor `{}` has shape {}, expected [experts, hidden]",
+                    self.gate,
+                    excerpt(&format!("{:?}", gate.dims()))
+                ),
             )
         })?;
         if hidden == 0 {
@@ -97,7 +102,10 @@ impl GateSource<'_> {
             if bias.dims() != [experts] {
                 return Err(Error::input(
                     path,
-                    format!("tensor `{name}` has shape {:?}, expected [{experts}]", bias.dims()),
+                    format!(
+                        "tensor `{name}` has shape {}, expected [{experts}]",
+                        excerpt(&format!("{:?}", bias.dims()))
+                    ),
                 ));
             }
             config = config
@@ -171,14 +179,12 @@ fn float_tensor(tensors: &HashMap<String, Tensor>, path: &Path, name: &str) -> R
     let t = tensors.get(name).ok_or_else(|| {
         let mut names: Vec<&str> = tensors.keys().map(String::as_str).collect();
         names.sort_unstable();
-        let shown = names.iter().take(8).copied().collect::<Vec<_>>().join(", ");
-        let more = if names.len() > 8 { format!(", ... ({} tensors)", names.len()) } else { String::new() };
-        Error::input(path, format!("no tensor `{name}`; it has {shown}{more}"))
+        Error::input(path, format!("no tensor `{}`; it has {}", excerpt(name), excerpt_names(names)))
     })?;
     if !matches!(t.dtype(), DType::F16 | DType::BF16 | DType::F32 | DType::F64) {
         return Err(Error::input(
             path,
-            format!("tensor `{name}` is {:?}, expected a float dtype (f16, bf16, f32, f64)", t.dtype()),
+            format!("tensor `{}` is {:?}, expected a float dtype (f16, bf16, f32, f64)", excerpt(name), t.dtype()),
         ));
     }
     let t = t.to_dtype(DType::F32)?;
@@ -186,7 +192,7 @@ fn float_tensor(tensors: &HashMap<String, Tensor>, path: &Path, name: &str) -> R
     if let Some(i) = values.iter().position(|v| !v.is_finite()) {
         return Err(Error::input(
             path,
-            format!("tensor `{name}` has a non-finite value {} at flat index {i}", values[i]),
+            format!("tensor `{}` has a non-finite value {} at flat index {i}", excerpt(name), values[i]),
         ));
     }
     Ok(t)

@@ -19,7 +19,7 @@ pub use kernel::Kernel;
 pub use weights::{infer_dims, load_safetensors, seeded_weights, tensor_names, LayerDims, Seeded};
 
 use crate::config::RouterConfig;
-use crate::error::{Error, Result};
+use crate::error::{excerpt_long, Error, Result};
 use crate::router::{ConfigRouter, Router};
 use crate::routing::Routing;
 use crate::MemoryBudget;
@@ -106,7 +106,7 @@ impl MoeLayer {
             &format!("the weights in {}", path.display()),
             stored.saturating_add(converted).saturating_add(packed),
         )?;
-        Self::from_tensors(config, tensors, dtype, device).map_err(|e| Error::input(path, e.to_string()))
+        Self::from_tensors(config, tensors, dtype, device).map_err(|e| Error::input(path, excerpt_long(&e)))
     }
 
     /// The router (gate + assignment).

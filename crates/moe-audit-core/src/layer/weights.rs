@@ -1,7 +1,7 @@
 //! Where layer weights come from: an explicit seed (our own generator: candle's CPU RNG cannot
 //! be seeded) or a safetensors file with Mixtral-style names.
 
-use crate::error::{Error, Result};
+use crate::error::{excerpt, Error, Result};
 use candle_core::{Device, Tensor};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -79,7 +79,7 @@ pub fn seeded_weights(dims: LayerDims, seed: u64, device: &Device) -> Result<Has
 pub fn load_safetensors(path: &Path, device: &Device, max_bytes: u64) -> Result<HashMap<String, Tensor>> {
     let bytes = crate::files::read_bounded(path, max_bytes, &format!("half of {}", crate::error::Setting::MaxMemory))?;
     if let Some(name) = duplicate_tensor_name(&bytes) {
-        return Err(Error::input(path, format!("the header names tensor `{name}` twice")));
+        return Err(Error::input(path, format!("the header names tensor `{}` twice", excerpt(&name))));
     }
     candle_core::safetensors::load_buffer(&bytes, device).map_err(|e| Error::parse(path, "cannot load safetensors", e))
 }
@@ -115,7 +115,8 @@ pub fn infer_dims(tensors: &HashMap<String, Tensor>, source: &str) -> Result<Lay
     let get = |name: &str| {
         tensors.get(name).ok_or_else(|| Error::shape(source, format!("missing tensor `{name}`"))).and_then(|t| {
             t.dims2().map_err(|_| {
-                Error::shape(source, format!("tensor `{name}` has shape {:?}, expected 2 dimensions", t.dims()))
+                let dims = excerpt(&format!("{:?}", t.dims()));
+                Error::shape(source, format!("tensor `{name}` has shape {dims}, expected 2 dimensions"))
             })
         })
     };

@@ -4,11 +4,11 @@
 //! `[sequences + 1]`, and the global layer numbers in metadata `layers` (safetensors) or an
 //! array `layers` (`.npz`).
 
-use super::{bad, ids3, Dtype, Raw};
+use super::{bad, ids3, shape_of, Dtype, Raw};
 use crate::array::Array;
 use crate::record::{Format, Sequence, GENERIC};
 use crate::Budget;
-use moe_audit_core::error::Result;
+use moe_audit_core::error::{excerpt, Error, Result};
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -19,14 +19,14 @@ pub(crate) fn read(
     budget: &mut Budget,
 ) -> Result<Raw> {
     if let Some(f) = meta.get("format").filter(|f| f.as_str() != GENERIC) {
-        return Err(bad(path, format!("metadata format `{f}` is not {GENERIC}")));
+        return Err(bad(path, format!("metadata format `{}` is not {GENERIC}", excerpt(f))));
     }
     let find = |name: &str| arrays.iter().find(|a| a.name == name);
     let experts = find("experts").expect("dispatched on `experts`");
     let (shape, ids) = ids3(experts, path, budget)?;
     let [tokens, n_layers, top_k] = shape;
     if tokens == 0 || n_layers == 0 || top_k == 0 {
-        return Err(bad(path, format!("`experts` has shape {:?}: no routes", experts.shape)));
+        return Err(bad(path, format!("`experts` has shape {}: no routes", shape_of(experts))));
     }
     let mut raw = Raw::bare(Format::Generic, Dtype::of(experts.elem), shape, ids);
     raw.logits = match find("logits") {
@@ -36,8 +36,8 @@ pub(crate) fn read(
                 return Err(bad(
                     path,
                     format!(
-                        "`logits` has shape {:?}; expected [{tokens}, {n_layers}, experts >= {top_k}] like `experts`",
-                        a.shape
+                        "`logits` has shape {}; expected [{tokens}, {n_layers}, experts >= {top_k}] like `experts`",
+                        shape_of(a)
                     ),
                 ));
             }
@@ -47,7 +47,7 @@ pub(crate) fn read(
     raw.input_ids = match find("input_ids") {
         None => None,
         Some(a) if a.shape.len() == 1 && a.shape[0] == tokens => Some(a.ints(path, budget)?),
-        Some(a) => return Err(bad(path, format!("`input_ids` has shape {:?}; expected [{tokens}]", a.shape))),
+        Some(a) => return Err(bad(path, format!("`input_ids` has shape {}; expected [{tokens}]", shape_of(a)))),
     };
     if let Some(a) = find("cu_seqlens") {
         let cu = a.ints(path, budget)?;
@@ -56,7 +56,7 @@ pub(crate) fn read(
     raw.layers = match (meta.get("layers"), find("layers")) {
         (Some(text), _) => Some(
             serde_json::from_str::<Vec<usize>>(text)
-                .map_err(|e| bad(path, format!("metadata `layers` is not a JSON list of layer numbers: {e}")))?,
+                .map_err(|e| Error::parse(path, "metadata `layers` is not a JSON list of layer numbers", e))?,
         ),
         (None, Some(a)) => Some(a.ints(path, budget)?.into_iter().map(|v| v.max(0) as usize).collect()),
         (None, None) => None,

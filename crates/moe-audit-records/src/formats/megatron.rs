@@ -32,7 +32,7 @@ use crate::pipeline::HOW_TO_GIVE;
 use crate::read::ranges;
 use crate::record::{Format, Sequence};
 use crate::Budget;
-use moe_audit_core::error::Result;
+use moe_audit_core::error::{excerpt, excerpt_long, Result};
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -85,7 +85,7 @@ pub(crate) fn trace(path: &Path, files: &[TraceFile], layout: Option<&Layout>, b
                 continue;
             }
             let at = |m: String| bad(path, format!("{name} line {}: {m}", n + 1));
-            let v: Value = serde_json::from_slice(line).map_err(|e| at(format!("not JSON: {e}")))?;
+            let v: Value = serde_json::from_slice(line).map_err(|e| at(format!("not JSON: {}", excerpt_long(&e))))?;
             let int = |k: &str| v.get(k).and_then(Value::as_u64).ok_or_else(|| at(format!("no integer `{k}`")));
             let r = int("rank")?;
             if let Some(named) = named.filter(|&f| f != r) {
@@ -103,7 +103,10 @@ pub(crate) fn trace(path: &Path, files: &[TraceFile], layout: Option<&Layout>, b
             let mtp = match v.get("block").and_then(Value::as_str) {
                 Some("decoder") => false,
                 Some("mtp") => true,
-                other => return Err(at(format!("`block` is {other:?}, not \"decoder\" or \"mtp\""))),
+                _ => {
+                    let block = v.get("block").map_or("missing".into(), |b| excerpt(&b.to_string()));
+                    return Err(at(format!("`block` is {block}, not \"decoder\" or \"mtp\"")));
+                }
             };
             let key = (mtp, if mtp { int("mtp_idx").unwrap_or(0) } else { 0 }, int("layer")?);
             let (tokens, k) = (int("num_tokens")? as usize, int("topk")? as usize);

@@ -24,7 +24,7 @@ use super::ids::Ids;
 use super::record::{Format, Sequence};
 use super::Budget;
 use bytes::Bytes;
-use moe_audit_core::error::{Error, Result};
+use moe_audit_core::error::{excerpt, excerpt_names, Error, Result};
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -153,10 +153,18 @@ pub(crate) fn bad(path: &Path, message: impl Into<String>) -> Error {
     Error::input(path, message.into())
 }
 
+/// An array's shape as a message shows it: the file says how many dimensions.
+pub(crate) fn shape_of(a: &Array) -> String {
+    excerpt(&format!("{:?}", a.shape))
+}
+
 /// A `[tokens, layers, top_k]` array of expert ids.
 pub(crate) fn ids3(a: &Array, path: &Path, budget: &mut Budget) -> Result<([usize; 3], Ids)> {
     let [t, l, k] = a.shape[..] else {
-        return Err(bad(path, format!("`{}` has shape {:?}; expected [tokens, layers, top_k]", a.name, a.shape)));
+        return Err(bad(
+            path,
+            format!("`{}` has shape {}; expected [tokens, layers, top_k]", excerpt(&a.name), shape_of(a)),
+        ));
     };
     Ok(([t, l, k], a.expert_ids(path, budget)?))
 }
@@ -166,7 +174,7 @@ pub(crate) fn batch(format: Format, a: &Array, path: &Path, budget: &mut Budget)
     let [b, s, l, k] = a.shape[..] else {
         return Err(bad(
             path,
-            format!("`{}` has shape {:?}; expected [batch, tokens, layers, top_k]", a.name, a.shape),
+            format!("`{}` has shape {}; expected [batch, tokens, layers, top_k]", excerpt(&a.name), shape_of(a)),
         ));
     };
     let mut raw = Raw::bare(format, Dtype::of(a.elem), [b * s, l, k], a.expert_ids(path, budget)?);
@@ -178,7 +186,10 @@ pub(crate) fn batch(format: Format, a: &Array, path: &Path, budget: &mut Budget)
 /// value that means padding).
 pub(crate) fn mask(a: &Array, rows: usize, path: &Path, budget: &mut Budget, pad_when: i64) -> Result<Vec<bool>> {
     if a.shape.iter().product::<usize>() != rows || a.shape.len() > 2 {
-        return Err(bad(path, format!("`{}` has shape {:?}; expected one flag per row ({rows})", a.name, a.shape)));
+        return Err(bad(
+            path,
+            format!("`{}` has shape {}; expected one flag per row ({rows})", excerpt(&a.name), shape_of(a)),
+        ));
     }
     let v =
         if a.elem == Elem::Bool { a.data.iter().map(|&b| i64::from(b != 0)).collect() } else { a.ints(path, budget)? };
@@ -222,12 +233,11 @@ pub(crate) fn from_arrays(
             nemo_rl::read(path, &arrays, budget)
         }
     } else {
-        let names: Vec<&str> = arrays.iter().map(|a| a.name.as_str()).collect();
         Err(bad(
             path,
             format!(
                 "no routing array (found: {}); expected `experts` (moe-audit-routes/1), `routed_experts` (verl, NeMo-RL), `rollout_routed_experts` (slime) or `rollout_expert_indices` (SkyRL)",
-                names.join(", ")
+                excerpt_names(arrays.iter().map(|a| a.name.as_str()))
             ),
         ))
     }

@@ -16,7 +16,7 @@ use crate::array::Array;
 use crate::clean::Fill;
 use crate::record::Format;
 use crate::Budget;
-use moe_audit_core::error::Result;
+use moe_audit_core::error::{excerpt, Result};
 use serde_json::Value;
 use std::path::Path;
 
@@ -58,11 +58,11 @@ pub(crate) fn envelopes(path: &Path, items: &[&Value], budget: &mut Budget) -> R
         let [_, dtype, shape, data] = fields[..] else {
             return Err(bad(path, format!("{what} is not `nrlre1:<dtype>:<S>x<L>x<K>:<base64>`")));
         };
-        let dtype =
-            Dtype::named(dtype).ok_or_else(|| bad(path, format!("{what}: dtype `{dtype}` is not an integer type")))?;
+        let dtype = Dtype::named(dtype)
+            .ok_or_else(|| bad(path, format!("{what}: dtype `{}` is not an integer type", excerpt(dtype))))?;
         let dims: Vec<usize> = shape.split('x').map(|d| d.parse().ok()).collect::<Option<_>>().unwrap_or_default();
         let [t, l, k] = dims[..] else {
-            return Err(bad(path, format!("{what}: shape `{shape}` is not <S>x<L>x<K>")));
+            return Err(bad(path, format!("{what}: shape `{}` is not <S>x<L>x<K>", excerpt(shape))));
         };
         let bytes = base64(path, &what, data, budget)?;
         let elem = dtype.elem.expect("named");

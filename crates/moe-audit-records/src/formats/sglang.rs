@@ -35,7 +35,7 @@ use crate::clean::Axis;
 use crate::read::ShapeHint;
 use crate::record::Format;
 use crate::Budget;
-use moe_audit_core::error::{Result, Setting};
+use moe_audit_core::error::{excerpt, Result, Setting};
 use serde_json::Value;
 use std::path::Path;
 
@@ -65,7 +65,10 @@ pub(crate) fn read(
             Some(v) => {
                 return Err(bad(
                     path,
-                    format!("response {i}: `routed_experts_dtype` {v} is not int32, uint16 or uint8"),
+                    format!(
+                        "response {i}: `routed_experts_dtype` {} is not int32, uint16 or uint8",
+                        excerpt(&v.to_string())
+                    ),
                 ))
             }
         };

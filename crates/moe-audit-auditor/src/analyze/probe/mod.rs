@@ -303,7 +303,7 @@ impl Probe {
         for item in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
             let probe = known.iter().copied().find(|p| p.to_string().eq_ignore_ascii_case(item));
             let Some(probe) = probe else {
-                let setting = moe_audit_core::error::Setting::Probes;
+                let (setting, item) = (moe_audit_core::error::Setting::Probes, moe_audit_core::error::excerpt(item));
                 return Err(Error::Usage(match audit {
                     Audit::Router => format!("{setting}: unknown probe `{item}`, expected some of {}", letters()),
                     Audit::Model => {

@@ -21,7 +21,7 @@ pub(crate) use shrink::{build, build_routed};
 use super::case::{Call, CallMode};
 use super::{Probe, Property};
 use moe_audit_core::config::RouterConfig;
-use moe_audit_core::error::{Error, Result};
+use moe_audit_core::error::{excerpt, Error, Result};
 use moe_audit_core::routing::{Logits, TokenRouting};
 use moe_audit_core::MemoryBudget;
 use ndarray::Array2;
@@ -162,7 +162,7 @@ impl Witness {
             ));
         }
         if w.format != FORMAT {
-            return Err(Error::input(path, format!("format `{}` is not `{FORMAT}`", w.format)));
+            return Err(Error::input(path, format!("format `{}` is not `{FORMAT}`", excerpt(&w.format))));
         }
         w.probe.check_router().map_err(|m| Error::input(path, m))?;
         if w.sha256.is_empty() {
@@ -201,7 +201,7 @@ impl Witness {
         if self.before.routes == self.after.routes && !self.differs.contains("capacity") {
             return Err(format!(
                 "`before` and `after` route alike, yet the witness says `{}` differ: not a leak (was it edited?)",
-                self.differs
+                excerpt(&self.differs)
             ));
         }
         Ok(())

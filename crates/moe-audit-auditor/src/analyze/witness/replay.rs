@@ -10,7 +10,7 @@ use super::{load, Witness};
 use crate::analyze::case::{Call, CallMode};
 use crate::analyze::Probe;
 use moe_audit_core::config::RouterConfig;
-use moe_audit_core::error::{Error, Result};
+use moe_audit_core::error::{excerpt, excerpt_long, Error, Result};
 use moe_audit_core::router::Router;
 use moe_audit_core::routing::{assign_routes, capacity_of, diff_token, Routing, TokenDiff, TokenRouting};
 use std::path::Path;
@@ -127,7 +127,7 @@ impl Witness {
             return Err(Error::Usage(format!(
                 "{}: the witness is of router `{}` outside moe-audit: replay it with {}",
                 path.display(),
-                self.name().unwrap_or_default(),
+                excerpt(self.name().unwrap_or_default()),
                 moe_audit_core::error::Setting::RouterCmd
             )));
         };
@@ -151,7 +151,11 @@ impl Witness {
         if !same {
             return Err(Error::input(
                 path,
-                format!("the witness's router is {stored}, the command's router is {live}: not the same router"),
+                format!(
+                    "the witness's router is {}, the command's router is {}: not the same router",
+                    excerpt_long(stored),
+                    excerpt_long(&live)
+                ),
             ));
         }
         self.replay_with(path, &Live(router), router.row_width())
