@@ -387,6 +387,23 @@ mod tests {
     }
 
     #[test]
+    fn zero_point_zero_percent_never_stands_beside_a_changed_decision() {
+        let finding = |verdict, affected, compared: usize| Finding {
+            verdict,
+            affected,
+            compared,
+            rate: affected as f64 / compared as f64,
+            ..Finding::empty(Probe::P)
+        };
+        // DeepSpeed's top-2 gate served at eval_capacity_factor 2.0, 4 x 128 tokens: P leaked 3 of
+        // 32512 tokens, R's capacity alone changed.
+        assert_eq!(rate(&finding(Verdict::Leak, 3, 32512)), "<0.1%");
+        assert_eq!(rate(&finding(Verdict::Latent, 0, 3456)), "0.0%");
+        assert_eq!(rate(&finding(Verdict::Leak, 1, 2000)), "0.1%", "0.05% rounds to one decimal");
+        assert_eq!(rate(&finding(Verdict::NotApplicable, 0, 1)), "-");
+    }
+
+    #[test]
     fn the_zoo_counts_a_broken_invariant_as_a_leak() {
         // No probe leaks, but an invariant fails: the router leaks (`RouterReport::leaks`), so
         // the zoo's count must say so too.
