@@ -249,6 +249,17 @@ def test_verdicts_are_the_ones_deepspeeds_source_predicts(name):
     assert audit(gate(**options), *flags, **wrapping) == predicted
 
 
+def test_a_latent_finding_is_told_apart_and_fails_the_default_gate():
+    # top2-eval-capacity-inference's P: the capacity in force changed, no decision did.
+    g = gate(2, eval_capacity_factor=2.0, top2_2nd_expert_sampling=False)
+    flags = (*SIZES, "--mode", "inference", "--probes", "P")
+    report = moe_audit.check(mds.wrap(g), *flags)
+    assert (report.latent, report.leaks, report.exit_code) == (["P"], [], 1), report
+    finding = report.findings[0]
+    assert (finding["affected"], finding["capacity_changed"]) == (0, True), finding
+    assert moe_audit.check(mds.wrap(g), *flags, "--fail-on", "leak").exit_code == 0
+
+
 def test_an_moe_layer_is_audited_through_its_gate():
     # deepspeed.moe.layer.MoE's defaults (layer.py:38-53): top-1 by default; k=2 samples its second
     # expert in both modes, so the layer's gate is random (ds:338-341).
