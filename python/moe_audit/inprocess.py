@@ -64,7 +64,8 @@ class CheckError(ValueError):
 class Report:
     """What ``moe-audit check`` found about the router (or whole model) served from this
     process, parsed from its JSON report: :attr:`verdicts` (``{probe: verdict}``, in the
-    report's order), :attr:`leaks` (the probes whose verdict is ``"leak"``), :attr:`failed`
+    report's order), :attr:`leaks` (the probes whose verdict is ``"leak"``), :attr:`latent` (those
+    whose verdict is ``"latent"``: only the capacity in force changed), :attr:`failed`
     (a verdict of ``--fail-on`` was found: exit code 1), :attr:`exit_code` (0 or 1),
     :attr:`findings` (one dict per probe, as the report has them) and :meth:`to_dict`, the
     whole document."""
@@ -81,14 +82,18 @@ class Report:
         routers = document.get("routers") or [{}]
         #: One dict per probe: ``probe``, ``verdict``, ``property``, the counts, ``note``, ...
         self.findings: list[dict[str, Any]] = list(document.get("findings", routers[0].get("findings", [])))
-        #: ``{probe: verdict}``: ``pass``, ``leak``, ``drift``, ``inconclusive`` or ``not-applicable``.
+        #: ``{probe: verdict}``: ``pass``, ``leak``, ``latent``, ``drift``, ``inconclusive`` or
+        #: ``not-applicable``.
         self.verdicts: dict[str, str] = {f["probe"]: f["verdict"] for f in self.findings}
-        #: The probes that found a leak.
+        #: The probes that found a leak (a changed decision or output).
         self.leaks: list[str] = [p for p, v in self.verdicts.items() if v == "leak"]
+        #: The probes that found only the capacity in force changed, no decision (``latent``).
+        self.latent: list[str] = [p for p, v in self.verdicts.items() if v == "latent"]
 
     @property
     def failed(self) -> bool:
-        """Whether the check failed (exit code 1): a verdict of ``--fail-on`` (default ``leak``)."""
+        """Whether the check failed (exit code 1): a verdict of ``--fail-on`` (default
+        ``leak,latent``)."""
         return self.exit_code == 1
 
     def to_dict(self) -> dict[str, Any]:

@@ -49,9 +49,11 @@ def audit(module, *args, **options):
     return moe_audit.check(mds.wrap(module, **options), *SIZES, *args).verdicts
 
 
-def expect(leaks="", inconclusive="", **others):
-    """The verdict of every probe: these leak, these are inconclusive, the rest pass."""
-    found = dict(ALL_PASS, **dict.fromkeys(leaks, "leak"), **dict.fromkeys(inconclusive, "inconclusive"))
+def expect(leaks="", inconclusive="", latent="", **others):
+    """The verdict of every probe: these leak, these are inconclusive, these are latent (only the
+    capacity in force changed), the rest pass."""
+    found = dict(ALL_PASS, **dict.fromkeys(leaks, "leak"), **dict.fromkeys(inconclusive, "inconclusive"),
+                 **dict.fromkeys(latent, "latent"))
     return dict(found, **others)
 
 
@@ -204,18 +206,24 @@ AUDITS: dict[str, tuple[dict[str, Any], dict[str, Any], tuple[str, ...], dict[st
     "top1-capacity-inference": (dict(min_capacity=0, use_rts=False), {}, ("--mode", "inference"), expect(CAPACITY)),
     "top1-min-capacity-8": (dict(min_capacity=8, use_rts=False), {}, (), expect(CAPACITY)),
     # A capacity that never binds is still computed from the call's tokens (ds:152-162): a prefix,
-    # a batch of another size and another layout state another capacity in force, a leak of the
-    # record with no decision changed (docs/PROPERTIES.md).
+    # a batch of another size and another layout state another capacity in force, no decision
+    # changed: latent (docs/PROPERTIES.md).
     "top1-capacity-never-binds": (dict(capacity_factor=8.0, eval_capacity_factor=8.0, min_capacity=0, use_rts=False),
-                                  {}, (), expect("PRL")),
+                                  {}, (), expect(latent="PRL")),
     # The same with eval_capacity_factor left at its default 1.0: it binds in eval only (ds:575).
     "top1-capacity-binds-in-eval": (dict(capacity_factor=8.0, min_capacity=0, use_rts=False), {}, (),
-                                    expect("PRLM")),
+                                    expect("M", latent="PRL")),
     "top2-capacity": (dict(k=2, min_capacity=0, top2_2nd_expert_sampling=False), {}, (), expect(CAPACITY)),
     "top3-capacity": (dict(k=3, min_capacity=0), {}, (), expect(CAPACITY)),
     # eval_capacity_factor in eval (ds:575-586): training and inference route differently.
     "top2-eval-capacity": (dict(k=2, min_capacity=0, eval_capacity_factor=2.0, top2_2nd_expert_sampling=False),
                            {}, (), expect(CAPACITY + "M")),
+    # Served (--mode inference) at eval_capacity_factor 2.0 (ds:580, 364) with DeepSpeed's default
+    # min_capacity 8 (ds:533): a prefix's capacity is another than the call's (ds:152-162), and it
+    # binds on none of the prefixes: P is latent (no decision changed). F, N, R and L make it
+    # bind: leaks with their rates.
+    "top2-eval-capacity-inference": (dict(k=2, eval_capacity_factor=2.0, top2_2nd_expert_sampling=False),
+                                     {}, ("--mode", "inference"), expect("FNRML", latent="P")),
     # Random: RTS (ds:267-274, both modes), second-expert sampling (ds:338-341, both modes).
     "top1-capacity-rts": (dict(min_capacity=0), {}, (), RANDOM),
     "top1-capacity-rts-seeded": (dict(min_capacity=0), dict(seed_calls=True), (), expect(CAPACITY)),
@@ -239,6 +247,17 @@ AUDITS: dict[str, tuple[dict[str, Any], dict[str, Any], tuple[str, ...], dict[st
 def test_verdicts_are_the_ones_deepspeeds_source_predicts(name):
     options, wrapping, flags, predicted = AUDITS[name]
     assert audit(gate(**options), *flags, **wrapping) == predicted
+
+
+def test_a_latent_finding_is_told_apart_and_fails_the_default_gate():
+    # top2-eval-capacity-inference's P: the capacity in force changed, no decision did.
+    g = gate(2, eval_capacity_factor=2.0, top2_2nd_expert_sampling=False)
+    flags = (*SIZES, "--mode", "inference", "--probes", "P")
+    report = moe_audit.check(mds.wrap(g), *flags)
+    assert (report.latent, report.leaks, report.exit_code) == (["P"], [], 1), report
+    finding = report.findings[0]
+    assert (finding["affected"], finding["capacity_changed"]) == (0, True), finding
+    assert moe_audit.check(mds.wrap(g), *flags, "--fail-on", "leak").exit_code == 0
 
 
 def test_an_moe_layer_is_audited_through_its_gate():

@@ -37,9 +37,10 @@ pub struct CheckArgs {
     /// Seed of the layer, the inputs and every random choice.
     #[arg(long, default_value_t = 0, help_heading = "Audit")]
     pub seed: u64,
-    /// Verdicts that make the check exit 1, comma separated: `leak` (a causality leak or a
-    /// broken invariant), `drift` (probe X: routing in bf16 or f16 differs from f32).
-    #[arg(long, value_name = "VERDICTS", default_value = "leak", value_parser = FailOn::parse, help_heading = "Audit")]
+    /// Verdicts that make the check exit 1, comma separated: `leak` (a causality leak, a broken
+    /// invariant, a random router's inconclusive verdict), `latent` (only the capacity in force
+    /// changed, no decision did), `drift` (probe X: routing in bf16 or f16 differs from f32).
+    #[arg(long, value_name = "VERDICTS", default_value = FailOn::DEFAULT, value_parser = FailOn::parse, help_heading = "Audit")]
     pub fail_on: FailOn,
     /// Route every prefix in P (time quadratic in --seq-len) instead of searching them; the
     /// verdicts and witnesses are the same, the counts cover every prefix.

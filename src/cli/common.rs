@@ -3,7 +3,7 @@
 //! module depends on this one and never on another command's.
 
 use clap::{Args, ValueEnum};
-use moe_audit::analyze::{Report, RouterReport};
+use moe_audit::analyze::{Report, Verdict};
 use moe_audit::error::{Error, Result};
 use moe_audit::external::{InputKind, Mode};
 use moe_audit::RunSizes;
@@ -121,32 +121,57 @@ pub fn no_mpi() -> Error {
     Error::Usage("--comm mpi: this moe-audit was built without MPI (cargo build --features mpi)".into())
 }
 
-/// Which verdicts fail a check (`--fail-on`).
+/// Which verdicts fail a check (`--fail-on`): each word names one verdict.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FailOn {
     /// A causality leak, a broken invariant, or a verdict a random router made inconclusive.
     pub leak: bool,
+    /// A latent dependence: only the capacity in force changed, no decision did.
+    pub latent: bool,
     /// Precision drift (probe X).
     pub drift: bool,
 }
 
 impl FailOn {
+    /// The default: a latent dependence fails as a leak does, since it drops tokens as soon as
+    /// the capacity binds (docs/PROPERTIES.md, "Latent").
+    pub const DEFAULT: &'static str = "leak,latent";
+
     /// Parses `--fail-on`'s comma-separated list.
     pub fn parse(list: &str) -> std::result::Result<FailOn, String> {
-        let mut on = FailOn { leak: false, drift: false };
+        let mut on = FailOn { leak: false, latent: false, drift: false };
         for word in list.split(',').map(str::trim) {
             match word {
                 "leak" => on.leak = true,
+                "latent" => on.latent = true,
                 "drift" => on.drift = true,
-                _ => return Err(format!("unknown verdict `{word}`: expected a comma-separated list of leak, drift")),
+                _ => {
+                    return Err(format!(
+                        "unknown verdict `{word}`: expected a comma-separated list of leak, latent, drift"
+                    ))
+                }
             }
         }
         Ok(on)
     }
 
-    /// Whether `report` has a verdict that fails.
+    /// Whether a finding of verdict `v` fails the check.
+    pub fn counts(self, v: Verdict) -> bool {
+        match v {
+            // A random router must not pass a gate silently, even when D is not among the probes.
+            Verdict::Leak | Verdict::Inconclusive => self.leak,
+            Verdict::Latent => self.latent,
+            Verdict::Drift => self.drift,
+            Verdict::Pass | Verdict::NotApplicable => false,
+        }
+    }
+
+    /// Whether `report` has a verdict that fails (a broken invariant is a leak).
     pub fn fails(self, report: &Report) -> bool {
-        (self.leak && report.fails()) || (self.drift && report.routers.iter().any(RouterReport::drifts))
+        report
+            .routers
+            .iter()
+            .any(|r| (self.leak && !r.invariants.is_empty()) || r.findings.iter().any(|f| self.counts(f.verdict)))
     }
 }
 
@@ -161,10 +186,33 @@ mod tests {
 
     #[test]
     fn fail_on_takes_a_list_of_verdicts() {
-        assert_eq!(FailOn::parse("leak"), Ok(FailOn { leak: true, drift: false }));
-        assert_eq!(FailOn::parse("leak, drift"), Ok(FailOn { leak: true, drift: true }));
-        assert_eq!(FailOn::parse("drift"), Ok(FailOn { leak: false, drift: true }));
+        let on = |leak, latent, drift| Ok(FailOn { leak, latent, drift });
+        assert_eq!(FailOn::parse("leak"), on(true, false, false));
+        assert_eq!(FailOn::parse("leak, drift"), on(true, false, true));
+        assert_eq!(FailOn::parse("drift"), on(false, false, true));
+        assert_eq!(FailOn::parse("latent"), on(false, true, false));
+        assert_eq!(FailOn::parse(FailOn::DEFAULT), on(true, true, false));
         assert!(FailOn::parse("leaks").unwrap_err().contains("unknown verdict `leaks`"));
         assert!(FailOn::parse("").is_err());
+    }
+
+    #[test]
+    fn each_word_counts_its_own_verdicts() {
+        let all = [
+            Verdict::Pass,
+            Verdict::Leak,
+            Verdict::Latent,
+            Verdict::NotApplicable,
+            Verdict::Inconclusive,
+            Verdict::Drift,
+        ];
+        let counted = |list: &str| -> Vec<Verdict> {
+            let on = FailOn::parse(list).unwrap();
+            all.into_iter().filter(|&v| on.counts(v)).collect()
+        };
+        assert_eq!(counted("leak"), [Verdict::Leak, Verdict::Inconclusive]);
+        assert_eq!(counted("latent"), [Verdict::Latent]);
+        assert_eq!(counted("drift"), [Verdict::Drift]);
+        assert_eq!(counted(FailOn::DEFAULT), [Verdict::Leak, Verdict::Latent, Verdict::Inconclusive]);
     }
 }

@@ -10,7 +10,7 @@ use moe_audit::config::RouterConfig;
 use moe_audit::error::{Error, Result};
 use moe_audit::model::audit::{replay, TokenWitness};
 use moe_audit::model::{audit_model, Builtin, BuiltinSpec, Model, ModelAuditOptions, ModelProcess, ModelReport};
-use moe_audit::render::render_model_text;
+use moe_audit::render::{render_model_replay, render_model_text};
 use moe_audit::MemoryBudget;
 use moe_audit::RunSizes;
 use std::io::Write;
@@ -58,8 +58,8 @@ pub struct ModelArgs {
     /// [default: half of --seq-len].
     #[arg(long, help_heading = "Audit")]
     pub prefill: Option<usize>,
-    /// Verdicts that make the audit exit 1, comma separated: `leak`, `drift`.
-    #[arg(long, value_name = "VERDICTS", default_value = "leak", value_parser = FailOn::parse, help_heading = "Audit")]
+    /// Verdicts that make the audit exit 1, comma separated: `leak`, `latent`, `drift`.
+    #[arg(long, value_name = "VERDICTS", default_value = FailOn::DEFAULT, value_parser = FailOn::parse, help_heading = "Audit")]
     pub fail_on: FailOn,
     /// Report format.
     #[arg(long, value_enum, default_value_t = ModelFormat::Text, help_heading = "Output")]
@@ -185,8 +185,7 @@ pub(super) fn run(m: ModelOptions, out: &mut dyn Write) -> Result<u8> {
         None => out.write_all(text.as_bytes()).map_err(io_error)?,
     }
     staged.commit()?;
-    let fails = (m.fail_on.leak && report.leaks()) || (m.fail_on.drift && report.drifts());
-    Ok(exit::failed_if(fails))
+    Ok(exit::failed_if(report.findings.iter().any(|f| m.fail_on.counts(f.verdict))))
 }
 
 /// The model, the built-in one checked to fit in memory at the audit's largest call.
@@ -215,7 +214,7 @@ fn write_witnesses(report: &ModelReport, dir: &Path, staged: &mut moe_audit::fil
     Ok(())
 }
 
-/// Replays a model witness: exit 1 when the token still changes, 0 when not.
+/// Replays a model witness: exit 1 when the token still shows a verdict of `--fail-on`, 0 when not.
 fn replay_witness(
     model: &dyn Model,
     path: &Path,
@@ -225,17 +224,8 @@ fn replay_witness(
 ) -> Result<u8> {
     let text = moe_audit::files::read_text(path, budget.text(), "a witness")?;
     let w: TokenWitness = serde_json::from_str(&text).map_err(|e| Error::parse(path, "not a model witness", e))?;
-    let still = replay(model, &w)?;
-    let at = w.layer.map_or("its output row".to_string(), |l| format!("layer {l}"));
-    let verdict = if still { "LEAK reproduced" } else { "no longer leaks" };
-    let line = format!(
-        "{} {:?} {}: sequence {}, position {} at {at}: {verdict}\n",
-        w.model,
-        w.probe,
-        w.probe.name(),
-        w.token_a.0,
-        w.token_a.1
-    );
+    let verdict = replay(model, &w)?;
+    let line = render_model_replay(&w, verdict);
     out.write_all(line.as_bytes()).map_err(io_error)?;
-    Ok(exit::failed_if(still && fail_on.leak))
+    Ok(exit::failed_if(fail_on.counts(verdict)))
 }

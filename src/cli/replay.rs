@@ -6,7 +6,7 @@
 use super::common::{FailOn, MemoryArgs, ModeArg, TimeoutArgs};
 use super::{exit, io_error};
 use clap::Args;
-use moe_audit::analyze::{Probe, Witness};
+use moe_audit::analyze::Witness;
 use moe_audit::error::Result;
 use moe_audit::external::{ExternalRouter, Mode};
 use moe_audit::render::render_replay;
@@ -34,8 +34,9 @@ pub struct ReplayArgs {
     /// Seed the router command is started with.
     #[arg(long, default_value_t = 0, requires = "router_cmd")]
     pub seed: u64,
-    /// Verdicts that make the replay exit 1 when they reproduce: `leak`, `drift` (an X witness).
-    #[arg(long, value_name = "VERDICTS", default_value = "leak", value_parser = FailOn::parse)]
+    /// Verdicts that make the replay exit 1 when they reproduce: `leak`, `latent` (only the
+    /// capacity in force changed), `drift` (an X witness).
+    #[arg(long, value_name = "VERDICTS", default_value = FailOn::DEFAULT, value_parser = FailOn::parse)]
     pub fail_on: FailOn,
     /// The memory limit.
     #[command(flatten)]
@@ -65,8 +66,8 @@ impl ReplayArgs {
     }
 }
 
-/// Replays the witness: exit 1 while it still shows its leak (or drift, under `--fail-on
-/// drift`), 0 when not.
+/// Replays the witness: exit 1 while it still shows a verdict of `--fail-on` (its leak, its
+/// latent capacity change, or under `--fail-on drift` an X witness's drift), 0 when not.
 pub(super) fn run(replay: &ReplayOptions, out: &mut dyn Write) -> Result<u8> {
     let path = &replay.witness;
     let witness = Witness::read_within(path, replay.budget)?;
@@ -78,7 +79,6 @@ pub(super) fn run(replay: &ReplayOptions, out: &mut dyn Write) -> Result<u8> {
         }
     };
     out.write_all(render_replay(&outcome).as_bytes()).map_err(io_error)?;
-    // An X witness is drift: it fails as the audit that wrote it did, under `--fail-on drift`.
-    let fails = if outcome.witness.probe == Probe::X { replay.fail_on.drift } else { replay.fail_on.leak };
-    Ok(exit::failed_if(outcome.reproduces() && fails))
+    // The verdict the replay shows fails as the audit's would (an X witness: drift).
+    Ok(exit::failed_if(replay.fail_on.counts(outcome.verdict())))
 }

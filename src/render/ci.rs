@@ -1,5 +1,6 @@
 //! CI report formats: JUnit XML (one test case per router × probe, a leak's witness summary as
-//! the failure message) and GitHub Actions `::error::` annotations, one per leak.
+//! the failure message) and GitHub Actions `::error::` annotations, one per leak; a latent
+//! dependence is a failure too, as the default `--fail-on` counts it.
 
 use super::text::{details, verdict_word, why};
 use crate::analyze::{Finding, Report, Verdict};
@@ -17,7 +18,11 @@ fn summary(f: &Finding) -> String {
 }
 
 fn headline(f: &Finding) -> String {
-    let verb = if f.verdict == Verdict::Drift { "drifts in" } else { "leaks" };
+    let verb = match f.verdict {
+        Verdict::Drift => "drifts in",
+        Verdict::Latent => "is latent in",
+        _ => "leaks",
+    };
     let rate = format!("{} of {} tokens changed ({:.1}%)", f.affected, f.compared, f.rate * 100.0);
     match &f.witness {
         Some(w) => format!(
@@ -56,7 +61,7 @@ fn routes(routes: &[Route]) -> String {
 
 use crate::names::xml;
 
-/// JUnit XML: a test suite per router, a test case per probe (leak = failure, not applicable =
+/// JUnit XML: a test suite per router, a test case per probe (leak, latent = failure, not applicable =
 /// skipped) and one for the invariants.
 pub fn render_junit(report: &Report) -> String {
     let count = |v: Verdict| report.routers.iter().flat_map(|r| &r.findings).filter(|f| f.verdict == v).count();
@@ -66,11 +71,13 @@ pub fn render_junit(report: &Report) -> String {
     let _ = writeln!(
         out,
         "<testsuites name=\"moe-audit\" tests=\"{tests}\" failures=\"{}\" skipped=\"{}\">",
-        count(Verdict::Leak) + count(Verdict::Inconclusive) + broken,
+        count(Verdict::Leak) + count(Verdict::Latent) + count(Verdict::Inconclusive) + broken,
         count(Verdict::NotApplicable)
     );
     for r in &report.routers {
-        let failures = r.findings.iter().filter(|f| matches!(f.verdict, Verdict::Leak | Verdict::Inconclusive)).count()
+        let failures = (r.findings.iter())
+            .filter(|f| matches!(f.verdict, Verdict::Leak | Verdict::Latent | Verdict::Inconclusive))
+            .count()
             + usize::from(!r.invariants.is_empty());
         let skipped = r.findings.iter().filter(|f| f.verdict == Verdict::NotApplicable).count();
         let name = xml(&r.router);
@@ -100,10 +107,12 @@ pub fn render_junit(report: &Report) -> String {
                         xml(&f.note)
                     );
                 }
-                Verdict::Leak => {
+                // A latent dependence fails as a leak does (the default `--fail-on leak,latent`).
+                Verdict::Leak | Verdict::Latent => {
                     let _ = writeln!(
                         out,
-                        ">\n      <failure type=\"leak\" message=\"{}\">{}</failure>\n    </testcase>",
+                        ">\n      <failure type=\"{}\" message=\"{}\">{}</failure>\n    </testcase>",
+                        if f.verdict == Verdict::Leak { "leak" } else { "latent" },
                         xml(&summary(f)),
                         xml(&format!("{} {}: {}", verdict_word(f.verdict), f.note, why(f)))
                     );
@@ -137,12 +146,13 @@ fn escape(s: &str, property: bool) -> String {
     }
 }
 
-/// `::error title=...::message` per leak and per invariant failure.
+/// `::error title=...::message` per leak, latent finding and invariant failure.
 pub fn render_github(report: &Report) -> String {
     let mut out = String::new();
     for r in &report.routers {
-        for f in r.findings.iter().filter(|f| f.verdict == Verdict::Leak) {
-            let title = format!("moe-audit: {} leaks on {} {}", r.router, f.probe, f.probe.name());
+        for f in r.findings.iter().filter(|f| matches!(f.verdict, Verdict::Leak | Verdict::Latent)) {
+            let verb = if f.verdict == Verdict::Leak { "leaks" } else { "is latent" };
+            let title = format!("moe-audit: {} {verb} on {} {}", r.router, f.probe, f.probe.name());
             let _ = writeln!(
                 out,
                 "::error title={}::{}",

@@ -26,7 +26,7 @@ pub use ep::render_ep;
 pub use exploit::{exploit_markdown, exploit_text, write_exploit};
 pub use html::{check_html, model_html, routes_html};
 pub use json::{json, witness_path, write_witnesses};
-pub use model::render_model_text;
+pub use model::{render_model_replay, render_model_text};
 pub use routes::{routes_chart, routes_github, routes_junit, routes_markdown, routes_text, show_text};
 pub use sweep::{markdown as sweep_markdown, write_sweep};
 pub use text::{render_markdown, render_replay, render_text, render_zoo};

@@ -118,6 +118,9 @@ pub fn render_model_text(report: &ModelReport) -> String {
                 spread(f)
             );
         }
+        if f.latent_cases > 0 {
+            let _ = writeln!(s, "  {} cases change only the capacity in force, no decision (latent)", f.latent_cases);
+        }
         if f.drift_cases > 0 {
             let _ = writeln!(s, "  {} cases differ by numerics only (near-ties on logits that moved)", f.drift_cases);
         }
@@ -151,4 +154,22 @@ pub fn render_model_text(report: &ModelReport) -> String {
         }
     }
     s
+}
+
+/// The outcome of `model --replay`: the token's verdict now (`LEAK reproduced`, `LATENT
+/// reproduced` when only the capacity in force changes, or `no longer leaks`).
+pub fn render_model_replay(w: &TokenWitness, verdict: Verdict) -> String {
+    let at = w.layer.map_or("its output row".to_string(), |l| format!("layer {l}"));
+    let said = match verdict {
+        Verdict::Pass => "no longer leaks".to_string(),
+        v => format!("{} reproduced", verdict_word(v).to_uppercase()),
+    };
+    format!(
+        "{} {:?} {}: sequence {}, position {} at {at}: {said}\n",
+        w.model,
+        w.probe,
+        w.probe.name(),
+        w.token_a.0,
+        w.token_a.1
+    )
 }

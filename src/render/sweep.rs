@@ -70,6 +70,7 @@ fn row(c: &CellResult, exploit: bool) -> Vec<(String, String)> {
     row.extend(named([
         ("leak_rate", c.leak_rate.to_string()),
         ("leaking", c.leaking.clone()),
+        ("latent", c.latent.clone()),
         ("mismatch", opt(c.mismatch)),
         ("output_change", opt(c.output_change)),
         ("output_change_affected", opt(c.output_change_affected)),

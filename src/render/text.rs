@@ -10,6 +10,8 @@ pub(crate) fn verdict_word(v: Verdict) -> &'static str {
     match v {
         Verdict::Pass => "pass",
         Verdict::Leak => "LEAK",
+        // Lower case: no decision changed, unlike a LEAK; it fails the default gate all the same.
+        Verdict::Latent => "latent",
         Verdict::NotApplicable => "n/a",
         // JSON's word: one word for one verdict everywhere (columns widen to fit it).
         Verdict::Inconclusive => "inconclusive",
@@ -31,9 +33,19 @@ fn percent(rate: f64) -> String {
     format!("{:.1}%", rate * 100.0)
 }
 
+/// A finding's rate with one decimal; a leak too rare to show in one is `<0.1%`, so that `0.0%`
+/// always means no decision changed (a pass, or a latent finding).
+pub(crate) fn rate(f: &Finding) -> String {
+    match f.verdict {
+        Verdict::NotApplicable => "-".into(),
+        _ if f.affected > 0 && f.rate < 0.0005 => "<0.1%".into(),
+        _ => percent(f.rate),
+    }
+}
+
 /// Why, in a few words: what changed, where, what caused it.
 pub(crate) fn why(f: &Finding) -> String {
-    if !matches!(f.verdict, Verdict::Leak | Verdict::Drift) {
+    if !matches!(f.verdict, Verdict::Leak | Verdict::Latent | Verdict::Drift) {
         return match f.capacity_changed {
             true => format!("{}; the capacity in force changed, no decision did", f.note),
             false => f.note.clone(),
@@ -44,11 +56,10 @@ pub(crate) fn why(f: &Finding) -> String {
     if f.numerics.is_some() || matches!(f.probe, Probe::D | Probe::S) {
         parts.push(f.note.clone());
     }
-    if let Some(w) = &f.witness {
-        parts.push(format!("{} changed", w.differs));
-    }
     if f.affected == 0 && f.capacity_changed {
         parts.push("the capacity in force changed, no decision did".into());
+    } else if let Some(w) = &f.witness {
+        parts.push(format!("{} changed", w.differs));
     }
     if let Some(p) = f.first_position {
         parts.push(format!("first at position {p}"));
@@ -115,7 +126,7 @@ pub fn render_text(report: &Report, witness_paths: &dyn Fn(&str, Probe) -> Optio
                 format!("{} {}", f.probe, f.probe.name()),
                 verdict_word(f.verdict),
                 f.property.to_string(),
-                if f.verdict == Verdict::NotApplicable { "-".into() } else { percent(f.rate) },
+                rate(f),
                 why(f)
             );
             if let Some(path) = witness_paths(&r.router, f.probe) {
@@ -150,10 +161,32 @@ pub fn render_text(report: &Report, witness_paths: &dyn Fn(&str, Probe) -> Optio
             names(broken)
         );
     }
+    if let Some(line) = latent_line(report) {
+        let _ = writeln!(out, "{line}");
+    }
     if let Some(line) = inconclusive_line(report) {
         let _ = writeln!(out, "{line}");
     }
     out
+}
+
+/// The line on routers with a latent dependence (they fail the default gate, exit 1): each
+/// with its latent probes.
+pub(crate) fn latent_line(report: &Report) -> Option<String> {
+    let latent: Vec<String> = (report.routers.iter().filter(|r| r.latent()))
+        .map(|r| {
+            let probes = r.findings.iter().filter(|f| f.verdict == Verdict::Latent).map(|f| f.probe.to_string());
+            format!("{} ({})", r.router, probes.collect::<Vec<_>>().join(" "))
+        })
+        .collect();
+    (!latent.is_empty()).then(|| {
+        format!(
+            "{} of {} router(s) latent: {}: the capacity in force depends on what a token must not see; no decision changed on these inputs, one does where the capacity binds",
+            latent.len(),
+            report.routers.len(),
+            latent.join(", ")
+        )
+    })
 }
 
 /// The line on random routers whose verdicts are inconclusive (they fail the gate, exit 1).
@@ -181,6 +214,7 @@ pub fn render_markdown(report: &Report) -> String {
         for f in &r.findings {
             let verdict = match f.verdict {
                 Verdict::Leak => "❌ leak",
+                Verdict::Latent => "⏳ latent",
                 Verdict::Pass => "✅ pass",
                 Verdict::NotApplicable => "n/a",
                 Verdict::Inconclusive => "❔ inconclusive",
@@ -193,7 +227,7 @@ pub fn render_markdown(report: &Report) -> String {
                 f.probe,
                 f.probe.name(),
                 f.property,
-                if f.verdict == Verdict::NotApplicable { "–".into() } else { percent(f.rate) },
+                if f.verdict == Verdict::NotApplicable { "–".into() } else { rate(f) },
                 std::iter::once(why(f))
                     .chain(
                         details(f)
@@ -221,6 +255,9 @@ pub fn render_markdown(report: &Report) -> String {
     } else {
         writeln!(out, "\n❌ {} of {} router(s) leak: {}", leaking.len(), report.routers.len(), leaking.join(", "))
     };
+    if let Some(line) = latent_line(report) {
+        let _ = writeln!(out, "\n⏳ {line}");
+    }
     if let Some(line) = inconclusive_line(report) {
         let _ = writeln!(out, "\n❔ {line}");
     }
@@ -253,18 +290,22 @@ pub fn render_zoo(report: &Report) -> String {
         "\n{leaking} of {} presets leak. LEAK = the probe changed some token's routing; see `moe-audit check <preset>` for rates and witnesses.",
         routers.len()
     );
+    if let Some(line) = latent_line(report) {
+        let _ = writeln!(out, "{line}.");
+    }
     if let Some(line) = inconclusive_line(report) {
         let _ = writeln!(out, "{line}; inconclusive = within the router's randomness.");
     }
     out
 }
 
-/// The outcome of `replay`: the leak (X: the drift) reproduced, with the before and
-/// after routes, or gone.
+/// The outcome of `replay`: the leak (capacity alone: latent; X: the drift) reproduced, with
+/// the before and after routes, or gone.
 pub fn render_replay(replay: &Replay) -> String {
     let w = &replay.witness;
     let token = format!("batch {}, position {}", w.token_a.batch, w.token_a.pos);
-    let (found, gone) = if w.probe == Probe::X { ("DRIFT", "no drift") } else { ("LEAK", "no leak") };
+    let found = verdict_word(replay.verdict()).to_uppercase();
+    let gone = if w.probe == Probe::X { "no drift" } else { "no leak" };
     let name = w.name().unwrap_or_default();
     if replay.reproduces() {
         // The capacity in force is part of the record: said beside the routes when it changed.
@@ -346,6 +387,23 @@ mod tests {
     }
 
     #[test]
+    fn zero_point_zero_percent_never_stands_beside_a_changed_decision() {
+        let finding = |verdict, affected, compared: usize| Finding {
+            verdict,
+            affected,
+            compared,
+            rate: affected as f64 / compared as f64,
+            ..Finding::empty(Probe::P)
+        };
+        // DeepSpeed's top-2 gate served at eval_capacity_factor 2.0, 4 x 128 tokens: P leaked 3 of
+        // 32512 tokens, R's capacity alone changed.
+        assert_eq!(rate(&finding(Verdict::Leak, 3, 32512)), "<0.1%");
+        assert_eq!(rate(&finding(Verdict::Latent, 0, 3456)), "0.0%");
+        assert_eq!(rate(&finding(Verdict::Leak, 1, 2000)), "0.1%", "0.05% rounds to one decimal");
+        assert_eq!(rate(&finding(Verdict::NotApplicable, 0, 1)), "-");
+    }
+
+    #[test]
     fn the_zoo_counts_a_broken_invariant_as_a_leak() {
         // No probe leaks, but an invariant fails: the router leaks (`RouterReport::leaks`), so
         // the zoo's count must say so too.
@@ -385,7 +443,15 @@ mod tests {
         };
         let router = audit(&Subject::layer(&layer), &options, &crate::progress::Silent).unwrap();
         let table = render_text(&Report { options, routers: vec![router.clone()] }, &|_, _| None);
-        assert!(table.contains("LEAK") && table.contains("the capacity in force changed, no decision did"), "{table}");
+        assert!(!table.contains("LEAK"), "no decision changed: {table}");
+        assert!(
+            table.contains(" latent ") && table.contains("the capacity in force changed, no decision did"),
+            "{table}"
+        );
+        assert!(
+            table.contains("no leak found in 1 router(s)\n1 of 1 router(s) latent: megatron-probs (P): "),
+            "{table}"
+        );
 
         let witness = router.findings[0].witness.as_ref().expect("a witness of the capacity change");
         let path = std::env::temp_dir().join(format!("moe-audit-render-capacity-{}.json", std::process::id()));
@@ -393,7 +459,7 @@ mod tests {
         let replay = Witness::read(&path).unwrap().replay(&path).unwrap();
         std::fs::remove_file(&path).unwrap();
         let text = render_replay(&replay);
-        assert!(text.starts_with("LEAK reproduced: router megatron-probs, probe P"), "{text}");
+        assert!(text.starts_with("LATENT reproduced: router megatron-probs, probe P"), "{text}");
         assert!(text.contains("routes differently (capacity)\n  before: [") && text.contains(", capacity "), "{text}");
     }
 }

@@ -673,14 +673,15 @@ fn capacity_only(factor: f64) -> RouterConfig {
 }
 
 #[test]
-fn a_capacity_only_change_leaks_and_its_witness_replays_as_a_leak() {
+fn a_capacity_only_change_is_latent_and_its_witness_replays_as_latent() {
     // Routing is the full record, the capacity in force included (docs/PROPERTIES.md): a
-    // capacity computed from the call's length leaks under P before it changes a decision. The
-    // rate counts decisions (0%), the report says only the capacity changed, and the witness
-    // replays as a leak (exit 1) with both capacities.
+    // capacity computed from the call's length changes under P before it changes a decision:
+    // latent, not a leak. The rate counts decisions (0%), the report says only the capacity
+    // changed, and the witness replays as latent (exit 1 by default) with both capacities.
     let r = audit_config(capacity_only(64.0), &[P]);
     let f = &r.findings[0];
-    assert_eq!((f.verdict, f.capacity_changed, f.affected), (Leak, true, 0), "{}", f.note);
+    assert_eq!((f.verdict, f.capacity_changed, f.affected), (Verdict::Latent, true, 0), "{}", f.note);
+    assert!(!r.leaks() && r.latent());
     let w = f.witness.as_ref().expect("a witness of the capacity change");
     assert_eq!(w.before.routes, w.after.routes);
     let path = std::env::temp_dir().join(format!("moe-audit-capacity-only-{}.json", std::process::id()));
@@ -688,6 +689,7 @@ fn a_capacity_only_change_leaks_and_its_witness_replays_as_a_leak() {
     let replay = Witness::read(&path).unwrap().replay(&path).unwrap();
     std::fs::remove_file(&path).unwrap();
     assert!(replay.reproduces() && replay.diff.capacity && !replay.diff.decision());
+    assert_eq!(replay.verdict(), Verdict::Latent);
     // How the report and the replay say it: src/render/text.rs's tests.
 }
 
@@ -715,9 +717,9 @@ mod witness_props {
     proptest! {
         #![proptest_config(ProptestConfig { cases: 8, failure_persistence: None, ..ProptestConfig::default() })]
 
-        /// Every witness an audit writes replays with the audit's verdict (a leak reproduces, a
-        /// capacity-only change too: the capacity in force is part of the record), and after
-        /// the fix (dropless: no capacity) with no leak: exit 0.
+        /// Every witness an audit writes replays with the audit's verdict (a leak as a leak, a
+        /// capacity-only change as latent: the capacity in force is part of the record), and
+        /// after the fix (dropless: no capacity) with no leak: exit 0.
         #[test]
         fn every_witness_replays_with_the_audits_verdict(
             name in prop::sample::select(vec!["megatron-probs", "megatron-position", "deepspeed-top2", "deepspeed-top1"]),
@@ -735,7 +737,7 @@ mod witness_props {
                 let Some(w) = &f.witness else { continue };
                 std::fs::write(&path, serde_json::to_string(w).unwrap()).unwrap();
                 let replay = Witness::read(&path).unwrap().replay(&path).unwrap();
-                prop_assert_eq!(replay.reproduces(), f.verdict == Leak, "{} {}: {}", name, f.probe, f.note);
+                prop_assert_eq!(replay.verdict(), f.verdict, "{} {}: {}", name, f.probe, f.note);
                 let mut fixed = w.clone();
                 fixed.router.as_mut().unwrap().capacity = None;
                 fixed.seal().unwrap();

@@ -10,6 +10,7 @@ mod faults;
 mod hand_computed;
 mod html;
 mod invariants;
+mod latent;
 mod layer;
 mod model;
 mod noise;

@@ -198,7 +198,7 @@ NOTES = {
 def summary(verdicts: dict[str, str], first: dict[str, Any]) -> str:
     """"pass", or what did not pass: "leak P@3 F@3, drift G" (@: first leaking layer)."""
     out = []
-    for verdict in ("leak", "drift", "inconclusive", "not-applicable"):
+    for verdict in ("leak", "latent", "drift", "inconclusive", "not-applicable"):
         probes = [p + (f"@{first[p]}" if verdict == "leak" and first.get(p) is not None else "")
                   for p, v in verdicts.items() if v == verdict]
         if probes:

@@ -6,7 +6,7 @@ use super::page::{badge, esc, page, pct, table, verdict_badge};
 use super::svg::{scatter, strips, Cell, Point, Strip};
 use crate::analyze::witness::StoredCall;
 use crate::analyze::{Finding, Report, RouterReport, Verdict, Witness};
-use crate::render::text::{details, inconclusive_line, once_per_router, why};
+use crate::render::text::{details, inconclusive_line, latent_line, once_per_router, rate, why};
 use crate::routing::Route;
 use std::fmt::Write;
 
@@ -34,7 +34,11 @@ pub fn check_html(report: &Report) -> String {
                 x: r.load.max_over_mean_load,
                 y: leak_rate(r),
                 label: r.router.clone(),
-                fill: if r.leaks() { "#cf222e" } else { "#2da44e" },
+                fill: match (r.leaks(), r.latent()) {
+                    (true, _) => "#cf222e",
+                    (false, true) => "#bc4c00",
+                    (false, false) => "#2da44e",
+                },
             })
             .collect();
         b.push_str(&scatter(
@@ -63,6 +67,9 @@ fn summary(b: &mut String, report: &Report) {
         false => ("leak", format!("{} of {n} router(s) leak: {}", leaking.len(), leaking.join(", "))),
     };
     let _ = writeln!(b, "<div class=\"summary {class}\">{}</div>", esc(&line));
+    if let Some(line) = latent_line(report) {
+        let _ = writeln!(b, "<div class=\"summary latent\">{}</div>", esc(&line));
+    }
     if let Some(line) = inconclusive_line(report) {
         let _ = writeln!(b, "<div class=\"summary inconclusive\">{}</div>", esc(&line));
     }
@@ -73,12 +80,12 @@ fn router(b: &mut String, i: usize, r: &RouterReport) {
     // As in the text table: a fix is written once per router, then "as above".
     let mut fixes: Vec<String> = Vec::new();
     let rows = r.findings.iter().map(|f| {
-        let rate = if f.verdict == Verdict::NotApplicable { "=–".into() } else { format!("={}", pct(f.rate, 1)) };
+        let cell = if f.verdict == Verdict::NotApplicable { "=–".into() } else { format!("={}", rate(f)) };
         vec![
             format!("{} {}", f.probe, esc(f.probe.name())),
             verdict_badge(f.verdict),
             esc(&f.property.to_string()),
-            rate,
+            cell,
             explanation(f, &mut fixes),
         ]
     });

@@ -53,6 +53,15 @@ pub fn model_html(report: &ModelReport) -> String {
         true => writeln!(b, "<div class=\"summary pass\">no probe leaks</div>"),
         false => writeln!(b, "<div class=\"summary leak\">leaks under probe(s) {}</div>", leaking.join(", ")),
     };
+    let latent: Vec<String> =
+        report.findings.iter().filter(|f| f.verdict == Verdict::Latent).map(|f| format!("{:?}", f.probe)).collect();
+    if !latent.is_empty() {
+        let _ = writeln!(
+            b,
+            "<div class=\"summary latent\">latent under probe(s) {}: only the capacity in force changed, no decision did</div>",
+            latent.join(", ")
+        );
+    }
     verdicts(&mut b, report);
     for f in report.findings.iter().filter(|f| f.verdict != Verdict::NotApplicable) {
         finding(&mut b, f);
@@ -91,13 +100,14 @@ fn verdicts(b: &mut String, report: &ModelReport) {
 fn finding(b: &mut String, f: &ModelFinding) {
     let _ = writeln!(
         b,
-        "<h2 id=\"probe-{:?}\">{:?} {} {}</h2>\n<p>{} of {} cases leak, {} differ by numerics only (near-ties on logits that moved); {} output rows changed beyond f32 tolerance.</p>",
+        "<h2 id=\"probe-{:?}\">{:?} {} {}</h2>\n<p>{} of {} cases leak, {} change only the capacity in force (latent), {} differ by numerics only (near-ties on logits that moved); {} output rows changed beyond f32 tolerance.</p>",
         f.probe,
         f.probe,
         esc(f.probe.name()),
         verdict_badge(f.verdict),
         f.leak_cases,
         f.cases,
+        f.latent_cases,
         f.drift_cases,
         f.outputs.changed
     );

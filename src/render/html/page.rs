@@ -14,7 +14,7 @@ table{border-collapse:collapse;margin:6px 0}th,td{border:1px solid #d0d7de;paddi
 th{background:#f6f8fa}td.n{text-align:right;font-variant-numeric:tabular-nums}
 .v{display:inline-block;padding:0 7px;border-radius:9px;font-weight:600;font-size:12px;white-space:nowrap}
 .pass{background:#dafbe1;color:#116329}.leak{background:#ffebe9;color:#a40e26}.drift{background:#fff8c5;color:#7d4e00}
-.na{background:#eaeef2;color:#57606a}.inconclusive{background:#fbefff;color:#6e40c9}
+.na{background:#eaeef2;color:#57606a}.inconclusive{background:#fbefff;color:#6e40c9}.latent{background:#fff1e5;color:#953800}
 .summary{font-size:16px;font-weight:600;margin:10px 0;padding:8px 12px;border-radius:6px}
 .row{display:flex;gap:24px;flex-wrap:wrap;align-items:flex-start}.grow{flex:1 1 640px;min-width:0}
 .card{border:1px solid #d0d7de;border-radius:6px;padding:8px 12px;margin:8px 0}
@@ -43,6 +43,7 @@ pub(super) fn verdict_badge(v: Verdict) -> String {
     let class = match v {
         Verdict::Pass => "pass",
         Verdict::Leak => "leak",
+        Verdict::Latent => "latent",
         Verdict::NotApplicable => "na",
         Verdict::Inconclusive => "inconclusive",
         Verdict::Drift => "drift",

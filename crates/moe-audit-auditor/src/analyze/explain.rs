@@ -32,7 +32,8 @@ pub struct Explanation {
     pub fix: String,
 }
 
-/// The explanation of a leak or a drift (none for a pass or a probe that does not apply).
+/// The explanation of a leak, a latent dependence or a drift (none for a pass or a probe that
+/// does not apply).
 /// `audited_in`: the mode the router is audited in (serving: M's calls are inference, then
 /// training).
 pub(crate) fn explain(
@@ -41,7 +42,7 @@ pub(crate) fn explain(
     config: Option<&RouterConfig>,
     audited_in: CallMode,
 ) -> Option<Explanation> {
-    if !matches!(f.verdict, Verdict::Leak | Verdict::Drift) {
+    if !matches!(f.verdict, Verdict::Leak | Verdict::Latent | Verdict::Drift) {
         return None;
     }
     let w = f.witness.as_ref();

@@ -78,8 +78,12 @@ impl fmt::Display for Property {
 pub enum Verdict {
     /// No token's routing or output changed.
     Pass,
-    /// Some token's routing or output changed.
+    /// Some token's routing decision or output changed.
     Leak,
+    /// Only the capacity in force changed: the rule depends on what it must not see, but no
+    /// decision changed on these inputs (one does where the capacity binds). Counted by
+    /// `--fail-on latent`, part of the default gate.
+    Latent,
     /// The probe cannot apply (batch of 1, no `[inference]` table, ...).
     NotApplicable,
     /// Some token changed, but no more than the router's own randomness explains (D fails):
@@ -158,7 +162,7 @@ pub struct InfluenceBucket {
 pub struct Finding {
     /// The probe.
     pub probe: Probe,
-    /// Pass, leak or not applicable.
+    /// Pass, leak, latent, ... ([`Verdict`]).
     pub verdict: Verdict,
     /// The property the probe tests.
     pub property: Property,
@@ -239,6 +243,11 @@ impl RouterReport {
         !self.invariants.is_empty() || self.findings.iter().any(|f| f.verdict == Verdict::Leak)
     }
 
+    /// Whether some probe found a latent dependence ([`Verdict::Latent`]).
+    pub fn latent(&self) -> bool {
+        self.findings.iter().any(|f| f.verdict == Verdict::Latent)
+    }
+
     /// Whether some probe could not tell a leak from the router's randomness.
     pub fn inconclusive(&self) -> bool {
         self.findings.iter().any(|f| f.verdict == Verdict::Inconclusive)
@@ -268,12 +277,6 @@ impl Report {
     /// Whether any router leaks.
     pub fn leaks(&self) -> bool {
         self.routers.iter().any(RouterReport::leaks)
-    }
-
-    /// Whether the gate fails: a router leaks, or some verdict is inconclusive (a random router
-    /// must not pass a gate silently, even when D is not among the probes). Exit code 1.
-    pub fn fails(&self) -> bool {
-        self.routers.iter().any(|r| r.leaks() || r.inconclusive())
     }
 }
 

@@ -67,7 +67,8 @@ impl Noise {
     pub(crate) fn of(repeats: &Repeats, audited_in: CallMode) -> Noise {
         let random = |mode| {
             let t = repeats.repeat_in(mode).map(Observed::tally)?;
-            t.differs().then(|| (t.affected, t.compared()))
+            // Randomness is decisions that change; a capacity alone is latent, not noise.
+            (t.affected > 0).then(|| (t.affected, t.compared()))
         };
         Noise { audited: random(CallMode::Train), other: random(CallMode::Inference), audited_in }
     }
@@ -160,7 +161,8 @@ fn modes_of(probe: Probe) -> &'static [CallMode] {
 
 /// Marks the findings of a router random in some mode: D's note says which mode and how much,
 /// and every other leak within what the randomness of the modes it called explains becomes
-/// [`Verdict::Inconclusive`]. Returns the fix (`seed_calls` as the router's adapter offers it),
+/// [`Verdict::Inconclusive`] (a latent finding stands: randomness changes decisions, not the
+/// capacity in force). Returns the fix (`seed_calls` as the router's adapter offers it),
 /// which D's explanation carries when D leaks and D's note when it passes; `None` for a
 /// deterministic router, whose findings are left as they are.
 pub(crate) fn separate(findings: &mut [Finding], noise: &Noise, seed_calls: Option<bool>) -> Option<String> {

@@ -70,13 +70,15 @@ impl Tally {
         self.influence.iter_mut().zip(other.influence).for_each(|(a, b)| *a += b);
     }
 
-    /// The verdict of what was seen.
+    /// The verdict of what was seen: a changed decision is a leak; a changed capacity in force
+    /// alone is latent (the record changed, [`TokenDiff::any`], no decision did).
+    ///
+    /// [`TokenDiff::any`]: moe_audit_core::routing::TokenDiff::any
     pub(crate) fn verdict(&self) -> Verdict {
-        // A leak is a changed routing record ([`TokenDiff::any`]): a changed decision, or the
-        // capacity in force alone (the rate counts decisions; the report says when only the
-        // capacity changed).
-        if self.differs() {
+        if self.affected > 0 {
             Verdict::Leak
+        } else if self.capacity_changed {
+            Verdict::Latent
         } else {
             Verdict::Pass
         }

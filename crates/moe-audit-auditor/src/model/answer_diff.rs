@@ -48,6 +48,8 @@ pub enum CaseClass {
     Drift,
     /// A real change of routing or of an output row.
     Leak,
+    /// No decision or output changed beyond numerics, but the capacity in force did.
+    Latent,
 }
 
 /// Compares token `ia` of `a` with token `ib` of `b` (flat, sequence-major indices).
@@ -106,21 +108,26 @@ pub(crate) fn top_k_margin(row: &[f32], k: usize) -> Option<f32> {
     Some(sorted[k - 1] - sorted[k])
 }
 
-/// A case's class from its pairs: the earliest layer with a change decides (numerics there
-/// makes the whole case drift); an output beyond tolerance with no routing change is a leak.
+/// A case's class from its pairs: the earliest layer with a changed decision decides (numerics
+/// there makes the whole case drift); an output beyond tolerance with no routing change is a
+/// leak; a capacity in force that changed with neither is latent (a drift's too: a capacity
+/// is computed from token counts, never rounded).
 pub(crate) fn classify_case(pairs: &[PairResult]) -> CaseClass {
     let layers = pairs.first().map_or(0, |p| p.layers.len());
-    for l in 0..layers {
-        let changes: Vec<&Change> = pairs.iter().filter_map(|p| p.layers[l].as_ref()).collect();
-        if changes.is_empty() {
-            continue;
-        }
-        return if changes.iter().any(|c| !c.numerics) { CaseClass::Leak } else { CaseClass::Drift };
+    let decided = (0..layers).find_map(|l| {
+        let changes: Vec<&Change> =
+            pairs.iter().filter_map(|p| p.layers[l].as_ref()).filter(|c| c.diff.decision()).collect();
+        (!changes.is_empty()).then(|| changes.iter().any(|c| !c.numerics))
+    });
+    let output = || pairs.iter().any(|p| p.output.is_some_and(|d| d > OUTPUT_TOLERANCE));
+    let capacity = || pairs.iter().any(|p| p.capacity.contains(&true));
+    match decided {
+        Some(true) => CaseClass::Leak,
+        None if output() => CaseClass::Leak,
+        _ if capacity() => CaseClass::Latent,
+        Some(false) => CaseClass::Drift,
+        None => CaseClass::Same,
     }
-    if pairs.iter().any(|p| p.output.is_some_and(|d| d > OUTPUT_TOLERANCE)) {
-        return CaseClass::Leak;
-    }
-    CaseClass::Same
 }
 
 #[cfg(test)]

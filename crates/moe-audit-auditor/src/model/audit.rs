@@ -8,7 +8,7 @@
 
 mod plan;
 
-use super::answer_diff::{classify_case, compare_pair, CaseClass, PairResult, OUTPUT_TOLERANCE};
+use super::answer_diff::{classify_case, compare_pair, CaseClass, Change, PairResult, OUTPUT_TOLERANCE};
 use super::{Model, ModelInfo, ModelOutput, TokenCall};
 use crate::analyze::{Probe, Property, Verdict};
 use moe_audit_core::error::{Error, Result, Setting};
@@ -105,7 +105,7 @@ pub struct ModelFinding {
     pub probe: Probe,
     /// The property it tests.
     pub property: Property,
-    /// Pass, leak, drift or not applicable.
+    /// Pass, leak, latent, drift or not applicable.
     pub verdict: Verdict,
     /// Cases run (model calls, besides the base call; S makes two per case).
     pub cases: usize,
@@ -113,6 +113,9 @@ pub struct ModelFinding {
     pub drift_cases: usize,
     /// Cases with a real change.
     pub leak_cases: usize,
+    /// Cases where only the capacity in force changed (no decision, no output).
+    #[serde(default)]
+    pub latent_cases: usize,
     /// The earliest routed layer where some token's routing changed in a leaking case.
     pub first_layer: Option<usize>,
     /// Per routed layer.
@@ -248,6 +251,7 @@ fn run_probe(
     let mut layers: Vec<LayerTally> = info.routed().map(|l| LayerTally::new(l.layer)).collect();
     let mut finding = ModelFinding::new(probe, plan.cases.len(), plan.note);
     finding.positions = PositionTally::new(layers.len(), base.seq_len);
+    let mut witnessed = None;
     for case in &plan.cases {
         for call in &case.before {
             model.call(call)?;
@@ -258,6 +262,7 @@ fn run_probe(
         let class = classify_case(&results);
         match class {
             CaseClass::Leak => finding.leak_cases += 1,
+            CaseClass::Latent => finding.latent_cases += 1,
             CaseClass::Drift => finding.drift_cases += 1,
             CaseClass::Same => {}
         }
@@ -266,8 +271,13 @@ fn run_probe(
             finding.positions.add(ia % base.seq_len, r, class);
             finding.outputs.add(r.output, class);
         }
-        if class == CaseClass::Leak && finding.witness.is_none() {
-            finding.witness = Some(witness(info, probe, base, base_out, case, &out, &results));
+        // The witness replays with the finding's verdict: the first leaking case's, else the
+        // first latent one's.
+        let wanted =
+            matches!((class, witnessed), (CaseClass::Leak, None | Some(CaseClass::Latent)) | (CaseClass::Latent, None));
+        if wanted {
+            finding.witness = Some(witness(info, probe, base, base_out, (case, class), &out, &results));
+            witnessed = Some(class);
         }
     }
     finding.finish(layers);
@@ -282,7 +292,7 @@ fn tally_layers(layers: &mut [LayerTally], r: &PairResult, class: CaseClass) {
     for (l, (tally, change)) in layers.iter_mut().zip(&r.layers).enumerate() {
         tally.compared += 1;
         tally.capacity_only += usize::from(r.capacity[l]);
-        // A capacity alone makes the case leak (`classify_case`); the counts are decisions.
+        // A capacity alone makes the case latent (`classify_case`); the counts are decisions.
         let Some(c) = change.filter(|c| c.diff.decision()) else { continue };
         if c.numerics {
             tally.near_ties += 1;
@@ -346,6 +356,7 @@ impl ModelFinding {
             cases,
             drift_cases: 0,
             leak_cases: 0,
+            latent_cases: 0,
             first_layer: None,
             layers: Vec::new(),
             outputs: OutputTally::default(),
@@ -363,9 +374,10 @@ impl ModelFinding {
         self.first_layer = layers.iter().find(|t| t.first > 0).map(|t| t.layer);
         self.layers = layers;
         if self.verdict == Verdict::Pass {
-            self.verdict = match (self.leak_cases, self.drift_cases) {
-                (0, 0) => Verdict::Pass,
-                (0, _) => Verdict::Drift,
+            self.verdict = match (self.leak_cases, self.latent_cases, self.drift_cases) {
+                (0, 0, 0) => Verdict::Pass,
+                (0, 0, _) => Verdict::Drift,
+                (0, _, _) => Verdict::Latent,
                 _ => Verdict::Leak,
             };
         }
@@ -379,20 +391,22 @@ fn max_opt(a: Option<f32>, b: Option<f32>) -> Option<f32> {
     }
 }
 
-/// The leaking case's first token at its earliest changed layer (by layer, then token order),
-/// or its first changed output row.
+/// The leaking case's first token at its earliest layer with a real decision change (by layer,
+/// then token order), or its first changed output row; a latent case's first token whose
+/// capacity in force changed.
 fn witness(
     info: &ModelInfo,
     probe: Probe,
     base: &TokenCall,
     base_out: &ModelOutput,
-    case: &Case,
+    (case, class): (&Case, CaseClass),
     out: &ModelOutput,
     results: &[PairResult],
 ) -> TokenWitness {
     let layers = base_out.layers.len();
+    let shows = |c: Change| !c.numerics && (c.diff.decision() || class == CaseClass::Latent);
     let at_layer = (0..layers).find_map(|l| {
-        let i = results.iter().position(|r| r.layers[l].is_some_and(|c| !c.numerics))?;
+        let i = results.iter().position(|r| r.layers[l].is_some_and(shows))?;
         Some((Some(l), i, results[i].layers[l].expect("found").diff.describe()))
     });
     let (layer, i, changed) = at_layer.unwrap_or_else(|| {
@@ -419,9 +433,10 @@ fn witness(
     }
 }
 
-/// Replays a witness against `model`: both calls again, and whether the token still differs
-/// at the witness's layer (or in its output row) beyond numerics.
-pub fn replay(model: &dyn Model, w: &TokenWitness) -> Result<bool> {
+/// Replays a witness against `model`: both calls again, and how the token differs now at the
+/// witness's layer (or in its output row) beyond numerics: a changed decision or output row is
+/// a leak, the capacity in force alone latent, nothing a pass.
+pub fn replay(model: &dyn Model, w: &TokenWitness) -> Result<Verdict> {
     let info = model.info();
     if w.model != info.name {
         let model = moe_audit_core::error::excerpt(&w.model);
@@ -446,7 +461,12 @@ pub fn replay(model: &dyn Model, w: &TokenWitness) -> Result<bool> {
     let (a, b) = (model.call(&w.a)?, model.call(&w.b)?);
     let r = compare_pair(&a, ia, &b, ib, info.outputs);
     Ok(match layer {
-        Some(l) => r.layers[l].is_some_and(|c| !c.numerics),
-        None => r.output.is_some_and(|d| d > OUTPUT_TOLERANCE),
+        Some(l) => match r.layers[l].filter(|c| !c.numerics) {
+            Some(c) if c.diff.decision() => Verdict::Leak,
+            Some(_) => Verdict::Latent,
+            None => Verdict::Pass,
+        },
+        None if r.output.is_some_and(|d| d > OUTPUT_TOLERANCE) => Verdict::Leak,
+        None => Verdict::Pass,
     })
 }

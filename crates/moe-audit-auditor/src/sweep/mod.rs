@@ -80,6 +80,9 @@ pub struct CellResult {
     pub leak_rate: f64,
     /// Probes with a leak verdict, e.g. `P F N R`.
     pub leaking: String,
+    /// Probes with a latent verdict (only the capacity in force changed), e.g. `R L`.
+    #[serde(default)]
+    pub latent: String,
     /// M: share of tokens routed differently by the `[inference]` rule (`None`: no such table).
     pub mismatch: Option<f64>,
     /// Mean relative output change (L2, relative to the larger of the two outputs) of the first
@@ -297,7 +300,8 @@ fn run_cell(grid: &Grid, cell: &Cell, layer: &MoeLayer) -> Result<CellResult> {
         max_over_mean_kept: kept_imbalance(&routing),
         leaks,
         leak_rate,
-        leaking: leaking(&report),
+        leaking: with_verdict(&report, Verdict::Leak),
+        latent: with_verdict(&report, Verdict::Latent),
         mismatch: rate(Probe::M),
         output_change,
         output_change_affected,
@@ -316,9 +320,9 @@ fn exploit_cell(cell: &Cell, options: &ExploitOptions) -> Result<RouterExploit> 
     Ok(report.routers.remove(0))
 }
 
-fn leaking(report: &RouterReport) -> String {
-    let probes: Vec<String> =
-        report.findings.iter().filter(|f| f.verdict == Verdict::Leak).map(|f| f.probe.to_string()).collect();
+/// The probes of verdict `v`, e.g. `P F N R`.
+fn with_verdict(report: &RouterReport, v: Verdict) -> String {
+    let probes: Vec<String> = report.findings.iter().filter(|f| f.verdict == v).map(|f| f.probe.to_string()).collect();
     probes.join(" ")
 }
 

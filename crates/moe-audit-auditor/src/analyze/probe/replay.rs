@@ -48,7 +48,8 @@ impl Rule for Replay {
             let outcome = o.case.compare(&o.first, &o.second);
             let t = Tally::of(&outcome);
             all.merge(&t);
-            if let Some(why) = noise.explains(&[o.modes.0], t.affected, t.compared()).filter(|_| t.differs()) {
+            // Randomness explains changed decisions, never a capacity in force alone (latent).
+            if let Some(why) = noise.explains(&[o.modes.0], t.affected, t.compared()).filter(|_| t.affected > 0) {
                 explained.push((o.label, why));
                 continue;
             }

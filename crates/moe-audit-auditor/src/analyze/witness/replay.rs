@@ -8,7 +8,7 @@
 
 use super::{load, Witness};
 use crate::analyze::case::{Call, CallMode};
-use crate::analyze::Probe;
+use crate::analyze::{Probe, Verdict};
 use moe_audit_core::config::RouterConfig;
 use moe_audit_core::error::{excerpt, excerpt_long, Error, Result};
 use moe_audit_core::router::Router;
@@ -112,11 +112,21 @@ pub struct Replay {
 }
 
 impl Replay {
-    /// Whether the leak (X: the drift) reproduces, judged by the audit's rule
-    /// ([`TokenDiff::any`]): a capacity in force that changed is a leak, whether or not a
-    /// decision did.
+    /// Whether the witness's change reproduces, judged by the audit's rule
+    /// ([`TokenDiff::any`]): a changed decision, or the capacity in force alone.
     pub fn reproduces(&self) -> bool {
         self.diff.any()
+    }
+
+    /// The verdict the replay shows, as the audit's probe would give it: X's change is drift,
+    /// a changed decision a leak, the capacity in force alone latent; nothing changed a pass.
+    pub fn verdict(&self) -> Verdict {
+        match (self.diff.any(), self.diff.decision()) {
+            (false, _) => Verdict::Pass,
+            _ if self.witness.probe == Probe::X => Verdict::Drift,
+            (true, true) => Verdict::Leak,
+            (true, false) => Verdict::Latent,
+        }
     }
 }
 
