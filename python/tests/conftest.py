@@ -11,6 +11,7 @@ deselected by that run's command line (marker ``megatron_core_0_19``), never ski
 from __future__ import annotations
 
 import os
+from collections.abc import Generator
 
 import pytest
 
@@ -26,7 +27,8 @@ def _skips_fail_under_ci(report: pytest.CollectReport | pytest.TestReport) -> No
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_make_collect_report(collector: pytest.Collector) -> pytest.CollectReport:
+def pytest_make_collect_report(
+        collector: pytest.Collector) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
     """A module skipped while it is imported (``pytest.importorskip`` at its top)."""
     report: pytest.CollectReport = yield
     _skips_fail_under_ci(report)
@@ -34,7 +36,8 @@ def pytest_make_collect_report(collector: pytest.Collector) -> pytest.CollectRep
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> pytest.TestReport:
+def pytest_runtest_makereport(item: pytest.Item,
+                               call: pytest.CallInfo[None]) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     """A test skipped by a mark or from its body."""
     report: pytest.TestReport = yield
     _skips_fail_under_ci(report)
