@@ -104,7 +104,7 @@ def test_routes_r3_prints_the_figures_docs_routes_quotes(tmp_path):
     assert usage, "routes_r3.py's docstring shows how to run it"
     chart = tmp_path / "bf16-layers.svg"
     command = usage.group(1).replace("OUT_DIR", shlex.quote(str(tmp_path / "out")))
-    done = shell(f"{command} --chart {shlex.quote(str(chart))}", REPO, timeout=1200)
+    done = shell(f"{command} --chart {shlex.quote(str(chart))}", REPO, timeout=1800)
     assert done.returncode == 0, done.stdout + done.stderr
     printed = {m[0]: (m[1], m[2]) for m in
                re.findall(r"^(engine-\w+) decode vs fp32 forward\s+([\d.]+)%\s+([\d.]+)%$", done.stdout, re.M)}

@@ -143,7 +143,8 @@ fn moe_audit_steps(workflow: &[&str]) -> Vec<(String, String)> {
 fn run_step(dir: &Path, script: &str) -> std::process::Output {
     let bin_dir = Path::new(BIN).parent().expect("the binary's folder");
     let path = std::env::join_paths(
-        std::iter::once(bin_dir.to_path_buf()).chain(std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())),
+        std::iter::once(bin_dir.to_path_buf())
+            .chain(std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())),
     )
     .expect("PATH");
     Command::new("bash")
