@@ -1,8 +1,11 @@
 """A Hugging Face transformers MoE block audited as it is: Mixtral's sparse MoE block, tiny.
 
-Run: moe-audit check --router-cmd "python3 python/examples/hf_router.py"   (needs torch and
-transformers: pip install "moe-audit[hf]"). Any covered block or router works the same way
-(moe_audit.hf lists them); the gate, built from a config, is seeded.
+Token choice without capacity: no leak. Needs torch and transformers (pip install "moe-audit[hf]"):
+
+    moe-audit check --router-cmd "python3 python/examples/hf_router.py"   # exit 0
+
+Any covered block or router works the same way (moe_audit.hf lists them); the gate, built from a
+config, is seeded.
 """
 
 from transformers import MixtralConfig

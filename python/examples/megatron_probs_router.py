@@ -3,8 +3,10 @@
 Softmax over all experts, top-2, capacity C = ceil(T * k / E * cf) over all T tokens of the
 call, each expert keeping its C routes with the largest gate (ties to the lower token index);
 gates are not renormalised after dropping. A later, stronger token evicts an earlier one and C
-depends on T, so moe-audit finds leaks on P, F, N and R.
-Run: moe-audit check --router-cmd "python3 python/examples/megatron_probs_router.py"
+depends on T, so moe-audit finds leaks on P, F, N and R, and on L (split over ranks, each rank's
+tokens compete for a smaller capacity of their own):
+
+    moe-audit check --router-cmd "python3 python/examples/megatron_probs_router.py"   # exit 1: P F N R L leak
 """
 
 import math

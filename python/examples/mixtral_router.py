@@ -1,7 +1,9 @@
 """A Mixtral-style router: a bias-free gate on hidden states, top-2, softmax over the two.
 
 Token choice without capacity: each token's routing depends on its own hidden state only, so
-moe-audit finds no leak. Run: moe-audit check --router-cmd "python3 python/examples/mixtral_router.py"
+moe-audit finds no leak:
+
+    moe-audit check --router-cmd "python3 python/examples/mixtral_router.py"   # exit 0
 """
 
 import numpy as np

@@ -23,9 +23,8 @@ import sys
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import moe_audit.routes as routes  # noqa: E402
-from moe_audit import binary  # noqa: E402
+import moe_audit.routes as routes
+from moe_audit import binary
 
 BATCH, SEQ, PROMPT = 4, 256, 32
 

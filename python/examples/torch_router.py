@@ -1,9 +1,9 @@
 """Recipe: audit a PyTorch router module (Megatron-LM, DeepSpeed, Hugging Face) with moe-audit.
 
 Copy this file next to your model code and adapt the three marked places. It needs torch (and
-numpy); moe-audit talks to it over stdin/stdout:
+numpy); moe-audit talks to it over stdin/stdout (as it is, top-2 per token: no leak):
 
-    moe-audit check --router-cmd "python3 torch_router.py"
+    moe-audit check --router-cmd "python3 torch_router.py"   # exit 0
 
 1. Build the router exactly as training builds it (same config, same capacity factor, same drop
    policy) and load a checkpoint if the gate's weights matter (`input="hidden"`). For a router

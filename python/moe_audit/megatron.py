@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -211,9 +210,9 @@ class Router:
         self.top_k = int(self.router.topk)
         self.hidden_size = int(self.router.weight.shape[1])
         self.protocol = adapter.protocol_name(protocol)
-        # Quantile balancing (0.19) refuses a padding mask (router.py:768-771 in 0.19.2).
+        # Quantile balancing (0.19) refuses a padding mask (NVIDIA/Megatron-LM core_v0.19.0
+        # router.py:768-771, as PyPI's 0.19.2 ships it).
         self.padding_mask = (self.protocol != v1.PROTOCOL
-                             and "padding_mask" in inspect.signature(self.router.forward).parameters
                              and config.moe_router_load_balancing_type != "quantile_balancing")
         self.seed_calls = seed_calls
         self.name = name or _name(config, self.top_k)
