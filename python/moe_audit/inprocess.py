@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shlex
 import socket
@@ -247,8 +248,10 @@ def check(router: Any, *args: Any, timeout: float = 900, **spec: Any) -> Report:
     if failure:
         raise failure[0]
     # Messages name the router's command: here the hand-over, which means nothing to the user.
+    # moe-audit quotes it whole, or cut to an excerpt when long (`start…[N chars in all]…end`).
     label = f"{name} (served in this Python process)"
-    stdout, stderr = (text.replace(command, label) for text in (proc.stdout, proc.stderr))
+    handover = re.compile(re.escape(command) + "|" + re.escape(command[:8]) + r"[^`]*…\[\d+ chars in all\]…[^`]*")
+    stdout, stderr = (handover.sub(lambda _: label, text) for text in (proc.stdout, proc.stderr))
     if proc.returncode not in (0, 1):
         # The error is its last line (notes and warnings may come before it).
         lines = stderr.strip().splitlines()
