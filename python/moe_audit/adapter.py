@@ -392,8 +392,10 @@ def serve(route: RouteFn, name: str, experts: int, top_k: int | None, input: str
     hs = handshake(name, experts, top_k, input, hidden_size, protocol, padding_mask, seed_calls)
     wire = PROTOCOLS[hs["protocol"]]
     width = hs["experts"] if input == "logits" else hs["hidden_size"]
+    from .distributed import protocol_stdout
+
     inp = stdin or sys.stdin.buffer
-    out = stdout or sys.stdout.buffer
+    out = stdout or protocol_stdout()
     call = _caller(route)
     quiet: Any = contextlib.nullcontext()
     if stdout is None:

@@ -48,7 +48,9 @@ other probes see the gate's own dependence on other tokens. Needs torch and deep
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -57,10 +59,14 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from . import adapter
+from . import adapter, distributed
 from ._wire import v2
 from .hf.seeded import PerToken
 
+# Without a GPU DeepSpeed must be told to use its CPU accelerator before it is imported
+# (deepspeed/accelerator/real_accelerator.py reads DS_ACCELERATOR).
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # DeepSpeed logs to stdout (deepspeed/utils/logging.py:45), where the protocol is spoken: a
 # logger created during this import writes to stderr, one created before is pointed there.
 with contextlib.redirect_stdout(sys.stderr):
@@ -68,6 +74,13 @@ with contextlib.redirect_stdout(sys.stderr):
 for _handler in logging.getLogger("DeepSpeed").handlers:
     if isinstance(_handler, logging.StreamHandler) and _handler.stream is sys.stdout:
         _handler.setStream(sys.stderr)
+if os.environ.get("DS_ACCELERATOR") == "cpu":
+    # On the CPU accelerator `deepspeed.init_distributed` JIT-builds a shared-memory allreduce op
+    # with ninja (deepspeed 0.19.8 comm/torch.py:47-53, called at :207): a compiler run of about a
+    # minute, or an error when ninja is not on the PATH. An optimisation of all-reduce only:
+    # collectives go through gloo without it.
+    _comm: Any = importlib.import_module("deepspeed.comm.torch")
+    _comm.build_shm_op = lambda: None
 
 
 def find_gate(module: torch.nn.Module) -> Any:
@@ -170,6 +183,124 @@ class Gate:
                     argv=argv, protocol=self.protocol, seed_calls=self.seed_calls)
 
 
+def _experts(moe: Any) -> Any:
+    """The local experts of a ``deepspeed.moe.layer.MoE`` (``Experts.deepspeed_experts``)."""
+    return moe.deepspeed_moe.experts.deepspeed_experts
+
+
+def _ep_group(moe: Any) -> Any:
+    """The layer's expert-parallel group, made as ``deepspeed.initialize`` makes it
+    (``set_deepspeed_parallelism``, deepspeed/moe/layer.py:86-103) when the script has not."""
+    if moe.deepspeed_moe.ep_group is None:
+        with contextlib.redirect_stdout(sys.stderr):  # it prints the group's name (layer.py:92)
+            moe.set_deepspeed_parallelism()
+    return moe.deepspeed_moe.ep_group
+
+
+class Layer:
+    """A ``deepspeed.moe.layer.MoE`` run on this rank's sequences over its expert-parallel group
+    (a :class:`moe_audit.distributed.Driver`).
+
+    Per call: the rank's ``[b_local, seq_len, hidden]`` rows go in as ``MoE.forward`` takes them
+    (``MOELayer`` flattens them sequence-major, sharded_moe.py:660); the choices before any drop
+    come from the gate called as :class:`Gate` calls it, under a copy of the random state the
+    layer then draws again, and the kept routes, their combine gates and the capacity from the
+    layer's own gate call (its output caught as the layer makes it); the capacity is this rank's,
+    computed over its own tokens (``_capacity``, sharded_moe.py:152-162). The output rows are the
+    layer's output (``MoE.forward`` returns ``(output, l_aux, exp_counts)``).
+    """
+
+    def __init__(self, moe: torch.nn.Module, *, name: str | None = None, seed_calls: bool = False) -> None:
+        self.moe = moe
+        self.gate = Gate(moe, name=name, seed_calls=seed_calls)
+        self.group = _ep_group(moe)
+        self.experts, self.top_k, self.hidden_size = self.gate.experts, self.gate.top_k, self.gate.hidden_size
+        self.dtype = next(_experts(moe).parameters()).dtype
+        self.output_dtype = str(self.dtype).removeprefix("torch.")
+        self.seed_calls = seed_calls
+        g = self.gate.gate
+        policy = f"cf{g.capacity_factor:g}" if g.drop_tokens else "dropless"
+        sampled = "-sampled" if self.top_k == 2 and g.top2_2nd_expert_sampling else ""
+        self.name = name or f"deepspeed-top{self.top_k}{sampled}-{policy}-ep{moe.ep_size}"
+
+    @torch.no_grad()
+    def forward(self, hidden: torch.Tensor, mode: str, seed: int | None) -> distributed.Local:
+        self.moe.train(mode == "train")
+        g = self.gate.gate
+        data = hidden.numpy()
+        x = hidden.to(g.wg.weight.device, g.wg.weight.dtype)
+        flat = x.reshape(-1, self.hidden_size)
+
+        def draws() -> AbstractContextManager[Any]:
+            return PerToken(seed, data) if self.seed_calls and seed is not None else contextlib.nullcontext()
+
+        devices = [x.device.index or 0] if x.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            # min_capacity bounded by the tokens: only top-1 reads it without dropping, and asserts.
+            fits = min(g.min_capacity, flat.shape[0])
+            chosen, gates, _ = self.gate._gate(flat, draws, drop_tokens=False, min_capacity=fits)
+        seen: dict[str, Any] = {}
+
+        def keep(_module: Any, _args: Any, result: Any) -> None:
+            _, capacity, _, survivors, _, kept_gates, _ = result
+            seen.update(capacity=int(capacity), survivors=survivors.t().long().cpu(),
+                        kept_gates=kept_gates.t().double().cpu())
+
+        hook = g.register_forward_hook(keep)
+        try:
+            with draws():
+                output, _, _ = self.moe(x.to(self.dtype))
+        finally:
+            hook.remove()
+        survivors = seen["survivors"]
+        kept = survivors >= 0
+        if not torch.equal(survivors[kept], chosen[kept]):
+            t = int(torch.nonzero((survivors != chosen) & kept)[0, 0])
+            raise RuntimeError(f"moe_audit.deepspeed: token {t} chose other experts in the layer than under the same "
+                               "random draws with drop_tokens=False")
+        weights = torch.where(kept, seen["kept_gates"], gates)
+        capacity = max(seen["capacity"], g.min_capacity) if g.drop_tokens else None
+        out = output.detach().float().cpu().numpy().reshape(-1, self.hidden_size)
+        return distributed.Local(chosen.numpy(), weights.numpy(), kept.numpy(), capacity,
+                                 np.ascontiguousarray(out, dtype=np.float32))
+
+    def fingerprint(self) -> str | None:
+        """The gate's weight and every expert's parameters in global expert order (local expert i
+        of EP rank r is global expert r * local + i), gathered over the expert-parallel group."""
+        import torch.distributed as dist
+
+        mine = [b"".join(p.detach().float().cpu().numpy().tobytes() for _, p in sorted(e.named_parameters()))
+                for e in _experts(self.moe)]
+        everyone: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(everyone, mine, group=self.group)
+        gate = self.gate.gate.wg.weight.detach().float().cpu().numpy().tobytes()
+        return distributed.fingerprint_of([gate] + [e for rank in everyone for e in rank])
+
+
+def seed_experts(moe: Any, seed: int = 0, std: float = 0.02) -> None:
+    """Sets a ``deepspeed.moe.layer.MoE``'s gate weight and every expert's parameters from
+    ``seed``, each expert's from a generator keyed by its global id: ``Experts`` deep-copies one
+    module into every local expert (deepspeed/moe/experts.py:18), so all experts start equal, and
+    the same script at another EP size would build another layer."""
+    import torch.distributed as dist
+
+    local = _experts(moe)
+    first = dist.get_rank(_ep_group(moe)) * len(local) if dist.is_initialized() else 0
+    with torch.no_grad():
+        weight = find_gate(moe).wg.weight
+        weight.copy_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(seed)) * std)
+        for i, expert in enumerate(local):
+            g = torch.Generator().manual_seed(seed * 1_000_003 + first + i + 1)
+            for _, p in sorted(expert.named_parameters()):
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+
+
+def run_layer(moe: torch.nn.Module, placement: str = "contiguous", **options: Any) -> None:
+    """Serves a ``deepspeed.moe.layer.MoE`` built on this rank to moe-audit across the launch's
+    ranks (every rank calls it; see :mod:`moe_audit.distributed`); options ``name``, ``seed_calls``."""
+    distributed.run_driver(Layer(moe, **options), placement)
+
+
 def wrap(gate: torch.nn.Module, **options: Any) -> Gate:
     """A :class:`Gate` serving a ``TopKGate`` (or an ``MoE``'s or ``MOELayer``'s) to moe-audit:
     options ``seed`` (torch's global generator, once), ``name``, ``protocol``, ``seed_calls``."""
@@ -177,8 +308,16 @@ def wrap(gate: torch.nn.Module, **options: Any) -> Gate:
 
 
 def run(gate: torch.nn.Module, argv: Sequence[str] | None = None, **options: Any) -> None:
-    """``wrap(gate, **options).run(argv)``: serves it to ``moe-audit check --router-cmd``."""
-    wrap(gate, **options).run(argv)
+    """Serves to ``moe-audit check --router-cmd``: a ``deepspeed.moe.layer.MoE`` in a process
+    launched by ``torch.distributed.run`` (``RANK`` set) as a layer across the launch's ranks
+    (:func:`run_layer`, options ``placement``, ``name``, ``seed_calls``), anything else as its gate
+    (``wrap(gate, **options).run(argv)``)."""
+    from deepspeed.moe.layer import MoE
+
+    if isinstance(gate, MoE) and "RANK" in os.environ:
+        run_layer(gate, **options)
+    else:
+        wrap(gate, **options).run(argv)
 
 
-__all__ = ["Gate", "find_gate", "run", "wrap"]
+__all__ = ["Gate", "Layer", "find_gate", "run", "run_layer", "seed_experts", "wrap"]

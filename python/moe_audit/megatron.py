@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -57,14 +58,76 @@ from megatron.core.transformer.moe import router as router_module
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from . import adapter
+from . import adapter, distributed
 from ._wire import v1, v2
 from .hf.seeded import PerToken
 
 # Without Transformer Engine, megatron-core 0.16.1 never defines `te_general_gemm` (moe_utils.py:22-39)
-# but its gate reads it (moe_utils.py:1192): a NameError on every call. None is what it means there.
+# but its gate reads it (moe_utils.py:1192): a NameError on every call, on a GPU too. None is what
+# it means there.
 if not hasattr(moe_utils, "te_general_gemm"):
     moe_utils.te_general_gemm = None
+
+
+class _NoStream:
+    """A CUDA stream's methods Megatron calls, doing nothing: on the CPU every op is in order."""
+
+    def wait_stream(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record_event(self, *args: Any, **kwargs: Any) -> _NoStream:
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+
+def cpu_workarounds() -> None:
+    """What megatron-core (0.16.1 lines cited) needs to run an MoE layer or a GPTModel on a
+    machine without CUDA, each found by running it there; applied on import when CUDA is not
+    available, never on a GPU machine:
+
+    - ``torch.cuda.current_device()`` answers the CPU: Megatron allocates on it, first when the
+      router moves its weight "to the GPU" on every forward (``transformer/moe/router.py:88-92``),
+      then in the all-gather/all-to-all buffers (``tensor_parallel/mappings.py:91,141``);
+    - ``torch.cuda.Stream``/``current_stream``/``stream`` do nothing: the alltoall dispatcher makes
+      a stream in its constructor (``transformer/moe/token_dispatcher.py:445``) and moves its splits
+      to the host on it (``:862-899``);
+    - the model-parallel RNG tracker uses torch's CPU generator: ``model_parallel_cuda_manual_seed``
+      reads ``torch.cuda.get_rng_state()`` (``tensor_parallel/random.py:235-240``), which asks for a
+      driver;
+    - the alltoall dispatcher's split sizes become numpy arrays on the CPU too:
+      ``maybe_move_tensor_to_cpu`` converts only CUDA tensors (``transformer/moe/moe_utils.py:1093``),
+      and gloo's ``all_to_all_single`` refuses tensors as split sizes;
+    - a GPTModel's default causal mask is made on the CPU (``transformer/utils.py:35`` makes it on
+      ``"cuda"``; ``fusions/fused_softmax.py:327`` uses it when no mask is given).
+    """
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.tensor_parallel import random as mp_random
+    from megatron.core.transformer.moe import token_dispatcher
+
+    cpu = torch.device("cpu")
+    torch.cuda.current_device = lambda: cpu  # type: ignore[assignment,return-value]  # used as `device=`
+    torch.cuda.Stream = lambda *a, **k: _NoStream()  # type: ignore[assignment,misc]
+    torch.cuda.current_stream = lambda *a, **k: _NoStream()  # type: ignore[assignment]
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
+    torch.cuda.manual_seed = torch.manual_seed  # type: ignore[assignment]
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    mp_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    to_host = token_dispatcher.maybe_move_tensor_to_cpu
+    if not getattr(to_host, "moe_audit", False):
+        def host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+            if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+                return tensor.numpy()
+            return to_host(tensor, as_numpy, record_stream)
+
+        host.moe_audit = True  # type: ignore[attr-defined]
+        token_dispatcher.maybe_move_tensor_to_cpu = host
+    fused_softmax.get_default_causal_mask = lambda sq: torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+
+
+if not torch.cuda.is_available():
+    cpu_workarounds()
 
 
 def _no_groups() -> Any:
@@ -250,6 +313,112 @@ class Router:
                     seed_calls=self.seed_calls)
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class Layer:
+    """A Megatron-Core ``MoELayer`` as built by the user's script, run on this rank's sequences
+    over its expert-parallel group (a :class:`moe_audit.distributed.Driver`).
+
+    Per call, under ``torch.no_grad()``: the rank's ``[b_local, seq_len, hidden]`` rows go in as
+    Megatron's ``[seq_len, b_local, hidden]`` (the layer flattens tokens position-major: who is
+    "earlier" for a capacity), ``.train()``/``.eval()`` from the mode; the routes are read from
+    the router's outputs as :class:`Router` reads them (top-k before dropping, kept after, the
+    capacity ``get_capacity`` computed: over this rank's tokens, ``router.py:587-595``), the output
+    rows from the layer's output (``MoELayer.forward`` returns ``(output, mlp_bias)``), both
+    returned in moe-audit's order (``b * seq_len + s``).
+    """
+
+    def __init__(self, layer: torch.nn.Module, *, name: str | None = None, seed_calls: bool = False) -> None:
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+
+        if not isinstance(layer, MoELayer):
+            raise TypeError(f"moe_audit.megatron: expected an MoELayer, got {type(layer).__name__}")
+        self.layer = layer
+        self.router = layer.router
+        config = self.router.config
+        self.experts = int(config.num_moe_experts)
+        self.top_k = int(self.router.topk)
+        self.hidden_size = int(self.router.weight.shape[1])
+        self.dtype = next(p.dtype for p in layer.experts.parameters())
+        self.output_dtype = _dtype_name(self.dtype)
+        self.seed_calls = seed_calls
+        ep = int(config.expert_model_parallel_size)
+        self.name = name or f"{_name(config, self.top_k)}-{config.moe_token_dispatcher_type}-ep{ep}"
+
+    @torch.no_grad()
+    def forward(self, hidden: torch.Tensor, mode: str, seed: int | None) -> Any:
+        batch, seq_len = hidden.shape[:2]
+        self.layer.train(mode == "train")
+        device = self.router.weight.device
+        x = hidden.transpose(0, 1).contiguous().to(device, self.dtype)  # [S, b, H]
+        seen_routes: dict[str, Any] = {}
+
+        def keep(_module: Any, _args: Any, result: Any) -> None:
+            seen_routes["probs"], seen_routes["map"] = result
+
+        hook = self.router.register_forward_hook(keep)
+        rows = x.float().cpu().numpy()
+        seeded = PerToken(seed, rows) if self.seed_calls and seed is not None else contextlib.nullcontext()
+        try:
+            with _dropping() as seen, seeded:
+                output, _ = self.layer(x)
+        finally:
+            hook.remove()
+        experts, weights, kept = (_sequence_major(a, seq_len, batch)
+                                  for a in decode(seen_routes["probs"], seen_routes["map"], seen.get("before")))
+        out = output.detach().float().cpu().numpy().transpose(1, 0, 2).reshape(batch * seq_len, -1)
+        rows_out = np.ascontiguousarray(out, dtype=np.float32)
+        return distributed.Local(experts, weights, kept, seen.get("capacity"), rows_out)
+
+    def fingerprint(self) -> str | None:
+        """The router's weight and every expert's parameters in global expert order, gathered over
+        the expert-parallel group (a SequentialMLP: local expert i of EP rank r is global expert
+        r * local + i); None for other expert modules, whose layout changes with the EP size."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        local = getattr(self.layer.experts, "local_experts", None)
+        mine = None if local is None else [
+            b"".join(p.detach().float().cpu().numpy().tobytes() for _, p in sorted(e.named_parameters()))
+            for e in local]
+        group = parallel_state.get_expert_model_parallel_group()
+        everyone: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+        if any(m is None for m in everyone):
+            return None
+        router = self.router.weight.detach().float().cpu().numpy().tobytes()
+        return distributed.fingerprint_of([router] + [e for rank in everyone for e in rank])
+
+
+def seed_experts(layer: Any, seed: int = 0, std: float = 0.02) -> None:
+    """Sets an MoELayer's router weight and every expert's parameters from ``seed``, each expert's
+    from a generator keyed by its global id, so the same script builds the same layer at any
+    expert-parallel size (Megatron's own init does not: with ``use_cpu_initialization`` local
+    expert i has the same weights on every EP rank, so EP 2 has four distinct experts where EP 1
+    has eight; on a GPU they are seeded by EP rank, ``tensor_parallel/random.py:428``)."""
+    from megatron.core import parallel_state
+
+    local = getattr(layer.experts, "local_experts", None)
+    if local is None:
+        raise TypeError("moe_audit.megatron.seed_experts: needs SequentialMLP experts (local_experts)")
+    first = parallel_state.get_expert_model_parallel_rank() * len(local)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed)
+        layer.router.weight.copy_(torch.randn(layer.router.weight.shape, generator=g) * std)
+        for i, expert in enumerate(local):
+            g = torch.Generator().manual_seed(seed * 1_000_003 + first + i + 1)
+            for _, p in sorted(expert.named_parameters()):
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+
+
+def run_layer(layer: torch.nn.Module, placement: str = "contiguous", **options: Any) -> None:
+    """Serves an MoELayer built on this rank to moe-audit across the launch's ranks (every rank
+    calls it; see :mod:`moe_audit.distributed`); options: ``name``, ``seed_calls``."""
+    distributed.run_driver(Layer(layer, **options), placement)
+
+
 def wrap(router_or_config: TransformerConfig | torch.nn.Module, **options: Any) -> Router:
     """A :class:`Router` of a ``TransformerConfig``, a ``TopKRouter`` or a module holding one;
     options: ``path`` (which router of a model: its module path, default the first), ``seed``,
@@ -259,8 +428,17 @@ def wrap(router_or_config: TransformerConfig | torch.nn.Module, **options: Any) 
 
 def run(router_or_config: TransformerConfig | torch.nn.Module, argv: Sequence[str] | None = None,
         **options: Any) -> None:
-    """``wrap(router_or_config, **options).run(argv)``: serves it to ``moe-audit check --router-cmd``."""
-    wrap(router_or_config, **options).run(argv)
+    """Serves to ``moe-audit check --router-cmd``: an ``MoELayer`` in a process launched by
+    ``torch.distributed.run`` (``RANK`` set) as a layer across the launch's ranks
+    (:func:`run_layer`, options ``placement``, ``name``, ``seed_calls``), anything else as a router
+    (``wrap(router_or_config, **options).run(argv)``)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    if isinstance(router_or_config, MoELayer) and "RANK" in os.environ:
+        run_layer(router_or_config, **options)
+    else:
+        wrap(router_or_config, **options).run(argv)
 
 
-__all__ = ["Router", "build", "decode", "find_router", "run", "wrap"]
+__all__ = ["Layer", "Router", "build", "cpu_workarounds", "decode", "find_router", "run", "run_layer", "seed_experts",
+           "wrap"]

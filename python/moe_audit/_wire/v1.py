@@ -21,14 +21,16 @@ PROTOCOL = "moe-audit/1"
 
 @dataclass
 class Request:
-    """One routing call: its id, mode, data [batch, seq_len, width] float32, seed and padding
-    mask (``moe-audit/2`` only; None here)."""
+    """One routing call: its id, mode, data [batch, seq_len, width] float32, seed, padding
+    mask and placement (the rank of each sequence, for a layer run over ranks) (``moe-audit/2``
+    only; None here)."""
 
     id: int
     mode: str
     data: np.ndarray
     seed: int | None = None
     padding: np.ndarray | None = None
+    placement: list[int] | None = None
 
 
 def handshake(hs: dict[str, Any], padding_mask: bool) -> dict[str, Any]:
@@ -92,12 +94,18 @@ def _slots(capacity: Any, values: Any, experts: int) -> list[int]:
     return out
 
 
-def capacity_form(capacity: Any, experts: int) -> None | list[int] | dict[str, Any]:
+def capacity_form(capacity: Any, experts: int, ranks: int | None = None) -> None | list[int] | dict[str, Any]:
     """A capacity as route() may return it, checked: None, E slot counts (an int stands for the
     same count for every expert), or ``{"scope", "slots"[, "flatten"]}``. Anything else raises
-    TypeError or ValueError naming the accepted forms."""
+    TypeError or ValueError naming the accepted forms. A layer run over ``ranks`` ranks may also
+    state ``{"scope": "rank", "slots": [one count per rank]}``."""
     if capacity is None:
         return None
+    if ranks is not None and isinstance(capacity, dict) and capacity.get("scope") == "rank":
+        slots = _slots(capacity, capacity.get("slots"), experts)
+        if len(slots) != ranks or set(capacity) != {"scope", "slots"}:
+            raise _capacity_error(capacity, experts, f"a rank scope holds exactly one slot count per rank ({ranks})")
+        return {"scope": "rank", "slots": slots}
     if isinstance(capacity, dict):
         missing = [k for k in ("scope", "slots") if k not in capacity]
         if missing:

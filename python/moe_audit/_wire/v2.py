@@ -48,7 +48,7 @@ def read_request(stream: BinaryIO, width: int) -> Request | None:
         padding = None
         if h["padding"]:
             padding = np.frombuffer(payload, dtype=np.uint8, offset=4 * n).reshape(b, s).astype(bool)
-        return Request(h["id"], h["mode"], data, h["seed"], padding)
+        return Request(h["id"], h["mode"], data, h["seed"], padding, h.get("placement"))
     return None
 
 
@@ -58,22 +58,32 @@ def capacity_field(capacity: Any, experts: int) -> None | list[int] | dict[str, 
     return v1.capacity_form(capacity, experts)
 
 
-def response(request_id: int, columns: Columns, capacity: Any, experts: int) -> tuple[bytes, bytes]:
-    """The header line (with its newline) and the payload of a binary response."""
+def response(request_id: int, columns: Columns, capacity: Any, experts: int,
+             placement: list[int] | None = None, output: np.ndarray | None = None) -> tuple[bytes, bytes]:
+    """The header line (with its newline) and the payload of a binary response; a layer run
+    over ranks adds the placement it used (the rank of each sequence) and its output rows [T, H]."""
     count, expert, weight, kept = columns
-    payload = b"".join((
+    parts = [
         np.ascontiguousarray(count, dtype="<u4").tobytes(),
         np.ascontiguousarray(expert, dtype="<i4").tobytes(),
         np.ascontiguousarray(weight, dtype="<f4").tobytes(),
         np.ascontiguousarray(kept, dtype=np.uint8).tobytes(),
-    ))
-    header = {"id": request_id, "routes": int(len(expert)), "capacity": capacity_field(capacity, experts),
-              "bytes": len(payload)}
+    ]
+    if output is not None:
+        parts.append(np.ascontiguousarray(output, dtype="<f4").tobytes())
+    payload = b"".join(parts)
+    ranks = None if placement is None else max(placement, default=-1) + 1
+    header: dict[str, Any] = {"id": request_id, "routes": int(len(expert)),
+                              "capacity": v1.capacity_form(capacity, experts, ranks)}
+    if placement is not None:
+        header["placement"] = [int(r) for r in placement]
+    header["bytes"] = len(payload)
     return json.dumps(header, allow_nan=False).encode() + b"\n", payload
 
 
-def write_response(stream: BinaryIO, request_id: int, columns: Columns, capacity: Any, experts: int) -> None:
+def write_response(stream: BinaryIO, request_id: int, columns: Columns, capacity: Any, experts: int,
+                   placement: list[int] | None = None, output: np.ndarray | None = None) -> None:
     """Writes one binary response (header line, then payload) to a binary stream."""
-    header, payload = response(request_id, columns, capacity, experts)
+    header, payload = response(request_id, columns, capacity, experts, placement, output)
     stream.write(header)
     stream.write(payload)

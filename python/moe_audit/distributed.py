@@ -1,0 +1,336 @@
+"""Serve an MoE layer that runs expert-parallel over ``torch.distributed`` ranks to moe-audit
+(``moe-audit/2`` with ``ranks`` and ``output``: docs/DISTRIBUTED.md, docs/PROTOCOL.md).
+
+The user's script builds the layer as training does (process groups initialised as usual) and
+hands it to a framework adapter (:mod:`moe_audit.megatron`, :mod:`moe_audit.deepspeed`,
+:mod:`moe_audit.torchtitan`), which wraps it in a :class:`Driver` and calls :func:`serve` on every
+rank. The script is launched as users launch training::
+
+    moe-audit check --router-cmd "python3 -m torch.distributed.run --standalone --nproc_per_node 2 ep.py"
+
+Rank 0 speaks the protocol. Per call it broadcasts the request to every rank; each rank takes its
+sequences (the request's ``placement``, else this adapter's default: ``"contiguous"``, sequence b
+on rank ``b // (batch / ranks)`` as a loader that hands each rank a consecutive slice of the
+micro-batch, or ``"strided"``, rank ``b % ranks`` as torch's ``DistributedSampler``,
+``indices[rank::num_replicas]``) and runs the layer on them, collectively; rank 0 gathers every
+rank's routes, capacity and output rows and answers with the placement it used. Every rank holds
+``batch / ranks`` sequences, as a data-parallel loader gives each rank the same micro-batch size.
+
+Importing this module under a launcher (``RANK`` set) moves every rank's stdout to stderr at once
+(file descriptor 1 included, so prints from C code and from other ranks too: the launcher's
+workers share its stdout, torch ``elastic/multiprocessing/api.py``), keeping rank 0's real stdout
+for the protocol; and an uncaught exception on any rank is written as one line
+``moe-audit: rank R: Type: message`` before the traceback, which moe-audit quotes. A rank that
+stops answering is named by rank 0's watchdog: each rank records its progress in the launcher's
+key-value store, and a call not done within 0.8 of moe-audit's ``--timeout``
+(``MOE_AUDIT_TIMEOUT``) ends rank 0 with the line naming the ranks that lag.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, BinaryIO, Protocol
+
+import numpy as np
+
+from ._wire import v2
+
+#: How a call's sequences are spread over the ranks when the request does not say.
+PLACEMENTS = ("contiguous", "strided")
+
+#: The prefix of the one line a failing rank writes; moe-audit quotes the last such line.
+FAULT = "moe-audit: rank"
+
+_STORE_KEY = "moe_audit/progress/{rank}"
+
+
+@dataclass
+class Local:
+    """One rank's answer for its local micro-batch, tokens sequence-major over it
+    (``b_local * seq_len + s``)."""
+
+    experts: np.ndarray  #: [T_local, k] int64 expert ids, in choice order
+    weights: np.ndarray  #: [T_local, k] combine weights (for a dropped route: its gate before dropping)
+    kept: np.ndarray  #: [T_local, k] bool
+    capacity: int | None  #: this rank's slots per expert; None when dropless
+    output: np.ndarray | None  #: [T_local, H] float32, the layer's output rows
+
+
+class Driver(Protocol):
+    """A framework's MoE layer on this rank, as :func:`serve` runs it."""
+
+    name: str
+    experts: int
+    top_k: int
+    hidden_size: int
+    #: The dtype the layer computes its output in ("float32", "bfloat16", "float16"): moe-audit's
+    #: output tolerance follows it.
+    output_dtype: str
+
+    def forward(self, hidden: Any, mode: str, seed: int | None) -> Local:
+        """Runs the layer on this rank's ``[b_local, seq_len, hidden]`` float32 torch tensor
+        (its sequences in ascending batch order) in mode "train" or "inference"; collective."""
+        ...
+
+    def fingerprint(self) -> str | None:
+        """A digest of the layer's weights, the same on every rank (collective), equal for the
+        same layer at any expert-parallel size; None when the layer cannot say."""
+        ...
+
+
+def _rank_from_env() -> int | None:
+    rank = os.environ.get("RANK")
+    return int(rank) if rank is not None and rank.isdigit() else None
+
+
+def _rank_label() -> int | str:
+    rank = _rank_from_env()
+    return "?" if rank is None else rank
+
+
+def fault(rank: int | str, problem: str) -> None:
+    """Writes the one line moe-audit quotes for a rank's failure."""
+    sys.stderr.write(f"{FAULT} {rank}: {' '.join(problem.split())}\n")
+    sys.stderr.flush()
+
+
+def _excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+    traceback.print_exception(kind, value, tb)
+    fault(_rank_label(), f"{kind.__name__}: {value}")
+
+
+_protocol_out: BinaryIO | None = None
+
+
+def _protect_stdout() -> None:
+    """Under a launcher: stdout (fd 1 too) goes to stderr on every rank; rank 0 keeps a copy of
+    the real stdout for the protocol. Uncaught exceptions end with the fault line."""
+    global _protocol_out
+    rank = _rank_from_env()
+    if rank is None or _protocol_out is not None:
+        return
+    sys.stdout.flush()
+    if rank == 0:
+        _protocol_out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    sys.excepthook = _excepthook
+
+
+_protect_stdout()
+
+
+def protocol_stdout() -> BinaryIO:
+    """Where the protocol is written: rank 0's real stdout kept aside under a launcher, else stdout."""
+    return _protocol_out or sys.stdout.buffer
+
+
+def placement(kind: str, batch: int, ranks: int) -> list[int]:
+    """The rank of each of batch sequences: ``contiguous`` or ``strided`` (see the module doc)."""
+    if kind not in PLACEMENTS:
+        raise ValueError(f"moe_audit.distributed: placement {kind!r} is not one of {', '.join(PLACEMENTS)}")
+    if batch % ranks:
+        raise ValueError(f"moe_audit.distributed: a batch of {batch} sequences does not split over {ranks} ranks")
+    per = batch // ranks
+    return [b // per if kind == "contiguous" else b % ranks for b in range(batch)]
+
+
+def _checked_placement(given: Any, batch: int, ranks: int) -> list[int]:
+    """A request's placement: batch ranks, each rank holding batch / ranks sequences."""
+    if not isinstance(given, list) or len(given) != batch or not all(isinstance(r, int) for r in given):
+        raise ValueError(f"moe_audit.distributed: placement {given!r} is not one rank per sequence ({batch})")
+    counts = np.bincount(np.asarray(given, dtype=np.int64).clip(0, ranks), minlength=ranks + 1)
+    if counts[ranks] or min(given) < 0 or (counts[:ranks] != batch // ranks).any():
+        raise ValueError(f"moe_audit.distributed: placement {given} does not give each of {ranks} ranks "
+                         f"{batch // ranks} sequences")
+    return list(given)
+
+
+class _Progress:
+    """Each rank's progress in the launcher's store (``call:stage``, stage ``received`` then
+    ``done`` after its forward), and rank 0's watchdog: a call not answered within the limit ends
+    the process naming the ranks that have not finished it."""
+
+    def __init__(self, rank: int, ranks: int, limit: float) -> None:
+        import torch.distributed as dist
+
+        self.rank, self.ranks, self.limit = rank, ranks, limit
+        try:
+            self.store: Any = dist.distributed_c10d._get_default_store()
+        except Exception:  # no default store (a process group made without one): no names, still the timeout
+            self.store = None
+        self.started: float | None = None
+        self.call = 0
+        self.lock = threading.Lock()
+        if rank == 0:
+            threading.Thread(target=self._watch, daemon=True).start()
+
+    def mark(self, call: int, stage: str) -> None:
+        if self.store is not None:
+            self.store.set(_STORE_KEY.format(rank=self.rank), f"{call}:{stage}")
+        if self.rank == 0 and stage in ("received", "answered"):
+            with self.lock:
+                self.call, self.started = call, (time.monotonic() if stage == "received" else None)
+
+    def lagging(self) -> str:
+        """The ranks that have not finished the current call, with their last stage."""
+        if self.store is None:
+            return "the other ranks (no key-value store to ask)"
+        behind = []
+        for r in range(self.ranks):
+            key = _STORE_KEY.format(rank=r)
+            try:
+                state = self.store.get(key).decode() if self.store.check([key]) else "not started"
+            except Exception:  # the store went away with its rank
+                state = "unreachable"
+            if state != f"{self.call}:done":
+                behind.append(f"rank {r} ({state})")
+        return ", ".join(behind) or "none"
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(0.2)
+            with self.lock:
+                late = self.started is not None and time.monotonic() - self.started > self.limit
+                call = self.call
+            if late:
+                fault(0, f"call {call} not done within {self.limit:g} s; waiting on {self.lagging()}")
+                os._exit(1)
+
+
+def _limit() -> float:
+    """0.8 of moe-audit's --timeout (MOE_AUDIT_TIMEOUT), so rank 0 names a hung rank before
+    moe-audit gives up on the whole launch; 60 s without it."""
+    try:
+        return 0.8 * float(os.environ.get("MOE_AUDIT_TIMEOUT", "75"))
+    except ValueError:
+        return 60.0
+
+
+def fingerprint_of(parts: list[bytes]) -> str:
+    """A short hex digest of byte strings in order."""
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(hashlib.sha256(part).digest())
+    return h.hexdigest()[:32]
+
+
+def _assemble(locals_: list[Local], order: list[list[int]], batch: int, seq_len: int
+              ) -> tuple[tuple[np.ndarray, ...], Any, np.ndarray | None]:
+    """Every rank's answer in the call's order: (experts, weights, kept) [T, k], the capacity
+    ({"scope": "rank", ...} or None) and the output rows [T, H] (or None)."""
+    k = locals_[0].experts.shape[1]
+    experts = np.zeros((batch, seq_len, k), dtype=np.int64)
+    weights = np.zeros((batch, seq_len, k), dtype=np.float64)
+    kept = np.zeros((batch, seq_len, k), dtype=bool)
+    with_output = locals_[0].output is not None
+    output = None
+    for rank, (local, seqs) in enumerate(zip(locals_, order)):
+        n = len(seqs) * seq_len
+        if local.experts.shape != (n, k) or local.weights.shape != (n, k) or local.kept.shape != (n, k):
+            raise RuntimeError(f"moe_audit.distributed: rank {rank} answered routes of shape {local.experts.shape}, "
+                               f"expected ({n}, {k}) for its {len(seqs)} sequences of {seq_len} tokens")
+        experts[seqs] = local.experts.reshape(len(seqs), seq_len, k)
+        weights[seqs] = local.weights.reshape(len(seqs), seq_len, k)
+        kept[seqs] = local.kept.reshape(len(seqs), seq_len, k)
+        if (local.output is not None) != with_output:
+            raise RuntimeError(f"moe_audit.distributed: rank {rank} {'lacks' if with_output else 'adds'} output rows")
+        if local.output is not None:
+            if output is None:
+                output = np.zeros((batch, seq_len, local.output.shape[-1]), dtype=np.float32)
+            output[seqs] = local.output.reshape(len(seqs), seq_len, -1)
+    capacities = [local.capacity for local in locals_]
+    if all(c is None for c in capacities):
+        capacity = None
+    elif any(c is None for c in capacities):
+        raise RuntimeError(f"moe_audit.distributed: ranks disagree on dropping: capacities {capacities}")
+    else:
+        capacity = {"scope": "rank", "slots": [int(c) for c in capacities if c is not None]}
+    arrays = tuple(a.reshape(batch * seq_len, k) for a in (experts, weights, kept))
+    rows = None if output is None else output.reshape(batch * seq_len, -1)
+    return arrays, capacity, rows
+
+
+def serve(driver: Driver, placement_kind: str = "contiguous") -> None:
+    """Serves the layer on every rank until moe-audit closes rank 0's stdin (see the module doc),
+    then destroys the process groups. Call it on every rank, after the groups and the layer are built."""
+    import torch
+    import torch.distributed as dist
+
+    from . import adapter
+
+    if not dist.is_initialized():
+        raise RuntimeError("moe_audit.distributed: torch.distributed is not initialised; launch with "
+                           "python -m torch.distributed.run and call init_process_group first")
+    placement(placement_kind, dist.get_world_size(), dist.get_world_size())  # the kind, checked early
+    rank, ranks = dist.get_rank(), dist.get_world_size()
+    _protect_stdout()
+    progress = _Progress(rank, ranks, _limit())
+    weights = driver.fingerprint()
+    inp, out = sys.stdin.buffer, protocol_stdout()
+    if rank == 0:
+        hs = adapter.handshake(driver.name, driver.experts, driver.top_k, "hidden", driver.hidden_size)
+        hs.update(ranks=ranks, output=driver.output_dtype)
+        if weights is not None:
+            hs["weights"] = weights
+        out.write(json.dumps(hs).encode() + b"\n")
+        out.flush()
+    call = 0
+    while True:
+        call += 1
+        header: list[Any] = [None]
+        data = None
+        if rank == 0:
+            req = v2.read_request(inp, driver.hidden_size)
+            if req is not None:
+                batch = req.data.shape[0]
+                where = (_checked_placement(req.placement, batch, ranks) if req.placement is not None
+                         else placement(placement_kind, batch, ranks))
+                header = [(req.id, req.mode, req.seed, req.data.shape, where)]
+                data = torch.from_numpy(req.data.copy())
+        dist.broadcast_object_list(header, src=0)
+        if header[0] is None:
+            # Every rank leaves together and closes its groups: a rank exiting while another
+            # still tears gloo down can abort it (seen with DeepSpeed's dropless all-reduce).
+            dist.barrier()
+            dist.destroy_process_group()
+            return
+        request_id, mode, seed, shape, where = header[0]
+        progress.mark(call, "received")
+        if data is None:
+            data = torch.empty(shape, dtype=torch.float32)
+        dist.broadcast(data, src=0)
+        seqs = [[b for b in range(shape[0]) if where[b] == r] for r in range(ranks)]
+        local = driver.forward(data[seqs[rank]], mode, seed)
+        progress.mark(call, "done")
+        gathered: list[Any] = [None] * ranks if rank == 0 else []
+        dist.gather_object(local, gathered if rank == 0 else None, dst=0)
+        if rank == 0:
+            (experts, weights_, kept), capacity, rows = _assemble(gathered, seqs, shape[0], shape[1])
+            cols = adapter.routes_from_arrays(experts, weights_, kept).columns()
+            v2.write_response(out, request_id, cols, capacity, driver.experts, where, rows)
+            out.flush()
+            progress.mark(call, "answered")
+
+
+def run_driver(driver: Driver, placement_kind: str = "contiguous") -> None:
+    """:func:`serve` with every failure on this rank written as its one fault line, then exit 1
+    (the launcher ends the other ranks)."""
+    try:
+        serve(driver, placement_kind)
+    except Exception as e:  # one line moe-audit quotes, then the traceback for the user
+        traceback.print_exc()
+        fault(_rank_label(), f"{type(e).__name__}: {e}")
+        sys.stderr.flush()
+        os._exit(1)
+
+
+__all__ = ["FAULT", "PLACEMENTS", "Driver", "Local", "fault", "fingerprint_of", "placement", "run_driver", "serve"]
