@@ -17,11 +17,12 @@ Options: ``--sampled`` (DeepSpeed's default top-2 sampling), ``--dropless`` (``d
 
 import argparse
 
+# First: under the launcher it keeps stdout for the protocol, before anything can print there.
+import moe_audit.deepspeed  # isort: split
+
 import deepspeed
 import torch
 from deepspeed.moe.layer import MoE
-
-import moe_audit.deepspeed  # first: under the launcher it keeps stdout for the protocol
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--sampled", action="store_true")

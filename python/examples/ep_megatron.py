@@ -12,10 +12,13 @@ decides who is dropped::
 
 Options: ``--dropless`` (no capacity factor), ``--dispatcher alltoall|allgather``,
 ``--placement contiguous|strided`` (how a call's sequences are spread over the ranks),
-``--capacity-factor F``. Needs torch and megatron-core; runs on a CPU (gloo) or GPUs (nccl).
+``--capacity-factor F``, ``--ep N`` (default: every rank). Needs torch and megatron-core; runs on a CPU (gloo) or GPUs (nccl).
 """
 
 import argparse
+
+# First: under the launcher it keeps stdout for the protocol, before anything can print there.
+import moe_audit.megatron  # isort: split
 
 import torch
 import torch.distributed as dist
@@ -24,17 +27,16 @@ from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-import moe_audit.megatron  # first: under the launcher it keeps stdout for the protocol
-
 parser = argparse.ArgumentParser()
 parser.add_argument("--dropless", action="store_true")
 parser.add_argument("--dispatcher", default="alltoall", choices=["alltoall", "allgather"])
 parser.add_argument("--placement", default="contiguous", choices=["contiguous", "strided"])
 parser.add_argument("--capacity-factor", type=float, default=1.0)
+parser.add_argument("--ep", type=int, help="expert-parallel size (default: the world size)")
 args = parser.parse_args()
 
 dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-ep = dist.get_world_size()
+ep = args.ep or dist.get_world_size()
 parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=ep)
 tensor_parallel.model_parallel_cuda_manual_seed(1234)
 torch.manual_seed(0)  # the same router weight on every rank

@@ -97,9 +97,11 @@ def _rank_label() -> int | str:
 
 
 def fault(rank: int | str, problem: str) -> None:
-    """Writes the one line moe-audit quotes for a rank's failure."""
-    sys.stderr.write(f"{FAULT} {rank}: {' '.join(problem.split())}\n")
+    """Writes the one line moe-audit quotes for a rank's failure, to file descriptor 2 itself:
+    torch's excepthook captures ``sys.stderr`` and prefixes each line with ``[rankN]: ``
+    (torch/distributed/distributed_c10d.py:2743-2764, torch 2.15)."""
     sys.stderr.flush()
+    os.write(2, f"{FAULT} {rank}: {' '.join(problem.split())}\n".encode())
 
 
 def _excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
@@ -174,14 +176,16 @@ class _Progress:
             threading.Thread(target=self._watch, daemon=True).start()
 
     def mark(self, call: int, stage: str) -> None:
+        self.call = call
         if self.store is not None:
             self.store.set(_STORE_KEY.format(rank=self.rank), f"{call}:{stage}")
         if self.rank == 0 and stage in ("received", "answered"):
             with self.lock:
-                self.call, self.started = call, (time.monotonic() if stage == "received" else None)
+                self.started = time.monotonic() if stage == "received" else None
 
-    def lagging(self) -> str:
-        """The ranks that have not finished the current call, with their last stage."""
+    def lagging(self, skip: int | None = None) -> str:
+        """The ranks (but skip) that have not finished the current call, with their last stage
+        (``failed: <error>`` for a rank that recorded its failure)."""
         if self.store is None:
             return "the other ranks (no key-value store to ask)"
         behind = []
@@ -191,9 +195,19 @@ class _Progress:
                 state = self.store.get(key).decode() if self.store.check([key]) else "not started"
             except Exception:  # the store went away with its rank
                 state = "unreachable"
-            if state != f"{self.call}:done":
+            if r != skip and state not in (f"{self.call}:done", f"{self.call}:answered"):
                 behind.append(f"rank {r} ({state})")
-        return ", ".join(behind) or "none"
+        return ", ".join(behind)
+
+    def failed(self, problem: str) -> str:
+        """Records this rank's failure for rank 0 to name; on rank 0, problem with the other
+        ranks that have not finished the call (one may be the cause)."""
+        try:
+            self.mark(self.call, f"failed: {problem}")
+        except Exception:  # the store is gone: the launch is ending anyway
+            return problem
+        others = self.lagging(skip=0) if self.rank == 0 else ""
+        return f"{problem}; other ranks: {others}" if others else problem
 
     def _watch(self) -> None:
         while True:
@@ -202,7 +216,7 @@ class _Progress:
                 late = self.started is not None and time.monotonic() - self.started > self.limit
                 call = self.call
             if late:
-                fault(0, f"call {call} not done within {self.limit:g} s; waiting on {self.lagging()}")
+                fault(0, f"call {call} not done within {self.limit:g} s; waiting on {self.lagging() or 'none'}")
                 os._exit(1)
 
 
@@ -259,6 +273,9 @@ def _assemble(locals_: list[Local], order: list[list[int]], batch: int, seq_len:
     return arrays, capacity, rows
 
 
+_progress: _Progress | None = None
+
+
 def serve(driver: Driver, placement_kind: str = "contiguous") -> None:
     """Serves the layer on every rank until moe-audit closes rank 0's stdin (see the module doc),
     then destroys the process groups. Call it on every rank, after the groups and the layer are built."""
@@ -273,7 +290,8 @@ def serve(driver: Driver, placement_kind: str = "contiguous") -> None:
     placement(placement_kind, dist.get_world_size(), dist.get_world_size())  # the kind, checked early
     rank, ranks = dist.get_rank(), dist.get_world_size()
     _protect_stdout()
-    progress = _Progress(rank, ranks, _limit())
+    global _progress
+    progress = _progress = _Progress(rank, ranks, _limit())
     weights = driver.fingerprint()
     inp, out = sys.stdin.buffer, protocol_stdout()
     if rank == 0:
@@ -326,9 +344,10 @@ def run_driver(driver: Driver, placement_kind: str = "contiguous") -> None:
     (the launcher ends the other ranks)."""
     try:
         serve(driver, placement_kind)
-    except Exception as e:  # one line moe-audit quotes, then the traceback for the user
+    except Exception as e:  # the traceback for the user, then the one line moe-audit quotes
         traceback.print_exc()
-        fault(_rank_label(), f"{type(e).__name__}: {e}")
+        problem = f"{type(e).__name__}: {e}"
+        fault(_rank_label(), problem if _progress is None else _progress.failed(problem))
         sys.stderr.flush()
         os._exit(1)
 
