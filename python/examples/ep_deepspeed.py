@@ -10,7 +10,8 @@ top-2 samples the second expert with Gumbel noise even in ``eval()`` (``sharded_
     moe-audit check --router-cmd "python3 -m torch.distributed.run --standalone --nproc_per_node 2 python/examples/ep_deepspeed.py"   # exit 1: P F N R L leak
     moe-audit check --router-cmd "python3 -m torch.distributed.run --standalone --nproc_per_node 2 python/examples/ep_deepspeed.py --sampled"   # exit 1: P F N R D S M L leak
 
-Options: ``--sampled`` (DeepSpeed's default top-2 sampling), ``--dropless`` (``drop_tokens=False``),
+Options: ``--sampled`` (DeepSpeed's default top-2 sampling), ``--seed-calls`` (its draws keyed
+per token on the request's seed: the same call draws the same noise), ``--dropless`` (``drop_tokens=False``),
 ``--placement contiguous|strided``, ``--capacity-factor F``. Needs torch and deepspeed
 (``DS_BUILD_OPS=0 pip install deepspeed``).
 """
@@ -26,6 +27,7 @@ from deepspeed.moe.layer import MoE
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--sampled", action="store_true")
+parser.add_argument("--seed-calls", action="store_true")
 parser.add_argument("--dropless", action="store_true")
 parser.add_argument("--placement", default="contiguous", choices=["contiguous", "strided"])
 parser.add_argument("--capacity-factor", type=float, default=1.0)
@@ -40,4 +42,4 @@ moe = MoE(hidden_size=64, expert=expert, num_experts=8, ep_size=ep, k=2, capacit
           top2_2nd_expert_sampling=args.sampled)
 moe.set_deepspeed_parallelism()  # what deepspeed.initialize() does for an MoE layer
 moe_audit.deepspeed.seed_experts(moe, seed=0)  # distinct experts, the same at any EP size
-moe_audit.deepspeed.run(moe, placement=args.placement)
+moe_audit.deepspeed.run(moe, placement=args.placement, seed_calls=args.seed_calls)

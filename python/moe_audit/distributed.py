@@ -295,7 +295,8 @@ def serve(driver: Driver, placement_kind: str = "contiguous") -> None:
     weights = driver.fingerprint()
     inp, out = sys.stdin.buffer, protocol_stdout()
     if rank == 0:
-        hs = adapter.handshake(driver.name, driver.experts, driver.top_k, "hidden", driver.hidden_size)
+        hs = adapter.handshake(driver.name, driver.experts, driver.top_k, "hidden", driver.hidden_size,
+                               seed_calls=getattr(driver, "seed_calls", None))
         hs.update(ranks=ranks, output=driver.output_dtype)
         if weights is not None:
             hs["weights"] = weights
