@@ -37,7 +37,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, BinaryIO, Protocol
+from typing import Any, BinaryIO, Callable, Protocol, Union
 
 import numpy as np
 
@@ -273,78 +273,205 @@ def _assemble(locals_: list[Local], order: list[list[int]], batch: int, seq_len:
     return arrays, capacity, rows
 
 
+class ModelDriver(Protocol):
+    """A framework's whole model on this rank, token ids in (``moe-audit/3``)."""
+
+    name: str
+    vocab: int
+    #: The handshake's layers: every decoder layer by global number, ``{"layer", "kind"}`` and
+    #: for a routed one ``"experts"`` and ``"top_k"``.
+    layers: list[dict[str, Any]]
+    #: Width of the output rows (0: none).
+    outputs: int
+
+    def forward(self, ids: Any, mode: str, seed: int | None) -> tuple[list[Local], np.ndarray | None]:
+        """Runs the model on this rank's ``[b_local, seq_len]`` int64 token ids: each routed
+        layer's answer (in handshake order, without output rows) and the output rows [T_local, D]."""
+        ...
+
+    def fingerprint(self) -> str | None:
+        """As :meth:`Driver.fingerprint`."""
+        ...
+
+
+@dataclass
+class _Call:
+    """A request as every rank sees it."""
+
+    id: int
+    mode: str
+    seed: int | None
+    shape: tuple[int, ...]
+    dtype: Any
+    placement: list[int]
+
+    def sequences(self, ranks: int) -> list[list[int]]:
+        """Each rank's sequences, in ascending batch order."""
+        return [[b for b, r in enumerate(self.placement) if r == rank] for rank in range(ranks)]
+
+
+class _Layer:
+    """``moe-audit/2`` with ``ranks`` and ``output``: a layer on hidden states."""
+
+    def __init__(self, driver: Driver, placement_kind: str) -> None:
+        self.driver, self.placement_kind = driver, placement_kind
+
+    def handshake(self, ranks: int, weights: str | None) -> dict[str, Any]:
+        from . import adapter
+
+        d = self.driver
+        hs = adapter.handshake(d.name, d.experts, d.top_k, "hidden", d.hidden_size,
+                               seed_calls=getattr(d, "seed_calls", None))
+        hs.update(ranks=ranks, output=d.output_dtype)
+        if weights is not None:
+            hs["weights"] = weights
+        return hs
+
+    def read(self, inp: BinaryIO, ranks: int) -> tuple[_Call, np.ndarray] | None:
+        req = v2.read_request(inp, self.driver.hidden_size)
+        if req is None:
+            return None
+        batch = req.data.shape[0]
+        where = (_checked_placement(req.placement, batch, ranks) if req.placement is not None
+                 else placement(self.placement_kind, batch, ranks))
+        return _Call(req.id, req.mode, req.seed, req.data.shape, "float32", where), req.data
+
+    def forward(self, data: Any, call: _Call) -> Local:
+        return self.driver.forward(data, call.mode, call.seed)
+
+    def respond(self, out: BinaryIO, call: _Call, gathered: list[Any], seqs: list[list[int]]) -> None:
+        from . import adapter
+
+        (experts, weights, kept), capacity, rows = _assemble(gathered, seqs, call.shape[0], call.shape[1])
+        cols = adapter.routes_from_arrays(experts, weights, kept).columns()
+        v2.write_response(out, call.id, cols, capacity, self.driver.experts, call.placement, rows)
+
+
+class _Model:
+    """``moe-audit/3``: a whole model on token ids. Its sequences are placed contiguously (rank r
+    holds the r-th slice of the batch), so a rank's capacity is stated as the group of its
+    consecutive tokens (``tokens:N`` over the sequence-major order, N = its tokens)."""
+
+    def __init__(self, driver: ModelDriver) -> None:
+        self.driver = driver
+
+    def handshake(self, ranks: int, weights: str | None) -> dict[str, Any]:
+        from .hf import wire3
+
+        d = self.driver
+        return wire3.handshake(d.name, d.vocab, d.layers, d.outputs, logits=False, padding_mask=False,
+                               generate=False)
+
+    def read(self, inp: BinaryIO, ranks: int) -> tuple[_Call, np.ndarray] | None:
+        from .hf import wire3
+
+        req = wire3.read_request(inp, self.driver.vocab)
+        if req is None:
+            return None
+        if req.padding is not None or req.path != "forward":
+            raise ValueError(f"request {req.id}: the model offers neither a padding mask nor the generation path")
+        where = placement("contiguous", req.ids.shape[0], ranks)
+        return _Call(req.id, req.mode, req.seed, req.ids.shape, "int64", where), req.ids
+
+    def forward(self, ids: Any, call: _Call) -> tuple[list[Local], np.ndarray | None]:
+        return self.driver.forward(ids, call.mode, call.seed)
+
+    def respond(self, out: BinaryIO, call: _Call, gathered: list[Any], seqs: list[list[int]]) -> None:
+        from .hf import wire3
+        from .hf.routers import Decoded
+
+        batch, seq_len = call.shape
+        routed = [layer for layer in self.driver.layers if layer["kind"] != "dense"]
+        layers = []
+        for i, layer in enumerate(routed):
+            (experts, weights, kept), capacity, _ = _assemble([g[0][i] for g in gathered], seqs, batch, seq_len)
+            if capacity is not None:
+                per = len(seqs[0]) * seq_len
+                capacity = {"scope": f"tokens:{per}", "slots": capacity["slots"], "flatten": "sequence-major"}
+            decoded = Decoded(experts.astype(np.int32), weights.astype(np.float32), kept, None, capacity)
+            layers.append((layer["layer"], (decoded, layer["experts"])))
+        rows: np.ndarray | None = None
+        if self.driver.outputs:
+            placed = np.zeros((batch, seq_len, self.driver.outputs), dtype=np.float32)
+            for (_, local_rows), mine in zip(gathered, seqs):
+                placed[mine] = np.asarray(local_rows).reshape(len(mine), seq_len, -1)
+            rows = placed.reshape(batch * seq_len, -1)
+        header, payload = wire3.response(call.id, layers, rows, False)
+        out.write(header)
+        out.write(payload)
+
+
+_Conversation = Union[_Layer, _Model]
 _progress: _Progress | None = None
 
 
-def serve(driver: Driver, placement_kind: str = "contiguous") -> None:
-    """Serves the layer on every rank until moe-audit closes rank 0's stdin (see the module doc),
-    then destroys the process groups. Call it on every rank, after the groups and the layer are built."""
+def _serve(conversation: _Conversation, fingerprint: Callable[[], str | None]) -> None:
+    """The loop every rank runs (see the module doc)."""
     import torch
     import torch.distributed as dist
-
-    from . import adapter
 
     if not dist.is_initialized():
         raise RuntimeError("moe_audit.distributed: torch.distributed is not initialised; launch with "
                            "python -m torch.distributed.run and call init_process_group first")
-    placement(placement_kind, dist.get_world_size(), dist.get_world_size())  # the kind, checked early
     rank, ranks = dist.get_rank(), dist.get_world_size()
     _protect_stdout()
     global _progress
     progress = _progress = _Progress(rank, ranks, _limit())
-    weights = driver.fingerprint()
+    weights = fingerprint()
     inp, out = sys.stdin.buffer, protocol_stdout()
     if rank == 0:
-        hs = adapter.handshake(driver.name, driver.experts, driver.top_k, "hidden", driver.hidden_size,
-                               seed_calls=getattr(driver, "seed_calls", None))
-        hs.update(ranks=ranks, output=driver.output_dtype)
-        if weights is not None:
-            hs["weights"] = weights
-        out.write(json.dumps(hs).encode() + b"\n")
+        out.write(json.dumps(conversation.handshake(ranks, weights)).encode() + b"\n")
         out.flush()
-    call = 0
+    number = 0
     while True:
-        call += 1
+        number += 1
         header: list[Any] = [None]
         data = None
         if rank == 0:
-            req = v2.read_request(inp, driver.hidden_size)
-            if req is not None:
-                batch = req.data.shape[0]
-                where = (_checked_placement(req.placement, batch, ranks) if req.placement is not None
-                         else placement(placement_kind, batch, ranks))
-                header = [(req.id, req.mode, req.seed, req.data.shape, where)]
-                data = torch.from_numpy(req.data.copy())
+            read = conversation.read(inp, ranks)
+            if read is not None:
+                header[0], array = read
+                data = torch.from_numpy(array.copy())
         dist.broadcast_object_list(header, src=0)
-        if header[0] is None:
+        call: _Call | None = header[0]
+        if call is None:
             # Every rank leaves together and closes its groups: a rank exiting while another
             # still tears gloo down can abort it (seen with DeepSpeed's dropless all-reduce).
             dist.barrier()
             dist.destroy_process_group()
             return
-        request_id, mode, seed, shape, where = header[0]
-        progress.mark(call, "received")
+        progress.mark(number, "received")
         if data is None:
-            data = torch.empty(shape, dtype=torch.float32)
+            data = torch.empty(call.shape, dtype=getattr(torch, call.dtype))
         dist.broadcast(data, src=0)
-        seqs = [[b for b in range(shape[0]) if where[b] == r] for r in range(ranks)]
-        local = driver.forward(data[seqs[rank]], mode, seed)
-        progress.mark(call, "done")
+        seqs = call.sequences(ranks)
+        local = conversation.forward(data[seqs[rank]], call)
+        progress.mark(number, "done")
         gathered: list[Any] = [None] * ranks if rank == 0 else []
         dist.gather_object(local, gathered if rank == 0 else None, dst=0)
         if rank == 0:
-            (experts, weights_, kept), capacity, rows = _assemble(gathered, seqs, shape[0], shape[1])
-            cols = adapter.routes_from_arrays(experts, weights_, kept).columns()
-            v2.write_response(out, request_id, cols, capacity, driver.experts, where, rows)
+            conversation.respond(out, call, gathered, seqs)
             out.flush()
-            progress.mark(call, "answered")
+            progress.mark(number, "answered")
 
 
-def run_driver(driver: Driver, placement_kind: str = "contiguous") -> None:
-    """:func:`serve` with every failure on this rank written as its one fault line, then exit 1
-    (the launcher ends the other ranks)."""
+def serve(driver: Driver, placement_kind: str = "contiguous") -> None:
+    """Serves a layer on every rank until moe-audit closes rank 0's stdin (see the module doc),
+    then destroys the process groups. Call it on every rank, after the groups and the layer are built."""
+    placement(placement_kind, 1, 1)  # the kind, checked before anything runs
+    _serve(_Layer(driver, placement_kind), driver.fingerprint)
+
+
+def serve_model(driver: ModelDriver) -> None:
+    """As :func:`serve`, for a whole model on token ids (``moe-audit model --cmd``)."""
+    _serve(_Model(driver), driver.fingerprint)
+
+
+def _one_line_on_failure(serving: Callable[[], None]) -> None:
+    """Runs serving; a failure on this rank is written as its one fault line, then exit 1 (the
+    launcher ends the other ranks)."""
     try:
-        serve(driver, placement_kind)
+        serving()
     except Exception as e:  # the traceback for the user, then the one line moe-audit quotes
         traceback.print_exc()
         problem = f"{type(e).__name__}: {e}"
@@ -353,4 +480,15 @@ def run_driver(driver: Driver, placement_kind: str = "contiguous") -> None:
         os._exit(1)
 
 
-__all__ = ["FAULT", "PLACEMENTS", "Driver", "Local", "fault", "fingerprint_of", "placement", "run_driver", "serve"]
+def run_driver(driver: Driver, placement_kind: str = "contiguous") -> None:
+    """:func:`serve`, a failure on this rank ending the launch with its one fault line."""
+    _one_line_on_failure(lambda: serve(driver, placement_kind))
+
+
+def run_model_driver(driver: ModelDriver) -> None:
+    """:func:`serve_model`, a failure on this rank ending the launch with its one fault line."""
+    _one_line_on_failure(lambda: serve_model(driver))
+
+
+__all__ = ["FAULT", "PLACEMENTS", "Driver", "Local", "ModelDriver", "fault", "fingerprint_of", "placement",
+           "run_driver", "run_model_driver", "serve", "serve_model"]

@@ -48,7 +48,7 @@ import contextlib
 import dataclasses
 import os
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -94,8 +94,9 @@ def cpu_workarounds() -> None:
       a stream in its constructor (``transformer/moe/token_dispatcher.py:445``) and moves its splits
       to the host on it (``:862-899``);
     - the model-parallel RNG tracker uses torch's CPU generator: ``model_parallel_cuda_manual_seed``
-      reads ``torch.cuda.get_rng_state()`` (``tensor_parallel/random.py:235-240``), which asks for a
-      driver;
+      reads ``torch.cuda.get_rng_state()`` (``tensor_parallel/random.py:235-240``) and the tracker's
+      ``fork()`` (a GPTModel's attention, ``:250`` through ``:55``) ``torch.cuda.random``'s, which ask
+      for a driver;
     - the alltoall dispatcher's split sizes become numpy arrays on the CPU too:
       ``maybe_move_tensor_to_cpu`` converts only CUDA tensors (``transformer/moe/moe_utils.py:1093``),
       and gloo's ``all_to_all_single`` refuses tensors as split sizes;
@@ -113,6 +114,7 @@ def cpu_workarounds() -> None:
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
     torch.cuda.manual_seed = torch.manual_seed  # type: ignore[assignment]
     torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    torch.cuda.random.get_rng_state = torch.cuda.get_rng_state  # the tracker's fork(), random.py:55, :250
     mp_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     to_host = token_dispatcher.maybe_move_tensor_to_cpu
     if not getattr(to_host, "moe_audit", False):
@@ -152,26 +154,54 @@ def on_device(device: torch.device) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _dropping() -> Iterator[dict[str, Any]]:
+def _dropping(where: Callable[[], dict[str, Any]] | None = None) -> Iterator[dict[str, Any]]:
     """Records the top-k before capacity dropping and the capacity Megatron computes: the router
     calls ``apply_router_token_dropping`` after top-k (router.py:586-595), which calls
-    ``get_capacity`` (moe_utils.py:832-836)."""
+    ``get_capacity`` (moe_utils.py:832-836). Each goes into ``where()`` (the router running now),
+    else into the dict yielded."""
     seen: dict[str, Any] = {}
     drop, capacity = router_module.apply_router_token_dropping, moe_utils.get_capacity
 
     def dropping(probs: torch.Tensor, routing_map: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        seen["before"] = (probs, routing_map)
+        (where() if where else seen)["before"] = (probs, routing_map)
         return drop(probs, routing_map, *args, **kwargs)
 
     def get_capacity(*args: Any, **kwargs: Any) -> Any:
-        seen["capacity"] = capacity(*args, **kwargs)
-        return seen["capacity"]
+        slots = capacity(*args, **kwargs)
+        (where() if where else seen)["capacity"] = slots
+        return slots
 
     router_module.apply_router_token_dropping, moe_utils.get_capacity = dropping, get_capacity
     try:
         yield seen
     finally:
         router_module.apply_router_token_dropping, moe_utils.get_capacity = drop, capacity
+
+
+@contextlib.contextmanager
+def _capture(routers: Sequence[Any]) -> Iterator[list[dict[str, Any]]]:
+    """Per router, in order, what one forward of the layer or model routed with it: its outputs
+    (``probs``, ``map``), its top-k before dropping and its capacity (see :func:`_dropping`)."""
+    seen: list[dict[str, Any]] = [{} for _ in routers]
+    running = [0]
+    hooks = []
+    for i, router in enumerate(routers):
+        hooks.append(router.register_forward_pre_hook(lambda _m, _a, i=i: running.__setitem__(0, i)))
+        hooks.append(router.register_forward_hook(
+            lambda _m, _a, out, i=i: seen[i].update(probs=out[0], map=out[1])))
+    try:
+        with _dropping(lambda: seen[running[0]]):
+            yield seen
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _local(seen: dict[str, Any], batch: int, seq_len: int, output: np.ndarray | None) -> distributed.Local:
+    """One router's capture (:func:`_capture`) as a rank's answer, in moe-audit's order."""
+    experts, weights, kept = (_sequence_major(a, seq_len, batch)
+                              for a in decode(seen["probs"], seen["map"], seen.get("before")))
+    return distributed.Local(experts, weights, kept, seen.get("capacity"), output)
 
 
 def build(config: TransformerConfig, seed: int = 0, device: torch.device | str | None = None) -> Any:
@@ -348,29 +378,16 @@ class Layer:
         self.name = name or f"{_name(config, self.top_k)}-{config.moe_token_dispatcher_type}-ep{ep}"
 
     @torch.no_grad()
-    def forward(self, hidden: torch.Tensor, mode: str, seed: int | None) -> Any:
+    def forward(self, hidden: torch.Tensor, mode: str, seed: int | None) -> distributed.Local:
         batch, seq_len = hidden.shape[:2]
         self.layer.train(mode == "train")
-        device = self.router.weight.device
-        x = hidden.transpose(0, 1).contiguous().to(device, self.dtype)  # [S, b, H]
-        seen_routes: dict[str, Any] = {}
-
-        def keep(_module: Any, _args: Any, result: Any) -> None:
-            seen_routes["probs"], seen_routes["map"] = result
-
-        hook = self.router.register_forward_hook(keep)
+        x = hidden.transpose(0, 1).contiguous().to(self.router.weight.device, self.dtype)  # [S, b, H]
         rows = x.float().cpu().numpy()
         seeded = PerToken(seed, rows) if self.seed_calls and seed is not None else contextlib.nullcontext()
-        try:
-            with _dropping() as seen, seeded:
-                output, _ = self.layer(x)
-        finally:
-            hook.remove()
-        experts, weights, kept = (_sequence_major(a, seq_len, batch)
-                                  for a in decode(seen_routes["probs"], seen_routes["map"], seen.get("before")))
+        with _capture([self.router]) as seen, seeded:
+            output, _ = self.layer(x)
         out = output.detach().float().cpu().numpy().transpose(1, 0, 2).reshape(batch * seq_len, -1)
-        rows_out = np.ascontiguousarray(out, dtype=np.float32)
-        return distributed.Local(experts, weights, kept, seen.get("capacity"), rows_out)
+        return _local(seen[0], batch, seq_len, np.ascontiguousarray(out, dtype=np.float32))
 
     def fingerprint(self) -> str | None:
         """The router's weight and every expert's parameters in global expert order, gathered over
@@ -419,6 +436,61 @@ def run_layer(layer: torch.nn.Module, placement: str = "contiguous", **options: 
     distributed.run_driver(Layer(layer, **options), placement)
 
 
+class Model:
+    """A Megatron-Core ``GPTModel`` as built by the user's script, run on this rank's sequences
+    of token ids (a :class:`moe_audit.distributed.ModelDriver`, ``moe-audit/3``).
+
+    Per call, under ``torch.no_grad()``: ``model(ids, position_ids, attention_mask=None)`` (the
+    default causal mask; positions 0..seq_len-1), ``.train()``/``.eval()`` from the mode; every
+    MoE layer's routes read from its router as :class:`Layer` reads them; the output rows are the
+    log-probabilities of the logits (width: the vocabulary). One pipeline stage only (the model
+    holds the embedding and the output layer); packed sequences (THD) need Transformer Engine
+    (``transformer/dot_product_attention.py:153`` asserts without it) and are not used.
+    """
+
+    def __init__(self, model: Any, *, name: str | None = None) -> None:
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+
+        if not (getattr(model, "pre_process", False) and getattr(model, "post_process", False)):
+            raise TypeError(f"moe_audit.megatron: expected a GPTModel holding its embedding and output layer (one "
+                            f"pipeline stage), got {type(model).__name__}")
+        self.model = model
+        self.layers: list[dict[str, Any]] = []
+        self.routers = []
+        for layer in model.decoder.layers:
+            number = int(layer.layer_number) - 1  # Megatron counts from 1
+            if isinstance(layer.mlp, MoELayer):
+                router = layer.mlp.router
+                self.routers.append(router)
+                self.layers.append({"layer": number, "kind": "moe", "experts": int(router.config.num_moe_experts),
+                                    "top_k": int(router.topk)})
+            else:
+                self.layers.append({"layer": number, "kind": "dense"})
+        if not self.routers:
+            raise TypeError("moe_audit.megatron: the model has no MoE layer")
+        self.vocab = int(model.vocab_size)
+        self.outputs = self.vocab
+        config = self.routers[0].config
+        routing = _name(config, int(self.routers[0].topk)).removeprefix("megatron-")
+        self.name = name or f"megatron-gpt{len(self.layers)}-{routing}-ep{config.expert_model_parallel_size}"
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, mode: str, seed: int | None) -> tuple[list[distributed.Local], np.ndarray]:
+        batch, seq_len = ids.shape
+        self.model.train(mode == "train")
+        device = self.routers[0].weight.device
+        ids = ids.to(device)
+        positions = torch.arange(seq_len, device=device).expand(batch, seq_len)
+        with _capture(self.routers) as seen:
+            logits = self.model(ids, positions, None)
+        rows = torch.log_softmax(logits.float(), dim=-1).cpu().numpy().reshape(batch * seq_len, -1)
+        return [_local(one, batch, seq_len, None) for one in seen], np.ascontiguousarray(rows, dtype=np.float32)
+
+    def fingerprint(self) -> str | None:
+        """None: a model audit compares no launches."""
+        return None
+
+
 def wrap(router_or_config: TransformerConfig | torch.nn.Module, **options: Any) -> Router:
     """A :class:`Router` of a ``TransformerConfig``, a ``TopKRouter`` or a module holding one;
     options: ``path`` (which router of a model: its module path, default the first), ``seed``,
@@ -428,17 +500,21 @@ def wrap(router_or_config: TransformerConfig | torch.nn.Module, **options: Any) 
 
 def run(router_or_config: TransformerConfig | torch.nn.Module, argv: Sequence[str] | None = None,
         **options: Any) -> None:
-    """Serves to ``moe-audit check --router-cmd``: an ``MoELayer`` in a process launched by
-    ``torch.distributed.run`` (``RANK`` set) as a layer across the launch's ranks
-    (:func:`run_layer`, options ``placement``, ``name``, ``seed_calls``), anything else as a router
-    (``wrap(router_or_config, **options).run(argv)``)."""
+    """Serves to moe-audit: in a process launched by ``torch.distributed.run`` (``RANK`` set), an
+    ``MoELayer`` as a layer across the launch's ranks (``check --router-cmd``; :func:`run_layer`,
+    options ``placement``, ``name``, ``seed_calls``) and a ``GPTModel`` as a whole model on token
+    ids (``model --cmd``; :class:`Model`, option ``name``); anything else as a router
+    (``wrap(router_or_config, **options).run(argv)``, ``check --router-cmd``)."""
+    from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     if isinstance(router_or_config, MoELayer) and "RANK" in os.environ:
         run_layer(router_or_config, **options)
+    elif isinstance(router_or_config, GPTModel) and "RANK" in os.environ:
+        distributed.run_model_driver(Model(router_or_config, **options))
     else:
         wrap(router_or_config, **options).run(argv)
 
 
-__all__ = ["Layer", "Router", "build", "cpu_workarounds", "decode", "find_router", "run", "run_layer", "seed_experts",
+__all__ = ["Layer", "Model", "Router", "build", "cpu_workarounds", "decode", "find_router", "run", "run_layer", "seed_experts",
            "wrap"]
