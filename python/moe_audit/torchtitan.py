@@ -16,7 +16,7 @@ expert-parallel over the ranks of a ``torch.distributed.run`` launch (``moe-audi
     mtt.run(moe)
 
 serves the layer to ``moe-audit check --router-cmd "python3 -m torch.distributed.run --standalone
---nproc_per_node 2 this_file.py"`` (:func:`moe_audit.distributed.serve`: rank 0 speaks the
+--nproc_per_node 2 this_file.py"`` (:func:`moe_audit.distributed.run_driver`: rank 0 speaks the
 protocol, every rank routes its own sequences). A layer parallelised by TorchTitan itself
 (``moe.parallelize(parallel_dims)``: DTensor expert weights sharded over the ``ep`` mesh) is served
 the same way, and so is a layer in one process (no launch, no process group).
@@ -59,8 +59,6 @@ spmd_types==0.2.3`` and ``pip install tyro``: what these modules import).
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -71,7 +69,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.models.common.moe import MoE
 from torchtitan.models.common.token_dispatcher import BaseEPTokenDispatcher
 
-from .distributed import Local, serve
+from . import distributed
 
 # The routed experts' parameters, their first dimension the expert (``moe.py:45-53``).
 _EXPERTS = "routed_experts.inner_experts."
@@ -89,6 +87,11 @@ def _ep_mesh(moe: MoE) -> DeviceMesh | None:
     None at EP 1 (``LocalTokenDispatcher`` has none)."""
     mesh: DeviceMesh | None = getattr(moe.routed_experts.token_dispatcher, "ep_mesh", None)
     return mesh
+
+
+def _ep_size(moe: MoE) -> int:
+    mesh = _ep_mesh(moe)
+    return 1 if mesh is None else mesh.size()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -117,8 +120,7 @@ def _global_experts(moe: MoE, name: str, tensor: torch.Tensor) -> torch.Tensor:
 
 def _check_experts(moe: MoE) -> None:
     """The routed experts' weights hold this rank's share of the router's experts (all of them at EP 1)."""
-    mesh = _ep_mesh(moe)
-    ranks = 1 if mesh is None else mesh.size()
+    ranks = _ep_size(moe)
     experts = int(moe.router.num_experts)
     for name, p in moe.named_parameters():
         if name.startswith(_EXPERTS) and not isinstance(p, DTensor) and p.shape[0] * ranks != experts:
@@ -139,24 +141,23 @@ class Driver:
         self.experts = int(router.num_experts)
         self.top_k = int(router.top_k)
         self.hidden_size = int(router.gate.in_features)
-        self.name = name or f"torchtitan-{router.score_func}-top{self.top_k}"
+        self.name = name or f"torchtitan-{router.score_func}-top{self.top_k}-ep{_ep_size(self.moe)}"
         _check_experts(self.moe)
         self._routes: tuple[torch.Tensor, torch.Tensor] | None = None
         router.register_forward_hook(self._capture)
 
     def __repr__(self) -> str:
         r = self.moe.router
-        mesh = _ep_mesh(self.moe)
         return (f"moe_audit.torchtitan.Driver({self.experts} experts, top {self.top_k}, hidden {self.hidden_size}, "
                 f"{r.score_func}, route_norm {r.route_norm}, route_scale {r.route_scale}, expert bias "
-                f"{self.moe.expert_bias_E is not None}, EP {1 if mesh is None else mesh.size()})")
+                f"{self.moe.expert_bias_E is not None}, EP {_ep_size(self.moe)})")
 
     def _capture(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         # (topk_scores_BLK, topk_expert_ids_BLK, scores_BLE): moe.py:338-342
         self._routes = (_local(output[0]), _local(output[1]))
 
     @torch.no_grad()
-    def forward(self, hidden: torch.Tensor, mode: str, seed: int | None = None) -> Local:
+    def forward(self, hidden: torch.Tensor, mode: str, seed: int | None = None) -> distributed.Local:
         """Runs the layer on this rank's ``[b_local, S, H]`` float32 rows in mode "train" or
         "inference" (collectively, on every rank at EP > 1); its routes and output rows."""
         del seed  # nothing in the forward is random
@@ -170,22 +171,22 @@ class Driver:
         scores, ids = self._routes
         tokens = x.shape[0] * x.shape[1]
         experts = ids.reshape(tokens, self.top_k).to(torch.int64).cpu().numpy()
-        return Local(experts=experts,
-                     weights=scores.reshape(tokens, self.top_k).double().cpu().numpy(),
-                     kept=np.ones(experts.shape, dtype=bool), capacity=None,
-                     output=_local(out).reshape(tokens, self.hidden_size).float().cpu().numpy())
+        return distributed.Local(experts=experts,
+                                 weights=scores.reshape(tokens, self.top_k).double().cpu().numpy(),
+                                 kept=np.ones(experts.shape, dtype=bool), capacity=None,
+                                 output=_local(out).reshape(tokens, self.hidden_size).float().cpu().numpy())
 
     def fingerprint(self) -> str:
-        """SHA-256 of every parameter and persistent buffer (router gate, ``expert_bias_E``, all
+        """The digest of every parameter and persistent buffer (router gate, ``expert_bias_E``, all
         experts in global expert order, shared experts), each by name, dtype, global shape and bytes:
         the same layer at any EP size gives the same digest. A collective; ranks that hold different
         router or shared weights are an error, not a digest."""
-        digest = hashlib.sha256()
+        parts = []
         for name, tensor in self.moe.state_dict().items():
             full = _global_experts(self.moe, name, tensor).detach().cpu().contiguous()
-            digest.update(f"{name} {full.dtype} {tuple(full.shape)}\n".encode())
-            digest.update(full.reshape(-1).view(torch.uint8).numpy().tobytes())
-        mine = digest.hexdigest()
+            parts += [f"{name} {full.dtype} {tuple(full.shape)}".encode(),
+                      full.reshape(-1).view(torch.uint8).numpy().tobytes()]
+        mine = distributed.fingerprint_of(parts)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             every: list[str | None] = [None] * dist.get_world_size()
             dist.all_gather_object(every, mine)
@@ -247,9 +248,11 @@ def wrap(moe: Any, **options: Any) -> Driver:
     return Driver(moe, **options)
 
 
-def run(moe: Any, placement: str = "contiguous", argv: Sequence[str] | None = None, **options: Any) -> None:
-    """``serve(wrap(moe, **options), placement, argv)``: called on every rank of the launch."""
-    serve(wrap(moe, **options), placement, argv)
+def run(moe: Any, placement: str = "contiguous", **options: Any) -> None:
+    """Serves the layer to moe-audit across the launch's ranks (every rank calls it, after the
+    process group and the layer are built): ``distributed.run_driver(wrap(moe, **options), placement)``,
+    placement ``"contiguous"`` or ``"strided"`` (:mod:`moe_audit.distributed`)."""
+    distributed.run_driver(wrap(moe, **options), placement)
 
 
 __all__ = ["Driver", "expert_parallel", "run", "seed_weights", "wrap"]

@@ -1,21 +1,23 @@
 """A TorchTitan MoE layer run expert-parallel through moe_audit.torchtitan's driver, compared on
 rank 0 with the same layer at EP 1 (test_torchtitan.py launches it):
 
-    OMP_NUM_THREADS=1 python3 -m torch.distributed.run --standalone --nproc_per_node N torchtitan_ep.py
+    OMP_NUM_THREADS=1 python3 -m torch.distributed.run --standalone --nproc_per_node N torchtitan_ep.py OUT
 
 The layer is wired over the ranks two ways: by moe_audit.torchtitan.expert_parallel (each rank
 keeps its rows of the routed experts' weights) and by TorchTitan's own `moe.parallelize`
 (ParallelDims with ep = N: DTensor expert weights sharded over the `ep` mesh). Each is seeded the
 same and routes this rank's consecutive slice of one fixed batch in both modes; rank 0 gathers
 routes and output rows and routes the whole batch through an EP-1 copy built the same way. Rank 0
-prints one JSON line: per wiring, the largest differences and whether the fingerprints agree (also
-after one weight of the last rank's experts is changed).
+writes one JSON object to OUT (under a launcher moe_audit.distributed moves stdout to stderr): per
+wiring, the largest differences and whether the fingerprints agree (also after one weight of the
+last rank's experts is changed).
 
 `build` is also the single-process tests' layer. File:line references are torchtitan 0.3.0's.
 """
 
 import json
 import os
+import sys
 from typing import Any
 
 import torch
@@ -81,7 +83,7 @@ def gathered(local):
     return [torch.cat([torch.from_numpy(p[i]) for p in parts]) for i in range(4)]
 
 
-def main():
+def main(out):
     set_spmd_backend("partial_dtensor")  # EP on gloo (moe_audit/torchtitan.py's docstring)
     dist.init_process_group("gloo")
     rank, ranks = dist.get_rank(), dist.get_world_size()
@@ -115,10 +117,11 @@ def main():
         found["fingerprint_after_change_equal"] = layer.fingerprint() == reference.fingerprint()
         result[wiring] = found
     if rank == 0:
-        print(json.dumps(result), flush=True)
+        with open(out, "w") as f:
+            json.dump(result, f)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    main(sys.argv[1])
