@@ -6,7 +6,8 @@ exits as its `# exit N` comment says, and leaks exactly on the probes the commen
 verdict lines it prints; routes_r3.py prints the figures docs/ROUTES.md quotes.
 
 Needs numpy (every example), torch and transformers (torch_router.py, hf_router.py,
-routes_r3.py): without them a test is skipped with the reason (under CI it fails: conftest.py).
+routes_r3.py), torch and torchtitan (ep_torchtitan.py): without them a test is skipped with the
+reason (under CI it fails: conftest.py).
 """
 
 import os
@@ -27,7 +28,7 @@ PROBES = "PFNRDSML"
 CLAIM = re.compile(r"^\s+(moe-audit .+?)\s+# exit (\d+)(?::\s*([A-Z ]+?) leak)?\s*$", re.M)
 # What each example needs beyond numpy.
 NEEDS = {"torch_router.py": ["torch"], "hf_router.py": ["torch", "transformers"],
-         "routes_r3.py": ["torch", "transformers"]}
+         "routes_r3.py": ["torch", "transformers"], "ep_torchtitan.py": ["torch", "torchtitan"]}
 
 
 def docstring(name):
