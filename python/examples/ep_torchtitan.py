@@ -10,7 +10,10 @@ Needs torch and torchtitan (`pip install --no-deps torchtitan==0.3.0 spmd_types=
 (`seed_weights` draws every weight at its global shape, each rank keeps its rows), so launches of
 different sizes send the same weights fingerprint. Replace the config by your model's MoE config
 and `seed_weights` by loading its checkpoint.
-"""  # noqa: E501 (the command above is one line, as a user pastes it)
+"""
+
+# First: under the launcher it keeps stdout for the protocol, before anything can print there.
+import moe_audit.torchtitan as mtt  # isort: split
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -18,8 +21,6 @@ from torchtitan.distributed.utils import set_spmd_backend
 from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import GroupedExperts, MoE, RoutedExperts, TokenChoiceTopKRouter
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
-
-import moe_audit.torchtitan as mtt
 
 EXPERTS, HIDDEN, FFN, TOP_K = 8, 64, 128, 2
 

@@ -516,5 +516,5 @@ def run(router_or_config: TransformerConfig | torch.nn.Module, argv: Sequence[st
         wrap(router_or_config, **options).run(argv)
 
 
-__all__ = ["Layer", "Model", "Router", "build", "cpu_workarounds", "decode", "find_router", "run", "run_layer", "seed_experts",
-           "wrap"]
+__all__ = ["Layer", "Model", "Router", "build", "cpu_workarounds", "decode", "find_router", "run", "run_layer",
+           "seed_experts", "wrap"]
