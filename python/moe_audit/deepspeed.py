@@ -248,7 +248,9 @@ class Layer:
 
         hook = g.register_forward_hook(keep)
         try:
-            with draws():
+            # As Gate.route: top-1 asserts tokens >= min_capacity (the module docstring), so a
+            # short call lowers it to its tokens, the same on every rank (equal shards).
+            with draws(), _set(g, min_capacity=fits):
                 output, _, _ = self.moe(x.to(self.dtype))
         finally:
             hook.remove()
