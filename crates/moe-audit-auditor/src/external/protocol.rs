@@ -628,7 +628,7 @@ mod tests {
     }
 
     fn check(line: &str) -> Result<Routing, String> {
-        let asked = Asked { id: 3, batch: 1, seq_len: 2, padding: None, logits: None };
+        let asked = Asked { id: 3, batch: 1, seq_len: 2, padding: None, logits: None, placement: None };
         parse_response(line)?.into_routing(&hs(), &asked)
     }
 
@@ -667,6 +667,27 @@ mod tests {
             let err = check(&line).unwrap_err();
             assert!(err.starts_with(want), "{err}");
         }
+    }
+
+    #[test]
+    fn placements_and_rank_scopes_need_ranks() {
+        assert_eq!(check_placement(&[1, 0, 1, 0], 4, 2), Ok(()));
+        assert_eq!(check_placement(&[0, 2], 2, 2), Err("placement names rank 2, the router has ranks 0 to 1".into()));
+        assert_eq!(check_placement(&[0], 2, 2), Err("placement has 1 entries, the batch 2 sequences".into()));
+        let tokens = r#""tokens": [[{"expert": 1, "weight": 1.0, "kept": true}, {"expert": 0, "weight": 0.0, "kept": false}], [{"expert": 1, "weight": 1.0, "kept": true}, {"expert": 3, "weight": 0.0, "kept": true}]]"#;
+        let placed = format!(r#"{{"id": 3, {tokens}, "placement": [0]}}"#);
+        assert_eq!(check(&placed).unwrap_err(), "a `placement` from a router that declared no `ranks`");
+        let scoped = format!(r#"{{"id": 3, {tokens}, "capacity": {{"scope": "rank", "slots": [1]}}}}"#);
+        assert_eq!(check(&scoped).unwrap_err(), "capacity scope `rank` from a router that declared no `ranks`");
+        // A ranked router's rank groups: sequence 0 on rank 1 holds both tokens.
+        let hs = Handshake { protocol: PROTOCOL_2.into(), ranks: Some(2), ..hs() };
+        let asked = Asked { id: 3, batch: 2, seq_len: 1, padding: None, logits: None, placement: None };
+        let two = format!(r#"{{"id": 3, {tokens}, "placement": [1, 0], "capacity": {{"scope": "rank", "slots": [2, 1]}}}}"#);
+        let r = parse_response(&two).unwrap().into_routing(&hs, &asked).unwrap();
+        assert_eq!((r.scope.group, r.tokens[0].group, r.tokens[1].group), (GroupRule::Rank, 1, 0));
+        assert_eq!(r.placement, Some(vec![1, 0]));
+        // `rank` is a record's and the protocol's scope, never a config's.
+        assert!(ScopeGroup::try_from("rank".to_string()).is_err());
     }
 
     #[test]
