@@ -22,15 +22,18 @@ fn run(args: &[&str], env: &[(&str, &str)]) -> Output {
 /// `check --format json` of the layer on a batch of `batch`; (exit code, findings as (probe,
 /// verdict, differs, note)).
 fn audit(env: &[(&str, &str)], batch: &str) -> (i32, Vec<(String, String, String, String)>) {
-    let args = ["check", "--router-cmd", LAYER, "--batch", batch, "--seq-len", "16", "--trials", "4", "--format", "json"];
+    let args =
+        ["check", "--router-cmd", LAYER, "--batch", batch, "--seq-len", "16", "--trials", "4", "--format", "json"];
     let out = run(&args, env);
     let code = out.status.code().unwrap();
     assert!(matches!(code, 0 | 1), "{env:?}: {}", String::from_utf8_lossy(&out.stderr));
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let text = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_string();
-    let findings = report["routers"][0]["findings"].as_array().unwrap().iter().map(|f| {
-        (text(&f["probe"]), text(&f["verdict"]), text(&f["witness"]["differs"]), text(&f["note"]))
-    });
+    let findings = report["routers"][0]["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| (text(&f["probe"]), text(&f["verdict"]), text(&f["witness"]["differs"]), text(&f["note"])));
     (code, findings.collect())
 }
 
@@ -77,10 +80,10 @@ fn the_placement_witness_replays() {
     assert_eq!(run(&[&args[..], &["--witness-dir", dir_s]].concat(), &[]).status.code(), Some(1));
     let witness = dir.join("ranked-L.json");
     let stored: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&witness).unwrap()).unwrap();
-    assert_eq!((stored["a"]["placement"].clone(), stored["b"]["placement"].clone()), (
-        serde_json::json!([0, 0, 1, 1]),
-        serde_json::json!([0, 1, 0, 1])
-    ));
+    assert_eq!(
+        (stored["a"]["placement"].clone(), stored["b"]["placement"].clone()),
+        (serde_json::json!([0, 0, 1, 1]), serde_json::json!([0, 1, 0, 1]))
+    );
     let replay = |env: &[(&str, &str)]| {
         let out = run(&["replay", witness.to_str().unwrap(), "--router-cmd", LAYER], env);
         (out.status.code(), String::from_utf8_lossy(&out.stdout).to_string())
@@ -132,7 +135,11 @@ fn bad_ranked_input_is_one_line() {
     let cases: &[(&str, &str, &str)] = &[
         ("HS", r#"{"ranks": 0}"#, "handshake: ranks 0 is not from 1 to 1024"),
         ("HS", r#"{"protocol": "moe-audit/1", "responses": null}"#, "handshake: `ranks` needs protocol `moe-audit/2`"),
-        ("HS", r#"{"output": "float64"}"#, "unknown variant `float64`, expected one of `float32`, `bfloat16`, `float16`"),
+        (
+            "HS",
+            r#"{"output": "float64"}"#,
+            "unknown variant `float64`, expected one of `float32`, `bfloat16`, `float16`",
+        ),
         ("HS", r#"{"responses": "json"}"#, "handshake: `output` needs input `hidden` and responses `binary`"),
         ("HS", r#"{"weights": "xyz"}"#, "handshake: weights `xyz` is not a hex string of 1 to 128 digits"),
         ("BAD", "no-placement", "no `placement`: a router with `ranks` names the rank of each sequence"),

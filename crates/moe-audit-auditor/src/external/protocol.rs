@@ -240,8 +240,7 @@ pub fn frame_request(
     placement: Option<&[usize]>,
 ) -> Vec<u8> {
     let bytes = 4 * rows.len() + padding.map_or(0, <[bool]>::len);
-    let header =
-        FrameHeader { id, mode, batch, seq_len, width, seed, padding: padding.is_some(), placement, bytes };
+    let header = FrameHeader { id, mode, batch, seq_len, width, seed, padding: padding.is_some(), placement, bytes };
     let mut out = serde_json::to_vec(&header).expect("a header always serialises");
     out.push(b'\n');
     out.reserve(bytes);
@@ -361,11 +360,9 @@ impl BinaryHeader {
             ));
         }
         let rows = if hs.output.is_some() { hs.row_width() as u64 } else { 0 };
-        let want = self
-            .routes
-            .checked_mul(9)
-            .and_then(|r| r.checked_add(4 * tokens as u64))
-            .and_then(|w| (tokens as u64).checked_mul(rows).and_then(|o| o.checked_mul(4)).and_then(|o| w.checked_add(o)));
+        let want = self.routes.checked_mul(9).and_then(|r| r.checked_add(4 * tokens as u64)).and_then(|w| {
+            (tokens as u64).checked_mul(rows).and_then(|o| o.checked_mul(4)).and_then(|o| w.checked_add(o))
+        });
         let Some(want) = want.filter(|&w| w == self.bytes) else {
             let outputs = if rows > 0 { format!(" and their output rows of {rows}") } else { String::new() };
             return Err(format!(
@@ -498,14 +495,16 @@ impl Response {
         let placement = match (hs.ranks, self.placement) {
             (None, None) => None,
             (None, Some(_)) => return Err("a `placement` from a router that declared no `ranks`".into()),
-            (Some(_), None) => return Err("no `placement`: a router with `ranks` names the rank of each sequence".into()),
+            (Some(_), None) => {
+                return Err("no `placement`: a router with `ranks` names the rank of each sequence".into())
+            }
             (Some(n), Some(p)) => {
                 check_placement(&p, batch, n)?;
                 if asked.placement.is_some_and(|want| want != p.as_slice()) {
                     return Err(format!(
                         "placement {} is not the requested {}",
-                        excerpt_long(&format!("{p:?}")),
-                        excerpt_long(&format!("{:?}", asked.placement.unwrap_or_default()))
+                        excerpt_long(format!("{p:?}")),
+                        excerpt_long(format!("{:?}", asked.placement.unwrap_or_default()))
                     ));
                 }
                 Some(p)
@@ -515,7 +514,11 @@ impl Response {
             (Some(dtype), Some(rows)) => {
                 let h = hs.row_width();
                 if let Some(i) = rows.chunks_exact(h.max(1)).position(|r| r.iter().any(|v| !v.is_finite())) {
-                    return Err(format!("token {i} (batch {}, position {}): output row is not finite", i / seq_len, i % seq_len));
+                    return Err(format!(
+                        "token {i} (batch {}, position {}): output row is not finite",
+                        i / seq_len,
+                        i % seq_len
+                    ));
                 }
                 Some(Outputs { dtype, hidden: h, rows })
             }
@@ -581,7 +584,11 @@ fn scope_of(
                 }
             };
             if scope == GroupRule::Rank && slots.len() != groups.len() {
-                return Err(format!("capacity scope `rank` has {} ranks, slots has {} entries", groups.len(), slots.len()));
+                return Err(format!(
+                    "capacity scope `rank` has {} ranks, slots has {} entries",
+                    groups.len(),
+                    slots.len()
+                ));
             }
             if slots.len() != groups.len() {
                 return Err(format!(
@@ -682,7 +689,8 @@ mod tests {
         // A ranked router's rank groups: sequence 0 on rank 1 holds both tokens.
         let hs = Handshake { protocol: PROTOCOL_2.into(), ranks: Some(2), ..hs() };
         let asked = Asked { id: 3, batch: 2, seq_len: 1, padding: None, logits: None, placement: None };
-        let two = format!(r#"{{"id": 3, {tokens}, "placement": [1, 0], "capacity": {{"scope": "rank", "slots": [2, 1]}}}}"#);
+        let two =
+            format!(r#"{{"id": 3, {tokens}, "placement": [1, 0], "capacity": {{"scope": "rank", "slots": [2, 1]}}}}"#);
         let r = parse_response(&two).unwrap().into_routing(&hs, &asked).unwrap();
         assert_eq!((r.scope.group, r.tokens[0].group, r.tokens[1].group), (GroupRule::Rank, 1, 0));
         assert_eq!(r.placement, Some(vec![1, 0]));

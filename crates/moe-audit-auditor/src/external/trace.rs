@@ -68,7 +68,10 @@ pub struct Manifest {
 fn traceable(hs: &Handshake) -> std::result::Result<(), String> {
     match (hs.ranks, hs.output) {
         (None, None) => Ok(()),
-        _ => Err("trace files carry no `ranks` placement and no `output` rows: audit such a layer with --router-cmd".into()),
+        _ => {
+            Err("trace files carry no `ranks` placement and no `output` rows: audit such a layer with --router-cmd"
+                .into())
+        }
     }
 }
 
