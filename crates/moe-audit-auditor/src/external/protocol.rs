@@ -116,6 +116,9 @@ impl Handshake {
         if self.output.is_some() && (self.input != InputKind::Hidden || !self.binary_responses()) {
             return Err("handshake: `output` needs input `hidden` and responses `binary`".into());
         }
+        if self.ranks.is_some() && !self.binary_responses() {
+            return Err("handshake: `ranks` needs responses `binary` (their header states the placement)".into());
+        }
         if let Some(w) = &self.weights {
             if w.is_empty() || w.len() > MAX_FINGERPRINT || !w.bytes().all(|b| b.is_ascii_hexdigit()) {
                 let w = excerpt(w);
@@ -314,8 +317,8 @@ pub struct Response {
     /// `null` (or absent) when dropless.
     #[serde(default)]
     pub capacity: Option<Capacity>,
-    /// The rank of each sequence (a router with `ranks`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// The rank of each sequence (binary responses of a router with `ranks`).
+    #[serde(skip)]
     pub placement: Option<Vec<usize>>,
     /// The output rows, `tokens * H` values (binary responses of a router with `output`).
     #[serde(skip)]
@@ -682,16 +685,24 @@ mod tests {
         assert_eq!(check_placement(&[0, 2], 2, 2), Err("placement names rank 2, the router has ranks 0 to 1".into()));
         assert_eq!(check_placement(&[0], 2, 2), Err("placement has 1 entries, the batch 2 sequences".into()));
         let tokens = r#""tokens": [[{"expert": 1, "weight": 1.0, "kept": true}, {"expert": 0, "weight": 0.0, "kept": false}], [{"expert": 1, "weight": 1.0, "kept": true}, {"expert": 3, "weight": 0.0, "kept": true}]]"#;
-        let placed = format!(r#"{{"id": 3, {tokens}, "placement": [0]}}"#);
-        assert_eq!(check(&placed).unwrap_err(), "a `placement` from a router that declared no `ranks`");
+        let placed = |line: &str, placement: &[usize]| {
+            let mut response = parse_response(line).unwrap();
+            response.placement = Some(placement.to_vec());
+            response
+        };
+        let asked = Asked { id: 3, batch: 1, seq_len: 2, padding: None, logits: None, placement: None };
+        let unranked = placed(&format!(r#"{{"id": 3, {tokens}}}"#), &[0]).into_routing(&hs(), &asked);
+        assert_eq!(unranked.unwrap_err(), "a `placement` from a router that declared no `ranks`");
         let scoped = format!(r#"{{"id": 3, {tokens}, "capacity": {{"scope": "rank", "slots": [1]}}}}"#);
         assert_eq!(check(&scoped).unwrap_err(), "capacity scope `rank` from a router that declared no `ranks`");
         // A ranked router's rank groups: sequence 0 on rank 1 holds both tokens.
-        let hs = Handshake { protocol: PROTOCOL_2.into(), ranks: Some(2), ..hs() };
+        let hs = Handshake { protocol: PROTOCOL_2.into(), ranks: Some(2), responses: Some(Encoding::Binary), ..hs() };
+        assert_eq!(hs.validate(), Ok(()));
+        let json = Handshake { responses: None, ..hs.clone() }.validate().unwrap_err();
+        assert_eq!(json, "handshake: `ranks` needs responses `binary` (their header states the placement)");
         let asked = Asked { id: 3, batch: 2, seq_len: 1, padding: None, logits: None, placement: None };
-        let two =
-            format!(r#"{{"id": 3, {tokens}, "placement": [1, 0], "capacity": {{"scope": "rank", "slots": [2, 1]}}}}"#);
-        let r = parse_response(&two).unwrap().into_routing(&hs, &asked).unwrap();
+        let two = format!(r#"{{"id": 3, {tokens}, "capacity": {{"scope": "rank", "slots": [2, 1]}}}}"#);
+        let r = placed(&two, &[1, 0]).into_routing(&hs, &asked).unwrap();
         assert_eq!((r.scope.group, r.tokens[0].group, r.tokens[1].group), (GroupRule::Rank, 1, 0));
         assert_eq!(r.placement, Some(vec![1, 0]));
         // `rank` is a record's and the protocol's scope, never a config's.
