@@ -216,6 +216,9 @@ impl PlanArgs {
             responses: None,
             padding_mask: false,
             seed_calls: None,
+            ranks: None,
+            output: None,
+            weights: None,
         };
         // Each flag named in its own words (the handshake's checks would blame the handshake).
         ensure_positive(&[

@@ -303,7 +303,7 @@ fn check_record(c: &RouterConfig, x: &Array3<f32>, r: &Routing) -> Check {
     for (i, t) in r.tokens.iter().enumerate() {
         prop_assert_eq!((t.batch, t.pos), (i / s, i % s), "tokens are not sequence-major");
     }
-    prop_assert_eq!(r.scope.group, c.scope.group);
+    prop_assert_eq!(r.scope.group, c.scope.group.into());
     prop_assert_eq!(r.scope.flatten, c.scope.flatten);
     let groups = reference_groups(&c.scope, b, s);
     prop_assert_eq!(r.scope.groups.len(), groups.len(), "number of routing groups");

@@ -17,6 +17,7 @@ mod noise;
 mod parallel;
 mod progress;
 mod protocol2;
+mod ranked;
 mod readme;
 mod routers;
 mod routes;

@@ -124,6 +124,26 @@ pub trait Hints: Send + Sync {
     fn seed_calls(&self) -> Option<bool> {
         None
     }
+    /// The expert-parallel ranks of a layer that places each call's sequences over them itself
+    /// (a router behind the protocol with `ranks`): its calls hold a multiple of it, and
+    /// [`Hints::assign_placed`] chooses the placement. `None`: not such a layer.
+    fn ranks(&self) -> Option<usize> {
+        None
+    }
+    /// The routes of a call with sequence `b` on rank `placement[b]` (a balanced placement over
+    /// [`Hints::ranks`]), for a comparison.
+    ///
+    /// # Shapes
+    /// `logits`: `[batch, seq_len, width]`; `padding`: `[batch, seq_len]`; `placement`: `[batch]`.
+    fn assign_placed(
+        &self,
+        logits: ArrayView3<f32>,
+        padding: Option<ArrayView2<bool>>,
+        placement: &[usize],
+    ) -> Result<Routing> {
+        let _ = (logits, padding, placement);
+        Err(Error::Invalid("the router places no sequences on ranks".into()))
+    }
 }
 
 /// The [`Hints`] of any router, with the built-in defaults when it gives none.
@@ -151,6 +171,22 @@ impl dyn Router + '_ {
     /// Whether its adapter offers `seed_calls` ([`Hints::seed_calls`]).
     pub fn seed_calls(&self) -> Option<bool> {
         self.hints().and_then(Hints::seed_calls)
+    }
+    /// The ranks a layer places sequences over ([`Hints::ranks`]).
+    pub fn ranks(&self) -> Option<usize> {
+        self.hints().and_then(Hints::ranks)
+    }
+    /// The routes of a call under a placement ([`Hints::assign_placed`]).
+    pub fn assign_placed(
+        &self,
+        logits: ArrayView3<f32>,
+        padding: Option<ArrayView2<bool>>,
+        placement: &[usize],
+    ) -> Result<Routing> {
+        match self.hints() {
+            Some(h) => h.assign_placed(logits, padding, placement),
+            None => Err(Error::shape(&format!("router `{}`", self.name()), "the router places no sequences on ranks")),
+        }
     }
 }
 

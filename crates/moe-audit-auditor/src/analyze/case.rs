@@ -37,19 +37,23 @@ impl CallMode {
     }
 }
 
-/// One call to a router: logits and, for routers that take one, a padding mask.
+/// One call to a router: logits and, for routers that take one, a padding mask and a
+/// placement of its sequences over ranks.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Call {
     /// `[batch, seq_len, experts]`.
     pub logits: Logits,
     /// `[batch, seq_len]`, `true` = padding.
     pub padding: Option<Array2<bool>>,
+    /// `[batch]`: the rank of each sequence, for a layer that places them (L's cases);
+    /// `None`: the layer's default placement.
+    pub placement: Option<Vec<usize>>,
 }
 
 impl Call {
     /// A call without padding.
     pub fn new(logits: Logits) -> Self {
-        Call { logits, padding: None }
+        Call { logits, padding: None, placement: None }
     }
 
     /// `(batch, seq_len)`.
@@ -67,24 +71,31 @@ impl Call {
     }
 
     /// Routes the call for a comparison of routes ([`Router::assign_routes`]: load statistics
-    /// may be left out).
+    /// may be left out), under its placement when it has one.
     pub fn routes(&self, router: &dyn Router) -> Result<Routing> {
-        router.assign_routes(self.logits.view(), self.padding.as_ref().map(|m| m.view()))
+        let padding = self.padding.as_ref().map(|m| m.view());
+        match &self.placement {
+            Some(p) => router.assign_placed(self.logits.view(), padding, p),
+            None => router.assign_routes(self.logits.view(), padding),
+        }
     }
 
-    /// Keeps positions `< len` of every sequence.
+    /// Keeps positions `< len` of every sequence (on the same ranks).
     pub fn truncate(&self, len: usize) -> Call {
         Call {
             logits: self.logits.slice(s![.., ..len, ..]).to_owned(),
             padding: self.padding.as_ref().map(|m| m.slice(s![.., ..len]).to_owned()),
+            placement: self.placement.clone(),
         }
     }
 
-    /// The sequences at `order` (indices into this call), in that order.
+    /// The sequences at `order` (indices into this call), in that order, in the default
+    /// placement.
     pub fn select(&self, order: &[usize]) -> Call {
         Call {
             logits: self.logits.select(Axis(0), order),
             padding: self.padding.as_ref().map(|m| m.select(Axis(0), order)),
+            placement: None,
         }
     }
 }

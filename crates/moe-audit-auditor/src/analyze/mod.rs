@@ -345,6 +345,13 @@ pub fn audit(subject: &Subject, options: &AuditOptions, progress: &dyn Progress)
         return Err(Error::Usage(e));
     }
     let router = subject.router;
+    if let Some(n) = router.ranks().filter(|&n| !b.is_multiple_of(n)) {
+        return Err(Error::Usage(format!(
+            "{} {b} is not a multiple of the {n} ranks router `{}` runs over (each rank takes batch/ranks sequences)",
+            Setting::Batch,
+            router.name()
+        )));
+    }
     let hidden = match router.hidden_size() {
         Some(h) => Some(probe::hidden_states(router, (b, s), h, options.seed)?),
         None => None,
@@ -439,6 +446,8 @@ fn looks_pure(router: &dyn Router, base: &Call, base_routing: &Routing) -> Resul
 fn invariant_violations(router: &dyn Router, r: &Routing) -> Vec<String> {
     let mut out = Vec::new();
     let config = router.config();
+    // A layer over ranks states one group per rank: the capacity is each rank's.
+    let unit = if r.scope.group == moe_audit_core::routing::GroupRule::Rank { "rank" } else { "group" };
     for (g, group) in r.scope.groups.iter().enumerate() {
         let Some(c) = group.capacity else { continue };
         let mut kept = vec![0usize; r.experts];
@@ -446,7 +455,7 @@ fn invariant_violations(router: &dyn Router, r: &Routing) -> Vec<String> {
             t.routes.iter().filter(|x| x.kept).for_each(|x| kept[x.expert] += 1);
         }
         if let Some((e, k)) = kept.iter().enumerate().find(|(_, &k)| k > c) {
-            out.push(format!("group {g}: expert {e} kept {k} routes over its capacity {c}"));
+            out.push(format!("{unit} {g}: expert {e} kept {k} routes over its capacity {c}"));
         }
         if let Some(declared) = config.and_then(|cfg| {
             cfg.capacity.as_ref().map(|cap| {

@@ -34,6 +34,17 @@ pub trait Answers: Send + Sync + 'static {
     /// The routing of `rows` (`[batch, seq_len, row_width]`) in `mode`, with a padding mask
     /// (`[batch, seq_len]`, `true` = padding) when the handshake takes one.
     fn answer(&self, mode: Mode, rows: ArrayView3<f32>, padding: Option<ArrayView2<bool>>) -> Result<Routing>;
+    /// [`Answers::answer`] with sequence `b` on rank `placement[b]` (a router with `ranks`).
+    fn answer_placed(
+        &self,
+        mode: Mode,
+        rows: ArrayView3<f32>,
+        padding: Option<ArrayView2<bool>>,
+        placement: &[usize],
+    ) -> Result<Routing> {
+        let _ = (mode, rows, padding, placement);
+        Err(Error::Usage(format!("router `{}`: its answers carry no placement", self.handshake().name)))
+    }
 }
 
 /// A router outside moe-audit, in one mode: the analyzer sees it through [`Router`] like a
@@ -52,7 +63,7 @@ impl<A: Answers> External<A> {
     fn new(source: A, seed: u64, mode: Mode, target: bool, budget: MemoryBudget) -> Result<Self> {
         let hs = source.handshake();
         if hs.input == InputKind::Hidden {
-            let pool = (POOL_PER_EXPERT * hs.experts) as u64 * hs.row_width() as u64 * 4;
+            let pool = (POOL_PER_EXPERT * hs.experts * hs.ranks()) as u64 * hs.row_width() as u64 * 4;
             budget.ensure_fits(&format!("the targeted-row pool of router `{}`", hs.name), pool)?;
         }
         let mut rows = ExternalRows::new(hs, seed);
@@ -94,6 +105,7 @@ impl<A: Answers> Router for External<A> {
     fn handshake(&self) -> Option<serde_json::Value> {
         let mut value = serde_json::to_value(External::handshake(self)).ok()?;
         if let Some(fields) = value.as_object_mut() {
+            // `ranks`, `output` and `weights` stay: they say what the layer is.
             for transport in ["protocol", "responses", "padding_mask", "seed_calls"] {
                 fields.remove(transport);
             }
@@ -149,6 +161,19 @@ impl<A: Answers> Hints for External<A> {
     fn seed_calls(&self) -> Option<bool> {
         self.handshake().seed_calls
     }
+
+    fn ranks(&self) -> Option<usize> {
+        self.handshake().ranks
+    }
+
+    fn assign_placed(
+        &self,
+        rows: ArrayView3<f32>,
+        padding: Option<ArrayView2<bool>>,
+        placement: &[usize],
+    ) -> Result<Routing> {
+        self.source.answer_placed(self.mode, rows, padding, placement)
+    }
 }
 
 /// Pool rows per expert when looking for targeted hidden rows.
@@ -175,13 +200,16 @@ struct ExternalRows {
     seed: u64,
     experts: usize,
     width: usize,
+    /// Sequences of the pool: the router's ranks.
+    ranks: usize,
     /// One row per expert for `input: hidden`; `None` for logits (the analyzer's own rows).
     targets: Option<Vec<Vec<f32>>>,
 }
 
 impl ExternalRows {
     fn new(hs: &Handshake, seed: u64) -> Self {
-        let mut rows = ExternalRows { seed, experts: hs.experts, width: hs.row_width(), targets: None };
+        let mut rows =
+            ExternalRows { seed, experts: hs.experts, width: hs.row_width(), ranks: hs.ranks(), targets: None };
         if hs.input == InputKind::Hidden {
             let pool = rows.pool();
             rows.targets =
@@ -190,13 +218,14 @@ impl ExternalRows {
         rows
     }
 
-    /// `[1, POOL_PER_EXPERT * E, H]` standard-normal rows from the audit seed.
+    /// `[ranks, POOL_PER_EXPERT * E, H]` standard-normal rows from the audit seed: one
+    /// sequence per rank, as a layer over ranks takes only a multiple of them.
     fn pool(&self) -> Array3<f32> {
-        let n = POOL_PER_EXPERT * self.experts;
+        let (r, n) = (self.ranks, POOL_PER_EXPERT * self.experts);
         let t = Seeded::new(self.seed ^ crate::seeds::EXTERNAL_HIDDEN)
-            .normal(&[1, n, self.width], &Device::Cpu)
+            .normal(&[r, n, self.width], &Device::Cpu)
             .expect("host tensor");
-        Array3::from_shape_vec((1, n, self.width), t.flatten_all().and_then(|t| t.to_vec1()).expect("host tensor"))
+        Array3::from_shape_vec((r, n, self.width), t.flatten_all().and_then(|t| t.to_vec1()).expect("host tensor"))
             .expect("shape")
     }
 
@@ -212,7 +241,8 @@ impl ExternalRows {
                 |t: &moe_audit_core::routing::TokenRouting| t.routes.iter().find(|r| r.expert == e).map(|r| r.weight);
             let best = best_token(routing, first_choice).or_else(|| best_token(routing, any_choice));
             if let Some(i) = best {
-                *target = pool.slice(ndarray::s![0, i, ..]).to_vec();
+                let (b, s) = (i / pool.dim().1, i % pool.dim().1);
+                *target = pool.slice(ndarray::s![b, s, ..]).to_vec();
             }
         }
     }

@@ -13,7 +13,7 @@
 //! run them concurrently, so request ids and the order a stateful router sees are the same on
 //! every run.
 
-use super::protocol::{frame_request, parse_response, Asked, BinaryHeader, Handshake, InputKind, Mode, Request};
+use super::protocol::{self, frame_request, parse_response, Asked, BinaryHeader, Handshake, InputKind, Mode, Request};
 use super::{Answers, External};
 use moe_audit_core::error::{excerpt_long, Error, Result};
 use moe_audit_core::routing::Routing;
@@ -30,6 +30,14 @@ const STDERR_TAIL: usize = 2000;
 
 /// The environment variable tagging a router's process tree.
 const TAG_VAR: &str = "MOE_AUDIT_ROUTER_TAG";
+
+/// The environment variable telling the router `--timeout` in whole seconds (a layer over ranks
+/// waits for its other ranks less than that, and names the one that did not answer).
+const TIMEOUT_VAR: &str = "MOE_AUDIT_TIMEOUT";
+
+/// How a rank of a layer run expert-parallel names itself on stderr: its line is quoted rather
+/// than the launcher's summary that follows it.
+const RANK_LINE: &str = "moe-audit: rank ";
 
 /// How long a router that exited may still deliver lines already in its pipe.
 const EXIT_GRACE: Duration = Duration::from_millis(300);
@@ -147,6 +155,7 @@ impl Peer {
             let child = child
                 .args(["-c", command])
                 .env(TAG_VAR, &tag)
+                .env(TIMEOUT_VAR, timeout.as_secs().max(1).to_string())
                 .stdin(Stdio::piped())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
@@ -249,7 +258,7 @@ impl Peer {
         // The tree is dead: its stderr ends at once; read what it said last.
         let _ = self.stderr_done.lock().unwrap_or_else(|e| e.into_inner()).recv_timeout(Duration::from_secs(1));
         let tail = String::from_utf8_lossy(&self.stderr.lock().unwrap_or_else(|e| e.into_inner())).trim().to_string();
-        let message = match tail.lines().last() {
+        let message = match last_words(&tail) {
             Some(last) if !last.is_empty() => format!("{message}; its stderr ends: {}", excerpt_long(last)),
             _ => message,
         };
@@ -399,10 +408,31 @@ impl Peer {
 }
 
 impl Subprocess {
-    /// One request and its answer, in the handshake's protocol.
-    fn call(&self, mode: Mode, rows: ArrayView3<f32>, padding: Option<ArrayView2<bool>>) -> Result<Routing> {
+    /// One request and its answer, in the handshake's protocol; `placement` (a router with
+    /// `ranks`) puts the sequences on ranks, else the router's default does.
+    fn call(
+        &self,
+        mode: Mode,
+        rows: ArrayView3<f32>,
+        padding: Option<ArrayView2<bool>>,
+        placement: Option<&[usize]>,
+    ) -> Result<Routing> {
         let (batch, seq_len, width) = rows.dim();
         let hs = &self.handshake;
+        let ranks = hs.ranks();
+        if !batch.is_multiple_of(ranks) {
+            return Err(Error::shape(
+                &format!("router `{}`", hs.name),
+                format!("a batch of {batch} sequences, not a multiple of its {ranks} ranks"),
+            ));
+        }
+        if let Some(p) = placement {
+            let checked = match hs.ranks {
+                Some(n) => protocol::check_placement(p, batch, n),
+                None => Err("a placement for a router that declared no `ranks`".into()),
+            };
+            checked.map_err(|e| Error::shape(&format!("router `{}`", hs.name), e))?;
+        }
         if width != hs.row_width() {
             return Err(Error::shape(
                 &format!("router `{}`", hs.name),
@@ -421,7 +451,7 @@ impl Subprocess {
         let mask: Option<Vec<bool>> = padding.map(|m| m.iter().copied().collect());
         let id = self.peer.next_id()?;
         let message = if hs.framed() {
-            frame_request((id, mode, self.seed), (batch, seq_len, width), flat, mask.as_deref())
+            frame_request((id, mode, self.seed), (batch, seq_len, width), flat, mask.as_deref(), placement)
         } else {
             let request = Request { id, mode, batch, seq_len, data: flat.chunks(width.max(1)).collect() };
             let mut line = serde_json::to_vec(&request).expect("a request always serialises");
@@ -441,9 +471,15 @@ impl Subprocess {
             parse_response(&line).map_err(fail)?
         };
         let logits = (hs.input == InputKind::Logits).then_some(flat);
-        let asked = Asked { id, batch, seq_len, padding: padding.as_ref().map(|m| m.view()), logits };
+        let asked = Asked { id, batch, seq_len, padding: padding.as_ref().map(|m| m.view()), logits, placement };
         response.into_routing(hs, &asked).map_err(fail)
     }
+}
+
+/// The stderr line an error quotes: the last a failing rank wrote (`moe-audit: rank R: ...`;
+/// a launcher such as torchrun writes its summary after it), else the last line.
+fn last_words(tail: &str) -> Option<&str> {
+    tail.lines().rev().find(|l| l.starts_with(RANK_LINE)).or_else(|| tail.lines().last())
 }
 
 /// Exactly `n` bytes from `reader`, or an error saying where they ended.
@@ -574,13 +610,31 @@ impl Answers for Subprocess {
     }
 
     fn answer(&self, mode: Mode, rows: ArrayView3<f32>, padding: Option<ArrayView2<bool>>) -> Result<Routing> {
-        self.call(mode, rows, padding)
+        self.call(mode, rows, padding, None)
+    }
+
+    fn answer_placed(
+        &self,
+        mode: Mode,
+        rows: ArrayView3<f32>,
+        padding: Option<ArrayView2<bool>>,
+        placement: &[usize],
+    ) -> Result<Routing> {
+        self.call(mode, rows, padding, Some(placement))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_failing_rank_is_quoted_before_the_launcher_summary() {
+        let tail = "moe-audit: rank 1: RuntimeError: boom\nmoe-audit: rank 0: did not answer\nERROR torchrun: failed";
+        assert_eq!(last_words(tail), Some("moe-audit: rank 0: did not answer"));
+        assert_eq!(last_words("a\nb"), Some("b"));
+        assert_eq!(last_words(""), None);
+    }
 
     #[test]
     fn timeouts_are_checked() {

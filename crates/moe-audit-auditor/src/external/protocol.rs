@@ -1,11 +1,15 @@
 //! The `moe-audit/1` and `moe-audit/2` messages (docs/PROTOCOL.md) and their validation: a
 //! response becomes a [`Routing`] only when every field fits the request, so no verdict is ever
 //! drawn from bad data. `/2` frames its requests (a JSON header line, then little-endian bytes),
-//! may answer in binary frames, states a capacity with its scope, and carries a padding mask.
+//! may answer in binary frames, states a capacity with its scope, and carries a padding mask;
+//! a `/2` router may be an MoE layer run expert-parallel (`ranks`: each call's sequences placed
+//! over its ranks, the capacity per rank) that sends its output rows (`output`).
 
 use moe_audit_core::config::{Flatten, ScopeConfig, ScopeGroup};
 use moe_audit_core::error::{excerpt, excerpt_long};
-use moe_audit_core::routing::{scores, Decisions, GroupRecord, Route, Routing, ScopeRecord, TokenRouting};
+use moe_audit_core::routing::{
+    scores, Decisions, GroupRecord, GroupRule, OutputDtype, Outputs, Route, Routing, ScopeRecord, TokenRouting,
+};
 use ndarray::ArrayView2;
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -64,11 +68,29 @@ pub struct Handshake {
     /// then names only the `seed` every request carries.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub seed_calls: Option<bool>,
+    /// `/2` only: the router is an MoE layer run expert-parallel over this many ranks; every
+    /// call's batch is a multiple of it, and each response states the rank of each sequence.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ranks: Option<usize>,
+    /// `/2` only (binary responses, `input: hidden`): responses carry the layer's output rows,
+    /// computed in this dtype (sent as f32), compared within its tolerance.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output: Option<OutputDtype>,
+    /// `/2` only: a hex fingerprint of the layer's weights (router and experts in global expert
+    /// order), which two launches compared by `--layout-cmd` must share.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weights: Option<String>,
 }
 
 /// The largest `experts` and `hidden_size` a handshake may declare (2^20: a million experts, as
 /// in product-key MoE); rows are allocated from them, so absurd values are errors, not crashes.
 pub const MAX_SIZE: usize = 1 << 20;
+
+/// The most expert-parallel ranks a handshake may declare.
+pub const MAX_RANKS: usize = 1024;
+
+/// The longest weights fingerprint, in hex digits (a sha512 takes 128).
+pub const MAX_FINGERPRINT: usize = 128;
 
 impl Handshake {
     /// Checks the handshake; the error says which field is wrong.
@@ -77,10 +99,31 @@ impl Handshake {
             let protocol = excerpt(&self.protocol);
             return Err(format!("handshake: protocol `{protocol}`, expected `{PROTOCOL}` or `{PROTOCOL_2}`"));
         }
-        if !self.framed() && (self.responses.is_some() || self.padding_mask || self.seed_calls.is_some()) {
-            return Err(format!(
-                "handshake: `responses`, `padding_mask` and `seed_calls` need protocol `{PROTOCOL_2}`"
-            ));
+        let v2_only = [
+            ("responses", self.responses.is_some()),
+            ("padding_mask", self.padding_mask),
+            ("seed_calls", self.seed_calls.is_some()),
+            ("ranks", self.ranks.is_some()),
+            ("output", self.output.is_some()),
+            ("weights", self.weights.is_some()),
+        ];
+        if let Some((field, _)) = v2_only.iter().find(|(_, set)| *set && !self.framed()) {
+            return Err(format!("handshake: `{field}` needs protocol `{PROTOCOL_2}`"));
+        }
+        if let Some(n) = self.ranks.filter(|n| !(1..=MAX_RANKS).contains(n)) {
+            return Err(format!("handshake: ranks {n} is not from 1 to {MAX_RANKS}"));
+        }
+        if self.output.is_some() && (self.input != InputKind::Hidden || !self.binary_responses()) {
+            return Err("handshake: `output` needs input `hidden` and responses `binary`".into());
+        }
+        if self.ranks.is_some() && !self.binary_responses() {
+            return Err("handshake: `ranks` needs responses `binary` (their header states the placement)".into());
+        }
+        if let Some(w) = &self.weights {
+            if w.is_empty() || w.len() > MAX_FINGERPRINT || !w.bytes().all(|b| b.is_ascii_hexdigit()) {
+                let w = excerpt(w);
+                return Err(format!("handshake: weights `{w}` is not a hex string of 1 to {MAX_FINGERPRINT} digits"));
+            }
         }
         if let Err(e) = moe_audit_core::names::check(&self.name) {
             return Err(format!("handshake: name {e}"));
@@ -110,6 +153,11 @@ impl Handshake {
     /// Whether responses come as binary frames.
     pub fn binary_responses(&self) -> bool {
         self.responses == Some(Encoding::Binary)
+    }
+
+    /// The expert-parallel ranks (1 for a router that declares none).
+    pub fn ranks(&self) -> usize {
+        self.ranks.unwrap_or(1)
     }
 
     /// Values per row of a request.
@@ -169,7 +217,7 @@ pub struct Request<'a> {
 /// (sequence-major, `batch * seq_len * width` values), then with `padding` one byte per token
 /// (1 = padding).
 #[derive(Debug, Serialize)]
-struct FrameHeader {
+struct FrameHeader<'a> {
     id: u64,
     mode: Mode,
     batch: usize,
@@ -177,21 +225,25 @@ struct FrameHeader {
     width: usize,
     seed: u64,
     padding: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    placement: Option<&'a [usize]>,
     bytes: usize,
 }
 
 /// A `/2` request as written: its header line, then its payload.
 ///
 /// # Shapes
-/// `rows`: `batch * seq_len * width` values, sequence-major; `padding`: `batch * seq_len` flags.
+/// `rows`: `batch * seq_len * width` values, sequence-major; `padding`: `batch * seq_len` flags;
+/// `placement`: `batch` ranks.
 pub fn frame_request(
     (id, mode, seed): (u64, Mode, u64),
     (batch, seq_len, width): (usize, usize, usize),
     rows: &[f32],
     padding: Option<&[bool]>,
+    placement: Option<&[usize]>,
 ) -> Vec<u8> {
     let bytes = 4 * rows.len() + padding.map_or(0, <[bool]>::len);
-    let header = FrameHeader { id, mode, batch, seq_len, width, seed, padding: padding.is_some(), bytes };
+    let header = FrameHeader { id, mode, batch, seq_len, width, seed, padding: padding.is_some(), placement, bytes };
     let mut out = serde_json::to_vec(&header).expect("a header always serialises");
     out.push(b'\n');
     out.reserve(bytes);
@@ -226,8 +278,9 @@ pub enum Capacity {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ScopedCapacity {
-    /// `batch`, `sequence` or `tokens:N`, as a built-in router's `[scope] group`.
-    pub scope: ScopeGroup,
+    /// `batch`, `sequence` or `tokens:N`, as a built-in router's `[scope] group`; or `rank`
+    /// (a router with `ranks`: one group per rank, its sequences' tokens).
+    pub scope: GroupRule,
     /// Slots of every expert, one count per group, in group order.
     pub slots: Vec<usize>,
     /// The order `tokens:N` groups are cut from; default sequence-major (the rows' order).
@@ -264,6 +317,12 @@ pub struct Response {
     /// `null` (or absent) when dropless.
     #[serde(default)]
     pub capacity: Option<Capacity>,
+    /// The rank of each sequence (binary responses of a router with `ranks`).
+    #[serde(skip)]
+    pub placement: Option<Vec<usize>>,
+    /// The output rows, `tokens * H` values (binary responses of a router with `output`).
+    #[serde(skip)]
+    pub output: Option<Vec<f32>>,
 }
 
 /// The header line of a binary `/2` response; `bytes` bytes follow it.
@@ -277,7 +336,10 @@ pub struct BinaryHeader {
     /// As in [`Response`].
     #[serde(default)]
     pub capacity: Option<Capacity>,
-    /// Payload length: `4 * tokens + 9 * routes`.
+    /// As in [`Response`].
+    #[serde(default)]
+    pub placement: Option<Vec<usize>>,
+    /// Payload length: `4 * tokens + 9 * routes`, plus `4 * tokens * H` with `output`.
     pub bytes: u64,
 }
 
@@ -300,10 +362,14 @@ impl BinaryHeader {
                 self.routes
             ));
         }
-        let want = self.routes.checked_mul(9).and_then(|r| r.checked_add(4 * tokens as u64));
+        let rows = if hs.output.is_some() { hs.row_width() as u64 } else { 0 };
+        let want = self.routes.checked_mul(9).and_then(|r| r.checked_add(4 * tokens as u64)).and_then(|w| {
+            (tokens as u64).checked_mul(rows).and_then(|o| o.checked_mul(4)).and_then(|o| w.checked_add(o))
+        });
         let Some(want) = want.filter(|&w| w == self.bytes) else {
+            let outputs = if rows > 0 { format!(" and their output rows of {rows}") } else { String::new() };
             return Err(format!(
-                "the header says {} bytes, {tokens} tokens and {} routes take {}",
+                "the header says {} bytes, {tokens} tokens and {} routes{outputs} take {}",
                 self.bytes,
                 self.routes,
                 want.map_or("more than 2^64".to_string(), |w| w.to_string())
@@ -318,13 +384,15 @@ impl BinaryHeader {
         usize::try_from(want).map_err(|_| format!("a payload of {want} bytes does not fit in memory"))
     }
 
-    /// The response the payload holds: counts (u32), experts (i32), weights (f32) and kept
-    /// flags (u8, 0 or 1), little-endian. `payload` has [`BinaryHeader::payload_len`] bytes.
+    /// The response the payload holds: counts (u32), experts (i32), weights (f32), kept
+    /// flags (u8, 0 or 1), then with `output` the output rows (f32), little-endian. `payload`
+    /// has [`BinaryHeader::payload_len`] bytes.
     pub fn decode(self, payload: &[u8], tokens: usize) -> Result<Response, String> {
         let r = self.routes as usize;
         let (counts, rest) = payload.split_at(4 * tokens);
         let (experts, rest) = rest.split_at(4 * r);
-        let (weights, kept) = rest.split_at(4 * r);
+        let (weights, rest) = rest.split_at(4 * r);
+        let (kept, rows) = rest.split_at(r);
         let word = |b: &[u8]| <[u8; 4]>::try_from(b).expect("4 bytes");
         let mut total = 0u64;
         let counts: Vec<usize> = counts
@@ -347,7 +415,8 @@ impl BinaryHeader {
             kept: k == 1,
         });
         let tokens = counts.iter().map(|&n| routes.by_ref().take(n).collect()).collect();
-        Ok(Response { id: self.id, tokens, capacity: self.capacity })
+        let output = (!rows.is_empty()).then(|| rows.chunks_exact(4).map(|v| f32::from_le_bytes(word(v))).collect());
+        Ok(Response { id: self.id, tokens, capacity: self.capacity, placement: self.placement, output })
     }
 }
 
@@ -364,6 +433,28 @@ pub struct Asked<'a> {
     pub padding: Option<ArrayView2<'a, bool>>,
     /// The rows, when they are logits.
     pub logits: Option<&'a [f32]>,
+    /// The placement the request sent (a router with `ranks`).
+    pub placement: Option<&'a [usize]>,
+}
+
+/// Checks that `placement` puts `batch / ranks` sequences on each of `ranks` ranks.
+pub fn check_placement(placement: &[usize], batch: usize, ranks: usize) -> Result<(), String> {
+    if placement.len() != batch {
+        return Err(format!("placement has {} entries, the batch {batch} sequences", placement.len()));
+    }
+    if let Some(r) = placement.iter().find(|&&r| r >= ranks) {
+        return Err(format!("placement names rank {r}, the router has ranks 0 to {}", ranks - 1));
+    }
+    let mut held = vec![0usize; ranks];
+    placement.iter().for_each(|&r| held[r] += 1);
+    match held.iter().position(|&n| n * ranks != batch) {
+        Some(r) => Err(format!(
+            "placement puts {} sequences on rank {r}, a balanced one {} of {batch} on each of {ranks} ranks",
+            held[r],
+            batch / ranks
+        )),
+        None => Ok(()),
+    }
 }
 
 impl Response {
@@ -404,43 +495,104 @@ impl Response {
             }
             tokens.push(TokenRouting { batch: b, pos: s, group: 0, routes: out, capacity: None });
         }
-        let (capacity, scope) = scope_of(self.capacity, e, batch, seq_len)?;
-        for (g, members) in scope_members(&scope, batch, seq_len).into_iter().enumerate() {
+        let placement = match (hs.ranks, self.placement) {
+            (None, None) => None,
+            (None, Some(_)) => return Err("a `placement` from a router that declared no `ranks`".into()),
+            (Some(_), None) => {
+                return Err("no `placement`: a router with `ranks` names the rank of each sequence".into())
+            }
+            (Some(n), Some(p)) => {
+                check_placement(&p, batch, n)?;
+                if asked.placement.is_some_and(|want| want != p.as_slice()) {
+                    return Err(format!(
+                        "placement {} is not the requested {}",
+                        excerpt_long(format!("{p:?}")),
+                        excerpt_long(format!("{:?}", asked.placement.unwrap_or_default()))
+                    ));
+                }
+                Some(p)
+            }
+        };
+        let output = match (hs.output, self.output) {
+            (Some(dtype), Some(rows)) => {
+                let h = hs.row_width();
+                if let Some(i) = rows.chunks_exact(h.max(1)).position(|r| r.iter().any(|v| !v.is_finite())) {
+                    return Err(format!(
+                        "token {i} (batch {}, position {}): output row is not finite",
+                        i / seq_len,
+                        i % seq_len
+                    ));
+                }
+                Some(Outputs { dtype, hidden: h, rows })
+            }
+            (Some(_), None) => return Err("no output rows: the handshake declared `output`".into()),
+            (None, _) => None,
+        };
+        let ranked = hs.ranks.zip(placement.as_deref());
+        let (capacity, scope, members) = scope_of(self.capacity, e, (batch, seq_len), ranked)?;
+        for (g, members) in members.into_iter().enumerate() {
             members.into_iter().for_each(|i| tokens[i].group = g);
         }
         let softmax = asked.logits.map(|flat| scores::softmax_rows(flat, e)).unwrap_or_default();
         let decisions =
             Decisions { router: hs.name.clone(), batch, seq_len, experts: e, top_k: hs.top_k, capacity, scope, tokens };
-        Ok(Routing::assemble(decisions, Some(&softmax)))
+        let mut routing = Routing::assemble(decisions, Some(&softmax));
+        (routing.placement, routing.output) = (placement, output);
+        Ok(routing)
     }
 }
 
-/// The record's capacity (per expert over the call) and scope of a stated capacity. Without
-/// a scope the call is one group; unequal per-expert capacities count by their largest.
+/// A stated capacity in force: the record's capacity (per expert over the call), its scope,
+/// and the flat token indices of each of its groups.
+type Scoped = (Option<Vec<usize>>, ScopeRecord, Vec<Vec<usize>>);
+
+/// The record's capacity (per expert over the call), scope and groups of a stated capacity.
+/// Without a scope the call is one group; unequal per-expert capacities count by their largest.
+/// A `rank` scope's groups are the `ranked` router's ranks, each holding the tokens of the
+/// sequences its placement puts there, in batch order.
 fn scope_of(
     capacity: Option<Capacity>,
     e: usize,
-    batch: usize,
-    seq_len: usize,
-) -> Result<(Option<Vec<usize>>, ScopeRecord), String> {
+    (batch, seq_len): (usize, usize),
+    ranked: Option<(usize, &[usize])>,
+) -> Result<Scoped, String> {
     let n = batch * seq_len;
-    let whole = |capacity: Option<usize>| ScopeRecord {
-        group: ScopeGroup::Batch,
-        flatten: Flatten::SequenceMajor,
-        groups: vec![GroupRecord { tokens: n, capacity }],
+    let whole = |capacity: Option<usize>| {
+        let group = GroupRule::Scope(ScopeGroup::Batch);
+        let groups = vec![GroupRecord { tokens: n, capacity }];
+        (ScopeRecord { group, flatten: Flatten::SequenceMajor, groups }, vec![(0..n).collect()])
     };
     match capacity {
-        None => Ok((None, whole(None))),
+        None => {
+            let (scope, members) = whole(None);
+            Ok((None, scope, members))
+        }
         Some(Capacity::PerExpert(c)) => {
             if c.len() != e {
                 return Err(format!("capacity has {} entries, expected one per expert ({e})", c.len()));
             }
-            let largest = c.iter().copied().max();
-            Ok((Some(c), whole(largest)))
+            let (scope, members) = whole(c.iter().copied().max());
+            Ok((Some(c), scope, members))
         }
         Some(Capacity::Scoped(ScopedCapacity { scope, slots, flatten })) => {
-            let config = ScopeConfig { group: scope, flatten };
-            let groups = moe_audit_core::routing::scope::groups(&config, batch, seq_len);
+            let groups: Vec<Vec<usize>> = match (scope, ranked) {
+                (GroupRule::Scope(group), _) => {
+                    moe_audit_core::routing::scope::groups(&ScopeConfig { group, flatten }, batch, seq_len)
+                }
+                (GroupRule::Rank, Some((n, p))) => (0..n)
+                    .map(|r| (0..batch).filter(|&b| p[b] == r).flat_map(|b| b * seq_len..(b + 1) * seq_len).collect())
+                    .collect(),
+                (GroupRule::Rank, None) => {
+                    return Err("capacity scope `rank` from a router that declared no `ranks`".into())
+                }
+            };
+            if scope == GroupRule::Rank && slots.len() != groups.len() {
+                return Err(format!(
+                    "capacity scope `rank` has {} ranks, slots has {} entries",
+                    groups.len(),
+                    slots.len()
+                ));
+            }
             if slots.len() != groups.len() {
                 return Err(format!(
                     "capacity scope `{scope}` has {} groups in batch {batch} x seq_len {seq_len}, slots has {} entries",
@@ -452,15 +604,11 @@ fn scope_of(
             let Some(total) = total else {
                 return Err("capacity slots add up to more than 2^64".into());
             };
-            let groups = groups.iter().zip(&slots).map(|(g, &c)| GroupRecord { tokens: g.len(), capacity: Some(c) });
-            Ok((Some(vec![total; e]), ScopeRecord { group: scope, flatten, groups: groups.collect() }))
+            let records = groups.iter().zip(&slots).map(|(g, &c)| GroupRecord { tokens: g.len(), capacity: Some(c) });
+            let flatten = if scope == GroupRule::Rank { Flatten::SequenceMajor } else { flatten };
+            Ok((Some(vec![total; e]), ScopeRecord { group: scope, flatten, groups: records.collect() }, groups))
         }
     }
-}
-
-/// Flat token indices of each group of `scope`.
-fn scope_members(scope: &ScopeRecord, batch: usize, seq_len: usize) -> Vec<Vec<usize>> {
-    moe_audit_core::routing::scope::groups(&ScopeConfig { group: scope.group, flatten: scope.flatten }, batch, seq_len)
 }
 
 /// Parses one response line; the error quotes an excerpt of a line that is not a response.
@@ -483,11 +631,14 @@ mod tests {
             responses: None,
             padding_mask: false,
             seed_calls: None,
+            ranks: None,
+            output: None,
+            weights: None,
         }
     }
 
     fn check(line: &str) -> Result<Routing, String> {
-        let asked = Asked { id: 3, batch: 1, seq_len: 2, padding: None, logits: None };
+        let asked = Asked { id: 3, batch: 1, seq_len: 2, padding: None, logits: None, placement: None };
         parse_response(line)?.into_routing(&hs(), &asked)
     }
 
@@ -526,6 +677,36 @@ mod tests {
             let err = check(&line).unwrap_err();
             assert!(err.starts_with(want), "{err}");
         }
+    }
+
+    #[test]
+    fn placements_and_rank_scopes_need_ranks() {
+        assert_eq!(check_placement(&[1, 0, 1, 0], 4, 2), Ok(()));
+        assert_eq!(check_placement(&[0, 2], 2, 2), Err("placement names rank 2, the router has ranks 0 to 1".into()));
+        assert_eq!(check_placement(&[0], 2, 2), Err("placement has 1 entries, the batch 2 sequences".into()));
+        let tokens = r#""tokens": [[{"expert": 1, "weight": 1.0, "kept": true}, {"expert": 0, "weight": 0.0, "kept": false}], [{"expert": 1, "weight": 1.0, "kept": true}, {"expert": 3, "weight": 0.0, "kept": true}]]"#;
+        let placed = |line: &str, placement: &[usize]| {
+            let mut response = parse_response(line).unwrap();
+            response.placement = Some(placement.to_vec());
+            response
+        };
+        let asked = Asked { id: 3, batch: 1, seq_len: 2, padding: None, logits: None, placement: None };
+        let unranked = placed(&format!(r#"{{"id": 3, {tokens}}}"#), &[0]).into_routing(&hs(), &asked);
+        assert_eq!(unranked.unwrap_err(), "a `placement` from a router that declared no `ranks`");
+        let scoped = format!(r#"{{"id": 3, {tokens}, "capacity": {{"scope": "rank", "slots": [1]}}}}"#);
+        assert_eq!(check(&scoped).unwrap_err(), "capacity scope `rank` from a router that declared no `ranks`");
+        // A ranked router's rank groups: sequence 0 on rank 1 holds both tokens.
+        let hs = Handshake { protocol: PROTOCOL_2.into(), ranks: Some(2), responses: Some(Encoding::Binary), ..hs() };
+        assert_eq!(hs.validate(), Ok(()));
+        let json = Handshake { responses: None, ..hs.clone() }.validate().unwrap_err();
+        assert_eq!(json, "handshake: `ranks` needs responses `binary` (their header states the placement)");
+        let asked = Asked { id: 3, batch: 2, seq_len: 1, padding: None, logits: None, placement: None };
+        let two = format!(r#"{{"id": 3, {tokens}, "capacity": {{"scope": "rank", "slots": [2, 1]}}}}"#);
+        let r = placed(&two, &[1, 0]).into_routing(&hs, &asked).unwrap();
+        assert_eq!((r.scope.group, r.tokens[0].group, r.tokens[1].group), (GroupRule::Rank, 1, 0));
+        assert_eq!(r.placement, Some(vec![1, 0]));
+        // `rank` is a record's and the protocol's scope, never a config's.
+        assert!(ScopeGroup::try_from("rank".to_string()).is_err());
     }
 
     #[test]

@@ -63,6 +63,18 @@ pub struct Manifest {
     pub calls: Vec<PlannedCall>,
 }
 
+/// Trace files hold routes only: a layer over ranks (its calls placed) or one that sends its
+/// output rows runs as a subprocess.
+fn traceable(hs: &Handshake) -> std::result::Result<(), String> {
+    match (hs.ranks, hs.output) {
+        (None, None) => Ok(()),
+        _ => {
+            Err("trace files carry no `ranks` placement and no `output` rows: audit such a layer with --router-cmd"
+                .into())
+        }
+    }
+}
+
 /// A call's content: its shape and the exact bits of its rows.
 type Content = ((usize, usize, usize), Vec<u32>);
 
@@ -88,9 +100,10 @@ impl Answers for Recorder {
         let (b, s, _) = rows.dim();
         self.log.lock().expect("log").push((mode, rows.as_standard_layout().into_owned()));
         let route = RouteOut { expert: self.answer as i64, weight: 1.0, kept: true };
-        let response = Response { id: 0, tokens: vec![vec![route]; b * s], capacity: None };
+        let response =
+            Response { id: 0, tokens: vec![vec![route]; b * s], capacity: None, placement: None, output: None };
         let hs = Handshake { top_k: None, ..self.hs.clone() };
-        let asked = Asked { id: 0, batch: b, seq_len: s, padding: None, logits: None };
+        let asked = Asked { id: 0, batch: b, seq_len: s, padding: None, logits: None, placement: None };
         response.into_routing(&hs, &asked).map_err(|e| Error::Invalid(format!("plan: {e}")))
     }
 }
@@ -99,6 +112,7 @@ impl Answers for Recorder {
 /// number of calls. Fails first when it is estimated to need more than `budget` bytes.
 pub fn plan(router: &Handshake, options: &AuditOptions, dir: &Path, budget: MemoryBudget) -> Result<usize> {
     router.validate().map_err(Error::Usage)?;
+    traceable(router).map_err(Error::Usage)?;
     // One audit at a time, plus every call it makes, kept until written: P's S prefixes (half
     // the call on average), F's and N's trials, R's cases at up to twice the size, a few more.
     let (width, routes) = (router.row_width(), router.top_k.unwrap_or(1));
@@ -211,6 +225,7 @@ impl TraceRouter {
     pub fn open(dir: &Path, budget: MemoryBudget) -> Result<Self> {
         let manifest = read_manifest(dir, budget)?;
         let hs = manifest.router;
+        traceable(&hs).map_err(|e| Error::input(dir.join(MANIFEST), e))?;
         let inputs_path = file_in(dir, INPUTS)?;
         let inputs = moe_audit_core::layer::load_safetensors(&inputs_path, &Device::Cpu, budget.tensors())?;
         let decisions_path = file_in(dir, DECISIONS)?;
@@ -259,7 +274,8 @@ impl TraceRouter {
                 )
             })?;
             let logits = (hs.input == InputKind::Logits).then(|| rows.as_slice().expect("standard layout"));
-            let asked = Asked { id: call.id, batch: call.batch, seq_len: call.seq_len, padding: None, logits };
+            let asked =
+                Asked { id: call.id, batch: call.batch, seq_len: call.seq_len, padding: None, logits, placement: None };
             let routing = response.into_routing(&hs, &asked).map_err(|e| {
                 Error::input(
                     &decisions_path,

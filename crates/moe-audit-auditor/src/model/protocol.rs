@@ -145,7 +145,13 @@ impl ResponseHeader {
             if let Some(i) = logits.as_ref().and_then(|v| v.iter().position(|x| !x.is_finite())) {
                 return Err(format!("layer {}: router logit {i} is not finite", l.layer));
             }
-            let binary = BinaryHeader { id: self.id, routes: h.routes, capacity: h.capacity, bytes: routes_len as u64 };
+            let binary = BinaryHeader {
+                id: self.id,
+                routes: h.routes,
+                capacity: h.capacity,
+                placement: None,
+                bytes: routes_len as u64,
+            };
             let at = |e: String| format!("layer {}: {e}", l.layer);
             let response = binary.decode(routes, t).map_err(at)?;
             let hs = Handshake {
@@ -158,6 +164,9 @@ impl ResponseHeader {
                 responses: Some(Encoding::Binary),
                 padding_mask: info.padding_mask,
                 seed_calls: None,
+                ranks: None,
+                output: None,
+                weights: None,
             };
             let asked = Asked {
                 id: self.id,
@@ -165,6 +174,7 @@ impl ResponseHeader {
                 seq_len: call.seq_len,
                 padding: mask.as_ref().map(|m| m.view()),
                 logits: logits.as_deref(),
+                placement: None,
             };
             let routing = response.into_routing(&hs, &asked).map_err(at)?;
             layers.push(LayerOutput { layer: l.layer, routing, logits });

@@ -169,6 +169,9 @@ fn config_routings(
         responses: None,
         padding_mask: false,
         seed_calls: None,
+        ranks: None,
+        output: None,
+        weights: None,
     };
     let rows = rows(input, &hs, budget)?;
     let inference = router.inference()?;

@@ -20,11 +20,11 @@ mod table;
 pub mod threshold;
 mod token_choice;
 
-pub use diff::{capacity_of, diff_token, TokenDiff, WEIGHT_TOLERANCE};
+pub use diff::{capacity_of, diff_token, OutputDtype, TokenDiff, WEIGHT_TOLERANCE};
 pub use kind::StepBatch;
 pub use prefix::prefix_stable;
 pub use record::Decisions;
-pub use record::{GroupRecord, Route, Routing, ScopeRecord, TokenRouting};
+pub use record::{GroupRecord, GroupRule, Outputs, Route, Routing, ScopeRecord, TokenRouting};
 pub use stats::{ExpertLoad, LoadStats};
 pub use table::render_table;
 
@@ -155,7 +155,7 @@ fn assign_with(
         experts: config.real_experts(),
         top_k: config.top_k(),
         capacity,
-        scope: ScopeRecord { group: config.scope.group, flatten: config.scope.flatten, groups },
+        scope: ScopeRecord { group: config.scope.group.into(), flatten: config.scope.flatten, groups },
         tokens,
     };
     Ok(Routing::assemble(decisions, with_stats.then_some(softmax.as_slice())))

@@ -3,6 +3,7 @@
 //! Field names are a public JSON contract (README, "The routing record"); probes compare these
 //! records token by token, so nothing that decides an output may be left out.
 
+use super::diff::OutputDtype;
 use super::stats::{load_stats, ExpertLoad, LoadStats};
 use crate::config::{Flatten, ScopeGroup};
 use serde::{Deserialize, Serialize};
@@ -30,17 +31,91 @@ pub struct Routing {
     pub experts_load: Vec<ExpertLoad>,
     /// Load-balance summary.
     pub stats: LoadStats,
+    /// The rank that routed each sequence, for a layer run expert-parallel (a router behind the
+    /// protocol with `ranks`); absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub placement: Option<Vec<usize>>,
+    /// The layer's output rows, when the router sends them (protocol field `output`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output: Option<Outputs>,
+}
+
+/// The output rows of a layer's call, compared token by token within its dtype's tolerance
+/// ([`OutputDtype::rtol`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Outputs {
+    /// The dtype the layer computes in (rows are sent as f32).
+    pub dtype: OutputDtype,
+    /// Values per row H.
+    pub hidden: usize,
+    /// `batch * seq_len * hidden` values, sequence-major.
+    pub rows: Vec<f32>,
+}
+
+impl Outputs {
+    /// The output row of flat token `i`.
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.rows[i * self.hidden..(i + 1) * self.hidden]
+    }
 }
 
 /// The scope routing was computed in.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ScopeRecord {
     /// Grouping rule.
-    pub group: ScopeGroup,
+    pub group: GroupRule,
     /// Flattening order inside a group.
     pub flatten: Flatten,
     /// The groups, in order.
     pub groups: Vec<GroupRecord>,
+}
+
+/// The rule a record's routing groups were cut by: a config's scope group, or the ranks of a
+/// layer run expert-parallel (each rank's tokens compete together, group r = rank r). `rank`
+/// names records only: a router config's `[scope] group` stays a [`ScopeGroup`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum GroupRule {
+    /// A config's grouping, written as the config writes it.
+    Scope(ScopeGroup),
+    /// One group per expert-parallel rank.
+    Rank,
+}
+
+impl From<ScopeGroup> for GroupRule {
+    fn from(g: ScopeGroup) -> Self {
+        GroupRule::Scope(g)
+    }
+}
+
+impl TryFrom<String> for GroupRule {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        match s.as_str() {
+            "rank" => Ok(GroupRule::Rank),
+            _ => ScopeGroup::try_from(s.clone()).map(GroupRule::Scope).map_err(|_| {
+                format!(
+                    "unknown scope group `{}`, expected `batch`, `sequence`, `tokens:N` with N > 0, or `rank`",
+                    crate::error::excerpt(&s)
+                )
+            }),
+        }
+    }
+}
+
+impl From<GroupRule> for String {
+    fn from(g: GroupRule) -> String {
+        g.to_string()
+    }
+}
+
+impl std::fmt::Display for GroupRule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            GroupRule::Scope(g) => g.fmt(f),
+            GroupRule::Rank => f.write_str("rank"),
+        }
+    }
 }
 
 /// One routing group: the tokens that competed together.
@@ -125,6 +200,8 @@ impl Routing {
             tokens: d.tokens,
             experts_load,
             stats,
+            placement: None,
+            output: None,
         }
     }
 

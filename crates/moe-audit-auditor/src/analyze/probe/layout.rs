@@ -4,10 +4,17 @@
 //! its rank (docs/SCENARIOS.md, scenario 10). With a layer, the layer sample (one or more
 //! sequences per rank) runs expert-parallel on R ranks and its outputs are checked against the
 //! single-device layer's.
+//!
+//! A layer that runs expert-parallel itself (a router behind the protocol with `ranks`) is
+//! audited as its users run it instead: the base call in the layer's default placement against
+//! the same call with its sequences placed otherwise over the same ranks (a data loader's
+//! contiguous slices, a `DistributedSampler`'s strides, ...). Megatron-Core and DeepSpeed count
+//! capacity per source rank over its local tokens, so who shares a rank decides who is dropped.
 
 use super::Modes;
 use super::{Ctx, Rule, Sample};
-use crate::analyze::case::{CallMode, Case};
+use crate::analyze::case::{Call, CallMode, Case};
+use crate::analyze::explain::plural;
 use crate::analyze::layer_check::ranks_split;
 use crate::analyze::tally::{pick_witness_token, witness_hit, Tally};
 use crate::analyze::{
@@ -24,12 +31,18 @@ use std::sync::Arc;
 pub(crate) struct Layout;
 
 impl Rule for Layout {
-    fn calls(&self, _: Option<&Witness>, options: &AuditOptions, _: Modes) -> [String; 2] {
+    fn calls(&self, w: Option<&Witness>, options: &AuditOptions, _: Modes) -> [String; 2] {
+        if let Some((a, b)) = w.and_then(|w| w.a.placement.as_ref().zip(w.b.placement.as_ref())) {
+            return [format!("the batch on ranks {a:?}"), format!("the batch on ranks {b:?}")];
+        }
         ["1 rank".into(), format!("{} expert-parallel ranks (or the other flattening)", options.ranks)]
     }
 
-    fn cause(&self, _: &Finding) -> String {
-        "the parallel layout (ranks or flattening order)".into()
+    fn cause(&self, f: &Finding) -> String {
+        match f.witness.as_ref().is_some_and(|w| w.b.placement.is_some()) {
+            true => "the placement of the sequences over the ranks".into(),
+            false => "the parallel layout (ranks or flattening order)".into(),
+        }
     }
 
     fn run(&self, ctx: &Ctx, sample: Option<&Sample>) -> Result<Finding> {
@@ -43,6 +56,9 @@ impl Rule for Layout {
 /// does; one smaller than the ranks leaves the rank layouts uncompared, and the probe `n/a`
 /// unless the flattening leaks (it never passes on a comparison it did not make).
 fn probe(ctx: &Ctx, sample: Option<&Sample>) -> Result<Finding> {
+    if let Some(n) = ctx.router.ranks() {
+        return placed(ctx, n);
+    }
     let mut finding = Finding::empty(Probe::L);
     let b = ctx.base.dims().0;
     let r = ctx.ranks;
@@ -114,6 +130,89 @@ fn probe(ctx: &Ctx, sample: Option<&Sample>) -> Result<Finding> {
     }
     finding.note = notes.join("; ");
     Ok(finding)
+}
+
+/// Balanced placements of `b` sequences over `n` ranks (`n` divides `b`), named, distinct, in
+/// a fixed order: contiguous slices (sequence i on rank i / (b/n)), strides (i % n, as
+/// torch's `DistributedSampler`), the slices in reverse rank order, and a seeded shuffle.
+fn placements(b: usize, n: usize, rng: &mut impl rand::Rng) -> Vec<(&'static str, Vec<usize>)> {
+    let per = b / n;
+    let contiguous: Vec<usize> = (0..b).map(|i| i / per).collect();
+    let mut shuffled = contiguous.clone();
+    for i in (1..b).rev() {
+        shuffled.swap(i, rng.random_range(0..=i));
+    }
+    let all = [
+        ("contiguous", contiguous),
+        ("strided", (0..b).map(|i| i % n).collect()),
+        ("reversed", (0..b).map(|i| n - 1 - i / per).collect()),
+        ("shuffled", shuffled),
+    ];
+    let mut out: Vec<(&'static str, Vec<usize>)> = Vec::new();
+    for (name, p) in all {
+        if !out.iter().any(|(_, q)| *q == p) {
+            out.push((name, p));
+        }
+    }
+    out
+}
+
+/// L for a layer over `n` ranks: the base call in the layer's default placement against the
+/// same call in every other placement of [`placements`]; a differing token's note names its
+/// rank and the sequences sharing it in both.
+fn placed(ctx: &Ctx, n: usize) -> Result<Finding> {
+    let mut finding = Finding::empty(Probe::L);
+    let b = ctx.base.dims().0;
+    let mut named = placements(b, n, &mut ctx.rng(Probe::L));
+    let default = match &ctx.base_routing.placement {
+        Some(p) => p.clone(),
+        None => named[0].1.clone(),
+    };
+    let default_name = named.iter().find(|(_, p)| *p == default).map_or("default", |(name, _)| name);
+    let reference = Arc::new(Call { placement: Some(default.clone()), ..Call::clone(&ctx.base) });
+    let mut notes = vec![format!("{n} ranks of {}, default placement {default_name}", plural(b / n, "sequence"))];
+    named.retain(|(_, p)| *p != default);
+    if named.is_empty() {
+        finding.verdict = Verdict::NotApplicable;
+        notes.push(format!("no other placement of {} over {n} ranks", plural(b, "sequence")));
+        finding.note = notes.join("; ");
+        return Ok(finding);
+    }
+    let mut tally = Tally::default();
+    let mut first_leak = None;
+    for (name, p) in &named {
+        let case = Case::aligned(&reference, Call { placement: Some(p.clone()), ..Call::clone(&ctx.base) });
+        let routed = case.b.routes(ctx.router)?;
+        let outcome = case.compare(&ctx.base_routing, &routed);
+        let affected = Tally::of(&outcome).affected;
+        tally.merge(&Tally::of(&outcome));
+        notes.push(format!("{name}: {affected} tokens differ"));
+        let hit = pick_witness_token(&outcome).map(|hit| (case, hit, routed));
+        first_leak = witness_hit(first_leak, hit, |(_, hit, _)| hit);
+    }
+    tally.finish(&mut finding);
+    if let Some((case, hit, routed)) = first_leak {
+        let placement = case.b.placement.as_deref().unwrap_or_default();
+        notes.push(format!(
+            "sequence {} position {} ({}): {} vs {}",
+            hit.batch,
+            hit.pos,
+            hit.diff.describe(),
+            on_rank(&default, hit.batch),
+            on_rank(placement, hit.batch)
+        ));
+        let (routed, modes) = (Some((&ctx.base_routing, &routed)), (CallMode::Train, CallMode::Train));
+        finding.witness = witness::build_routed(ctx.router, Probe::L, &case, (hit.batch, hit.pos), routed, modes)?;
+    }
+    finding.note = notes.join("; ");
+    Ok(finding)
+}
+
+/// Where `placement` puts sequence `seq`, in words: its rank and the sequences it shares it with.
+fn on_rank(placement: &[usize], seq: usize) -> String {
+    let r = placement[seq];
+    let with: Vec<String> = (0..placement.len()).filter(|&i| placement[i] == r).map(|i| i.to_string()).collect();
+    format!("rank {r} with sequences {}", with.join(","))
 }
 
 /// The router's config with the other flattening order, when the order can matter (a scope

@@ -1,5 +1,6 @@
 //! R, re-batch (B): the sequences permuted, one dropped, one added, padding appended and (for
-//! routers that take a padding mask) padding on the left.
+//! routers that take a padding mask) padding on the left. A layer over N ranks takes batches of
+//! a multiple of N only: N sequences are dropped or added.
 
 use super::Modes;
 use super::{run_cases, Cases, Ctx, Rule, Sample};
@@ -52,7 +53,9 @@ impl Rule for Rebatch {
 fn change(w: &Witness) -> &'static str {
     use std::cmp::Ordering::*;
     match (w.b.batch.cmp(&w.a.batch), w.b.seq_len.cmp(&w.a.seq_len)) {
+        (Less, _) if w.a.batch - w.b.batch > 1 => "with sequences dropped",
         (Less, _) => "with a sequence dropped",
+        (Greater, _) if w.b.batch - w.a.batch > 1 => "with sequences added",
         (Greater, _) => "with a sequence added",
         (Equal, Greater) if w.token_b.pos > w.token_a.pos => "padded on the left",
         (Equal, Greater) => "padded on the right",
@@ -80,17 +83,19 @@ fn cases(ctx: &Ctx) -> Result<Vec<Case>> {
         order.iter().enumerate().for_each(|(k, &i)| seq_map[i] = Some(k));
         cases.push(Case::whole(&ctx.base, ctx.base.select(&order), seq_map));
     }
-    if b > 1 {
-        let kept: Vec<usize> = (0..b - 1).collect();
-        let mut seq_map: Vec<Option<usize>> = kept.iter().map(|&i| Some(i)).collect();
-        seq_map.push(None);
+    // Resized by one sequence, or by one per rank for a layer over ranks.
+    let step = ctx.router.ranks().unwrap_or(1);
+    if b > step {
+        let kept: Vec<usize> = (0..b - step).collect();
+        let seq_map = (0..b).map(|i| (i < b - step).then_some(i)).collect();
         cases.push(Case::whole(&ctx.base, ctx.base.select(&kept), seq_map));
     }
     let mut grown = ctx.base.logits.clone();
-    grown.append(Axis(0), ctx.fresh(s, &mut rng)?.insert_axis(Axis(0)).view()).expect("same shape");
+    let fresh = ctx.fresh(s * step, &mut rng)?.into_shape_with_order((step, s, ctx.width())).expect("shape");
+    grown.append(Axis(0), fresh.view()).expect("same shape");
     cases.push(Case::aligned(
         &ctx.base,
-        Call { logits: grown, padding: ctx.base.padding.as_ref().map(|m| pad_rows(m, 1)) },
+        Call { logits: grown, padding: ctx.base.padding.as_ref().map(|m| pad_rows(m, step)), placement: None },
     ));
 
     // Padding: pad tokens have all-zero logits (no preference); masked when the router takes a mask.
@@ -108,7 +113,7 @@ fn cases(ctx: &Ctx) -> Result<Vec<Case>> {
         let logits =
             ndarray::concatenate(Axis(1), &[Array3::zeros((b, m, ctx.width())).view(), ctx.base.logits.view()])
                 .expect("same batch");
-        let left = Call { logits, padding: Some(Array2::from_shape_fn((b, s + m), |(_, p)| p < m)) };
+        let left = Call { logits, padding: Some(Array2::from_shape_fn((b, s + m), |(_, p)| p < m)), placement: None };
         cases.push(Case { offset: m, ..Case::aligned(&ctx.base, left) });
     }
     Ok(cases)

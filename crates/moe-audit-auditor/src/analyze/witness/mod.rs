@@ -46,6 +46,10 @@ pub struct StoredCall {
     /// `batch` rows of `seq_len` flags (`true` = padding), when the call has a mask.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub padding: Option<Vec<Vec<bool>>>,
+    /// The rank of each sequence, when the call placed them (a layer over ranks; a replay sends
+    /// it again).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub placement: Option<Vec<usize>>,
 }
 
 /// A token of a stored call.
@@ -108,6 +112,7 @@ fn store(call: &Call) -> StoredCall {
         seq_len,
         logits: call.logits.rows().into_iter().map(|r| r.to_vec()).collect(),
         padding: call.padding.as_ref().map(|m| m.rows().into_iter().map(|r| r.to_vec()).collect()),
+        placement: call.placement.clone(),
     }
 }
 
@@ -133,7 +138,10 @@ fn load(call: &StoredCall, name: &str, path: &Path) -> Result<Call> {
         Some(rows) => Some(Array2::from_shape_vec((call.batch, call.seq_len), rows.concat()).expect("checked")),
         None => None,
     };
-    Ok(Call { logits, padding })
+    if call.placement.as_ref().is_some_and(|p| p.len() != call.batch) {
+        return Err(Error::input(path, format!("call `{name}`: placement must name {} ranks", call.batch)));
+    }
+    Ok(Call { logits, padding, placement: call.placement.clone() })
 }
 
 impl Witness {
@@ -198,7 +206,9 @@ impl Witness {
                 }
             }
         }
-        if self.before.routes == self.after.routes && !self.differs.contains("capacity") {
+        // A capacity or an output row lives outside the token's routes.
+        let beside = ["capacity", "output"].iter().any(|d| self.differs.contains(d));
+        if self.before.routes == self.after.routes && !beside {
             return Err(format!(
                 "`before` and `after` route alike, yet the witness says `{}` differ: not a leak (was it edited?)",
                 excerpt(&self.differs)

@@ -297,6 +297,7 @@ fn drop_coordinates(pair: &Pair, coords: &[isize]) -> Option<Pair> {
     let keep = |call: &Call, idx: &[usize]| Call {
         logits: call.logits.select(Axis(1), idx),
         padding: call.padding.as_ref().map(|m| m.select(Axis(1), idx)),
+        placement: call.placement.clone(),
     };
     Some(Pair {
         a: keep(&pair.a, &keep_a),
