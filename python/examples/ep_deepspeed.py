@@ -5,10 +5,12 @@ The script builds ``deepspeed.moe.layer.MoE`` as a model does and hands it to
 ``moe_audit.deepspeed.run``. DeepSpeed computes the capacity per rank over that rank's tokens
 (deepspeed 0.19.8 ``moe/sharded_moe.py:152-162``, ``:364``) and drops by position; its default
 top-2 samples the second expert with Gumbel noise even in ``eval()`` (``sharded_moe.py:338``,
-``:579-582``)::
+``:579-582``): with ``--sampled`` the same call routes differently twice (D leaks) and every
+other probe is inconclusive, its changes not told apart from the noise, until the draws are keyed
+per token on the request's seed (``--seed-calls``)::
 
     moe-audit check --router-cmd "python3 -m torch.distributed.run --standalone --nproc_per_node 2 python/examples/ep_deepspeed.py"   # exit 1: P F N R L leak
-    moe-audit check --router-cmd "python3 -m torch.distributed.run --standalone --nproc_per_node 2 python/examples/ep_deepspeed.py --sampled"   # exit 1: P F N R D S M L leak
+    moe-audit check --router-cmd "python3 -m torch.distributed.run --standalone --nproc_per_node 2 python/examples/ep_deepspeed.py --sampled --seed-calls"   # exit 1: P F N R L leak
 
 Options: ``--sampled`` (DeepSpeed's default top-2 sampling), ``--seed-calls`` (its draws keyed
 per token on the request's seed: the same call draws the same noise), ``--dropless`` (``drop_tokens=False``),
