@@ -28,6 +28,7 @@ key-value store, and a call not done within 0.8 of moe-audit's ``--timeout``
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -35,6 +36,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, BinaryIO, Callable, Protocol, Union
@@ -422,17 +424,20 @@ def _serve(conversation: _Conversation, fingerprint: Callable[[], str | None]) -
     if rank == 0:
         out.write(json.dumps(conversation.handshake(ranks, weights)).encode() + b"\n")
         out.flush()
+    clock = _Clock()
     number = 0
     while True:
         number += 1
         header: list[Any] = [None]
         data = None
         if rank == 0:
-            read = conversation.read(inp, ranks)
+            with clock("waiting"):
+                read = conversation.read(inp, ranks)
             if read is not None:
                 header[0], array = read
                 data = torch.from_numpy(array.copy())
-        dist.broadcast_object_list(header, src=0)
+        with clock("collectives"):
+            dist.broadcast_object_list(header, src=0)
         call: _Call | None = header[0]
         if call is None:
             # Every rank leaves together and closes its groups: a rank exiting while another
@@ -443,16 +448,50 @@ def _serve(conversation: _Conversation, fingerprint: Callable[[], str | None]) -
         progress.mark(number, "received")
         if data is None:
             data = torch.empty(call.shape, dtype=getattr(torch, call.dtype))
-        dist.broadcast(data, src=0)
         seqs = call.sequences(ranks)
-        local = conversation.forward(data[seqs[rank]], call)
+        with clock("collectives"):
+            dist.broadcast(data, src=0)
+        with clock("forwards"):
+            local = conversation.forward(data[seqs[rank]], call)
         progress.mark(number, "done")
         gathered: list[Any] = [None] * ranks if rank == 0 else []
-        dist.gather_object(local, gathered if rank == 0 else None, dst=0)
+        with clock("collectives"):
+            dist.gather_object(local, gathered if rank == 0 else None, dst=0)
         if rank == 0:
-            conversation.respond(out, call, gathered, seqs)
-            out.flush()
+            with clock("answering"):
+                conversation.respond(out, call, gathered, seqs)
+                out.flush()
             progress.mark(number, "answered")
+            clock.save(number)
+
+
+class _Clock:
+    """Where rank 0's time goes, per kind (waiting for moe-audit, collectives, the layer's
+    forwards, encoding answers); rewritten as JSON after every call to the file
+    ``MOE_AUDIT_TIMINGS`` names, if any (moe-audit ends the launch without waiting; BENCHMARKS.md:
+    how a distributed audit's time splits)."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.spent: dict[str, float] = {}
+        self.path = os.environ.get("MOE_AUDIT_TIMINGS")
+
+    @contextlib.contextmanager
+    def __call__(self, kind: str) -> Iterator[None]:
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            self.spent[kind] = self.spent.get(kind, 0.0) + time.monotonic() - start
+
+    def save(self, calls: int) -> None:
+        if not self.path:
+            return
+        figures = {"calls": calls, "serving_s": round(time.monotonic() - self.started, 3),
+                   **{f"{k}_s": round(v, 3) for k, v in sorted(self.spent.items())}}
+        with open(f"{self.path}.partial", "w") as f:
+            json.dump(figures, f)
+        os.replace(f"{self.path}.partial", self.path)
 
 
 def serve(driver: Driver, placement_kind: str = "contiguous") -> None:

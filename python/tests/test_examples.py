@@ -70,7 +70,8 @@ def printed_verdicts(stdout):
         fields = line.split()
         if len(fields) >= 4 and len(fields[1]) == 1 and fields[1] in PROBES:
             found[fields[1]] = fields[3]
-        elif len(fields) >= 4 and len(fields[0]) == 1 and fields[0] in MODEL_PROBES and fields[1].replace("-", "").isalpha():
+        elif (len(fields) >= 4 and len(fields[0]) == 1 and fields[0] in MODEL_PROBES
+              and fields[1].replace("-", "").isalpha()):
             found.setdefault(fields[0], fields[3])  # the table's line, not the details under it
     return found
 
