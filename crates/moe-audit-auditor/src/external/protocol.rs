@@ -145,6 +145,34 @@ impl Handshake {
         }
     }
 
+    /// Checks that `other`, another launch of this layer (`check --layout-cmd`: the same layer
+    /// at another expert-parallel size), describes the same layer: experts, top_k, input,
+    /// hidden_size and output dtype equal, and the weights fingerprint when both send one. The
+    /// name may differ (it may carry the EP size), and so may `ranks`. The error names the
+    /// first field that differs and both values.
+    pub fn same_layer(&self, other: &Handshake) -> Result<(), String> {
+        use serde_json::json;
+        let mut fields = vec![
+            ("experts", json!(other.experts), json!(self.experts)),
+            ("top_k", json!(other.top_k), json!(self.top_k)),
+            ("input", json!(other.input), json!(self.input)),
+            ("hidden_size", json!(other.hidden_size), json!(self.hidden_size)),
+            ("output", json!(other.output), json!(self.output)),
+        ];
+        if let (Some(theirs), Some(ours)) = (&other.weights, &self.weights) {
+            fields.push(("weights", json!(theirs), json!(ours)));
+        }
+        match fields.into_iter().find(|(_, theirs, ours)| theirs != ours) {
+            Some((field, theirs, ours)) => Err(format!(
+                "the layers differ: `{field}` {} here, {} in router `{}`",
+                excerpt(&theirs.to_string()),
+                excerpt(&ours.to_string()),
+                self.name
+            )),
+            None => Ok(()),
+        }
+    }
+
     /// Whether the router speaks `/2` (framed requests).
     pub fn framed(&self) -> bool {
         self.protocol == PROTOCOL_2
