@@ -665,6 +665,24 @@ mod tests {
         }
     }
 
+    #[test]
+    fn another_launch_must_describe_the_same_layer() {
+        let ep2 = Handshake { name: "ep2".into(), ranks: Some(2), weights: Some("00ff".into()), ..hs() };
+        // The name and the ranks may differ; a fingerprint is compared only when both send one.
+        assert_eq!(ep2.same_layer(&Handshake { ranks: None, ..hs() }), Ok(()));
+        assert_eq!(ep2.same_layer(&Handshake { weights: Some("00ff".into()), ..hs() }), Ok(()));
+        let differs = |other: Handshake| ep2.same_layer(&other).unwrap_err();
+        assert_eq!(
+            differs(Handshake { top_k: Some(1), ..hs() }),
+            "the layers differ: `top_k` 1 here, 2 in router `ep2`"
+        );
+        assert_eq!(
+            differs(Handshake { weights: Some("ab".into()), ..hs() }),
+            r#"the layers differ: `weights` "ab" here, "00ff" in router `ep2`"#
+        );
+        assert!(differs(Handshake { input: InputKind::Hidden, hidden_size: Some(8), ..hs() }).contains("`input`"));
+    }
+
     fn check(line: &str) -> Result<Routing, String> {
         let asked = Asked { id: 3, batch: 1, seq_len: 2, padding: None, logits: None, placement: None };
         parse_response(line)?.into_routing(&hs(), &asked)
