@@ -164,7 +164,7 @@ impl Witness {
                     "{}: the witness compares router `{}` with another launch of it: replay it with --layout-cmd {}",
                     path.display(),
                     excerpt(self.name().unwrap_or_default()),
-                    excerpt_long(&serde_json::Value::from(stored.command.as_str()))
+                    excerpt_long(serde_json::Value::from(stored.command.as_str()))
                 )))
             }
             (None, Some(_)) => {
