@@ -123,8 +123,10 @@ impl CheckArgs {
         if self.ranks.is_some() {
             split_batch(sizes.batch, ranks)?;
         }
+        let probes = Probe::parse_list(&self.probes)?;
+        let external = self.external.validated(&probes)?;
         let audit = AuditOptions {
-            probes: Probe::parse_list(&self.probes)?,
+            probes,
             batch: sizes.batch,
             seq_len: sizes.seq_len,
             trials: sizes.trials,
@@ -132,7 +134,6 @@ impl CheckArgs {
             ranks,
             exhaustive: self.exhaustive,
         };
-        let external = self.external.validated()?;
         let audit = external.options(audit, budget)?;
         let configs = self.routers.iter().map(|r| RouterConfig::load(r)).collect::<Result<Vec<_>>>()?;
         moe_audit::names::check_unique(configs.iter().map(|c| c.name.as_str())).map_err(Error::Usage)?;

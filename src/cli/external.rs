@@ -5,7 +5,7 @@ use super::bars::AuditBar;
 use super::common::{InputArg, MemoryArgs, ModeArg, TimeoutArgs};
 use super::exit;
 use clap::Args;
-use moe_audit::analyze::{audit, AuditOptions, Probe, RouterReport, Subject};
+use moe_audit::analyze::{audit, AuditOptions, Launch, Probe, RouterReport, Subject};
 use moe_audit::config::RouterConfig;
 use moe_audit::error::{ensure_positive, Error, Result, Setting};
 use moe_audit::external::{plan, planned_options, ExternalRouter, Handshake, InputKind, Mode, TraceRouter};
@@ -24,6 +24,11 @@ pub struct ExternalArgs {
     /// with `sh -c`; repeat it for several routers.
     #[arg(long, value_name = "COMMAND")]
     pub router_cmd: Vec<String>,
+    /// Another launch of the --router-cmd layer at another expert-parallel size (the same
+    /// script at `--nproc_per_node 1` or 4), spawned like it; the layout probe (L) compares its
+    /// answer to the base call token by token. Repeat it for several sizes.
+    #[arg(long, value_name = "COMMAND", requires = "router_cmd")]
+    pub layout_cmd: Vec<String>,
     /// How long a router command may take.
     #[command(flatten)]
     pub timeout: TimeoutArgs,
@@ -57,6 +62,8 @@ pub struct ExternalArgs {
 pub struct External {
     /// Router commands, each audited as its own router.
     pub commands: Vec<String>,
+    /// Other launches of the one router command's layer, which L compares it with.
+    pub layouts: Vec<String>,
     /// How long each may take to answer.
     pub timeout: Duration,
     /// The mode they are audited in.
@@ -77,9 +84,20 @@ pub struct Gate {
 }
 
 impl ExternalArgs {
-    /// These flags checked (clap has checked which go together).
-    pub fn validated(&self) -> Result<External> {
+    /// These flags checked (clap has checked which go together); `probes` are the audit's.
+    pub fn validated(&self, probes: &[Probe]) -> Result<External> {
         let timeout = self.timeout.validated()?;
+        if !self.layout_cmd.is_empty() {
+            if self.router_cmd.len() != 1 {
+                return Err(Error::Usage(format!(
+                    "--layout-cmd launches the layer of one --router-cmd again, got {} --router-cmd",
+                    self.router_cmd.len()
+                )));
+            }
+            if !probes.contains(&Probe::L) {
+                return Err(Error::Usage("--layout-cmd feeds the layout probe L, which --probes leaves out".into()));
+            }
+        }
         let gate = match (&self.weights, &self.gate) {
             (Some(weights), Some(gate)) => Some(Gate {
                 weights: weights.clone(),
@@ -95,6 +113,7 @@ impl ExternalArgs {
         };
         Ok(External {
             commands: self.router_cmd.clone(),
+            layouts: self.layout_cmd.clone(),
             timeout,
             mode: self.mode.into(),
             traces: self.traces.clone(),
@@ -123,14 +142,16 @@ impl External {
         let mut reports = Vec::new();
         // Routers without a layer; their routes per token are unknown before they answer, so
         // the estimate counts one.
-        let audit_router = |router: &dyn Router| -> Result<RouterReport> {
+        let audit_subject = |subject: &Subject| -> Result<RouterReport> {
+            let router = subject.router;
             let estimate = options.memory_estimate(router.row_width(), 1, 0, 0);
             budget.ensure_fits(&format!("the audit of `{}`", router.name()), estimate)?;
             let bar = AuditBar::stderr(options.probes.len());
-            let report = audit(&Subject { router, layer: None }, options, &bar);
+            let report = audit(subject, options, &bar);
             bar.finish();
             report
         };
+        let audit_router = |router: &dyn Router| audit_subject(&Subject::router(router));
         if let Some(g) = &self.gate {
             let hidden_states = g.hidden_states.as_ref().map(|(file, tensor)| (file.as_path(), tensor.as_deref()));
             let source =
@@ -142,7 +163,13 @@ impl External {
         }
         for command in &self.commands {
             let router = ExternalRouter::spawn(command, self.timeout, options.seed, self.mode, budget)?;
-            reports.push(audit_router(&router)?);
+            // Every launch is up (and agrees with the router) before any probe runs.
+            let launched = (self.layouts.iter())
+                .map(|c| Ok((c.as_str(), router.spawn_layout(c, self.timeout, budget)?)))
+                .collect::<Result<Vec<_>>>()?;
+            let layouts: Vec<Launch> =
+                launched.iter().map(|(command, router)| Launch { command, router: router as &dyn Router }).collect();
+            reports.push(audit_subject(&Subject { router: &router, layer: None, layouts: &layouts })?);
         }
         if let Some(dir) = &self.traces {
             let router = TraceRouter::open(dir, budget)?;

@@ -25,6 +25,10 @@ pub struct ReplayArgs {
     /// speaking the moe-audit/1 or /2 protocol, run with `sh -c`.
     #[arg(long, value_name = "COMMAND")]
     pub router_cmd: Option<String>,
+    /// The other launch of the layer that a witness of L across launches compares it with
+    /// (the witness names the command it was found with).
+    #[arg(long, value_name = "COMMAND", requires = "router_cmd")]
+    pub layout_cmd: Option<String>,
     /// How long the router command may take.
     #[command(flatten)]
     pub timeout: TimeoutArgs,
@@ -49,6 +53,8 @@ pub struct ReplayOptions {
     witness: PathBuf,
     /// The live router: its command, timeout, seed and mode.
     router: Option<(String, Duration, u64, Mode)>,
+    /// The other launch of its layer (`--layout-cmd`).
+    layout: Option<String>,
     fail_on: FailOn,
     budget: MemoryBudget,
 }
@@ -60,6 +66,7 @@ impl ReplayArgs {
         Ok(ReplayOptions {
             witness: self.witness.clone(),
             router: self.router_cmd.clone().map(|command| (command, timeout, self.seed, self.mode.into())),
+            layout: self.layout_cmd.clone(),
             fail_on: self.fail_on,
             budget: self.memory.budget(),
         })
@@ -75,7 +82,8 @@ pub(super) fn run(replay: &ReplayOptions, out: &mut dyn Write) -> Result<u8> {
         None => witness.replay(path)?,
         Some((command, timeout, seed, mode)) => {
             let router = ExternalRouter::spawn(command, *timeout, *seed, *mode, replay.budget)?;
-            witness.replay_on(path, &router)?
+            let layout = replay.layout.as_ref().map(|c| router.spawn_layout(c, *timeout, replay.budget)).transpose()?;
+            witness.replay_on(path, &router, layout.as_ref().map(|l| l as &dyn moe_audit::router::Router))?
         }
     };
     out.write_all(render_replay(&outcome).as_bytes()).map_err(io_error)?;

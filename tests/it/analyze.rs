@@ -224,7 +224,7 @@ impl Router for RandomSelection {
 fn scenario_12_random_selection_in_eval() {
     let layer = layer_of(config("megatron-probs"));
     let router = RandomSelection { inner: layer.router().clone(), calls: AtomicUsize::new(0) };
-    let r = audit(&Subject { router: &router, layer: None }, &options(&[D, S]), &Silent).unwrap();
+    let r = audit(&Subject::router(&router), &options(&[D, S]), &Silent).unwrap();
     // Random, not stateful: S changes no more tokens than D, so S is inconclusive.
     assert_eq!(verdicts(&r), [Leak, Verdict::Inconclusive]);
     assert!(r.finding(D).unwrap().note.starts_with("random router (or one that every call changes): "));
@@ -288,7 +288,7 @@ fn a_router_random_only_in_training_audited_in_inference_mode_leaks_nowhere() {
     let layer = layer_of(config("mixtral"));
     let calls = std::sync::Arc::new(AtomicUsize::new(0));
     let router = RandomInTraining { inner: layer.router().clone(), calls, serving: true };
-    let r = audit(&Subject { router: &router, layer: None }, &options(&[P, F, D, S, M]), &Silent).unwrap();
+    let r = audit(&Subject::router(&router), &options(&[P, F, D, S, M]), &Silent).unwrap();
     assert_eq!(verdicts(&r), [Pass, Pass, Pass, Verdict::Inconclusive, Verdict::Inconclusive], "{:#?}", r.findings);
     assert!(!r.leaks());
     let d = &r.finding(D).unwrap().note;
@@ -302,7 +302,7 @@ fn a_router_random_only_in_training_audited_in_inference_mode_leaks_nowhere() {
     // Audited in training mode, the same router is random where D looks: D leaks.
     let calls = std::sync::Arc::new(AtomicUsize::new(0));
     let router = RandomInTraining { inner: layer.router().clone(), calls, serving: false };
-    let r = audit(&Subject { router: &router, layer: None }, &options(&[D, S, M]), &Silent).unwrap();
+    let r = audit(&Subject::router(&router), &options(&[D, S, M]), &Silent).unwrap();
     assert_eq!(verdicts(&r), [Leak, Verdict::Inconclusive, Verdict::Inconclusive], "{:#?}", r.findings);
 }
 
@@ -339,7 +339,7 @@ impl Router for MutatingCapacity {
 fn scenario_13_state_mutated_by_forward() {
     let layer = layer_of(config("megatron-probs"));
     let router = MutatingCapacity { inner: Mutex::new(layer.router().clone()) };
-    let r = audit(&Subject { router: &router, layer: None }, &options(&[D, S]), &Silent).unwrap();
+    let r = audit(&Subject::router(&router), &options(&[D, S]), &Silent).unwrap();
     assert_eq!(verdicts(&r), [Leak, Leak]);
 }
 
@@ -373,7 +373,7 @@ impl Router for UnenforcedCapacity {
 fn scenario_14_capacity_silently_not_enforced() {
     let layer = layer_of(config("megatron-probs"));
     let router = UnenforcedCapacity(layer.router().clone());
-    let r = audit(&Subject { router: &router, layer: None }, &options(&[D]), &Silent).unwrap();
+    let r = audit(&Subject::router(&router), &options(&[D]), &Silent).unwrap();
     assert!(r.leaks());
     assert!(r.invariants.iter().any(|v| v.contains("over its capacity")), "{:?}", r.invariants);
 }
@@ -412,7 +412,9 @@ impl Layer for BatchMeanLeak {
 #[test]
 fn summation_order_noise_is_drift_not_a_leak() {
     let layer = SummationOrderNoise(layer_of(config("mixtral")));
-    let r = audit(&Subject { router: layer.0.router(), layer: Some(&layer) }, &options(&[P, N, R]), &Silent).unwrap();
+    let r =
+        audit(&Subject { router: layer.0.router(), layer: Some(&layer), layouts: &[] }, &options(&[P, N, R]), &Silent)
+            .unwrap();
     assert_eq!(verdicts(&r), [Pass, Pass, Pass]);
     assert!(r.finding(P).unwrap().output_drift.is_some_and(|d| d > 0.0), "the drift is measured and reported");
 }
@@ -420,7 +422,8 @@ fn summation_order_noise_is_drift_not_a_leak() {
 #[test]
 fn an_output_that_changes_while_routing_does_not_is_a_leak() {
     let layer = BatchMeanLeak(layer_of(config("mixtral")));
-    let r = audit(&Subject { router: layer.0.router(), layer: Some(&layer) }, &options(&[N, D]), &Silent).unwrap();
+    let r = audit(&Subject { router: layer.0.router(), layer: Some(&layer), layouts: &[] }, &options(&[N, D]), &Silent)
+        .unwrap();
     assert_eq!(verdicts(&r), [Leak, Pass]);
     assert!(r.finding(N).unwrap().output_leaks > 0);
 }
@@ -449,7 +452,8 @@ fn an_expert_parallel_run_that_differs_from_one_device_is_a_leak() {
     for ranks in [2, 4] {
         let layer = LastRankScaled(layer_of(config("mixtral")));
         let options = AuditOptions { ranks, ..options(&[L]) };
-        let r = audit(&Subject { router: layer.0.router(), layer: Some(&layer) }, &options, &Silent).unwrap();
+        let r =
+            audit(&Subject { router: layer.0.router(), layer: Some(&layer), layouts: &[] }, &options, &Silent).unwrap();
         let f = r.finding(L).unwrap();
         assert_eq!((f.verdict, f.affected), (Leak, 0), "{ranks} ranks: {}", f.note);
         assert!(

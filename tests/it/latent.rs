@@ -93,7 +93,7 @@ fn options() -> AuditOptions {
 fn served_report() -> RouterReport {
     let config = RouterConfig::from_toml(&deepspeed_top2_eval_cf2(), "ds-top2-eval-cf2.toml").unwrap();
     let layer = MoeLayer::seeded(config, 16, 32, 0, DType::F32, &Device::Cpu).unwrap();
-    audit(&Subject { router: &Served::new(&layer), layer: None }, &options(), &Silent).unwrap()
+    audit(&Subject::router(&Served::new(&layer)), &options(), &Silent).unwrap()
 }
 
 #[test]

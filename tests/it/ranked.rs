@@ -185,3 +185,160 @@ fn a_failing_rank_is_quoted_before_the_launcher_summary() {
         assert!(err.contains("before answering request 2") && err.trim_end().ends_with(want), "{fault}: {err}");
     }
 }
+
+/// The layer at EP 1, another launch of the same script (same weights, same routing math):
+/// `RANKS=1` declares one rank, `RANKS=0` no `ranks` at all (an in-process layer).
+const EP1: &str = "RANKS=1 python3 tests/it/routers/ranked_layer.py";
+const EP1_UNRANKED: &str = "RANKS=0 python3 tests/it/routers/ranked_layer.py";
+
+/// `check --probes L --format json` of `router` with `layouts`; (exit code, L's finding).
+fn layout_audit(router: &str, layouts: &[&str], env: &[(&str, &str)]) -> (i32, serde_json::Value) {
+    let mut args = vec!["check", "--router-cmd", router, "--batch", "4", "--seq-len", "16", "--probes", "L"];
+    for l in layouts {
+        args.extend(["--layout-cmd", l]);
+    }
+    args.extend(["--format", "json"]);
+    let out = run(&args, env);
+    let code = out.status.code().unwrap();
+    assert!(matches!(code, 0 | 1), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    (code, report["routers"][0]["findings"][0].clone())
+}
+
+#[test]
+fn a_per_rank_capacity_leaks_across_expert_parallel_sizes() {
+    if !numpy() {
+        return;
+    }
+    // Predicted before the run: at EP 1 the capacity is ceil(64 * 2 / 4) = 32 over all 64
+    // tokens, at EP 2 ceil(32 * 2 / 4) = 16 per rank over its 32: an expert keeps other routes
+    // at the two sizes, so L leaks on the comparison of the launches alone (at EP 1 there is
+    // no other placement to compare).
+    let (code, l) = layout_audit(EP1, &[LAYER], &[]);
+    assert_eq!((code, l["verdict"].as_str()), (1, Some("leak")), "{l}");
+    let note = l["note"].as_str().unwrap();
+    assert!(note.contains("no other placement of 4 sequences over 1 ranks"), "{note}");
+    let across = format!("EP 2 (`{LAYER}`) vs EP 1: {} tokens differ", l["affected"]);
+    assert!(l["affected"].as_u64().unwrap() > 0 && note.contains(&across), "{note}");
+    assert!(l["witness"]["differs"].as_str().unwrap().contains("kept"), "{l}");
+    // Audited at EP 2 with both EP 1 launches: their tokens count with the placements'.
+    let (code, l) = layout_audit(LAYER, &[EP1, EP1_UNRANKED], &[]);
+    assert_eq!((code, l["verdict"].as_str()), (1, Some("leak")), "{l}");
+    let note = l["note"].as_str().unwrap();
+    for ep1 in [EP1, EP1_UNRANKED] {
+        assert!(note.contains(&format!("EP 1 (`{ep1}`) vs EP 2: ")), "{note}");
+    }
+    let counted = |what: &str| note.split(&format!("{what}: ")).nth(1).unwrap().split(' ').next().unwrap().to_string();
+    // The in-process layer states its capacity for the whole call and no placement: the same
+    // decisions as the launch at one rank.
+    assert_eq!(counted(&format!("EP 1 (`{EP1}`) vs EP 2")), counted(&format!("EP 1 (`{EP1_UNRANKED}`) vs EP 2")));
+}
+
+#[test]
+fn a_dropless_layer_passes_at_every_expert_parallel_size() {
+    if !numpy() {
+        return;
+    }
+    // Predicted: dropless routing and the output of each token are per token: every probe
+    // passes, and L compares the EP 1 launches (one named otherwise: the name may differ).
+    let renamed = format!("HS='{{\"name\": \"ranked-ep1\"}}' {EP1}");
+    let env = [("VARIANT", "dropless")];
+    let args = [
+        "check",
+        "--router-cmd",
+        LAYER,
+        "--layout-cmd",
+        &renamed,
+        "--layout-cmd",
+        EP1_UNRANKED,
+        "--batch",
+        "4",
+        "--seq-len",
+        "16",
+        "--trials",
+        "4",
+        "--format",
+        "json",
+    ];
+    let out = run(&args, &env);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let findings = report["routers"][0]["findings"].as_array().unwrap();
+    assert!(findings.iter().all(|f| f["verdict"] == "pass"), "{findings:?}");
+    let note = findings[7]["note"].as_str().unwrap();
+    // Both launches compared (a long command is shortened in the note).
+    assert_eq!(note.matches("EP 1 (`").count(), 2, "{note}");
+    assert_eq!(note.matches(") vs EP 2: 0 tokens differ").count(), 2, "{note}");
+}
+
+#[test]
+fn the_witness_across_launches_replays_with_both_commands() {
+    if !numpy() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("moe-audit-it-layout-{}", std::process::id()));
+    let dir_s = dir.to_str().unwrap();
+    let args = ["check", "--router-cmd", EP1, "--layout-cmd", LAYER, "--batch", "4", "--seq-len", "8"];
+    let out = run(&[&args[..], &["--probes", "L", "--witness-dir", dir_s]].concat(), &[]);
+    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
+    let witness = dir.join("ranked-L.json");
+    let stored: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&witness).unwrap()).unwrap();
+    assert_eq!(
+        (stored["layout"]["command"].as_str(), &stored["layout"]["handshake"]["ranks"]),
+        (Some(LAYER), &2.into())
+    );
+    let w = witness.to_str().unwrap();
+    let replay = |extra: &[&str], env: &[(&str, &str)]| {
+        let out = run(&[&["replay", w, "--router-cmd", EP1][..], extra].concat(), env);
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).to_string(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    let (code, text, err) = replay(&["--layout-cmd", LAYER], &[]);
+    assert_eq!(code, Some(1), "{text}{err}");
+    assert!(text.starts_with("LEAK reproduced: router ranked, probe L (layout)"), "{text}");
+    // The same two launches dropless route the token alike.
+    assert_eq!(replay(&["--layout-cmd", LAYER], &[("VARIANT", "dropless")]).0, Some(0));
+    // The witness names the other launch but never runs it: without --layout-cmd, one line.
+    let (code, _, err) = replay(&[], &[]);
+    assert_eq!((code, err.lines().count()), (Some(2), 1), "{err}");
+    assert!(err.contains(&format!("replay it with --layout-cmd \"{LAYER}\"")), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn layout_launches_of_another_layer_or_without_a_router_are_one_line() {
+    if !numpy() {
+        return;
+    }
+    let hs = |json: &str| format!("HS='{json}' {LAYER}");
+    let (experts, weights, output) =
+        (hs(r#"{"experts": 8}"#), hs(r#"{"weights": "abcd"}"#), hs(r#"{"output": "bfloat16"}"#));
+    let ep4 = format!("RANKS=4 {LAYER}");
+    let cases = [
+        (
+            vec!["--router-cmd", LAYER, "--layout-cmd", &experts],
+            "the layers differ: `experts` 8 here, 4 in router `ranked`",
+        ),
+        (
+            vec!["--router-cmd", LAYER, "--layout-cmd", &weights],
+            r#"the layers differ: `weights` "abcd" here, "00ff" in router `ranked`"#,
+        ),
+        (vec!["--router-cmd", LAYER, "--layout-cmd", &output], "`output` \"bfloat16\" here, \"float32\""),
+        (vec!["mixtral", "--layout-cmd", LAYER], "required arguments were not provided: --router-cmd"),
+        (
+            vec!["--router-cmd", LAYER, "--layout-cmd", &ep4, "--batch", "6"],
+            "--batch 6 is not a multiple of the 4 ranks layout launch `ranked` (`RANKS=4 ",
+        ),
+        (vec!["--router-cmd", LAYER, "--layout-cmd", EP1, "--probes", "P"], "--layout-cmd feeds the layout probe L"),
+    ];
+    for (args, want) in &cases {
+        let out = run(&[&["check", "--seq-len", "4"][..], args].concat(), &[]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+}

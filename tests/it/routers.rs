@@ -100,7 +100,7 @@ fn balancing_inside_the_forward_fails_d_and_s() {
     let mut c = config("aux-loss-free");
     c.token_choice_mut().unwrap().bias_update_rate = Some(0.05);
     let router = UpdatesInForward { experts: c.experts, config: Mutex::new(c) };
-    let r = run(&Subject { router: &router, layer: None }, &[D, S]);
+    let r = run(&Subject::router(&router), &[D, S]);
     // Every call changes the bias, so the same call twice already differs (D), and S's changes
     // are no more than that: S is inconclusive, D names the cause.
     assert_eq!(verdicts(&r), [Leak, Verdict::Inconclusive]);

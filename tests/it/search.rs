@@ -23,7 +23,7 @@ fn layer_of(config: RouterConfig) -> MoeLayer {
 }
 
 fn prefix_finding(router: &dyn Router, exhaustive: bool) -> Finding {
-    let report = audit(&Subject { router, layer: None }, &options(&[Probe::P], exhaustive), &Silent).unwrap();
+    let report = audit(&Subject::router(router), &options(&[Probe::P], exhaustive), &Silent).unwrap();
     report.findings[0].clone()
 }
 

@@ -7,7 +7,13 @@ does with a capacity: softmax top-k, capacity C = ceil(T_local * k / E * CF) per
 rank, drop policy `probs` (an expert keeps the C routes of highest probability on that rank).
 The output of a token is sum over kept routes of gate * (x @ W_e).
 
-Environment: RANKS (2), VARIANT capacity | dropless | meanrow (dropless routes; the output adds
+The same layer at another expert-parallel size is the same script with another RANKS (one
+launch each, as EP 1, 2 and 4 are under torch.distributed.run): the weights and the routing math
+are the same, only the tokens each rank counts its capacity over differ. RANKS=0 is the layer in
+one process that declares no `ranks` (an in-process EP 1: no placement, the capacity stated for
+the whole call).
+
+Environment: RANKS (2; 0: not ranked), VARIANT capacity | dropless | meanrow (dropless routes; the output adds
 the mean hidden row of the token's rank: batch-mates leak through the output only), DEFAULT
 contiguous | strided (the placement when a request sends none), HS (JSON merged into the
 handshake), BAD (one malformed response: no-placement, unbalanced, other-placement, slots,
@@ -22,7 +28,8 @@ import time
 
 import numpy as np
 
-RANKS = int(os.environ.get("RANKS", "2"))
+RANKED = os.environ.get("RANKS", "2") != "0"
+RANKS = max(int(os.environ.get("RANKS", "2")), 1)
 VARIANT = os.environ.get("VARIANT", "capacity")
 DEFAULT = os.environ.get("DEFAULT", "contiguous")
 BAD = os.environ.get("BAD", "")
@@ -36,6 +43,8 @@ W_EXPERT = (rng.standard_normal((E, H, H)) / math.sqrt(H)).astype(np.float32)
 out = sys.stdout.buffer
 hs = {"protocol": "moe-audit/2", "name": "ranked", "experts": E, "top_k": K, "input": "hidden",
       "hidden_size": H, "responses": "binary", "ranks": RANKS, "output": "float32", "weights": "00ff"}
+if not RANKED:
+    del hs["ranks"]
 hs.update(json.loads(os.environ.get("HS", "{}")))
 out.write(json.dumps(hs).encode() + b"\n")
 out.flush()
@@ -101,7 +110,7 @@ for line in sys.stdin.buffer:
         ex, wt, kp, yr, c = route_rank(x.reshape(b * s, w)[idx])
         experts[idx], weights[idx], kept[idx], y[idx] = ex, wt, kp, yr
         slots.append(c)
-    capacity = None if VARIANT != "capacity" else {"scope": "rank", "slots": slots}
+    capacity = None if VARIANT != "capacity" else {"scope": "rank" if RANKED else "batch", "slots": slots}
     stated = list(placement)
     if BAD == "no-placement":
         stated = None
@@ -123,7 +132,7 @@ for line in sys.stdin.buffer:
     if BAD == "short":
         body = body[:-4 * b * s * H]
     header = {"id": h["id"], "routes": b * s * K, "capacity": capacity, "bytes": len(body)}
-    if stated is not None:
+    if stated is not None and RANKED:
         header["placement"] = stated
     out.write(json.dumps(header).encode() + b"\n" + body)
     out.flush()

@@ -280,18 +280,45 @@ impl Report {
     }
 }
 
-/// What is audited: a router, and optionally the layer around it (outputs are then checked too).
+/// What is audited: a router, optionally the layer around it (outputs are then checked too),
+/// and other launches of the same layer that the layout probe compares it with.
 pub struct Subject<'a> {
     /// The router.
     pub router: &'a dyn Router,
     /// The layer whose outputs are sampled; it must route with `router`.
     pub layer: Option<&'a dyn Layer>,
+    /// The same layer launched at other expert-parallel sizes (`check --layout-cmd`).
+    pub layouts: &'a [Launch<'a>],
 }
 
 impl<'a> Subject<'a> {
     /// A layer and its router.
     pub fn layer(layer: &'a MoeLayer) -> Self {
-        Subject { router: layer.router(), layer: Some(layer) }
+        Subject { router: layer.router(), layer: Some(layer), layouts: &[] }
+    }
+
+    /// A router alone.
+    pub fn router(router: &'a dyn Router) -> Self {
+        Subject { router, layer: None, layouts: &[] }
+    }
+}
+
+/// Another launch of the audited layer (the same layer at another expert-parallel size, e.g. the
+/// same script under `torch.distributed.run --nproc_per_node 1`): L routes the base call through
+/// it and compares every token with the audited router's answer.
+#[derive(Clone, Copy)]
+pub struct Launch<'a> {
+    /// The command that started it, as notes and witnesses name it.
+    pub command: &'a str,
+    /// The launch, answering like the audited router (its expert-parallel size from
+    /// [`moe_audit_core::router::Hints::ranks`], 1 when it declares none).
+    pub router: &'a dyn Router,
+}
+
+impl Launch<'_> {
+    /// Its expert-parallel size.
+    pub fn ep(&self) -> usize {
+        self.router.ranks().unwrap_or(1)
     }
 }
 
@@ -317,7 +344,7 @@ pub fn audit_configs(
         let report = match comm {
             Some(comm) => {
                 let on_comm = moe_audit_parallel::OnComm::new(&layer, comm);
-                audit(&Subject { router: layer.router(), layer: Some(&on_comm) }, options, progress)?
+                audit(&Subject { router: layer.router(), layer: Some(&on_comm), layouts: &[] }, options, progress)?
             }
             None => audit(&Subject::layer(&layer), options, progress)?,
         };
@@ -352,6 +379,16 @@ pub fn audit(subject: &Subject, options: &AuditOptions, progress: &dyn Progress)
             router.name()
         )));
     }
+    if let Some(l) = subject.layouts.iter().find(|l| !b.is_multiple_of(l.ep())) {
+        return Err(Error::Usage(format!(
+            "{} {b} is not a multiple of the {} ranks layout launch `{}` (`{}`) runs over, to compare with router `{}`",
+            Setting::Batch,
+            l.ep(),
+            l.router.name(),
+            moe_audit_core::error::excerpt(l.command),
+            router.name()
+        )));
+    }
     let hidden = match router.hidden_size() {
         Some(h) => Some(probe::hidden_states(router, (b, s), h, options.seed)?),
         None => None,
@@ -380,6 +417,7 @@ pub fn audit(subject: &Subject, options: &AuditOptions, progress: &dyn Progress)
         pure,
         hidden: hidden.clone(),
         ranks: options.ranks,
+        layouts: subject.layouts,
         exhaustive: options.exhaustive,
         repeats: None,
         progress,

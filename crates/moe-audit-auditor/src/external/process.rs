@@ -136,6 +136,18 @@ impl ExternalRouter {
         let handshake = peer.handshake(Handshake::validate)?;
         External::new(Subprocess { peer, seed, handshake }, seed, mode, true, budget)
     }
+
+    /// Another launch of this router's layer (`check --layout-cmd`: the same layer at another
+    /// expert-parallel size), spawned as this one was (`timeout`, `budget`, its seed and mode)
+    /// and refused unless its handshake describes the same layer ([`Handshake::same_layer`]).
+    /// The layout probe routes the base call through it: it needs no targeted rows.
+    pub fn spawn_layout(&self, command: &str, timeout: Duration, budget: MemoryBudget) -> Result<Self> {
+        let peer = Peer::spawn("layout launch", command, timeout, budget)?;
+        let ours = self.handshake();
+        let handshake = peer.handshake(|h: &Handshake| h.validate().and_then(|()| ours.same_layer(h)))?;
+        let seed = self.source().seed;
+        External::new(Subprocess { peer, seed, handshake }, seed, self.mode, false, budget)
+    }
 }
 
 impl Peer {

@@ -145,6 +145,34 @@ impl Handshake {
         }
     }
 
+    /// Checks that `other`, another launch of this layer (`check --layout-cmd`: the same layer
+    /// at another expert-parallel size), describes the same layer: experts, top_k, input,
+    /// hidden_size and output dtype equal, and the weights fingerprint when both send one. The
+    /// name may differ (it may carry the EP size), and so may `ranks`. The error names the
+    /// first field that differs and both values.
+    pub fn same_layer(&self, other: &Handshake) -> Result<(), String> {
+        use serde_json::json;
+        let mut fields = vec![
+            ("experts", json!(other.experts), json!(self.experts)),
+            ("top_k", json!(other.top_k), json!(self.top_k)),
+            ("input", json!(other.input), json!(self.input)),
+            ("hidden_size", json!(other.hidden_size), json!(self.hidden_size)),
+            ("output", json!(other.output), json!(self.output)),
+        ];
+        if let (Some(theirs), Some(ours)) = (&other.weights, &self.weights) {
+            fields.push(("weights", json!(theirs), json!(ours)));
+        }
+        match fields.into_iter().find(|(_, theirs, ours)| theirs != ours) {
+            Some((field, theirs, ours)) => Err(format!(
+                "the layers differ: `{field}` {} here, {} in router `{}`",
+                excerpt(&theirs.to_string()),
+                excerpt(&ours.to_string()),
+                self.name
+            )),
+            None => Ok(()),
+        }
+    }
+
     /// Whether the router speaks `/2` (framed requests).
     pub fn framed(&self) -> bool {
         self.protocol == PROTOCOL_2
@@ -635,6 +663,24 @@ mod tests {
             output: None,
             weights: None,
         }
+    }
+
+    #[test]
+    fn another_launch_must_describe_the_same_layer() {
+        let ep2 = Handshake { name: "ep2".into(), ranks: Some(2), weights: Some("00ff".into()), ..hs() };
+        // The name and the ranks may differ; a fingerprint is compared only when both send one.
+        assert_eq!(ep2.same_layer(&Handshake { ranks: None, ..hs() }), Ok(()));
+        assert_eq!(ep2.same_layer(&Handshake { weights: Some("00ff".into()), ..hs() }), Ok(()));
+        let differs = |other: Handshake| ep2.same_layer(&other).unwrap_err();
+        assert_eq!(
+            differs(Handshake { top_k: Some(1), ..hs() }),
+            "the layers differ: `top_k` 1 here, 2 in router `ep2`"
+        );
+        assert_eq!(
+            differs(Handshake { weights: Some("ab".into()), ..hs() }),
+            r#"the layers differ: `weights` "ab" here, "00ff" in router `ep2`"#
+        );
+        assert!(differs(Handshake { input: InputKind::Hidden, hidden_size: Some(8), ..hs() }).contains("`input`"));
     }
 
     fn check(line: &str) -> Result<Routing, String> {

@@ -142,7 +142,7 @@ pub fn plan(router: &Handshake, options: &AuditOptions, dir: &Path, budget: Memo
             false,
             budget,
         )?;
-        audit(&Subject { router: &recorder, layer: None }, options, &Silent)?;
+        audit(&Subject::router(&recorder), options, &Silent)?;
         drop(recorder);
         let mut this_pass: HashMap<(Mode, Content), usize> = HashMap::new();
         for (mode, data) in Arc::try_unwrap(log).expect("the audit is over").into_inner().expect("log") {

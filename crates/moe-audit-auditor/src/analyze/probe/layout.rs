@@ -10,20 +10,26 @@
 //! the same call with its sequences placed otherwise over the same ranks (a data loader's
 //! contiguous slices, a `DistributedSampler`'s strides, ...). Megatron-Core and DeepSpeed count
 //! capacity per source rank over its local tokens, so who shares a rank decides who is dropped.
+//!
+//! The same layer launched at other expert-parallel sizes (`check --layout-cmd`: EP 1, 2 and 4
+//! are separate launches) routes the base call too, in its own default placement, and every
+//! token is compared with the audited router's answer: a per-rank capacity counts different
+//! tokens at each size.
 
 use super::Modes;
 use super::{Ctx, Rule, Sample};
-use crate::analyze::case::{Call, CallMode, Case};
+use crate::analyze::case::{Affected, Call, CallMode, Case};
 use crate::analyze::explain::plural;
 use crate::analyze::layer_check::ranks_split;
 use crate::analyze::tally::{pick_witness_token, witness_hit, Tally};
 use crate::analyze::{
     witness::{self, Witness},
-    AuditOptions, Finding, Probe, Verdict,
+    AuditOptions, Finding, Launch, Probe, Verdict,
 };
 use moe_audit_core::config::{Flatten, RouterConfig, ScopeGroup};
+use moe_audit_core::error::excerpt;
 use moe_audit_core::error::Result;
-use moe_audit_core::routing::assign_routes;
+use moe_audit_core::routing::{assign_routes, Routing};
 use moe_audit_parallel::RankTraffic;
 use std::sync::Arc;
 
@@ -32,6 +38,13 @@ pub(crate) struct Layout;
 
 impl Rule for Layout {
     fn calls(&self, w: Option<&Witness>, options: &AuditOptions, _: Modes) -> [String; 2] {
+        if let Some((w, launch)) = w.and_then(|w| w.layout.as_ref().map(|l| (w, l))) {
+            let ep = |h: Option<&serde_json::Value>| h.and_then(|h| h.get("ranks")?.as_u64()).unwrap_or(1);
+            return [
+                format!("the batch at EP {} (the audited launch)", ep(w.handshake.as_ref())),
+                format!("the batch at EP {} (`{}`)", ep(Some(&launch.handshake)), excerpt(&launch.command)),
+            ];
+        }
         if let Some((a, b)) = w.and_then(|w| w.a.placement.as_ref().zip(w.b.placement.as_ref())) {
             return [format!("the batch on ranks {a:?}"), format!("the batch on ranks {b:?}")];
         }
@@ -39,9 +52,10 @@ impl Rule for Layout {
     }
 
     fn cause(&self, f: &Finding) -> String {
-        match f.witness.as_ref().is_some_and(|w| w.b.placement.is_some()) {
-            true => "the placement of the sequences over the ranks".into(),
-            false => "the parallel layout (ranks or flattening order)".into(),
+        match f.witness.as_ref() {
+            Some(w) if w.layout.is_some() => "the expert-parallel size the layer was launched at".into(),
+            Some(w) if w.b.placement.is_some() => "the placement of the sequences over the ranks".into(),
+            _ => "the parallel layout (ranks or flattening order)".into(),
         }
     }
 
@@ -86,8 +100,8 @@ fn probe(ctx: &Ctx, sample: Option<&Sample>) -> Result<Finding> {
             let routed = case.b.routes(ctx.router)?;
             let outcome = case.compare(&reference, &routed);
             tally.merge(&Tally::of(&outcome));
-            let hit = pick_witness_token(&outcome).map(|hit| (case, hit, routed));
-            first_leak = witness_hit(first_leak, hit, |(_, hit, _)| hit);
+            let hit = pick_witness_token(&outcome).map(|hit| (case, hit, routed, None));
+            first_leak = witness_hit(first_leak, hit, |(_, hit, _, _)| hit);
         }
         notes.push(format!("{r} ranks of {per} {}", if per == 1 { "sequence" } else { "sequences" }));
         if !split {
@@ -108,15 +122,16 @@ fn probe(ctx: &Ctx, sample: Option<&Sample>) -> Result<Finding> {
         tally.merge(&Tally::of(&outcome));
         notes.push(format!("[S,B] vs [B,S] flattening: {affected} tokens differ"));
     }
-    if used == 0 && tally.affected == 0 {
+    across_launches(ctx, &mut tally, &mut first_leak, &mut notes)?;
+    if used == 0 && tally.affected == 0 && ctx.layouts.is_empty() {
         finding.verdict = Verdict::NotApplicable;
         finding.note = notes.join("; ");
         return Ok(finding);
     }
     tally.finish(&mut finding);
-    if let Some((case, hit, routed)) = first_leak {
-        let (routed, modes) = (Some((reference.as_ref(), &routed)), (CallMode::Train, CallMode::Train));
-        finding.witness = witness::build_routed(ctx.router, Probe::L, &case, (hit.batch, hit.pos), routed, modes)?;
+    if let Some(leak) = first_leak {
+        let reference = if leak.3.is_some() { &ctx.base_routing } else { reference.as_ref() };
+        finding.witness = leak_witness(ctx, reference, leak, &mut notes)?;
     }
     if split && !ctx.router.experts().is_multiple_of(r) {
         notes.push(format!(
@@ -173,10 +188,7 @@ fn placed(ctx: &Ctx, n: usize) -> Result<Finding> {
     let mut notes = vec![format!("{n} ranks of {}, default placement {default_name}", plural(b / n, "sequence"))];
     named.retain(|(_, p)| *p != default);
     if named.is_empty() {
-        finding.verdict = Verdict::NotApplicable;
         notes.push(format!("no other placement of {} over {n} ranks", plural(b, "sequence")));
-        finding.note = notes.join("; ");
-        return Ok(finding);
     }
     let mut tally = Tally::default();
     let mut first_leak = None;
@@ -187,25 +199,87 @@ fn placed(ctx: &Ctx, n: usize) -> Result<Finding> {
         let affected = Tally::of(&outcome).affected;
         tally.merge(&Tally::of(&outcome));
         notes.push(format!("{name}: {affected} tokens differ"));
-        let hit = pick_witness_token(&outcome).map(|hit| (case, hit, routed));
-        first_leak = witness_hit(first_leak, hit, |(_, hit, _)| hit);
+        let hit = pick_witness_token(&outcome).map(|hit| (case, hit, routed, None));
+        first_leak = witness_hit(first_leak, hit, |(_, hit, _, _)| hit);
+    }
+    across_launches(ctx, &mut tally, &mut first_leak, &mut notes)?;
+    if named.is_empty() && ctx.layouts.is_empty() {
+        finding.verdict = Verdict::NotApplicable;
+        finding.note = notes.join("; ");
+        return Ok(finding);
     }
     tally.finish(&mut finding);
-    if let Some((case, hit, routed)) = first_leak {
-        let placement = case.b.placement.as_deref().unwrap_or_default();
-        notes.push(format!(
-            "sequence {} position {} ({}): {} vs {}",
-            hit.batch,
-            hit.pos,
-            hit.diff.describe(),
-            on_rank(&default, hit.batch),
-            on_rank(placement, hit.batch)
-        ));
-        let (routed, modes) = (Some((&ctx.base_routing, &routed)), (CallMode::Train, CallMode::Train));
-        finding.witness = witness::build_routed(ctx.router, Probe::L, &case, (hit.batch, hit.pos), routed, modes)?;
+    if let Some(leak) = first_leak {
+        if leak.3.is_none() {
+            let (hit, placement) = (&leak.1, leak.0.b.placement.as_deref().unwrap_or_default());
+            notes.push(format!(
+                "sequence {} position {} ({}): {} vs {}",
+                hit.batch,
+                hit.pos,
+                hit.diff.describe(),
+                on_rank(&default, hit.batch),
+                on_rank(placement, hit.batch)
+            ));
+        }
+        finding.witness = leak_witness(ctx, &ctx.base_routing, leak, &mut notes)?;
     }
     finding.note = notes.join("; ");
     Ok(finding)
+}
+
+/// The first leaking token of L's cases: the case, the token, call `b`'s routing, and the
+/// other launch that routed `b` (`None`: the audited router did).
+type Leak<'a> = (Case, Affected, Routing, Option<&'a Launch<'a>>);
+
+/// L across launches: the base call through every other launch of the layer (in that launch's
+/// default placement) against the audited router's answer to it, token by token, each launch's
+/// differing tokens counted with L's other cases.
+fn across_launches<'a>(
+    ctx: &Ctx<'a>,
+    tally: &mut Tally,
+    first_leak: &mut Option<Leak<'a>>,
+    notes: &mut Vec<String>,
+) -> Result<()> {
+    let ep = ctx.router.ranks().unwrap_or(1);
+    for launch in ctx.layouts {
+        let case = Case::aligned(&ctx.base, Call::clone(&ctx.base));
+        let routed = case.b.routes(launch.router)?;
+        let outcome = case.compare(&ctx.base_routing, &routed);
+        let seen = Tally::of(&outcome);
+        notes.push(format!(
+            "EP {} (`{}`) vs EP {ep}: {} tokens differ",
+            launch.ep(),
+            excerpt(launch.command),
+            seen.affected
+        ));
+        tally.merge(&seen);
+        let hit = pick_witness_token(&outcome).map(|hit| (case, hit, routed, Some(launch)));
+        *first_leak = witness_hit(first_leak.take(), hit, |(_, hit, _, _)| hit);
+    }
+    Ok(())
+}
+
+/// The witness of L's first leak, its call `a` routed as `reference`; a leak across launches
+/// records the launch that routed call `b` (a replay spawns both: `replay W --router-cmd CMD
+/// --layout-cmd CMD2`), and its token goes in the note.
+fn leak_witness(
+    ctx: &Ctx,
+    reference: &Routing,
+    (case, hit, routed, launch): Leak,
+    notes: &mut Vec<String>,
+) -> Result<Option<Witness>> {
+    let (routed_pair, modes) = (Some((reference, &routed)), (CallMode::Train, CallMode::Train));
+    let witness = witness::build_routed(ctx.router, Probe::L, &case, (hit.batch, hit.pos), routed_pair, modes)?;
+    let Some(launch) = launch else { return Ok(witness) };
+    let ep = ctx.router.ranks().unwrap_or(1);
+    notes.push(format!(
+        "sequence {} position {} ({}): EP {ep} vs EP {}",
+        hit.batch,
+        hit.pos,
+        hit.diff.describe(),
+        launch.ep()
+    ));
+    witness.map(|w| w.across(launch)).transpose()
 }
 
 /// Where `placement` puts sequence `seq`, in words: its rank and the sequences it shares it with.

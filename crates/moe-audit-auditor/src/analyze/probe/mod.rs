@@ -354,6 +354,8 @@ pub(crate) struct Ctx<'a> {
     pub hidden: Option<Tensor>,
     /// Expert-parallel ranks the layout probe compares with one.
     pub ranks: usize,
+    /// The same layer launched at other expert-parallel sizes, which L compares with it.
+    pub layouts: &'a [super::Launch<'a>],
     /// Whether P routes every prefix instead of searching them (`AuditOptions::exhaustive`).
     pub exhaustive: bool,
     /// The audit's first calls (D and S read them), made once the context exists.

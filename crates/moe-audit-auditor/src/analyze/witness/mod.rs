@@ -9,7 +9,10 @@
 //! A router outside moe-audit (a subprocess, trace files) has no config to replay from: its
 //! witness keeps the two calls as the audit sent them, unshrunk (shrinking would call the router
 //! again, and change what a stateful router answers the probes after it), with its handshake,
-//! and replays against the live router (`replay W --router-cmd CMD`).
+//! and replays against the live router (`replay W --router-cmd CMD`). A leak of L across two
+//! launches of one layer (`check --layout-cmd`) also records the launch that routed call `b`,
+//! its command and handshake; its replay spawns both (`replay W --router-cmd CMD --layout-cmd
+//! CMD2`): a witness is data, and the command it records is named, never run.
 
 mod replay;
 mod shrink;
@@ -52,6 +55,17 @@ pub struct StoredCall {
     pub placement: Option<Vec<usize>>,
 }
 
+/// Another launch of a layer as a witness records it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StoredLaunch {
+    /// The command that started it (`replay --layout-cmd` takes it; a replay never runs it
+    /// from the file).
+    pub command: String,
+    /// Its handshake, which the replayed launch must match.
+    pub handshake: serde_json::Value,
+}
+
 /// A token of a stored call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TokenRef {
@@ -86,6 +100,10 @@ pub struct Witness {
     pub property: Property,
     /// What differs, e.g. `kept, weight`.
     pub differs: String,
+    /// L across launches: the other launch of the layer that routed call `b` (call `a` was
+    /// routed by the router of `handshake`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layout: Option<StoredLaunch>,
     /// The reference call. For S, `b` is the call made in between; for D and M, `b` is unused.
     pub a: StoredCall,
     /// The changed call.
@@ -186,8 +204,25 @@ impl Witness {
             }
             _ => return Err(Error::input(path, "a witness holds either a `router` config or a `handshake`")),
         }
+        if let Some(launch) = &w.layout {
+            let named = launch.handshake.get("name").is_some_and(|n| n.is_string());
+            if w.handshake.is_none() || w.probe != Probe::L || !named {
+                return Err(Error::input(
+                    path,
+                    "`layout` belongs to a layout (L) witness of a router outside moe-audit, with a named `handshake`",
+                ));
+            }
+        }
         w.check_stored_routings().map_err(|m| Error::input(path, m))?;
         Ok(w)
+    }
+
+    /// This witness with call `b` routed by `launch` (L across launches), sealed again.
+    pub(crate) fn across(mut self, launch: &crate::analyze::Launch) -> Result<Witness> {
+        let handshake = launch.router.handshake().unwrap_or_default();
+        self.layout = Some(StoredLaunch { command: launch.command.to_string(), handshake });
+        self.seal()?;
+        Ok(self)
     }
 
     /// The stored routings are what the witness claims: on valid experts, and different (a

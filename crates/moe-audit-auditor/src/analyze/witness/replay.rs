@@ -141,12 +141,14 @@ impl Witness {
                 moe_audit_core::error::Setting::RouterCmd
             )));
         };
-        self.replay_with(path, &config, config.experts)
+        self.replay_with(path, &config, None, config.experts)
     }
 
     /// Replays the witness against a live router, which must introduce itself as the witness's
     /// handshake says (name, experts, top-k, input and hidden size; the protocol may differ).
-    pub fn replay_on(self, path: &Path, router: &dyn Router) -> Result<Replay> {
+    /// A witness of L across launches routes call `b` on `layout`, the other launch, which
+    /// must introduce itself as the witness's `layout` says; any other witness takes none.
+    pub fn replay_on(self, path: &Path, router: &dyn Router, layout: Option<&dyn Router>) -> Result<Replay> {
         let Some(stored) = &self.handshake else {
             return Err(Error::Usage(format!(
                 "{}: the witness holds a router config: replay it without {}",
@@ -154,25 +156,38 @@ impl Witness {
                 moe_audit_core::error::Setting::RouterCmd
             )));
         };
-        let live = router.handshake().unwrap_or_default();
-        let same = ["name", "experts", "top_k", "input", "hidden_size"]
-            .iter()
-            .all(|k| stored.get(k).filter(|v| !v.is_null()) == live.get(k).filter(|v| !v.is_null()));
-        if !same {
-            return Err(Error::input(
-                path,
-                format!(
-                    "the witness's router is {}, the command's router is {}: not the same router",
-                    excerpt_long(stored),
-                    excerpt_long(&live)
-                ),
-            ));
+        same_router(path, stored, router, "router")?;
+        match (&self.layout, layout) {
+            (Some(stored), Some(layout)) => same_router(path, &stored.handshake, layout, "layout launch")?,
+            (Some(stored), None) => {
+                return Err(Error::Usage(format!(
+                    "{}: the witness compares router `{}` with another launch of it: replay it with --layout-cmd {}",
+                    path.display(),
+                    excerpt(self.name().unwrap_or_default()),
+                    excerpt_long(serde_json::Value::from(stored.command.as_str()))
+                )))
+            }
+            (None, Some(_)) => {
+                return Err(Error::Usage(format!(
+                    "{}: the witness compares no other launch of the layer: replay it without --layout-cmd",
+                    path.display()
+                )))
+            }
+            (None, None) => {}
         }
-        self.replay_with(path, &Live(router), router.row_width())
+        let layout = layout.map(Live);
+        self.replay_with(path, &Live(router), layout.as_ref().map(|l| l as &dyn Replayer), router.row_width())
     }
 
-    /// Replays with `with`, the calls' rows `width` wide.
-    fn replay_with(mut self, path: &Path, with: &dyn Replayer, width: usize) -> Result<Replay> {
+    /// Replays with `with` (and call `b` with `with_b`, another launch, when given), the calls'
+    /// rows `width` wide.
+    fn replay_with(
+        mut self,
+        path: &Path,
+        with: &dyn Replayer,
+        with_b: Option<&dyn Replayer>,
+        width: usize,
+    ) -> Result<Replay> {
         let (a, b) = (load(&self.a, "a", path)?, load(&self.b, "b", path)?);
         if a.logits.dim().2 != width || b.logits.dim().2 != width {
             return Err(Error::input(
@@ -207,10 +222,38 @@ impl Witness {
         }
         self.sha256 = stored;
         let pair = Pair { a, b, seq_map, offset, token: ta };
-        let (ra, rb, diff) = replay_pair(with, self.probe, &pair, (self.a_mode, self.b_mode))?;
         let tb = pair.token_b().expect("mapped");
+        let (ra, rb, diff) = match with_b {
+            // Two launches: each side on its own; the probe's rule has nothing else to say.
+            Some(with_b) => {
+                let (ra, rb) = (with.route(&pair.a, self.a_mode)?, with_b.route(&pair.b, self.b_mode)?);
+                let diff = diff_token(&ra, ta, &rb, tb);
+                (ra, rb, diff)
+            }
+            None => replay_pair(with, self.probe, &pair, (self.a_mode, self.b_mode))?,
+        };
         let (before, after) = (ra.token(ta.0, ta.1).clone(), rb.token(tb.0, tb.1).clone());
         let capacity = (capacity_of(&ra, &before), capacity_of(&rb, &after));
         Ok(Replay { before, after, capacity, diff, witness: self })
     }
+}
+
+/// Whether `live` introduces itself as the `stored` handshake says (name, experts, top-k, input
+/// and hidden size; the protocol may differ); `what` names it in the error.
+fn same_router(path: &Path, stored: &serde_json::Value, live: &dyn Router, what: &str) -> Result<()> {
+    let live = live.handshake().unwrap_or_default();
+    let same = ["name", "experts", "top_k", "input", "hidden_size"]
+        .iter()
+        .all(|k| stored.get(k).filter(|v| !v.is_null()) == live.get(k).filter(|v| !v.is_null()));
+    if same {
+        return Ok(());
+    }
+    Err(Error::input(
+        path,
+        format!(
+            "the witness's {what} is {}, the command's {what} is {}: not the same {what}",
+            excerpt_long(stored),
+            excerpt_long(&live)
+        ),
+    ))
 }

@@ -88,6 +88,7 @@ fn witness(
         a_mode,
         b_mode,
         probe,
+        layout: None,
         property: probe.property(),
         differs: diff.describe(),
         a: store(&pair.a),
