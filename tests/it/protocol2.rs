@@ -8,7 +8,8 @@ use std::process::{Command, Output};
 const BIN: &str = env!("CARGO_BIN_EXE_moe-audit");
 const SWITCH: &str = "python3 tests/it/routers/switch_router.py";
 
-fn run(args: &[&str], env: &[(&str, &str)]) -> Output {
+/// The binary run from the repository root with the Python environment and `env` added.
+pub(crate) fn run(args: &[&str], env: &[(&str, &str)]) -> Output {
     Command::new(BIN)
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .envs(python_env())

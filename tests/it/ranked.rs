@@ -3,21 +3,9 @@
 //! layer passes, outputs are compared, the placement's witness replays, and bad input and
 //! failing ranks are one-line errors. The layer is `tests/it/routers/ranked_layer.py` (numpy).
 
-use super::external::{numpy, python_env};
-use std::process::{Command, Output};
-
-const BIN: &str = env!("CARGO_BIN_EXE_moe-audit");
+use super::external::numpy;
+use super::protocol2::run;
 const LAYER: &str = "python3 tests/it/routers/ranked_layer.py";
-
-fn run(args: &[&str], env: &[(&str, &str)]) -> Output {
-    Command::new(BIN)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .envs(python_env())
-        .envs(env.iter().copied())
-        .args(args)
-        .output()
-        .expect("run moe-audit")
-}
 
 /// `check --format json` of the layer on a batch of `batch`; (exit code, findings as (probe,
 /// verdict, differs, note)).
