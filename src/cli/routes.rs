@@ -5,7 +5,7 @@ use super::{exit, io_error};
 use clap::{Args, Subcommand, ValueEnum};
 use moe_audit::error::{Error, Result};
 use moe_audit::files::Staged;
-use moe_audit::records::{self, Budget, CompareOptions, Layout, Source};
+use moe_audit::records::{self, Budget, CompareOptions, Layout, Sides, Source};
 use moe_audit::render::{json, routes_chart, routes_github, routes_junit, routes_markdown, routes_text, show_text};
 use moe_audit::MemoryBudget;
 use std::io::Write;
@@ -141,9 +141,7 @@ impl RoutesArgs {
 
 impl CompareArgs {
     fn validated(&self) -> Result<Compare> {
-        if let Some(m) = self.max_disagreement.filter(|m| !(0.0..=1.0).contains(m)) {
-            return Err(Error::Usage(format!("--max-disagreement must be a share between 0 and 1, got {m}")));
-        }
+        let options = CompareOptions::new(self.max_disagreement)?;
         if let Some(chart) = &self.chart {
             let ext = chart.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase);
             if !matches!(ext.as_deref(), Some("png" | "svg")) {
@@ -154,7 +152,7 @@ impl CompareArgs {
             rollout: self.rollout.clone(),
             trainer: self.trainer.clone(),
             config: self.config.clone(),
-            options: CompareOptions { max_disagreement: self.max_disagreement },
+            options,
             format: self.format,
             chart: self.chart.clone(),
             output: self.output.clone(),
@@ -176,10 +174,8 @@ fn layout(config: &Option<PathBuf>) -> Result<Option<Layout>> {
 
 fn compare(args: &Compare, out: &mut dyn Write) -> Result<u8> {
     let layout = layout(&args.config)?;
-    let mut budget = Budget::new(args.budget);
-    let (rollout, trainer) =
-        records::load_pair(Source::File(&args.rollout), Source::File(&args.trainer), layout.as_ref(), &mut budget)?;
-    let c = records::compare(&rollout, &trainer, layout.as_ref(), &args.options, &mut budget)?;
+    let sources = Sides::new(Source::File(&args.rollout), Source::File(&args.trainer));
+    let c = records::compare_sources(sources, layout.as_ref(), &args.options, args.budget)?;
     let text = match args.format {
         CompareFormat::Text => routes_text(&c),
         CompareFormat::Json => json(&c),

@@ -53,7 +53,7 @@ pub(crate) fn verdict(c: &Comparison) -> String {
 pub(crate) fn side_line(s: &crate::records::Side) -> String {
     format!(
         "{} {} ({}, {} tokens, {} layers, top-{}{})",
-        s.role,
+        s.name(),
         s.path,
         s.format.name(),
         s.tokens,

@@ -6,7 +6,7 @@
 //!   `moe-audit routes compare --format json` prints;
 //! - [`main`]: the wheel's `moe-audit` command, the binary's command line.
 
-use moe_audit::records::{self, Budget, CompareOptions, Layout};
+use moe_audit::records::{self, CompareOptions, Layout, Sides};
 use moe_audit::MemoryBudget;
 use pyo3::prelude::*;
 use std::path::Path;
@@ -100,9 +100,7 @@ fn run(
     max_memory: Option<&str>,
 ) -> moe_audit::Result<String> {
     use moe_audit::error::{excerpt_long, Error};
-    if let Some(m) = max_disagreement.filter(|m| !(0.0..=1.0).contains(m)) {
-        return Err(Error::Usage(format!("--max-disagreement must be a share between 0 and 1, got {m}")));
-    }
+    let options = CompareOptions::new(max_disagreement)?;
     let limit = max_memory
         .map(|m| moe_audit::memory::parse_size(m).map_err(|e| Error::Usage(format!("--max-memory: {e}"))))
         .transpose()?;
@@ -115,10 +113,8 @@ fn run(
         }
         (None, None) => None,
     };
-    let mut budget = Budget::new(MemoryBudget::from_request(limit));
-    let (r, t) = records::load_pair(rollout.source(), trainer.source(), layout.as_ref(), &mut budget)?;
-    let options = CompareOptions { max_disagreement };
-    let c = records::compare(&r, &t, layout.as_ref(), &options, &mut budget)?;
+    let sources = Sides::new(rollout.source(), trainer.source());
+    let c = records::compare_sources(sources, layout.as_ref(), &options, MemoryBudget::from_request(limit))?;
     Ok(moe_audit::command::json(&c))
 }
 

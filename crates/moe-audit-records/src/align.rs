@@ -7,8 +7,12 @@
 //! independent routers agree on a whole top-k set almost never by chance (1 in C(64, 8) for a
 //! random pair), so a layer or offset that matches another on most tokens is that other one.
 
-use super::read::{ranges, Record};
-use super::Budget;
+use super::budget::Budget;
+use super::diagnosis::{defect, note, Diagnosis, DiagnosisKind};
+use super::formats::Sequence;
+use super::record::Record;
+use super::sides::{Role, Sides};
+use super::text::{pct, ranges};
 use moe_audit_core::error::{Error, Result};
 use rayon::prelude::*;
 use serde::Serialize;
@@ -51,98 +55,6 @@ pub struct Alignment {
     pub layers: Vec<LayerPair>,
     /// Tokens compared (the segments' total).
     pub tokens: usize,
-}
-
-/// What a diagnosis is about.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum DiagnosisKind {
-    /// A trainer layer matches another rollout layer than its own number says.
-    LayerMapping,
-    /// The trainer's routes match the rollout's shifted by a fixed number of tokens.
-    TokenOffset,
-    /// Packed sequences match at different shifts (padding between them was not accounted for).
-    Packing,
-    /// Rows that route nowhere at a sequence's start or end (padding), aligned past.
-    Padding,
-    /// The records cover different positions of a sequence (SGLang's `seqlen - 1`, a start length).
-    Length,
-    /// Two layers of one record route identically (one took the other's routes).
-    Aliasing,
-    /// Layers present in one record only (dense placeholders, MTP), left out.
-    Unpaired,
-    /// Layer numbers the file did not give, inferred.
-    LayerNumbers,
-    /// The same expert sets in another order: not counted as a disagreement.
-    Order,
-    /// A replay check in which routes still differ: the replay did not reach those layers.
-    ReplayNotApplied,
-    /// A record, or a MoE layer of it, holding only zeros (or no route at all).
-    CaptureNeverRan,
-    /// A block of MoE layers at one end missing or zero: a pipeline stage never merged.
-    PipelineNotMerged,
-    /// Ids relabelled one-to-one against the other record: physical (EPLB) slots.
-    PhysicalIds,
-    /// A -1 stored unsigned, ids wrapped negative, or ids equal modulo 256.
-    NarrowingCast,
-    /// The rollout starts at a later position than its rows say (a prompt start not recorded).
-    PromptStart,
-    /// The rollout ends one row before the trainer per request (or two: one beyond the convention).
-    OneRowShort,
-    /// Nothing two routers of one model would show: the records are probably not paired right.
-    NotPaired,
-    /// Routed-layer slots with no route, counted apart.
-    Missing,
-    /// What a reader did to read a record (steps, ranks merged, a shape from the other record).
-    Reading,
-}
-
-impl DiagnosisKind {
-    /// The name the report prints.
-    pub fn name(self) -> &'static str {
-        match self {
-            DiagnosisKind::LayerMapping => "layer mapping",
-            DiagnosisKind::TokenOffset => "token offset",
-            DiagnosisKind::Packing => "packed sequences",
-            DiagnosisKind::Padding => "padding",
-            DiagnosisKind::Length => "length",
-            DiagnosisKind::Aliasing => "aliasing",
-            DiagnosisKind::Unpaired => "unpaired layers",
-            DiagnosisKind::LayerNumbers => "layer numbers",
-            DiagnosisKind::Order => "order",
-            DiagnosisKind::ReplayNotApplied => "replay not applied",
-            DiagnosisKind::CaptureNeverRan => "capture never ran",
-            DiagnosisKind::PipelineNotMerged => "pipeline stage never merged",
-            DiagnosisKind::PhysicalIds => "physical expert ids",
-            DiagnosisKind::NarrowingCast => "narrowing cast",
-            DiagnosisKind::PromptStart => "prompt start offset",
-            DiagnosisKind::OneRowShort => "one row short",
-            DiagnosisKind::NotPaired => "not paired",
-            DiagnosisKind::Missing => "missing routes",
-            DiagnosisKind::Reading => "reading",
-        }
-    }
-}
-
-/// One finding of the alignment: what it found, in numbers, and what to change.
-#[derive(Debug, Clone, Serialize)]
-pub struct Diagnosis {
-    /// What it is about.
-    pub kind: DiagnosisKind,
-    /// Whether it is a defect (the gate fails) or a note on how the records were aligned.
-    pub defect: bool,
-    /// What was found, with numbers.
-    pub found: String,
-    /// What to change (empty for a note that needs nothing).
-    pub change: String,
-}
-
-fn note(kind: DiagnosisKind, found: String, change: &str) -> Diagnosis {
-    Diagnosis { kind, defect: false, found, change: change.to_string() }
-}
-
-fn defect(kind: DiagnosisKind, found: String, change: String) -> Diagnosis {
-    Diagnosis { kind, defect: true, found, change }
 }
 
 /// A share of at least this many sampled tokens makes a layer or offset "the same routes".
@@ -230,7 +142,7 @@ struct Content {
     right_pad: usize,
 }
 
-fn content(r: &Record, s: &super::read::Sequence) -> Content {
+fn content(r: &Record, s: &Sequence) -> Content {
     let mut lo = s.rows.start;
     while lo < s.rows.end && r.token_empty(lo) {
         lo += 1;
@@ -275,15 +187,16 @@ fn spread(len: usize, n: usize) -> impl Iterator<Item = usize> {
 /// positions, padding), the layer mapping the routes show, then each sequence's offset.
 pub(super) fn align(a: &Record, b: &Record, budget: &mut Budget) -> Result<(Alignment, Vec<Diagnosis>)> {
     let (segments, mut diagnoses) = declared_segments(a, b)?;
-    let routed = (routed_layers(a), routed_layers(b));
-    if routed.0.is_empty() || routed.1.is_empty() {
-        let role = if routed.0.is_empty() { &a.path } else { &b.path };
-        return Err(Error::input(role, "no layer has any route (every id is -1)"));
+    let records = Sides::new(a, b);
+    let routed = records.map(routed_layers);
+    if let Some((role, _)) = routed.iter().find(|(_, r)| r.is_empty()) {
+        return Err(Error::input(&records[role].path, "no layer has any route (every id is -1)"));
     }
     let mapping = map_layers(a, b, &sample(&segments), &routed, budget)?;
     diagnoses.extend(mapping_diagnosis(a, b, &mapping.remapped));
-    diagnoses.extend(aliasing_diagnosis("rollout", a, &mapping.aliases.0));
-    diagnoses.extend(aliasing_diagnosis("trainer", b, &mapping.aliases.1));
+    for (role, found) in &mapping.aliases {
+        diagnoses.extend(aliasing_diagnosis(role, records[role], found));
+    }
     diagnoses.extend(unpaired_note(a, b, &routed, &mapping.pairs));
     if mapping.pairs.is_empty() {
         return Err(Error::input(&b.path, "no trainer layer has a rollout counterpart to compare with"));
@@ -363,8 +276,8 @@ struct Alias {
 struct LayerMapping {
     pairs: Vec<LayerPair>,
     remapped: Vec<Remap>,
-    /// Aliased layers of the rollout, then of the trainer.
-    aliases: (Vec<Alias>, Vec<Alias>),
+    /// Aliased layers of each record.
+    aliases: Sides<Vec<Alias>>,
 }
 
 /// The layer mapping, at the global offset (within [`GLOBAL_SHIFT`]) that matches best: each
@@ -374,9 +287,10 @@ fn map_layers(
     a: &Record,
     b: &Record,
     sample: &[Sampled],
-    (routed_a, routed_b): &(Vec<usize>, Vec<usize>),
+    routed: &Sides<Vec<usize>>,
     budget: &mut Budget,
 ) -> Result<LayerMapping> {
+    let (routed_a, routed_b) = (&routed.rollout, &routed.trainer);
     // The rows looked at: the sample, the trainer's shifted as far as searched.
     let ha = Hashes::of(a, sample.iter().map(|s| s.rollout).collect(), budget)?;
     let hb = Hashes::of(
@@ -434,11 +348,11 @@ fn map_layers(
             });
         }
     }
-    Ok(LayerMapping { pairs: layer_pairs, remapped, aliases: (aliases_a, aliases_b) })
+    Ok(LayerMapping { pairs: layer_pairs, remapped, aliases: Sides::new(aliases_a, aliases_b) })
 }
 
 /// The aliasing defect of one record (`role`), if any of its layers repeat another.
-fn aliasing_diagnosis(role: &str, r: &Record, found: &[Alias]) -> Option<Diagnosis> {
+fn aliasing_diagnosis(role: Role, r: &Record, found: &[Alias]) -> Option<Diagnosis> {
     let first = found.first()?;
     let list: Vec<String> = found
         .iter()
@@ -457,12 +371,8 @@ fn aliasing_diagnosis(role: &str, r: &Record, found: &[Alias]) -> Option<Diagnos
 }
 
 /// The note on the layers left out of the comparison: routed with no counterpart, or dense.
-fn unpaired_note(
-    a: &Record,
-    b: &Record,
-    (routed_a, routed_b): &(Vec<usize>, Vec<usize>),
-    pairs: &[LayerPair],
-) -> Option<Diagnosis> {
+fn unpaired_note(a: &Record, b: &Record, routed: &Sides<Vec<usize>>, pairs: &[LayerPair]) -> Option<Diagnosis> {
+    let (routed_a, routed_b) = (&routed.rollout, &routed.trainer);
     let unpaired_b: Vec<usize> =
         routed_b.iter().filter(|&&j| !pairs.iter().any(|p| p.trainer_index == j)).map(|&j| b.layers[j]).collect();
     let unpaired_a: Vec<usize> =
@@ -585,10 +495,6 @@ fn aliases(h: &Hashes, routed: &[usize], rows: impl Iterator<Item = usize>) -> V
     out
 }
 
-pub(super) fn pct(share: f64) -> String {
-    format!("{:.1}%", share * 100.0)
-}
-
 /// The layer-mapping defect, said as one shift when the remapped layers share one.
 fn mapping_diagnosis(a: &Record, b: &Record, remapped: &[Remap]) -> Option<Diagnosis> {
     let first = remapped.first()?;
@@ -695,97 +601,139 @@ type Declared = (Segment, std::ops::Range<usize>);
 fn declared_segments(a: &Record, b: &Record) -> Result<(Vec<Declared>, Vec<Diagnosis>)> {
     let mismatch =
         |m: String| Error::input(&b.path, format!("tokens do not match the rollout's ({}): {m}", a.path.display()));
-    let split = |r: &Record, other: &Record| -> Option<Vec<super::read::Sequence>> {
-        (r.sequences.len() == 1
-            && other.sequences.len() > 1
-            && r.tokens == other.tokens
-            && r.sequences[0].first_position == 0)
-            .then(|| {
-                other
-                    .sequences
-                    .iter()
-                    .map(|s| super::read::Sequence { rows: s.rows.clone(), first_position: 0 })
-                    .collect()
-            })
-    };
-    let sa = split(a, b).unwrap_or_else(|| a.sequences.clone());
-    let sb = split(b, a).unwrap_or_else(|| b.sequences.clone());
+    let sequences = Sides::new(sequences_of(a, b), sequences_of(b, a));
+    let (sa, sb) = (&sequences.rollout, &sequences.trainer);
     if sa.len() != sb.len() {
         return Err(mismatch(format!("{} sequences in the rollout, {} in the trainer", sa.len(), sb.len())));
     }
     let mut out = Vec::new();
-    let (mut pads, mut ends, mut starts) = (Vec::new(), Vec::new(), Vec::new());
-    for (s, (qa, qb)) in sa.iter().zip(&sb).enumerate() {
-        let (ca, cb) = (content(a, qa), content(b, qb));
-        for (role, c) in [("rollout", &ca), ("trainer", &cb)] {
+    let mut edges = Edges::default();
+    for (s, (qa, qb)) in sa.iter().zip(sb).enumerate() {
+        let content = Sides::new(content(a, qa), content(b, qb));
+        if let Some(seg) = edges.pair(s, &content) {
+            same_tokens(a, b, &seg, content.rollout.first_position.max(content.trainer.first_position))
+                .map_err(mismatch)?;
+            out.push((seg, content.trainer.rows.clone()));
+        }
+    }
+    if out.is_empty() {
+        return Err(mismatch("no position is covered by both records".into()));
+    }
+    Ok((out, edges.notes(sa.len())))
+}
+
+/// A record's sequences; one undivided sequence is cut as `other`'s when both have as many rows
+/// (a trainer record of a packed batch stored as one array).
+fn sequences_of(r: &Record, other: &Record) -> Vec<Sequence> {
+    let split = r.sequences.len() == 1
+        && other.sequences.len() > 1
+        && r.tokens == other.tokens
+        && r.sequences[0].first_position == 0;
+    if split {
+        other.sequences.iter().map(|s| Sequence { rows: s.rows.clone(), first_position: 0 }).collect()
+    } else {
+        r.sequences.clone()
+    }
+}
+
+/// Where a declared segment's token ids (when both records carry them) differ: refused.
+fn same_tokens(a: &Record, b: &Record, seg: &Segment, p0: usize) -> std::result::Result<(), String> {
+    let (Some(ia), Some(ib)) = (&a.input_ids, &b.input_ids) else { return Ok(()) };
+    match (0..seg.len).find(|&k| ia[seg.rollout + k] != ib[seg.trainer + k]) {
+        Some(k) => Err(format!(
+            "sequence {}, position {}: token id {} in the rollout, {} in the trainer",
+            seg.sequence,
+            p0 + k,
+            ia[seg.rollout + k],
+            ib[seg.trainer + k]
+        )),
+        None => Ok(()),
+    }
+}
+
+/// What the declared pairing passed over at the sequences' edges: padding rows, later starts,
+/// different ends.
+#[derive(Default)]
+struct Edges {
+    /// (side, sequence, left, right) padding rows.
+    pads: Vec<(Role, usize, usize, usize)>,
+    /// (sequence, rollout end minus trainer end).
+    ends: Vec<(usize, i64)>,
+    /// (sequence, rollout start, trainer start).
+    starts: Vec<(usize, usize, usize)>,
+}
+
+impl Edges {
+    /// Sequence `s` paired by position over the positions both sides cover (`None`: none), its
+    /// edges noted.
+    fn pair(&mut self, s: usize, content: &Sides<Content>) -> Option<Segment> {
+        for (role, c) in content {
             if c.left_pad + c.right_pad > 0 {
-                pads.push((role, s, c.left_pad, c.right_pad));
+                self.pads.push((role, s, c.left_pad, c.right_pad));
             }
         }
+        let (ca, cb) = (&content.rollout, &content.trainer);
         let (fa, fb) = (ca.first_position, cb.first_position);
         let (ea, eb) = (fa + ca.rows.len(), fb + cb.rows.len());
         if fa != fb {
-            starts.push((s, fa, fb));
+            self.starts.push((s, fa, fb));
         }
         if ea != eb {
-            ends.push((s, ea as i64 - eb as i64));
+            self.ends.push((s, ea as i64 - eb as i64));
         }
         let (p0, p1) = (fa.max(fb), ea.min(eb));
-        if p1 <= p0 {
-            continue;
-        }
-        let seg = Segment {
+        (p1 > p0).then(|| Segment {
             sequence: s,
             rollout: ca.rows.start + p0 - fa,
             trainer: cb.rows.start + p0 - fb,
             len: p1 - p0,
             offset: 0,
-        };
-        if let (Some(ia), Some(ib)) = (&a.input_ids, &b.input_ids) {
-            if let Some(k) = (0..seg.len).find(|&k| ia[seg.rollout + k] != ib[seg.trainer + k]) {
-                return Err(mismatch(format!(
-                    "sequence {s}, position {}: token id {} in the rollout, {} in the trainer",
-                    p0 + k,
-                    ia[seg.rollout + k],
-                    ib[seg.trainer + k]
-                )));
-            }
+        })
+    }
+
+    /// The notes (and the one-row-short defect) on what was passed over, of `sequences`.
+    fn notes(&self, sequences: usize) -> Vec<Diagnosis> {
+        let mut notes = Vec::new();
+        if !self.pads.is_empty() {
+            let list: Vec<String> = self
+                .pads
+                .iter()
+                .take(6)
+                .map(|(role, s, l, r)| format!("{role} sequence {s}: {l} left, {r} right"))
+                .collect();
+            let more = if self.pads.len() > 6 { format!(" (and {} more)", self.pads.len() - 6) } else { String::new() };
+            notes.push(note(
+                DiagnosisKind::Padding,
+                format!("padding rows (no route in any layer), aligned past: {}{more}", list.join("; ")),
+                "",
+            ));
         }
-        out.push((seg, cb.rows.clone()));
+        if let Some(&(s, fa, fb)) = self.starts.first() {
+            notes.push(note(
+                DiagnosisKind::Length,
+                format!(
+                    "{} sequence(s) start at different positions (sequence {s}: rollout from position {fa}, trainer from {fb}, as SGLang's routed_experts_start_len); compared from the later",
+                    self.starts.len()
+                ),
+                "",
+            ));
+        }
+        notes.extend(self.end_notes(sequences));
+        notes
     }
-    if out.is_empty() {
-        return Err(mismatch("no position is covered by both records".into()));
-    }
-    let mut notes = Vec::new();
-    if !pads.is_empty() {
-        let list: Vec<String> =
-            pads.iter().take(6).map(|(role, s, l, r)| format!("{role} sequence {s}: {l} left, {r} right")).collect();
-        let more = if pads.len() > 6 { format!(" (and {} more)", pads.len() - 6) } else { String::new() };
-        notes.push(note(
-            DiagnosisKind::Padding,
-            format!("padding rows (no route in any layer), aligned past: {}{more}", list.join("; ")),
-            "",
-        ));
-    }
-    if !starts.is_empty() {
-        let (s, fa, fb) = starts[0];
-        notes.push(note(
-            DiagnosisKind::Length,
-            format!(
-                "{} sequence(s) start at different positions (sequence {s}: rollout from position {fa}, trainer from {fb}, as SGLang's routed_experts_start_len); compared from the later",
-                starts.len()
-            ),
-            "",
-        ));
-    }
-    if !ends.is_empty() {
-        let d = ends[0].1;
+
+    /// Different ends: one row short per request (the engines' convention, or one beyond it),
+    /// else the ends listed.
+    fn end_notes(&self, sequences: usize) -> Vec<Diagnosis> {
+        let ends = &self.ends;
+        let Some(&(_, d)) = ends.first() else { return Vec::new() };
+        let mut out = Vec::new();
         let same = ends.iter().all(|e| e.1 == d);
-        if same && d == -2 && ends.len() == sa.len() {
-            notes.push(defect(
+        if same && d == -2 && ends.len() == sequences {
+            out.push(defect(
                 DiagnosisKind::OneRowShort,
                 format!("the rollout ends two positions before the trainer in all {} sequence(s): one row short per request beyond the engines' len-1 convention", ends.len()),
-                "the engine dropped a row per request (a prefill-only off-by-one, SGLang #20964): engines return seqlen-1 rows, row t for token t".to_string(),
+                "the engine dropped a row per request (a prefill-only off-by-one, SGLang #20964): engines return seqlen-1 rows, row t for token t",
             ));
         }
         let found = if same && d == -1 {
@@ -795,7 +743,7 @@ fn declared_segments(a: &Record, b: &Record) -> Result<(Vec<Declared>, Vec<Diagn
             format!("the records end at different positions (rollout end minus trainer end): {}; compared where both have routes", list.join(", "))
         };
         let kind = if same && d == -1 { DiagnosisKind::OneRowShort } else { DiagnosisKind::Length };
-        notes.push(note(kind, found, ""));
+        out.push(note(kind, found, ""));
+        out
     }
-    Ok((out, notes))
 }

@@ -3,8 +3,7 @@
 //! it is read: header, dtype, shape, and that the data is exactly as long as the shape says. An
 //! array's data is a slice of those bytes (copied only out of an archive or to swap its order).
 
-use super::ids::Ids;
-use super::Budget;
+use super::budget::Budget;
 use bytes::Bytes;
 use moe_audit_core::error::{excerpt, excerpt_long, Error, Result};
 use std::collections::BTreeMap;
@@ -77,12 +76,12 @@ impl Array {
         self.data.len() / self.elem.size()
     }
 
-    fn bad(&self, path: &Path, message: impl std::fmt::Display) -> Error {
+    pub(crate) fn bad(&self, path: &Path, message: impl std::fmt::Display) -> Error {
         Error::input(path, format!("array `{}`: {message}", excerpt(&self.name)))
     }
 
     /// The values as i64, for any integer type (`what` says what they are, for errors).
-    fn int_at(&self, i: usize) -> i64 {
+    pub(crate) fn int_at(&self, i: usize) -> i64 {
         let b = &self.data[i * self.elem.size()..(i + 1) * self.elem.size()];
         match self.elem {
             Elem::I8 => b[0] as i8 as i64,
@@ -98,7 +97,7 @@ impl Array {
         }
     }
 
-    fn ensure_int(&self, path: &Path) -> Result<()> {
+    pub(crate) fn ensure_int(&self, path: &Path) -> Result<()> {
         if self.elem.is_int() {
             Ok(())
         } else {
@@ -109,23 +108,6 @@ impl Array {
     /// The values as expert ids as stored (a uint8 255 stays 255, an int8 -56 stays -56: what a
     /// wrapped value means is decided with the expert count, in `clean`): types that fit an i32
     /// kept in place, wider ones decoded (values outside i32 refused).
-    pub(crate) fn expert_ids(&self, path: &Path, budget: &mut Budget) -> Result<Ids> {
-        self.ensure_int(path)?;
-        if Ids::storable(self.elem) {
-            return Ok(Ids::Stored { bytes: self.data.clone(), elem: self.elem, mapped: false });
-        }
-        budget.take(&format!("reading {}", path.display()), self.len() as u64 * 4)?;
-        let ids = (0..self.len())
-            .map(|i| {
-                let v = self.int_at(i);
-                i32::try_from(v)
-                    .map_err(|_| self.bad(path, format!("value {v} at flat index {i} is not an expert id or -1")))
-            })
-            .collect::<Result<Vec<i32>>>()?;
-        Ok(Ids::Owned(ids))
-    }
-
-    /// The values as i64 (token ids, sequence boundaries).
     pub(crate) fn ints(&self, path: &Path, budget: &mut Budget) -> Result<Vec<i64>> {
         self.ensure_int(path)?;
         budget.take(&format!("reading {}", path.display()), self.len() as u64 * 8)?;

@@ -11,13 +11,15 @@
 //! a fill a router could also choose (`[0, 1]` then `[2, 3]` is a route of 8 experts, top-2) is
 //! never taken from one row's values alone, nor from a writer that does not write it.
 
+use super::array::Elem;
 use super::config::{LayerKind, Layout};
-use super::formats::Raw;
+use super::formats::{Axis, Dtype, Fill, Format, Raw, Sequence};
 use super::ids::Ids;
-use super::read::ranges;
-use super::record::{Format, Found, Record, Sequence};
+use super::text::ranges;
 use moe_audit_core::error::{Error, Result};
 use rayon::prelude::*;
+use serde::Serialize;
+use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::Path;
 
@@ -77,24 +79,6 @@ fn no_route(classes: &[Row], format: Format) -> Option<&'static str> {
     } else {
         None
     }
-}
-
-/// How and where a writer fills token rows with values a router could also choose, as its code
-/// does (the reader names its writer's).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub(crate) enum Fill {
-    /// No such fill: engines (SGLang, vLLM), Megatron, moe-audit's own format, an unknown batch.
-    #[default]
-    None,
-    /// `torch.zeros` rows after each sequence's routes (verl: the last token, a multi-turn tail).
-    ZeroTail,
-    /// `arange(top_k)` in every layer after each sequence's routes (NeMo-RL's right pad, SkyRL's
-    /// rows past the captured ones), and before them when `head` (SkyRL's left pad, when no mask
-    /// marks it).
-    TopK { head: bool },
-    /// slime's packed replay target: each sample closed by one `arange(layers·top_k) % experts`
-    /// row, the stream by a last segment `arange(n·layers·top_k) % experts`.
-    Slime,
 }
 
 /// Consecutive token rows padding by one cause.
@@ -209,35 +193,36 @@ fn push(runs: &mut Vec<Run>, t: usize, cause: &'static str) {
     }
 }
 
-/// Turns a writer's stored record into the compared one (see the module doc), in steps: the
-/// shape checked, every row classified in one pass, ids checked, padding segments dropped, the
-/// layer numbers fixed, dense and empty layers cleared, missing routes counted.
-pub(crate) fn finish(path: &Path, raw: Raw, layout: Option<&Layout>) -> Result<Record> {
-    let Raw {
-        format,
-        dtype,
-        tokens,
-        top_k: k,
-        n_layers,
-        layers,
-        experts,
-        logits,
-        input_ids,
-        mut sequences,
-        pad_mask,
-        fill,
-        meta,
-        notes,
-        axis,
-    } = raw;
+/// What cleaning decided about a stored record: how its values read, its layers' numbers and
+/// which carry routes, the sequences kept, and what it found.
+pub(crate) struct Cleaned {
+    pub fix: Fix,
+    pub layers: Vec<usize>,
+    pub layers_declared: bool,
+    pub routed: Vec<bool>,
+    pub sequences: Vec<Sequence>,
+    pub num_experts: Option<usize>,
+    pub found: Found,
+}
+
+/// Decides how a writer's stored record reads as the compared one (see the module doc), in
+/// steps: the shape checked, every row classified in one pass, ids checked, padding segments
+/// dropped, the layer numbers fixed, dense and empty layers cleared, missing routes counted.
+/// Takes the notes, sequences and layer numbers out of `raw`.
+pub(crate) fn clean(path: &Path, raw: &mut Raw, layout: Option<&Layout>) -> Result<Cleaned> {
+    let (format, tokens, k, n_layers, fill, axis) =
+        (raw.format, raw.tokens, raw.top_k, raw.n_layers, raw.fill, raw.axis);
+    let (experts, dtype, logits, pad_mask) = (&raw.experts, &raw.dtype, &raw.logits, raw.pad_mask.as_deref());
+    let (notes, mut sequences, layers) =
+        (std::mem::take(&mut raw.notes), std::mem::take(&mut raw.sequences), raw.layers.take());
     check_shape(path, [tokens, n_layers, k], experts.len(), layout)?;
     let mut found = Found { dtype: dtype.name.clone(), notes, ..Found::default() };
     let num_experts = layout.map(|l| l.experts).or(logits.as_ref().map(|l| l.1));
-    let value = Value::of(&experts, &dtype, num_experts, &mut found);
+    let value = Value::of(experts, dtype, num_experts, &mut found);
     let limit = num_experts.map_or(i32::MAX, |e| e as i32);
-    let pads = Pads { mask: pad_mask.as_deref(), fills: &[], format };
-    let fills = fill.rows(&experts, &value, &sequences, [n_layers, k], num_experts, |t, c| pads.cause(t, c).is_some());
-    let mut scan = scan(&experts, &value, [tokens, n_layers, k], limit, Pads { fills: &fills, ..pads });
+    let pads = Pads { mask: pad_mask, fills: &[], format };
+    let fills = fill.rows(experts, &value, &sequences, [n_layers, k], num_experts, |t, c| pads.cause(t, c).is_some());
+    let mut scan = scan(experts, &value, [tokens, n_layers, k], limit, Pads { fills: &fills, ..pads });
     match value {
         Value::MinusOne(_) => found.wrapped_minus_one = scan.wrapped,
         Value::Unwrap(_) => found.wrapped_ids = scan.wrapped,
@@ -278,24 +263,16 @@ pub(crate) fn finish(path: &Path, raw: Raw, layout: Option<&Layout>) -> Result<R
     }
     let clear: Vec<bool> = acts.iter().map(|a| *a == Act::Clear).collect();
     let routed = (0..n_layers).map(|l| !clear[l] && scan.held[l].0 > 0).collect();
-    if let Some(v) = input_ids.as_ref().and_then(|ids| ids.iter().find(|&&v| v < 0)) {
+    if let Some(v) = raw.input_ids.as_ref().and_then(|ids| ids.iter().find(|&&v| v < 0)) {
         return Err(bad(path, format!("`input_ids` holds {v}, not a token id")));
     }
-    Ok(Record {
-        path: path.to_path_buf(),
-        format,
-        tokens,
-        top_k: k,
+    Ok(Cleaned {
+        fix: Fix { value, pad: scan.pad, clear, holes, n_layers, top_k: k },
         layers: numbers,
         layers_declared: declared,
-        ids: experts,
-        fix: Fix { value, pad: scan.pad, clear, holes, n_layers, top_k: k },
         routed,
-        num_experts: logits.as_ref().map(|l| l.1).or(num_experts),
-        logits: logits.map(|l| l.0),
-        input_ids,
         sequences,
-        meta,
+        num_experts: logits.as_ref().map(|l| l.1).or(num_experts),
         found,
     })
 }
@@ -581,8 +558,7 @@ pub(crate) enum Value {
 
 impl Value {
     /// The rule for `ids` of `dtype` with `e` experts (when known); says a cast too narrow.
-    fn of(ids: &Ids, dtype: &super::formats::Dtype, e: Option<usize>, found: &mut Found) -> Value {
-        use super::array::Elem;
+    fn of(ids: &Ids, dtype: &Dtype, e: Option<usize>, found: &mut Found) -> Value {
         let Some(elem) = dtype.elem else { return Value::AsIs };
         let narrow = matches!(elem, Elem::U8 | Elem::I8) && e.is_some_and(|e| e > 256);
         if narrow {
@@ -669,18 +645,6 @@ impl Fix {
     }
 }
 
-/// What the writer says its layer axis is, when it says anything.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub(crate) enum Axis {
-    /// Unknown: every numbering is tried.
-    #[default]
-    Any,
-    /// Every decoder layer, never MTP (SGLang's and vLLM's capture buffers).
-    Decoder,
-    /// The MoE routers in instantiation order, MTP included when built (Megatron inference).
-    Routers,
-}
-
 /// The global numbers of an undeclared layer axis of `n` layers: every decoder layer (without,
 /// then with the MTP layers after them), then the MoE layers without MTP, then with MTP; the
 /// first whose count matches and whose dense layers hold no route is taken, and the note says
@@ -744,4 +708,42 @@ fn infer_numbers(
     let mtp = l.kinds.len() - backbone;
     let with_mtp = if mtp > 0 { format!(" and {mtp} MTP layer(s)") } else { String::new() };
     Err(format!("{n} layers in the record; the config has {backbone} decoder layers, {} of them MoE,{with_mtp} (tried every decoder layer, MoE layers, with and without MTP)", moe.len()))
+}
+
+/// What reading a record found and inferred: said by `routes show`, used by the diagnoses.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Found {
+    /// The element type as stored (`int32`, `uint8`, JSON ints, ...).
+    pub dtype: String,
+    /// How the layer numbers were taken (declared in the file, or inferred and why).
+    pub numbering: String,
+    /// Token rows left out as padding, by cause (`all-zero`, `mask`, a writer's fill, ...).
+    pub padding: BTreeMap<String, usize>,
+    /// Trailing packed segments made only of padding (slime's pad segment), dropped.
+    pub pad_segments: usize,
+    /// (token, layer) slots of routed layers with no route (-1: NeMo-RL's missing route, or a
+    /// zero/fill row in one layer): counted apart, never compared.
+    pub missing: usize,
+    /// Layers the config says are dense whose slots held values (engines zero-fill them): ignored.
+    pub dense_filled: Vec<usize>,
+    /// Routed (or unknown) layers holding only zeros: dense without a config, else capture never ran.
+    pub zero_layers: Vec<usize>,
+    /// Values that are a -1 stored unsigned (255 in uint8, 65535 in uint16): read as -1.
+    pub wrapped_minus_one: usize,
+    /// Expert ids wrapped negative by a signed narrowing cast (int8, int16): unwrapped.
+    pub wrapped_ids: usize,
+    /// Expert ids stored in a type too narrow for the model's experts (ids modulo 256).
+    pub narrow_for: Option<usize>,
+    /// Ids not below the expert count (physical EPLB slots?): count and largest.
+    pub beyond: Option<(usize, i32)>,
+    /// Notes of the reader (steps or ranks merged, a shape taken from the other record, ...).
+    pub notes: Vec<String>,
+}
+
+impl Found {
+    /// Whether the layer numbers were given (in the file, or by the caller of `from_ids`),
+    /// not inferred.
+    pub fn numbering_declared(&self) -> bool {
+        self.numbering.starts_with("declared")
+    }
 }

@@ -3,11 +3,12 @@
 //! numpy array) in their own dtype, never widened whole. A 1M-token record of uint8 is 480 MiB
 //! on disk and would be 1.9 GiB as i32; read this way it costs a chunk at a time.
 
-use super::array::Elem;
-use super::Budget;
+use super::array::{Array, Elem};
+use super::budget::Budget;
 use bytes::Bytes;
 use moe_audit_core::error::Result;
 use std::ops::Range;
+use std::path::Path;
 
 /// Expert ids `[tokens, layers, top_k]` as stored (a uint8 255 is 255 here: `clean` decides).
 #[derive(Debug, Clone)]
@@ -26,6 +27,24 @@ impl From<Vec<i32>> for Ids {
 }
 
 impl Ids {
+    /// The expert ids of an integer array: its bytes as stored when they fit an i32 (read in
+    /// place), else decoded within `budget` (a value that is no i32 is refused).
+    pub(crate) fn of_array(a: &Array, path: &Path, budget: &mut Budget) -> Result<Ids> {
+        a.ensure_int(path)?;
+        if Ids::storable(a.elem) {
+            return Ok(Ids::Stored { bytes: a.data.clone(), elem: a.elem, mapped: false });
+        }
+        budget.take(&format!("reading {}", path.display()), a.len() as u64 * 4)?;
+        let ids = (0..a.len())
+            .map(|i| {
+                let v = a.int_at(i);
+                i32::try_from(v)
+                    .map_err(|_| a.bad(path, format!("value {v} at flat index {i} is not an expert id or -1")))
+            })
+            .collect::<Result<Vec<i32>>>()?;
+        Ok(Ids::Owned(ids))
+    }
+
     /// Ids held.
     pub(crate) fn len(&self) -> usize {
         match self {

@@ -7,9 +7,10 @@
 //! compared (slot order is counted apart, as `order_only`). Counts are integers summed per
 //! chunk, so the result is the same whatever the thread count.
 
-use super::align::Alignment;
-use super::read::Record;
-use super::Budget;
+use super::align::{Alignment, LayerPair};
+use super::budget::Budget;
+use super::record::Record;
+use super::sides::{Role, Sides};
 use moe_audit_core::error::Result;
 use rayon::prelude::*;
 use serde::Serialize;
@@ -35,8 +36,8 @@ pub struct LayerMeasure {
 /// logit of the side that recorded logits).
 #[derive(Debug, Clone, Serialize)]
 pub struct Margins {
-    /// `trainer` or `rollout`: whose logits.
-    pub side: &'static str,
+    /// Whose logits.
+    pub side: Role,
     /// Decisions whose set differs.
     pub flips: usize,
     /// Median margin over the flips.
@@ -225,22 +226,6 @@ impl Measures {
     }
 }
 
-/// Which record of the pair.
-#[derive(Clone, Copy)]
-enum Role {
-    Rollout,
-    Trainer,
-}
-
-impl Role {
-    fn name(self) -> &'static str {
-        match self {
-            Role::Rollout => "rollout",
-            Role::Trainer => "trainer",
-        }
-    }
-}
-
 /// Tokens per parallel chunk.
 const CHUNK: usize = 1024;
 
@@ -248,7 +233,9 @@ pub(super) fn measure(a: &Record, b: &Record, al: &Alignment, budget: &mut Budge
     measure_in(a, b, al, budget, CHUNK)
 }
 
-/// [`measure`] reading `chunk` tokens of each side at a time (any size gives the same result).
+/// [`measure`] reading `chunk` tokens of each side at a time (any size gives the same result), in
+/// steps: the aligned rows cut into [`Piece`]s, each piece's [`Counts`] taken in parallel and
+/// summed, the measures taken from the counts.
 pub(super) fn measure_in(
     a: &Record,
     b: &Record,
@@ -256,108 +243,185 @@ pub(super) fn measure_in(
     budget: &mut Budget,
     chunk: usize,
 ) -> Result<Measures> {
-    let n = al.layers.len();
-    // With logits, one margin per decision: the trainer's when it has them, else the rollout's.
-    let logits = match (&b.logits, b.num_experts, &a.logits, a.num_experts) {
-        (Some(l), Some(w), _, _) => Some((Role::Trainer, b, l, w)),
-        (_, _, Some(l), Some(w)) => Some((Role::Rollout, a, l, w)),
-        _ => None,
-    };
+    let records = Sides::new(a, b);
+    let logits = Logits::of(records);
     if logits.is_some() {
-        budget.take("margins", (al.tokens * n) as u64 * 8)?;
+        budget.take("margins", (al.tokens * al.layers.len()) as u64 * 8)?;
     }
-    // Every aligned run of rows, in pieces of CHUNK tokens: both sides' rows read a piece at a
-    // time, pieces in parallel.
+    let measuring = Measuring { records, al, logits, widths: records.map(|r| r.layers.len() * r.top_k) };
+    let counts = pieces(al, chunk)
+        .par_iter()
+        .map_init(Buffers::default, |buffers, piece| measuring.count(piece, buffers))
+        .reduce(|| Counts::new(al.layers.len()), Counts::add);
+    Ok(measures_from(counts, al, measuring.logits.map(|l| l.role)))
+}
+
+/// Aligned rows read together: `len` tokens from row `rows` of each side, the first being
+/// aligned token `order` (of sequence `sequence`).
+#[derive(Debug, Clone, Copy)]
+struct Piece {
+    rows: Sides<usize>,
+    len: usize,
+    order: usize,
+    sequence: usize,
+}
+
+/// Every aligned run of rows, in pieces of `chunk` tokens.
+fn pieces(al: &Alignment, chunk: usize) -> Vec<Piece> {
     let starts = al.segments.iter().scan(0, |order, s| {
         *order += s.len;
         Some(*order - s.len)
     });
-    let pieces: Vec<(usize, usize, usize, usize, usize)> = al
-        .segments
+    al.segments
         .iter()
         .zip(starts)
         .flat_map(|(s, start)| {
-            (0..s.len)
-                .step_by(chunk)
-                .map(move |k| (s.rollout + k, s.trainer + k, chunk.min(s.len - k), start + k, s.sequence))
+            (0..s.len).step_by(chunk).map(move |k| Piece {
+                rows: Sides::new(s.rollout + k, s.trainer + k),
+                len: chunk.min(s.len - k),
+                order: start + k,
+                sequence: s.sequence,
+            })
         })
-        .collect();
-    let (wa, wb) = (a.layers.len() * a.top_k, b.layers.len() * b.top_k);
-    let counts = pieces
-        .par_iter()
-        .map_init(
-            || (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new()),
-            |(rows_a, rows_b, x, y, scratch), &(ra, rb, len, start, sequence)| {
-                a.rows(ra..ra + len, rows_a);
-                b.rows(rb..rb + len, rows_b);
-                a.ids.release(ra * wa..(ra + len) * wa);
-                b.ids.release(rb * wb..(rb + len) * wb);
-                let mut c = Counts::new(n);
-                for i in 0..len {
-                    let mut first = None;
-                    let mut flips = Vec::new();
-                    for (p, pair) in al.layers.iter().enumerate() {
-                        let ra_row = &rows_a[i * wa + pair.rollout_index * a.top_k..][..a.top_k];
-                        let rb_row = &rows_b[i * wb + pair.trainer_index * b.top_k..][..b.top_k];
-                        // (Compared element by element: a slice `==` calls memcmp for 8 ids.)
-                        let mut flip = None;
-                        let same = if ra_row.len() == rb_row.len() && ra_row.iter().zip(rb_row).all(|(x, y)| x == y) {
-                            // The common case, without sorting: one set, in one slot order.
-                            let routes = ra_row.iter().filter(|&&e| e >= 0).count();
-                            if routes == 0 {
-                                continue;
-                            }
-                            c.common[p] += routes as u64;
-                            c.width[p] += routes as u64;
-                            true
-                        } else {
-                            sorted(ra_row, x);
-                            sorted(rb_row, y);
-                            if x.is_empty() || y.is_empty() {
-                                c.missing += u64::from(x.len() != y.len());
-                                continue;
-                            }
-                            let same = x == y;
-                            if same {
-                                c.order_only += 1;
-                            } else {
-                                c.differ[p] += 1;
-                                first.get_or_insert(p);
-                                if c.lanes.len() < LANES {
-                                    flip =
-                                        Some(Flip { layer: p, rollout: x.clone(), trainer: y.clone(), margin: None });
-                                }
-                            }
-                            c.common[p] += common(x, y) as u64;
-                            c.width[p] += x.len().max(y.len()) as u64;
-                            same
-                        };
-                        c.decisions[p] += 1;
-                        if let Some((side, r, l, w)) = logits {
-                            let (t, li) = match side {
-                                Role::Trainer => (rb + i, pair.trainer_index),
-                                Role::Rollout => (ra + i, pair.rollout_index),
-                            };
-                            let at = (t * r.layers.len() + li) * w;
-                            let m = margin(&l[at..at + w], r.top_k, scratch);
-                            c.margins.push((m, !same));
-                            flip.iter_mut().for_each(|f| f.margin = Some(m));
-                        }
-                        flips.extend(flip);
-                    }
-                    if let Some(p) = first {
-                        c.tokens_differ += 1;
-                        c.first[p] += 1;
-                        c.first_sum += p as u64;
-                    }
-                    if !flips.is_empty() {
-                        c.lanes.push(Lane { order: start + i, sequence, rollout: ra + i, trainer: rb + i, flips });
-                    }
+        .collect()
+}
+
+/// With logits, one margin per decision: the trainer's when it has them, else the rollout's.
+#[derive(Clone, Copy)]
+struct Logits<'a> {
+    role: Role,
+    record: &'a Record,
+    logits: &'a [f32],
+    width: usize,
+}
+
+impl<'a> Logits<'a> {
+    fn of(records: Sides<&'a Record>) -> Option<Self> {
+        [Role::Trainer, Role::Rollout].into_iter().find_map(|role| {
+            let record = records[role];
+            Some(Logits { role, record, logits: record.logits.as_deref()?, width: record.num_experts? })
+        })
+    }
+
+    /// The margin of token `i` of `piece` at the layer pair `pair`.
+    fn margin(&self, piece: &Piece, i: usize, pair: &LayerPair, scratch: &mut Vec<f32>) -> f32 {
+        let (t, layer) = match self.role {
+            Role::Trainer => (piece.rows.trainer + i, pair.trainer_index),
+            Role::Rollout => (piece.rows.rollout + i, pair.rollout_index),
+        };
+        let at = (t * self.record.layers.len() + layer) * self.width;
+        margin(&self.logits[at..at + self.width], self.record.top_k, scratch)
+    }
+}
+
+/// One thread's buffers: both sides' rows of a piece, two sorted sets, a margin's scratch.
+#[derive(Default)]
+struct Buffers {
+    rows: Sides<Vec<i32>>,
+    x: Vec<i32>,
+    y: Vec<i32>,
+    scratch: Vec<f32>,
+}
+
+/// What every piece is measured against.
+struct Measuring<'a> {
+    records: Sides<&'a Record>,
+    al: &'a Alignment,
+    logits: Option<Logits<'a>>,
+    /// Ids per token row of each side.
+    widths: Sides<usize>,
+}
+
+impl Measuring<'_> {
+    /// The counts of one piece: both sides' rows read once (and their pages given back).
+    fn count(&self, piece: &Piece, buffers: &mut Buffers) -> Counts {
+        for (role, r) in self.records {
+            let (from, w) = (piece.rows[role], self.widths[role]);
+            r.rows(from..from + piece.len, &mut buffers.rows[role]);
+            r.ids.release(from * w..(from + piece.len) * w);
+        }
+        let mut c = Counts::new(self.al.layers.len());
+        for i in 0..piece.len {
+            self.count_token(piece, i, buffers, &mut c);
+        }
+        c
+    }
+
+    /// Token `i` of `piece` at every layer pair: its decisions, first differing layer, lane.
+    fn count_token(&self, piece: &Piece, i: usize, buffers: &mut Buffers, c: &mut Counts) {
+        let Buffers { rows, x, y, scratch } = buffers;
+        let (a, b) = (self.records.rollout, self.records.trainer);
+        let mut first = None;
+        let mut flips = Vec::new();
+        for (p, pair) in self.al.layers.iter().enumerate() {
+            let ra_row = &rows.rollout[i * self.widths.rollout + pair.rollout_index * a.top_k..][..a.top_k];
+            let rb_row = &rows.trainer[i * self.widths.trainer + pair.trainer_index * b.top_k..][..b.top_k];
+            let Some(same) = c.decide(p, ra_row, rb_row, x, y) else { continue };
+            let mut flip = None;
+            if !same {
+                first.get_or_insert(p);
+                if c.lanes.len() < LANES {
+                    flip = Some(Flip { layer: p, rollout: x.clone(), trainer: y.clone(), margin: None });
                 }
-                c
-            },
-        )
-        .reduce(|| Counts::new(n), Counts::add);
+            }
+            if let Some(logits) = &self.logits {
+                let m = logits.margin(piece, i, pair, scratch);
+                c.margins.push((m, !same));
+                flip.iter_mut().for_each(|f| f.margin = Some(m));
+            }
+            flips.extend(flip);
+        }
+        if let Some(p) = first {
+            c.tokens_differ += 1;
+            c.first[p] += 1;
+            c.first_sum += p as u64;
+        }
+        if !flips.is_empty() {
+            let (rollout, trainer) = (piece.rows.rollout + i, piece.rows.trainer + i);
+            c.lanes.push(Lane { order: piece.order + i, sequence: piece.sequence, rollout, trainer, flips });
+        }
+    }
+}
+
+impl Counts {
+    /// One decision at layer pair `p`: whether both sides chose the same expert set, counted
+    /// (`x` and `y` hold the sorted sets when they differ); `None` when it is no decision (no
+    /// route on either side, or on one side only: a missing route, counted apart).
+    fn decide(&mut self, p: usize, ra_row: &[i32], rb_row: &[i32], x: &mut Vec<i32>, y: &mut Vec<i32>) -> Option<bool> {
+        // (Compared element by element: a slice `==` calls memcmp for 8 ids.)
+        let same = if ra_row.len() == rb_row.len() && ra_row.iter().zip(rb_row).all(|(x, y)| x == y) {
+            // The common case, without sorting: one set, in one slot order.
+            let routes = ra_row.iter().filter(|&&e| e >= 0).count();
+            if routes == 0 {
+                return None;
+            }
+            self.common[p] += routes as u64;
+            self.width[p] += routes as u64;
+            true
+        } else {
+            sorted(ra_row, x);
+            sorted(rb_row, y);
+            if x.is_empty() || y.is_empty() {
+                self.missing += u64::from(x.len() != y.len());
+                return None;
+            }
+            let same = x == y;
+            if same {
+                self.order_only += 1;
+            } else {
+                self.differ[p] += 1;
+            }
+            self.common[p] += common(x, y) as u64;
+            self.width[p] += x.len().max(y.len()) as u64;
+            same
+        };
+        self.decisions[p] += 1;
+        Some(same)
+    }
+}
+
+/// The measures from the summed counts; margins from the side `margins` when it had logits.
+fn measures_from(counts: Counts, al: &Alignment, margins: Option<Role>) -> Measures {
     let compared = al.tokens;
     let share = |x: u64, of: u64| if of == 0 { 0.0 } else { x as f64 / of as f64 };
     let layers = al
@@ -375,7 +439,7 @@ pub(super) fn measure_in(
         .collect();
     let decisions: u64 = counts.decisions.iter().sum();
     let differ: u64 = counts.differ.iter().sum();
-    let margins = logits.map(|(side, ..)| {
+    let margins = margins.map(|side| {
         let mut flips: Vec<f32> = counts.margins.iter().filter(|m| m.1).map(|m| m.0).collect();
         let threshold = {
             let mut all: Vec<f32> = counts.margins.iter().map(|m| m.0).collect();
@@ -383,14 +447,14 @@ pub(super) fn measure_in(
         };
         let near = flips.iter().filter(|&&m| (m as f64) < threshold / 10.0).count();
         Margins {
-            side: side.name(),
+            side,
             flips: flips.len(),
             near_ties: share(near as u64, flips.len() as u64),
             median_flip: median(&mut flips),
             median_all: threshold,
         }
     });
-    Ok(Measures {
+    Measures {
         tokens: compared,
         decisions: decisions as usize,
         decisions_differ: share(differ, decisions),
@@ -402,7 +466,7 @@ pub(super) fn measure_in(
         mean_first_differing: (counts.tokens_differ > 0).then(|| counts.first_sum as f64 / counts.tokens_differ as f64),
         margins,
         lanes: counts.lanes,
-    })
+    }
 }
 
 #[cfg(test)]

@@ -1,34 +1,26 @@
-//! Reading a routing record within `--max-memory`: the bytes read with a bound, the writer
-//! recognised by content (`formats`), then made comparable (`clean`). A record never names
-//! another file: nothing in it is followed. A folder is read only for Megatron's per-rank
-//! `router_trace_rank{r}.jsonl` files directly inside it (symlinks refused).
+//! Reading a routing record within `--max-memory`, the steps in the data's order: its bytes read
+//! with a bound (`file`), the writer recognised by content (`formats`), then made comparable
+//! (`clean`, into a [`Record`]). A record never names another file: nothing in it is followed.
 
-use super::config::Layout;
+use super::array::{self, Array};
+use super::budget::Budget;
+use super::config::{LayerKind, Layout};
+use super::file;
 use super::formats::{self, Dtype, Raw};
-use super::{array, clean, ids, Budget};
+use super::ids::{self, Ids};
+use super::sides::Sides;
 use bytes::Bytes;
-use moe_audit_core::error::{Error, Result, Setting};
-use moe_audit_core::files::{open_unblocked, read_bounded};
+use moe_audit_core::error::{Error, Result};
 use serde_json::Value;
 use std::path::Path;
 
-pub use super::record::{Format, Found, Record, Sequence, GENERIC};
+pub use super::clean::Found;
+pub use super::formats::{Format, Sequence, ShapeHint, GENERIC};
+pub use super::record::Record;
+pub use super::text::ranges;
 
-/// What the other record tells about a record without a shape (SGLang's flat payload): its
-/// top-k and layer count.
-#[derive(Debug, Clone, Copy)]
-pub struct ShapeHint {
-    /// Layers of the layer axis (the highest layer number + 1).
-    pub layers: usize,
-    /// Experts per token.
-    pub top_k: usize,
-}
-
-impl ShapeHint {
-    /// What `other` tells.
-    pub fn of(other: &Record) -> Self {
-        ShapeHint { layers: other.layers.iter().max().map_or(0, |&l| l + 1), top_k: other.top_k }
-    }
+fn bad(path: &Path, message: impl Into<String>) -> Error {
+    Error::input(path, message.into())
 }
 
 /// Where a record is read from.
@@ -57,78 +49,28 @@ impl Source<'_> {
 
 /// Reads the two records of a comparison against `layout` when given. A JSON record (an SGLang
 /// payload has no shape) is read after the other, which tells its top-k.
+pub fn load_both(sources: Sides<Source<'_>>, layout: Option<&Layout>, budget: &mut Budget) -> Result<Sides<Record>> {
+    let Sides { rollout, trainer } = sources;
+    if rollout.shapeless() && !trainer.shapeless() {
+        let t = trainer.load(layout, None, budget)?;
+        Ok(Sides::new(rollout.load(layout, Some(&t), budget)?, t))
+    } else {
+        let r = rollout.load(layout, None, budget)?;
+        let t = trainer.load(layout, Some(&r), budget)?;
+        Ok(Sides::new(r, t))
+    }
+}
+
+/// [`load_both`] with the pair as a tuple, as 0.2.0 had it.
+#[deprecated(since = "0.3.0", note = "use `load_both`, which takes and returns `Sides`")]
 pub fn load_pair(
     rollout: Source<'_>,
     trainer: Source<'_>,
     layout: Option<&Layout>,
     budget: &mut Budget,
 ) -> Result<(Record, Record)> {
-    if rollout.shapeless() && !trainer.shapeless() {
-        let t = trainer.load(layout, None, budget)?;
-        Ok((rollout.load(layout, Some(&t), budget)?, t))
-    } else {
-        let r = rollout.load(layout, None, budget)?;
-        let t = trainer.load(layout, Some(&r), budget)?;
-        Ok((r, t))
-    }
-}
-
-fn bad(path: &Path, message: impl Into<String>) -> Error {
-    Error::input(path, message.into())
-}
-
-/// A record file's bytes: a regular file is mapped (its arrays are read in place, a chunk at a
-/// time, see `ids`), anything else read whole within the budget.
-fn open(path: &Path, budget: &mut Budget) -> Result<File> {
-    let file = open_unblocked(path, false).map_err(|e| Error::io(path, "cannot read", e))?;
-    let meta = file.metadata().map_err(|e| Error::io(path, "cannot read", e))?;
-    if meta.is_file() && meta.len() > 0 {
-        // SAFETY: mapped read-only; a record changed while it is compared is the caller's race,
-        // as with any reader of a file that changes under it.
-        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, "cannot read", e))?;
-        return Ok(File { bytes: Bytes::from_owner(map), mapped: true });
-    }
-    Ok(File { bytes: Bytes::from(read_whole(path, budget)?), mapped: false })
-}
-
-/// A record file's bytes, and whether they are a mapping of it.
-struct File {
-    bytes: Bytes,
-    mapped: bool,
-}
-
-fn read_whole(path: &Path, budget: &mut Budget) -> Result<Vec<u8>> {
-    let what = format!("reading {}", path.display());
-    if let Some(size) = std::fs::metadata(path).ok().filter(|m| m.is_file()).map(|m| m.len()) {
-        Budget::clone(budget).take(&what, size)?;
-    }
-    let bytes = read_bounded(path, budget.left(), &Setting::MaxMemory.to_string())?;
-    budget.take(&what, bytes.len() as u64)?;
-    Ok(bytes)
-}
-
-/// The `router_trace_rank{r}.jsonl` files of a folder, in rank order, each with its rank.
-fn trace_folder(dir: &Path, budget: &mut Budget) -> Result<Vec<formats::megatron::TraceFile>> {
-    let entries = std::fs::read_dir(dir).map_err(|e| Error::io(dir, "cannot read", e))?;
-    let mut ranks = Vec::new();
-    for e in entries.flatten() {
-        let name = e.file_name().to_string_lossy().into_owned();
-        let rank = name
-            .strip_prefix("router_trace_rank")
-            .and_then(|r| r.strip_suffix(".jsonl"))
-            .and_then(|r| r.parse::<u64>().ok());
-        if let Some(r) = rank {
-            if e.file_type().is_ok_and(|t| t.is_symlink()) {
-                return Err(bad(&e.path(), "a symlink in a trace folder is not followed"));
-            }
-            ranks.push((r, name, e.path()));
-        }
-    }
-    if ranks.is_empty() {
-        return Err(bad(dir, "a folder holds a record only as Megatron's router_trace_rank{r}.jsonl files: none here"));
-    }
-    ranks.sort();
-    ranks.into_iter().map(|(r, name, p)| Ok((name, Some(r), read_whole(&p, budget)?))).collect()
+    let both = load_both(Sides::new(rollout, trainer), layout, budget)?;
+    Ok((both.rollout, both.trainer))
 }
 
 /// Reads a record, made comparable against `layout` when given. `hint`, the other record's,
@@ -136,17 +78,17 @@ fn trace_folder(dir: &Path, budget: &mut Budget) -> Result<Vec<formats::megatron
 /// notes say how.
 pub fn load(path: &Path, layout: Option<&Layout>, hint: Option<ShapeHint>, budget: &mut Budget) -> Result<Record> {
     let raw = if std::fs::metadata(path).is_ok_and(|m| m.is_dir()) {
-        let files = trace_folder(path, budget)?;
+        let files = file::trace_folder(path, budget)?;
         formats::megatron::trace(path, &files, layout, budget)?
     } else {
-        let file = open(path, budget)?;
+        let file = file::open(path, budget)?;
         let mut raw = dispatch(path, &file.bytes, layout, hint, budget)?;
         if file.mapped {
             raw.experts.mark_mapped(&file.bytes);
         }
         raw
     };
-    clean::finish(path, raw, layout)
+    Record::of(path, raw, layout)
 }
 
 /// One array of expert ids `[tokens, layers, top_k]` in memory (one sequence): little-endian,
@@ -195,9 +137,8 @@ pub fn from_ids(
         if Some(p.bytes.len()) != p.shape.iter().try_fold(elem.size(), |a, &d| a.checked_mul(d)) {
             return Err(bad(path, format!("sequence {i}: {} bytes for {} {:?}", p.bytes.len(), p.dtype, p.shape)));
         }
-        let mut ids =
-            array::Array { name: format!("sequence {i}"), shape: p.shape.to_vec(), elem, data: p.bytes.clone() }
-                .expert_ids(path, budget)?;
+        let array = Array { name: format!("sequence {i}"), shape: p.shape.to_vec(), elem, data: p.bytes.clone() };
+        let mut ids = Ids::of_array(&array, path, budget)?;
         if maps.holds_read_only_file(&p.bytes) {
             ids.mark_mapped(&p.bytes);
         }
@@ -206,7 +147,7 @@ pub fn from_ids(
     let mut raw = if raws.len() == 1 { raws.pop().expect("one") } else { Raw::concat(path, raws, budget)? };
     let declared = layers.is_some();
     raw.layers = layers;
-    let mut record = clean::finish(path, raw, layout)?;
+    let mut record = Record::of(path, raw, layout)?;
     if declared {
         record.found.numbering = "declared by the caller".to_string();
     }
@@ -239,24 +180,9 @@ fn dispatch(
         // The parsed tree holds the base64 text once more.
         budget.take(&format!("parsing {}", path.display()), bytes.len() as u64 * 2)?;
         let value: Value = serde_json::from_slice(bytes).map_err(|e| Error::parse(path, "not JSON", e))?;
-        let config = layout.map(|l| (l.kinds.iter().filter(|k| **k != super::LayerKind::Mtp).count(), l.top_k));
+        let config = layout.map(|l| (l.kinds.iter().filter(|k| **k != LayerKind::Mtp).count(), l.top_k));
         return formats::from_json(path, &value, config, hint, budget);
     }
     let (arrays, meta) = array::safetensors(bytes, path)?;
     formats::from_arrays(path, arrays, meta, budget)
-}
-
-/// `3 to 61` style list of layer numbers: runs joined.
-pub fn ranges(layers: &[usize]) -> String {
-    let mut out: Vec<String> = Vec::new();
-    let mut i = 0;
-    while i < layers.len() {
-        let mut j = i;
-        while j + 1 < layers.len() && layers[j + 1] == layers[j] + 1 {
-            j += 1;
-        }
-        out.push(if j > i { format!("{} to {}", layers[i], layers[j]) } else { layers[i].to_string() });
-        i = j + 1;
-    }
-    out.join(", ")
 }

@@ -4,112 +4,14 @@
 //! inferred (the writer, the dtype as stored, the layer numbering, padding, missing routes,
 //! zero-filled layers, wrapped ids), so `routes show` and every diagnosis can say it.
 
-use super::clean::Fix;
+use super::clean::{self, Fix, Found};
+use super::config::Layout;
+use super::formats::{Format, Raw, Sequence, ShapeHint};
 use super::ids::Ids;
-use serde::Serialize;
+use moe_audit_core::error::Result;
 use std::collections::BTreeMap;
 use std::ops::Range;
-use std::path::PathBuf;
-
-/// The generic format's `format` metadata.
-pub const GENERIC: &str = "moe-audit-routes/1";
-
-/// Which writer's layout a record was read as.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Format {
-    /// `moe-audit-routes/1` (`.safetensors` or `.npz`), as `moe_audit.routes.record` writes it.
-    Generic,
-    /// A bare `.npy` `[tokens, layers, top_k]` (vLLM's `CompletionOutput.routed_experts`,
-    /// a SkyRL trajectory, a Megatron inference array saved with `np.save`).
-    Npy,
-    /// An SGLang response: `meta_info.routed_experts` or `sglext.routed_experts`.
-    Sglang,
-    /// A vLLM HTTP response: `choices[i].routed_experts`, base64 of an `.npy`.
-    VllmHttp,
-    /// Megatron-Core `router_trace_rank{r}.jsonl` (one file or a folder of them).
-    MegatronTrace,
-    /// Megatron-Core inference routing: `moe_topk_indices` `[tokens, moe_layers, top_k]`.
-    MegatronInference,
-    /// verl's batch: `routed_experts` `[batch, prompt + response, layers, top_k]` + `attention_mask`.
-    Verl,
-    /// slime's replay targets: `rollout_routed_experts` (packed, with `cu_seqlens`) or per sample.
-    Slime,
-    /// SkyRL: `rollout_expert_indices` `[batch, tokens, layers, top_k]` + `router_padding_mask`,
-    /// or the wire object `{data, shape, dtype}`.
-    Skyrl,
-    /// NeMo-RL: `routed_experts` `[batch, tokens, layers, top_k]` (-1 = missing), or `nrlre1:`.
-    NemoRl,
-    /// A batch `[batch, tokens, layers, top_k]` of no writer recognised by its names.
-    Batch,
-}
-
-impl Format {
-    /// How the report names it.
-    pub fn name(self) -> &'static str {
-        match self {
-            Format::Generic => "moe-audit-routes/1",
-            Format::Npy => "npy [tokens, layers, top_k]",
-            Format::Sglang => "SGLang routed_experts",
-            Format::VllmHttp => "vLLM HTTP routed_experts (base64 .npy)",
-            Format::MegatronTrace => "Megatron-Core router_trace JSONL",
-            Format::MegatronInference => "Megatron-Core inference moe_topk_indices",
-            Format::Verl => "verl routed_experts [batch, tokens, layers, top_k]",
-            Format::Slime => "slime rollout_routed_experts",
-            Format::Skyrl => "SkyRL rollout_expert_indices",
-            Format::NemoRl => "NeMo-RL routed_experts",
-            Format::Batch => "batch [batch, tokens, layers, top_k]",
-        }
-    }
-}
-
-/// One sequence of a record: its rows, and the position in the sequence of its first row
-/// (SGLang's `routed_experts_start_len`; 0 otherwise).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct Sequence {
-    /// Rows of the record.
-    pub rows: Range<usize>,
-    /// Sequence position of the first row.
-    pub first_position: usize,
-}
-
-/// What reading a record found and inferred: said by `routes show`, used by the diagnoses.
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct Found {
-    /// The element type as stored (`int32`, `uint8`, JSON ints, ...).
-    pub dtype: String,
-    /// How the layer numbers were taken (declared in the file, or inferred and why).
-    pub numbering: String,
-    /// Token rows left out as padding, by cause (`all-zero`, `mask`, a writer's fill, ...).
-    pub padding: BTreeMap<String, usize>,
-    /// Trailing packed segments made only of padding (slime's pad segment), dropped.
-    pub pad_segments: usize,
-    /// (token, layer) slots of routed layers with no route (-1: NeMo-RL's missing route, or a
-    /// zero/fill row in one layer): counted apart, never compared.
-    pub missing: usize,
-    /// Layers the config says are dense whose slots held values (engines zero-fill them): ignored.
-    pub dense_filled: Vec<usize>,
-    /// Routed (or unknown) layers holding only zeros: dense without a config, else capture never ran.
-    pub zero_layers: Vec<usize>,
-    /// Values that are a -1 stored unsigned (255 in uint8, 65535 in uint16): read as -1.
-    pub wrapped_minus_one: usize,
-    /// Expert ids wrapped negative by a signed narrowing cast (int8, int16): unwrapped.
-    pub wrapped_ids: usize,
-    /// Expert ids stored in a type too narrow for the model's experts (ids modulo 256).
-    pub narrow_for: Option<usize>,
-    /// Ids not below the expert count (physical EPLB slots?): count and largest.
-    pub beyond: Option<(usize, i32)>,
-    /// Notes of the reader (steps or ranks merged, a shape taken from the other record, ...).
-    pub notes: Vec<String>,
-}
-
-impl Found {
-    /// Whether the layer numbers were given (in the file, or by the caller of `from_ids`),
-    /// not inferred.
-    pub fn numbering_declared(&self) -> bool {
-        self.numbering.starts_with("declared")
-    }
-}
+use std::path::{Path, PathBuf};
 
 /// A routing record: expert ids `[tokens, layers, top_k]` (-1 = no route), the global number
 /// of each layer of axis 1, and what else the file carried.
@@ -152,6 +54,28 @@ pub struct Record {
 pub(crate) const CHUNK_TOKENS: usize = 512;
 
 impl Record {
+    /// A writer's stored record made comparable against `layout` when given (see `clean`).
+    pub(crate) fn of(path: &Path, mut raw: Raw, layout: Option<&Layout>) -> Result<Record> {
+        let c = clean::clean(path, &mut raw, layout)?;
+        Ok(Record {
+            path: path.to_path_buf(),
+            format: raw.format,
+            tokens: raw.tokens,
+            top_k: raw.top_k,
+            layers: c.layers,
+            layers_declared: c.layers_declared,
+            ids: raw.experts,
+            fix: c.fix,
+            routed: c.routed,
+            num_experts: c.num_experts,
+            logits: raw.logits.map(|l| l.0),
+            input_ids: raw.input_ids,
+            sequences: c.sequences,
+            meta: raw.meta,
+            found: c.found,
+        })
+    }
+
     /// The compared ids of `tokens` (`[n, layers, top_k]`, -1 = nothing to compare), into `out`.
     pub fn rows(&self, tokens: Range<usize>, out: &mut Vec<i32>) {
         let w = self.layers.len() * self.top_k;
@@ -205,5 +129,12 @@ impl Record {
     /// Padding rows found, all causes.
     pub fn padding_rows(&self) -> usize {
         self.found.padding.values().sum()
+    }
+}
+
+impl ShapeHint {
+    /// What `other` tells.
+    pub fn of(other: &Record) -> Self {
+        ShapeHint { layers: other.layers.iter().max().map_or(0, |&l| l + 1), top_k: other.top_k }
     }
 }

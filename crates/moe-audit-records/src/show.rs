@@ -1,8 +1,7 @@
 //! `routes show`: one record summarised, load per layer and expert.
 
-use super::read::Record;
-use super::record::CHUNK_TOKENS;
-use super::Side;
+use super::compare::Side;
+use super::record::{Record, CHUNK_TOKENS};
 use serde::Serialize;
 
 /// One layer's load.
@@ -106,5 +105,5 @@ pub fn show(r: &Record, experts: Option<usize>) -> Summary {
             }
         })
         .collect();
-    Summary { record: Side::of("record", r), experts: e, sequences: r.sequences.len(), empty_tokens, layers }
+    Summary { record: Side::of(None, r), experts: e, sequences: r.sequences.len(), empty_tokens, layers }
 }

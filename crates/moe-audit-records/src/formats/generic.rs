@@ -4,10 +4,9 @@
 //! `[sequences + 1]`, and the global layer numbers in metadata `layers` (safetensors) or an
 //! array `layers` (`.npz`).
 
-use super::{bad, ids3, shape_of, Dtype, Raw};
+use super::{bad, ids3, shape_of, Dtype, Format, Raw, Sequence, GENERIC};
 use crate::array::Array;
-use crate::record::{Format, Sequence, GENERIC};
-use crate::Budget;
+use crate::budget::Budget;
 use moe_audit_core::error::{excerpt, Error, Result};
 use std::collections::BTreeMap;
 use std::path::Path;

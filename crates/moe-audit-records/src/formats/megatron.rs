@@ -25,14 +25,13 @@
 //!
 //! `RouterReplay` (`router_replay.py`) keeps Python lists and writes no file.
 
-use super::{bad, choices, nested, Dtype, Raw};
-use crate::clean::Axis;
+use super::{bad, choices, nested, Axis, Dtype, Format, Raw, Sequence};
+use crate::budget::Budget;
 use crate::config::{LayerKind, Layout};
+use crate::file::TraceFile;
 use crate::pipeline::HOW_TO_GIVE;
-use crate::read::ranges;
-use crate::record::{Format, Sequence};
-use crate::Budget;
-use moe_audit_core::error::{excerpt, excerpt_long, Result};
+use crate::text::ranges;
+use moe_audit_core::error::{excerpt, excerpt_long, Error, Result};
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -49,9 +48,6 @@ type Key = (bool, u64, u64);
 
 /// One forward's rows of one router, `[num_tokens][topk]`.
 type Block = Vec<Vec<i32>>;
-
-/// A trace file to read: its name, its rank when a folder's file name says it, its bytes.
-pub(crate) type TraceFile = (String, Option<u64>, Vec<u8>);
 
 /// A rank's file as read: its rank (its lines', else its name's) and its lines of the step read.
 struct RankFile<'a> {
@@ -73,12 +69,45 @@ struct At {
     layers: Option<u64>,
 }
 
-/// Reads trace files as one record: one file, or a folder's (every rank's, in rank order).
+/// Reads trace files as one record: one file, or a folder's (every rank's, in rank order), in
+/// steps: each file's lines of the first step, where each rank's layers begin, how decoder
+/// layers are numbered, every router's forwards by global layer, stacked token by token.
 pub(crate) fn trace(path: &Path, files: &[TraceFile], layout: Option<&Layout>, budget: &mut Budget) -> Result<Raw> {
-    let (mut step, mut steps, mut top_k) = (None, BTreeSet::new(), None);
+    let mut lines = Lines::default();
     let mut ranks = Vec::with_capacity(files.len());
     for (name, named, bytes) in files {
         budget.take(&format!("parsing {name}"), bytes.len() as u64 * 2)?;
+        ranks.push(lines.read_file(path, name, *named, bytes)?);
+    }
+    let top_k = lines.top_k.ok_or_else(|| bad(path, "no router_trace line: no routes"))?;
+    let folder = files.first().is_some_and(|f| f.1.is_some());
+    let (at, mut notes) = stages(path, &ranks, folder, layout)?;
+    let (one_based, how) = numbering(path, &ranks, &at, layout)?;
+    if lines.steps.len() > 1 {
+        notes.push(format!("{} steps in the trace; step {} read", lines.steps.len(), lines.step.unwrap_or(0)));
+    }
+    let (routers, repeats) = by_router(ranks, &at, one_based);
+    if repeats > 0 {
+        notes.push(format!("{repeats} repeated line(s) (recompute or tensor-parallel replicas) read once"));
+    }
+    notes.push(how);
+    let mut raw = stack(path, &routers, top_k, layout)?;
+    raw.notes = notes;
+    Ok(raw)
+}
+
+/// What the lines of every file read so far agree on: the step read (the first), every step
+/// seen, the top-k.
+#[derive(Default)]
+struct Lines {
+    step: Option<u64>,
+    steps: BTreeSet<u64>,
+    top_k: Option<usize>,
+}
+
+impl Lines {
+    /// A rank's file: its lines of the step read, its rank (its lines', else its name's).
+    fn read_file<'a>(&mut self, path: &Path, name: &'a str, named: Option<u64>, bytes: &[u8]) -> Result<RankFile<'a>> {
         let mut file = RankFile { name, rank: None, lines: Vec::new() };
         for (n, line) in bytes.split(|&b| b == b'\n').enumerate() {
             if line.iter().all(u8::is_ascii_whitespace) {
@@ -86,67 +115,73 @@ pub(crate) fn trace(path: &Path, files: &[TraceFile], layout: Option<&Layout>, b
             }
             let at = |m: String| bad(path, format!("{name} line {}: {m}", n + 1));
             let v: Value = serde_json::from_slice(line).map_err(|e| at(format!("not JSON: {}", excerpt_long(&e))))?;
-            let int = |k: &str| v.get(k).and_then(Value::as_u64).ok_or_else(|| at(format!("no integer `{k}`")));
-            let r = int("rank")?;
-            if let Some(named) = named.filter(|&f| f != r) {
-                return Err(at(format!("`rank` {r} in rank {named}'s file: Megatron writes a rank's own number in its file's name and in every line")));
-            }
-            if let Some(first) = file.rank.filter(|&f| f != r) {
-                return Err(at(format!("`rank` {r}, earlier lines {first}: one file holds one rank's lines")));
-            }
-            file.rank = Some(r);
-            let s = int("step")?;
-            steps.insert(s);
-            if *step.get_or_insert(s) != s {
-                continue;
-            }
-            let mtp = match v.get("block").and_then(Value::as_str) {
-                Some("decoder") => false,
-                Some("mtp") => true,
-                _ => {
-                    let block = v.get("block").map_or("missing".into(), |b| excerpt(&b.to_string()));
-                    return Err(at(format!("`block` is {block}, not \"decoder\" or \"mtp\"")));
-                }
-            };
-            let key = (mtp, if mtp { int("mtp_idx").unwrap_or(0) } else { 0 }, int("layer")?);
-            let (tokens, k) = (int("num_tokens")? as usize, int("topk")? as usize);
-            if k == 0 || *top_k.get_or_insert(k) != k {
-                return Err(at(format!("`topk` {k}, earlier lines {}", top_k.unwrap_or(0))));
-            }
-            let ids =
-                v.get("top_indices").and_then(Value::as_array).ok_or_else(|| at("no `top_indices` list".into()))?;
-            if ids.len() != tokens {
-                return Err(at(format!("`top_indices` has {} rows, `num_tokens` says {tokens}", ids.len())));
-            }
-            let block: Block = ids
-                .iter()
-                .map(|r| {
-                    r.as_array()
-                        .filter(|r| r.len() == k)
-                        .and_then(|r| {
-                            r.iter()
-                                .map(|x| x.as_i64().and_then(|x| i32::try_from(x).ok()))
-                                .collect::<Option<Vec<i32>>>()
-                        })
-                        .ok_or_else(|| at(format!("a `top_indices` row is not {k} integers")))
-                })
-                .collect::<Result<_>>()?;
-            file.lines.push((key, block));
+            file.lines.extend(self.line(&v, &at, named, &mut file.rank)?);
         }
-        file.rank = file.rank.or(*named);
-        ranks.push(file);
+        file.rank = file.rank.or(named);
+        Ok(file)
     }
-    let top_k = top_k.ok_or_else(|| bad(path, "no router_trace line: no routes"))?;
-    let folder = files.first().is_some_and(|f| f.1.is_some());
-    let (at, mut notes) = stages(path, &ranks, folder, layout)?;
-    let (one_based, how) = numbering(path, &ranks, &at, layout)?;
-    if steps.len() > 1 {
-        notes.push(format!("{} steps in the trace; step {} read", steps.len(), step.unwrap_or(0)));
+
+    /// One line: its router and rows, or `None` for a line of another step; its `rank` checked
+    /// against the file's (`rank`, set by the first line) and name's (`named`).
+    fn line(
+        &mut self,
+        v: &Value,
+        at: &dyn Fn(String) -> Error,
+        named: Option<u64>,
+        rank: &mut Option<u64>,
+    ) -> Result<Option<(Key, Block)>> {
+        let int = |k: &str| v.get(k).and_then(Value::as_u64).ok_or_else(|| at(format!("no integer `{k}`")));
+        let r = int("rank")?;
+        if let Some(named) = named.filter(|&f| f != r) {
+            return Err(at(format!("`rank` {r} in rank {named}'s file: Megatron writes a rank's own number in its file's name and in every line")));
+        }
+        if let Some(first) = rank.filter(|&f| f != r) {
+            return Err(at(format!("`rank` {r}, earlier lines {first}: one file holds one rank's lines")));
+        }
+        *rank = Some(r);
+        let s = int("step")?;
+        self.steps.insert(s);
+        if *self.step.get_or_insert(s) != s {
+            return Ok(None);
+        }
+        let mtp = match v.get("block").and_then(Value::as_str) {
+            Some("decoder") => false,
+            Some("mtp") => true,
+            _ => {
+                let block = v.get("block").map_or("missing".into(), |b| excerpt(&b.to_string()));
+                return Err(at(format!("`block` is {block}, not \"decoder\" or \"mtp\"")));
+            }
+        };
+        let key = (mtp, if mtp { int("mtp_idx").unwrap_or(0) } else { 0 }, int("layer")?);
+        let (tokens, k) = (int("num_tokens")? as usize, int("topk")? as usize);
+        if k == 0 || *self.top_k.get_or_insert(k) != k {
+            return Err(at(format!("`topk` {k}, earlier lines {}", self.top_k.unwrap_or(0))));
+        }
+        let ids = v.get("top_indices").and_then(Value::as_array).ok_or_else(|| at("no `top_indices` list".into()))?;
+        if ids.len() != tokens {
+            return Err(at(format!("`top_indices` has {} rows, `num_tokens` says {tokens}", ids.len())));
+        }
+        let block: Block = ids
+            .iter()
+            .map(|r| {
+                r.as_array()
+                    .filter(|r| r.len() == k)
+                    .and_then(|r| {
+                        r.iter().map(|x| x.as_i64().and_then(|x| i32::try_from(x).ok())).collect::<Option<Vec<i32>>>()
+                    })
+                    .ok_or_else(|| at(format!("a `top_indices` row is not {k} integers")))
+            })
+            .collect::<Result<_>>()?;
+        Ok(Some((key, block)))
     }
-    // Every router's forwards, by global key: decoder layers by number, then MTP.
+}
+
+/// Every router's forwards, by global key (decoder layers by number, then MTP), each rank's
+/// lines at where its layers begin; an exact repeat once (and how many were repeats).
+fn by_router(ranks: Vec<RankFile>, at: &[At], one_based: bool) -> (BTreeMap<Key, Vec<Block>>, usize) {
     let mut rows: BTreeMap<Key, Vec<Block>> = BTreeMap::new();
     let mut repeats = 0usize;
-    for (file, at) in ranks.into_iter().zip(&at) {
+    for (file, at) in ranks.into_iter().zip(at) {
         for ((mtp, idx, layer), block) in file.lines {
             let global = match (mtp, one_based) {
                 (true, _) => layer,
@@ -161,9 +196,12 @@ pub(crate) fn trace(path: &Path, files: &[TraceFile], layout: Option<&Layout>, b
             }
         }
     }
-    if repeats > 0 {
-        notes.push(format!("{repeats} repeated line(s) (recompute or tensor-parallel replicas) read once"));
-    }
+    (rows, repeats)
+}
+
+/// The routers' rows as one record `[tokens, routers, top_k]` (every router covering the same
+/// tokens), MTP heads numbered after the decoder layers, one sequence per forward.
+fn stack(path: &Path, rows: &BTreeMap<Key, Vec<Block>>, top_k: usize, layout: Option<&Layout>) -> Result<Raw> {
     let order: Vec<Key> = rows.keys().copied().collect();
     let tokens: Vec<usize> = order.iter().map(|k| rows[k].iter().map(Vec::len).sum()).collect();
     if let Some(i) = tokens.iter().position(|&t| t != tokens[0]) {
@@ -192,7 +230,6 @@ pub(crate) fn trace(path: &Path, files: &[TraceFile], layout: Option<&Layout>, b
         None => order.iter().filter(|k| !k.0).map(|k| k.2 + 1).max().unwrap_or(0),
     };
     let numbers = order.iter().map(|k| if k.0 { (backbone + k.1) as usize } else { k.2 as usize }).collect();
-    notes.push(how);
     let mut raw = Raw::bare(Format::MegatronTrace, Dtype::json(), [tokens[0], n, top_k], experts);
     raw.layers = Some(numbers);
     // One sequence per forward (a micro-batch), as the first router's lines give them.
@@ -204,7 +241,6 @@ pub(crate) fn trace(path: &Path, files: &[TraceFile], layout: Option<&Layout>, b
             Sequence { rows: at - b.len()..at, first_position: 0 }
         })
         .collect();
-    raw.notes = notes;
     Ok(raw)
 }
 

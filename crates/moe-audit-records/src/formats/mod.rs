@@ -19,15 +19,117 @@ pub(crate) mod verl;
 pub(crate) mod vllm;
 
 use super::array::{Array, Elem};
-use super::clean::{Axis, Fill};
+use super::budget::Budget;
 use super::ids::Ids;
-use super::record::{Format, Sequence};
-use super::Budget;
 use bytes::Bytes;
 use moe_audit_core::error::{excerpt, excerpt_names, Error, Result};
+use serde::Serialize;
 use serde_json::Value;
 use std::collections::BTreeMap;
+use std::ops::Range;
 use std::path::Path;
+
+/// The generic format's `format` metadata.
+pub const GENERIC: &str = "moe-audit-routes/1";
+
+/// Which writer's layout a record was read as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Format {
+    /// `moe-audit-routes/1` (`.safetensors` or `.npz`), as `moe_audit.routes.record` writes it.
+    Generic,
+    /// A bare `.npy` `[tokens, layers, top_k]` (vLLM's `CompletionOutput.routed_experts`,
+    /// a SkyRL trajectory, a Megatron inference array saved with `np.save`).
+    Npy,
+    /// An SGLang response: `meta_info.routed_experts` or `sglext.routed_experts`.
+    Sglang,
+    /// A vLLM HTTP response: `choices[i].routed_experts`, base64 of an `.npy`.
+    VllmHttp,
+    /// Megatron-Core `router_trace_rank{r}.jsonl` (one file or a folder of them).
+    MegatronTrace,
+    /// Megatron-Core inference routing: `moe_topk_indices` `[tokens, moe_layers, top_k]`.
+    MegatronInference,
+    /// verl's batch: `routed_experts` `[batch, prompt + response, layers, top_k]` + `attention_mask`.
+    Verl,
+    /// slime's replay targets: `rollout_routed_experts` (packed, with `cu_seqlens`) or per sample.
+    Slime,
+    /// SkyRL: `rollout_expert_indices` `[batch, tokens, layers, top_k]` + `router_padding_mask`,
+    /// or the wire object `{data, shape, dtype}`.
+    Skyrl,
+    /// NeMo-RL: `routed_experts` `[batch, tokens, layers, top_k]` (-1 = missing), or `nrlre1:`.
+    NemoRl,
+    /// A batch `[batch, tokens, layers, top_k]` of no writer recognised by its names.
+    Batch,
+}
+
+impl Format {
+    /// How the report names it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Format::Generic => "moe-audit-routes/1",
+            Format::Npy => "npy [tokens, layers, top_k]",
+            Format::Sglang => "SGLang routed_experts",
+            Format::VllmHttp => "vLLM HTTP routed_experts (base64 .npy)",
+            Format::MegatronTrace => "Megatron-Core router_trace JSONL",
+            Format::MegatronInference => "Megatron-Core inference moe_topk_indices",
+            Format::Verl => "verl routed_experts [batch, tokens, layers, top_k]",
+            Format::Slime => "slime rollout_routed_experts",
+            Format::Skyrl => "SkyRL rollout_expert_indices",
+            Format::NemoRl => "NeMo-RL routed_experts",
+            Format::Batch => "batch [batch, tokens, layers, top_k]",
+        }
+    }
+}
+
+/// One sequence of a record: its rows, and the position in the sequence of its first row
+/// (SGLang's `routed_experts_start_len`; 0 otherwise).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Sequence {
+    /// Rows of the record.
+    pub rows: Range<usize>,
+    /// Sequence position of the first row.
+    pub first_position: usize,
+}
+
+/// What the writer says its layer axis is, when it says anything.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) enum Axis {
+    /// Unknown: every numbering is tried.
+    #[default]
+    Any,
+    /// Every decoder layer, never MTP (SGLang's and vLLM's capture buffers).
+    Decoder,
+    /// The MoE routers in instantiation order, MTP included when built (Megatron inference).
+    Routers,
+}
+
+/// How and where a writer fills token rows with values a router could also choose, as its code
+/// does (the reader names its writer's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) enum Fill {
+    /// No such fill: engines (SGLang, vLLM), Megatron, moe-audit's own format, an unknown batch.
+    #[default]
+    None,
+    /// `torch.zeros` rows after each sequence's routes (verl: the last token, a multi-turn tail).
+    ZeroTail,
+    /// `arange(top_k)` in every layer after each sequence's routes (NeMo-RL's right pad, SkyRL's
+    /// rows past the captured ones), and before them when `head` (SkyRL's left pad, when no mask
+    /// marks it).
+    TopK { head: bool },
+    /// slime's packed replay target: each sample closed by one `arange(layers·top_k) % experts`
+    /// row, the stream by a last segment `arange(n·layers·top_k) % experts`.
+    Slime,
+}
+
+/// What the other record tells about a record without a shape (SGLang's flat payload): its
+/// top-k and layer count.
+#[derive(Debug, Clone, Copy)]
+pub struct ShapeHint {
+    /// Layers of the layer axis (the highest layer number + 1).
+    pub layers: usize,
+    /// Experts per token.
+    pub top_k: usize,
+}
 
 /// The element type as stored: an array's, or `None` for ids written as JSON numbers.
 #[derive(Debug, Clone)]
@@ -166,7 +268,7 @@ pub(crate) fn ids3(a: &Array, path: &Path, budget: &mut Budget) -> Result<([usiz
             format!("`{}` has shape {}; expected [tokens, layers, top_k]", excerpt(&a.name), shape_of(a)),
         ));
     };
-    Ok(([t, l, k], a.expert_ids(path, budget)?))
+    Ok(([t, l, k], Ids::of_array(a, path, budget)?))
 }
 
 /// A batch `[batch, tokens, layers, top_k]`: one sequence per batch row.
@@ -177,7 +279,7 @@ pub(crate) fn batch(format: Format, a: &Array, path: &Path, budget: &mut Budget)
             format!("`{}` has shape {}; expected [batch, tokens, layers, top_k]", excerpt(&a.name), shape_of(a)),
         ));
     };
-    let mut raw = Raw::bare(format, Dtype::of(a.elem), [b * s, l, k], a.expert_ids(path, budget)?);
+    let mut raw = Raw::bare(format, Dtype::of(a.elem), [b * s, l, k], Ids::of_array(a, path, budget)?);
     raw.sequences = (0..b).map(|i| Sequence { rows: i * s..(i + 1) * s, first_position: 0 }).collect();
     Ok((raw, s))
 }
@@ -248,7 +350,7 @@ pub(crate) fn from_json(
     path: &Path,
     value: &Value,
     config: Option<(usize, usize)>,
-    other: Option<crate::read::ShapeHint>,
+    other: Option<ShapeHint>,
     budget: &mut Budget,
 ) -> Result<Raw> {
     let items: Vec<&Value> = match value {
@@ -306,7 +408,7 @@ pub(crate) fn ids_of_bytes(path: &Path, what: &str, bytes: Vec<u8>, elem: Elem, 
         return Err(bad(path, format!("{what}: {} bytes are not whole {} values", bytes.len(), elem.name())));
     }
     let a = Array { name: what.to_string(), shape: vec![bytes.len() / elem.size()], elem, data: Bytes::from(bytes) };
-    a.expert_ids(path, budget)
+    Ids::of_array(&a, path, budget)
 }
 
 /// Ids nested `[tokens][layers][top_k]` in JSON.

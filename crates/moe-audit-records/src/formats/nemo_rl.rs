@@ -11,11 +11,9 @@
 //!   (`nemo_rl/utils/routed_experts_codec.py` L24-25, L45-67);
 //! - layer axis: every decoder layer (vLLM's), or the MoE ordinal (`router_replay.py` L167-188).
 
-use super::{bad, base64, batch, choices, ids_of_bytes, length_mask, Dtype, Raw};
+use super::{bad, base64, batch, choices, ids_of_bytes, length_mask, Dtype, Fill, Format, Raw};
 use crate::array::Array;
-use crate::clean::Fill;
-use crate::record::Format;
-use crate::Budget;
+use crate::budget::Budget;
 use moe_audit_core::error::{excerpt, Result};
 use serde_json::Value;
 use std::path::Path;

@@ -29,12 +29,9 @@
 //! the response's own counts and top-k from the other record (layers = ids / rows / top-k), and
 //! a response without counts is shaped as the other record (said in a note).
 
-use super::{bad, base64, ids_of_bytes, Dtype, Raw};
+use super::{bad, base64, ids_of_bytes, Axis, Dtype, Format, Raw, ShapeHint};
 use crate::array::Elem;
-use crate::clean::Axis;
-use crate::read::ShapeHint;
-use crate::record::Format;
-use crate::Budget;
+use crate::budget::Budget;
 use moe_audit_core::error::{excerpt, Result, Setting};
 use serde_json::Value;
 use std::path::Path;

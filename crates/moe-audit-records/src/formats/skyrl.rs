@@ -11,11 +11,9 @@
 //!   (True = no captured route: the left pad, the last token, anything after, L17-55);
 //! - layer axis: every decoder layer (vLLM's).
 
-use super::{bad, base64, batch, choices, ids_of_bytes, mask, Dtype, Raw};
+use super::{bad, base64, batch, choices, ids_of_bytes, mask, Axis, Dtype, Fill, Format, Raw};
 use crate::array::Array;
-use crate::clean::{Axis, Fill};
-use crate::record::Format;
-use crate::Budget;
+use crate::budget::Budget;
 use moe_audit_core::error::Result;
 use serde_json::Value;
 use std::path::Path;

@@ -16,11 +16,9 @@
 //!   without `cu_seqlens` the array is a sample's, which has no pad.
 
 use super::generic::boundaries;
-use super::{bad, Dtype, Raw};
+use super::{bad, Dtype, Fill, Format, Raw};
 use crate::array::Array;
-use crate::clean::Fill;
-use crate::record::Format;
-use crate::Budget;
+use crate::budget::Budget;
 use moe_audit_core::error::Result;
 use std::path::Path;
 

@@ -8,11 +8,9 @@
 //! every decoder layer (the engine's), dense layers 0. verl writes no file: this reads the two
 //! arrays saved together (`.npz` or safetensors), e.g. from `batch.batch`.
 
-use super::{bad, batch, mask, Raw};
+use super::{bad, batch, mask, Fill, Format, Raw};
 use crate::array::Array;
-use crate::clean::Fill;
-use crate::record::Format;
-use crate::Budget;
+use crate::budget::Budget;
 use moe_audit_core::error::Result;
 use std::path::Path;
 

@@ -16,11 +16,9 @@
 //!   (`sampling_params.py` L328-334), so a record that starts later shows as a prompt start
 //!   offset in the alignment.
 
-use super::{bad, base64, choices, Dtype, Raw};
+use super::{bad, base64, choices, Axis, Dtype, Format, Raw};
 use crate::array;
-use crate::clean::Axis;
-use crate::record::Format;
-use crate::Budget;
+use crate::budget::Budget;
 use bytes::Bytes;
 use moe_audit_core::error::Result;
 use serde_json::Value;
