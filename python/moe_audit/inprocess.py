@@ -30,6 +30,7 @@ from typing import Any, BinaryIO, Callable
 
 from .adapter import describe, serve
 from .binary import binary
+from .errors import MoeAuditError
 
 #: The router command's code: connect, send fds 0 and 1, let go of them, wait for the end.
 #: No quote or backslash in it, so that shell-quoted it is one single-quoted word, and a JSON
@@ -49,7 +50,7 @@ _CONNECT_TIMEOUT = 60.0
 _JOIN_TIMEOUT = 60.0
 
 
-class CheckError(ValueError):
+class CheckError(MoeAuditError, ValueError):
     """``moe-audit check`` stopped with an error (exit code 2: bad options, a router that
     answered wrongly or hung): the message is the line it printed after ``error:``, naming the
     router served here."""

@@ -47,6 +47,8 @@ from typing import Any
 
 import numpy as np
 
+from .errors import MoeAuditError
+
 FORMAT = "moe-audit-routes/1"
 
 
@@ -169,7 +171,7 @@ def save(path: str | os.PathLike[str], arrays: dict[str, np.ndarray], metadata: 
     os.replace(tmp, path)
 
 
-class RoutesError(ValueError):
+class RoutesError(MoeAuditError, ValueError):
     """Bad input to :func:`compare`: the message is the line ``moe-audit routes compare`` prints
     after ``error:`` for the same input."""
 

@@ -50,6 +50,7 @@ from typing import Any
 
 from .adapter import answer_plan, describe
 from .binary import binary
+from .errors import MoeAuditError
 
 #: The update modes: ``auto`` (write a missing snapshot unless ``CI`` is set), ``always``,
 #: ``new`` (write ``FILE.new`` and fail) and ``no``.
@@ -59,7 +60,7 @@ UPDATE_MODES = ("auto", "always", "new", "no")
 TIMEOUT = 300
 
 
-class SnapshotError(RuntimeError):
+class SnapshotError(MoeAuditError, RuntimeError):
     """moe-audit could not make or read a snapshot (a bad file, bad options, no binary)."""
 
 

@@ -29,6 +29,8 @@ from typing import Any, Callable, Union, cast
 import numpy as np
 import torch
 
+from ..errors import MoeAuditError
+
 #: What a router's forward hook saw: its positional arguments.
 Inputs = Sequence[Any]
 #: The (ids [T, k], weights [T, k]) an experts module was called with, when found.
@@ -39,7 +41,7 @@ Accepts = Callable[[torch.nn.Module, Any], bool]
 Decode = Callable[[torch.nn.Module, Inputs, Any, Dispatch], "Decoded"]
 
 
-class NotCovered(TypeError):
+class NotCovered(MoeAuditError, TypeError):
     """A module with no router found, or a router no decoder reads (the message says what to do)."""
 
 
