@@ -108,15 +108,15 @@ def report(found):
     return found.exit_code, "".join(found.leaks)
 
 
-SIZES = ("--batch", "2", "--seq-len", "32", "--trials", "8")
+SIZES: dict[str, Any] = dict(batch=2, seq_len=32, trials=8)
 
 
 def test_check_audits_a_router_of_this_process():
     mixtral = example("mixtral_router")
-    assert report(moe_audit.check(mixtral.route, *SIZES, name="mixtral-py", experts=8, top_k=2, input="hidden",
+    assert report(moe_audit.check(mixtral.route, **SIZES, name="mixtral-py", experts=8, top_k=2, input="hidden",
                                   hidden_size=32)) == (0, "")
     megatron = example("megatron_probs_router")
-    assert report(moe_audit.check(megatron.route, *SIZES, experts=8, top_k=2)) == (1, "PFNRL")
+    assert report(moe_audit.check(megatron.route, **SIZES, experts=8, top_k=2)) == (1, "PFNRL")
 
 
 def test_check_raises_the_routers_own_error():
@@ -124,12 +124,12 @@ def test_check_raises_the_routers_own_error():
         raise ValueError("the router broke")
 
     with pytest.raises(ValueError, match="the router broke"):
-        moe_audit.check(broken, *SIZES, experts=8, top_k=2)
+        moe_audit.check(broken, **SIZES, experts=8, top_k=2)
 
 
 def test_check_raises_moe_audits_usage_error():
     with pytest.raises(moe_audit.CheckError) as e:
-        moe_audit.check(example("mixtral_router").route, "--batch", "0", experts=8, top_k=2)
+        moe_audit.check(example("mixtral_router").route, batch=0, experts=8, top_k=2)
     assert e.value.exit_code == 2 and e.value.stderr.startswith("error:"), e.value.stderr
 
 

@@ -40,5 +40,5 @@ def test_every_public_exception_class_derives_from_moe_audit_error():
 def test_moe_audit_error_is_exported_and_catches_an_error_of_the_package():
     assert "MoeAuditError" in moe_audit.__all__
     with pytest.raises(moe_audit.MoeAuditError, match="--batch") as caught:
-        moe_audit.check(lambda data, mode: [], "--batch", "0", experts=4, top_k=1)
+        moe_audit.check(lambda data, mode: [], batch=0, experts=4, top_k=1)
     assert isinstance(caught.value, moe_audit.CheckError) and isinstance(caught.value, ValueError)
