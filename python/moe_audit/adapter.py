@@ -45,6 +45,7 @@ import argparse
 import contextlib
 import inspect
 import json
+import math
 import os
 import struct
 import sys
@@ -429,8 +430,38 @@ _DTYPES: dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]]] = {
 
 
 def read_safetensors(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
-    """Tensors of a safetensors file as float32 numpy arrays (F32, F16, BF16 and F64; numpy
-    alone). The file is mapped, not read whole: each tensor is copied out once, as float32."""
+    """Tensors of a safetensors file as float32 numpy arrays (F32, F16, BF16 and F64), each
+    copied out once; a bad file raises ValueError naming it.
+
+    Read by the ``safetensors`` library where it is installed. numpy alone reads the file
+    otherwise, and reads any file holding BF16: numpy is the package's only dependency (a router
+    script served by :func:`run` needs nothing else), and the library's numpy API cannot return
+    BF16, as numpy has no bfloat16 (safetensors v0.7.0 ``bindings/python/src/lib.rs:1441-1450``,
+    ``get_pydtype`` asks for ``numpy.dtype("bfloat16")``: "data type 'bfloat16' not understood").
+    """
+    try:
+        from safetensors import SafetensorError, safe_open
+    except ImportError:
+        return _read_with_numpy(path)
+    try:
+        with safe_open(os.fspath(path), framework="np") as f:
+            dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
+            if "BF16" in dtypes.values():
+                return _read_with_numpy(path)
+            for name, dtype in dtypes.items():
+                _known_dtype(path, name, dtype)
+            return {name: f.get_tensor(name).astype(np.float32, copy=False) for name in dtypes}
+    except SafetensorError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def _known_dtype(path: str | os.PathLike[str], name: str, dtype: str) -> None:
+    if dtype not in _DTYPES:
+        raise ValueError(f"{path}: tensor {name} has dtype {dtype}, expected one of {', '.join(_DTYPES)}")
+
+
+def _read_with_numpy(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
+    """:func:`read_safetensors` by numpy alone: the file is mapped, not read whole."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
@@ -444,14 +475,17 @@ def read_safetensors(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if info["dtype"] not in _DTYPES:
-            raise ValueError(f"{path}: tensor {name} has dtype {info['dtype']}, expected one of {', '.join(_DTYPES)}")
+        _known_dtype(path, name, info["dtype"])
         dtype, to_f32 = _DTYPES[info["dtype"]]
         start, end = info["data_offsets"]
         if not 0 <= start <= end <= body.size:
             raise ValueError(f"{path}: tensor {name} has bytes {start}..{end}, past the file's {body.size}")
+        shape = [int(d) for d in info["shape"]]
+        if end - start != np.dtype(dtype).itemsize * math.prod(shape):
+            raise ValueError(f"{path}: tensor {name} of shape {shape} and dtype {info['dtype']} has "
+                             f"{end - start} bytes, not {np.dtype(dtype).itemsize * math.prod(shape)}")
         raw = np.frombuffer(body[start:end], dtype=dtype)
-        out[name] = to_f32(raw).reshape(info["shape"])
+        out[name] = to_f32(raw).reshape(shape)
     del body  # closes the map: every tensor is a copy
     return out
 
