@@ -49,10 +49,12 @@ import math
 import os
 import struct
 import sys
+import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, BinaryIO, Callable, Union
 
 import numpy as np
+import numpy.typing as npt
 
 from ._wire import v1, v2
 from ._wire.v1 import Columns
@@ -74,6 +76,18 @@ Capacity = Union[None, int, Sequence[int], dict[str, Any]]
 #: ``route(data, mode)`` (optionally with ``seed`` and ``padding`` keywords): tokens, or
 #: (tokens, capacity).
 RouteFn = Callable[..., Union[Tokens, tuple[Tokens, Capacity]]]
+
+
+class RouterObject(typing.Protocol):
+    """A router given as an object: its ``route`` method, and the attributes ``name``,
+    ``experts``, ``top_k``, ... where it has them (:func:`describe` reads them)."""
+
+    @property
+    def route(self) -> RouteFn: ...
+
+
+#: A router: a route function, or an object with a ``route`` method.
+Router = Union[RouteFn, RouterObject]
 
 
 def protocol_name(protocol: Protocol) -> str:
@@ -120,7 +134,8 @@ class Routes:
     routes one token at a time; the protocol encoders take the arrays as they are.
     """
 
-    def __init__(self, experts: Any, weights: Any, kept: Any = None, present: Any = None) -> None:
+    def __init__(self, experts: npt.ArrayLike, weights: npt.ArrayLike, kept: npt.ArrayLike | None = None,
+                 present: npt.ArrayLike | None = None) -> None:
         self.experts = _ids(np.asarray(experts))
         weights = np.asarray(weights)
         if weights.dtype.kind not in "iuf":
@@ -158,7 +173,8 @@ class Routes:
         return p.sum(axis=1), self.experts[p], self.weights[p], self.kept[p]
 
 
-def routes_from_arrays(experts: Any, weights: Any, kept: Any = None, present: Any = None) -> Routes:
+def routes_from_arrays(experts: npt.ArrayLike, weights: npt.ArrayLike, kept: npt.ArrayLike | None = None,
+                       present: npt.ArrayLike | None = None) -> Routes:
     """The routes of arrays [T, k]: expert ids, weights, kept flags (all kept when None), and
     which routes exist (all when None; a token whose routes are all absent has none, as a
     padding token a router leaves out)."""
@@ -252,7 +268,7 @@ def _checked_arrays(routes: Routes, batch: int, seq_len: int, experts: int) -> C
     return cols
 
 
-def _is_flag(x: Any) -> bool:
+def _is_flag(x: object) -> bool:
     try:
         return bool(x in (False, True))
     except (TypeError, ValueError):  # an array, or a type that refuses ==
@@ -342,7 +358,7 @@ def _caller(route: RouteFn) -> Callable[[np.ndarray, str, int | None, np.ndarray
     )
 
 
-def describe(router: Any, options: dict[str, Any]) -> tuple[RouteFn, dict[str, Any]]:
+def describe(router: Router, options: dict[str, Any]) -> tuple[RouteFn, dict[str, Any]]:
     """(route, spec) of a router given as a function or an object with a ``route`` method: spec
     holds name, experts, top_k, input, hidden_size, protocol and padding_mask, each taken (and
     removed) from the options dict, else the router's attribute of that name, else its default;
@@ -398,7 +414,7 @@ def serve(route: RouteFn, name: str, experts: int, top_k: int | None, input: str
     inp = stdin or sys.stdin.buffer
     out = stdout or protocol_stdout()
     call = _caller(route)
-    quiet: Any = contextlib.nullcontext()
+    quiet: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
     if stdout is None:
         # Text printed before run() goes out now, ahead of the handshake (where moe-audit reports
         # it), not later in the middle of a response. From here on print() goes to stderr, also

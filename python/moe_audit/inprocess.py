@@ -26,12 +26,13 @@ import sys
 import tempfile
 import threading
 import time
+import typing
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable, Literal, Union
 
-from .adapter import Protocol, describe, serve
+from .adapter import Protocol, Router, describe, serve
 from .binary import binary
 from .errors import MoeAuditError
 
@@ -64,6 +65,14 @@ class CheckError(MoeAuditError, ValueError):
         self.stderr = stderr
         #: The command's exit code: 2.
         self.exit_code = 2
+
+
+@typing.runtime_checkable
+class ServesItself(typing.Protocol):
+    """A whole model that speaks ``moe-audit/3`` itself (``moe_audit.hf.wrap`` of a model taking
+    token ids), optionally with a ``name``."""
+
+    def serve(self, stdin: BinaryIO | None = None, stdout: BinaryIO | None = None) -> None: ...
 
 
 #: A probe's verdict, as the report spells it.
@@ -297,7 +306,7 @@ def _answer(listener: _Listener, answer_streams: Callable[[BinaryIO, BinaryIO], 
         failure.append(e)
 
 
-def check(router: Any, *args: str, probes: Letters | None = None, batch: int | None = None,
+def check(router: Router | ServesItself, *args: str, probes: Letters | None = None, batch: int | None = None,
           seq_len: int | None = None, hidden: int | None = None, ffn: int | None = None, trials: int | None = None,
           seed: int | None = None, fail_on: Letters | None = None, exhaustive: bool = False,
           mode: Literal["train", "inference"] | None = None, ranks: int | None = None, prefill: int | None = None,
@@ -333,7 +342,7 @@ def check(router: Any, *args: str, probes: Letters | None = None, batch: int | N
     spec = {k: v for k, v in (("name", name), ("experts", experts), ("top_k", top_k), ("input", input),
                                ("hidden_size", hidden_size), ("protocol", protocol),
                                ("padding_mask", padding_mask)) if v is not None}
-    if callable(getattr(router, "serve", None)):
+    if isinstance(router, ServesItself):
         # A whole model (moe_audit.hf.wrap of a model taking token ids) serves moe-audit/3 itself.
         if spec:
             raise TypeError(f"{', '.join(f'{k}=' for k in spec)}: a whole model describes itself")
