@@ -72,7 +72,7 @@ class ServesItself(typing.Protocol):
     """A whole model that speaks ``moe-audit/3`` itself (``moe_audit.hf.wrap`` of a model taking
     token ids), optionally with a ``name``."""
 
-    def serve(self, stdin: BinaryIO | None = None, stdout: BinaryIO | None = None) -> None: ...
+    def serve(self, stdin: BinaryIO, stdout: BinaryIO, /) -> None: ...
 
 
 #: A probe's verdict, as the report spells it.
