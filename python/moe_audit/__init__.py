@@ -12,7 +12,8 @@
 - ``moe_audit.hf``: a Hugging Face ``transformers`` MoE block or router in one call
   (``moe_audit.hf.run(block)``; needs torch and transformers);
 - ``moe_audit.snapshot``: snapshot tests of a router's routing decisions, also as the pytest
-  fixture ``moe_audit_snapshot`` (``moe_audit.pytest_plugin``, with ``--moe-audit-update``).
+  fixture ``moe_audit_snapshot`` (``moe_audit.pytest_plugin``, with ``--moe-audit-update``);
+- :class:`MoeAuditError`: the base of every exception the package defines.
 
 The wire codecs are private (``moe_audit._wire``).
 """
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 # Eager (no numpy): importing the submodule `binary` would otherwise leave the module, not the
 # function, as this attribute.
 from .binary import binary as binary
+from .errors import MoeAuditError as MoeAuditError
 
 if TYPE_CHECKING:
     # What __getattr__ loads, as type checkers see it (`as`: re-exported).
@@ -67,7 +69,7 @@ _WHERE = {
     "routing_snapshot": "snapshot",
 }
 
-__all__ = sorted([*_WHERE, "binary"])
+__all__ = sorted([*_WHERE, "MoeAuditError", "binary"])
 
 
 def __getattr__(name: str) -> Any:

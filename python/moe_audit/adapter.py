@@ -45,13 +45,16 @@ import argparse
 import contextlib
 import inspect
 import json
+import math
 import os
 import struct
 import sys
+import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, BinaryIO, Callable, Union
 
 import numpy as np
+import numpy.typing as npt
 
 from ._wire import v1, v2
 from ._wire.v1 import Columns
@@ -73,6 +76,18 @@ Capacity = Union[None, int, Sequence[int], dict[str, Any]]
 #: ``route(data, mode)`` (optionally with ``seed`` and ``padding`` keywords): tokens, or
 #: (tokens, capacity).
 RouteFn = Callable[..., Union[Tokens, tuple[Tokens, Capacity]]]
+
+
+class RouterObject(typing.Protocol):
+    """A router given as an object: its ``route`` method, and the attributes ``name``,
+    ``experts``, ``top_k``, ... where it has them (:func:`describe` reads them)."""
+
+    @property
+    def route(self) -> RouteFn: ...
+
+
+#: A router: a route function, or an object with a ``route`` method.
+Router = Union[RouteFn, RouterObject]
 
 
 def protocol_name(protocol: Protocol) -> str:
@@ -119,7 +134,8 @@ class Routes:
     routes one token at a time; the protocol encoders take the arrays as they are.
     """
 
-    def __init__(self, experts: Any, weights: Any, kept: Any = None, present: Any = None) -> None:
+    def __init__(self, experts: npt.ArrayLike, weights: npt.ArrayLike, kept: npt.ArrayLike | None = None,
+                 present: npt.ArrayLike | None = None) -> None:
         self.experts = _ids(np.asarray(experts))
         weights = np.asarray(weights)
         if weights.dtype.kind not in "iuf":
@@ -157,7 +173,8 @@ class Routes:
         return p.sum(axis=1), self.experts[p], self.weights[p], self.kept[p]
 
 
-def routes_from_arrays(experts: Any, weights: Any, kept: Any = None, present: Any = None) -> Routes:
+def routes_from_arrays(experts: npt.ArrayLike, weights: npt.ArrayLike, kept: npt.ArrayLike | None = None,
+                       present: npt.ArrayLike | None = None) -> Routes:
     """The routes of arrays [T, k]: expert ids, weights, kept flags (all kept when None), and
     which routes exist (all when None; a token whose routes are all absent has none, as a
     padding token a router leaves out)."""
@@ -251,7 +268,7 @@ def _checked_arrays(routes: Routes, batch: int, seq_len: int, experts: int) -> C
     return cols
 
 
-def _is_flag(x: Any) -> bool:
+def _is_flag(x: object) -> bool:
     try:
         return bool(x in (False, True))
     except (TypeError, ValueError):  # an array, or a type that refuses ==
@@ -341,7 +358,7 @@ def _caller(route: RouteFn) -> Callable[[np.ndarray, str, int | None, np.ndarray
     )
 
 
-def describe(router: Any, options: dict[str, Any]) -> tuple[RouteFn, dict[str, Any]]:
+def describe(router: Router, options: dict[str, Any]) -> tuple[RouteFn, dict[str, Any]]:
     """(route, spec) of a router given as a function or an object with a ``route`` method: spec
     holds name, experts, top_k, input, hidden_size, protocol and padding_mask, each taken (and
     removed) from the options dict, else the router's attribute of that name, else its default;
@@ -397,7 +414,7 @@ def serve(route: RouteFn, name: str, experts: int, top_k: int | None, input: str
     inp = stdin or sys.stdin.buffer
     out = stdout or protocol_stdout()
     call = _caller(route)
-    quiet: Any = contextlib.nullcontext()
+    quiet: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
     if stdout is None:
         # Text printed before run() goes out now, ahead of the handshake (where moe-audit reports
         # it), not later in the middle of a response. From here on print() goes to stderr, also
@@ -429,8 +446,38 @@ _DTYPES: dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]]] = {
 
 
 def read_safetensors(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
-    """Tensors of a safetensors file as float32 numpy arrays (F32, F16, BF16 and F64; numpy
-    alone). The file is mapped, not read whole: each tensor is copied out once, as float32."""
+    """Tensors of a safetensors file as float32 numpy arrays (F32, F16, BF16 and F64), each
+    copied out once; a bad file raises ValueError naming it.
+
+    Read by the ``safetensors`` library where it is installed. numpy alone reads the file
+    otherwise, and reads any file holding BF16: numpy is the package's only dependency (a router
+    script served by :func:`run` needs nothing else), and the library's numpy API cannot return
+    BF16, as numpy has no bfloat16 (safetensors v0.7.0 ``bindings/python/src/lib.rs:1441-1450``,
+    ``get_pydtype`` asks for ``numpy.dtype("bfloat16")``: "data type 'bfloat16' not understood").
+    """
+    try:
+        from safetensors import SafetensorError, safe_open
+    except ImportError:
+        return _read_with_numpy(path)
+    try:
+        with safe_open(os.fspath(path), framework="np") as f:
+            dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
+            if "BF16" in dtypes.values():
+                return _read_with_numpy(path)
+            for name, dtype in dtypes.items():
+                _known_dtype(path, name, dtype)
+            return {name: f.get_tensor(name).astype(np.float32, copy=False) for name in dtypes}
+    except SafetensorError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def _known_dtype(path: str | os.PathLike[str], name: str, dtype: str) -> None:
+    if dtype not in _DTYPES:
+        raise ValueError(f"{path}: tensor {name} has dtype {dtype}, expected one of {', '.join(_DTYPES)}")
+
+
+def _read_with_numpy(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
+    """:func:`read_safetensors` by numpy alone: the file is mapped, not read whole."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
@@ -444,14 +491,17 @@ def read_safetensors(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if info["dtype"] not in _DTYPES:
-            raise ValueError(f"{path}: tensor {name} has dtype {info['dtype']}, expected one of {', '.join(_DTYPES)}")
+        _known_dtype(path, name, info["dtype"])
         dtype, to_f32 = _DTYPES[info["dtype"]]
         start, end = info["data_offsets"]
         if not 0 <= start <= end <= body.size:
             raise ValueError(f"{path}: tensor {name} has bytes {start}..{end}, past the file's {body.size}")
+        shape = [int(d) for d in info["shape"]]
+        if end - start != np.dtype(dtype).itemsize * math.prod(shape):
+            raise ValueError(f"{path}: tensor {name} of shape {shape} and dtype {info['dtype']} has "
+                             f"{end - start} bytes, not {np.dtype(dtype).itemsize * math.prod(shape)}")
         raw = np.frombuffer(body[start:end], dtype=dtype)
-        out[name] = to_f32(raw).reshape(info["shape"])
+        out[name] = to_f32(raw).reshape(shape)
     del body  # closes the map: every tensor is a copy
     return out
 

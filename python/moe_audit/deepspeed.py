@@ -10,7 +10,7 @@
     moe_audit.deepspeed.run(TopKGate(64, 8, k=2, capacity_factor=1.0))
 
 serves the gate to ``moe-audit check --router-cmd "python3 this_file.py"``;
-``moe_audit.check(moe_audit.deepspeed.wrap(gate), "--probes", "P,F")`` audits it from this process.
+``moe_audit.check(moe_audit.deepspeed.wrap(gate), probes="P,F")`` audits it from this process.
 
 Each call routes the request's hidden states as ``MOELayer.forward`` does (deepspeed 0.19.8,
 ``deepspeed/moe/sharded_moe.py:660-663``): the ``[batch, seq_len, hidden]`` rows flattened

@@ -26,10 +26,15 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, BinaryIO, Callable
+import typing
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Callable, Literal, Union
 
-from .adapter import describe, serve
+from .adapter import Protocol, Router, describe, serve
 from .binary import binary
+from .errors import MoeAuditError
 
 #: The router command's code: connect, send fds 0 and 1, let go of them, wait for the end.
 #: No quote or backslash in it, so that shell-quoted it is one single-quoted word, and a JSON
@@ -49,7 +54,7 @@ _CONNECT_TIMEOUT = 60.0
 _JOIN_TIMEOUT = 60.0
 
 
-class CheckError(ValueError):
+class CheckError(MoeAuditError, ValueError):
     """``moe-audit check`` stopped with an error (exit code 2: bad options, a router that
     answered wrongly or hung): the message is the line it printed after ``error:``, naming the
     router served here."""
@@ -62,40 +67,89 @@ class CheckError(ValueError):
         self.exit_code = 2
 
 
+@typing.runtime_checkable
+class ServesItself(typing.Protocol):
+    """A whole model that speaks ``moe-audit/3`` itself (``moe_audit.hf.wrap`` of a model taking
+    token ids), optionally with a ``name``."""
+
+    def serve(self, stdin: BinaryIO, stdout: BinaryIO, /) -> None: ...
+
+
+#: A probe's verdict, as the report spells it.
+Verdict = Literal["pass", "leak", "latent", "drift", "inconclusive", "not-applicable"]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One probe's finding: the fields a router's and a whole model's findings share, and the
+    finding whole as the report has it (:attr:`fields`: a router's ``compared``, ``affected``,
+    ``rate``, ...; a whole model's ``cases``, ``layers``, ``outputs``, ...)."""
+
+    #: The probe's letter (``P``, ``F``, ...).
+    probe: str
+    #: ``pass``, ``leak``, ``latent``, ``drift``, ``inconclusive`` or ``not-applicable``.
+    verdict: Verdict
+    #: The property the probe tests (``C-length``, ``D``, ...).
+    property: str
+    #: One line on what was done, or why the probe does not apply.
+    note: str
+    #: A minimal pair of inputs that reproduces a leak (``moe-audit replay`` replays it), or None.
+    witness: dict[str, Any] | None
+    #: The finding as the report's JSON has it.
+    fields: dict[str, Any]
+
+    @classmethod
+    def of(cls, finding: dict[str, Any]) -> Finding:
+        return cls(finding["probe"], finding["verdict"], finding["property"], finding["note"], finding["witness"],
+                   finding)
+
+    def __getitem__(self, key: str) -> Any:
+        """``finding["probe"]``, as when findings were dicts: deprecated (0.3.0; removed in 0.4.0),
+        read the attribute or :attr:`fields`."""
+        warnings.warn("Report.findings are Finding objects: read finding.probe, finding.verdict, ... or "
+                      "finding.fields[key] (finding[key] is deprecated)", DeprecationWarning, stacklevel=2)
+        return self.fields[key]
+
+
 class Report:
     """What ``moe-audit check`` found about the router (or whole model) served from this
-    process, parsed from its JSON report: :attr:`verdicts` (``{probe: verdict}``, in the
-    report's order), :attr:`leaks` (the probes whose verdict is ``"leak"``), :attr:`latent` (those
-    whose verdict is ``"latent"``: only the capacity in force changed), :attr:`failed`
-    (a verdict of ``--fail-on`` was found: exit code 1), :attr:`exit_code` (0 or 1),
-    :attr:`findings` (one dict per probe, as the report has them) and :meth:`to_dict`, the
-    whole document."""
+    process, parsed from its JSON report: :attr:`findings` (one :class:`Finding` per probe, in
+    the report's order), :attr:`verdicts` (``{probe: verdict}``), :attr:`leaks` (the probes whose
+    verdict is ``"leak"``), :attr:`latent` (those whose verdict is ``"latent"``: only the
+    capacity in force changed), :attr:`failed` (a verdict of ``fail_on`` was found: exit code
+    1), :attr:`exit_code` (0 or 1) and :meth:`to_dict`, the whole document."""
 
     def __init__(self, document: dict[str, Any], exit_code: int, stderr: str = "") -> None:
         if exit_code not in (0, 1):
             raise ValueError(f"a report's exit code is 0 or 1, got {exit_code}")
         self._document = document
-        #: The command's exit code: 0 nothing of ``--fail-on`` found, 1 found.
+        #: The command's exit code: 0 nothing of ``fail_on`` found, 1 found.
         self.exit_code = exit_code
         #: What moe-audit wrote to stderr (warnings, notes).
         self.stderr = stderr
         # A router's findings are under its entry of "routers"; a whole model's at the top.
         routers = document.get("routers") or [{}]
-        #: One dict per probe: ``probe``, ``verdict``, ``property``, the counts, ``note``, ...
-        self.findings: list[dict[str, Any]] = list(document.get("findings", routers[0].get("findings", [])))
-        #: ``{probe: verdict}``: ``pass``, ``leak``, ``latent``, ``drift``, ``inconclusive`` or
-        #: ``not-applicable``.
-        self.verdicts: dict[str, str] = {f["probe"]: f["verdict"] for f in self.findings}
+        #: One :class:`Finding` per probe, in the report's order.
+        self.findings: list[Finding] = [Finding.of(f) for f in document.get("findings", routers[0].get("findings", []))]
+        #: ``{probe: verdict}``.
+        self.verdicts: dict[str, str] = {f.probe: f.verdict for f in self.findings}
         #: The probes that found a leak (a changed decision or output).
-        self.leaks: list[str] = [p for p, v in self.verdicts.items() if v == "leak"]
+        self.leaks: list[str] = [f.probe for f in self.findings if f.verdict == "leak"]
         #: The probes that found only the capacity in force changed, no decision (``latent``).
-        self.latent: list[str] = [p for p, v in self.verdicts.items() if v == "latent"]
+        self.latent: list[str] = [f.probe for f in self.findings if f.verdict == "latent"]
 
     @property
     def failed(self) -> bool:
-        """Whether the check failed (exit code 1): a verdict of ``--fail-on`` (default
+        """Whether the check failed (exit code 1): a verdict of ``fail_on`` (default
         ``leak,latent``)."""
         return self.exit_code == 1
+
+    def finding(self, probe: str) -> Finding:
+        """The finding of this probe (KeyError when the probe did not run)."""
+        for f in self.findings:
+            if f.probe == probe:
+                return f
+        raise KeyError(f"no finding of probe {probe!r}: the report has {', '.join(self.verdicts) or 'none'}")
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document ``moe-audit check --format json`` printed (a copy)."""
@@ -107,25 +161,79 @@ class Report:
         return f"<Report failed={self.failed} exit_code={self.exit_code} {verdicts}>"
 
 
+#: A list of probes or verdicts: ``"P,F"`` or ``["P", "F"]``.
+Letters = Union[str, Sequence[str]]
+
+#: The typed options of :func:`check`: keyword -> (moe-audit's flag, the commands that take it:
+#: ``check`` audits a router, ``model`` a whole model). The one place a keyword's flag is spelt.
+_OPTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "probes": ("--probes", ("check", "model")),
+    "batch": ("--batch", ("check", "model")),
+    "seq_len": ("--seq-len", ("check", "model")),
+    "hidden": ("--hidden", ("check", "model")),
+    "ffn": ("--ffn", ("check", "model")),
+    "trials": ("--trials", ("check", "model")),
+    "seed": ("--seed", ("check", "model")),
+    "fail_on": ("--fail-on", ("check", "model")),
+    "exhaustive": ("--exhaustive", ("check",)),
+    "mode": ("--mode", ("check",)),
+    "ranks": ("--ranks", ("check",)),
+    "prefill": ("--prefill", ("model",)),
+    "max_memory": ("--max-memory", ("check", "model")),
+    "witness_dir": ("--witness-dir", ("check", "model")),
+    "answer_timeout": ("--timeout", ("check", "model")),
+}
+_AUDITED = {"check": "a router", "model": "a whole model"}
+
+
+def _option_args(options: dict[str, object], subcommand: str) -> list[str]:
+    """The flags of the options given (not None; a bool option when True), in the table's order."""
+    out: list[str] = []
+    for key, (flag, commands) in _OPTIONS.items():
+        value = options[key]
+        if value is None or value is False:
+            continue
+        if subcommand not in commands:
+            raise TypeError(f"{key}= is not an option of the audit of {_AUDITED[subcommand]} "
+                            f"(only of {' and '.join(_AUDITED[c] for c in commands)}'s)")
+        if value is True:
+            out.append(flag)
+        elif isinstance(value, (list, tuple)):
+            out += [flag, ",".join(str(v) for v in value)]
+        else:
+            out += [flag, os.fspath(value) if isinstance(value, os.PathLike) else str(value)]
+    return out
+
+
 #: Options of ``moe-audit check`` that change what it prints, which :func:`check` parses.
 _OUTPUT_OPTIONS = ("--output", "--github")
 
 
-def _check_args(args: tuple[Any, ...]) -> list[str]:
-    """The check's own flags as strings, with ``--format json`` unless given; those that change
-    what is printed are refused: the report is read as JSON from stdout."""
+def _deprecated_args(args: tuple[str, ...]) -> list[str]:
+    """The check's own flags given as strings (deprecated: the keywords replace them), without
+    ``--format json``; those that change what is printed are refused: the report is read as JSON
+    from stdout."""
+    warnings.warn("moe_audit.check(router, \"--flag\", \"value\", ...): flags as strings are deprecated (0.3.0; "
+                  "removed in 0.4.0): pass keywords (probes=\"P,F\", batch=2, seq_len=32, ...)",
+                  DeprecationWarning, stacklevel=3)
     out = [str(a) for a in args]
-    formats = 0
+    own = []
+    skip = False
     for i, a in enumerate(out):
-        name, _, value = a.partition("=")
+        if skip:
+            skip = False
+            continue
+        name, eq, value = a.partition("=")
         if name == "--format":
-            formats += 1
-            value = value or (out[i + 1] if i + 1 < len(out) else "")
+            skip = not eq
+            value = value if eq else (out[i + 1] if i + 1 < len(out) else "")
             if value != "json":
                 raise ValueError(f"check parses the JSON report: --format {value} is not taken (read the Report)")
-        elif name in _OUTPUT_OPTIONS:
+            continue
+        if name in _OUTPUT_OPTIONS:
             raise ValueError(f"check reads the report from moe-audit's stdout: {name} is not taken")
-    return out if formats else ["--format", "json", *out]
+        own.append(a)
+    return own
 
 
 class _Listener:
@@ -198,37 +306,61 @@ def _answer(listener: _Listener, answer_streams: Callable[[BinaryIO, BinaryIO], 
         failure.append(e)
 
 
-def check(router: Any, *args: Any, timeout: float = 900, **spec: Any) -> Report:
-    """Runs ``moe-audit check --router-cmd ... --format json ARGS...`` (``moe-audit model --cmd
-    ...`` for a whole model) against ``router`` served from this process, and returns its :class:`Report`
+def check(router: Router | ServesItself, *args: str, probes: Letters | None = None, batch: int | None = None,
+          seq_len: int | None = None, hidden: int | None = None, ffn: int | None = None, trials: int | None = None,
+          seed: int | None = None, fail_on: Letters | None = None, exhaustive: bool = False,
+          mode: Literal["train", "inference"] | None = None, ranks: int | None = None, prefill: int | None = None,
+          max_memory: str | None = None, witness_dir: str | os.PathLike[str] | None = None,
+          answer_timeout: float | None = None, timeout: float = 900, name: str | None = None,
+          experts: int | None = None, top_k: int | None = None, input: Literal["logits", "hidden"] | None = None,
+          hidden_size: int | None = None, protocol: Protocol | None = None,
+          padding_mask: bool | None = None) -> Report:
+    """Runs ``moe-audit check --router-cmd ... --format json`` (``moe-audit model --cmd ...`` for
+    a whole model) against ``router`` served from this process, and returns its :class:`Report`
     (exit code 0 or 1). An error of moe-audit (exit code 2) raises :class:`CheckError` with its
     message; an exception raised by the router is raised here (after moe-audit has stopped).
 
-    ``router`` is as for :func:`moe_audit.snapshot.routing_snapshot`: a ``route`` function with
-    ``experts``, ``top_k``, ... keywords, or an object with a ``route`` method and those
-    attributes (``moe_audit.hf.wrap`` returns one). ``args`` are the check's own flags, e.g.
-    ``"--probes", "D,S"`` (not ``--output`` or ``--github``: the report is read from stdout).
+    ``router`` is as for :func:`moe_audit.snapshot.routing_snapshot`: a ``route`` function, or
+    an object with a ``route`` method and the attributes ``experts``, ``top_k``, ...
+    (``moe_audit.hf.wrap`` returns one, or a whole model, which serves itself).
+
+    The audit, each as the command's flag of that name (docs/CLI.md; None: its default):
+    ``probes`` and ``fail_on`` (``"P,F"`` or ``["P", "F"]``), ``batch``, ``seq_len``, ``hidden``,
+    ``ffn``, ``trials``, ``seed``, ``exhaustive``, ``max_memory`` (``"4GiB"``), ``witness_dir``;
+    a router's only: ``mode`` (``"train"`` or ``"inference"``), ``ranks``; a whole model's only:
+    ``prefill``. ``answer_timeout``: seconds to wait for each answer (``--timeout``, default 60);
     ``timeout`` bounds the whole audit, in seconds (``subprocess.TimeoutExpired`` after it).
+
+    The router, for a route function (an object's attributes otherwise): ``name``, ``experts``
+    (required), ``top_k``, ``input``, ``hidden_size``, ``protocol``, ``padding_mask``, as
+    :func:`moe_audit.run` takes them.
+
+    ``args``: the flags as strings (``"--probes", "D,S"``) are deprecated since 0.3.0 (a
+    ``DeprecationWarning``) and removed in 0.4.0: pass the keywords.
     """
-    spec = dict(spec)
     answer_streams: Callable[[BinaryIO, BinaryIO], None]
-    if callable(getattr(router, "serve", None)):
+    spec = {k: v for k, v in (("name", name), ("experts", experts), ("top_k", top_k), ("input", input),
+                               ("hidden_size", hidden_size), ("protocol", protocol),
+                               ("padding_mask", padding_mask)) if v is not None}
+    if isinstance(router, ServesItself):
         # A whole model (moe_audit.hf.wrap of a model taking token ids) serves moe-audit/3 itself.
         if spec:
-            raise TypeError(f"unknown options: {', '.join(sorted(spec))}")
+            raise TypeError(f"{', '.join(f'{k}=' for k in spec)}: a whole model describes itself")
         subcommand, flag, answer_streams = "model", "--cmd", router.serve
-        name = getattr(router, "name", None) or type(router).__name__
+        label = getattr(router, "name", None) or type(router).__name__
     else:
         route, hs = describe(router, spec)
-        if spec:
-            raise TypeError(f"unknown options: {', '.join(sorted(spec))}")
         subcommand, flag = "check", "--router-cmd"
 
         def answer_streams(inp: BinaryIO, out: BinaryIO) -> None:
             serve(route, stdin=inp, stdout=out, **hs)
 
-        name = hs["name"]
-    own = _check_args(args)
+        label = hs["name"]
+    own = _option_args({"probes": probes, "batch": batch, "seq_len": seq_len, "hidden": hidden, "ffn": ffn,
+                        "trials": trials, "seed": seed, "fail_on": fail_on, "exhaustive": exhaustive, "mode": mode,
+                        "ranks": ranks, "prefill": prefill, "max_memory": max_memory, "witness_dir": witness_dir,
+                        "answer_timeout": answer_timeout}, subcommand)
+    own = ["--format", "json", *own, *(_deprecated_args(args) if args else [])]
     listener = _Listener()
     try:
         command = shlex.join([sys.executable, "-I", "-S", "-c", _HANDOVER, listener.address, str(float(timeout))])
@@ -249,7 +381,7 @@ def check(router: Any, *args: Any, timeout: float = 900, **spec: Any) -> Report:
         raise failure[0]
     # Messages name the router's command: here the hand-over, which means nothing to the user.
     # moe-audit quotes it whole, or cut to an excerpt when long (`start…[N chars in all]…end`).
-    label = f"{name} (served in this Python process)"
+    label = f"{label} (served in this Python process)"
     handover = re.compile(re.escape(command) + "|" + re.escape(command[:8]) + r"[^`]*…\[\d+ chars in all\]…[^`]*")
     stdout, stderr = (handover.sub(lambda _: label, text) for text in (proc.stdout, proc.stderr))
     if proc.returncode not in (0, 1):

@@ -9,7 +9,7 @@
         num_moe_experts=8, moe_router_topk=2, moe_expert_capacity_factor=1.0))
 
 serves the router to ``moe-audit check --router-cmd "python3 this_file.py"``;
-``moe_audit.check(moe_audit.megatron.wrap(config), "--probes", "P,F")`` audits it from this
+``moe_audit.check(moe_audit.megatron.wrap(config), probes="P,F")`` audits it from this
 process. ``wrap`` takes a ``TransformerConfig`` (a ``TopKRouter`` is built from it with no process
 group, its gate initialised by the config's own ``init_method`` from torch seeded with ``seed``), a
 ``TopKRouter``, or a module holding one (an ``MoELayer``, a ``GPTModel``: the router at ``path``,

@@ -43,9 +43,15 @@ import os
 import struct
 import sys
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
+
+from .errors import MoeAuditError
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT = "moe-audit-routes/1"
 
@@ -56,8 +62,10 @@ def _stack(calls: list[np.ndarray], batch: int, steps: list[int]) -> np.ndarray:
     return np.concatenate(parts, axis=1)
 
 
-def record(model: Any, input_ids: Any, path: str | os.PathLike[str] | None = None, *, mode: str = "train",
-           attention_mask: Any = None, generate: bool = False, prefill: int = 1, logits: bool = True) -> dict[str, Any]:
+def record(model: torch.nn.Module, input_ids: torch.Tensor | npt.ArrayLike,
+           path: str | os.PathLike[str] | None = None, *, mode: str = "train",
+           attention_mask: torch.Tensor | npt.ArrayLike | None = None, generate: bool = False, prefill: int = 1,
+           logits: bool = True) -> dict[str, Any]:
     """Records every router of ``model`` on ``input_ids`` ([batch, seq] or [seq]).
 
     ``mode``: ``"train"`` (``model.train()``, as a trainer's forward) or ``"eval"``; the model is
@@ -169,7 +177,7 @@ def save(path: str | os.PathLike[str], arrays: dict[str, np.ndarray], metadata: 
     os.replace(tmp, path)
 
 
-class RoutesError(ValueError):
+class RoutesError(MoeAuditError, ValueError):
     """Bad input to :func:`compare`: the message is the line ``moe-audit routes compare`` prints
     after ``error:`` for the same input."""
 
@@ -277,9 +285,9 @@ def _side(x: Any, role: str) -> tuple[list[np.ndarray], str | tuple[str, list[Pa
             cu = [int(c) for c in np.asarray(cu)]
             x = [x[a:b] for a, b in zip(cu[:-1], cu[1:])]
     arrays = list(enumerate(x)) if isinstance(x, (list, tuple)) else [(None, x)]
-    parts: list[Any] = [_part(a, role if i is None else f"{role} sequence {i}") for i, a in arrays]
-    held = [p[0] for p in parts]
-    parts = [p[1] for p in parts]
+    read = [_part(a, role if i is None else f"{role} sequence {i}") for i, a in arrays]
+    held = [p[0] for p in read]
+    parts = [p[1] for p in read]
     sequences = f", {len(parts)} sequences" if len(parts) > 1 else ""
     name = f"{role} ({parts[0][2]} {'x'.join(str(n) for n in parts[0][3])}{sequences})" if parts else role
     return held, (name, parts, None if layers is None else [int(g) for g in layers])
@@ -320,7 +328,7 @@ def compare(rollout: Any, trainer: Any, *, config: str | os.PathLike[str] | dict
     return Comparison(json.loads(text))
 
 
-def router_replay(instances: Iterable[Any] | None = None, *, model: Any = None,
+def router_replay(instances: Iterable[Any] | None = None, *, model: torch.nn.Module | None = None,
                   layers: Sequence[int] | None = None) -> dict[str, Any]:
     """The routes Megatron-Core's ``RouterReplay`` recorded in this process, for :func:`compare`:
     ``{"experts": [tokens, layers, top_k], "layers": [...]}``.
@@ -350,6 +358,7 @@ def router_replay(instances: Iterable[Any] | None = None, *, model: Any = None,
             for m in model.modules()
             if getattr(m, "router_replay", None) is not None
         }
+        # Megatron's layer_number: an int attribute (torch types a module's attributes loosely).
         numbers: list[Any] = [by_replay.get(id(r)) for r in instances]
         if all(n is not None for n in numbers):
             layers = [n - 1 for n in numbers]

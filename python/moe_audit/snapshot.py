@@ -48,8 +48,9 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-from .adapter import answer_plan, describe
+from .adapter import Router, answer_plan, describe
 from .binary import binary
+from .errors import MoeAuditError
 
 #: The update modes: ``auto`` (write a missing snapshot unless ``CI`` is set), ``always``,
 #: ``new`` (write ``FILE.new`` and fail) and ``no``.
@@ -59,11 +60,11 @@ UPDATE_MODES = ("auto", "always", "new", "no")
 TIMEOUT = 300
 
 
-class SnapshotError(RuntimeError):
+class SnapshotError(MoeAuditError, RuntimeError):
     """moe-audit could not make or read a snapshot (a bad file, bad options, no binary)."""
 
 
-def _moe_audit(*args: Any, codes: Sequence[int] = (0,)) -> subprocess.CompletedProcess[str]:
+def _moe_audit(*args: object, codes: Sequence[int] = (0,)) -> subprocess.CompletedProcess[str]:
     try:
         path = binary()
     except FileNotFoundError as e:
@@ -82,7 +83,7 @@ def _moe_audit(*args: Any, codes: Sequence[int] = (0,)) -> subprocess.CompletedP
     return proc
 
 
-def _plan(router: Any, directory: str, options: dict[str, Any]) -> None:
+def _plan(router: Router, directory: str, options: dict[str, Any]) -> None:
     """Writes the inputs into directory and answers them with the router; returns nothing."""
     options = dict(options)
     route, spec = describe(router, options)
@@ -104,7 +105,7 @@ def _plan(router: Any, directory: str, options: dict[str, Any]) -> None:
     answer_plan(route, directory)
 
 
-def routing_snapshot(router: Any, **options: Any) -> str:
+def routing_snapshot(router: Router, **options: Any) -> str:
     """The snapshot text of the router's routing (what assert_routing_snapshot stores).
 
     options: experts, top_k, name, input ("logits" or "hidden"), hidden_size (the router's
@@ -128,7 +129,7 @@ def update_mode(option: str | None = None) -> str:
     return {"1": "always", "always": "always", "new": "new", "no": "no", "0": "no"}.get(insta, "auto")
 
 
-def assert_routing_snapshot(router: Any, path: str | os.PathLike[str], *, update: str | None = None,
+def assert_routing_snapshot(router: Router, path: str | os.PathLike[str], *, update: str | None = None,
                             **options: Any) -> None:
     """Fails (AssertionError with the diff) when the router's routing differs from the snapshot
     at path; writes it when missing or when updating (see the module docstring; ``update`` is an

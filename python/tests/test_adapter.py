@@ -108,15 +108,15 @@ def report(found):
     return found.exit_code, "".join(found.leaks)
 
 
-SIZES = ("--batch", "2", "--seq-len", "32", "--trials", "8")
+SIZES: dict[str, Any] = dict(batch=2, seq_len=32, trials=8)
 
 
 def test_check_audits_a_router_of_this_process():
     mixtral = example("mixtral_router")
-    assert report(moe_audit.check(mixtral.route, *SIZES, name="mixtral-py", experts=8, top_k=2, input="hidden",
+    assert report(moe_audit.check(mixtral.route, **SIZES, name="mixtral-py", experts=8, top_k=2, input="hidden",
                                   hidden_size=32)) == (0, "")
     megatron = example("megatron_probs_router")
-    assert report(moe_audit.check(megatron.route, *SIZES, experts=8, top_k=2)) == (1, "PFNRL")
+    assert report(moe_audit.check(megatron.route, **SIZES, experts=8, top_k=2)) == (1, "PFNRL")
 
 
 def test_check_raises_the_routers_own_error():
@@ -124,12 +124,12 @@ def test_check_raises_the_routers_own_error():
         raise ValueError("the router broke")
 
     with pytest.raises(ValueError, match="the router broke"):
-        moe_audit.check(broken, *SIZES, experts=8, top_k=2)
+        moe_audit.check(broken, **SIZES, experts=8, top_k=2)
 
 
 def test_check_raises_moe_audits_usage_error():
     with pytest.raises(moe_audit.CheckError) as e:
-        moe_audit.check(example("mixtral_router").route, "--batch", "0", experts=8, top_k=2)
+        moe_audit.check(example("mixtral_router").route, batch=0, experts=8, top_k=2)
     assert e.value.exit_code == 2 and e.value.stderr.startswith("error:"), e.value.stderr
 
 
@@ -168,7 +168,18 @@ def safetensors(path, tensors):
     path.write_bytes(struct.pack("<Q", len(text)) + text + body)
 
 
-def test_safetensors_are_read_as_float32_from_bf16_f16_f32_and_f64(tmp_path):
+@pytest.fixture(params=["library", "numpy"])
+def reader(request, monkeypatch):
+    """read_safetensors by the safetensors library (installed under CI: transformers needs it),
+    or by numpy alone (the library made unimportable)."""
+    if request.param == "library":
+        pytest.importorskip("safetensors")
+    else:
+        monkeypatch.setitem(sys.modules, "safetensors", None)
+    return moe_audit.read_safetensors
+
+
+def test_safetensors_are_read_as_float32_from_bf16_f16_f32_and_f64(tmp_path, reader):
     values = np.array([[1.0, -2.5], [0.15625, 3.0e38]], dtype=np.float32)
     # bf16 is the upper half of a float32: these values have exact bf16 forms.
     bf16 = (values.view(np.uint32) >> 16).astype("<u2").tobytes()
@@ -179,11 +190,35 @@ def test_safetensors_are_read_as_float32_from_bf16_f16_f32_and_f64(tmp_path):
         "f": ("F32", [2, 2], values.astype("<f4").tobytes()),
         "d": ("F64", [1, 2], values[0].astype("<f8").tobytes()),
     })
-    t = moe_audit.read_safetensors(path)
+    t = reader(path)
     assert all(a.dtype == np.float32 for a in t.values())
     assert t["b"].tolist() == [[1.0, -2.5], [0.15625, float(bf16_round(3.0e38))]]
     assert t["h"].tolist() == [1.0, -2.5, 0.5, 1.0]
     assert t["f"].tolist() == values.tolist() and t["d"].tolist() == [[1.0, -2.5]]
+
+
+def test_the_library_and_numpy_read_the_same_arrays_as_torch(tmp_path, monkeypatch):
+    # Written by the library itself (its header order, alignment and metadata), read back both
+    # ways, against torch's reading of the same file (BF16 widened exactly to float32).
+    torch = pytest.importorskip("torch")
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"{dtype}/{n}": (torch.randn(3, 5, generator=g) * 100).to(getattr(torch, dtype))
+               for dtype in ("bfloat16", "float16", "float32", "float64") for n in range(2)}
+    for with_bf16 in (True, False):
+        path = tmp_path / f"t{with_bf16}.safetensors"
+        chosen = {k: v for k, v in tensors.items() if with_bf16 or not k.startswith("bfloat16")}
+        safetensors_torch.save_file(chosen, path, metadata={"format": "pt"})
+        expected = {k: v.float().numpy() for k, v in safetensors_torch.load_file(path).items()}
+        by_library = moe_audit.read_safetensors(path)
+        with monkeypatch.context() as m:
+            m.setitem(sys.modules, "safetensors", None)
+            by_numpy = moe_audit.read_safetensors(path)
+        for found in (by_library, by_numpy):
+            assert sorted(found) == sorted(expected)
+            for k, a in found.items():
+                assert a.dtype == np.float32 and a.shape == expected[k].shape, k
+                assert a.tobytes() == expected[k].tobytes(), k
 
 
 def bf16_round(x):
@@ -191,14 +226,35 @@ def bf16_round(x):
     return (np.array([x], np.float32).view(np.uint32) >> 16 << 16).view(np.float32)[0]
 
 
-def test_bad_safetensors_say_what_is_wrong(tmp_path):
+def test_bad_safetensors_say_what_is_wrong(tmp_path, reader):
     path = tmp_path / "t.safetensors"
     safetensors(path, {"q": ("I8", [2], b"\x01\x02")})
     with pytest.raises(ValueError, match="tensor q has dtype I8"):
+        reader(path)
+    for dtype in ("F32", "BF16"):
+        # Bytes past the end of the file.
+        text = json.dumps({"f": {"dtype": dtype, "shape": [4], "data_offsets": [0, 16]}}).encode()
+        path.write_bytes(struct.pack("<Q", len(text)) + text + bytes(8))
+        with pytest.raises(ValueError, match=f"^{re.escape(str(path))}: "):
+            reader(path)
+    # As many bytes as the file holds, but not as many as the shape needs.
+    safetensors(path, {"f": ("F32", [2, 2], bytes(12))})
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))}: "):
+        reader(path)
+    path.write_bytes(struct.pack("<Q", 1 << 40))
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))}: "):
+        reader(path)
+
+
+def test_numpy_alone_names_the_tensor_whose_bytes_do_not_fit_its_shape(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    path = tmp_path / "t.safetensors"
+    safetensors(path, {"f": ("F32", [2, 2], bytes(12))})
+    with pytest.raises(ValueError, match=r"tensor f of shape \[2, 2\] and dtype F32 has 12 bytes, not 16$"):
         moe_audit.read_safetensors(path)
-    text = json.dumps({"f": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
-    path.write_bytes(struct.pack("<Q", len(text)) + text + bytes(8))
     with pytest.raises(ValueError, match="past the file"):
+        safetensors(path, {"f": ("F32", [4], bytes(16))})
+        path.write_bytes(path.read_bytes()[:-8])
         moe_audit.read_safetensors(path)
     path.write_bytes(struct.pack("<Q", 1 << 40))
     with pytest.raises(ValueError, match="does not fit"):

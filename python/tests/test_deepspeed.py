@@ -27,7 +27,7 @@ import moe_audit  # noqa: E402
 import moe_audit.deepspeed as mds  # noqa: E402
 
 H, E = 16, 8
-SIZES = ("--batch", "2", "--seq-len", "16", "--trials", "8")
+SIZES: dict[str, Any] = dict(batch=2, seq_len=16, trials=8)
 PROBES = "PFNRDSML"
 ALL_PASS = dict.fromkeys(PROBES, "pass")
 
@@ -45,8 +45,8 @@ def verdicts(proc):
     return {f["probe"]: f["verdict"] for f in report["routers"][0]["findings"]}
 
 
-def audit(module, *args, **options):
-    return moe_audit.check(mds.wrap(module, **options), *SIZES, *args).verdicts
+def audit(module, asked=None, **options):
+    return moe_audit.check(mds.wrap(module, **options), **SIZES, **(asked or {})).verdicts
 
 
 def expect(leaks="", inconclusive="", latent="", **others):
@@ -188,76 +188,76 @@ def test_seed_calls_draw_the_same_noise_for_the_same_call():
 
 # -- audits ---------------------------------------------------------------------------------------
 
-# name: (gate options, wrap options, audit flags, the verdicts predicted from the source).
+# name: (gate options, wrap options, check options, the verdicts predicted from the source).
 CAPACITY = "PFNRL"  # one capacity over the call: the prefix, the future, the neighbours, the layout
 RANDOM = expect("D", "PFNRSML")  # D says so; every other difference may be noise
 RSAMPLE = dict(drop_tokens=False, use_rts=False, noisy_gate_policy="RSample")
 JITTER = dict(drop_tokens=False, use_rts=False, noisy_gate_policy="Jitter")
-#: name: (gate options, wrap options, check flags, predicted verdicts).
-AUDITS: dict[str, tuple[dict[str, Any], dict[str, Any], tuple[str, ...], dict[str, str]]] = {
+#: name: (gate options, wrap options, check options, predicted verdicts).
+AUDITS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, str]]] = {
     # Dropless and deterministic: nothing to leak. RTS draws (ds:267-274) but nothing can drop.
-    "top1-dropless": (dict(drop_tokens=False, use_rts=False), {}, (), expect()),
-    "top1-dropless-rts": (dict(drop_tokens=False), {}, (), expect()),
-    "top2-dropless": (dict(k=2, drop_tokens=False, top2_2nd_expert_sampling=False), {}, (), expect()),
-    "top3-dropless": (dict(k=3, drop_tokens=False), {}, (), expect()),
+    "top1-dropless": (dict(drop_tokens=False, use_rts=False), {}, {}, expect()),
+    "top1-dropless-rts": (dict(drop_tokens=False), {}, {}, expect()),
+    "top2-dropless": (dict(k=2, drop_tokens=False, top2_2nd_expert_sampling=False), {}, {}, expect()),
+    "top3-dropless": (dict(k=3, drop_tokens=False), {}, {}, expect()),
     # Capacity over the call (ds:152-162). Top-1 without RTS keeps whichever tied rows CPU topk
     # picks (ds:284); min_capacity 8 is above a prefix's tokens (ds:278, handled).
-    "top1-capacity": (dict(min_capacity=0, use_rts=False), {}, (), expect(CAPACITY)),
-    "top1-capacity-inference": (dict(min_capacity=0, use_rts=False), {}, ("--mode", "inference"), expect(CAPACITY)),
-    "top1-min-capacity-8": (dict(min_capacity=8, use_rts=False), {}, (), expect(CAPACITY)),
+    "top1-capacity": (dict(min_capacity=0, use_rts=False), {}, {}, expect(CAPACITY)),
+    "top1-capacity-inference": (dict(min_capacity=0, use_rts=False), {}, dict(mode="inference"), expect(CAPACITY)),
+    "top1-min-capacity-8": (dict(min_capacity=8, use_rts=False), {}, {}, expect(CAPACITY)),
     # A capacity that never binds is still computed from the call's tokens (ds:152-162): a prefix,
     # a batch of another size and another layout state another capacity in force, no decision
     # changed: latent (docs/PROPERTIES.md).
     "top1-capacity-never-binds": (dict(capacity_factor=8.0, eval_capacity_factor=8.0, min_capacity=0, use_rts=False),
-                                  {}, (), expect(latent="PRL")),
+                                  {}, {}, expect(latent="PRL")),
     # The same with eval_capacity_factor left at its default 1.0: it binds in eval only (ds:575).
-    "top1-capacity-binds-in-eval": (dict(capacity_factor=8.0, min_capacity=0, use_rts=False), {}, (),
+    "top1-capacity-binds-in-eval": (dict(capacity_factor=8.0, min_capacity=0, use_rts=False), {}, {},
                                     expect("M", latent="PRL")),
-    "top2-capacity": (dict(k=2, min_capacity=0, top2_2nd_expert_sampling=False), {}, (), expect(CAPACITY)),
-    "top3-capacity": (dict(k=3, min_capacity=0), {}, (), expect(CAPACITY)),
+    "top2-capacity": (dict(k=2, min_capacity=0, top2_2nd_expert_sampling=False), {}, {}, expect(CAPACITY)),
+    "top3-capacity": (dict(k=3, min_capacity=0), {}, {}, expect(CAPACITY)),
     # eval_capacity_factor in eval (ds:575-586): training and inference route differently.
     "top2-eval-capacity": (dict(k=2, min_capacity=0, eval_capacity_factor=2.0, top2_2nd_expert_sampling=False),
-                           {}, (), expect(CAPACITY + "M")),
+                           {}, {}, expect(CAPACITY + "M")),
     # Served (--mode inference) at eval_capacity_factor 2.0 (ds:580, 364) with DeepSpeed's default
     # min_capacity 8 (ds:533): a prefix's capacity is another than the call's (ds:152-162), and it
     # binds on none of the prefixes: P is latent (no decision changed). F, N, R and L make it
     # bind: leaks with their rates.
     "top2-eval-capacity-inference": (dict(k=2, eval_capacity_factor=2.0, top2_2nd_expert_sampling=False),
-                                     {}, ("--mode", "inference"), expect("FNRML", latent="P")),
+                                     {}, dict(mode="inference"), expect("FNRML", latent="P")),
     # Random: RTS (ds:267-274, both modes), second-expert sampling (ds:338-341, both modes).
-    "top1-capacity-rts": (dict(min_capacity=0), {}, (), RANDOM),
-    "top1-capacity-rts-seeded": (dict(min_capacity=0), dict(seed_calls=True), (), expect(CAPACITY)),
-    "top2-capacity-sampling": (dict(k=2, min_capacity=0), {}, (), RANDOM),
-    "top2-capacity-sampling-seeded": (dict(k=2, min_capacity=0), dict(seed_calls=True), (), expect(CAPACITY)),
-    "top1-capacity-rts-inference": (dict(min_capacity=0), {}, ("--mode", "inference"), RANDOM),
-    "top2-capacity-sampling-inference": (dict(k=2, min_capacity=0), {}, ("--mode", "inference"), RANDOM),
-    "top2-dropless-sampling": (dict(k=2, drop_tokens=False), {}, (), RANDOM),
-    "top2-dropless-sampling-seeded": (dict(k=2, drop_tokens=False), dict(seed_calls=True), (), expect()),
+    "top1-capacity-rts": (dict(min_capacity=0), {}, {}, RANDOM),
+    "top1-capacity-rts-seeded": (dict(min_capacity=0), dict(seed_calls=True), {}, expect(CAPACITY)),
+    "top2-capacity-sampling": (dict(k=2, min_capacity=0), {}, {}, RANDOM),
+    "top2-capacity-sampling-seeded": (dict(k=2, min_capacity=0), dict(seed_calls=True), {}, expect(CAPACITY)),
+    "top1-capacity-rts-inference": (dict(min_capacity=0), {}, dict(mode="inference"), RANDOM),
+    "top2-capacity-sampling-inference": (dict(k=2, min_capacity=0), {}, dict(mode="inference"), RANDOM),
+    "top2-dropless-sampling": (dict(k=2, drop_tokens=False), {}, {}, RANDOM),
+    "top2-dropless-sampling-seeded": (dict(k=2, drop_tokens=False), dict(seed_calls=True), {}, expect()),
     # Noise only in training (ds:227-228, 570-577): seeded, only the train/inference rule differs.
-    "top1-rsample": (RSAMPLE, {}, (), RANDOM),
-    "top1-rsample-seeded": (RSAMPLE, dict(seed_calls=True), (), expect("M")),
+    "top1-rsample": (RSAMPLE, {}, {}, RANDOM),
+    "top1-rsample-seeded": (RSAMPLE, dict(seed_calls=True), {}, expect("M")),
     # Jitter multiplies the input by U(0.99, 1.01) in training (ds:55-76, 570-571): it rarely flips
     # a choice, but every gate (a combine weight) moves.
-    "top1-jitter": (JITTER, {}, (), RANDOM),
-    "top1-jitter-seeded": (JITTER, dict(seed_calls=True), (), expect("M")),
+    "top1-jitter": (JITTER, {}, {}, RANDOM),
+    "top1-jitter-seeded": (JITTER, dict(seed_calls=True), {}, expect("M")),
 }
 
 
 @pytest.mark.parametrize("name", list(AUDITS))
 def test_verdicts_are_the_ones_deepspeeds_source_predicts(name):
-    options, wrapping, flags, predicted = AUDITS[name]
-    assert audit(gate(**options), *flags, **wrapping) == predicted
+    options, wrapping, asked, predicted = AUDITS[name]
+    assert audit(gate(**options), asked, **wrapping) == predicted
 
 
 def test_a_latent_finding_is_told_apart_and_fails_the_default_gate():
     # top2-eval-capacity-inference's P: the capacity in force changed, no decision did.
     g = gate(2, eval_capacity_factor=2.0, top2_2nd_expert_sampling=False)
-    flags = (*SIZES, "--mode", "inference", "--probes", "P")
-    report = moe_audit.check(mds.wrap(g), *flags)
+    asked = dict(SIZES, mode="inference", probes="P")
+    report = moe_audit.check(mds.wrap(g), **asked)
     assert (report.latent, report.leaks, report.exit_code) == (["P"], [], 1), report
     finding = report.findings[0]
-    assert (finding["affected"], finding["capacity_changed"]) == (0, True), finding
-    assert moe_audit.check(mds.wrap(g), *flags, "--fail-on", "leak").exit_code == 0
+    assert (finding.fields["affected"], finding.fields["capacity_changed"]) == (0, True), finding
+    assert moe_audit.check(mds.wrap(g), **asked, fail_on="leak").exit_code == 0
 
 
 def test_an_moe_layer_is_audited_through_its_gate():
@@ -272,7 +272,7 @@ def test_an_moe_layer_is_audited_through_its_gate():
 def rsample_in_inference():
     # RSample draws only in training (ds:575-577 passes no policy in eval): the serving path is
     # deterministic.
-    return audit(gate(**RSAMPLE), "--mode", "inference")
+    return audit(gate(**RSAMPLE), dict(mode="inference"))
 
 
 def test_a_gate_random_only_in_training_passes_the_inference_audit(rsample_in_inference):
@@ -302,7 +302,8 @@ def test_the_recipe_serves_deepspeeds_default_top2_gate_in_four_lines(tmp_path):
     script.write_text(RECIPE)
     env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
     proc = subprocess.run([moe_audit.binary(), "check", "--router-cmd", f"{sys.executable} {script}",
-                           "--format", "json", *SIZES], capture_output=True, text=True, env=env, timeout=600)
+                           "--format", "json", *(f"--{k.replace('_', '-')}={v}" for k, v in SIZES.items())],
+                          capture_output=True, text=True, env=env, timeout=600)
     # Sampled second experts in both modes (ds:338-341): random, so D leaks and nothing else is shown.
     assert verdicts(proc) == RANDOM, proc.stderr
     assert proc.returncode == 1

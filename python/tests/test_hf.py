@@ -34,7 +34,7 @@ import moe_audit  # noqa: E402
 import moe_audit.hf as hf  # noqa: E402
 
 H, E = 32, 8
-SIZES = ("--batch", "2", "--seq-len", "32", "--trials", "8")
+SIZES: dict[str, Any] = dict(batch=2, seq_len=32, trials=8)
 PROBES = "PFNRDSML"
 ALL_PASS = dict.fromkeys(PROBES, "pass")
 
@@ -97,8 +97,8 @@ def verdicts(report):
     return report.verdicts
 
 
-def audit(module, *args, **options):
-    return moe_audit.check(wrap(module, **options), *SIZES, *args).verdicts
+def audit(module, probes=None, mode=None, **options):
+    return moe_audit.check(wrap(module, **options), **SIZES, probes=probes, mode=mode).verdicts
 
 
 def leaking(found):
@@ -156,20 +156,20 @@ def test_a_router_random_only_in_training_leaks_nothing_in_inference_mode():
     # mode, are inconclusive. The advice names seed_calls=True, which moe_audit.hf offers.
     block = MixtralSparseMoeBlock(transformers.MixtralConfig(hidden_size=64, intermediate_size=64,
                                                              num_local_experts=8, router_jitter_noise=0.1))
-    report = moe_audit.check(wrap(block), "--mode", "inference", *SIZES)
+    report = moe_audit.check(wrap(block), mode="inference", **SIZES)
     found = report.verdicts
     assert found == dict(ALL_PASS, S="inconclusive", M="inconclusive"), found
-    d = next(f for f in report.findings if f["probe"] == "D")
-    assert "in training mode, " in d["note"] and "with seed_calls=True" in d["note"], d["note"]
+    d = report.finding("D")
+    assert "in training mode, " in d.note and "with seed_calls=True" in d.note, d.note
     # Seeded per token, training mode is deterministic too: S passes, and M leaks for real
     # (training routes jittered logits, serving does not).
-    assert audit(block, "--mode", "inference", seed_calls=True) == dict(ALL_PASS, M="leak")
+    assert audit(block, mode="inference", seed_calls=True) == dict(ALL_PASS, M="leak")
 
 
 def test_nllb_moe_verdicts_do_not_depend_on_the_probes_run():
     full = audit(nllb(capacity=4))
     for probes in ("L", "M,L", "S", "P,S"):
-        part = audit(nllb(capacity=4), "--probes", probes)
+        part = audit(nllb(capacity=4), probes=probes)
         assert part == {p: full[p] for p in part}, (probes, part)
 
 

@@ -237,14 +237,11 @@ def test_the_readmes_whole_model_audit_is_at_most_five_lines_and_wraps_every_lay
     assert hs["vocab"] == 1000 and hs["outputs"] == 128 and hs["generate"]
 
 
-# Whole-model audits by the binary (moe-audit/3), at small sizes.
-SIZES = ("--batch", "2", "--seq-len", "16", "--trials", "4")
-
-
+# Whole-model audits by the binary (moe-audit/3), at coverage.audit_model's small sizes.
 def audit(model, **options):
     from moe_audit.hf import coverage
 
-    verdicts, first, error = coverage.audit_model(hf.wrap(model, **options), *SIZES)
+    verdicts, first, error = coverage.audit_model(hf.wrap(model, **options))
     assert error is None, error
     return verdicts, first
 

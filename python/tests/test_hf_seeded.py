@@ -24,8 +24,8 @@ E = 8
 SEEDED_PASS = dict(ALL_PASS, M="leak")  # training-time randomness is a real train/inference difference
 
 
-def seeded(module, *args):
-    return verdicts(moe_audit.check(wrap(module, seed_calls=True), *SIZES, *args))
+def seeded(module, **options):
+    return verdicts(moe_audit.check(wrap(module, seed_calls=True), **SIZES, **options))
 
 
 def rows(n, seed=0):
@@ -127,18 +127,18 @@ class PerCallSeeded:
 def test_seeding_each_call_by_shape_shows_as_leaks():
     # The reason for per-token keys: the same call draws the same noise (D passes), but a token's
     # noise follows its flat position, so another prefix, batch or layout changes it.
-    found = verdicts(moe_audit.check(PerCallSeeded(wrap(mixtral(jitter=0.1))), *SIZES))
+    found = verdicts(moe_audit.check(PerCallSeeded(wrap(mixtral(jitter=0.1))), **SIZES))
     assert found["D"] == "pass" and {"P", "R", "L"} <= set(leaking(found)), found
 
 
-@pytest.mark.parametrize("mode", [(), ("--mode", "train"), ("--mode", "inference")],
+@pytest.mark.parametrize("mode", [None, "train", "inference"],
                          ids=["default", "train", "inference"])
 def test_seeded_mixtral_jitter_passes(mode):
-    assert seeded(mixtral(jitter=0.1), *mode) == SEEDED_PASS
+    assert seeded(mixtral(jitter=0.1), mode=mode) == SEEDED_PASS
 
 
 def test_seeded_mixtral_passes_the_probes_run_alone():
-    assert seeded(mixtral(jitter=0.1), "--probes", "P,F,N,R,L,D") == dict.fromkeys("PFNRLD", "pass")
+    assert seeded(mixtral(jitter=0.1), probes="P,F,N,R,L,D") == dict.fromkeys("PFNRLD", "pass")
 
 
 def test_seeded_phimoe_sampling_passes():

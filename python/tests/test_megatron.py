@@ -19,6 +19,7 @@ import os
 import re
 import subprocess
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
@@ -34,7 +35,7 @@ import moe_audit  # noqa: E402
 import moe_audit.megatron as megatron  # noqa: E402
 
 H, E = 32, 8
-SIZES = ("--batch", "2", "--seq-len", "32", "--trials", "8")
+SIZES: dict[str, Any] = dict(batch=2, seq_len=32, trials=8)
 PROBES = "PFNRDSML"
 ALL_PASS = dict.fromkeys(PROBES, "pass")
 
@@ -52,8 +53,8 @@ def verdicts(proc):
     return {f["probe"]: f["verdict"] for f in report["routers"][0]["findings"]}
 
 
-def audit(router, *args):
-    return moe_audit.check(router, *SIZES, *args).verdicts
+def audit(router, **options):
+    return moe_audit.check(router, **SIZES, **options).verdicts
 
 
 def leaking(found, verdict="leak"):
@@ -68,24 +69,24 @@ JITTER = dict(moe_input_jitter_eps=0.1)
 
 # (name, config options, wrap options, check arguments, the probes that leak).
 CASES = [
-    ("softmax top-2, dropless", {}, {}, (), ""),
-    ("softmax before top-1, dropless", dict(moe_router_topk=1, moe_router_pre_softmax=True), {}, (), ""),
-    ("sigmoid, expert bias, groups", SIGMOID_GROUPS, {}, (), ""),
-    ("capacity 1.0, probs", CAPACITY, {}, (), "PFNRL"),
+    ("softmax top-2, dropless", {}, {}, {}, ""),
+    ("softmax before top-1, dropless", dict(moe_router_topk=1, moe_router_pre_softmax=True), {}, {}, ""),
+    ("sigmoid, expert bias, groups", SIGMOID_GROUPS, {}, {}, ""),
+    ("capacity 1.0, probs", CAPACITY, {}, {}, "PFNRL"),
     # F leaks only because CPU torch.topk over the 0/1 map keeps arbitrary tied rows: later
     # tokens decide which earlier ones survive (first come first served would pass F).
-    ("capacity 1.0, position", dict(CAPACITY, moe_token_drop_policy="position"), {}, (), "PFNRL"),
-    ("capacity 1.0, probs, pad to capacity", dict(CAPACITY, moe_pad_expert_input_to_capacity=True), {}, (), "PFNRL"),
+    ("capacity 1.0, position", dict(CAPACITY, moe_token_drop_policy="position"), {}, {}, "PFNRL"),
+    ("capacity 1.0, probs, pad to capacity", dict(CAPACITY, moe_pad_expert_input_to_capacity=True), {}, {}, "PFNRL"),
     # Never binding, but computed from the call's tokens: the capacity in force alone changes
     # (latent P R L: LATENT below).
-    ("capacity 8.0 (never binding)", dict(moe_expert_capacity_factor=8.0), {}, (), ""),
-    ("sinkhorn", SINKHORN, {}, (), "PFNRML"),
-    ("sinkhorn, --mode inference", SINKHORN, {}, ("--mode", "inference"), "M"),
-    ("capacity 1.0, probs, --mode inference", CAPACITY, {}, ("--mode", "inference"), "PFNRL"),
-    ("softmax top-2, --mode inference", {}, {}, ("--mode", "inference"), ""),
-    ("input jitter 0.1", JITTER, {}, (), "D"),
-    ("input jitter 0.1, seed_calls", JITTER, dict(seed_calls=True), (), ""),
-    ("input jitter 0.1, --mode inference", JITTER, {}, ("--mode", "inference"), "D"),
+    ("capacity 8.0 (never binding)", dict(moe_expert_capacity_factor=8.0), {}, {}, ""),
+    ("sinkhorn", SINKHORN, {}, {}, "PFNRML"),
+    ("sinkhorn, --mode inference", SINKHORN, {}, dict(mode="inference"), "M"),
+    ("capacity 1.0, probs, --mode inference", CAPACITY, {}, dict(mode="inference"), "PFNRL"),
+    ("softmax top-2, --mode inference", {}, {}, dict(mode="inference"), ""),
+    ("input jitter 0.1", JITTER, {}, {}, "D"),
+    ("input jitter 0.1, seed_calls", JITTER, dict(seed_calls=True), {}, ""),
+    ("input jitter 0.1, --mode inference", JITTER, {}, dict(mode="inference"), "D"),
 ]
 
 
@@ -93,13 +94,13 @@ CASES = [
 LATENT = {"capacity 8.0 (never binding)": "PRL"}
 
 
-@pytest.mark.parametrize("name,more,options,args,leaks", CASES, ids=[c[0] for c in CASES])
-def test_verdicts_are_the_ones_megatrons_source_predicts(name, more, options, args, leaks):
+@pytest.mark.parametrize("name,more,options,asked,leaks", CASES, ids=[c[0] for c in CASES])
+def test_verdicts_are_the_ones_megatrons_source_predicts(name, more, options, asked, leaks):
     router = megatron.wrap(config(**more), **options)
     if "moe_router_enable_expert_bias" in more:
         with torch.no_grad():
             router.router.expert_bias.copy_(torch.linspace(-0.05, 0.05, E))
-    found = audit(router, *args)
+    found = audit(router, **asked)
     assert leaking(found) == leaks, found
     assert leaking(found, "latent") == LATENT.get(name, ""), found
     if leaks == "D":
@@ -281,7 +282,8 @@ def test_the_five_line_recipe_serves_the_router_to_moe_audit_check_router_cmd(tm
     script.write_text("\n".join(line[4:] for line in recipe.splitlines()) + "\n")
     package = os.path.dirname(os.path.dirname(moe_audit.__file__))  # the moe_audit this test imports
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([package, os.environ.get("PYTHONPATH", "")]))
-    command = [moe_audit.binary(), "check", "--router-cmd", f"{sys.executable} {script}", "--format", "json", *SIZES]
+    command = [moe_audit.binary(), "check", "--router-cmd", f"{sys.executable} {script}", "--format", "json",
+               *(f"--{k.replace('_', '-')}={v}" for k, v in SIZES.items())]
     proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert leaking(verdicts(proc)) == "PFNRL", proc.stdout
 

@@ -9,7 +9,7 @@ import reprlib
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, SupportsIndex
 
 import numpy as np
 
@@ -50,15 +50,15 @@ def read_request(stream: Iterable[bytes], width: int) -> Request | None:
     return None
 
 
-def brief(x: Any) -> str:
+def brief(x: object) -> str:
     """x's repr shortened to one line, for an error message (moe-audit quotes stderr's last line)."""
     return " ".join(reprlib.repr(x).split())
 
 
-def count(x: Any) -> int | None:
+def count(x: object) -> int | None:
     """x as an int when it is an integer (Python, numpy, or anything with ``__index__``), else
     None; a bool is no count."""
-    if isinstance(x, (bool, np.bool_)):
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, SupportsIndex):
         return None
     try:
         return operator.index(x)
@@ -70,7 +70,7 @@ _SCOPE = re.compile(r"sequence|batch|tokens:[1-9][0-9]*")
 _FLATTEN = ("sequence-major", "position-major")
 
 
-def _capacity_error(capacity: Any, experts: int, problem: str,
+def _capacity_error(capacity: object, experts: int, problem: str,
                     kind: type[Exception] = ValueError) -> Exception:
     return kind(
         f"moe-audit adapter: route() returned capacity {brief(capacity)}: {problem}; a capacity is None "
@@ -141,7 +141,7 @@ def capacity_form(capacity: Any, experts: int, ranks: int | None = None) -> None
 _warned: set[str] = set()
 
 
-def capacity_list(capacity: Any, experts: int) -> list[int] | None:
+def capacity_list(capacity: object, experts: int) -> list[int] | None:
     """A capacity as /1 states it: E slot counts for the call, or None."""
     form = capacity_form(capacity, experts)
     if not isinstance(form, dict):

@@ -9,7 +9,7 @@
     moe_audit.hf.run(MixtralSparseMoeBlock(MixtralConfig(hidden_size=64, num_local_experts=8)))
 
 serves the block to ``moe-audit check --router-cmd "python3 this_file.py"``;
-``moe_audit.check(moe_audit.hf.wrap(block), "--probes", "P,F")`` audits it from this process.
+``moe_audit.check(moe_audit.hf.wrap(block), probes="P,F")`` audits it from this process.
 
 ``wrap`` finds the router inside the module it is given by structure (:func:`moe_audit.hf.discover`:
 a router, an MoE block, or a layer holding one: the first router found), and per call:

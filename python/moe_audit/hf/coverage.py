@@ -38,8 +38,7 @@ from .routers import Decoded, NotCovered, Site, config_value
 #: seconds, reason.
 Row = dict[str, Any]
 
-SIZES = ("--batch", "2", "--seq-len", "16", "--trials", "4", "--timeout", "600")
-#: Seconds one family's audit may take.
+#: Seconds one family's audit may take (and one answer of its model).
 AUDIT_TIMEOUT = 600
 
 
@@ -103,20 +102,22 @@ def check_decode(site: Site, decoded: Decoded, config: Any, ids: Any = None) -> 
     return None, float(routed.float().mean())
 
 
-def audit_model(wrapped: Any, *args: str) -> tuple[dict[str, str] | None, dict[str, Any] | None, str | None]:
+def audit_model(wrapped: Any, batch: int = 2, seq_len: int = 16,
+                trials: int = 4) -> tuple[dict[str, str] | None, dict[str, Any] | None, str | None]:
     """({probe: verdict}, {probe: first leaking layer}, error) of ``moe-audit check`` on a
-    wrapped model at the sizes of :data:`SIZES` (or ``args``)."""
+    wrapped model, at small sizes by default."""
     import subprocess
 
     import moe_audit
 
     try:
-        report = moe_audit.check(wrapped, *(args or SIZES), timeout=AUDIT_TIMEOUT)
+        report = moe_audit.check(wrapped, batch=batch, seq_len=seq_len, trials=trials, answer_timeout=AUDIT_TIMEOUT,
+                                 timeout=AUDIT_TIMEOUT)
     except subprocess.TimeoutExpired:
         return None, None, f"over {AUDIT_TIMEOUT} s"
     except moe_audit.CheckError as e:
         return None, None, f"error: {e}"
-    first = {f["probe"]: f["first_layer"] for f in report.findings if f["verdict"] == "leak"}
+    first = {f.probe: f.fields["first_layer"] for f in report.findings if f.verdict == "leak"}
     return report.verdicts, first, None
 
 

@@ -27,7 +27,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Union, cast
 
 import numpy as np
+import numpy.typing as npt
 import torch
+
+from ..errors import MoeAuditError
 
 #: What a router's forward hook saw: its positional arguments.
 Inputs = Sequence[Any]
@@ -39,7 +42,7 @@ Accepts = Callable[[torch.nn.Module, Any], bool]
 Decode = Callable[[torch.nn.Module, Inputs, Any, Dispatch], "Decoded"]
 
 
-class NotCovered(TypeError):
+class NotCovered(MoeAuditError, TypeError):
     """A module with no router found, or a router no decoder reads (the message says what to do)."""
 
 
@@ -59,8 +62,9 @@ class Decoded:
     capacity: Any = None
 
     @classmethod
-    def of(cls, experts: Any, weights: Any, kept: Any = None, logits: Any = None, capacity: Any = None,
-           present: Any = None, order: bool = True) -> Decoded:
+    def of(cls, experts: torch.Tensor | npt.ArrayLike, weights: torch.Tensor | npt.ArrayLike,
+           kept: torch.Tensor | npt.ArrayLike | None = None, logits: torch.Tensor | npt.ArrayLike | None = None,
+           capacity: Any = None, present: torch.Tensor | npt.ArrayLike | None = None, order: bool = True) -> Decoded:
         """From tensors or arrays of any leading shape (flattened to [T, k]). ``order``: put each
         token's routes in decreasing weight (ties: lower expert id), the choice order of a sorted
         top-k; routers that pick unsorted then compare alike. ``present`` [T] or [T, k]: False
@@ -69,20 +73,20 @@ class Decoded:
         k = experts.shape[-1]
         experts = experts.reshape(-1, k)
         weights = _numpy(weights).astype(np.float32).reshape(-1, k)
-        kept = np.ones(experts.shape, dtype=bool) if kept is None else _numpy(kept).astype(bool).reshape(-1, k)
+        flags = np.ones(experts.shape, dtype=bool) if kept is None else _numpy(kept).astype(bool).reshape(-1, k)
         if order and k > 1:
             # lexsort: last key first; stable, so equal weights keep the lower expert id first.
             idx = np.lexsort((experts, -weights.astype(np.float64)), axis=1)
-            experts, weights, kept = (np.take_along_axis(a, idx, axis=1) for a in (experts, weights, kept))
+            experts, weights, flags = (np.take_along_axis(a, idx, axis=1) for a in (experts, weights, flags))
         if present is not None:
             present = np.broadcast_to(_numpy(present).astype(bool).reshape(len(experts), -1), experts.shape)
             experts = np.where(present, experts, -1)
             weights = np.where(present, weights, 0.0).astype(np.float32)
-            kept = kept & present
+            flags = flags & present
         if logits is not None:
             logits = _numpy(logits).astype(np.float32)
             logits = logits.reshape(-1, logits.shape[-1])
-        return cls(experts.astype(np.int32), weights, kept, logits, capacity)
+        return cls(experts.astype(np.int32), weights, flags, logits, capacity)
 
 
 @dataclass
@@ -138,7 +142,7 @@ class Decoder:
     decode: Decode
 
 
-def _numpy(x: Any) -> np.ndarray:
+def _numpy(x: torch.Tensor | npt.ArrayLike) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         return x.detach().float().cpu().numpy() if x.is_floating_point() else x.detach().cpu().numpy()
     return np.asarray(x)

@@ -53,6 +53,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from ..errors import MoeAuditError
+
 #: A torch function or method, as __torch_function__ gets it.
 Op = Callable[..., Any]
 #: ``draw(token's slice, its index, its generator)``: fills the slice.
@@ -61,7 +63,7 @@ Draw = Callable[[torch.Tensor, Any, torch.Generator], Any]
 Fill = Callable[[torch.Tensor, torch.Generator], Any]
 
 
-class NotKeyed(RuntimeError):
+class NotKeyed(MoeAuditError, RuntimeError):
     """A random draw of a seeded call that cannot be keyed per token."""
 
 
