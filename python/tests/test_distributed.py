@@ -67,7 +67,7 @@ def test_answers_are_assembled_in_the_calls_order():
     assert experts[:, 0].tolist() == [0, 1, 2, 3]
     assert kept[:, 0].tolist() == [True, True, False, True]
     assert capacity == {"scope": "rank", "slots": [5, 7]}
-    assert rows[:, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert rows is not None and rows[:, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
 def test_ranks_that_disagree_are_an_error():
@@ -111,7 +111,9 @@ class Launch:
                    str(script), *args]
         self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      env=environment, start_new_session=True)
-        line = self.proc.stdout.readline()
+        assert self.proc.stdin and self.proc.stdout and self.proc.stderr
+        self.stdin, self.stdout, self.stderr = self.proc.stdin, self.proc.stdout, self.proc.stderr
+        line = self.stdout.readline()
         self.handshake = json.loads(line) if line else None
 
     def call(self, data, placement=None, mode="train", request_id=1):
@@ -121,13 +123,13 @@ class Launch:
                   "padding": False, "bytes": data.nbytes}
         if placement is not None:
             header["placement"] = placement
-        self.proc.stdin.write(json.dumps(header).encode() + b"\n" + data.astype("<f4").tobytes())
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
+        self.stdin.write(json.dumps(header).encode() + b"\n" + data.astype("<f4").tobytes())
+        self.stdin.flush()
+        line = self.stdout.readline()
         if not line:
             return None
         r = json.loads(line)
-        payload = self.proc.stdout.read(r["bytes"])
+        payload = self.stdout.read(r["bytes"])
         t, n = b * s, r["routes"]
         k = n // t
         experts = np.frombuffer(payload, "<i4", n, 4 * t).reshape(t, k)
@@ -138,9 +140,9 @@ class Launch:
 
     def close(self, timeout=60):
         """(exit code, stderr) once the launch has ended."""
-        if self.proc.stdin and not self.proc.stdin.closed:
+        if not self.stdin.closed:
             try:
-                self.proc.stdin.close()
+                self.stdin.close()
             except BrokenPipeError:
                 pass
         try:
@@ -148,7 +150,7 @@ class Launch:
         finally:
             if self.proc.poll() is None:
                 os.killpg(self.proc.pid, 9)
-        return code, self.proc.stderr.read().decode(errors="replace")
+        return code, self.stderr.read().decode(errors="replace")
 
 
 def batch(b=4, s=64, h=64, seed=0):
@@ -166,6 +168,7 @@ def torch():
 
 def test_the_fake_layer_answers_per_rank_with_its_placement(torch):
     launch = Launch(FAKE)
+    assert launch.handshake is not None
     assert launch.handshake["ranks"] == 2 and launch.handshake["output"] == "float32"
     data = batch(h=8, s=16)
     header, experts, _, kept, rows = launch.call(data)
