@@ -281,6 +281,6 @@ mod tests {
     fn the_default_probes_are_probe_all() {
         let cli = crate::cli::Cli::parse_from(["moe-audit", "check", "mixtral"]);
         let crate::cli::Command::Check(args) = cli.command else { panic!("not check") };
-        assert_eq!(Probe::parse_list(&args.probes).unwrap(), Probe::ALL.to_vec());
+        assert_eq!(Probe::parse_list(&args.probes).unwrap(), Probe::DEFAULT.to_vec());
     }
 }

@@ -97,7 +97,7 @@ fn mixtral_style_python_router_passes_every_probe() {
     let (code, report) = check_json(&["--router-cmd", MIXTRAL]);
     assert_eq!(code, 0);
     assert_eq!(report.routers[0].router, "mixtral-py");
-    assert_eq!(verdicts(&report), Probe::ALL.iter().map(|&p| (p, Verdict::Pass)).collect::<Vec<_>>());
+    assert_eq!(verdicts(&report), Probe::DEFAULT.iter().map(|&p| (p, Verdict::Pass)).collect::<Vec<_>>());
     assert!(report.routers[0].invariants.is_empty());
 }
 
@@ -224,7 +224,7 @@ fn trace_plan_covers_hidden_input_routers() {
     assert!(harness.status.success(), "{}", String::from_utf8_lossy(&harness.stderr));
     let (code, report) = check_json(&["--traces", dir_s]);
     assert_eq!(code, 0);
-    assert_eq!(verdicts(&report), Probe::ALL.iter().map(|&p| (p, Verdict::Pass)).collect::<Vec<_>>());
+    assert_eq!(verdicts(&report), Probe::DEFAULT.iter().map(|&p| (p, Verdict::Pass)).collect::<Vec<_>>());
 }
 
 #[test]

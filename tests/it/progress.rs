@@ -56,13 +56,13 @@ fn an_audit_reports_each_probe_and_its_cases_without_changing_a_bit() {
 
     let labels: Vec<&str> = seen.iter().map(|(l, _, _)| l.as_str()).collect();
     // Training-mode probes first, then M, then S (which reads the calls around the other mode).
-    let order = Probe::ALL.iter().filter(|p| !matches!(p, Probe::M | Probe::S)).chain([&Probe::M, &Probe::S]);
+    let order = Probe::DEFAULT.iter().filter(|p| !matches!(p, Probe::M | Probe::S)).chain([&Probe::M, &Probe::S]);
     let want: Vec<String> = order.map(|p| format!("megatron-probs {}", p.name())).collect();
     assert_eq!(labels, want);
     for (label, planned, done) in &seen {
         assert_eq!(planned, done, "{label}: every planned case is done");
     }
-    let cases = |p: Probe| seen[Probe::ALL.iter().position(|&q| q == p).unwrap()].2;
+    let cases = |p: Probe| seen[Probe::DEFAULT.iter().position(|&q| q == p).unwrap()].2;
     assert_eq!(cases(Probe::F), 6);
     assert_eq!(cases(Probe::N), 6);
     // P counts the prefixes it routed, as its note says.

@@ -124,7 +124,7 @@ fn default_ranks() -> usize {
 impl Default for AuditOptions {
     fn default() -> Self {
         let RunSizes { batch, seq_len, trials, ranks, .. } = RunSizes::default();
-        AuditOptions { probes: Probe::ALL.to_vec(), batch, seq_len, trials, seed: 0, ranks, exhaustive: false }
+        AuditOptions { probes: Probe::DEFAULT.to_vec(), batch, seq_len, trials, seed: 0, ranks, exhaustive: false }
     }
 }
 

@@ -258,7 +258,7 @@ fn base_call(grid: &Grid, cell: &Cell, layer: &MoeLayer) -> Result<(moe_audit_co
 }
 
 fn run_cell(grid: &Grid, cell: &Cell, layer: &MoeLayer) -> Result<CellResult> {
-    let mut probes = Probe::ALL.to_vec();
+    let mut probes = Probe::DEFAULT.to_vec();
     if grid.numerics {
         probes.push(Probe::X);
     }

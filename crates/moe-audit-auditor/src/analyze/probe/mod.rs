@@ -219,7 +219,10 @@ pub(crate) trait Rule: Sync {
 
 impl Probe {
     /// The default probes of a router audit, in report order (the opt-in ones are left out).
-    pub const ALL: &'static [Probe] = &select::<{ count(serves::ROUTER) }>(serves::ROUTER);
+    pub const DEFAULT: &'static [Probe] = &select::<{ count(serves::ROUTER) }>(serves::ROUTER);
+    /// The old name of [`Probe::DEFAULT`]: not every probe (X is opt-in), the defaults.
+    #[deprecated(since = "0.3.0", note = "the default probes: use `Probe::DEFAULT`")]
+    pub const ALL: &'static [Probe] = Probe::DEFAULT;
     /// Every probe a router audit knows, in report order.
     pub const KNOWN: &'static [Probe] =
         &select::<{ count(serves::ROUTER | serves::OPT_IN) }>(serves::ROUTER | serves::OPT_IN);
@@ -265,7 +268,7 @@ impl Probe {
     /// The default probes as a comma-separated list (`P,F,N,R,D,S,M,L`): the probe flags'
     /// default.
     pub fn default_list() -> String {
-        Probe::ALL.iter().map(Probe::to_string).collect::<Vec<_>>().join(",")
+        Probe::DEFAULT.iter().map(Probe::to_string).collect::<Vec<_>>().join(",")
     }
 
     /// The `--probes` help of `audit`: every probe it runs by default, named, then (a router's)
@@ -273,7 +276,7 @@ impl Probe {
     pub fn help(audit: Audit) -> String {
         let named = |p: &Probe| format!("{p} {}", p.name());
         let (defaults, known) = match audit {
-            Audit::Router => (Probe::ALL, Probe::KNOWN),
+            Audit::Router => (Probe::DEFAULT, Probe::KNOWN),
             Audit::Model => (Probe::MODEL, Probe::MODEL),
         };
         let list: Vec<String> = defaults.iter().map(named).collect();
