@@ -269,14 +269,7 @@ class Layer:
     def fingerprint(self) -> str | None:
         """The gate's weight and every expert's parameters in global expert order (local expert i
         of EP rank r is global expert r * local + i), gathered over the expert-parallel group."""
-        import torch.distributed as dist
-
-        mine = [b"".join(p.detach().float().cpu().numpy().tobytes() for _, p in sorted(e.named_parameters()))
-                for e in _experts(self.moe)]
-        everyone: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(everyone, mine, group=self.group)
-        gate = self.gate.gate.wg.weight.detach().float().cpu().numpy().tobytes()
-        return distributed.fingerprint_of([gate] + [e for rank in everyone for e in rank])
+        return distributed.experts_fingerprint(self.gate.gate.wg.weight, _experts(self.moe), self.group)
 
 
 def seed_experts(moe: Any, seed: int = 0, std: float = 0.02) -> None:
@@ -288,13 +281,7 @@ def seed_experts(moe: Any, seed: int = 0, std: float = 0.02) -> None:
 
     local = _experts(moe)
     first = dist.get_rank(_ep_group(moe)) * len(local) if dist.is_initialized() else 0
-    with torch.no_grad():
-        weight = find_gate(moe).wg.weight
-        weight.copy_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(seed)) * std)
-        for i, expert in enumerate(local):
-            g = torch.Generator().manual_seed(seed * 1_000_003 + first + i + 1)
-            for _, p in sorted(expert.named_parameters()):
-                p.copy_(torch.randn(p.shape, generator=g) * std)
+    distributed.seed_experts(find_gate(moe).wg.weight, local, first, seed, std)
 
 
 def run_layer(moe: torch.nn.Module, placement: str = "contiguous", **options: Any) -> None:

@@ -239,6 +239,38 @@ def fingerprint_of(parts: list[bytes]) -> str:
     return h.hexdigest()[:32]
 
 
+def experts_fingerprint(router_weight: Any, local_experts: Any, group: Any) -> str | None:
+    """:func:`fingerprint_of` the router's weight and every expert's parameters (each sorted by
+    name) in global expert order, local expert i of EP rank r being global expert r * local + i,
+    gathered over the expert-parallel ``group`` (collective); None when a rank has no such list
+    (``local_experts`` None: a layout that changes with the EP size)."""
+    import torch.distributed as dist
+
+    mine = None if local_experts is None else [
+        b"".join(p.detach().float().cpu().numpy().tobytes() for _, p in sorted(e.named_parameters()))
+        for e in local_experts]
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    if any(m is None for m in everyone):
+        return None
+    router = router_weight.detach().float().cpu().numpy().tobytes()
+    return fingerprint_of([router] + [e for rank in everyone for e in rank])
+
+
+def seed_experts(router_weight: Any, local_experts: Any, first: int, seed: int, std: float) -> None:
+    """Draws the router's weight from ``seed`` and each local expert's parameters (sorted by name)
+    from a generator keyed by its global id (``first`` + its local index), so a layer built at any
+    expert-parallel size gets the same weights."""
+    import torch
+
+    with torch.no_grad():
+        router_weight.copy_(torch.randn(router_weight.shape, generator=torch.Generator().manual_seed(seed)) * std)
+        for i, expert in enumerate(local_experts):
+            g = torch.Generator().manual_seed(seed * 1_000_003 + first + i + 1)
+            for _, p in sorted(expert.named_parameters()):
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+
+
 def _assemble(locals_: list[Local], order: list[list[int]], batch: int, seq_len: int
               ) -> tuple[tuple[np.ndarray, ...], Any, np.ndarray | None]:
     """Every rank's answer in the call's order: (experts, weights, kept) [T, k], the capacity
@@ -529,5 +561,5 @@ def run_model_driver(driver: ModelDriver) -> None:
     _one_line_on_failure(lambda: serve_model(driver))
 
 
-__all__ = ["FAULT", "PLACEMENTS", "Driver", "Local", "ModelDriver", "fault", "fingerprint_of", "placement",
-           "run_driver", "run_model_driver", "serve", "serve_model"]
+__all__ = ["FAULT", "PLACEMENTS", "Driver", "Local", "ModelDriver", "experts_fingerprint", "fault", "fingerprint_of",
+           "placement", "run_driver", "run_model_driver", "seed_experts", "serve", "serve_model"]

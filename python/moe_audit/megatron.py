@@ -343,10 +343,6 @@ class Router:
                     seed_calls=self.seed_calls)
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 class Layer:
     """A Megatron-Core ``MoELayer`` as built by the user's script, run on this rank's sequences
     over its expert-parallel group (a :class:`moe_audit.distributed.Driver`).
@@ -372,7 +368,7 @@ class Layer:
         self.top_k = int(self.router.topk)
         self.hidden_size = int(self.router.weight.shape[1])
         self.dtype = next(p.dtype for p in layer.experts.parameters())
-        self.output_dtype = _dtype_name(self.dtype)
+        self.output_dtype = str(self.dtype).removeprefix("torch.")
         self.seed_calls = seed_calls
         ep = int(config.expert_model_parallel_size)
         self.name = name or f"{_name(config, self.top_k)}-{config.moe_token_dispatcher_type}-ep{ep}"
@@ -393,20 +389,10 @@ class Layer:
         """The router's weight and every expert's parameters in global expert order, gathered over
         the expert-parallel group (a SequentialMLP: local expert i of EP rank r is global expert
         r * local + i); None for other expert modules, whose layout changes with the EP size."""
-        import torch.distributed as dist
         from megatron.core import parallel_state
 
-        local = getattr(self.layer.experts, "local_experts", None)
-        mine = None if local is None else [
-            b"".join(p.detach().float().cpu().numpy().tobytes() for _, p in sorted(e.named_parameters()))
-            for e in local]
-        group = parallel_state.get_expert_model_parallel_group()
-        everyone: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, mine, group=group)
-        if any(m is None for m in everyone):
-            return None
-        router = self.router.weight.detach().float().cpu().numpy().tobytes()
-        return distributed.fingerprint_of([router] + [e for rank in everyone for e in rank])
+        return distributed.experts_fingerprint(self.router.weight, getattr(self.layer.experts, "local_experts", None),
+                                               parallel_state.get_expert_model_parallel_group())
 
 
 def seed_experts(layer: Any, seed: int = 0, std: float = 0.02) -> None:
@@ -421,13 +407,7 @@ def seed_experts(layer: Any, seed: int = 0, std: float = 0.02) -> None:
     if local is None:
         raise TypeError("moe_audit.megatron.seed_experts: needs SequentialMLP experts (local_experts)")
     first = parallel_state.get_expert_model_parallel_rank() * len(local)
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(seed)
-        layer.router.weight.copy_(torch.randn(layer.router.weight.shape, generator=g) * std)
-        for i, expert in enumerate(local):
-            g = torch.Generator().manual_seed(seed * 1_000_003 + first + i + 1)
-            for _, p in sorted(expert.named_parameters()):
-                p.copy_(torch.randn(p.shape, generator=g) * std)
+    distributed.seed_experts(layer.router.weight, local, first, seed, std)
 
 
 def run_layer(layer: torch.nn.Module, placement: str = "contiguous", **options: Any) -> None:
