@@ -378,8 +378,9 @@ class Layer:
         batch, seq_len = hidden.shape[:2]
         self.layer.train(mode == "train")
         x = hidden.transpose(0, 1).contiguous().to(self.router.weight.device, self.dtype)  # [S, b, H]
-        rows = x.float().cpu().numpy()
-        seeded = PerToken(seed, rows) if self.seed_calls and seed is not None else contextlib.nullcontext()
+        # Jitter is drawn on [S, b, H]: keyed by the rows in that layout (a copy made only when asked).
+        seeded: Any = (PerToken(seed, x.float().cpu().numpy()) if self.seed_calls and seed is not None
+                       else contextlib.nullcontext())
         with _capture([self.router]) as seen, seeded:
             output, _ = self.layer(x)
         out = output.detach().float().cpu().numpy().transpose(1, 0, 2).reshape(batch * seq_len, -1)
