@@ -4,12 +4,15 @@
 use super::bars::AuditBar;
 use super::common::{CommKind, FailOn, MemoryArgs, SizeArgs};
 use super::exit;
-use super::external::{External, ExternalArgs};
+use super::external::ExternalArgs;
 use super::io_error;
 use clap::{ArgGroup, Args, ValueEnum};
-use moe_audit::analyze::{audit_configs, Audit, AuditOptions, Probe, Report};
-use moe_audit::config::{presets, RouterConfig};
-use moe_audit::error::{Error, Result};
+use moe_audit::analyze::{Audit, AuditOptions, Probe, Report};
+use moe_audit::check::{Check, Target};
+use moe_audit::config::presets;
+#[cfg(feature = "mpi")]
+use moe_audit::error::Error;
+use moe_audit::error::Result;
 use moe_audit::parallel::{split_batch, Communicator};
 use moe_audit::render::{
     json, render_github, render_junit, render_markdown, render_text, render_zoo, witness_path, write_witnesses,
@@ -93,14 +96,8 @@ pub enum CheckFormat {
 /// A validated `check`: what to audit, how, and where the report goes.
 #[derive(Debug)]
 pub struct CheckOptions {
-    /// The routers named on the command line, loaded.
-    configs: Vec<RouterConfig>,
-    /// Hidden and FFN size of the seeded layer the configs run in (unless on a real gate).
-    layer: (usize, usize),
-    /// The audit (the plan's, for traces).
-    audit: AuditOptions,
-    /// Routers outside moe-audit, and the real gate of the configs.
-    external: External,
+    /// The targets and the audit's options (the plan's, for traces).
+    check: Check,
     /// `--ranks` as given (MPI checks it against the world size).
     #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
     ranks: Option<usize>,
@@ -114,34 +111,14 @@ pub struct CheckOptions {
 }
 
 impl CheckArgs {
-    /// Every rule on the flags that clap cannot say, in one place; loads the configs and, for
-    /// traces, the plan's options.
+    /// Every rule on the flags that clap cannot say, in one place: the audit's options, then the
+    /// targets (the configs loaded), then the check they make (the plan's options for traces).
     pub fn validated(&self) -> Result<CheckOptions> {
         let budget = self.memory.budget();
-        let ranks = self.ranks.unwrap_or(RunSizes::default().ranks);
-        let sizes = self.sizes.validated(self.trials, ranks)?;
-        if self.ranks.is_some() {
-            split_batch(sizes.batch, ranks)?;
-        }
-        let probes = Probe::parse_list(&self.probes)?;
-        let external = self.external.validated(&probes)?;
-        let audit = AuditOptions {
-            probes,
-            batch: sizes.batch,
-            seq_len: sizes.seq_len,
-            trials: sizes.trials,
-            seed: self.seed,
-            ranks,
-            exhaustive: self.exhaustive,
-        };
-        let audit = external.options(audit, budget)?;
-        let configs = self.routers.iter().map(|r| RouterConfig::load(r)).collect::<Result<Vec<_>>>()?;
-        moe_audit::names::check_unique(configs.iter().map(|c| c.name.as_str())).map_err(Error::Usage)?;
+        let (options, layer) = self.audit_options()?;
+        let targets = self.external.targets(&self.routers, layer, &options.probes)?;
         Ok(CheckOptions {
-            configs,
-            layer: (sizes.hidden, sizes.ffn),
-            audit,
-            external,
+            check: Check::new(targets, options, budget)?,
             ranks: self.ranks,
             comm: self.comm,
             budget,
@@ -152,20 +129,25 @@ impl CheckArgs {
             github: self.github,
         })
     }
-}
 
-/// `analyze::audit_configs` with a progress bar on a terminal.
-fn audit_all(
-    configs: Vec<RouterConfig>,
-    options: &AuditOptions,
-    sizes: (usize, usize),
-    budget: MemoryBudget,
-    comm: Option<&dyn Communicator>,
-) -> Result<Report> {
-    let bar = AuditBar::stderr(configs.len() * options.probes.len());
-    let report = audit_configs(configs, options, sizes, budget, comm, &bar);
-    bar.finish();
-    report
+    /// The audit's options, and the seeded layer's hidden and FFN sizes.
+    fn audit_options(&self) -> Result<(AuditOptions, (usize, usize))> {
+        let ranks = self.ranks.unwrap_or(RunSizes::default().ranks);
+        let sizes = self.sizes.validated(self.trials, ranks)?;
+        if self.ranks.is_some() {
+            split_batch(sizes.batch, ranks)?;
+        }
+        let options = AuditOptions {
+            probes: Probe::parse_list(&self.probes)?,
+            batch: sizes.batch,
+            seq_len: sizes.seq_len,
+            trials: sizes.trials,
+            seed: self.seed,
+            ranks,
+            exhaustive: self.exhaustive,
+        };
+        Ok((options, (sizes.hidden, sizes.ffn)))
+    }
 }
 
 pub(super) fn run(check: CheckOptions, out: &mut dyn Write) -> Result<u8> {
@@ -196,20 +178,11 @@ fn run_mpi(_: CheckOptions, _: &mut dyn Write) -> Result<u8> {
 }
 
 fn audit_and_report(check: CheckOptions, out: &mut dyn Write, comm: Option<&dyn Communicator>) -> Result<u8> {
-    let CheckOptions { configs, layer, mut audit, external, budget, .. } = check;
-    if let Some(comm) = comm {
-        audit.ranks = comm.size();
-        split_batch(audit.batch, comm.size())?;
-    }
-    let mut report = if external.gate.is_some() {
-        Report { options: audit.clone(), routers: Vec::new() }
-    } else {
-        audit_all(configs.clone(), &audit, layer, budget, comm)?
-    };
-    report.routers.extend(external.audit(configs, &audit, budget)?);
+    let bar = AuditBar::stderr(check.check.probe_runs());
+    let report = check.check.run(check.budget, comm, &bar);
+    bar.finish();
+    let mut report = report?;
     name_exhaustive(&mut report);
-    // Routers named in their handshake or manifest too, before any file is written.
-    moe_audit::names::check_unique(report.routers.iter().map(|r| r.router.as_str())).map_err(Error::Usage)?;
     if comm.is_some_and(|c| c.rank() != 0) {
         return Ok(exit::failed_if(check.fail_on.fails(&report)));
     }
@@ -263,12 +236,23 @@ pub struct ZooArgs {
     pub seed: u64,
 }
 
-pub(super) fn zoo(args: &ZooArgs, out: &mut dyn Write) -> Result<u8> {
-    let options = AuditOptions { seed: args.seed, ..AuditOptions::default() };
+impl ZooArgs {
+    /// The audit's options: the defaults, with this seed.
+    pub fn validated(&self) -> AuditOptions {
+        AuditOptions { seed: self.seed, ..AuditOptions::default() }
+    }
+}
+
+pub(super) fn zoo(options: AuditOptions, out: &mut dyn Write) -> Result<u8> {
     let configs = presets().iter().map(|p| p.config()).collect::<Result<Vec<_>>>()?;
     let sizes = RunSizes::default();
-    let report = audit_all(configs, &options, (sizes.hidden, sizes.ffn), MemoryBudget::from_request(None), None)?;
-    out.write_all(render_zoo(&report).as_bytes()).map_err(io_error)?;
+    let targets = vec![Target::Configs { configs, hidden: sizes.hidden, ffn: sizes.ffn }];
+    let budget = MemoryBudget::from_request(None);
+    let check = Check::new(targets, options, budget)?;
+    let bar = AuditBar::stderr(check.probe_runs());
+    let report = check.run(budget, None, &bar);
+    bar.finish();
+    out.write_all(render_zoo(&report?).as_bytes()).map_err(io_error)?;
     Ok(exit::OK)
 }
 

@@ -8,8 +8,8 @@ use super::io_error;
 use clap::{Args, ValueEnum};
 use moe_audit::error::{Error, Result};
 use moe_audit::parallel::reduce::{Algorithm, Precision, ReducePlan};
-use moe_audit::parallel::swamping::{audit_in_process, sort_figures, AuditPlan, Figures, Payload};
-use moe_audit::render::{collectives_chart, collectives_config_name, json, render_collectives, CollectivesReport};
+use moe_audit::parallel::swamping::{audit_in_process, sort_figures, AuditPlan, CollectivesReport, Figures, Payload};
+use moe_audit::render::{collectives_chart, json, render_collectives};
 use std::io::Write;
 use std::path::PathBuf;
 
@@ -80,55 +80,165 @@ pub enum CollectivesFormat {
     Json,
 }
 
-pub(super) fn run(args: &CollectivesArgs, out: &mut dyn Write) -> Result<u8> {
-    let (payload, plan) = validate(args)?;
-    let results = match args.comm {
-        CommKind::InProcess => audit_in_process(&args.ranks, &payload, &plan)?,
-        CommKind::Mpi => match on_mpi(args, &payload, &plan)? {
+/// A validated `collectives`: the payload, the plan, and what to do with the figures.
+#[derive(Debug)]
+pub struct CollectivesOptions {
+    /// Rank counts, each in 1..=MAX_RANKS.
+    ranks: Vec<usize>,
+    comm: CommKind,
+    payload: Payload,
+    /// How the report names the payload: `seeded` or the gradients file.
+    payload_name: String,
+    plan: AuditPlan,
+    max_bias: Option<f64>,
+    format: CollectivesFormat,
+    chart: Option<PathBuf>,
+}
+
+impl CollectivesArgs {
+    /// Every rule on the flags in one place, in named steps; reads the gradients file.
+    pub fn validated(&self) -> Result<CollectivesOptions> {
+        self.check_ranks()?;
+        self.check_reductions()?;
+        let budget = self.memory.budget();
+        let (payload, elements, ranges) = self.payload(budget)?;
+        if elements == 0 {
+            return Err(Error::Usage("--elements must be at least 1".into()));
+        }
+        let plan = AuditPlan { elements, ranges, plans: self.reduce_plans(), tolerance: self.tolerance };
+        let max_ranks = *self.ranks.iter().max().expect("checked not empty");
+        budget.ensure_fits("this reduction", plan.memory_estimate(max_ranks))?;
+        Ok(CollectivesOptions {
+            ranks: self.ranks.clone(),
+            comm: self.comm,
+            payload,
+            payload_name: self.gradients.as_ref().map_or("seeded".into(), |p| p.display().to_string()),
+            plan,
+            max_bias: self.max_bias,
+            format: self.format,
+            chart: self.chart.clone(),
+        })
+    }
+
+    /// `--ranks`: not empty, each from 1 to [`MAX_RANKS`].
+    fn check_ranks(&self) -> Result<()> {
+        if self.ranks.is_empty() {
+            return Err(Error::Usage("--ranks is empty".into()));
+        }
+        if let Some(&r) = self.ranks.iter().find(|&&r| r == 0 || r > MAX_RANKS) {
+            return Err(Error::Usage(format!("--ranks must be between 1 and {MAX_RANKS}, got {r}")));
+        }
+        Ok(())
+    }
+
+    /// `--domain`, `--tolerance`, `--max-bias` and the lists of algorithms and precisions.
+    fn check_reductions(&self) -> Result<()> {
+        let usage = |m: String| Err(Error::Usage(m));
+        if self.algorithms.contains(&Algorithm::Hierarchical) {
+            if self.domain == 0 {
+                return usage("--domain must be at least 1".into());
+            }
+            if let Some(&r) = self.ranks.iter().find(|&&r| r % self.domain != 0) {
+                return usage(format!("--domain {} does not divide {r} ranks (hierarchical reduction)", self.domain));
+            }
+        }
+        if !(self.tolerance > 0.0 && self.tolerance.is_finite()) {
+            return usage(format!("--tolerance must be a positive number, got {}", self.tolerance));
+        }
+        if let Some(m) = self.max_bias.filter(|m| !(*m >= 0.0 && m.is_finite())) {
+            return usage(format!("--max-bias must be a number ≥ 0, got {m}"));
+        }
+        for (flag, empty) in [
+            ("--algorithms", self.algorithms.is_empty()),
+            ("--wire", self.wire.is_empty()),
+            ("--accumulate", self.accumulate.is_empty()),
+        ] {
+            if empty {
+                return usage(format!("{flag} is empty"));
+            }
+        }
+        Ok(())
+    }
+
+    /// The payload, its elements per buffer and its dynamic ranges: the gradients file's (read
+    /// within `budget`), or the seeded one's.
+    fn payload(&self, budget: moe_audit::MemoryBudget) -> Result<(Payload, usize, Vec<f64>)> {
+        let usage = |m: String| Err(Error::Usage(m));
+        match &self.gradients {
+            Some(path) => {
+                let rows = moe_audit::parallel::swamping::read_gradients(path, budget)?;
+                if let Some(&r) = self.ranks.iter().find(|&&r| r > rows.len()) {
+                    return usage(format!("--ranks {r}: {} holds gradients of {} ranks", path.display(), rows.len()));
+                }
+                let n = rows[0].len();
+                let elements = self.elements.unwrap_or(n);
+                if elements > n {
+                    return usage(format!("--elements {elements}: {} holds {n} values per rank", path.display()));
+                }
+                Ok((Payload::Rows(rows), elements, vec![1.0]))
+            }
+            None => {
+                if !(0.0..=1.0).contains(&self.outliers) {
+                    return usage(format!("--outliers must be a probability in [0, 1], got {}", self.outliers));
+                }
+                if let Some(r) = self.ranges.iter().find(|r| !(**r >= 1.0 && r.is_finite())) {
+                    return usage(format!("--ranges must be finite numbers ≥ 1, got {r}"));
+                }
+                if self.ranges.is_empty() {
+                    return usage("--ranges is empty".into());
+                }
+                let payload = Payload::Seeded { seed: self.seed, outliers: self.outliers };
+                Ok((payload, self.elements.unwrap_or(4096), self.ranges.clone()))
+            }
+        }
+    }
+
+    /// Every algorithm × wire × accumulator, in that order.
+    fn reduce_plans(&self) -> Vec<ReducePlan> {
+        let mut plans = Vec::new();
+        for &algorithm in &self.algorithms {
+            for &wire in &self.wire {
+                for &accumulate in &self.accumulate {
+                    plans.push(ReducePlan { algorithm, wire, accumulate, domain: self.domain });
+                }
+            }
+        }
+        plans
+    }
+}
+
+pub(super) fn run(c: CollectivesOptions, out: &mut dyn Write) -> Result<u8> {
+    let results = match c.comm {
+        CommKind::InProcess => audit_in_process(&c.ranks, &c.payload, &c.plan)?,
+        CommKind::Mpi => match on_mpi(&c.ranks, &c.payload, &c.plan)? {
             Some(mut r) => {
-                sort_figures(&plan, &mut r);
+                sort_figures(&c.plan, &mut r);
                 r
             }
             None => return Ok(exit::OK),
         },
     };
-    // A NaN bias (an overflowed sum) counts as over.
-    let mut over: Vec<String> = Vec::new();
-    if let Some(max) = args.max_bias {
-        for f in results.iter().filter(|f| f.bias.is_nan() || f.bias.abs() > max) {
-            let name = collectives_config_name(f);
-            if !over.contains(&name) {
-                over.push(name);
-            }
-        }
-    }
-    let report = CollectivesReport {
-        payload: args.gradients.as_ref().map_or("seeded".into(), |p| p.display().to_string()),
-        elements: plan.elements,
-        tolerance: plan.tolerance,
-        max_bias: args.max_bias,
-        results,
-        over_max_bias: over,
-    };
-    if let Some(dir) = &args.chart {
+    let seeded = matches!(c.payload, Payload::Seeded { .. });
+    let report = CollectivesReport::new(c.payload_name, &c.plan, c.max_bias, results);
+    if let Some(dir) = &c.chart {
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, "cannot create", e))?;
-        for &range in &plan.ranges {
-            collectives_chart(&report, &plan, range, dir)?;
+        for &range in &c.plan.ranges {
+            collectives_chart(&report, &c.plan, range, dir)?;
         }
     }
-    let text = match args.format {
+    let text = match c.format {
         CollectivesFormat::Json => json(&report),
-        CollectivesFormat::Text => render_collectives(&report, &plan, &args.ranks, args.gradients.is_none()),
+        CollectivesFormat::Text => render_collectives(&report, &c.plan, &c.ranks, seeded),
     };
     out.write_all(text.as_bytes()).map_err(io_error)?;
-    Ok(exit::failed_if(!report.over_max_bias.is_empty()))
+    Ok(exit::failed_if(report.failed()))
 }
 
 #[cfg(feature = "mpi")]
-fn on_mpi(args: &CollectivesArgs, payload: &Payload, plan: &AuditPlan) -> Result<Option<Vec<Figures>>> {
+fn on_mpi(ranks: &[usize], payload: &Payload, plan: &AuditPlan) -> Result<Option<Vec<Figures>>> {
     use moe_audit::parallel::Communicator as _;
     let comm = moe_audit::parallel::mpi::MpiComm::init()?;
-    let result = if args.ranks.len() != 1 || args.ranks[0] != comm.size() {
+    let result = if ranks.len() != 1 || ranks[0] != comm.size() {
         Err(Error::Usage(format!("--ranks must be the MPI world size {} under --comm mpi (mpirun -np)", comm.size())))
     } else {
         moe_audit::parallel::swamping::audit(&comm, payload, plan)
@@ -137,88 +247,6 @@ fn on_mpi(args: &CollectivesArgs, payload: &Payload, plan: &AuditPlan) -> Result
 }
 
 #[cfg(not(feature = "mpi"))]
-fn on_mpi(_: &CollectivesArgs, _: &Payload, _: &AuditPlan) -> Result<Option<Vec<Figures>>> {
+fn on_mpi(_: &[usize], _: &Payload, _: &AuditPlan) -> Result<Option<Vec<Figures>>> {
     Err(super::common::no_mpi())
-}
-
-/// Every rule on the flags in one place; reads the gradients file.
-fn validate(args: &CollectivesArgs) -> Result<(Payload, AuditPlan)> {
-    let usage = |m: String| Err(Error::Usage(m));
-    if args.ranks.is_empty() {
-        return usage("--ranks is empty".into());
-    }
-    if let Some(&r) = args.ranks.iter().find(|&&r| r == 0 || r > MAX_RANKS) {
-        return usage(format!("--ranks must be between 1 and {MAX_RANKS}, got {r}"));
-    }
-    if args.algorithms.contains(&Algorithm::Hierarchical) {
-        if args.domain == 0 {
-            return usage("--domain must be at least 1".into());
-        }
-        if let Some(&r) = args.ranks.iter().find(|&&r| r % args.domain != 0) {
-            return usage(format!("--domain {} does not divide {r} ranks (hierarchical reduction)", args.domain));
-        }
-    }
-    if !(args.tolerance > 0.0 && args.tolerance.is_finite()) {
-        return usage(format!("--tolerance must be a positive number, got {}", args.tolerance));
-    }
-    if let Some(m) = args.max_bias.filter(|m| !(*m >= 0.0 && m.is_finite())) {
-        return usage(format!("--max-bias must be a number ≥ 0, got {m}"));
-    }
-    for (flag, empty) in [
-        ("--algorithms", args.algorithms.is_empty()),
-        ("--wire", args.wire.is_empty()),
-        ("--accumulate", args.accumulate.is_empty()),
-    ] {
-        if empty {
-            return usage(format!("{flag} is empty"));
-        }
-    }
-    let max_ranks = *args.ranks.iter().max().expect("not empty");
-    let budget = args.memory.budget();
-    let (payload, elements, ranges) = match &args.gradients {
-        Some(path) => {
-            // The file's own size bounds what reading it allocates.
-            let size = std::fs::metadata(path).map_err(|e| Error::io(path, "cannot read", e))?.len();
-            budget.ensure_fits("reading the gradients", size.saturating_mul(3))?;
-            let rows = moe_audit::parallel::swamping::read_gradients(path)?;
-            if let Some(&r) = args.ranks.iter().find(|&&r| r > rows.len()) {
-                return usage(format!("--ranks {r}: {} holds gradients of {} ranks", path.display(), rows.len()));
-            }
-            let n = rows[0].len();
-            let elements = args.elements.unwrap_or(n);
-            if elements > n {
-                return usage(format!("--elements {elements}: {} holds {n} values per rank", path.display()));
-            }
-            (Payload::Rows(rows), elements, vec![1.0])
-        }
-        None => {
-            if !(0.0..=1.0).contains(&args.outliers) {
-                return usage(format!("--outliers must be a probability in [0, 1], got {}", args.outliers));
-            }
-            if let Some(r) = args.ranges.iter().find(|r| !(**r >= 1.0 && r.is_finite())) {
-                return usage(format!("--ranges must be finite numbers ≥ 1, got {r}"));
-            }
-            if args.ranges.is_empty() {
-                return usage("--ranges is empty".into());
-            }
-            let payload = Payload::Seeded { seed: args.seed, outliers: args.outliers };
-            (payload, args.elements.unwrap_or(4096), args.ranges.clone())
-        }
-    };
-    if elements == 0 {
-        return usage("--elements must be at least 1".into());
-    }
-    // Per rank: its payload, the buffer, a rounded copy, the message and what arrives (5 × 4
-    // bytes per element); rank 0 also holds every rank's payload and the exact sums.
-    let per_element = (max_ranks as u64).saturating_mul(20 + 4).saturating_add(8);
-    budget.ensure_fits("this reduction", (elements as u64).saturating_mul(per_element).saturating_add(32 << 20))?;
-    let mut plans = Vec::new();
-    for &algorithm in &args.algorithms {
-        for &wire in &args.wire {
-            for &accumulate in &args.accumulate {
-                plans.push(ReducePlan { algorithm, wire, accumulate, domain: args.domain });
-            }
-        }
-    }
-    Ok((payload, AuditPlan { elements, ranges, plans, tolerance: args.tolerance }))
 }

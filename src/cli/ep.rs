@@ -62,46 +62,79 @@ pub enum EpFormat {
     Json,
 }
 
-pub(super) fn run(args: &EpArgs, out: &mut dyn Write) -> Result<u8> {
-    let ranks = args.ranks.unwrap_or(RunSizes::default().ranks);
-    let run = args.sizes.validated(RunSizes::default().trials, ranks)?;
-    let config = RouterConfig::load(&args.router)?;
-    let sizes = CallSizes {
-        batch: run.batch,
-        seq_len: run.seq_len,
-        experts: config.experts,
-        routes: config.k(),
-        hidden: run.hidden,
-        ffn: run.ffn,
-    };
-    let budget = args.memory.budget();
-    // The input's real sizes (a file's, not --seq-len) decide the estimate.
-    let input = match &args.input {
-        Some(path) => {
-            let expected = format!("--hidden is {}", run.hidden);
-            Some(moe_audit::files::read_rows(path, run.batch, None, run.hidden, &expected, budget)?)
-        }
-        None => None,
-    };
-    let sizes = CallSizes { seq_len: input.as_ref().map_or(sizes.seq_len, |rows| rows.dim().1), ..sizes };
-    // The expert-parallel forward, its gathered outputs and the single-device forward.
-    budget.ensure_fits("this forward", sizes.estimate().saturating_mul(3))?;
-    let layer = MoeLayer::seeded(config, run.hidden, run.ffn, args.seed, DType::F32, &Device::Cpu)?;
-    let x = match input {
-        Some(rows) => {
-            let dims = rows.dim();
-            Tensor::from_vec(rows.into_raw_vec_and_offset().0, dims, &Device::Cpu)?
-        }
-        None => Seeded::new(args.seed ^ moe_audit::seeds::EP_INPUT)
+/// A validated `ep`: the seeded layer's router and sizes, its input, how it runs.
+#[derive(Debug)]
+pub struct EpOptions {
+    config: RouterConfig,
+    run: RunSizes,
+    /// `--ranks` as given (MPI checks it against the world size).
+    ranks_given: Option<usize>,
+    comm: CommKind,
+    seed: u64,
+    /// Given hidden states, `[batch, seq_len, hidden]`; seeded ones when `None`.
+    input: Option<Tensor>,
+    combine: (Precision, Precision),
+    format: EpFormat,
+}
+
+impl EpArgs {
+    /// Sizes checked, the router loaded, the input file read, and the forward's memory estimate
+    /// (at the input's real sizes: a file's, not --seq-len) checked against the limit.
+    pub fn validated(&self) -> Result<EpOptions> {
+        let ranks = self.ranks.unwrap_or(RunSizes::default().ranks);
+        let run = self.sizes.validated(RunSizes::default().trials, ranks)?;
+        let config = RouterConfig::load(&self.router)?;
+        let budget = self.memory.budget();
+        let rows = match &self.input {
+            Some(path) => {
+                let expected = format!("--hidden is {}", run.hidden);
+                Some(moe_audit::files::read_rows(path, run.batch, None, run.hidden, &expected, budget)?)
+            }
+            None => None,
+        };
+        let sizes = CallSizes {
+            batch: run.batch,
+            seq_len: rows.as_ref().map_or(run.seq_len, |rows| rows.dim().1),
+            experts: config.experts,
+            routes: config.k(),
+            hidden: run.hidden,
+            ffn: run.ffn,
+        };
+        budget.ensure_fits("this forward", ExpertParallel::memory_estimate(&sizes))?;
+        let input = rows
+            .map(|rows| {
+                let dims = rows.dim();
+                Tensor::from_vec(rows.into_raw_vec_and_offset().0, dims, &Device::Cpu)
+            })
+            .transpose()?;
+        Ok(EpOptions {
+            config,
+            run,
+            ranks_given: self.ranks,
+            comm: self.comm,
+            seed: self.seed,
+            input,
+            combine: (self.combine_wire, self.combine_accumulate),
+            format: self.format,
+        })
+    }
+}
+
+pub(super) fn run(e: EpOptions, out: &mut dyn Write) -> Result<u8> {
+    let run = e.run;
+    let layer = MoeLayer::seeded(e.config, run.hidden, run.ffn, e.seed, DType::F32, &Device::Cpu)?;
+    let x = match e.input {
+        Some(x) => x,
+        None => Seeded::new(e.seed ^ moe_audit::seeds::EP_INPUT)
             .normal(&[run.batch, run.seq_len, run.hidden], &Device::Cpu)?,
     };
-    let ep = ExpertParallel::new(&layer).with_combine(args.combine_wire, args.combine_accumulate);
-    let report = match args.comm {
+    let ep = ExpertParallel::new(&layer).with_combine(e.combine.0, e.combine.1);
+    let report = match e.comm {
         // Threads of this process: every rank's result comes back as a value, reported once.
         CommKind::InProcess => {
-            split_batch(run.batch, ranks)?;
-            ep.local_experts(ranks)?;
-            ep.report(&x, ep.forward_in_process(&x, ranks)?, ranks)?
+            split_batch(run.batch, run.ranks)?;
+            ep.local_experts(run.ranks)?;
+            ep.report(&x, ep.forward_in_process(&x, run.ranks)?, run.ranks)?
         }
         CommKind::Mpi => {
             let work = |comm: &dyn Communicator| -> Result<EpReport> {
@@ -109,11 +142,11 @@ pub(super) fn run(args: &EpArgs, out: &mut dyn Write) -> Result<u8> {
                 ep.local_experts(comm.size())?;
                 ep.report(&x, ep.forward_gathered(comm, &x)?, comm.size())
             };
-            let Some(report) = on_mpi(args.ranks, work)? else { return Ok(exit::OK) };
+            let Some(report) = on_mpi(e.ranks_given, work)? else { return Ok(exit::OK) };
             report
         }
     };
-    let text = match args.format {
+    let text = match e.format {
         EpFormat::Json => json(&report),
         EpFormat::Text => render_ep(&report),
     };

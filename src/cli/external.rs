@@ -1,20 +1,17 @@
-//! The routers of `check` that live outside moe-audit (subprocesses, trace files, a real gate),
-//! and `moe-audit plan`, which writes the inputs of an audit for a harness to answer.
+//! The flags of `check`'s routers that live outside moe-audit (subprocesses, trace files, a real
+//! gate), turned into [`Target`]s, and `moe-audit plan`, which writes the inputs of an audit for a harness to answer.
 
-use super::bars::AuditBar;
 use super::common::{InputArg, MemoryArgs, ModeArg, TimeoutArgs};
 use super::exit;
 use clap::Args;
-use moe_audit::analyze::{audit, AuditOptions, Launch, Probe, RouterReport, Subject};
+use moe_audit::analyze::{AuditOptions, Probe};
+use moe_audit::check::{CheckpointGate, RouterCommand, Target};
 use moe_audit::config::RouterConfig;
 use moe_audit::error::{ensure_positive, Error, Result, Setting};
-use moe_audit::external::{plan, planned_options, ExternalRouter, Handshake, InputKind, Mode, TraceRouter};
-use moe_audit::layer::gate::GateSource;
-use moe_audit::router::Router;
+use moe_audit::external::{plan, Handshake, InputKind};
 use moe_audit::MemoryBudget;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 /// The `check` flags of routers outside moe-audit.
 #[derive(Debug, Args)]
@@ -57,35 +54,11 @@ pub struct ExternalArgs {
     pub hidden_states: Option<String>,
 }
 
-/// The routers outside moe-audit of one `check`, validated.
-#[derive(Debug)]
-pub struct External {
-    /// Router commands, each audited as its own router.
-    pub commands: Vec<String>,
-    /// Other launches of the one router command's layer, which L compares it with.
-    pub layouts: Vec<String>,
-    /// How long each may take to answer.
-    pub timeout: Duration,
-    /// The mode they are audited in.
-    pub mode: Mode,
-    /// A planned audit answered by a harness.
-    pub traces: Option<PathBuf>,
-    /// A checkpoint whose gate the named configs route with instead of a seeded layer.
-    pub gate: Option<Gate>,
-}
-
-/// `--weights`, `--gate`, `--bias`, `--hidden-states`.
-#[derive(Debug)]
-pub struct Gate {
-    weights: PathBuf,
-    gate: String,
-    bias: Option<String>,
-    hidden_states: Option<(PathBuf, Option<String>)>,
-}
-
 impl ExternalArgs {
-    /// These flags checked (clap has checked which go together); `probes` are the audit's.
-    pub fn validated(&self, probes: &[Probe]) -> Result<External> {
+    /// These flags checked (clap has checked which go together) and turned into targets, after
+    /// the `routers` named on the command line, loaded (on the gate of --weights when given, else
+    /// on a seeded layer of `layer`); `probes` are the audit's.
+    pub fn targets(&self, routers: &[String], layer: (usize, usize), probes: &[Probe]) -> Result<Vec<Target>> {
         let timeout = self.timeout.validated()?;
         if !self.layout_cmd.is_empty() {
             if self.router_cmd.len() != 1 {
@@ -98,84 +71,35 @@ impl ExternalArgs {
                 return Err(Error::Usage("--layout-cmd feeds the layout probe L, which --probes leaves out".into()));
             }
         }
-        let gate = match (&self.weights, &self.gate) {
-            (Some(weights), Some(gate)) => Some(Gate {
-                weights: weights.clone(),
-                gate: gate.clone(),
-                bias: self.bias.clone(),
-                // `FILE:TENSOR`, unless the whole spec names a file.
-                hidden_states: self.hidden_states.as_deref().map(|spec| match spec.rsplit_once(':') {
-                    Some((file, tensor)) if !Path::new(spec).is_file() => (file.into(), Some(tensor.to_string())),
-                    _ => (spec.into(), None),
-                }),
+        let configs = routers.iter().map(|r| RouterConfig::load(r)).collect::<Result<Vec<_>>>()?;
+        let mut targets = Vec::new();
+        match (&self.weights, &self.gate) {
+            (Some(weights), Some(gate)) => targets.push(Target::Gate {
+                configs,
+                gate: CheckpointGate {
+                    weights: weights.clone(),
+                    gate: gate.clone(),
+                    bias: self.bias.clone(),
+                    // `FILE:TENSOR`, unless the whole spec names a file.
+                    hidden_states: self.hidden_states.as_deref().map(|spec| match spec.rsplit_once(':') {
+                        Some((file, tensor)) if !Path::new(spec).is_file() => (file.into(), Some(tensor.to_string())),
+                        _ => (spec.into(), None),
+                    }),
+                },
             }),
-            _ => None,
-        };
-        Ok(External {
-            commands: self.router_cmd.clone(),
-            layouts: self.layout_cmd.clone(),
-            timeout,
-            mode: self.mode.into(),
-            traces: self.traces.clone(),
-            gate,
-        })
-    }
-}
-
-impl External {
-    /// The audit options: the plan's when auditing traces (from its manifest; the traces
-    /// themselves are read once, by the audit).
-    pub fn options(&self, options: AuditOptions, budget: MemoryBudget) -> Result<AuditOptions> {
-        match &self.traces {
-            Some(dir) => planned_options(dir, budget),
-            None => Ok(options),
+            _ if !configs.is_empty() => targets.push(Target::Configs { configs, hidden: layer.0, ffn: layer.1 }),
+            _ => {}
         }
-    }
-
-    /// Audits the configs on a real gate, the router commands and the traces.
-    pub fn audit(
-        &self,
-        configs: Vec<RouterConfig>,
-        options: &AuditOptions,
-        budget: MemoryBudget,
-    ) -> Result<Vec<RouterReport>> {
-        let mut reports = Vec::new();
-        // Routers without a layer; their routes per token are unknown before they answer, so
-        // the estimate counts one.
-        let audit_subject = |subject: &Subject| -> Result<RouterReport> {
-            let router = subject.router;
-            let estimate = options.memory_estimate(router.row_width(), 1, 0, 0);
-            budget.ensure_fits(&format!("the audit of `{}`", router.name()), estimate)?;
-            let bar = AuditBar::stderr(options.probes.len());
-            let report = audit(subject, options, &bar);
-            bar.finish();
-            report
-        };
-        let audit_router = |router: &dyn Router| audit_subject(&Subject::router(router));
-        if let Some(g) = &self.gate {
-            let hidden_states = g.hidden_states.as_ref().map(|(file, tensor)| (file.as_path(), tensor.as_deref()));
-            let source =
-                GateSource { weights: &g.weights, gate: &g.gate, bias: g.bias.as_deref(), hidden_states, budget };
-            for config in configs {
-                let router = source.router(config)?;
-                reports.push(audit_router(&router)?);
-            }
+        for command in &self.router_cmd {
+            targets.push(Target::Command(RouterCommand {
+                command: command.clone(),
+                layouts: self.layout_cmd.clone(),
+                timeout,
+                mode: self.mode.into(),
+            }));
         }
-        for command in &self.commands {
-            let router = ExternalRouter::spawn(command, self.timeout, options.seed, self.mode, budget)?;
-            // Every launch is up (and agrees with the router) before any probe runs.
-            let launched = (self.layouts.iter())
-                .map(|c| Ok((c.as_str(), router.spawn_layout(c, self.timeout, budget)?)))
-                .collect::<Result<Vec<_>>>()?;
-            let layouts: Vec<Launch> =
-                launched.iter().map(|(command, router)| Launch { command, router: router as &dyn Router }).collect();
-            reports.push(audit_subject(&Subject { router: &router, layer: None, layouts: &layouts })?);
-        }
-        if let Some(dir) = &self.traces {
-            let router = TraceRouter::open(dir, budget)?;
-            reports.push(audit_router(&router)?);
-        }
-        Ok(reports)
+        targets.extend(self.traces.clone().map(Target::Traces));
+        Ok(targets)
     }
 }
 

@@ -93,17 +93,17 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<u8> {
             }
             Ok(exit::OK)
         }
-        Command::Route(args) => route::run(&args, out),
+        Command::Route(args) => route::run(args.validated()?, out),
         Command::Check(args) => check::run(args.validated()?, out),
         Command::Replay(args) => replay::run(&args.validated()?, out),
         Command::Model(args) => model::run(args.validated()?, out),
-        Command::Zoo(args) => check::zoo(&args, out),
+        Command::Zoo(args) => check::zoo(args.validated(), out),
         Command::Plan(args) => external::run_plan(&args.validated()?, out),
-        Command::Ep(args) => ep::run(&args, out),
-        Command::Sweep(args) => sweep::run(&args, out),
+        Command::Ep(args) => ep::run(args.validated()?, out),
+        Command::Sweep(args) => sweep::run(args.validated()?, out),
         Command::Snapshot(args) => snapshot::run(args.validated()?, out),
-        Command::Collectives(args) => collectives::run(&args, out),
-        Command::Exploit(args) => exploit::run(&args, out),
+        Command::Collectives(args) => collectives::run(args.validated()?, out),
+        Command::Exploit(args) => exploit::run(args.validated()?, out),
         Command::Routes(args) => routes::run(args.validated()?, out),
     }
 }

@@ -155,7 +155,7 @@ impl ModelArgs {
         };
         Ok(ModelOptions {
             source,
-            largest_call: (batch, seq_len + seq_len / 4 + 1),
+            largest_call: moe_audit::model::audit::largest_call(batch, seq_len),
             action,
             fail_on: self.fail_on,
             budget: self.memory.budget(),

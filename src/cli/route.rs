@@ -10,7 +10,7 @@ use moe_audit::error::{ensure_positive, Result, Setting};
 use moe_audit::layer::CallSizes;
 use moe_audit::layer::{MoeLayer, Seeded};
 use moe_audit::render::json;
-use moe_audit::routing::{assign, render_table};
+use moe_audit::routing::{assign, render_table, Logits};
 use std::io::Write;
 use std::path::PathBuf;
 
@@ -55,46 +55,77 @@ pub enum RouteFormat {
     Json,
 }
 
-pub(super) fn run(args: &RouteArgs, out: &mut dyn Write) -> Result<u8> {
-    let config = RouterConfig::load(&args.router)?;
-    let budget = args.memory.budget();
-    let routing = match &args.logits {
-        Some(path) => {
-            let expected = format!("the router has {} experts", config.experts);
-            let logits =
-                moe_audit::files::read_rows(path, args.batch, args.seq_len, config.experts, &expected, budget)?;
-            let (batch, seq_len, _) = logits.dim();
-            let sizes = CallSizes { batch, seq_len, experts: config.experts, routes: config.k(), hidden: 0, ffn: 0 };
-            budget.ensure_fits("this call", sizes.estimate())?;
-            assign(&config, logits.view())?
-        }
-        None => {
-            let seq_len = args.seq_len.unwrap_or(8);
-            ensure_positive(&[
-                (Setting::Batch, args.batch),
-                (Setting::SeqLen, seq_len),
-                (Setting::Hidden, args.hidden),
-                (Setting::Ffn, args.ffn),
-            ])?;
-            let sizes = CallSizes {
-                batch: args.batch,
-                seq_len,
-                experts: config.experts,
-                routes: config.k(),
-                hidden: args.hidden,
-                ffn: args.ffn,
-            };
-            budget.ensure_fits("this call", sizes.estimate())?;
+/// A validated `route`: the router, its input, the output format.
+#[derive(Debug)]
+pub struct RouteOptions {
+    config: RouterConfig,
+    input: Input,
+    format: RouteFormat,
+}
+
+/// What is routed.
+#[derive(Debug)]
+enum Input {
+    /// Given logits, `[batch, seq_len, experts]`.
+    Logits(Logits),
+    /// Hidden states drawn from `seed` through a layer seeded alike.
+    Seeded { sizes: CallSizes, seed: u64 },
+}
+
+impl RouteArgs {
+    /// The router loaded, the logits file read, sizes checked and the call's memory estimate
+    /// checked against the limit.
+    pub fn validated(&self) -> Result<RouteOptions> {
+        let config = RouterConfig::load(&self.router)?;
+        let budget = self.memory.budget();
+        let (input, sizes) = match &self.logits {
+            Some(path) => {
+                let expected = format!("the router has {} experts", config.experts);
+                let logits =
+                    moe_audit::files::read_rows(path, self.batch, self.seq_len, config.experts, &expected, budget)?;
+                let (batch, seq_len, _) = logits.dim();
+                let sizes =
+                    CallSizes { batch, seq_len, experts: config.experts, routes: config.k(), hidden: 0, ffn: 0 };
+                (Input::Logits(logits), sizes)
+            }
+            None => {
+                let seq_len = self.seq_len.unwrap_or(8);
+                ensure_positive(&[
+                    (Setting::Batch, self.batch),
+                    (Setting::SeqLen, seq_len),
+                    (Setting::Hidden, self.hidden),
+                    (Setting::Ffn, self.ffn),
+                ])?;
+                let sizes = CallSizes {
+                    batch: self.batch,
+                    seq_len,
+                    experts: config.experts,
+                    routes: config.k(),
+                    hidden: self.hidden,
+                    ffn: self.ffn,
+                };
+                (Input::Seeded { sizes, seed: self.seed }, sizes)
+            }
+        };
+        budget.ensure_fits("this call", sizes.estimate())?;
+        Ok(RouteOptions { config, input, format: self.format })
+    }
+}
+
+pub(super) fn run(r: RouteOptions, out: &mut dyn Write) -> Result<u8> {
+    let routing = match r.input {
+        Input::Logits(logits) => assign(&r.config, logits.view())?,
+        Input::Seeded { sizes, seed } => {
             let device = Device::Cpu;
-            let layer = MoeLayer::seeded(config, args.hidden, args.ffn, args.seed, DType::F32, &device)?;
+            let layer = MoeLayer::seeded(r.config, sizes.hidden, sizes.ffn, seed, DType::F32, &device)?;
             // Hidden states from a stream of their own, so changing the weights' seed and the
             // input's seed are independent choices.
-            let x = Seeded::new(args.seed ^ moe_audit::seeds::INPUT)
-                .normal(&[args.batch, seq_len, args.hidden], &device)?;
+            let x = Seeded::new(seed ^ moe_audit::seeds::INPUT)
+                .normal(&[sizes.batch, sizes.seq_len, sizes.hidden], &device)?;
             layer.forward(&x)?.1
         }
     };
-    let text = match args.format {
+    let text = match r.format {
         RouteFormat::Table => render_table(&routing),
         RouteFormat::Json => json(&routing),
     };

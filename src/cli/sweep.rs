@@ -7,6 +7,7 @@ use super::io_error;
 use clap::Args;
 use moe_audit::error::Result;
 use moe_audit::sweep::{self, Grid};
+use moe_audit::MemoryBudget;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -24,20 +25,40 @@ pub struct SweepArgs {
     pub memory: MemoryArgs,
 }
 
-pub(super) fn run(args: &SweepArgs, out: &mut dyn Write) -> Result<u8> {
-    let (grid, source, base) = match &args.grid {
-        Some(path) => {
-            (Grid::from_file(path)?, path.display().to_string(), path.parent().unwrap_or(Path::new(".")).to_path_buf())
-        }
-        None => (Grid::default(), "<default grid>".to_string(), PathBuf::from(".")),
-    };
-    let bar = progress_bar(sweep::cell_count(&grid, &source, &base)? as u64);
-    let report = sweep::run(&grid, &source, &base, args.memory.budget(), &mut |router| {
+/// A validated `sweep`: the grid read, where its files go.
+#[derive(Debug)]
+pub struct SweepOptions {
+    grid: Grid,
+    /// How messages name the grid: its file, or `<default grid>`.
+    source: String,
+    /// The directory the grid's router files are relative to.
+    base: PathBuf,
+    output_dir: PathBuf,
+    budget: MemoryBudget,
+}
+
+impl SweepArgs {
+    /// The grid file read (or the default grid).
+    pub fn validated(&self) -> Result<SweepOptions> {
+        let (grid, source, base) = match &self.grid {
+            Some(path) => {
+                let base = path.parent().unwrap_or(Path::new(".")).to_path_buf();
+                (Grid::from_file(path)?, path.display().to_string(), base)
+            }
+            None => (Grid::default(), "<default grid>".to_string(), PathBuf::from(".")),
+        };
+        Ok(SweepOptions { grid, source, base, output_dir: self.output_dir.clone(), budget: self.memory.budget() })
+    }
+}
+
+pub(super) fn run(s: SweepOptions, out: &mut dyn Write) -> Result<u8> {
+    let bar = progress_bar(sweep::cell_count(&s.grid, &s.source, &s.base)? as u64);
+    let report = sweep::run(&s.grid, &s.source, &s.base, s.budget, &mut |router| {
         bar.set_message(router.to_string());
         bar.inc(1);
     })?;
     bar.finish_and_clear();
-    let written = moe_audit::render::write_sweep(&report, &args.output_dir)?;
+    let written = moe_audit::render::write_sweep(&report, &s.output_dir)?;
     let mut text = moe_audit::render::sweep_markdown(&report);
     text.push('\n');
     for path in written {

@@ -5,33 +5,10 @@ use super::chart::{draw_error, Drawn};
 use crate::error::Result;
 use crate::font::{register_font, FONT};
 use crate::parallel::reduce::Precision;
-use crate::parallel::swamping::{AuditPlan, Figures};
+use crate::parallel::swamping::{AuditPlan, CollectivesReport, Figures};
 use plotters::coord::Shift;
 use plotters::prelude::*;
-use serde::Serialize;
 use std::path::Path;
-
-/// What `collectives` reports (the JSON contract).
-#[derive(Debug, Serialize)]
-pub struct CollectivesReport {
-    /// `seeded` or the gradients file.
-    pub payload: String,
-    /// Elements per buffer.
-    pub elements: usize,
-    /// An element is swamped when its error exceeds this share of its exact sum.
-    pub tolerance: f64,
-    /// The `--max-bias` threshold, if any.
-    pub max_bias: Option<f64>,
-    /// One entry per range × rank count × configuration.
-    pub results: Vec<Figures>,
-    /// Configurations whose |bias| exceeds --max-bias (at any rank count or range).
-    pub over_max_bias: Vec<String>,
-}
-
-/// A configuration as the report names it: `ring wire f16 accumulate f32`.
-pub fn collectives_config_name(f: &Figures) -> String {
-    format!("{} wire {} accumulate {}", f.algorithm.name(), f.wire.name(), f.accumulate.name())
-}
 
 /// The tables: per dynamic range (headed by it when the payload is `seeded`), one row per
 /// configuration of `plan` with its error at every rank count of `ranks`; then the `--max-bias`

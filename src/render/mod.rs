@@ -21,7 +21,7 @@ mod text;
 
 pub use crate::parallel::EpReport;
 pub use ci::{render_github, render_junit};
-pub use collectives::{collectives_chart, collectives_config_name, render_collectives, CollectivesReport};
+pub use collectives::{collectives_chart, render_collectives};
 pub use ep::render_ep;
 pub use exploit::{exploit_markdown, exploit_text, write_exploit};
 pub use html::{check_html, model_html, routes_html};

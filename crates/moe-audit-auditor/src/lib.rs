@@ -1,6 +1,6 @@
 //! moe-audit-auditor: causality audits of MoE routers and whole models.
 //!
-//! [`analyze`] runs the probes on a router and shrinks each leak to a minimal, replayable
+//! [`check`] audits routers of every kind ([`check::Target`]) into one report; [`analyze`] runs the probes on a router and shrinks each leak to a minimal, replayable
 //! [`analyze::Witness`]; [`external`] runs a router in another process (your PyTorch code) or
 //! from trace files; [`model`] audits whole decoders layer by layer; [`snapshot`](mod@snapshot) records and
 //! checks a router's decisions on fixed inputs; [`sweep`] compares load balance against
@@ -10,6 +10,7 @@
 #![warn(missing_docs)]
 
 pub mod analyze;
+pub mod check;
 pub mod exploit;
 pub mod external;
 pub mod model;

@@ -16,7 +16,7 @@ use super::comm::Communicator;
 use super::reduce::Precision;
 use candle_core::{DType, Tensor};
 use moe_audit_core::error::{Error, Result};
-use moe_audit_core::layer::MoeLayer;
+use moe_audit_core::layer::{CallSizes, MoeLayer};
 use moe_audit_core::router::{logits_to_host, Router};
 use moe_audit_core::routing::{scores, Decisions, Routing};
 use rayon::prelude::*;
@@ -155,6 +155,12 @@ pub struct ExpertParallel<'a> {
 }
 
 impl<'a> ExpertParallel<'a> {
+    /// Bytes a [`report`](Self::report) of one call of `sizes` needs: the expert-parallel
+    /// forward, its gathered outputs and the single-device forward it is checked against.
+    pub fn memory_estimate(sizes: &CallSizes) -> u64 {
+        sizes.estimate().saturating_mul(3)
+    }
+
     /// Wraps a layer (f32 combine: the single-device layer's bits).
     pub fn new(layer: &'a MoeLayer) -> Self {
         ExpertParallel { layer, combine: (Precision::F32, Precision::F32) }

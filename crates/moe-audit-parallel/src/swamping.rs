@@ -7,6 +7,7 @@
 use super::comm::Communicator;
 use super::reduce::{all_reduce, Algorithm, Precision, ReducePlan};
 use moe_audit_core::error::{Error, Result};
+use moe_audit_core::MemoryBudget;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, StandardNormal};
@@ -75,6 +76,64 @@ pub struct AuditPlan {
     pub tolerance: f64,
 }
 
+impl AuditPlan {
+    /// Bytes the audit needs at most at `max_ranks` ranks: per rank its payload, the buffer, a
+    /// rounded copy, the message and what arrives (5 × 4 bytes per element); rank 0 also holds
+    /// every rank's payload and the exact sums; 32 MiB for the rest.
+    pub fn memory_estimate(&self, max_ranks: usize) -> u64 {
+        let per_element = (max_ranks as u64).saturating_mul(20 + 4).saturating_add(8);
+        (self.elements as u64).saturating_mul(per_element).saturating_add(32 << 20)
+    }
+}
+
+/// What the collectives audit reports (`moe-audit collectives --format json`).
+#[derive(Debug, Serialize)]
+pub struct CollectivesReport {
+    /// `seeded` or the gradients file.
+    pub payload: String,
+    /// Elements per buffer.
+    pub elements: usize,
+    /// An element is swamped when its error exceeds this share of its exact sum.
+    pub tolerance: f64,
+    /// The largest |bias| a configuration may show, if any.
+    pub max_bias: Option<f64>,
+    /// One entry per range × rank count × configuration.
+    pub results: Vec<Figures>,
+    /// Configurations whose |bias| exceeds `max_bias` (at any rank count or range), each once,
+    /// in the order of `results`.
+    pub over_max_bias: Vec<String>,
+}
+
+impl CollectivesReport {
+    /// The report of `results` of `plan` on `payload`, with the verdict against `max_bias`: a
+    /// configuration fails when its |bias| exceeds it at any rank count or range, or when its
+    /// bias is NaN (an overflowed sum).
+    pub fn new(payload: String, plan: &AuditPlan, max_bias: Option<f64>, results: Vec<Figures>) -> Self {
+        let mut over: Vec<String> = Vec::new();
+        if let Some(max) = max_bias {
+            for f in results.iter().filter(|f| f.bias.is_nan() || f.bias.abs() > max) {
+                let name = f.config_name();
+                if !over.contains(&name) {
+                    over.push(name);
+                }
+            }
+        }
+        CollectivesReport {
+            payload,
+            elements: plan.elements,
+            tolerance: plan.tolerance,
+            max_bias,
+            results,
+            over_max_bias: over,
+        }
+    }
+
+    /// Whether some configuration's bias exceeds the maximum.
+    pub fn failed(&self) -> bool {
+        !self.over_max_bias.is_empty()
+    }
+}
+
 /// One reduction of one payload, against the exact sum.
 #[derive(Debug, Clone, Serialize)]
 pub struct Figures {
@@ -102,6 +161,13 @@ pub struct Figures {
     pub formula_bytes: f64,
     /// FNV-1a 64 of the result's f32 bits (equal results, equal checksums).
     pub checksum: String,
+}
+
+impl Figures {
+    /// Its configuration as reports name it: `ring wire f16 accumulate f32`.
+    pub fn config_name(&self) -> String {
+        format!("{} wire {} accumulate {}", self.algorithm.name(), self.wire.name(), self.accumulate.name())
+    }
 }
 
 /// Runs every all-reduce of `plan` on this rank. On rank 0 returns the figures, in the order
@@ -237,7 +303,11 @@ pub fn sort_figures(plan: &AuditPlan, results: &mut [Figures]) {
 }
 
 /// Row r of every tensor of a safetensors file, in name order, concatenated: rank r's gradients.
-pub fn read_gradients(path: &std::path::Path) -> Result<Vec<Vec<f32>>> {
+/// Fails before reading when the file's size says reading it would exceed `budget`.
+pub fn read_gradients(path: &std::path::Path, budget: MemoryBudget) -> Result<Vec<Vec<f32>>> {
+    // The file's own size bounds what reading it allocates: the file, the tensors, the rows.
+    let size = std::fs::metadata(path).map_err(|e| Error::io(path, "cannot read", e))?.len();
+    budget.ensure_fits("reading the gradients", size.saturating_mul(3))?;
     let bad = |m: String| Error::input(path, m);
     let tensors = candle_core::safetensors::load(path, &candle_core::Device::Cpu)
         .map_err(|e| bad(format!("not a safetensors file: {e}")))?;
@@ -269,4 +339,56 @@ pub fn read_gradients(path: &std::path::Path) -> Result<Vec<Vec<f32>>> {
         return Err(bad("holds no values".into()));
     }
     Ok(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn figures(algorithm: Algorithm, wire: Precision, ranks: usize, bias: f64) -> Figures {
+        Figures {
+            algorithm,
+            wire,
+            accumulate: Precision::F32,
+            ranks,
+            range: 10.0,
+            relative_error: 0.0,
+            swamped_share: 0.0,
+            bias,
+            non_finite: 0,
+            max_bytes_sent: 0,
+            formula_bytes: 0.0,
+            checksum: String::new(),
+        }
+    }
+
+    fn plan() -> AuditPlan {
+        AuditPlan { elements: 4096, ranges: vec![10.0], plans: Vec::new(), tolerance: 0.01 }
+    }
+
+    /// A configuration over the maximum at any rank count is named once, in the figures' order;
+    /// a NaN bias (an overflowed sum) is over; a bias at the maximum is not.
+    #[test]
+    fn configurations_over_the_maximum_bias_fail_once_each() {
+        let results = vec![
+            figures(Algorithm::Ring, Precision::F32, 4, 0.001),
+            figures(Algorithm::Direct, Precision::Bf16, 4, f64::NAN),
+            figures(Algorithm::Ring, Precision::F32, 8, -0.5),
+            figures(Algorithm::Halving, Precision::F16, 8, 0.01),
+            figures(Algorithm::Ring, Precision::F32, 16, 0.7),
+        ];
+        let report = CollectivesReport::new("seeded".into(), &plan(), Some(0.01), results.clone());
+        assert_eq!(report.over_max_bias, ["direct wire bf16 accumulate f32", "ring wire f32 accumulate f32"]);
+        assert!(report.failed());
+        assert_eq!((report.elements, report.tolerance, report.max_bias), (4096, 0.01, Some(0.01)));
+        let unchecked = CollectivesReport::new("seeded".into(), &plan(), None, results);
+        assert!(unchecked.over_max_bias.is_empty() && !unchecked.failed());
+    }
+
+    /// 4096 elements at 64 ranks: 4096 × (64 × 24 + 8) bytes and 32 MiB.
+    #[test]
+    fn the_estimate_grows_with_elements_and_ranks() {
+        assert_eq!(plan().memory_estimate(64), 4096 * (64 * 24 + 8) + (32 << 20));
+        assert_eq!(plan().memory_estimate(1), 4096 * 32 + (32 << 20));
+    }
 }

@@ -35,6 +35,13 @@ pub struct ModelAuditOptions {
     pub prefill: usize,
 }
 
+/// The largest call an audit of `batch` sequences of `seq_len` tokens makes, `(batch, seq_len)`:
+/// R pads up to a quarter of the sequence on (at least one token). A model's memory is checked
+/// at this call before the audit starts.
+pub fn largest_call(batch: usize, seq_len: usize) -> (usize, usize) {
+    (batch, seq_len + seq_len / 4 + 1)
+}
+
 /// One routed layer's figures in a probe.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LayerTally {

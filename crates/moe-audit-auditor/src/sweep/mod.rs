@@ -205,7 +205,7 @@ pub fn run(
     for cell in &cells {
         tick(&cell.config.name);
         let layer = trained_layer(grid, cell)?;
-        results.push(run_cell(grid, cell, &layer)?);
+        results.push(run_cell(grid, cell, &layer, budget)?);
         if heat.is_none() && Some(&cell.config.name) == heat_name.as_ref() {
             heat = Some(heatmap::heatmap(layer.router(), &base_call(grid, cell, &layer)?.0, cell, grid.seed)?);
         }
@@ -257,7 +257,7 @@ fn base_call(grid: &Grid, cell: &Cell, layer: &MoeLayer) -> Result<(moe_audit_co
     Ok((logits_to_host(&layer.router().scores(&x)?)?, x))
 }
 
-fn run_cell(grid: &Grid, cell: &Cell, layer: &MoeLayer) -> Result<CellResult> {
+fn run_cell(grid: &Grid, cell: &Cell, layer: &MoeLayer, budget: MemoryBudget) -> Result<CellResult> {
     let mut probes = Probe::DEFAULT.to_vec();
     if grid.numerics {
         probes.push(Probe::X);
@@ -283,7 +283,7 @@ fn run_cell(grid: &Grid, cell: &Cell, layer: &MoeLayer) -> Result<CellResult> {
     let leaks: BTreeMap<Probe, Option<f64>> =
         report.findings.iter().filter(|f| !OWN_COLUMNS.contains(&f.probe)).map(|f| (f.probe, rate(f.probe))).collect();
     let leak_rate = [Probe::P, Probe::F, Probe::N, Probe::R].into_iter().filter_map(rate).fold(0.0, f64::max);
-    let exploit = grid.exploit.as_ref().map(|o| exploit_cell(cell, o)).transpose()?;
+    let exploit = grid.exploit.as_ref().map(|o| exploit_cell(cell, o, budget)).transpose()?;
     let exploit = exploit.as_ref();
     Ok(CellResult {
         router: cell.config.name.clone(),
@@ -315,8 +315,8 @@ fn run_cell(grid: &Grid, cell: &Cell, layer: &MoeLayer) -> Result<CellResult> {
 }
 
 /// `moe-audit exploit` on the cell's router.
-fn exploit_cell(cell: &Cell, options: &ExploitOptions) -> Result<RouterExploit> {
-    let mut report = crate::exploit::run(std::slice::from_ref(&cell.config), options, &|_| {})?;
+fn exploit_cell(cell: &Cell, options: &ExploitOptions, budget: MemoryBudget) -> Result<RouterExploit> {
+    let mut report = crate::exploit::run(std::slice::from_ref(&cell.config), options, budget, &|_| {})?;
     Ok(report.routers.remove(0))
 }
 

@@ -153,7 +153,7 @@ fn rebatched(base: &TokenCall, padding_mask: bool) -> Plan {
         what.push("reversed, halved");
     }
     if padding_mask {
-        let pad = (s / 4).max(1);
+        let pad = r_padding(s);
         let rows: Vec<usize> = (0..b).collect();
         let all = same_rows(b);
         cases.push(Case::single(rebuilt(base, &rows, (0, pad)), pairs_of(s, s + pad, &all, s, 0)));
@@ -165,6 +165,11 @@ fn rebatched(base: &TokenCall, padding_mask: bool) -> Plan {
         false => format!("the batch {}", what.join("; ")),
     };
     Plan::new(cases, note)
+}
+
+/// The tokens R pads a sequence of `s` with, on either side.
+fn r_padding(s: usize) -> usize {
+    (s / 4).max(1)
 }
 
 /// The sequence map of a call against itself: sequence i against sequence i.
@@ -192,4 +197,17 @@ fn rebuilt(base: &TokenCall, rows: &[usize], (left, right): (usize, usize)) -> T
     }
     let padding = (left + right > 0).then_some(mask);
     TokenCall { batch: rows.len(), seq_len: len, tokens, padding, ..base.clone() }
+}
+
+#[cfg(test)]
+mod tests {
+    /// No call of an audit is longer than [`super::super::largest_call`] says: R's padding is the
+    /// longest.
+    #[test]
+    fn the_padded_rebatch_fits_the_largest_call() {
+        assert_eq!(super::super::largest_call(4, 128), (4, 161));
+        for s in 1..200 {
+            assert!(s + super::r_padding(s) <= super::super::largest_call(2, s).1, "seq_len {s}");
+        }
+    }
 }
