@@ -22,7 +22,8 @@ The toy model (seeded by ``--seed``; ``--layers`` 4, ``--experts`` 8, ``--top-k`
 scores in [0, 1) hashed from (seed, layer, expert, a rolling hash of tokens[0..=t]): causal and
 batch-invariant. The greedy next token is a hash of the whole prefix mod V, never of the routes,
 so a fault changes routes and never tokens. Generation is greedy whatever the temperature; there
-is no EOS, every request runs to its token budget (``finish_reason`` length). Rows cover the
+is no EOS, every request runs to its token budget (``finish_reason`` length); no tokenizer, so
+``text`` is always "". vLLM's and SGLang's servers with one seed give the same rows. Rows cover the
 P + O - 1 tokens that were forwarded (the last sampled token never is): row t < P is prefill,
 row t >= P a decode step.
 
@@ -42,8 +43,8 @@ touched change with the defaults):
   decode        decode rows [P, P + O - 1)
   continuation  prompt rows when max_tokens > 1, the noise seeded by max_tokens
   repeat        every row of every other generation request (a global counter, odd ones)
-  chunk         prompt rows [N, P), N = ``--chunk`` (positions from the sequence start, so a
-                cache hit does not move them)
+  chunk         prompt rows [N, P), N = ``--chunk`` (default 8192, SGLang's chunked_prefill_size;
+                positions from the sequence start, so a cache hit does not move them)
 Other flags: ``--no-routes`` (vLLM: ``routed_experts`` null; SGLang: ``enable_return_routed_experts``
 false and no ``routed_experts``), ``--dense`` (every route id 0), ``--slow S`` (a generation
 request sleeps S more seconds), ``--drop`` (a generation request's connection is closed unanswered),
