@@ -152,7 +152,8 @@ pub struct Connect {
 impl Server {
     /// Reaches `url` and tells its engine: vLLM answers `GET /version`, SGLang `GET /server_info`.
     pub fn connect(url: &str, how: &Connect) -> Result<Server, EngineError> {
-        let client = Client::new(url, how.timeout, crate::http::MAX_RESPONSE)?;
+        // A response is read whole: at most a quarter of the memory limit.
+        let client = Client::new(url, how.timeout, (how.memory.bytes() / 4).min(crate::http::MAX_RESPONSE))?;
         let info = identify(&client)?;
         if let Some(want) = how.engine {
             if want != info.engine {
