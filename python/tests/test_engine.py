@@ -38,7 +38,7 @@ def test_a_clean_engine_holds_and_a_decode_defect_is_found() -> None:
         assert not report.failed
         assert [a.axis for a in report.axes] == ["batch", "cache", "stale", "decode", "continuation", "repeat"]
         assert all(a.held and a.decisions > 0 for a in report.axes)
-        assert report.requests == 30
+        assert report.requests == 33
     with fake("--engine", "vllm", "--fault", "decode") as url:
         report = engine.audit(url, must_hold=("decode",), **{**SMALL, "probes": 6})  # type: ignore[arg-type]
         assert report.failed

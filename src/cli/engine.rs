@@ -52,10 +52,16 @@ pub struct EngineArgs {
     /// Batch-mates sent with each probe.
     #[arg(long, default_value_t = Settings::default().mates)]
     pub mates: usize,
-    /// Token ids are drawn from [0, VOCAB).
+    /// Token ids are drawn from [0, VOCAB); at most the model's vocabulary (checked against
+    /// --config): vLLM started with --skip-tokenizer-init does not check ids, and one past the
+    /// vocabulary kills its engine.
     #[arg(long, default_value_t = Settings::default().vocab)]
     pub vocab: u32,
-    /// Tokens appended to a cached prompt (cache and stale axes).
+    /// Length of the prompt that fills the prefix cache (cache and stale axes): whole blocks of
+    /// the engine (vLLM's CPU build caches blocks of 128 tokens, its GPU build 16).
+    #[arg(long, default_value_t = Settings::default().cache_len)]
+    pub cache_len: usize,
+    /// Tokens appended to the cached prompt.
     #[arg(long, default_value_t = Settings::default().extension)]
     pub extension: usize,
     /// Long prompts sent to both servers (with --against: the prefill chunking).
@@ -100,6 +106,15 @@ pub enum EngineFormat {
     Html,
 }
 
+/// The model's config.json: its layout and the document.
+fn read_config(path: &std::path::Path, budget: MemoryBudget) -> Result<(Layout, serde_json::Value)> {
+    let text = moe_audit::files::read_text_within(path, budget)?;
+    let value: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| Error::parse(path, "not a JSON config", e))?;
+    let layout = Layout::from_json(&value).map_err(|m| Error::input(path, m))?;
+    Ok((layout, value))
+}
+
 fn parse_range(s: &str) -> std::result::Result<(usize, usize), String> {
     let (lo, hi) = s.split_once("..").ok_or_else(|| format!("`{s}` is not MIN..MAX"))?;
     let n = |x: &str| x.trim().parse::<usize>().map_err(|_| format!("`{x}` is not a whole number"));
@@ -109,6 +124,8 @@ fn parse_range(s: &str) -> std::result::Result<(usize, usize), String> {
 /// A validated `engine`.
 #[derive(Debug)]
 pub struct EngineOptions {
+    /// The model's config.json, kept in witnesses (SGLang's replay needs its shape).
+    config: Option<serde_json::Value>,
     url: String,
     against: Option<String>,
     connect: Connect,
@@ -136,6 +153,7 @@ impl EngineArgs {
             generate: self.generate,
             mates: self.mates,
             vocab: self.vocab,
+            cache_len: self.cache_len,
             extension: self.extension,
             long_prompts: self.long_prompts,
             long_len: self.long_len,
@@ -144,13 +162,24 @@ impl EngineArgs {
         };
         settings.check(self.against.is_some()).map_err(Error::Usage)?;
         let budget = self.memory.budget();
-        let layout = self.config.as_deref().map(Layout::load).transpose()?;
+        let config = self.config.as_deref().map(|p| read_config(p, budget)).transpose()?;
+        if let Some(size) = config.as_ref().and_then(|c| c.1["vocab_size"].as_u64()) {
+            if u64::from(self.vocab) > size {
+                return Err(Error::Usage(format!(
+                    "--vocab {} is over the model's vocab_size {size} (--config): an id past the vocabulary \
+                     is refused by the engine, or kills it",
+                    self.vocab
+                )));
+            }
+        }
+        let (layout, config) = config.map(|(l, v)| (Some(l), Some(v))).unwrap_or_default();
         let connect = Connect { timeout: self.timeout.validated()?, engine: self.engine, layout, memory: budget };
         let run_id = self.run_id.clone().unwrap_or_else(|| {
             let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
             format!("{:x}", now.as_millis())
         });
         Ok(EngineOptions {
+            config,
             url: self.url.clone(),
             against: self.against.clone(),
             connect,
@@ -182,7 +211,7 @@ pub(super) fn run(o: EngineOptions, out: &mut dyn Write) -> Result<u8> {
         moe_audit::files::create_dir(dir)?;
         let infos: Vec<_> = run.servers.iter().map(|s| s.info.clone()).collect();
         for a in &report.axes {
-            if let Some(w) = Witness::of(a, &infos) {
+            if let Some(w) = Witness::of(a, &infos, o.config.clone()) {
                 staged.write(&dir.join(format!("engine-{}.json", a.axis.name())), json(&w).as_bytes())?;
             }
         }

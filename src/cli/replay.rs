@@ -107,7 +107,13 @@ pub(super) fn run(replay: &ReplayOptions, out: &mut dyn Write) -> Result<u8> {
 
 /// Sends an engine witness's requests again: exit 1 while its axis still changes, 0 when not.
 fn replay_engine(replay: &ReplayOptions, w: &engine::Witness, out: &mut dyn Write) -> Result<u8> {
-    let connect = engine::Connect { timeout: replay.timeout, engine: None, layout: None, memory: replay.budget };
+    let layout = w
+        .config
+        .as_ref()
+        .map(moe_audit::records::Layout::from_json)
+        .transpose()
+        .map_err(|m| moe_audit::Error::input(&replay.witness, format!("config: {m}")))?;
+    let connect = engine::Connect { timeout: replay.timeout, engine: None, layout, memory: replay.budget };
     let urls = w.servers.iter().enumerate().map(|(i, s)| match (i, &replay.url) {
         (0, Some(url)) => url.as_str(),
         _ => s.url.as_str(),

@@ -89,9 +89,9 @@ fn a_causal_batch_invariant_engine_holds_on_every_axis() {
             assert!(*decisions > 0, "{engine} {axis}: nothing compared");
             assert_eq!((*changed, *diverged), (0, 0), "{engine} {axis}");
         }
-        // 3 probes: alone, repeat, continuation, decode, 4 in the batch, hit, recompute.
+        // 3 probes: alone, repeat, continuation, decode, 4 in the batch, fill, hit, recompute.
         let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-        assert_eq!(v["requests"], 3 * 10, "{engine}");
+        assert_eq!(v["requests"], 3 * 11, "{engine}");
     }
 }
 
@@ -198,6 +198,7 @@ fn bad_servers_are_one_line_errors() {
         (vec![&sglang.url, "--engine", "vllm", "--config", CONFIG], "not vLLM"),
         (vec![&no_routes.url, "--vocab", "100000"], "HTTP 400"),
         (vec!["https://127.0.0.1:1"], "https is not supported"),
+        (vec![&sglang.url, "--config", CONFIG, "--vocab", "1000"], "over the model's vocab_size 256"),
         (vec!["http://127.0.0.1:1"], "http://127.0.0.1:1/version"),
         (vec![&sglang.url, "--config", CONFIG, "--concurrency", "3"], "over the concurrency limit 3"),
     ];

@@ -74,7 +74,10 @@ pub struct Settings {
     pub mates: usize,
     /// Token ids are drawn from `[0, vocab)`.
     pub vocab: u32,
-    /// Tokens appended to a cached prompt for the cache axis.
+    /// Length of the prompt that fills the cache (the cache and stale axes): engines cache whole
+    /// blocks only (vLLM's CPU build: 128 tokens, its GPU build 16; SGLang 1).
+    pub cache_len: usize,
+    /// Tokens appended to the cached prompt.
     pub extension: usize,
     /// Long prompts for the second server (chunking), and their length.
     pub long_prompts: usize,
@@ -95,6 +98,7 @@ impl Default for Settings {
             generate: 8,
             mates: 5,
             vocab: 256,
+            cache_len: 256,
             extension: 16,
             long_prompts: 2,
             long_len: 512,
@@ -113,6 +117,10 @@ impl Settings {
             (lo == 0 || lo > hi, format!("prompt lengths {lo}..{hi}: give 1 <= shortest <= longest")),
             (self.generate < 2, "generate must be at least 2 (the decode axis compares all but the last)".into()),
             (self.vocab < 2, "vocab must be at least 2".into()),
+            (
+                (self.axes.contains(&Axis::Cache) || self.axes.contains(&Axis::Stale)) && self.cache_len == 0,
+                "the cache prompt must be at least 1 token".into(),
+            ),
             (self.concurrency == 0, "concurrency must be at least 1".into()),
             (
                 self.axes.contains(&Axis::Batch) && self.mates + 1 > self.concurrency,
@@ -132,7 +140,7 @@ impl Settings {
 
     /// The longest sequence a request of the audit holds (prompt and generated).
     pub fn longest(&self) -> usize {
-        let probe = self.prompt_len.1 + self.extension.max(self.generate) + self.generate;
+        let probe = (self.prompt_len.1 + self.generate).max(self.cache_len + self.extension + self.generate);
         if self.axes.contains(&Axis::Against) {
             probe.max(self.long_len + self.generate)
         } else {
@@ -272,15 +280,18 @@ pub fn scripts(settings: &Settings) -> Vec<Script> {
             add(&mut s, Axis::Batch, 0, group, at);
         }
         if on(Axis::Cache) || on(Axis::Stale) {
-            // The probe's prompt and new ids, in the probe's namespace (its prefix cached by
-            // step 0), then the same prompt in a fresh one (recomputed).
-            let then = draw(&mut rng, settings.extension, settings.vocab);
-            let extended = [prompt.clone(), then].concat();
-            let hit = Planned { prompt: Prompt::Tokens(extended.clone()), max_tokens: g, salt: 0 };
+            // A prompt of whole cache blocks fills the cache in its own namespace; the same
+            // prompt and new ids in that namespace hit it; the same in a fresh one recompute.
+            let fill = draw(&mut rng, settings.cache_len, settings.vocab);
+            let extended = [fill.clone(), draw(&mut rng, settings.extension, settings.vocab)].concat();
+            let salt = next_salt(&s);
+            s.steps.push(Step { server: 0, requests: vec![Planned { prompt: Prompt::Tokens(fill), max_tokens: g, salt }] });
+            let filled = Take { step: s.steps.len() - 1, index: 0 };
+            let hit = Planned { prompt: Prompt::Tokens(extended.clone()), max_tokens: g, salt };
             s.steps.push(Step { server: 0, requests: vec![hit] });
             let hit = Take { step: s.steps.len() - 1, index: 0 };
             if on(Axis::Stale) {
-                s.pairings.push(Pairing { axis: Axis::Stale, a: reference, b: hit });
+                s.pairings.push(Pairing { axis: Axis::Stale, a: filled, b: hit });
             }
             if on(Axis::Cache) {
                 let fresh = Planned { prompt: Prompt::Tokens(extended), max_tokens: g, salt: next_salt(&s) };

@@ -240,7 +240,7 @@ impl Server {
             return Err(EngineError::Server {
                 url: self.client.base.clone(),
                 why: "its routes hold no expert choice (every id 0): not an MoE model, or the engine's capture \
-                      does not run on this path (vLLM's CPU build without the moe_audit.vllm_capture plugin)"
+                      does not run on this path (vLLM's CPU build without the moe_audit.vllm_cpu_capture plugin)"
                     .into(),
             });
         }

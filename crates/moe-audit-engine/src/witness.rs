@@ -23,11 +23,14 @@ pub struct Witness {
     pub script: Script,
     /// What was found, one line.
     pub found: String,
+    /// The model's config.json, when the audit had it (SGLang's routes are shaped by it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config: Option<serde_json::Value>,
 }
 
 impl Witness {
     /// The witness of `report`'s first change, if it has one.
-    pub fn of(report: &AxisReport, servers: &[ServerInfo]) -> Option<Witness> {
+    pub fn of(report: &AxisReport, servers: &[ServerInfo], config: Option<serde_json::Value>) -> Option<Witness> {
         let script = report.witness.clone()?;
         Some(Witness {
             format: WITNESS_VERSION.into(),
@@ -40,6 +43,7 @@ impl Witness {
                 report.decisions,
                 report.diverged.len()
             ),
+            config,
         })
     }
 }
