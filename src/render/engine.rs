@@ -28,9 +28,11 @@ pub(crate) fn axis_note(a: &AxisReport) -> Option<String> {
     if matches!(a.axis, Axis::Cache | Axis::Stale) && !a.cached.is_empty() {
         let known: Vec<usize> = a.cached.iter().flatten().copied().collect();
         return Some(if known.is_empty() {
-            "the server does not say how many tokens it served from the cache (vLLM: --enable-prompt-tokens-details); \
-             the prompt rows are compared"
-                .into()
+            let compared = if a.axis == Axis::Stale { ": the filling prompt's rows are compared" } else { "" };
+            format!(
+                "the server does not say how many prompt tokens it served from the cache (vLLM: \
+                 --enable-prompt-tokens-details){compared}"
+            )
         } else {
             format!(
                 "cached prompt tokens per hit: {}..{} ({} of {} hits reported)",
