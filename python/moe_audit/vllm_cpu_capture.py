@@ -10,6 +10,15 @@ callback vLLM binds (``modular_kernel.py:1007-1022``, ``set_capture_fn``). Every
 vLLM's: the capturer's per-step buffer, the scheduler's slot-indexed store (prefix-cache hits read
 the rows stored when the blocks were filled), batching, chunked prefill and the response field.
 
+The hand-over is a custom op, ``moe_audit::capture_topk_ids``, so that it survives compilation: on
+the CPU vLLM traces the MoE layer, router included, into the model's graph (``moe_runner.py:297-302``;
+``platforms/cpu.py:198-212``: Dynamo traced once, inductor) while warming up, before the capturer is
+bound (``cpu_model_runner.py:150`` against ``gpu_worker.py:682-683``). A Python call there would be
+traced with no callback and vanish; the op stays in the graph and looks the callback up at run time.
+Its output (a copy of the ids) feeds the kernel, so the compiler cannot drop it. The AOT compile
+cache key gets a factor of its own (``compilation/caching.py:573-589``, read by
+``compilation/decorators.py:537-542``): a graph compiled without the op is never loaded with it.
+
 Opt-in: registered as a ``vllm.general_plugins`` entry point (pyproject.toml), which vLLM loads in
 every process (``vllm/plugins/__init__.py:16-18,77-90``); it does nothing unless
 ``MOE_AUDIT_VLLM_CPU_CAPTURE=1``. When set and it cannot apply (another vLLM release, not the CPU
@@ -27,7 +36,11 @@ from typing import Any, Callable
 ENV = "MOE_AUDIT_VLLM_CPU_CAPTURE"
 # The releases whose lines the patch was read against (the docstring's citations).
 SUPPORTED = ("0.28.0",)
-_MARK = "_moe_audit_capture"
+_MARK = "_moe_audit_capture_key"
+# The experts of this process in construction order; an experts object's index is the constant its
+# traced op carries. The order is the model's, the same in every process that builds it, so a graph
+# loaded from the compile cache finds the layer it was traced for.
+_EXPERTS: list[Any] = []
 
 
 def register() -> None:
@@ -38,7 +51,10 @@ def register() -> None:
     if value != "1":
         print(f"moe-audit vllm plugin: {ENV}={value!r} is not 1 or 0; nothing patched", file=sys.stderr)
         return
-    problem = apply()
+    try:
+        problem = apply()
+    except Exception as e:  # noqa: BLE001 - in every vLLM process: one line, never a crashed server
+        problem = f"{type(e).__name__}: {e}"
     if problem is not None:
         print(f"moe-audit vllm plugin: cannot apply ({problem}); nothing patched", file=sys.stderr)
 
@@ -47,14 +63,18 @@ def apply() -> str | None:
     """Patch ``CPUUnquantizedExperts`` (idempotent); the reason it cannot, or None when patched."""
     try:
         import vllm
-        from vllm.model_executor.layers.fused_moe import modular_kernel
-        from vllm.model_executor.layers.fused_moe.experts import cpu_moe
-        from vllm.platforms import current_platform
     except ImportError as e:
         return f"vllm does not import: {e}"
     version = getattr(vllm, "__version__", "unknown")
     if version not in SUPPORTED:
         return f"vllm {version}, read for {', '.join(SUPPORTED)}"
+    try:
+        from vllm.compilation import caching
+        from vllm.model_executor.layers.fused_moe import modular_kernel
+        from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+        from vllm.platforms import current_platform
+    except ImportError as e:
+        return f"vllm's MoE modules do not import: {e}"
     if not current_platform.is_cpu():
         return f"platform {type(current_platform).__name__} is not the CPU; vLLM's own capture applies there"
     experts = getattr(cpu_moe, "CPUUnquantizedExperts", None)
@@ -64,54 +84,60 @@ def apply() -> str | None:
         or monolithic is None
         or not issubclass(experts, monolithic)
         or not callable(getattr(experts, "_select_experts", None))
-        or not callable(getattr(monolithic, "set_capture_fn", None))
         or not hasattr(monolithic, "routing_replay_capture_fn")
+        or not callable(getattr(caching, "aot_compile_hash_factors", None))
     ):
         return "vllm's CPU MoE experts lack _select_experts or the monolithic capture callback"
-    if getattr(experts, _MARK, False):
+    if getattr(experts, _MARK, None) is not None:
         return None
-    experts._select_experts = _forwarding(experts._select_experts)
+    capture_op = _register_op()
+    experts.__init__ = _keyed(experts.__init__)
+    experts._select_experts = _forwarding(experts._select_experts, capture_op)
     # Read by bind_routed_experts_capturer (routed_experts_capturer.py:283-292) before it binds.
     experts.supports_routing_replay_capture = lambda self: True
-    experts.set_capture_fn = _eager_only(monolithic.set_capture_fn)
-    setattr(experts, _MARK, True)
+    factors = caching.aot_compile_hash_factors
+    caching.aot_compile_hash_factors = lambda config: [*factors(config), "moe_audit_vllm_cpu_capture"]
+    setattr(experts, _MARK, -1)
     return None
 
 
-def _eager_only(bind: Callable[..., Any]) -> Callable[..., Any]:
-    """``set_capture_fn`` that refuses a compiled model. On the CPU vLLM traces the MoE layer,
-    router included, into the model's graph (``moe_runner.py:297-302``: no opaque custom op there;
-    ``platforms/cpu.py:198-212``: Dynamo, traced once) while warming up, before the capturer is bound
-    (``cpu_model_runner.py:150`` against ``gpu_worker.py:682-683``): a compiled router would never
-    call the callback and every row would stay zero. The worker binds under its config
-    (``worker_base.py:325-329``)."""
+def _register_op() -> Callable[..., Any]:
+    import torch
 
-    @functools.wraps(bind)
-    def bind_if_eager(self: Any, capture_fn: Any) -> None:
-        from vllm.config import CompilationMode, get_current_vllm_config_or_none
+    # The schema spelled out: this module's annotations are strings (``from __future__``).
+    schema = "(Tensor topk_ids, int key) -> Tensor"
 
-        config = get_current_vllm_config_or_none()
-        if capture_fn is not None and config is not None and config.compilation_config.mode != CompilationMode.NONE:
-            raise ValueError(
-                "moe-audit vllm plugin: routed experts on the CPU need --enforce-eager "
-                f"(compilation mode {config.compilation_config.mode.name} traces the router without the capture)"
-            )
-        bind(self, capture_fn)
+    @torch.library.custom_op("moe_audit::capture_topk_ids", mutates_args=(), schema=schema)
+    def capture_topk_ids(topk_ids: torch.Tensor, key: int) -> torch.Tensor:
+        """Hands ``topk_ids`` (int32, one row per token of the step) to the callback bound to
+        experts ``key``, which writes them into the capturer's buffer for its layer
+        (``routed_experts_capturer.py:108-222``); unbound (warm-up, flag off) it does nothing."""
+        capture = _EXPERTS[key].routing_replay_capture_fn
+        if capture is not None:
+            capture(topk_ids)
+        return topk_ids.clone()
 
-    return bind_if_eager
+    @capture_topk_ids.register_fake
+    def _(topk_ids: torch.Tensor, key: int) -> torch.Tensor:
+        return torch.empty_like(topk_ids)
+
+    return torch.ops.moe_audit.capture_topk_ids
 
 
-def _forwarding(select: Callable[..., Any]) -> Callable[..., Any]:
-    """``select`` that also hands its ``topk_ids`` (int32, one row per token of the step) to the
-    callback vLLM bound, which writes them into the capturer's buffer for this layer
-    (``routed_experts_capturer.py:108-222``)."""
+def _keyed(init: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(init)
+    def init_and_key(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        setattr(self, _MARK, len(_EXPERTS))
+        _EXPERTS.append(self)
 
+    return init_and_key
+
+
+def _forwarding(select: Callable[..., Any], capture_op: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(select)
     def select_and_capture(self: Any, *args: Any, **kwargs: Any) -> Any:
         topk_weights, topk_ids = select(self, *args, **kwargs)
-        capture = self.routing_replay_capture_fn
-        if capture is not None:
-            capture(topk_ids)
-        return topk_weights, topk_ids
+        return topk_weights, capture_op(topk_ids, getattr(self, _MARK))
 
     return select_and_capture
