@@ -36,7 +36,8 @@ from typing import Any, Callable
 ENV = "MOE_AUDIT_VLLM_CPU_CAPTURE"
 # The releases whose lines the patch was read against (the docstring's citations).
 SUPPORTED = ("0.28.0",)
-_MARK = "_moe_audit_capture_key"
+_PATCHED = "_moe_audit_patched"
+_KEY = "_moe_audit_capture_key"
 # The experts of this process in construction order; an experts object's index is the constant its
 # traced op carries. The order is the model's, the same in every process that builds it, so a graph
 # loaded from the compile cache finds the layer it was traced for.
@@ -88,7 +89,7 @@ def apply() -> str | None:
         or not callable(getattr(caching, "aot_compile_hash_factors", None))
     ):
         return "vllm's CPU MoE experts lack _select_experts or the monolithic capture callback"
-    if getattr(experts, _MARK, None) is not None:
+    if getattr(experts, _PATCHED, False):
         return None
     capture_op = _register_op()
     experts.__init__ = _keyed(experts.__init__)
@@ -97,7 +98,7 @@ def apply() -> str | None:
     experts.supports_routing_replay_capture = lambda self: True
     factors = caching.aot_compile_hash_factors
     caching.aot_compile_hash_factors = lambda config: [*factors(config), "moe_audit_vllm_cpu_capture"]
-    setattr(experts, _MARK, -1)
+    setattr(experts, _PATCHED, True)
     return None
 
 
@@ -128,7 +129,7 @@ def _keyed(init: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(init)
     def init_and_key(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
-        setattr(self, _MARK, len(_EXPERTS))
+        setattr(self, _KEY, len(_EXPERTS))
         _EXPERTS.append(self)
 
     return init_and_key
@@ -138,6 +139,9 @@ def _forwarding(select: Callable[..., Any], capture_op: Callable[..., Any]) -> C
     @functools.wraps(select)
     def select_and_capture(self: Any, *args: Any, **kwargs: Any) -> Any:
         topk_weights, topk_ids = select(self, *args, **kwargs)
-        return topk_weights, capture_op(topk_ids, getattr(self, _MARK))
+        key = getattr(self, _KEY, None)
+        if key is None:
+            raise RuntimeError("moe-audit vllm plugin: MoE experts built before the plugin applied")
+        return topk_weights, capture_op(topk_ids, key)
 
     return select_and_capture
