@@ -1,11 +1,12 @@
-"""A tiny Qwen3-MoE checkpoint for a vLLM server on this CPU (issue #47, docs/ENGINES.md): 4 layers,
+"""A tiny Qwen3-MoE checkpoint for a vLLM server on this CPU (issue #47, ENGINE-LAB.md): 4 layers,
 hidden 128, 8 experts, top 2, vocabulary 1024, random weights (seed 0), float32, saved with
 safetensors, and a word-level tokenizer whose tokens are `t0` .. `t1023` (one id each, no merges):
 the audit sends token ids, but a server that loads a tokenizer rejects an id outside the vocabulary
 with a 400, where one started with `--skip-tokenizer-init` lets it reach the embedding and its engine
-dies (vllm 0.28.0 `v1/engine/input_processor.py:484-511` checks only with a tokenizer). The config is the README's model (python/bench/hf_model_time.py) with 8 experts
-and top 2, so that a changed decision is one of few; hidden and MoE intermediate are multiples of 32,
-as vLLM's CPU MoE kernel requires (vllm 0.28.0 `experts/cpu_moe.py:191-198`).
+dies (vllm 0.28.0 `v1/engine/input_processor.py:484-511` checks only with a tokenizer). The config
+is the README's model (python/bench/hf_model_time.py) with 8 experts and top 2, so that a changed
+decision is one of few; hidden and MoE intermediate are multiples of 32, as vLLM's CPU MoE kernel
+requires (vllm 0.28.0 `experts/cpu_moe.py:191-198`).
 
     /work/engine-venv/bin/python python/bench/engine_model.py DIR
 """
