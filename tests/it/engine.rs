@@ -210,3 +210,62 @@ fn bad_servers_are_one_line_errors() {
         assert!(err.contains(says), "{args:?}: {err}");
     }
 }
+
+/// A recorded transcript served again (tests/it/engines/transcript_server.py), stopped when dropped.
+fn replayed(transcript: &str) -> Fake {
+    let mut child = Command::new("python3")
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args(["tests/it/engines/transcript_server.py", "serve", transcript, "--port", "0"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("start the transcript server");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("piped")).read_line(&mut line).expect("read READY");
+    let port = line.trim().strip_prefix("READY ").unwrap_or_else(|| panic!("transcript server said {line:?}"));
+    Fake { child, url: format!("http://127.0.0.1:{port}") }
+}
+
+/// The recorded responses of a real engine: vLLM 0.28.0's CPU build (bf16, eager, prefix
+/// caching on, `--enable-prompt-tokens-details`) with moe_audit.vllm_cpu_capture on the tiny
+/// Qwen3-MoE of python/bench/engine_model.py, and the same server compiled (the default mode)
+/// for `--against`; recorded through transcript_server.py by the commands below (docs/ENGINES.md).
+const RECORDED_CONFIG: &str = "tests/it/engines/vllm_cpu_tiny_moe.json";
+
+#[test]
+fn a_real_vllm_engine_holds_on_every_axis_as_recorded() {
+    if !numpy() {
+        return;
+    }
+    let engine = replayed("tests/it/engines/recorded/vllm-0.28-cpu-bf16-eager.jsonl");
+    let args = ["engine", &engine.url, "--config", RECORDED_CONFIG, "--run-id", "rec", "--probes", "3", "--format", "json"];
+    let out = run(&args, &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let found = axes(&String::from_utf8_lossy(&out.stdout));
+    let expected = [("batch", 776), ("cache", 3348), ("continuation", 692), ("decode", 84), ("repeat", 776), ("stale", 3072)];
+    let got: Vec<(&str, u64)> = found.iter().map(|(a, (d, _, _))| (a.as_str(), *d)).collect();
+    assert_eq!(got, expected);
+    assert!(found.values().all(|&(_, changed, diverged)| changed == 0 && diverged == 0), "{found:?}");
+}
+
+#[test]
+fn a_real_vllm_engine_compiled_routes_otherwise_than_eager_as_recorded() {
+    if !numpy() {
+        return;
+    }
+    let eager = replayed("tests/it/engines/recorded/vllm-0.28-cpu-bf16-eager.jsonl");
+    let compiled = replayed("tests/it/engines/recorded/vllm-0.28-cpu-bf16-compiled.jsonl");
+    let args = [
+        "engine", &eager.url, "--against", &compiled.url, "--axes", "against", "--must-hold", "against",
+        "--config", RECORDED_CONFIG, "--run-id", "rec-against", "--probes", "3", "--long-prompts", "1",
+        "--format", "json",
+    ];
+    let out = run(&args, &[]);
+    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let against = &v["axes"][0];
+    assert_eq!((against["decisions"].as_u64(), against["changed"].as_u64()), (Some(3008), Some(22)));
+    // Every change swaps one expert of the two: the shape of a near-tie (bf16 inductor kernels
+    // against eager ones), and two probes' greedy tokens part.
+    assert_eq!(against["one_slot"], 22);
+    assert_eq!(against["diverged"].as_array().unwrap().len(), 2);
+}
