@@ -1,4 +1,4 @@
-"""A tiny Qwen3-MoE checkpoint for a vLLM server on this CPU (issue #47, ENGINE-LAB.md): 4 layers,
+"""A tiny Qwen3-MoE checkpoint for a vLLM server on this CPU (issue #47, docs/engines/vllm-0.28-cpu.md): 4 layers,
 hidden 128, 8 experts, top 2, vocabulary 1024, random weights (seed 0), float32, saved with
 safetensors, and a word-level tokenizer whose tokens are `t0` .. `t1023` (one id each, no merges):
 the audit sends token ids, but a server that loads a tokenizer rejects an id outside the vocabulary

