@@ -9,6 +9,7 @@
 //!   [`memory`], [`names`];
 //! - `moe-audit-parallel`: [`parallel`] (expert parallelism, all-reduce in low precision);
 //! - `moe-audit-records`: [`records`] (rollout and trainer routing records);
+//! - `moe-audit-engine`: [`engine`] (a live vLLM or SGLang server's routing audited);
 //! - `moe-audit-auditor`: [`analyze`], [`check`](mod@check), [`external`], [`model`], [`snapshot`](mod@snapshot), [`sweep`],
 //!   [`exploit`], [`progress`], [`seeds`], [`sizes`].
 #![warn(missing_docs)]
@@ -25,6 +26,7 @@ mod runtime;
 
 pub use moe_audit_auditor::{analyze, check, exploit, external, model, progress, seeds, sizes, snapshot, sweep};
 pub use moe_audit_core::{config, error, files, layer, memory, names, router, routing};
+pub use moe_audit_engine as engine;
 pub use moe_audit_parallel as parallel;
 pub use moe_audit_records as records;
 

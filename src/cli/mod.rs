@@ -6,6 +6,7 @@ mod bars;
 mod check;
 mod collectives;
 mod common;
+mod engine;
 mod ep;
 pub(crate) mod exit;
 mod exploit;
@@ -26,6 +27,7 @@ use std::io::Write;
 
 use check::{CheckArgs, ZooArgs};
 use collectives::CollectivesArgs;
+use engine::EngineArgs;
 use ep::EpArgs;
 use exploit::ExploitArgs;
 use external::PlanArgs;
@@ -81,6 +83,10 @@ pub enum Command {
     /// Rollout against trainer routing records: align, diagnose replay bugs, measure the
     /// disagreement (exit 0 ok, 1 a defect or over --max-disagreement, 2 bad input).
     Routes(RoutesArgs),
+    /// A running vLLM or SGLang server: seeded requests of token ids, their routes compared
+    /// alone and among batch-mates, cached and recomputed, decoded and prefilled (exit 0 every
+    /// axis of --must-hold held, 1 one changed, 2 error).
+    Engine(EngineArgs),
 }
 
 /// Runs a parsed command, writing its output to `out`. Returns the process exit code.
@@ -105,6 +111,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<u8> {
         Command::Collectives(args) => collectives::run(args.validated()?, out),
         Command::Exploit(args) => exploit::run(args.validated()?, out),
         Command::Routes(args) => routes::run(args.validated()?, out),
+        Command::Engine(args) => engine::run(args.validated()?, out),
     }
 }
 

@@ -1,5 +1,6 @@
 //! `moe-audit replay`: a router's witness (written by `check --witness-dir`) replayed from its
-//! file alone, or against the live router with `--router-cmd`. A witness holds its router's
+//! file alone, or against the live router with `--router-cmd`; an engine's witness (written by
+//! `engine --witness-dir`) sent again to its server (or `--url`). A witness holds its router's
 //! config or handshake, so no other flag describes the router. (A whole model's witness holds
 //! only tokens: it replays with the model's own command line, `model ... --replay`.)
 
@@ -7,6 +8,7 @@ use super::common::{FailOn, MemoryArgs, ModeArg, TimeoutArgs};
 use super::{exit, io_error};
 use clap::Args;
 use moe_audit::analyze::Witness;
+use moe_audit::engine;
 use moe_audit::error::Result;
 use moe_audit::external::{ExternalRouter, Mode};
 use moe_audit::render::render_replay;
@@ -42,6 +44,9 @@ pub struct ReplayArgs {
     /// capacity in force changed), `drift` (an X witness).
     #[arg(long, value_name = "VERDICTS", default_value = FailOn::DEFAULT, value_parser = FailOn::parse)]
     pub fail_on: FailOn,
+    /// An engine witness: send its requests to this server instead of the one it names.
+    #[arg(long, value_name = "URL", conflicts_with = "router_cmd")]
+    pub url: Option<String>,
     /// The memory limit.
     #[command(flatten)]
     pub memory: MemoryArgs,
@@ -56,6 +61,9 @@ pub struct ReplayOptions {
     /// The other launch of its layer (`--layout-cmd`).
     layout: Option<String>,
     fail_on: FailOn,
+    /// An engine witness's server, when not the one it names.
+    url: Option<String>,
+    timeout: Duration,
     budget: MemoryBudget,
 }
 
@@ -68,6 +76,8 @@ impl ReplayArgs {
             router: self.router_cmd.clone().map(|command| (command, timeout, self.seed, self.mode.into())),
             layout: self.layout_cmd.clone(),
             fail_on: self.fail_on,
+            url: self.url.clone(),
+            timeout,
             budget: self.memory.budget(),
         })
     }
@@ -77,7 +87,11 @@ impl ReplayArgs {
 /// latent capacity change, or under `--fail-on drift` an X witness's drift), 0 when not.
 pub(super) fn run(replay: &ReplayOptions, out: &mut dyn Write) -> Result<u8> {
     let path = &replay.witness;
-    let witness = Witness::read_within(path, replay.budget)?;
+    let text = moe_audit::files::read_text_within(path, replay.budget)?;
+    if let Ok(w) = serde_json::from_str::<engine::Witness>(&text) {
+        return replay_engine(replay, &w, out);
+    }
+    let witness = Witness::parse(&text, path)?;
     let outcome = match &replay.router {
         None => witness.replay(path)?,
         Some((command, timeout, seed, mode)) => {
@@ -89,4 +103,29 @@ pub(super) fn run(replay: &ReplayOptions, out: &mut dyn Write) -> Result<u8> {
     out.write_all(render_replay(&outcome).as_bytes()).map_err(io_error)?;
     // The verdict the replay shows fails as the audit's would (an X witness: drift).
     Ok(exit::failed_if(replay.fail_on.counts(outcome.verdict())))
+}
+
+/// Sends an engine witness's requests again: exit 1 while its axis still changes, 0 when not.
+fn replay_engine(replay: &ReplayOptions, w: &engine::Witness, out: &mut dyn Write) -> Result<u8> {
+    let layout = w
+        .config
+        .as_ref()
+        .map(moe_audit::records::Layout::from_json)
+        .transpose()
+        .map_err(|m| moe_audit::Error::input(&replay.witness, format!("config: {m}")))?;
+    let connect = engine::Connect { timeout: replay.timeout, engine: None, layout, memory: replay.budget };
+    let urls = w.servers.iter().enumerate().map(|(i, s)| match (i, &replay.url) {
+        (0, Some(url)) => url.as_str(),
+        _ => s.url.as_str(),
+    });
+    let servers = urls.map(|u| engine::Server::connect(u, &connect)).collect::<std::result::Result<Vec<_>, _>>()?;
+    let run = engine::Run {
+        servers: servers.iter().collect(),
+        run_id: format!("replay-{}", std::process::id()),
+        must_hold: vec![w.axis],
+        memory: replay.budget,
+    };
+    let axis = engine::replay(w, &run)?;
+    out.write_all(moe_audit::render::engine_replay_text(&axis).as_bytes()).map_err(io_error)?;
+    Ok(exit::failed_if(!axis.held()))
 }

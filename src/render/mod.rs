@@ -1,7 +1,7 @@
 //! Every output format in one place: the check report as text, markdown, JSON, JUnit XML and
 //! GitHub annotations; the zoo table; a witness replay; the sweep's CSV, markdown and charts
 //! (SVG, PNG); the `ep` traffic table; the `collectives` tables and charts; the `exploit` text,
-//! markdown and learning curve; the `routes` comparison and its per-layer chart; self-contained
+//! markdown and learning curve; the `routes` comparison and its per-layer chart; the `engine` audit; self-contained
 //! HTML pages of a check (routers or a whole model) and of a records comparison. (The routing table, [`crate::routing::render_table`],
 //! stays beside the record it draws.) Renderers take the library's report types and return
 //! strings; the CLI picks one by its flag and writes it. Adding a format is a function here and
@@ -10,6 +10,7 @@
 pub(crate) mod chart;
 mod ci;
 mod collectives;
+mod engine;
 mod ep;
 mod exploit;
 mod html;
@@ -22,9 +23,10 @@ mod text;
 pub use crate::parallel::EpReport;
 pub use ci::{render_github, render_junit};
 pub use collectives::{collectives_chart, render_collectives};
+pub use engine::{engine_replay_text, engine_text};
 pub use ep::render_ep;
 pub use exploit::{exploit_markdown, exploit_text, write_exploit};
-pub use html::{check_html, model_html, routes_html};
+pub use html::{check_html, engine_html, model_html, routes_html};
 pub use json::{json, witness_path, write_witnesses};
 pub use model::{render_model_replay, render_model_text};
 pub use routes::{routes_chart, routes_github, routes_junit, routes_markdown, routes_text, show_text};

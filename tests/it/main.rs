@@ -4,6 +4,7 @@ mod analyze;
 mod cli;
 mod collectives;
 mod edge_cases;
+mod engine;
 mod exploit;
 mod external;
 mod faults;

@@ -41,6 +41,6 @@ pub use diagnosis::{Diagnosis, DiagnosisKind};
 pub use measure::{Flip, Lane, LayerMeasure, Margins, Measures, LANES};
 #[allow(deprecated)]
 pub use read::load_pair;
-pub use read::{from_ids, load, load_both, Format, Found, IdArray, Record, ShapeHint, Source};
+pub use read::{from_bytes, from_ids, load, load_both, Format, Found, IdArray, Record, ShapeHint, Source};
 pub use show::{show, LayerLoad, Summary};
 pub use sides::{Role, Sides};

@@ -91,6 +91,20 @@ pub fn load(path: &Path, layout: Option<&Layout>, hint: Option<ShapeHint>, budge
     Record::of(path, raw, layout)
 }
 
+/// A record held in memory (an engine's HTTP response as it came), read as [`load`] reads a
+/// file named `name`: the writer told from the bytes.
+pub fn from_bytes(
+    name: &str,
+    bytes: Bytes,
+    layout: Option<&Layout>,
+    hint: Option<ShapeHint>,
+    budget: &mut Budget,
+) -> Result<Record> {
+    let path = Path::new(name);
+    let raw = dispatch(path, &bytes, layout, hint, budget)?;
+    Record::of(path, raw, layout)
+}
+
 /// One array of expert ids `[tokens, layers, top_k]` in memory (one sequence): little-endian,
 /// C-contiguous bytes of a numpy dtype (`uint8`, `int16`, `int32`, ...), read in place.
 #[derive(Debug, Clone)]

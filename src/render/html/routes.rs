@@ -17,11 +17,19 @@ pub fn routes_html(c: &Comparison) -> String {
     let mut b = String::from("<h1>moe-audit routes compare</h1>\n");
     let _ = writeln!(b, "<p class=\"sub\">{}<br>{}</p>", esc(&side_line(&c.rollout)), esc(&side_line(&c.trainer)));
     let _ = writeln!(b, "<div class=\"summary {}\">{}</div>", if c.failed { "leak" } else { "pass" }, esc(&verdict(c)));
+    b.push_str(&routes_sections(c));
+    page(&format!("moe-audit routes compare: {} vs {}", c.rollout.path, c.trainer.path), &b)
+}
+
+/// The comparison's sections (diagnoses, headline, layers, lanes), for a page of its own or
+/// one section of an engine audit's.
+pub(super) fn routes_sections(c: &Comparison) -> String {
+    let mut b = String::new();
     diagnoses(&mut b, c);
     headline(&mut b, c);
     layers(&mut b, c);
     lanes(&mut b, c);
-    page(&format!("moe-audit routes compare: {} vs {}", c.rollout.path, c.trainer.path), &b)
+    b
 }
 
 fn diagnoses(b: &mut String, c: &Comparison) {
