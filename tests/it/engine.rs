@@ -18,19 +18,23 @@ struct Fake {
 }
 
 impl Fake {
+    /// The fake engine with `args`.
     fn start(args: &[&str]) -> Fake {
+        Fake::python(&[&[FAKE, "--port", "0"], args].concat())
+    }
+
+    /// A Python server of tests/it/engines that prints `READY <port>` once listening.
+    fn python(args: &[&str]) -> Fake {
         let mut child = Command::new("python3")
             .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .arg(FAKE)
-            .args(["--port", "0"])
             .args(args)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
-            .expect("start the fake engine");
+            .expect("start a test server");
         let mut line = String::new();
         BufReader::new(child.stdout.take().expect("piped")).read_line(&mut line).expect("read READY");
-        let port = line.trim().strip_prefix("READY ").unwrap_or_else(|| panic!("fake engine said {line:?}"));
+        let port = line.trim().strip_prefix("READY ").unwrap_or_else(|| panic!("{args:?} said {line:?}"));
         Fake { child, url: format!("http://127.0.0.1:{port}") }
     }
 }
@@ -213,16 +217,7 @@ fn bad_servers_are_one_line_errors() {
 
 /// A recorded transcript served again (tests/it/engines/transcript_server.py), stopped when dropped.
 fn replayed(transcript: &str) -> Fake {
-    let mut child = Command::new("python3")
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .args(["tests/it/engines/transcript_server.py", "serve", transcript, "--port", "0"])
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("start the transcript server");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().expect("piped")).read_line(&mut line).expect("read READY");
-    let port = line.trim().strip_prefix("READY ").unwrap_or_else(|| panic!("transcript server said {line:?}"));
-    Fake { child, url: format!("http://127.0.0.1:{port}") }
+    Fake::python(&["tests/it/engines/transcript_server.py", "serve", transcript, "--port", "0"])
 }
 
 /// The recorded responses of a real engine: vLLM 0.28.0's CPU build (bf16, eager, prefix

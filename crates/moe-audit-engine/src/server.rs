@@ -309,7 +309,8 @@ fn vllm_tokens(at: &str, doc: &Value, request: &Request) -> Result<(Vec<u32>, Op
 }
 
 /// SGLang: the generated ids (`output_ids`) and `meta_info.cached_tokens`.
-/// sglang/srt/managers/tokenizer_manager.py @v0.5.23 L2557.
+/// sglang/srt/managers/tokenizer_manager.py @v0.5.23 L2557 (`cached_tokens`), L2665-2669 (a
+/// finished non-streaming answer carries every `output_ids`).
 fn sglang_tokens(at: &str, doc: &Value) -> Result<(Vec<u32>, Option<usize>), EngineError> {
     if doc.pointer("/meta_info/routed_experts").is_none_or(Value::is_null) {
         return Err(EngineError::Server {
