@@ -13,6 +13,9 @@
   (``moe_audit.hf.run(block)``; needs torch and transformers);
 - ``moe_audit.snapshot``: snapshot tests of a router's routing decisions, also as the pytest
   fixture ``moe_audit_snapshot`` (``moe_audit.pytest_plugin``, with ``--moe-audit-update``);
+- ``moe_audit.engine``: a running vLLM or SGLang server audited axis by axis
+  (``moe_audit.engine.audit(url)``, the ``moe-audit engine`` command);
+  ``moe_audit.vllm_cpu_capture``: the vLLM plugin that makes vLLM 0.28's CPU build return routes;
 - :class:`MoeAuditError`: the base of every exception the package defines.
 
 The wire codecs are private (``moe_audit._wire``).

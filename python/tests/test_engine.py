@@ -53,3 +53,16 @@ def test_a_bad_server_or_setting_is_an_engine_error() -> None:
             engine.audit(url, **SMALL)  # type: ignore[arg-type]
     with pytest.raises(engine.EngineError, match="not among"):
         engine.audit("http://127.0.0.1:1", axes=("bogus",))
+
+
+def test_every_flag_the_wrapper_passes_is_the_binarys() -> None:
+    """The keywords of :func:`moe_audit.engine.audit` become these flags: each must exist."""
+    import inspect
+    import subprocess as sp
+
+    from moe_audit import binary
+
+    help_text = sp.run([binary(), "engine", "--help"], capture_output=True, text=True, check=True).stdout
+    keywords = [k for k in inspect.signature(engine.audit).parameters if k != "url"]
+    for keyword in keywords:
+        assert f"--{keyword.replace('_', '-')} " in help_text, keyword

@@ -13,7 +13,7 @@ import moe_audit
 
 # The builtin base each kept: an `except ValueError` written before MoeAuditError still works.
 BUILTIN = {"CheckError": ValueError, "RoutesError": ValueError, "SnapshotError": RuntimeError,
-           "NotCovered": TypeError, "NotKeyed": RuntimeError}
+           "NotCovered": TypeError, "NotKeyed": RuntimeError, "EngineError": RuntimeError}
 
 
 def defined_exceptions() -> dict[str, type[BaseException]]:
