@@ -179,6 +179,14 @@ fn the_report_is_the_same_whatever_the_run() {
     let second = run(&["engine", &fake.url, "--run-id", "two", "--probes", "4", "--format", "json"], &[]);
     assert_eq!(first.stdout, second.stdout);
     assert_eq!(first.status.code(), second.status.code());
+    // The page: one section per axis, each the records comparison of `routes compare`.
+    let page = run(&["engine", &fake.url, "--run-id", "three", "--probes", "4", "--format", "html", "--must-hold", "batch"], &[]);
+    assert_eq!(page.status.code(), Some(1));
+    let page = String::from_utf8_lossy(&page.stdout);
+    for axis in ["batch", "cache", "stale", "decode", "continuation", "repeat"] {
+        assert!(page.contains(&format!("<h2>{axis}: ")), "{axis}");
+    }
+    assert!(page.contains("<div class=\"summary leak\">an axis that must hold changed</div>"));
 }
 
 #[test]

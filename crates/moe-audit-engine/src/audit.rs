@@ -141,7 +141,7 @@ pub fn audit(run: &Run, settings: &Settings, progress: &(dyn Fn(usize, usize) + 
     let axes: Vec<AxisReport> = settings
         .axes
         .iter()
-        .map(|&axis| measure(axis, &scripts, &replies, run.must_hold.contains(&axis), run.memory))
+        .map(|&axis| measure(axis, &scripts, &replies, run.must_hold.contains(&axis), run))
         .collect::<Result<_, _>>()?;
     let failed = axes.iter().any(|a| a.must_hold && !a.held());
     Ok(Report {
@@ -230,7 +230,7 @@ pub(crate) fn measure(
     scripts: &[Script],
     replies: &[Vec<Vec<Reply>>],
     must_hold: bool,
-    memory: moe_audit_core::MemoryBudget,
+    run: &Run,
 ) -> Result<AxisReport, EngineError> {
     let mut report = AxisReport {
         axis,
@@ -312,12 +312,17 @@ pub(crate) fn measure(
         }
     }
     if !parts[0].is_empty() {
-        let mut budget = Budget::new(memory);
+        let mut budget = Budget::new(run.memory);
         let [pa, pb] = parts;
+        let layout = run.servers.first().and_then(|s| s.layout());
         let name = |side: &str| format!("{} ({side})", axis.name());
-        let records = from_ids(&name("reference"), pa, None, None, &mut budget)
-            .and_then(|ra| Ok((ra, from_ids(&name("other"), pb, None, None, &mut budget)?)));
-        let compared = records.and_then(|(ra, rb)| compare(&ra, &rb, None, &CompareOptions::default(), &mut budget));
+        // Both engines return every decoder layer, by absolute index.
+        let width = pa[0].shape[1];
+        let numbers = || Some((0..width).collect());
+        let records = from_ids(&name("reference"), pa, numbers(), layout, &mut budget)
+            .and_then(|ra| Ok((ra, from_ids(&name("other"), pb, numbers(), layout, &mut budget)?)));
+        let compared =
+            records.and_then(|(ra, rb)| compare(&ra, &rb, layout, &CompareOptions::default(), &mut budget));
         report.comparison = Some(compared.map_err(|e| EngineError::Settings { why: e.to_string() })?);
     }
     Ok(report)

@@ -172,6 +172,11 @@ impl Server {
         Ok(Server { client, info, layout: how.layout.clone(), memory: how.memory })
     }
 
+    /// The model's layer layout, when given.
+    pub fn layout(&self) -> Option<&Layout> {
+        self.layout.as_ref()
+    }
+
     /// The server's base URL.
     pub fn url(&self) -> &str {
         &self.client.base

@@ -71,5 +71,5 @@ pub fn replay(witness: &Witness, run: &Run) -> Result<AxisReport, EngineError> {
         }
     }
     let replies = audit::execute(run, &witness.script, &mut |_| {})?;
-    audit::measure(witness.axis, std::slice::from_ref(&witness.script), &[replies], true, run.memory)
+    audit::measure(witness.axis, std::slice::from_ref(&witness.script), &[replies], true, run)
 }
