@@ -88,11 +88,8 @@ pub fn engine_text(r: &Report) -> String {
             let _ = writeln!(out, "  probe {}: generated tokens differ from position {}", d.probe, d.position);
         }
         for c in &a.changes {
-            let _ = writeln!(
-                out,
-                "  probe {} position {} layer {}: {:?} -> {:?}",
-                c.probe, c.position, c.layer, c.a, c.b
-            );
+            let _ =
+                writeln!(out, "  probe {} position {} layer {}: {:?} -> {:?}", c.probe, c.position, c.layer, c.a, c.b);
         }
         if a.changed > a.changes.len() {
             let _ = writeln!(out, "  ... and {} more", a.changed - a.changes.len());

@@ -58,7 +58,11 @@ fn audit(url: &str, extra: &[&str]) -> (i32, String, String) {
     }
     args.extend_from_slice(extra);
     let out = run(&args, &[]);
-    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
 }
 
 /// The JSON report's axes: name → (decisions, changed, diverged).
@@ -70,7 +74,10 @@ fn axes(json: &str) -> std::collections::BTreeMap<String, (u64, u64, usize)> {
         .iter()
         .map(|a| {
             let n = |k: &str| a[k].as_u64().expect(k);
-            (a["axis"].as_str().expect("axis").to_string(), (n("decisions"), n("changed"), a["diverged"].as_array().expect("diverged").len()))
+            (
+                a["axis"].as_str().expect("axis").to_string(),
+                (n("decisions"), n("changed"), a["diverged"].as_array().expect("diverged").len()),
+            )
         })
         .collect()
 }
@@ -106,7 +113,14 @@ fn each_defect_changes_its_own_axis() {
     }
     // (fault, the axis it must change); repeat perturbs every other request, so it shows on
     // other axes too and is checked on its own axis only.
-    let cases = [("batch", "batch"), ("stale", "stale"), ("cache", "cache"), ("decode", "decode"), ("continuation", "continuation"), ("repeat", "repeat")];
+    let cases = [
+        ("batch", "batch"),
+        ("stale", "stale"),
+        ("cache", "cache"),
+        ("decode", "decode"),
+        ("continuation", "continuation"),
+        ("repeat", "repeat"),
+    ];
     for (fault, axis) in cases {
         let fake = Fake::start(&["--engine", "vllm", "--enable-prompt-tokens-details", "--fault", fault]);
         let (code, out, err) = audit(&fake.url, &["--format", "json", "--must-hold", axis, "--probes", "6"]);
@@ -232,11 +246,13 @@ fn a_real_vllm_engine_holds_on_every_axis_as_recorded() {
         return;
     }
     let engine = replayed("tests/it/engines/recorded/vllm-0.28-cpu-bf16-eager.jsonl");
-    let args = ["engine", &engine.url, "--config", RECORDED_CONFIG, "--run-id", "rec", "--probes", "3", "--format", "json"];
+    let args =
+        ["engine", &engine.url, "--config", RECORDED_CONFIG, "--run-id", "rec", "--probes", "3", "--format", "json"];
     let out = run(&args, &[]);
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     let found = axes(&String::from_utf8_lossy(&out.stdout));
-    let expected = [("batch", 776), ("cache", 3348), ("continuation", 692), ("decode", 84), ("repeat", 776), ("stale", 3072)];
+    let expected =
+        [("batch", 776), ("cache", 3348), ("continuation", 692), ("decode", 84), ("repeat", 776), ("stale", 3072)];
     let got: Vec<(&str, u64)> = found.iter().map(|(a, (d, _, _))| (a.as_str(), *d)).collect();
     assert_eq!(got, expected);
     assert!(found.values().all(|&(_, changed, diverged)| changed == 0 && diverged == 0), "{found:?}");
@@ -250,9 +266,24 @@ fn a_real_vllm_engine_compiled_routes_otherwise_than_eager_as_recorded() {
     let eager = replayed("tests/it/engines/recorded/vllm-0.28-cpu-bf16-eager.jsonl");
     let compiled = replayed("tests/it/engines/recorded/vllm-0.28-cpu-bf16-compiled.jsonl");
     let args = [
-        "engine", &eager.url, "--against", &compiled.url, "--axes", "against", "--must-hold", "against",
-        "--config", RECORDED_CONFIG, "--run-id", "rec-against", "--probes", "3", "--long-prompts", "1",
-        "--format", "json",
+        "engine",
+        &eager.url,
+        "--against",
+        &compiled.url,
+        "--axes",
+        "against",
+        "--must-hold",
+        "against",
+        "--config",
+        RECORDED_CONFIG,
+        "--run-id",
+        "rec-against",
+        "--probes",
+        "3",
+        "--long-prompts",
+        "1",
+        "--format",
+        "json",
     ];
     let out = run(&args, &[]);
     assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));

@@ -169,9 +169,10 @@ pub fn execute(run: &Run, script: &Script, sent: &mut dyn FnMut(usize)) -> Resul
                 let prompt = match &p.prompt {
                     Prompt::Tokens(t) => t.clone(),
                     Prompt::Reply { step, index, then } => {
-                        let earlier = replies.get(*step).and_then(|r| r.get(*index)).ok_or_else(|| {
-                            EngineError::Settings { why: format!("a prompt extends reply {index} of a later step {step}") }
-                        })?;
+                        let earlier =
+                            replies.get(*step).and_then(|r| r.get(*index)).ok_or_else(|| EngineError::Settings {
+                                why: format!("a prompt extends reply {index} of a later step {step}"),
+                            })?;
                         [earlier.tokens.clone(), then.clone()].concat()
                     }
                 };
@@ -269,7 +270,8 @@ pub(crate) fn measure(
                 report.diverged.push(Divergence { probe: script.probe, position });
             }
             let w = a.layers * a.top_k;
-            for (t, (ra, rb)) in a.rows_at(range.clone()).chunks(w).zip(b.rows_at(range.clone()).chunks(w)).enumerate() {
+            for (t, (ra, rb)) in a.rows_at(range.clone()).chunks(w).zip(b.rows_at(range.clone()).chunks(w)).enumerate()
+            {
                 for (layer, (xa, xb)) in ra.chunks(a.top_k).zip(rb.chunks(a.top_k)).enumerate() {
                     sorted(xa, &mut sa);
                     sorted(xb, &mut sb);

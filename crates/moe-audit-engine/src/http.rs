@@ -59,8 +59,7 @@ impl Client {
     /// POST `body` as JSON to `path`.
     pub fn post(&self, path: &str, body: &serde_json::Value) -> Result<Answer, EngineError> {
         let url = format!("{}{path}", self.base);
-        let response =
-            self.agent.post(&url).header("content-type", "application/json").send(body.to_string());
+        let response = self.agent.post(&url).header("content-type", "application/json").send(body.to_string());
         self.answer(&url, response)
     }
 
@@ -70,7 +69,9 @@ impl Client {
         response: Result<ureq::http::Response<ureq::Body>, ureq::Error>,
     ) -> Result<Answer, EngineError> {
         let failed = |e: ureq::Error| match e {
-            ureq::Error::Timeout(_) => EngineError::Timeout { url: url.to_string(), seconds: self.timeout.as_secs_f64() },
+            ureq::Error::Timeout(_) => {
+                EngineError::Timeout { url: url.to_string(), seconds: self.timeout.as_secs_f64() }
+            }
             ureq::Error::BodyExceedsLimit(n) => EngineError::TooLarge { url: url.to_string(), limit: n },
             e => EngineError::Connection { url: url.to_string(), source: Box::new(e) },
         };

@@ -272,7 +272,11 @@ pub fn scripts(settings: &Settings) -> Vec<Script> {
                     if n == len {
                         n = if n > lo { n - 1 } else { n + 1 };
                     }
-                    Planned { prompt: Prompt::Tokens(draw(&mut rng, n, settings.vocab)), max_tokens: g, salt: first + m }
+                    Planned {
+                        prompt: Prompt::Tokens(draw(&mut rng, n, settings.vocab)),
+                        max_tokens: g,
+                        salt: first + m,
+                    }
                 })
                 .collect();
             let at = settings.mates / 2;
@@ -285,7 +289,10 @@ pub fn scripts(settings: &Settings) -> Vec<Script> {
             let fill = draw(&mut rng, settings.cache_len, settings.vocab);
             let extended = [fill.clone(), draw(&mut rng, settings.extension, settings.vocab)].concat();
             let salt = next_salt(&s);
-            s.steps.push(Step { server: 0, requests: vec![Planned { prompt: Prompt::Tokens(fill), max_tokens: g, salt }] });
+            s.steps.push(Step {
+                server: 0,
+                requests: vec![Planned { prompt: Prompt::Tokens(fill), max_tokens: g, salt }],
+            });
             let filled = Take { step: s.steps.len() - 1, index: 0 };
             let hit = Planned { prompt: Prompt::Tokens(extended.clone()), max_tokens: g, salt };
             s.steps.push(Step { server: 0, requests: vec![hit] });

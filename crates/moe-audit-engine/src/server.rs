@@ -335,10 +335,10 @@ fn identify(client: &Client) -> Result<ServerInfo, EngineError> {
     if let Some(version) = vllm {
         let at = format!("{base}/v1/models");
         let models = json_of(&at, &client.get("/v1/models")?)?;
-        let model = models.pointer("/data/0/id").and_then(Value::as_str).ok_or_else(|| EngineError::Response {
-            at: at.clone(),
-            why: "no `data[0].id`: no model served".into(),
-        })?;
+        let model = models
+            .pointer("/data/0/id")
+            .and_then(Value::as_str)
+            .ok_or_else(|| EngineError::Response { at: at.clone(), why: "no `data[0].id`: no model served".into() })?;
         let mut settings = BTreeMap::new();
         if let Some(n) = models.pointer("/data/0/max_model_len").and_then(Value::as_u64) {
             settings.insert("max_model_len".into(), n.to_string());

@@ -26,7 +26,13 @@ pub fn engine_html(r: &Report) -> String {
     );
     b.push_str("<table><tr><th>axis</th><th>what</th><th>decisions</th><th>changed</th><th>one-slot</th><th>diverged</th><th>verdict</th></tr>\n");
     for a in &r.axes {
-        let class = if a.held() { "pass" } else if a.must_hold { "leak" } else { "na" };
+        let class = if a.held() {
+            "pass"
+        } else if a.must_hold {
+            "leak"
+        } else {
+            "na"
+        };
         let _ = writeln!(
             b,
             "<tr><td>{}</td><td>{}</td><td>{}</td><td>{} ({:.3}%)</td><td>{}</td><td>{}</td><td>{}</td></tr>",
