@@ -107,7 +107,7 @@ impl ExternalArgs {
 #[derive(Debug, Args)]
 pub struct PlanArgs {
     /// Where to write `manifest.json` and `inputs.safetensors`.
-    #[arg(long, value_name = "DIR")]
+    #[arg(long = "output-dir", alias = "output", value_name = "DIR")]
     pub output: PathBuf,
     /// The router's name in the report.
     #[arg(long, default_value = "traced")]
