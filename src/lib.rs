@@ -29,6 +29,9 @@ pub use moe_audit_core::{config, error, files, layer, memory, names, router, rou
 pub use moe_audit_engine as engine;
 pub use moe_audit_parallel as parallel;
 pub use moe_audit_records as records;
+/// The routing records of RL runs, by the name of the command and the Python module (`routes`);
+/// `records` is the crate's name and stays.
+pub use moe_audit_records as routes;
 
 pub use moe_audit_auditor::RunSizes;
 pub use moe_audit_core::{

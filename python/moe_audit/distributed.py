@@ -534,7 +534,7 @@ def serve(driver: Driver, placement_kind: str = "contiguous") -> None:
 
 
 def serve_model(driver: ModelDriver) -> None:
-    """As :func:`serve`, for a whole model on token ids (``moe-audit model --cmd``)."""
+    """As :func:`serve`, for a whole model on token ids (``moe-audit model --model-cmd``)."""
     _serve(_Model(driver), driver.fingerprint)
 
 

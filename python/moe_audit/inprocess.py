@@ -315,7 +315,7 @@ def check(router: Router | ServesItself, *args: str, probes: Letters | None = No
           experts: int | None = None, top_k: int | None = None, input: Literal["logits", "hidden"] | None = None,
           hidden_size: int | None = None, protocol: Protocol | None = None,
           padding_mask: bool | None = None) -> Report:
-    """Runs ``moe-audit check --router-cmd ... --format json`` (``moe-audit model --cmd ...`` for
+    """Runs ``moe-audit check --router-cmd ... --format json`` (``moe-audit model --model-cmd ...`` for
     a whole model) against ``router`` served from this process, and returns its :class:`Report`
     (exit code 0 or 1). An error of moe-audit (exit code 2) raises :class:`CheckError` with its
     message; an exception raised by the router is raised here (after moe-audit has stopped).
@@ -346,7 +346,7 @@ def check(router: Router | ServesItself, *args: str, probes: Letters | None = No
         # A whole model (moe_audit.hf.wrap of a model taking token ids) serves moe-audit/3 itself.
         if spec:
             raise TypeError(f"{', '.join(f'{k}=' for k in spec)}: a whole model describes itself")
-        subcommand, flag, answer_streams = "model", "--cmd", router.serve
+        subcommand, flag, answer_streams = "model", "--model-cmd", router.serve
         label = getattr(router, "name", None) or type(router).__name__
     else:
         route, hs = describe(router, spec)

@@ -484,7 +484,7 @@ def run(router_or_config: TransformerConfig | torch.nn.Module, argv: Sequence[st
     """Serves to moe-audit: in a process launched by ``torch.distributed.run`` (``RANK`` set), an
     ``MoELayer`` as a layer across the launch's ranks (``check --router-cmd``; :func:`run_layer`,
     options ``placement``, ``name``, ``seed_calls``) and a ``GPTModel`` as a whole model on token
-    ids (``model --cmd``; :class:`Model`, option ``name``); anything else as a router
+    ids (``model --model-cmd``; :class:`Model`, option ``name``); anything else as a router
     (``wrap(router_or_config, **options).run(argv)``, ``check --router-cmd``)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.moe.moe_layer import MoELayer

@@ -64,7 +64,7 @@ pub struct CollectivesArgs {
     pub format: CollectivesFormat,
     /// Also draw relative error against ranks, one line per configuration and one chart per
     /// range, into this directory (SVG and PNG).
-    #[arg(long, value_name = "DIR")]
+    #[arg(long = "chart-dir", alias = "chart", value_name = "DIR")]
     pub chart: Option<PathBuf>,
     /// The memory limit.
     #[command(flatten)]

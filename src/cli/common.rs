@@ -2,6 +2,7 @@
 //! command's timeout and mode, communicators, the verdicts that fail a check), so each command's
 //! module depends on this one and never on another command's.
 
+use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Args, ValueEnum};
 use moe_audit::analyze::{Report, Verdict};
 use moe_audit::error::{Error, Result};
@@ -69,22 +70,14 @@ impl TimeoutArgs {
     }
 }
 
-/// `--mode`: the mode a router command is audited or replayed in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum ModeArg {
-    /// Training mode (the default).
-    Train,
-    /// Serving mode.
-    Inference,
-}
-
-impl From<ModeArg> for Mode {
-    fn from(m: ModeArg) -> Mode {
-        match m {
-            ModeArg::Train => Mode::Train,
-            ModeArg::Inference => Mode::Inference,
-        }
-    }
+/// `--mode`: the mode a router command is audited or replayed in, parsed straight into the
+/// library's [`Mode`] (clap's own shadow type would be a second name for it).
+pub fn mode_parser() -> impl TypedValueParser<Value = Mode> {
+    PossibleValuesParser::new([
+        PossibleValue::new("train").help("Training mode (the default)"),
+        PossibleValue::new("inference").help("Serving mode"),
+    ])
+    .map(|s| if s == "inference" { Mode::Inference } else { Mode::Train })
 }
 
 /// `--input` of `plan` and `snapshot plan`: what a harness feeds its router.

@@ -36,7 +36,7 @@ pub struct EpArgs {
     pub seed: u64,
     /// Hidden states instead of seeded ones: a JSON array of batch*seq_len rows of `hidden`
     /// numbers, sequence-major (--batch splits them into sequences).
-    #[arg(long, value_name = "FILE")]
+    #[arg(long = "hidden-states", alias = "input", value_name = "FILE")]
     pub input: Option<PathBuf>,
     /// Output format.
     #[arg(long, value_enum, default_value_t = EpFormat::Text)]

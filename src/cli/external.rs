@@ -1,14 +1,14 @@
 //! The flags of `check`'s routers that live outside moe-audit (subprocesses, trace files, a real
 //! gate), turned into [`Target`]s, and `moe-audit plan`, which writes the inputs of an audit for a harness to answer.
 
-use super::common::{InputArg, MemoryArgs, ModeArg, TimeoutArgs};
+use super::common::{mode_parser, InputArg, MemoryArgs, TimeoutArgs};
 use super::exit;
 use clap::Args;
 use moe_audit::analyze::{AuditOptions, Probe};
 use moe_audit::check::{CheckpointGate, RouterCommand, Target};
 use moe_audit::config::RouterConfig;
 use moe_audit::error::{ensure_positive, Error, Result, Setting};
-use moe_audit::external::{plan, Handshake, InputKind};
+use moe_audit::external::{plan, Handshake, InputKind, Mode};
 use moe_audit::MemoryBudget;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -31,8 +31,8 @@ pub struct ExternalArgs {
     pub timeout: TimeoutArgs,
     /// The mode --router-cmd routers are audited in: every probe's requests carry it (M compares
     /// it with the other mode); `inference` audits the serving path.
-    #[arg(long, value_enum, default_value_t = ModeArg::Train, requires = "router_cmd")]
-    pub mode: ModeArg,
+    #[arg(long, value_parser = mode_parser(), default_value = "train", requires = "router_cmd")]
+    pub mode: Mode,
     /// A trace directory (`moe-audit plan`, answered by your harness); the audit runs with the
     /// plan's probes and sizes.
     #[arg(long, value_name = "DIR", conflicts_with = "router_cmd")]
@@ -95,7 +95,7 @@ impl ExternalArgs {
                 command: command.clone(),
                 layouts: self.layout_cmd.clone(),
                 timeout,
-                mode: self.mode.into(),
+                mode: self.mode,
             }));
         }
         targets.extend(self.traces.clone().map(Target::Traces));
@@ -107,7 +107,7 @@ impl ExternalArgs {
 #[derive(Debug, Args)]
 pub struct PlanArgs {
     /// Where to write `manifest.json` and `inputs.safetensors`.
-    #[arg(long, value_name = "DIR")]
+    #[arg(long = "output-dir", alias = "output", value_name = "DIR")]
     pub output: PathBuf,
     /// The router's name in the report.
     #[arg(long, default_value = "traced")]

@@ -27,7 +27,7 @@ pub struct ModelArgs {
     pub router: Option<String>,
     /// Audit a model in a command speaking moe-audit/3 on stdin/stdout (docs/PROTOCOL.md), run
     /// with `sh -c`.
-    #[arg(long, value_name = "COMMAND", help_heading = "Model")]
+    #[arg(long = "model-cmd", alias = "cmd", value_name = "COMMAND", help_heading = "Model")]
     pub cmd: Option<String>,
     /// How long the model command may take.
     #[command(flatten, next_help_heading = "Model")]
@@ -135,7 +135,7 @@ impl ModelArgs {
                 seed: self.seed,
                 non_causal: self.non_causal,
             })),
-            (None, None) => unreachable!("clap requires ROUTER or --cmd"),
+            (None, None) => unreachable!("clap requires ROUTER or --model-cmd"),
         };
         let action = match &self.replay {
             Some(path) => Action::Replay(path.clone()),

@@ -4,7 +4,7 @@
 //! config or handshake, so no other flag describes the router. (A whole model's witness holds
 //! only tokens: it replays with the model's own command line, `model ... --replay`.)
 
-use super::common::{FailOn, MemoryArgs, ModeArg, TimeoutArgs};
+use super::common::{mode_parser, FailOn, MemoryArgs, TimeoutArgs};
 use super::{exit, io_error};
 use clap::Args;
 use moe_audit::analyze::Witness;
@@ -35,8 +35,8 @@ pub struct ReplayArgs {
     #[command(flatten)]
     pub timeout: TimeoutArgs,
     /// The mode the router command is called in.
-    #[arg(long, value_enum, default_value_t = ModeArg::Train, requires = "router_cmd")]
-    pub mode: ModeArg,
+    #[arg(long, value_parser = mode_parser(), default_value = "train", requires = "router_cmd")]
+    pub mode: Mode,
     /// Seed the router command is started with.
     #[arg(long, default_value_t = 0, requires = "router_cmd")]
     pub seed: u64,
@@ -73,7 +73,7 @@ impl ReplayArgs {
         let timeout = self.timeout.validated()?;
         Ok(ReplayOptions {
             witness: self.witness.clone(),
-            router: self.router_cmd.clone().map(|command| (command, timeout, self.seed, self.mode.into())),
+            router: self.router_cmd.clone().map(|command| (command, timeout, self.seed, self.mode)),
             layout: self.layout_cmd.clone(),
             fail_on: self.fail_on,
             url: self.url.clone(),

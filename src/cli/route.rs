@@ -39,7 +39,7 @@ pub struct RouteArgs {
     #[arg(long, value_name = "FILE", help_heading = "Input")]
     pub logits: Option<PathBuf>,
     /// Output format.
-    #[arg(long, value_enum, default_value_t = RouteFormat::Table, help_heading = "Output")]
+    #[arg(long, value_enum, default_value_t = RouteFormat::Text, help_heading = "Output")]
     pub format: RouteFormat,
     /// The memory limit.
     #[command(flatten)]
@@ -49,8 +49,9 @@ pub struct RouteArgs {
 /// Output formats of `route`.
 #[derive(Debug, Clone, Copy, ValueEnum)]
 pub enum RouteFormat {
-    /// The compact routing table with the load summary.
-    Table,
+    /// The compact routing table with the load summary (`table` until 0.3.0, still taken).
+    #[value(alias = "table")]
+    Text,
     /// The routing record as JSON.
     Json,
 }
@@ -126,7 +127,7 @@ pub(super) fn run(r: RouteOptions, out: &mut dyn Write) -> Result<u8> {
         }
     };
     let text = match r.format {
-        RouteFormat::Table => render_table(&routing),
+        RouteFormat::Text => render_table(&routing),
         RouteFormat::Json => json(&routing),
     };
     out.write_all(text.as_bytes()).map_err(io_error)?;

@@ -144,7 +144,7 @@ mod tests {
         assert!(text.lines().all(|l| l.len() <= 100 || !l.trim_start().contains(' ')), "{text}");
         assert!(text.contains("\nmoe-audit routes compare "), "{text}");
         // One of a required group: the router, or the model's command.
-        assert!(text.contains("\nmoe-audit model <ROUTER|--cmd COMMAND> [--timeout 60]"), "{text}");
+        assert!(text.contains("\nmoe-audit model <ROUTER|--model-cmd COMMAND> [--timeout 60]"), "{text}");
         assert!(text.contains("\nmoe-audit snapshot check <FILE.snap> "), "{text}");
     }
 }

@@ -2,7 +2,7 @@
 //! summary, the zoo's verdict table beside load balance, and a witness replay. JSON is the serde
 //! form of [`Report`].
 
-use crate::analyze::witness::Replay;
+use crate::analyze::witness::ReplayOutcome;
 use crate::analyze::{Finding, Probe, Report, RouterReport, Verdict};
 use std::fmt::Write;
 
@@ -301,7 +301,7 @@ pub fn render_zoo(report: &Report) -> String {
 
 /// The outcome of `replay`: the leak (capacity alone: latent; X: the drift) reproduced, with
 /// the before and after routes, or gone.
-pub fn render_replay(replay: &Replay) -> String {
+pub fn render_replay(replay: &ReplayOutcome) -> String {
     let w = &replay.witness;
     let token = format!("batch {}, position {}", w.token_a.batch, w.token_a.pos);
     let found = verdict_word(replay.verdict()).to_uppercase();

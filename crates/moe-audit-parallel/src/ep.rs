@@ -183,7 +183,7 @@ impl<'a> ExpertParallel<'a> {
         let (wire, accumulate) = self.combine;
         let low_precision_combine = if self.combine != (Precision::F32, Precision::F32) {
             let reference: Vec<f64> = single.flatten_all()?.to_vec1::<f32>()?.into_iter().map(f64::from).collect();
-            let f = super::swamping::compare(&g.y.flatten_all()?.to_vec1::<f32>()?, &reference, 0.01);
+            let f = super::swamping::error_figures(&g.y.flatten_all()?.to_vec1::<f32>()?, &reference, 0.01);
             Some(CombineFigures {
                 wire,
                 accumulate,

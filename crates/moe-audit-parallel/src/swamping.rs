@@ -205,7 +205,7 @@ pub fn audit(comm: &dyn Communicator, payload: &Payload, plan: &AuditPlan) -> Re
                 max_bytes_sent,
                 formula_bytes: 2.0 * bytes * (ranks as f64 - 1.0) / ranks as f64,
                 checksum: format!("{:016x}", checksum(&reduced.values)),
-                ..compare(&reduced.values, &exact, plan.tolerance)
+                ..error_figures(&reduced.values, &exact, plan.tolerance)
             });
         }
     }
@@ -229,8 +229,14 @@ pub fn exact_sums(rows: &[Vec<f32>], wire: Precision, n: usize) -> Vec<f64> {
         .collect()
 }
 
-/// The error figures of `result` against `exact` (the other fields left at their defaults).
+/// [`error_figures`] under its name before 0.3.0.
+#[deprecated(since = "0.3.0", note = "renamed `error_figures` (`compare` is `routes compare`'s)")]
 pub fn compare(result: &[f32], exact: &[f64], tolerance: f64) -> Figures {
+    error_figures(result, exact, tolerance)
+}
+
+/// The error figures of `result` against `exact` (the other fields left at their defaults).
+pub fn error_figures(result: &[f32], exact: &[f64], tolerance: f64) -> Figures {
     let (mut err2, mut ref2, mut signed, mut abs, mut swamped, mut non_finite) = (0.0, 0.0, 0.0, 0.0, 0, 0);
     for (&r, &e) in result.iter().zip(exact) {
         if !r.is_finite() {

@@ -10,33 +10,8 @@ use serde::Serialize;
 use serde_json::Value;
 use std::path::Path;
 
-/// What a decoder layer is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum LayerKind {
-    /// A routed (MoE) MLP.
-    Moe,
-    /// A dense MLP: no router.
-    Dense,
-    /// A multi-token-prediction layer after the backbone, with a router of its own.
-    Mtp,
-}
-
-impl LayerKind {
-    /// `moe`, `dense` or `mtp`.
-    pub fn name(self) -> &'static str {
-        match self {
-            LayerKind::Moe => "moe",
-            LayerKind::Dense => "dense",
-            LayerKind::Mtp => "mtp",
-        }
-    }
-
-    /// Whether the layer has a router.
-    pub fn routed(self) -> bool {
-        self != LayerKind::Dense
-    }
-}
+/// What a decoder layer is (one type with `moe_audit::model`'s layers).
+pub use moe_audit_core::layer::LayerKind;
 
 /// The layers of a model, by global number (backbone, then MTP), its experts and top-k.
 #[derive(Debug, Clone, PartialEq, Serialize)]

@@ -8,35 +8,6 @@ use moe_audit_core::routing::{Logits, Routing};
 use ndarray::{s, Array2, Axis};
 use std::sync::Arc;
 
-/// The mode a call is routed in: the router itself, or its inference router (`[inference]`,
-/// or `mode: inference` over the protocol).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum CallMode {
-    /// The training configuration.
-    #[default]
-    Train,
-    /// The inference configuration.
-    Inference,
-}
-
-impl CallMode {
-    /// Whether this is the training mode (the default a witness leaves out).
-    pub fn is_train(&self) -> bool {
-        *self == CallMode::Train
-    }
-
-    /// The mode `router` is audited in: inference for a router audited serving
-    /// (`check --mode inference`), else training.
-    pub fn audited(router: &dyn Router) -> CallMode {
-        if router.serving() {
-            CallMode::Inference
-        } else {
-            CallMode::Train
-        }
-    }
-}
-
 /// One call to a router: logits and, for routers that take one, a padding mask and a
 /// placement of its sequences over ranks.
 #[derive(Debug, Clone, PartialEq)]
@@ -155,8 +126,14 @@ impl Case {
         Case::whole(a, b, (0..n).map(Some).collect())
     }
 
-    /// Compares aligned tokens of two routings of this case.
+    /// [`Case::outcome`] under its name before 0.3.0.
+    #[deprecated(since = "0.3.0", note = "renamed `outcome` (`compare` is `routes compare`'s)")]
     pub fn compare(&self, ra: &Routing, rb: &Routing) -> Outcome {
+        self.outcome(ra, rb)
+    }
+
+    /// The outcome of this case: aligned tokens of two routings compared.
+    pub fn outcome(&self, ra: &Routing, rb: &Routing) -> Outcome {
         let mut out = Outcome::default();
         for (i, (&n, map)) in self.compare.iter().zip(&self.seq_map).enumerate() {
             let Some(j) = *map else { continue };

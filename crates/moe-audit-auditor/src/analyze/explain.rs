@@ -3,10 +3,10 @@
 //! to fix this class of leak given the router's design. Every report format prints the same
 //! [`Explanation`]; it is computed once, here, from the finding and the router's configuration.
 
-use super::case::CallMode;
 use super::probe::Modes;
 use super::witness::TokenRef;
 use super::{AuditOptions, Finding, Probe, Verdict};
+use crate::external::Mode;
 use moe_audit_core::config::{Family, RouterConfig};
 use moe_audit_core::routing::{Route, TokenRouting};
 use serde::{Deserialize, Serialize};
@@ -40,7 +40,7 @@ pub(crate) fn explain(
     f: &Finding,
     options: &AuditOptions,
     config: Option<&RouterConfig>,
-    audited_in: CallMode,
+    audited_in: Mode,
 ) -> Option<Explanation> {
     if !matches!(f.verdict, Verdict::Leak | Verdict::Latent | Verdict::Drift) {
         return None;
@@ -57,7 +57,7 @@ pub(crate) fn explain(
 
 /// Where the router's modes come from: its configuration, or (an external router) the mode
 /// it is audited in.
-fn modes(config: Option<&RouterConfig>, audited_in: CallMode) -> Modes {
+fn modes(config: Option<&RouterConfig>, audited_in: Mode) -> Modes {
     match config {
         Some(_) => Modes::Config,
         None => Modes::External(audited_in),

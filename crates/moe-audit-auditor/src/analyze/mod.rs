@@ -23,6 +23,7 @@ pub(crate) use probe::TARGET_LOGIT;
 pub use probe::{numerics, Audit, Probe};
 pub use witness::Witness;
 
+use crate::external::Mode;
 use crate::progress::Progress;
 use crate::sizes::RunSizes;
 use candle_core::Device;
@@ -445,7 +446,7 @@ pub fn audit(subject: &Subject, options: &AuditOptions, progress: &dyn Progress)
         findings.push(run_probe(&mut ctx, Probe::S, sample.as_ref())?);
     }
     findings.sort_by_key(|f| options.probes.iter().position(|&p| p == f.probe));
-    let audited_in = case::CallMode::audited(router);
+    let audited_in = Mode::audited(router);
     let noise = noise::Noise::of(ctx.repeats(), audited_in);
     let random_fix = noise::separate(&mut findings, &noise, router.seed_calls());
     for finding in &mut findings {

@@ -15,9 +15,9 @@
 //! changes against that mode's D. A router random only in training (jitter) audited in inference
 //! mode is deterministic there, and random in the training calls S and M make.
 
-use super::case::CallMode;
 use super::repeats::{Observed, Repeats};
 use super::{Finding, Probe, Verdict};
+use crate::external::Mode;
 use moe_audit_core::error::Setting;
 
 /// The normal quantile of a two-sided 99.9% interval.
@@ -54,34 +54,34 @@ fn percent(k: usize, n: usize) -> f64 {
 /// call routed twice in a row) in the audited mode and in the other one, where it differed.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Noise {
-    /// D in the audited mode (`CallMode::Train`), when it differed.
+    /// D in the audited mode (`Mode::Train`), when it differed.
     audited: Option<(usize, usize)>,
-    /// D in the other mode (`CallMode::Inference`), when the router has one and it differed.
+    /// D in the other mode (`Mode::Inference`), when the router has one and it differed.
     other: Option<(usize, usize)>,
-    /// The router's mode the audit calls (its `CallMode::Train` calls): names the modes.
-    audited_in: CallMode,
+    /// The router's mode the audit calls (its `Mode::Train` calls): names the modes.
+    audited_in: Mode,
 }
 
 impl Noise {
     /// The noise of an audit's repeats.
-    pub(crate) fn of(repeats: &Repeats, audited_in: CallMode) -> Noise {
+    pub(crate) fn of(repeats: &Repeats, audited_in: Mode) -> Noise {
         let random = |mode| {
             let t = repeats.repeat_in(mode).map(Observed::tally)?;
             // Randomness is decisions that change; a capacity alone is latent, not noise.
             (t.affected > 0).then(|| (t.affected, t.compared()))
         };
-        Noise { audited: random(CallMode::Train), other: random(CallMode::Inference), audited_in }
+        Noise { audited: random(Mode::Train), other: random(Mode::Inference), audited_in }
     }
 
-    fn of_mode(&self, mode: CallMode) -> Option<(usize, usize)> {
+    fn of_mode(&self, mode: Mode) -> Option<(usize, usize)> {
         match mode {
-            CallMode::Train => self.audited,
-            CallMode::Inference => self.other,
+            Mode::Train => self.audited,
+            Mode::Inference => self.other,
         }
     }
 
     /// The name of a call mode (`Train` is the audited one): "training" or "inference".
-    pub(crate) fn name(&self, mode: CallMode) -> &'static str {
+    pub(crate) fn name(&self, mode: Mode) -> &'static str {
         if mode.is_train() == self.audited_in.is_train() {
             "training"
         } else {
@@ -92,8 +92,8 @@ impl Noise {
     /// Why `affected` of `compared` tokens changed in calls of `modes` is inconclusive: some
     /// of those modes is random, and the noisiest of them explains the change. `None`: the
     /// change stands (or nothing random was called).
-    pub(crate) fn explains(&self, modes: &[CallMode], affected: usize, compared: usize) -> Option<String> {
-        let high = |&(_, (k, n)): &(CallMode, (usize, usize))| wilson(k, n).1;
+    pub(crate) fn explains(&self, modes: &[Mode], affected: usize, compared: usize) -> Option<String> {
+        let high = |&(_, (k, n)): &(Mode, (usize, usize))| wilson(k, n).1;
         let (mode, (k, n)) =
             (modes.iter().filter_map(|&m| Some((m, self.of_mode(m)?)))).max_by(|a, b| high(a).total_cmp(&high(b)))?;
         if exceeds(affected, compared, k, n) {
@@ -130,7 +130,7 @@ pub fn fix() -> String {
 /// The fix for a router random in (training, inference) mode, naming only what its adapter
 /// offers (`seed_calls`, as its handshake declares it), for a router audited in `audited_in`
 /// (audited in inference mode, `--mode inference` is no advice).
-pub(crate) fn fix_for(seed_calls: Option<bool>, (training, inference): (bool, bool), audited_in: CallMode) -> String {
+pub(crate) fn fix_for(seed_calls: Option<bool>, (training, inference): (bool, bool), audited_in: Mode) -> String {
     let seed = match seed_calls {
         None => "seed every request's random draws from the `seed` moe-audit/2 sends".to_string(),
         Some(false) => {
@@ -140,11 +140,11 @@ pub(crate) fn fix_for(seed_calls: Option<bool>, (training, inference): (bool, bo
         Some(true) => "seed_calls=True is on, yet the same call routes differently: some random draw does not come from the generator it seeds".into(),
     };
     match (training, inference, audited_in) {
-        (true, false, CallMode::Train) => format!(
+        (true, false, Mode::Train) => format!(
             "random in training: {seed}, or audit {} inference (S and M call training mode too: inconclusive there unless it is seeded)",
             Setting::Mode
         ),
-        (true, false, CallMode::Inference) => format!("random in training: {seed}"),
+        (true, false, Mode::Inference) => format!("random in training: {seed}"),
         (false, _, _) => format!("random when serving: no random selection or sampling at inference, or {seed}"),
         (true, true, _) => format!("random in both modes: {seed}, or route without random selection or sampling"),
     }
@@ -152,10 +152,10 @@ pub(crate) fn fix_for(seed_calls: Option<bool>, (training, inference): (bool, bo
 
 /// The modes whose calls a probe compares (`Train`: the audited mode): M compares the two; S
 /// judges its comparisons one by one itself (`probe/replay.rs`), each against its mode's noise.
-fn modes_of(probe: Probe) -> &'static [CallMode] {
+fn modes_of(probe: Probe) -> &'static [Mode] {
     match probe {
-        Probe::M => &[CallMode::Train, CallMode::Inference],
-        _ => &[CallMode::Train],
+        Probe::M => &[Mode::Train, Mode::Inference],
+        _ => &[Mode::Train],
     }
 }
 
@@ -181,7 +181,7 @@ pub(crate) fn separate(findings: &mut [Finding], noise: &Noise, seed_calls: Opti
                     None => f.note.clone(),
                 };
                 if let Some(d) = noise.other {
-                    let mode = noise.name(CallMode::Inference);
+                    let mode = noise.name(Mode::Inference);
                     says =
                         format!("{says}; in {mode} mode, {} (S and M weigh their {mode} calls against it)", twice(d));
                 }
@@ -258,7 +258,7 @@ mod tests {
     fn a_mode_random_only_in_the_other_mode_makes_only_the_probes_calling_it_inconclusive() {
         // Audited in inference mode, random in training only (Mixtral's router jitter): P and F
         // call inference mode only and keep their leaks; M compares with training calls.
-        let noise = Noise { other: Some((16, 64)), audited_in: CallMode::Inference, ..Noise::default() };
+        let noise = Noise { other: Some((16, 64)), audited_in: Mode::Inference, ..Noise::default() };
         let leak = |probe| Finding {
             verdict: Verdict::Leak,
             affected: 21,
@@ -289,11 +289,9 @@ mod tests {
     #[test]
     fn the_fix_names_seed_calls_only_where_the_adapter_offers_it() {
         let training = (true, false);
-        assert!(!fix_for(None, training, CallMode::Train).contains("seed_calls"));
-        assert!(fix_for(Some(false), training, CallMode::Train).contains("with seed_calls=True"));
-        assert!(fix_for(Some(true), training, CallMode::Train).contains("seed_calls=True is on, yet"));
-        assert!(
-            fix_for(None, (false, true), CallMode::Inference).starts_with("random when serving: no random selection")
-        );
+        assert!(!fix_for(None, training, Mode::Train).contains("seed_calls"));
+        assert!(fix_for(Some(false), training, Mode::Train).contains("with seed_calls=True"));
+        assert!(fix_for(Some(true), training, Mode::Train).contains("seed_calls=True is on, yet"));
+        assert!(fix_for(None, (false, true), Mode::Inference).starts_with("random when serving: no random selection"));
     }
 }

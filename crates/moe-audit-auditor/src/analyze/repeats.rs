@@ -7,8 +7,9 @@
 //! probe finds the router as it is before any inference call (HF's NLLB-MoE overwrites its
 //! capacity in one) and routes its own base call fresh (see `audit`).
 
-use super::case::{Call, CallMode, Case};
+use super::case::{Call, Case};
 use super::tally::Tally;
+use crate::external::Mode;
 use moe_audit_core::error::Result;
 use moe_audit_core::router::Router;
 use moe_audit_core::routing::Routing;
@@ -25,13 +26,13 @@ pub(crate) struct Observed {
     /// The second routing, which must equal the first.
     pub second: Routing,
     /// The modes of `case.a` (both routings) and `case.b` (the call in between).
-    pub modes: (CallMode, CallMode),
+    pub modes: (Mode, Mode),
 }
 
 impl Observed {
     /// The comparison's tally.
     pub(crate) fn tally(&self) -> Tally {
-        Tally::of(&self.case.compare(&self.first, &self.second))
+        Tally::of(&self.case.outcome(&self.first, &self.second))
     }
 }
 
@@ -60,7 +61,7 @@ impl Repeats {
         let twice = base.routes(router)?;
         other.routes(router)?;
         let after_other = base.routes(router)?;
-        let train = (CallMode::Train, CallMode::Train);
+        let train = (Mode::Train, Mode::Train);
         let around = Case { b: other.clone(), ..same() };
         let state = vec![
             observed("on the first call", same(), first.clone(), again.clone(), train),
@@ -84,7 +85,7 @@ impl Repeats {
         // other mode: the labels name the modes the calls were really made in.
         let serving = router.serving();
         let label = if serving { "after a training call" } else { "after an inference call" };
-        self.state.push(observed(label, same(), before, after, (CallMode::Train, CallMode::Inference)));
+        self.state.push(observed(label, same(), before, after, (Mode::Train, Mode::Inference)));
         other.routes(router)?;
         let served_again = base.routes(inference.as_ref())?;
         let label = if serving {
@@ -93,22 +94,22 @@ impl Repeats {
             "in inference mode, after a training call"
         };
         let around = Case { b: other.clone(), ..same() };
-        self.state.push(observed(label, around, served, served_again.clone(), (CallMode::Inference, CallMode::Train)));
+        self.state.push(observed(label, around, served, served_again.clone(), (Mode::Inference, Mode::Train)));
         let twice = base.routes(inference.as_ref())?;
-        let modes = (CallMode::Inference, CallMode::Inference);
+        let modes = (Mode::Inference, Mode::Inference);
         self.other_repeat = Some(observed("twice in a row in the other mode", same(), served_again, twice, modes));
         Ok(())
     }
 
     /// D's comparison in `mode` (`Train`: the audited mode), when the audit made it.
-    pub(crate) fn repeat_in(&self, mode: CallMode) -> Option<&Observed> {
+    pub(crate) fn repeat_in(&self, mode: Mode) -> Option<&Observed> {
         match mode {
-            CallMode::Train => Some(&self.repeat),
-            CallMode::Inference => self.other_repeat.as_ref(),
+            Mode::Train => Some(&self.repeat),
+            Mode::Inference => self.other_repeat.as_ref(),
         }
     }
 }
 
-fn observed(label: &'static str, case: Case, first: Routing, second: Routing, modes: (CallMode, CallMode)) -> Observed {
+fn observed(label: &'static str, case: Case, first: Routing, second: Routing, modes: (Mode, Mode)) -> Observed {
     Observed { label, case, first, second, modes }
 }

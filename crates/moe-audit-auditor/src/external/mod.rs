@@ -15,7 +15,8 @@ pub mod trace;
 
 pub use process::{ExternalRouter, Subprocess};
 pub use protocol::{Handshake, InputKind, Mode};
-pub use trace::{plan, planned_options, Replay, TraceRouter};
+#[allow(deprecated)]
+pub use trace::{plan, planned_options, Replay, TraceAnswers, TraceRouter};
 
 use candle_core::{Device, Tensor};
 use moe_audit_core::error::{Error, Result};

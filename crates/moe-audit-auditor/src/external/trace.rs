@@ -178,7 +178,7 @@ pub fn plan(router: &Handshake, options: &AuditOptions, dir: &Path, budget: Memo
 }
 
 /// A router replaying a harness's answers to a plan.
-pub type TraceRouter = External<Replay>;
+pub type TraceRouter = External<TraceAnswers>;
 
 /// The audit a trace directory was planned for, from its manifest alone (the inputs and the
 /// decisions are read by [`TraceRouter::open`]).
@@ -210,13 +210,17 @@ pub(crate) fn read_manifest(dir: &Path, budget: MemoryBudget) -> Result<Manifest
 }
 
 /// A harness's answers by (mode, content), in plan order, and how many of each were used.
-pub struct Replay {
+pub struct TraceAnswers {
     hs: Handshake,
     dir: PathBuf,
     options: AuditOptions,
     answers: HashMap<(Mode, Content), Vec<(u64, Routing)>>,
     used: Mutex<HashMap<(Mode, Content), usize>>,
 }
+
+/// A harness's answers, under their name before 0.3.0.
+#[deprecated(since = "0.3.0", note = "renamed `TraceAnswers` (`Replay` named three things)")]
+pub type Replay = TraceAnswers;
 
 impl TraceRouter {
     /// Opens a trace directory: the manifest, the inputs and the decisions, all checked against
@@ -288,7 +292,8 @@ impl TraceRouter {
             return Err(Error::input(&decisions_path, format!("response id {id} is not a call of {MANIFEST}")));
         }
         let seed = manifest.options.seed;
-        let replay = Replay { hs, dir: dir.to_path_buf(), options: manifest.options, answers, used: Mutex::default() };
+        let replay =
+            TraceAnswers { hs, dir: dir.to_path_buf(), options: manifest.options, answers, used: Mutex::default() };
         // The plan's targeted rows are untargeted pool rows (no answers existed when planning).
         External::new(replay, seed, Mode::Train, false, budget)
     }
@@ -299,7 +304,7 @@ impl TraceRouter {
     }
 }
 
-impl Answers for Replay {
+impl Answers for TraceAnswers {
     fn handshake(&self) -> &Handshake {
         &self.hs
     }

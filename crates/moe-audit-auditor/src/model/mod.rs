@@ -26,17 +26,8 @@ use serde::{Deserialize, Serialize};
 /// The protocol tag of whole-model conversations.
 pub const PROTOCOL_3: &str = "moe-audit/3";
 
-/// What a decoder layer holds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum LayerKind {
-    /// A dense feed-forward layer (no router).
-    Dense,
-    /// A routed MoE layer.
-    Moe,
-    /// A multi-token-prediction layer with its own router (numbered after the backbone).
-    Mtp,
-}
+/// What a decoder layer holds (one type with the routing records' layouts).
+pub use moe_audit_core::layer::LayerKind;
 
 /// One decoder layer of a model.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -57,7 +48,7 @@ pub struct LayerInfo {
 impl LayerInfo {
     /// Whether the layer has a router (MoE or MTP).
     pub fn routed(&self) -> bool {
-        self.kind != LayerKind::Dense
+        self.kind.routed()
     }
 }
 

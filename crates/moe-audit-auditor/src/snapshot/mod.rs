@@ -19,7 +19,8 @@ pub use file::{
     write_atomic, Header, InputSpec, RouterSource, Rows, SnapshotFile, FORMAT, FORMAT_UNSEALED, WEIGHT_DECIMALS,
 };
 pub use make::{is_snapshot_plan, make, write_plan, PLAN_RECIPE};
-pub use table_diff::{compare, TableDiff};
+#[allow(deprecated)]
+pub use table_diff::{compare, diff_tables, TableDiff};
 
 use moe_audit_core::error::{quote, Error, Result, Setting};
 use moe_audit_core::routing::{render_table, Routing};
@@ -213,7 +214,7 @@ pub fn check(path: &Path, stored: &SnapshotFile, fresh: &SnapshotFile) -> Result
             changed = true;
             continue;
         };
-        let diff = compare(text, now, stored.header.weight_decimals)
+        let diff = diff_tables(text, now, stored.header.weight_decimals)
             .map_err(|e| Error::input(path, format!("section `{mode}`: {e}")))?;
         if diff.changed() {
             changed = true;

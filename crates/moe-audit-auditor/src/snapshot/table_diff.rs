@@ -187,10 +187,16 @@ fn ids(routes: &[Cell]) -> String {
     routes.iter().map(|c| format!("e{}", c.expert)).collect::<Vec<_>>().join(" ")
 }
 
+/// [`diff_tables`] under its name before 0.3.0.
+#[deprecated(since = "0.3.0", note = "renamed `diff_tables` (`compare` is `routes compare`'s)")]
+pub fn compare(old: &str, new: &str, weight_decimals: u32) -> Result<TableDiff, String> {
+    diff_tables(old, new, weight_decimals)
+}
+
 /// Compares the stored text `old` with the new `new`. Printed weights (`weight_decimals`
 /// decimals) and load figures (3 decimals) may differ by one unit of their last decimal. The
 /// error says what in `old` cannot be read (`new` is always this moe-audit's rendering).
-pub fn compare(old: &str, new: &str, weight_decimals: u32) -> Result<TableDiff, String> {
+pub fn diff_tables(old: &str, new: &str, weight_decimals: u32) -> Result<TableDiff, String> {
     let old = parse_table(old)?;
     let new = parse_table(new).expect("moe-audit reads its own rendering");
     let weight_tol = 1.5 * 10f64.powi(-(weight_decimals as i32));
@@ -287,7 +293,7 @@ max/mean load 1.333 | load cv 0.471 | drop rate 0.250 | aux loss 1.100
 ";
 
     fn diff(new: &str) -> TableDiff {
-        compare(OLD, new, 4).unwrap()
+        diff_tables(OLD, new, 4).unwrap()
     }
 
     #[test]
@@ -327,9 +333,9 @@ max/mean load 1.333 | load cv 0.471 | drop rate 0.250 | aux loss 1.100
 
     #[test]
     fn an_unreadable_stored_text_is_an_error() {
-        assert!(compare("hello\n", OLD, 4).unwrap_err().contains("is not `router ...`"));
+        assert!(diff_tables("hello\n", OLD, 4).unwrap_err().contains("is not `router ...`"));
         let broken = OLD.replace("e1   0.2689", "e1   zero");
-        assert!(compare(&broken, OLD, 4).unwrap_err().starts_with("line 3 of the routing text: expected a weight"));
-        assert!(compare(&OLD[..200], OLD, 4).unwrap_err().contains("ends before"));
+        assert!(diff_tables(&broken, OLD, 4).unwrap_err().starts_with("line 3 of the routing text: expected a weight"));
+        assert!(diff_tables(&OLD[..200], OLD, 4).unwrap_err().contains("ends before"));
     }
 }

@@ -29,6 +29,35 @@ use rayon::prelude::*;
 use std::collections::HashMap;
 use std::path::Path;
 
+/// What a decoder layer of a model is: one concept for a model's layers over `moe-audit/3`
+/// (`moe_audit::model`) and a routing record's layout (`moe_audit::records::config`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LayerKind {
+    /// A routed (MoE) MLP.
+    Moe,
+    /// A dense MLP: no router.
+    Dense,
+    /// A multi-token-prediction layer after the backbone, with a router of its own.
+    Mtp,
+}
+
+impl LayerKind {
+    /// `moe`, `dense` or `mtp`.
+    pub fn name(self) -> &'static str {
+        match self {
+            LayerKind::Moe => "moe",
+            LayerKind::Dense => "dense",
+            LayerKind::Mtp => "mtp",
+        }
+    }
+
+    /// Whether the layer has a router (MoE or MTP).
+    pub fn routed(self) -> bool {
+        self != LayerKind::Dense
+    }
+}
+
 /// A Mixture-of-Experts feed-forward layer: a router and E SwiGLU experts.
 #[derive(Debug, Clone)]
 pub struct MoeLayer {

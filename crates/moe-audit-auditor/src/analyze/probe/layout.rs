@@ -18,7 +18,7 @@
 
 use super::Modes;
 use super::{Ctx, Rule, Sample};
-use crate::analyze::case::{Affected, Call, CallMode, Case};
+use crate::analyze::case::{Affected, Call, Case};
 use crate::analyze::explain::plural;
 use crate::analyze::layer_check::ranks_split;
 use crate::analyze::tally::{pick_witness_token, witness_hit, Tally};
@@ -26,6 +26,7 @@ use crate::analyze::{
     witness::{self, Witness},
     AuditOptions, Finding, Launch, Probe, Verdict,
 };
+use crate::external::Mode;
 use moe_audit_core::config::{Flatten, RouterConfig, ScopeGroup};
 use moe_audit_core::error::excerpt;
 use moe_audit_core::error::Result;
@@ -98,7 +99,7 @@ fn probe(ctx: &Ctx, sample: Option<&Sample>) -> Result<Finding> {
             let seq_map = (0..used).map(|i| seqs.contains(&i).then(|| i - rank * per)).collect();
             let case = Case::whole(whole, whole.select(&seqs), seq_map);
             let routed = case.b.routes(ctx.router)?;
-            let outcome = case.compare(&reference, &routed);
+            let outcome = case.outcome(&reference, &routed);
             tally.merge(&Tally::of(&outcome));
             let hit = pick_witness_token(&outcome).map(|hit| (case, hit, routed, None));
             first_leak = witness_hit(first_leak, hit, |(_, hit, _, _)| hit);
@@ -117,7 +118,7 @@ fn probe(ctx: &Ctx, sample: Option<&Sample>) -> Result<Finding> {
         let base = &ctx.base;
         let routing = assign_routes(&flipped, base.logits.view(), base.padding.as_ref().map(|m| m.view()))?;
         let same = Case::aligned(base, base.as_ref().clone());
-        let outcome = same.compare(&ctx.base_routing, &routing);
+        let outcome = same.outcome(&ctx.base_routing, &routing);
         let affected = Tally::of(&outcome).affected;
         tally.merge(&Tally::of(&outcome));
         notes.push(format!("[S,B] vs [B,S] flattening: {affected} tokens differ"));
@@ -195,7 +196,7 @@ fn placed(ctx: &Ctx, n: usize) -> Result<Finding> {
     for (name, p) in &named {
         let case = Case::aligned(&reference, Call { placement: Some(p.clone()), ..Call::clone(&ctx.base) });
         let routed = case.b.routes(ctx.router)?;
-        let outcome = case.compare(&ctx.base_routing, &routed);
+        let outcome = case.outcome(&ctx.base_routing, &routed);
         let affected = Tally::of(&outcome).affected;
         tally.merge(&Tally::of(&outcome));
         notes.push(format!("{name}: {affected} tokens differ"));
@@ -244,7 +245,7 @@ fn across_launches<'a>(
     for launch in ctx.layouts {
         let case = Case::aligned(&ctx.base, Call::clone(&ctx.base));
         let routed = case.b.routes(launch.router)?;
-        let outcome = case.compare(&ctx.base_routing, &routed);
+        let outcome = case.outcome(&ctx.base_routing, &routed);
         let seen = Tally::of(&outcome);
         notes.push(format!(
             "EP {} (`{}`) vs EP {ep}: {} tokens differ",
@@ -268,7 +269,7 @@ fn leak_witness(
     (case, hit, routed, launch): Leak,
     notes: &mut Vec<String>,
 ) -> Result<Option<Witness>> {
-    let (routed_pair, modes) = (Some((reference, &routed)), (CallMode::Train, CallMode::Train));
+    let (routed_pair, modes) = (Some((reference, &routed)), (Mode::Train, Mode::Train));
     let witness = witness::build_routed(ctx.router, Probe::L, &case, (hit.batch, hit.pos), routed_pair, modes)?;
     let Some(launch) = launch else { return Ok(witness) };
     let ep = ctx.router.ranks().unwrap_or(1);

@@ -5,12 +5,13 @@
 //! Random changes rarely make a capacity bind, so every probe that can also makes *targeted*
 //! changes: later or neighbouring tokens pushed hard toward the experts a token uses.
 
-use super::case::{Affected, Call, CallMode, Case};
+use super::case::{Affected, Call, Case};
 use super::layer_check::{Sample, SampleCase, SampleInput};
 use super::repeats::Repeats;
 use super::tally::{pick_witness_token, witness_hit, Tally};
 use super::witness::{self, Replayer, Witness};
 use super::{AuditOptions, Finding, Property, Verdict};
+use crate::external::Mode;
 use candle_core::{Device, Tensor};
 use moe_audit_core::error::{Error, Result};
 use moe_audit_core::layer::Seeded;
@@ -161,7 +162,7 @@ pub(crate) enum Modes {
     /// A configuration: its training rule and its `[inference]` table.
     Config,
     /// A router outside moe-audit, audited in this mode (`check --mode`); M calls the other second.
-    External(CallMode),
+    External(Mode),
 }
 
 /// One probe's rule: what it changes, on logits and in the layer sample, and how its witness
@@ -199,20 +200,14 @@ pub(crate) trait Rule: Sync {
 
     /// The two routings a witness compares, from the witness's own router config or the live
     /// router; `modes` are the witness's calls' modes (S: around a call of the other mode).
-    fn replay(
-        &self,
-        with: &dyn Replayer,
-        a: &Call,
-        b: &Call,
-        modes: (CallMode, CallMode),
-    ) -> Result<(Routing, Routing)> {
+    fn replay(&self, with: &dyn Replayer, a: &Call, b: &Call, modes: (Mode, Mode)) -> Result<(Routing, Routing)> {
         let _ = modes;
         if !with.concurrent() {
-            return Ok((with.route(a, CallMode::Train)?, with.route(b, CallMode::Train)?));
+            return Ok((with.route(a, Mode::Train)?, with.route(b, Mode::Train)?));
         }
         // Shrinking is sequential and most of a leaking probe's time at long sequences: the two
         // sides route on two threads (a config's routing is a pure function).
-        let (ra, rb) = rayon::join(|| with.route(a, CallMode::Train), || with.route(b, CallMode::Train));
+        let (ra, rb) = rayon::join(|| with.route(a, Mode::Train), || with.route(b, Mode::Train));
         Ok((ra?, rb?))
     }
 }
@@ -523,7 +518,7 @@ fn run_cases(ctx: &Ctx, probe: Probe, cases: Cases, not_applicable: &str) -> Res
     let run = |i: usize| -> Result<CaseSeen> {
         let case = cases.get(i)?;
         let routed = case.b.routes(router)?;
-        let outcome = case.compare(base_routing, &routed);
+        let outcome = case.outcome(base_routing, &routed);
         ctx.progress.done(1);
         Ok((Tally::of(&outcome), pick_witness_token(&outcome).map(|hit| (hit, keep.then_some(routed)))))
     };
@@ -546,7 +541,7 @@ fn run_cases(ctx: &Ctx, probe: Probe, cases: Cases, not_applicable: &str) -> Res
     if let Some((i, (hit, routed))) = first_leak {
         let case = cases.get(i)?;
         let routed = routed.as_ref().unwrap_or(base_routing);
-        let modes = (CallMode::Train, CallMode::Train);
+        let modes = (Mode::Train, Mode::Train);
         let routed = Some((base_routing, routed));
         finding.witness = witness::build_routed(ctx.router, probe, &case, (hit.batch, hit.pos), routed, modes)?;
     }
@@ -560,11 +555,11 @@ fn run_repeat(
     probe: Probe,
     case: &Case,
     (reference, again): (&Routing, &Routing),
-    modes: (CallMode, CallMode),
+    modes: (Mode, Mode),
     note: &str,
 ) -> Result<Finding> {
     let mut finding = Finding::empty(probe);
-    let outcome = case.compare(reference, again);
+    let outcome = case.outcome(reference, again);
     Tally::of(&outcome).finish(&mut finding);
     finding.note = note.into();
     if let Some(hit) = pick_witness_token(&outcome) {

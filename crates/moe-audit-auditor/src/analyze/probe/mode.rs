@@ -2,9 +2,10 @@
 
 use super::Modes;
 use super::{run_repeat, Ctx, Rule, Sample};
-use crate::analyze::case::{Call, CallMode, Case};
+use crate::analyze::case::{Call, Case};
 use crate::analyze::witness::{Replayer, Witness};
 use crate::analyze::{AuditOptions, Finding, Probe, Verdict};
+use crate::external;
 use moe_audit_core::error::Result;
 use moe_audit_core::routing::Routing;
 
@@ -17,8 +18,8 @@ impl Rule for Mode {
             Modes::Config => ["the training configuration".into(), "the [inference] configuration".into()],
             // An external router has modes, not an `[inference]` table; the mode audited comes
             // first (the witness's `before` is its routing).
-            Modes::External(CallMode::Inference) => ["inference mode".into(), "training mode".into()],
-            Modes::External(CallMode::Train) => ["training mode".into(), "inference mode".into()],
+            Modes::External(external::Mode::Inference) => ["inference mode".into(), "training mode".into()],
+            Modes::External(external::Mode::Train) => ["training mode".into(), "inference mode".into()],
         }
     }
 
@@ -44,7 +45,7 @@ impl Rule for Mode {
             Some(_) => "training versus [inference] configuration on the same input",
             None => "the router's two modes (`mode: train` and `mode: inference` requests) on the same input",
         };
-        let modes = (CallMode::Train, CallMode::Inference);
+        let modes = (external::Mode::Train, external::Mode::Inference);
         run_repeat(ctx, Probe::M, &case, (&ctx.base_routing, &served), modes, note)
     }
 
@@ -52,7 +53,13 @@ impl Rule for Mode {
         false
     }
 
-    fn replay(&self, with: &dyn Replayer, a: &Call, _: &Call, _: (CallMode, CallMode)) -> Result<(Routing, Routing)> {
-        Ok((with.route(a, CallMode::Train)?, with.route(a, CallMode::Inference)?))
+    fn replay(
+        &self,
+        with: &dyn Replayer,
+        a: &Call,
+        _: &Call,
+        _: (external::Mode, external::Mode),
+    ) -> Result<(Routing, Routing)> {
+        Ok((with.route(a, external::Mode::Train)?, with.route(a, external::Mode::Inference)?))
     }
 }

@@ -158,7 +158,7 @@ fn route(ctx: &Ctx, cases: &Cases, ts: &[usize]) -> Result<BTreeMap<usize, Seen>
     ts.par_iter()
         .map(|&t| {
             let case = cases.get(t)?;
-            let outcome = case.compare(&ctx.base_routing, &case.b.routes(ctx.router)?);
+            let outcome = case.outcome(&ctx.base_routing, &case.b.routes(ctx.router)?);
             ctx.progress.done(1);
             Ok((t, (Tally::of(&outcome), pick_witness_token(&outcome))))
         })

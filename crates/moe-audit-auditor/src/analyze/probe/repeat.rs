@@ -5,10 +5,11 @@
 
 use super::Modes;
 use super::{run_repeat, Ctx, Rule, Sample};
-use crate::analyze::case::{Call, CallMode};
+use crate::analyze::case::Call;
 use crate::analyze::layer_check::{SampleCase, SampleInput};
 use crate::analyze::witness::{Replayer, Witness};
 use crate::analyze::{AuditOptions, Finding, Probe};
+use crate::external::Mode;
 use moe_audit_core::error::Result;
 use moe_audit_core::routing::Routing;
 
@@ -43,13 +44,7 @@ impl Rule for Repeat {
         false
     }
 
-    fn replay(
-        &self,
-        with: &dyn Replayer,
-        a: &Call,
-        _: &Call,
-        modes: (CallMode, CallMode),
-    ) -> Result<(Routing, Routing)> {
+    fn replay(&self, with: &dyn Replayer, a: &Call, _: &Call, modes: (Mode, Mode)) -> Result<(Routing, Routing)> {
         Ok((with.route(a, modes.0)?, with.route(a, modes.0)?))
     }
 }

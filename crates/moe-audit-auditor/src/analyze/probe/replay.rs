@@ -6,12 +6,13 @@
 
 use super::Modes;
 use super::{Ctx, Rule, Sample};
-use crate::analyze::case::{Call, CallMode};
+use crate::analyze::case::Call;
 use crate::analyze::layer_check::{SampleCase, SampleInput};
 use crate::analyze::noise::Noise;
 use crate::analyze::tally::{pick_witness_token, witness_hit, Tally};
 use crate::analyze::witness::{self, Replayer, Witness};
 use crate::analyze::{AuditOptions, Finding, Probe, Verdict};
+use crate::external::Mode;
 use candle_core::Tensor;
 use moe_audit_core::error::Result;
 use moe_audit_core::routing::Routing;
@@ -40,12 +41,12 @@ impl Rule for Replay {
     /// the training calls around an inference call differently, and that is noise, not state.
     fn run(&self, ctx: &Ctx, _sample: Option<&Sample>) -> Result<Finding> {
         let mut finding = Finding::empty(Probe::S);
-        let noise = Noise::of(ctx.repeats(), CallMode::audited(ctx.router));
+        let noise = Noise::of(ctx.repeats(), Mode::audited(ctx.router));
         let (mut all, mut standing) = (Tally::default(), Tally::default());
         let (mut differs, mut explained) = (Vec::new(), Vec::new());
         let mut hit = None;
         for o in &ctx.repeats().state {
-            let outcome = o.case.compare(&o.first, &o.second);
+            let outcome = o.case.outcome(&o.first, &o.second);
             let t = Tally::of(&outcome);
             all.merge(&t);
             // Randomness explains changed decisions, never a capacity in force alone (latent).
@@ -96,13 +97,7 @@ impl Rule for Replay {
     }
 
     /// `a` in its mode, `b` in its own, then `a` again.
-    fn replay(
-        &self,
-        with: &dyn Replayer,
-        a: &Call,
-        b: &Call,
-        modes: (CallMode, CallMode),
-    ) -> Result<(Routing, Routing)> {
+    fn replay(&self, with: &dyn Replayer, a: &Call, b: &Call, modes: (Mode, Mode)) -> Result<(Routing, Routing)> {
         let first = with.route(a, modes.0)?;
         with.route(b, modes.1)?;
         Ok((first, with.route(a, modes.0)?))

@@ -17,12 +17,14 @@
 mod replay;
 mod shrink;
 
-pub use replay::Replay;
 pub(crate) use replay::Replayer;
+#[allow(deprecated)]
+pub use replay::{Replay, ReplayOutcome};
 pub(crate) use shrink::{build, build_routed};
 
-use super::case::{Call, CallMode};
+use super::case::Call;
 use super::{Probe, Property};
+use crate::external::Mode;
 use moe_audit_core::config::RouterConfig;
 use moe_audit_core::error::{excerpt, Error, Result};
 use moe_audit_core::routing::{Logits, TokenRouting};
@@ -89,11 +91,11 @@ pub struct Witness {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub handshake: Option<serde_json::Value>,
     /// The mode call `a` is routed in (S: the same call around a call of the other mode).
-    #[serde(default, skip_serializing_if = "CallMode::is_train")]
-    pub a_mode: CallMode,
+    #[serde(default, skip_serializing_if = "Mode::is_train")]
+    pub a_mode: Mode,
     /// The mode call `b` is routed in.
-    #[serde(default, skip_serializing_if = "CallMode::is_train")]
-    pub b_mode: CallMode,
+    #[serde(default, skip_serializing_if = "Mode::is_train")]
+    pub b_mode: Mode,
     /// The probe that found it.
     pub probe: Probe,
     /// The property broken.

@@ -7,8 +7,9 @@
 //! what shrinking keeps is what a replay sees.
 
 use super::{load, Witness};
-use crate::analyze::case::{Call, CallMode};
+use crate::analyze::case::Call;
 use crate::analyze::{Probe, Verdict};
+use crate::external::Mode;
 use moe_audit_core::config::RouterConfig;
 use moe_audit_core::error::{excerpt, excerpt_long, Error, Result};
 use moe_audit_core::router::Router;
@@ -39,16 +40,16 @@ fn route_with(config: &RouterConfig, call: &Call) -> Result<Routing> {
 /// What routes a witness's calls: its router config, or a live router.
 pub(crate) trait Replayer: Sync {
     /// The routing of `call` in `mode`, for a comparison.
-    fn route(&self, call: &Call, mode: CallMode) -> Result<Routing>;
+    fn route(&self, call: &Call, mode: Mode) -> Result<Routing>;
     /// Whether two calls may be routed at once (a config's routing is a pure function).
     fn concurrent(&self) -> bool;
 }
 
 impl Replayer for RouterConfig {
-    fn route(&self, call: &Call, mode: CallMode) -> Result<Routing> {
+    fn route(&self, call: &Call, mode: Mode) -> Result<Routing> {
         match mode {
-            CallMode::Train => route_with(self, call),
-            CallMode::Inference => {
+            Mode::Train => route_with(self, call),
+            Mode::Inference => {
                 let inference = self
                     .inference_config()?
                     .ok_or_else(|| Error::Invalid("an inference-mode witness needs an [inference] table".into()))?;
@@ -66,10 +67,10 @@ impl Replayer for RouterConfig {
 struct Live<'a>(&'a dyn Router);
 
 impl Replayer for Live<'_> {
-    fn route(&self, call: &Call, mode: CallMode) -> Result<Routing> {
+    fn route(&self, call: &Call, mode: Mode) -> Result<Routing> {
         match mode {
-            CallMode::Train => call.routes(self.0),
-            CallMode::Inference => match self.0.inference()? {
+            Mode::Train => call.routes(self.0),
+            Mode::Inference => match self.0.inference()? {
                 Some(inference) => call.routes(inference.as_ref()),
                 None => Err(Error::Usage(format!("router `{}` has no inference mode", self.0.name()))),
             },
@@ -86,7 +87,7 @@ pub(super) fn replay_pair(
     with: &dyn Replayer,
     probe: Probe,
     pair: &Pair,
-    modes: (CallMode, CallMode),
+    modes: (Mode, Mode),
 ) -> Result<(Routing, Routing, TokenDiff)> {
     let Some(tb) = pair.token_b() else {
         return Err(Error::Invalid("witness token has no counterpart in call b".into()));
@@ -98,7 +99,7 @@ pub(super) fn replay_pair(
 
 /// The outcome of replaying a witness.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Replay {
+pub struct ReplayOutcome {
     /// The witness as read.
     pub witness: Witness,
     /// What differs now (nothing: the leak no longer reproduces).
@@ -111,7 +112,11 @@ pub struct Replay {
     pub capacity: (Option<usize>, Option<usize>),
 }
 
-impl Replay {
+/// The outcome of replaying a witness, under its name before 0.3.0.
+#[deprecated(since = "0.3.0", note = "renamed `ReplayOutcome` (`Replay` named three things)")]
+pub type Replay = ReplayOutcome;
+
+impl ReplayOutcome {
     /// Whether the witness's change reproduces, judged by the audit's rule
     /// ([`TokenDiff::any`]): a changed decision, or the capacity in force alone.
     pub fn reproduces(&self) -> bool {
@@ -132,7 +137,7 @@ impl Replay {
 
 impl Witness {
     /// Replays the witness from its own contents (a witness with a router config).
-    pub fn replay(self, path: &Path) -> Result<Replay> {
+    pub fn replay(self, path: &Path) -> Result<ReplayOutcome> {
         let Some(config) = self.router.clone() else {
             return Err(Error::Usage(format!(
                 "{}: the witness is of router `{}` outside moe-audit: replay it with {}",
@@ -148,7 +153,7 @@ impl Witness {
     /// handshake says (name, experts, top-k, input and hidden size; the protocol may differ).
     /// A witness of L across launches routes call `b` on `layout`, the other launch, which
     /// must introduce itself as the witness's `layout` says; any other witness takes none.
-    pub fn replay_on(self, path: &Path, router: &dyn Router, layout: Option<&dyn Router>) -> Result<Replay> {
+    pub fn replay_on(self, path: &Path, router: &dyn Router, layout: Option<&dyn Router>) -> Result<ReplayOutcome> {
         let Some(stored) = &self.handshake else {
             return Err(Error::Usage(format!(
                 "{}: the witness holds a router config: replay it without {}",
@@ -187,7 +192,7 @@ impl Witness {
         with: &dyn Replayer,
         with_b: Option<&dyn Replayer>,
         width: usize,
-    ) -> Result<Replay> {
+    ) -> Result<ReplayOutcome> {
         let (a, b) = (load(&self.a, "a", path)?, load(&self.b, "b", path)?);
         if a.logits.dim().2 != width || b.logits.dim().2 != width {
             return Err(Error::input(
@@ -234,7 +239,7 @@ impl Witness {
         };
         let (before, after) = (ra.token(ta.0, ta.1).clone(), rb.token(tb.0, tb.1).clone());
         let capacity = (capacity_of(&ra, &before), capacity_of(&rb, &after));
-        Ok(Replay { before, after, capacity, diff, witness: self })
+        Ok(ReplayOutcome { before, after, capacity, diff, witness: self })
     }
 }
 

@@ -8,8 +8,9 @@
 
 use super::replay::{replay_pair, Pair};
 use super::{store, TokenRef, Witness, FORMAT};
-use crate::analyze::case::{Call, CallMode, Case};
+use crate::analyze::case::{Call, Case};
 use crate::analyze::Probe;
+use crate::external::Mode;
 use moe_audit_core::config::RouterConfig;
 use moe_audit_core::error::Result;
 use moe_audit_core::router::Router;
@@ -30,7 +31,7 @@ const WINDOW_FROM_TOKENS: usize = 1 << 14;
 /// Builds a shrunk witness for token `token` (in `case.a`), when the router has a config.
 pub(crate) fn build(router: &dyn Router, probe: Probe, case: &Case, token: (usize, usize)) -> Result<Option<Witness>> {
     match router.config() {
-        Some(_) => build_routed(router, probe, case, token, None, (CallMode::Train, CallMode::Train)),
+        Some(_) => build_routed(router, probe, case, token, None, (Mode::Train, Mode::Train)),
         None => Ok(None),
     }
 }
@@ -44,7 +45,7 @@ pub(crate) fn build_routed(
     case: &Case,
     token: (usize, usize),
     routed: Option<(&Routing, &Routing)>,
-    modes: (CallMode, CallMode),
+    modes: (Mode, Mode),
 ) -> Result<Option<Witness>> {
     let pair =
         Pair { a: Call::clone(&case.a), b: case.b.clone(), seq_map: case.seq_map.clone(), offset: case.offset, token };
@@ -78,7 +79,7 @@ fn witness(
     probe: Probe,
     router: Option<RouterConfig>,
     handshake: Option<serde_json::Value>,
-    (a_mode, b_mode): (CallMode, CallMode),
+    (a_mode, b_mode): (Mode, Mode),
     tb: (usize, usize),
 ) -> Result<Witness> {
     let mut witness = Witness {
