@@ -383,9 +383,13 @@ fn flags_that_do_not_go_together_are_refused_by_the_parser() {
             "required arguments were not provided: <ROUTERS>",
         ),
         (&["check", "mixtral", "--replay", "w.json"], "unexpected argument '--replay' found"),
-        (&["model"], "required arguments were not provided: <ROUTER|--cmd <COMMAND>>"),
-        (&["model", "mixtral", "--cmd", "true"], "'[ROUTER]' cannot be used with '--cmd <COMMAND>'"),
-        (&["model", "--cmd", "true", "--layers", "3"], "'--cmd <COMMAND>' cannot be used with '--layers <LAYERS>'"),
+        (&["model"], "required arguments were not provided: <ROUTER|--model-cmd <COMMAND>>"),
+        // The old spelling `--cmd` is still accepted, and named as the flag it is now.
+        (&["model", "mixtral", "--cmd", "true"], "'[ROUTER]' cannot be used with '--model-cmd <COMMAND>'"),
+        (
+            &["model", "--model-cmd", "true", "--layers", "3"],
+            "'--model-cmd <COMMAND>' cannot be used with '--layers <LAYERS>'",
+        ),
         (
             &["model", "mixtral", "--replay", "w.json", "--format", "json"],
             "'--replay <WITNESS.json>' cannot be used with '--format <FORMAT>'",
