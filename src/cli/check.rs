@@ -136,7 +136,7 @@ impl CheckArgs {
         };
         let audit = external.options(audit, budget)?;
         let configs = self.routers.iter().map(|r| RouterConfig::load(r)).collect::<Result<Vec<_>>>()?;
-        moe_audit::names::check_unique(configs.iter().map(|c| c.name.as_str())).map_err(Error::Usage)?;
+        moe_audit::names::check_unique(configs.iter().map(|c| c.name.as_str())).map_err(Error::usage)?;
         Ok(CheckOptions {
             configs,
             layer: (sizes.hidden, sizes.ffn),
@@ -183,7 +183,7 @@ fn run_mpi(check: CheckOptions, out: &mut dyn Write) -> Result<u8> {
     let size = comm.size();
     let result = match check.ranks {
         Some(r) if r != size => {
-            Err(Error::Usage(format!("--ranks {r} differs from the MPI world size {size} (mpirun -np)")))
+            Err(Error::usage(format!("--ranks {r} differs from the MPI world size {size} (mpirun -np)")))
         }
         _ => audit_and_report(check, out, Some(&comm)),
     };
@@ -209,7 +209,7 @@ fn audit_and_report(check: CheckOptions, out: &mut dyn Write, comm: Option<&dyn 
     report.routers.extend(external.audit(configs, &audit, budget)?);
     name_exhaustive(&mut report);
     // Routers named in their handshake or manifest too, before any file is written.
-    moe_audit::names::check_unique(report.routers.iter().map(|r| r.router.as_str())).map_err(Error::Usage)?;
+    moe_audit::names::check_unique(report.routers.iter().map(|r| r.router.as_str())).map_err(Error::usage)?;
     if comm.is_some_and(|c| c.rank() != 0) {
         return Ok(exit::failed_if(check.fail_on.fails(&report)));
     }

@@ -129,7 +129,7 @@ fn on_mpi(args: &CollectivesArgs, payload: &Payload, plan: &AuditPlan) -> Result
     use moe_audit::parallel::Communicator as _;
     let comm = moe_audit::parallel::mpi::MpiComm::init()?;
     let result = if args.ranks.len() != 1 || args.ranks[0] != comm.size() {
-        Err(Error::Usage(format!("--ranks must be the MPI world size {} under --comm mpi (mpirun -np)", comm.size())))
+        Err(Error::usage(format!("--ranks must be the MPI world size {} under --comm mpi (mpirun -np)", comm.size())))
     } else {
         moe_audit::parallel::swamping::audit(&comm, payload, plan)
     };
@@ -143,7 +143,7 @@ fn on_mpi(_: &CollectivesArgs, _: &Payload, _: &AuditPlan) -> Result<Option<Vec<
 
 /// Every rule on the flags in one place; reads the gradients file.
 fn validate(args: &CollectivesArgs) -> Result<(Payload, AuditPlan)> {
-    let usage = |m: String| Err(Error::Usage(m));
+    let usage = |m: String| Err(Error::usage(m));
     if args.ranks.is_empty() {
         return usage("--ranks is empty".into());
     }

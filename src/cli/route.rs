@@ -6,11 +6,12 @@ use super::io_error;
 use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};
 use moe_audit::config::RouterConfig;
-use moe_audit::error::{ensure_positive, Result, Setting};
+use moe_audit::error::{ensure_positive, Result};
 use moe_audit::layer::CallSizes;
 use moe_audit::layer::{MoeLayer, Seeded};
 use moe_audit::render::json;
 use moe_audit::routing::{assign, render_table};
+use moe_audit::settings::{BATCH, FFN, HIDDEN, SEQ_LEN};
 use std::io::Write;
 use std::path::PathBuf;
 
@@ -70,12 +71,7 @@ pub(super) fn run(args: &RouteArgs, out: &mut dyn Write) -> Result<u8> {
         }
         None => {
             let seq_len = args.seq_len.unwrap_or(8);
-            ensure_positive(&[
-                (Setting::Batch, args.batch),
-                (Setting::SeqLen, seq_len),
-                (Setting::Hidden, args.hidden),
-                (Setting::Ffn, args.ffn),
-            ])?;
+            ensure_positive(&[(BATCH, args.batch), (SEQ_LEN, seq_len), (HIDDEN, args.hidden), (FFN, args.ffn)])?;
             let sizes = CallSizes {
                 batch: args.batch,
                 seq_len,
