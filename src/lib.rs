@@ -31,8 +31,8 @@ pub use moe_audit_parallel as parallel;
 /// ([`Setting`](error::Setting); the command line spells them as its flags).
 pub mod settings {
     pub use moe_audit_auditor::settings::{
-        CURVE_POINTS, EVAL_BATCHES, HIDDEN_STATES, LOGITS, LR, MODE, OUTPUT, PLAN, PROBES, PROBE_BATCHES, ROUTER_CMD,
-        SEEDS, STEPS, TIMEOUT, TRACES, TRIALS, UPDATE, VOCAB, WITNESS_DIR,
+        CURVE_POINTS, EVAL_BATCHES, HIDDEN_STATES, LAYOUT_CMD, LOGITS, LR, MODE, OUTPUT, PLAN, PROBES, PROBE_BATCHES,
+        ROUTER_CMD, SEEDS, STEPS, TIMEOUT, TRACES, TRIALS, UPDATE, VOCAB, WITNESS_DIR,
     };
     pub use moe_audit_core::settings::{BATCH, FFN, HIDDEN, MAX_MEMORY, SEQ_LEN};
     pub use moe_audit_parallel::settings::{MAX_BIAS, RANKS};

@@ -12,6 +12,8 @@ pub const PROBES: Setting = Setting::new("probes");
 pub const TIMEOUT: Setting = Setting::new("timeout");
 /// The command of an external router.
 pub const ROUTER_CMD: Setting = Setting::new("router_cmd");
+/// The command of another launch of the same layer (replicas, other ranks).
+pub const LAYOUT_CMD: Setting = Setting::new("layout_cmd");
 /// Rewriting a snapshot in place.
 pub const UPDATE: Setting = Setting::new("update");
 /// Trace files answered by a harness.
@@ -44,11 +46,12 @@ pub const WITNESS_DIR: Setting = Setting::new("witness_dir");
 pub const OUTPUT: Setting = Setting::new("output");
 
 /// Every setting of this crate.
-pub const ALL: [Setting; 19] = [
+pub const ALL: [Setting; 20] = [
     TRIALS,
     PROBES,
     TIMEOUT,
     ROUTER_CMD,
+    LAYOUT_CMD,
     UPDATE,
     TRACES,
     PLAN,

@@ -291,3 +291,25 @@ pub(crate) fn safetensors(bytes: &Bytes, path: &Path) -> Result<(Vec<Array>, BTr
     arrays.sort_by(|a, b| a.name.cmp(&b.name));
     Ok((arrays, metadata))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use moe_audit_core::error::chain;
+    use std::error::Error as _;
+
+    #[test]
+    fn a_reader_error_is_kept_as_the_source_of_a_record_error() {
+        let path = Path::new("r.npz");
+        let mut budget = Budget::new(moe_audit_core::MemoryBudget::new(1 << 20));
+        let e = npz(b"not a zip", path, &mut budget).unwrap_err();
+        let Error::Record(r) = &e else { panic!("{e:?}") };
+        assert_eq!((r.path.as_path(), &r.part), (path, &Part::Whole));
+        assert!(e.source().and_then(|s| s.downcast_ref::<zip::result::ZipError>()).is_some(), "{e:?}");
+        assert!(chain(&e).starts_with("r.npz: not an .npz archive: "), "{}", chain(&e));
+        let e = npy(&Bytes::from_static(b"\x93NUMPY\x01\x00\x04\x00{'x}"), "ids", Path::new("r.npy")).unwrap_err();
+        let Error::Record(r) = &e else { panic!("{e:?}") };
+        assert_eq!(r.part, Part::Array("ids".into()));
+        assert_eq!(e.to_string(), "r.npy: array `ids`: the header has no 'descr'");
+    }
+}

@@ -366,7 +366,7 @@ mod tests {
         // Default order tp-cp-ep-dp-pp: 8 ranks, stage = rank / 4.
         assert_eq!((0..8).map(|r| p.stage_of(r, Some(8)).unwrap()).collect::<Vec<_>>(), [0, 0, 0, 0, 1, 1, 1, 1]);
         assert_eq!(p.stage_of(0, None), Ok(0));
-        assert!(p.stage_of(3, None).unwrap_err().contains("depends on the world size"));
+        assert!(p.stage_of(3, None).unwrap_err().to_string().contains("depends on the world size"));
         // tp-cp-ep-pp-dp with tensor parallel 2: stage = (rank / 2) % 2.
         let v =
             json!({"pipeline_model_parallel_size": 2, "use_tp_pp_dp_mapping": true, "tensor_model_parallel_size": 2});

@@ -689,7 +689,7 @@ mod tests {
         // The name and the ranks may differ; a fingerprint is compared only when both send one.
         assert_eq!(ep2.same_layer(&Handshake { ranks: None, ..hs() }), Ok(()));
         assert_eq!(ep2.same_layer(&Handshake { weights: Some("00ff".into()), ..hs() }), Ok(()));
-        let differs = |other: Handshake| ep2.same_layer(&other).unwrap_err();
+        let differs = |other: Handshake| ep2.same_layer(&other).unwrap_err().to_string();
         assert_eq!(
             differs(Handshake { top_k: Some(1), ..hs() }),
             "the layers differ: `top_k` 1 here, 2 in router `ep2`"
@@ -703,7 +703,7 @@ mod tests {
 
     fn check(line: &str) -> Result<Routing, String> {
         let asked = Asked { id: 3, batch: 1, seq_len: 2, padding: None, logits: None, placement: None };
-        parse_response(line)?.into_routing(&hs(), &asked)
+        parse_response(line).and_then(|r| r.into_routing(&hs(), &asked)).map_err(|e| e.to_string())
     }
 
     #[test]

@@ -16,7 +16,7 @@ use super::{Answers, External};
 use crate::analyze::{audit, AuditOptions, Subject};
 use crate::progress::Silent;
 use candle_core::{Device, Tensor};
-use moe_audit_core::error::{excerpt, Error, ProtocolError, Result};
+use moe_audit_core::error::{excerpt, Error, ProtocolError, Result, Text};
 use moe_audit_core::layer::CallSizes;
 use moe_audit_core::routing::Routing;
 use moe_audit_core::text;
@@ -66,13 +66,13 @@ pub struct Manifest {
 
 /// Trace files hold routes only: a layer over ranks (its calls placed) or one that sends its
 /// output rows runs as a subprocess.
-fn traceable(hs: &Handshake) -> std::result::Result<(), String> {
+fn traceable(hs: &Handshake) -> std::result::Result<(), Text> {
     match (hs.ranks, hs.output) {
         (None, None) => Ok(()),
-        _ => {
-            Err("trace files carry no `ranks` placement and no `output` rows: audit such a layer with --router-cmd"
-                .into())
-        }
+        _ => Err(text!(
+            "trace files carry no `ranks` placement and no `output` rows: audit such a layer with ",
+            crate::settings::ROUTER_CMD
+        )),
     }
 }
 

@@ -272,6 +272,10 @@ mod tests {
             Err("the header says 9 bytes, its layers and outputs take 74".into())
         );
         let huge = ResponseHeader::parse(r#"{"id": 4, "layers": [{"layer": 1, "routes": 2}], "bytes": 74}"#).unwrap();
-        assert!(huge.payload_len(&info(), 4, 2, 50).unwrap_err().starts_with("a payload of 74 bytes is over 50"));
+        assert!(huge
+            .payload_len(&info(), 4, 2, 50)
+            .unwrap_err()
+            .to_string()
+            .starts_with("a payload of 74 bytes is over 50"));
     }
 }

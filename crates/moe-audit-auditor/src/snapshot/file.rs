@@ -379,7 +379,7 @@ mod tests {
         let old = text.replace(FORMAT, FORMAT_UNSEALED).replace("seed = 0", "seed = 1");
         let old: String = old.lines().filter(|l| !l.starts_with("header_sha256")).map(|l| format!("{l}\n")).collect();
         let err = SnapshotFile::parse(&old, p).unwrap_err().to_string();
-        let update = format!("{} x.snap", crate::settings::UPDATE);
+        let update = text!(crate::settings::UPDATE, " x.snap").to_string();
         assert!(err.contains("`moe-audit-snapshot/1` has no header seal") && err.contains(&update), "{err}");
         let end = old.find("=== ").unwrap();
         assert_eq!(Header::parse_unsealed(&old[..end], p).unwrap().input.seed, 1);

@@ -51,6 +51,19 @@ impl From<Text> for ProtocolError {
     }
 }
 
+/// Equal when they say the same (a parser's error has no equality of its own).
+impl PartialEq for ProtocolError {
+    fn eq(&self, other: &Self) -> bool {
+        self.to_string() == other.to_string()
+    }
+}
+
+impl PartialEq<&str> for ProtocolError {
+    fn eq(&self, other: &&str) -> bool {
+        self.to_string() == *other
+    }
+}
+
 /// As the words of a message that adds where (the request, the router), its setting kept typed.
 impl From<ProtocolError> for Text {
     fn from(e: ProtocolError) -> Self {

@@ -162,17 +162,23 @@ impl Witness {
         match (&self.layout, layout) {
             (Some(stored), Some(layout)) => same_router(path, &stored.handshake, layout, "layout launch")?,
             (Some(stored), None) => {
-                return Err(Error::usage(format!(
-                    "{}: the witness compares router `{}` with another launch of it: replay it with --layout-cmd {}",
-                    path.display(),
-                    excerpt(self.name().unwrap_or_default()),
-                    excerpt_long(serde_json::Value::from(stored.command.as_str()))
+                return Err(Error::usage(text!(
+                    format!(
+                        "{}: the witness compares router `{}` with another launch of it: replay it with ",
+                        path.display(),
+                        excerpt(self.name().unwrap_or_default())
+                    ),
+                    crate::settings::LAYOUT_CMD,
+                    format!(" {}", excerpt_long(serde_json::Value::from(stored.command.as_str())))
                 )))
             }
             (None, Some(_)) => {
-                return Err(Error::usage(format!(
-                    "{}: the witness compares no other launch of the layer: replay it without --layout-cmd",
-                    path.display()
+                return Err(Error::usage(text!(
+                    format!(
+                        "{}: the witness compares no other launch of the layer: replay it without ",
+                        path.display()
+                    ),
+                    crate::settings::LAYOUT_CMD
                 )))
             }
             (None, None) => {}
