@@ -4,7 +4,7 @@
 //! codes, panic message and signal handling. Not a library API.
 
 use crate::cli::{exit, flag, run, Cli};
-use crate::error::{excerpt_long, one_line};
+use crate::error::{excerpt_long, one_line, present, with_names};
 /// A report as its JSON output (the wheel's in-process `routes compare` prints what the command
 /// line does).
 pub use crate::render::json;
@@ -30,9 +30,8 @@ pub fn main(args: impl IntoIterator<Item = OsString>) -> u8 {
         eprintln!("error: internal error (a bug, please report it): {}{at}", one_line(&what));
         std::process::exit(exit::ERROR.into());
     }));
-    name_settings();
     if let Err(e) = runtime::init() {
-        eprintln!("error: {}", one_line(&crate::error::chain(&e)));
+        eprintln!("error: {}", present(&e, flag));
         return exit::ERROR;
     }
     let cli = match Cli::try_parse_from(args) {
@@ -53,7 +52,8 @@ pub fn main(args: impl IntoIterator<Item = OsString>) -> u8 {
         }
     };
     let mut out = ClosedPipeOk::new(std::io::stdout().lock());
-    let result = run(cli, &mut out);
+    // What the command prints (reports, errors) names settings as its flags.
+    let result = with_names(flag, || run(cli, &mut out));
     // A host process (Python) does not flush Rust's stdout at exit as a Rust `main` does.
     let _ = std::io::Write::flush(&mut out);
     match result {
@@ -63,21 +63,10 @@ pub fn main(args: impl IntoIterator<Item = OsString>) -> u8 {
             while runtime::interrupted_by_signal() {
                 std::thread::park();
             }
-            eprintln!("error: {}", one_line(&crate::error::chain(&e)));
+            eprintln!("error: {}", present(&e, flag));
             exit::ERROR
         }
     }
-}
-
-/// Messages name each setting as the flag that sets it (`--max-memory`), as the command line
-/// says them: also for callers of the library that report errors as the command does.
-pub fn name_settings() {
-    crate::error::name_settings(flag);
-}
-
-/// `message` on one line, as the command prints errors.
-pub fn one_line_message(message: &str) -> String {
-    one_line(message)
 }
 
 /// Stdout that a reader may close early (`moe-audit presets | head -1`): the rest of the output

@@ -28,6 +28,31 @@ pub use moe_audit_auditor::{analyze, check, exploit, external, model, progress, 
 pub use moe_audit_core::{config, error, files, layer, memory, names, router, routing};
 pub use moe_audit_engine as engine;
 pub use moe_audit_parallel as parallel;
+
+/// Every setting a message may name, from the crate that owns each
+/// ([`Setting`](error::Setting); the command line spells them as its flags).
+pub mod settings {
+    pub use moe_audit_auditor::settings::{
+        CURVE_POINTS, EVAL_BATCHES, HIDDEN_STATES, LAYOUT_CMD, LOGITS, LR, MODE, OUTPUT, PLAN, PROBES, PROBE_BATCHES,
+        ROUTER_CMD, SEEDS, STEPS, TIMEOUT, TRACES, TRIALS, UPDATE, VOCAB, WITNESS_DIR,
+    };
+    pub use moe_audit_core::settings::{BATCH, FFN, HIDDEN, MAX_MEMORY, SEQ_LEN};
+    pub use moe_audit_parallel::settings::{MAX_BIAS, RANKS};
+    pub use moe_audit_records::settings::{CONFIG, MAX_DISAGREEMENT};
+
+    /// Every setting of every crate.
+    pub fn all() -> impl Iterator<Item = crate::error::Setting> {
+        [
+            &moe_audit_core::settings::ALL[..],
+            &moe_audit_parallel::settings::ALL[..],
+            &moe_audit_records::settings::ALL[..],
+            &moe_audit_auditor::settings::ALL[..],
+        ]
+        .into_iter()
+        .flatten()
+        .copied()
+    }
+}
 pub use moe_audit_records as records;
 /// The routing records of RL runs, by the name of the command and the Python module (`routes`);
 /// `records` is the crate's name and stays.

@@ -17,7 +17,7 @@ pub const THREADS_PER_CORE: usize = 4;
 pub fn init() -> Result<()> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = threads(std::env::var_os("RAYON_NUM_THREADS").as_deref(), cores)?;
-    moe_audit::layer::kernel::check_setting().map_err(Error::Usage)?;
+    moe_audit::layer::kernel::check_setting().map_err(Error::usage)?;
     // candle sizes every matmul by `RAYON_NUM_THREADS` and, when it is unset, counts physical
     // cores by reading /proc/cpuinfo on each call (15/16 of `exploit`'s CPU time went there).
     // Said once, here, while this is the only thread: the pool's own size.
@@ -41,7 +41,7 @@ pub fn threads(value: Option<&std::ffi::OsStr>, cores: usize) -> Result<usize> {
             "" => Ok(cores.max(1)),
             n => Ok(n.parse::<usize>().unwrap_or(usize::MAX).min(cap)),
         },
-        _ => Err(Error::Usage(format!(
+        _ => Err(Error::usage(format!(
             "RAYON_NUM_THREADS must be a whole number of threads (0 for one per core), got {:?}",
             value.to_string_lossy()
         ))),

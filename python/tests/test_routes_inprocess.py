@@ -150,6 +150,8 @@ def test_identical_records_pass_a_replay_check_and_metrics_are_flat_floats(files
 def test_bad_input_raises_the_packages_error_with_the_commands_line(files, tmp_path):
     d, a, b = files
     (tmp_path / "bad.json").write_text("{not json")
+    # The same line, a setting named as the caller gave it: a keyword in Python, a flag on the
+    # command line.
     for args, kwargs, flags in (
         ((d / "engine.npy", tmp_path / "absent.npy"), {}, []),
         ((d / "engine.npy", tmp_path / "bad.json"), {}, []),
@@ -161,7 +163,12 @@ def test_bad_input_raises_the_packages_error_with_the_commands_line(files, tmp_p
             routes.compare(*args, **kwargs)
         out = subprocess.run([binary(), "routes", "compare", *map(str, args), *flags], capture_output=True, text=True)
         assert out.returncode == 2
-        assert out.stderr == f"error: {e.value}\n"
+        said = str(e.value)
+        for keyword in kwargs:
+            if keyword != "config":  # `config` is a file: its errors name the file, as the command's do
+                assert keyword in said and f"--{keyword.replace('_', '-')}" not in said, said
+                said = said.replace(keyword, f"--{keyword.replace('_', '-')}")
+        assert out.stderr == f"error: {said}\n"
         assert "\n" not in str(e.value)
     assert issubclass(moe_audit.RoutesError, ValueError)
     for side, message in (

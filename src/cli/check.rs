@@ -165,7 +165,7 @@ fn run_mpi(check: CheckOptions, out: &mut dyn Write) -> Result<u8> {
     let size = comm.size();
     let result = match check.ranks {
         Some(r) if r != size => {
-            Err(Error::Usage(format!("--ranks {r} differs from the MPI world size {size} (mpirun -np)")))
+            Err(Error::usage(format!("--ranks {r} differs from the MPI world size {size} (mpirun -np)")))
         }
         _ => audit_and_report(check, out, Some(&comm)),
     };

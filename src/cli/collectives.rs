@@ -103,7 +103,7 @@ impl CollectivesArgs {
         let budget = self.memory.budget();
         let (payload, elements, ranges) = self.payload(budget)?;
         if elements == 0 {
-            return Err(Error::Usage("--elements must be at least 1".into()));
+            return Err(Error::usage("--elements must be at least 1"));
         }
         let plan = AuditPlan { elements, ranges, plans: self.reduce_plans(), tolerance: self.tolerance };
         let max_ranks = *self.ranks.iter().max().expect("checked not empty");
@@ -123,17 +123,17 @@ impl CollectivesArgs {
     /// `--ranks`: not empty, each from 1 to [`MAX_RANKS`].
     fn check_ranks(&self) -> Result<()> {
         if self.ranks.is_empty() {
-            return Err(Error::Usage("--ranks is empty".into()));
+            return Err(Error::usage("--ranks is empty"));
         }
         if let Some(&r) = self.ranks.iter().find(|&&r| r == 0 || r > MAX_RANKS) {
-            return Err(Error::Usage(format!("--ranks must be between 1 and {MAX_RANKS}, got {r}")));
+            return Err(Error::usage(format!("--ranks must be between 1 and {MAX_RANKS}, got {r}")));
         }
         Ok(())
     }
 
     /// `--domain`, `--tolerance`, `--max-bias` and the lists of algorithms and precisions.
     fn check_reductions(&self) -> Result<()> {
-        let usage = |m: String| Err(Error::Usage(m));
+        let usage = |m: String| Err(Error::usage(m));
         if self.algorithms.contains(&Algorithm::Hierarchical) {
             if self.domain == 0 {
                 return usage("--domain must be at least 1".into());
@@ -163,7 +163,7 @@ impl CollectivesArgs {
     /// The payload, its elements per buffer and its dynamic ranges: the gradients file's (read
     /// within `budget`), or the seeded one's.
     fn payload(&self, budget: moe_audit::MemoryBudget) -> Result<(Payload, usize, Vec<f64>)> {
-        let usage = |m: String| Err(Error::Usage(m));
+        let usage = |m: String| Err(Error::usage(m));
         match &self.gradients {
             Some(path) => {
                 let rows = moe_audit::parallel::swamping::read_gradients(path, budget)?;
@@ -239,7 +239,7 @@ fn on_mpi(ranks: &[usize], payload: &Payload, plan: &AuditPlan) -> Result<Option
     use moe_audit::parallel::Communicator as _;
     let comm = moe_audit::parallel::mpi::MpiComm::init()?;
     let result = if ranks.len() != 1 || ranks[0] != comm.size() {
-        Err(Error::Usage(format!("--ranks must be the MPI world size {} under --comm mpi (mpirun -np)", comm.size())))
+        Err(Error::usage(format!("--ranks must be the MPI world size {} under --comm mpi (mpirun -np)", comm.size())))
     } else {
         moe_audit::parallel::swamping::audit(&comm, payload, plan)
     };

@@ -111,7 +111,7 @@ pub enum CommKind {
 /// The error of `--comm mpi` in a build without MPI.
 #[cfg(not(feature = "mpi"))]
 pub fn no_mpi() -> Error {
-    Error::Usage("--comm mpi: this moe-audit was built without MPI (cargo build --features mpi)".into())
+    Error::usage("--comm mpi: this moe-audit was built without MPI (cargo build --features mpi)")
 }
 
 /// Which verdicts fail a check (`--fail-on`): each word names one verdict.
@@ -170,7 +170,7 @@ impl FailOn {
 
 /// `path` as UTF-8 (a snapshot header records it as text), or a usage error naming `flag`.
 pub fn utf8(path: &Path, flag: &str) -> Result<String> {
-    path.to_str().map(str::to_string).ok_or_else(|| Error::Usage(format!("{flag}: the path is not UTF-8")))
+    path.to_str().map(str::to_string).ok_or_else(|| Error::usage(format!("{flag}: the path is not UTF-8")))
 }
 
 #[cfg(test)]

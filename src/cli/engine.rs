@@ -160,12 +160,12 @@ impl EngineArgs {
             concurrency: self.concurrency,
             axes,
         };
-        settings.check(self.against.is_some()).map_err(Error::Usage)?;
+        settings.check(self.against.is_some()).map_err(Error::usage)?;
         let budget = self.memory.budget();
         let config = self.config.as_deref().map(|p| read_config(p, budget)).transpose()?;
         if let Some(size) = config.as_ref().and_then(|c| c.1["vocab_size"].as_u64()) {
             if u64::from(self.vocab) > size {
-                return Err(Error::Usage(format!(
+                return Err(Error::usage(format!(
                     "--vocab {} is over the model's vocab_size {size} (--config): an id past the vocabulary \
                      is refused by the engine, or kills it",
                     self.vocab

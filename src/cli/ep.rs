@@ -159,7 +159,7 @@ pub(super) fn run(e: EpOptions, out: &mut dyn Write) -> Result<u8> {
 fn on_mpi<T>(ranks: Option<usize>, work: impl Fn(&dyn Communicator) -> Result<T>) -> Result<Option<T>> {
     let comm = moe_audit::parallel::mpi::MpiComm::init()?;
     let result = match ranks {
-        Some(r) if r != comm.size() => Err(moe_audit::Error::Usage(format!(
+        Some(r) if r != comm.size() => Err(moe_audit::Error::usage(format!(
             "--ranks {r} differs from the MPI world size {} (mpirun -np)",
             comm.size()
         ))),

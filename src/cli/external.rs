@@ -7,8 +7,9 @@ use clap::Args;
 use moe_audit::analyze::{AuditOptions, Probe};
 use moe_audit::check::{CheckpointGate, RouterCommand, Target};
 use moe_audit::config::RouterConfig;
-use moe_audit::error::{ensure_positive, Error, Result, Setting};
+use moe_audit::error::{ensure_positive, Error, Result};
 use moe_audit::external::{plan, Handshake, InputKind, Mode};
+use moe_audit::settings::{BATCH, SEQ_LEN, TRIALS};
 use moe_audit::MemoryBudget;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -62,13 +63,13 @@ impl ExternalArgs {
         let timeout = self.timeout.validated()?;
         if !self.layout_cmd.is_empty() {
             if self.router_cmd.len() != 1 {
-                return Err(Error::Usage(format!(
+                return Err(Error::usage(format!(
                     "--layout-cmd launches the layer of one --router-cmd again, got {} --router-cmd",
                     self.router_cmd.len()
                 )));
             }
             if !probes.contains(&Probe::L) {
-                return Err(Error::Usage("--layout-cmd feeds the layout probe L, which --probes leaves out".into()));
+                return Err(Error::usage("--layout-cmd feeds the layout probe L, which --probes leaves out"));
             }
         }
         let configs = routers.iter().map(|r| RouterConfig::load(r)).collect::<Result<Vec<_>>>()?;
@@ -172,25 +173,21 @@ impl PlanArgs {
             weights: None,
         };
         // Each flag named in its own words (the handshake's checks would blame the handshake).
-        ensure_positive(&[
-            (Setting::Batch, self.batch),
-            (Setting::SeqLen, self.seq_len),
-            (Setting::Trials, self.trials),
-        ])?;
+        ensure_positive(&[(BATCH, self.batch), (SEQ_LEN, self.seq_len), (TRIALS, self.trials)])?;
         let max = moe_audit::external::protocol::MAX_SIZE;
         if !(1..=max).contains(&self.experts) {
-            return Err(Error::Usage(format!("--experts must be from 1 to {max}, got {}", self.experts)));
+            return Err(Error::usage(format!("--experts must be from 1 to {max}, got {}", self.experts)));
         }
         if let Some(k) = self.top_k.filter(|&k| k == 0 || k > self.experts) {
-            return Err(Error::Usage(format!("--top-k must be from 1 to {} (--experts), got {k}", self.experts)));
+            return Err(Error::usage(format!("--top-k must be from 1 to {} (--experts), got {k}", self.experts)));
         }
         match (input, self.hidden_size) {
             (InputKind::Hidden, h) if !(1..=max).contains(&h.unwrap_or(0)) => {
-                return Err(Error::Usage(format!("--input hidden needs --hidden-size from 1 to {max}")));
+                return Err(Error::usage(format!("--input hidden needs --hidden-size from 1 to {max}")));
             }
             _ => {}
         }
-        moe_audit::names::check(&self.name).map_err(|m| Error::Usage(format!("--name {m}")))?;
+        moe_audit::names::check(&self.name).map_err(|m| Error::usage(format!("--name {m}")))?;
         let options = AuditOptions {
             probes: Probe::parse_list(&self.probes)?,
             batch: self.batch,

@@ -23,6 +23,7 @@ mod synopsis;
 use clap::{Parser, Subcommand};
 use moe_audit::config::presets;
 use moe_audit::error::{Result, Setting};
+use std::borrow::Cow;
 use std::io::Write;
 
 use check::{CheckArgs, ZooArgs};
@@ -115,37 +116,15 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<u8> {
     }
 }
 
-/// The flag that sets `setting`.
-pub fn flag(setting: Setting) -> &'static str {
+/// How the command line names `setting` in what it prints (every message and report, through
+/// [`error::with_names`](moe_audit::error::with_names)): the flag that sets it, `--max-memory`
+/// for `max_memory`, or the subcommand that is the setting (`snapshot update`).
+pub fn flag(setting: Setting) -> Cow<'static, str> {
+    use moe_audit::settings::{PLAN, UPDATE};
     match setting {
-        Setting::Batch => "--batch",
-        Setting::SeqLen => "--seq-len",
-        Setting::Hidden => "--hidden",
-        Setting::Ffn => "--ffn",
-        Setting::Trials => "--trials",
-        Setting::Ranks => "--ranks",
-        Setting::Probes => "--probes",
-        Setting::Timeout => "--timeout",
-        Setting::RouterCmd => "--router-cmd",
-        Setting::MaxMemory => "--max-memory",
-        Setting::Update => "snapshot update",
-        Setting::Traces => "--traces",
-        Setting::Plan => "snapshot plan",
-        Setting::Logits => "--logits",
-        Setting::HiddenStates => "--hidden-states",
-        Setting::Vocab => "--vocab",
-        Setting::Steps => "--steps",
-        Setting::Seeds => "--seeds",
-        Setting::Lr => "--lr",
-        Setting::EvalBatches => "--eval-batches",
-        Setting::CurvePoints => "--curve-points",
-        Setting::ProbeBatches => "--probe-batches",
-        Setting::MaxDisagreement => "--max-disagreement",
-        Setting::MaxBias => "--max-bias",
-        Setting::Mode => "--mode",
-        Setting::Config => "--config",
-        Setting::WitnessDir => "--witness-dir",
-        Setting::Output => "--output",
+        s if s == UPDATE => "snapshot update".into(),
+        s if s == PLAN => "snapshot plan".into(),
+        s => format!("--{}", s.name().replace('_', "-")).into(),
     }
 }
 
@@ -182,10 +161,29 @@ mod tests {
     }
 
     #[test]
-    fn every_setting_has_its_own_flag() {
-        let flags: std::collections::BTreeSet<_> = Setting::ALL.iter().map(|&s| flag(s)).collect();
-        assert_eq!(flags.len(), Setting::ALL.len());
-        // Flags, or the subcommand that is the setting (`snapshot update`).
-        assert!(flags.iter().all(|f| f.starts_with("--") || f.starts_with("snapshot ")));
+    fn every_setting_is_named_as_a_flag_or_subcommand_the_command_line_has() {
+        let cli = Cli::command();
+        let mut flags = std::collections::BTreeSet::new();
+        let mut commands = std::collections::BTreeSet::new();
+        let mut stack = vec![(String::new(), &cli)];
+        while let Some((path, c)) = stack.pop() {
+            flags.extend(c.get_arguments().filter_map(|a| a.get_long()).map(|l| format!("--{l}")));
+            for sub in c.get_subcommands() {
+                let name = format!("{path}{}", sub.get_name());
+                commands.insert(name.clone());
+                stack.push((format!("{name} "), sub));
+            }
+        }
+        let all: Vec<Setting> = moe_audit::settings::all().collect();
+        let named: std::collections::BTreeSet<_> = all.iter().map(|&s| flag(s)).collect();
+        assert_eq!(named.len(), all.len(), "two settings share a flag");
+        for s in all {
+            let f = flag(s);
+            assert!(
+                flags.contains(f.as_ref()) || commands.contains(f.as_ref()),
+                "{f} (setting `{}`) is no flag",
+                s.name()
+            );
+        }
     }
 }

@@ -6,11 +6,12 @@ use super::io_error;
 use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};
 use moe_audit::config::RouterConfig;
-use moe_audit::error::{ensure_positive, Result, Setting};
+use moe_audit::error::{ensure_positive, Result};
 use moe_audit::layer::CallSizes;
 use moe_audit::layer::{MoeLayer, Seeded};
 use moe_audit::render::json;
 use moe_audit::routing::{assign, render_table, Logits};
+use moe_audit::settings::{BATCH, FFN, HIDDEN, SEQ_LEN};
 use std::io::Write;
 use std::path::PathBuf;
 
@@ -91,12 +92,7 @@ impl RouteArgs {
             }
             None => {
                 let seq_len = self.seq_len.unwrap_or(8);
-                ensure_positive(&[
-                    (Setting::Batch, self.batch),
-                    (Setting::SeqLen, seq_len),
-                    (Setting::Hidden, self.hidden),
-                    (Setting::Ffn, self.ffn),
-                ])?;
+                ensure_positive(&[(BATCH, self.batch), (SEQ_LEN, seq_len), (HIDDEN, self.hidden), (FFN, self.ffn)])?;
                 let sizes = CallSizes {
                     batch: self.batch,
                     seq_len,

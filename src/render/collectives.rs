@@ -65,9 +65,16 @@ pub fn render_collectives(r: &CollectivesReport, plan: &AuditPlan, ranks: &[usiz
     }
     if let Some(max) = r.max_bias {
         if r.over_max_bias.is_empty() {
-            s += &format!("\nevery configuration's |bias| is within {} {max}\n", crate::error::Setting::MaxBias);
+            s += &format!(
+                "\nevery configuration's |bias| is within {} {max}\n",
+                crate::error::Text::from(crate::parallel::settings::MAX_BIAS)
+            );
         } else {
-            s += &format!("\n|bias| over {} {max}: {}\n", crate::error::Setting::MaxBias, r.over_max_bias.join("; "));
+            s += &format!(
+                "\n|bias| over {} {max}: {}\n",
+                crate::error::Text::from(crate::parallel::settings::MAX_BIAS),
+                r.over_max_bias.join("; ")
+            );
         }
     }
     s

@@ -32,7 +32,7 @@ pub(crate) fn verdict(c: &Comparison) -> String {
         why.push(format!(
             "{} of decisions differ, over {} {}",
             pct(c.measures.decisions_differ),
-            crate::error::Setting::MaxDisagreement,
+            crate::error::Text::from(crate::records::settings::MAX_DISAGREEMENT),
             m
         ));
     }
@@ -41,9 +41,12 @@ pub(crate) fn verdict(c: &Comparison) -> String {
             Some(m) => format!(
                 "PASS ({} of decisions differ, within {} {m})",
                 pct(c.measures.decisions_differ),
-                crate::error::Setting::MaxDisagreement
+                crate::error::Text::from(crate::records::settings::MAX_DISAGREEMENT)
             ),
-            None => format!("PASS (no alignment defect; no {} given)", crate::error::Setting::MaxDisagreement),
+            None => format!(
+                "PASS (no alignment defect; no {} given)",
+                crate::error::Text::from(crate::records::settings::MAX_DISAGREEMENT)
+            ),
         }
     } else {
         format!("FAIL ({})", why.join("; "))
@@ -169,8 +172,8 @@ pub fn routes_markdown(c: &Comparison) -> String {
                 "| {} | {} | {} | {} |",
                 if d.defect { "defect" } else { "note" },
                 d.kind.name(),
-                cell(&d.found),
-                cell(&d.change)
+                cell(&d.found.to_string()),
+                cell(&d.change.to_string())
             );
         }
         out.push('\n');
@@ -204,8 +207,8 @@ pub fn routes_junit(c: &Comparison) -> String {
     let checks = [K::LayerMapping, K::TokenOffset, K::Packing, K::Aliasing, K::ReplayNotApplied];
     let mut cases = Vec::new();
     for k in checks {
-        let found: Vec<&str> =
-            c.diagnoses.iter().filter(|d| d.defect && d.kind == k).map(|d| d.found.as_str()).collect();
+        let found: Vec<String> =
+            c.diagnoses.iter().filter(|d| d.defect && d.kind == k).map(|d| d.found.to_string()).collect();
         cases.push((k.name().to_string(), (!found.is_empty()).then(|| found.join("; "))));
     }
     let over = c.max_disagreement.filter(|&m| c.measures.decisions_differ > m);
@@ -261,7 +264,7 @@ pub fn routes_github(c: &Comparison) -> String {
             esc(&format!(
                 "{} of router decisions differ, over {} {m}",
                 pct(c.measures.decisions_differ),
-                crate::error::Setting::MaxDisagreement
+                crate::error::Text::from(crate::records::settings::MAX_DISAGREEMENT)
             ))
         );
     }

@@ -99,7 +99,7 @@ impl Check {
             Target::Configs { configs, .. } | Target::Gate { configs, .. } => configs.as_slice(),
             Target::Command(_) | Target::Traces(_) => &[],
         });
-        moe_audit_core::names::check_unique(configs.map(|c| c.name.as_str())).map_err(Error::Usage)?;
+        moe_audit_core::names::check_unique(configs.map(|c| c.name.as_str())).map_err(Error::usage)?;
         Ok(Check { targets, options })
     }
 
@@ -169,7 +169,7 @@ impl Check {
             }
         }
         // Routers named in their handshake or manifest too, before anyone writes a file.
-        moe_audit_core::names::check_unique(routers.iter().map(|r| r.router.as_str())).map_err(Error::Usage)?;
+        moe_audit_core::names::check_unique(routers.iter().map(|r| r.router.as_str())).map_err(Error::usage)?;
         Ok(Report { options, routers })
     }
 }

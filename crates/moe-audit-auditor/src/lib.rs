@@ -16,6 +16,7 @@ pub mod external;
 pub mod model;
 pub mod progress;
 pub mod seeds;
+pub mod settings;
 pub mod sizes;
 pub mod snapshot;
 pub mod sweep;

@@ -1,7 +1,7 @@
 //! The sizes a run shares (a seeded layer's call, the audit's trials, the ranks): one type, one
 //! default, one check. The command line's defaults are these.
 
-use moe_audit_core::error::{ensure_positive, Result, Setting};
+use moe_audit_core::error::{ensure_positive, Result};
 use serde::{Deserialize, Serialize};
 
 /// The sizes of a run through a seeded layer.
@@ -31,12 +31,12 @@ impl RunSizes {
     /// Every size must be at least 1; the first that is 0 is named (in this order).
     pub fn validate(&self) -> Result<()> {
         ensure_positive(&[
-            (Setting::Batch, self.batch),
-            (Setting::SeqLen, self.seq_len),
-            (Setting::Trials, self.trials),
-            (Setting::Hidden, self.hidden),
-            (Setting::Ffn, self.ffn),
-            (Setting::Ranks, self.ranks),
+            (moe_audit_core::settings::BATCH, self.batch),
+            (moe_audit_core::settings::SEQ_LEN, self.seq_len),
+            (crate::settings::TRIALS, self.trials),
+            (moe_audit_core::settings::HIDDEN, self.hidden),
+            (moe_audit_core::settings::FFN, self.ffn),
+            (moe_audit_parallel::settings::RANKS, self.ranks),
         ])
     }
 }

@@ -6,7 +6,9 @@
 //! and a set of outputs (a sweep's JSON, CSV, table and charts) is renamed together, so a reader
 //! (or a run interrupted by a signal) sees the previous set or the new one, never a torn file.
 
-use crate::error::{ensure_positive, Error, Result, Setting};
+use crate::error::{ensure_positive, Error, Result, Text};
+use crate::settings::{BATCH, MAX_MEMORY, SEQ_LEN};
+use crate::text;
 use crate::MemoryBudget;
 use bytesize::ByteSize;
 use ndarray::Array3;
@@ -20,8 +22,8 @@ use std::sync::{Mutex, MutexGuard};
 pub const TEXT_LIMIT: u64 = 16 << 20;
 
 /// Reads at most `limit` bytes of `path`; a longer file (or one that never ends) is an error
-/// naming the limit. `why` says what the limit is (e.g. `--max-memory`).
-pub fn read_bounded(path: &Path, limit: u64, why: &str) -> Result<Vec<u8>> {
+/// naming the limit. `why` says what the limit is (e.g. the memory limit, [`MAX_MEMORY`]).
+pub fn read_bounded(path: &Path, limit: u64, why: impl Into<Text>) -> Result<Vec<u8>> {
     let file = open_unblocked(path, false).map_err(|e| Error::io(path, "cannot read", e))?;
     if file.metadata().is_ok_and(|m| m.is_dir()) {
         return Err(Error::input(path, "cannot read: is a directory"));
@@ -29,10 +31,8 @@ pub fn read_bounded(path: &Path, limit: u64, why: &str) -> Result<Vec<u8>> {
     let mut bytes = Vec::new();
     file.take(limit.saturating_add(1)).read_to_end(&mut bytes).map_err(|e| Error::io(path, "cannot read", e))?;
     if bytes.len() as u64 > limit {
-        return Err(Error::input(
-            path,
-            format!("larger than {} ({why}); it may never end", ByteSize(limit).display().iec()),
-        ));
+        let limit = ByteSize(limit).display().iec();
+        return Err(Error::input(path, text!(format!("larger than {limit} ("), why, "); it may never end")));
     }
     Ok(bytes)
 }
@@ -87,7 +87,7 @@ pub fn open_unblocked(path: &Path, write: bool) -> std::io::Result<std::fs::File
 }
 
 /// [`read_bounded`] as UTF-8 text.
-pub fn read_text(path: &Path, limit: u64, why: &str) -> Result<String> {
+pub fn read_text(path: &Path, limit: u64, why: impl Into<Text>) -> Result<String> {
     String::from_utf8(read_bounded(path, limit, why)?).map_err(|e| {
         Error::input(path, format!("not UTF-8 text: invalid byte at offset {}", e.utf8_error().valid_up_to()))
     })
@@ -96,7 +96,15 @@ pub fn read_text(path: &Path, limit: u64, why: &str) -> Result<String> {
 /// Reads `path` as text within `budget`'s share for a file read whole and parsed
 /// ([`MemoryBudget::text`]).
 pub fn read_text_within(path: &Path, budget: MemoryBudget) -> Result<String> {
-    read_text(path, budget.text(), &budget.text_why())
+    read_text(path, budget.text(), budget.text_why())
+}
+
+/// A line over the limit of [`read_line_bounded`], which follows from the memory limit.
+#[derive(Debug, thiserror::Error)]
+#[error("a line longer than {} ({})", ByteSize(*limit as u64).display().iec(), Text::from(MAX_MEMORY))]
+pub struct LineTooLong {
+    /// The most a line may hold, in bytes.
+    pub limit: usize,
 }
 
 /// One line of at most `limit` bytes from `reader`, without its newline; `None` at the end.
@@ -116,14 +124,7 @@ pub fn read_line_bounded(reader: &mut impl BufRead, limit: usize) -> std::io::Re
             None => (buf.len(), false),
         };
         if line.len() + take > limit.saturating_add(1) {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::InvalidData,
-                format!(
-                    "a line longer than {} ({})",
-                    ByteSize(limit as u64).display().iec(),
-                    crate::error::Setting::MaxMemory
-                ),
-            ));
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, LineTooLong { limit }));
         }
         line.extend_from_slice(&buf[..take]);
         reader.consume(take);
@@ -258,7 +259,7 @@ pub fn read_rows(
     expected: &str,
     budget: MemoryBudget,
 ) -> Result<Array3<f32>> {
-    let text = read_text(path, budget.bytes(), &Setting::MaxMemory.to_string())?;
+    let text = read_text(path, budget.bytes(), MAX_MEMORY)?;
     // Parsed, every value is an f64 in a row vector (twice over while they grow) and every row
     // a vector: count them in the text before allocating them.
     let values = text.bytes().filter(|&b| b == b',').count() as u64 + 1;
@@ -269,22 +270,23 @@ pub fn read_rows(
     // batch, position and expert (more useful than a parse error).
     let rows: Vec<Vec<f64>> =
         serde_json::from_str(&text).map_err(|e| Error::parse(path, "expected a JSON array of rows of numbers", e))?;
-    ensure_positive(&[(Setting::Batch, batch)])?;
+    ensure_positive(&[(BATCH, batch)])?;
     if rows.is_empty() || !rows.len().is_multiple_of(batch) {
         return Err(Error::input(
             path,
-            format!("{} rows cannot be split into {} {batch} sequences", rows.len(), Setting::Batch),
+            text!(format!("{} rows cannot be split into ", rows.len()), BATCH, format!(" {batch} sequences")),
         ));
     }
     let s = rows.len() / batch;
     if let Some(want) = seq_len.filter(|&want| want != s) {
         return Err(Error::input(
             path,
-            format!(
-                "{} rows at {} {batch} give seq_len {s}, not {} {want}",
-                rows.len(),
-                Setting::Batch,
-                Setting::SeqLen
+            text!(
+                format!("{} rows at ", rows.len()),
+                BATCH,
+                format!(" {batch} give seq_len {s}, not "),
+                SEQ_LEN,
+                format!(" {want}")
             ),
         ));
     }

@@ -14,6 +14,7 @@ pub mod memory;
 pub mod names;
 pub mod router;
 pub mod routing;
+pub mod settings;
 
 pub use config::RouterConfig;
 pub use error::{Error, Result};

@@ -56,8 +56,8 @@ impl MemoryBudget {
     }
 
     /// [`Self::text`] in the words an error gives for it.
-    pub(crate) fn text_why(self) -> String {
-        format!("a quarter of {}", crate::error::Setting::MaxMemory)
+    pub(crate) fn text_why(self) -> crate::error::Text {
+        crate::text!("a quarter of ", crate::settings::MAX_MEMORY)
     }
 
     /// What the tensors of a safetensors file may hold: half, since they are read whole and
@@ -73,7 +73,7 @@ impl MemoryBudget {
     }
 }
 
-/// Parses `--max-memory` (`512MiB`, `4GiB`, `2000000000`): a positive size, said clearly when not.
+/// Parses a memory limit ([`MAX_MEMORY`](crate::settings::MAX_MEMORY): `512MiB`, `4GiB`, `2000000000`): a positive size, said clearly when not.
 pub fn parse_size(text: &str) -> std::result::Result<ByteSize, String> {
     let size: ByteSize = text.trim().parse().ok().filter(|_| !text.trim_start().starts_with('-')).ok_or_else(|| {
         format!(
@@ -92,10 +92,11 @@ pub fn ensure_fits(what: &str, estimate: u64, limit: u64) -> Result<()> {
     if estimate <= limit {
         return Ok(());
     }
-    Err(Error::Usage(format!(
-        "{what} needs about {} of memory, over the limit of {} ({}; the default is half of physical memory): use smaller sizes or raise the limit",
-        ByteSize(estimate).display().iec(),
-        ByteSize(limit).display().iec(),
-        crate::error::Setting::MaxMemory
+    let (estimate, limit) = (ByteSize(estimate).display().iec(), ByteSize(limit).display().iec());
+    Err(Error::usage(crate::text!(
+        what,
+        format!(" needs about {estimate} of memory, over the limit of {limit} ("),
+        crate::settings::MAX_MEMORY,
+        "; the default is half of physical memory): use smaller sizes or raise the limit"
     )))
 }

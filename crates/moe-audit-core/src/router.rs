@@ -142,7 +142,7 @@ pub trait Hints: Send + Sync {
         placement: &[usize],
     ) -> Result<Routing> {
         let _ = (logits, padding, placement);
-        Err(Error::Invalid("the router places no sequences on ranks".into()))
+        Err(Error::invalid("the router places no sequences on ranks"))
     }
 }
 

@@ -324,7 +324,7 @@ impl Communicator for InProcess {
 /// rank order. If a rank fails (an error or a panic), every rank stops at its next collective
 /// and the call returns that first failure as [`Error::Rank`].
 pub fn run_ranks<T: Send>(size: usize, work: impl Fn(&InProcess) -> Result<T> + Sync) -> Result<Vec<T>> {
-    moe_audit_core::error::ensure_positive(&[(moe_audit_core::error::Setting::Ranks, size)])?;
+    moe_audit_core::error::ensure_positive(&[(crate::settings::RANKS, size)])?;
     let shared = Arc::new(Shared {
         size,
         state: Mutex::new(State {
@@ -396,7 +396,7 @@ mod tests {
                 c.barrier()?;
             }
             if c.rank() == 2 {
-                return Err(Error::Usage("bad shape".into()));
+                return Err(Error::usage("bad shape"));
             }
             c.barrier()?;
             c.all_gather_bytes(vec![1])
@@ -412,7 +412,7 @@ mod tests {
         for _ in 0..20 {
             let err = run_ranks(4, |c| {
                 if c.rank() >= 1 {
-                    Err::<(), _>(Error::Usage(format!("bad {}", c.rank())))
+                    Err::<(), _>(Error::usage(format!("bad {}", c.rank())))
                 } else {
                     c.barrier()
                 }

@@ -215,7 +215,7 @@ impl<'a> ExpertParallel<'a> {
     pub fn local_experts(&self, ranks: usize) -> Result<usize> {
         let e = self.layer.dims().experts;
         if ranks == 0 || !e.is_multiple_of(ranks) {
-            return Err(Error::Usage(format!("{e} experts do not split evenly over {ranks} ranks")));
+            return Err(Error::usage(format!("{e} experts do not split evenly over {ranks} ranks")));
         }
         Ok(e / ranks)
     }
@@ -376,9 +376,9 @@ fn gather(parts: Vec<RankResult>, x: &Tensor) -> Result<Gathered> {
 /// Sequences per rank, or an error when the batch does not split evenly.
 pub fn split_batch(batch: usize, ranks: usize) -> Result<usize> {
     if ranks == 0 || !batch.is_multiple_of(ranks) {
-        return Err(Error::Usage(format!(
-            "{} {ranks}: the batch of {batch} sequences must split evenly over the ranks",
-            moe_audit_core::error::Setting::Ranks
+        return Err(Error::usage(moe_audit_core::text!(
+            crate::settings::RANKS,
+            format!(" {ranks}: the batch of {batch} sequences must split evenly over the ranks")
         )));
     }
     Ok(batch / ranks)

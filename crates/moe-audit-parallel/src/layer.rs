@@ -55,7 +55,7 @@ impl Layer for OnComm<'_> {
 
     fn forward_parallel(&self, x: &Tensor, ranks: usize) -> Result<Option<Gathered>> {
         if ranks != self.comm.size() {
-            return Err(Error::Usage(format!("{ranks} ranks asked for, the communicator has {}", self.comm.size())));
+            return Err(Error::usage(format!("{ranks} ranks asked for, the communicator has {}", self.comm.size())));
         }
         ExpertParallel::new(self.layer).forward_gathered(self.comm, x).map(Some)
     }

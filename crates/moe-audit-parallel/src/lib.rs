@@ -17,6 +17,7 @@ mod layer;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 pub mod reduce;
+pub mod settings;
 pub mod swamping;
 
 pub use comm::{run_ranks, Communicator, InProcess};

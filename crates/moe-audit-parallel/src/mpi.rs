@@ -20,8 +20,7 @@ pub struct MpiComm {
 impl MpiComm {
     /// Initialises MPI (once per process).
     pub fn init() -> Result<Self> {
-        let universe =
-            mpi::initialize().ok_or_else(|| Error::Usage("MPI is already initialised in this process".into()))?;
+        let universe = mpi::initialize().ok_or_else(|| Error::usage("MPI is already initialised in this process"))?;
         Ok(MpiComm { world: universe.world(), _universe: universe })
     }
 

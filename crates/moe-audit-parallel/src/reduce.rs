@@ -161,9 +161,9 @@ pub struct ReducePlan {
 impl ReducePlan {
     /// Checks the plan against a world of `ranks` ranks.
     pub fn check(&self, ranks: usize) -> Result<()> {
-        moe_audit_core::error::ensure_positive(&[(moe_audit_core::error::Setting::Ranks, ranks)])?;
+        moe_audit_core::error::ensure_positive(&[(crate::settings::RANKS, ranks)])?;
         if self.algorithm == Algorithm::Hierarchical && (self.domain == 0 || !ranks.is_multiple_of(self.domain)) {
-            return Err(Error::Usage(format!(
+            return Err(Error::usage(format!(
                 "domain size {} does not divide {ranks} ranks (hierarchical reduction)",
                 self.domain
             )));

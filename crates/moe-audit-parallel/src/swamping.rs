@@ -55,7 +55,7 @@ impl Payload {
             }
             Payload::Rows(rows) => {
                 let row = rows.get(rank).ok_or_else(|| {
-                    Error::Usage(format!("rank {rank} asked for, the gradients hold {} ranks", rows.len()))
+                    Error::usage(format!("rank {rank} asked for, the gradients hold {} ranks", rows.len()))
                 })?;
                 Ok(row[..n.min(row.len())].to_vec())
             }

@@ -82,13 +82,28 @@ fn compare(
     max_disagreement: Option<f64>,
     max_memory: Option<String>,
 ) -> PyResult<(bool, String)> {
-    let done = py.detach(|| {
-        run(&rollout, &trainer, config.as_deref(), config_json.as_deref(), max_disagreement, max_memory.as_deref())
-    });
-    Ok(match done {
-        Ok(text) => (true, text),
-        Err(e) => (false, moe_audit::command::one_line_message(&moe_audit::error::chain(&e))),
-    })
+    // What Python is told (the report, an error) names settings as `compare`'s keyword arguments.
+    Ok(py.detach(|| {
+        moe_audit::error::with_names(keyword, || {
+            match run(
+                &rollout,
+                &trainer,
+                config.as_deref(),
+                config_json.as_deref(),
+                max_disagreement,
+                max_memory.as_deref(),
+            ) {
+                Ok(text) => (true, text),
+                Err(e) => (false, moe_audit::error::present(&e, keyword)),
+            }
+        })
+    }))
+}
+
+/// A setting as `compare` names it: its keyword argument (`max_memory`), which is the library's
+/// name of the setting.
+fn keyword(setting: moe_audit::error::Setting) -> std::borrow::Cow<'static, str> {
+    setting.name().into()
 }
 
 fn run(
@@ -100,16 +115,17 @@ fn run(
     max_memory: Option<&str>,
 ) -> moe_audit::Result<String> {
     use moe_audit::error::{excerpt_long, Error};
+    use moe_audit::settings::{CONFIG, MAX_MEMORY};
+    use moe_audit::text;
     let options = CompareOptions::new(max_disagreement)?;
-    let limit = max_memory
-        .map(|m| moe_audit::memory::parse_size(m).map_err(|e| Error::Usage(format!("--max-memory: {e}"))))
-        .transpose()?;
+    let limit =
+        max_memory.map(|m| moe_audit::memory::parse_size(m).map_err(|e| Error::setting(MAX_MEMORY, e))).transpose()?;
     let layout = match (config, config_json) {
         (Some(path), _) => Some(Layout::load(path)?),
         (None, Some(text)) => {
             let value: serde_json::Value = serde_json::from_str(text)
-                .map_err(|e| Error::Usage(format!("config: not JSON: {}", excerpt_long(&e))))?;
-            Some(Layout::from_json(&value).map_err(|m| Error::Usage(format!("config: {m}")))?)
+                .map_err(|e| Error::usage(text!(CONFIG, format!(": not JSON: {}", excerpt_long(&e)))))?;
+            Some(Layout::from_json(&value).map_err(|m| Error::usage(text!(CONFIG, format!(": {m}"))))?)
         }
         (None, None) => None,
     };
@@ -134,8 +150,6 @@ fn main(py: Python<'_>) -> PyResult<()> {
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    // Errors name settings as the command's flags (`--max-memory`), as the command says them.
-    moe_audit::command::name_settings();
     m.add_function(wrap_pyfunction!(compare, m)?)?;
     m.add_function(wrap_pyfunction!(main, m)?)?;
     Ok(())

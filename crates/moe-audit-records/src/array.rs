@@ -5,7 +5,7 @@
 
 use super::budget::Budget;
 use bytes::Bytes;
-use moe_audit_core::error::{excerpt, excerpt_long, Error, Result};
+use moe_audit_core::error::{excerpt, Error, Part, RecordError, Result};
 use std::collections::BTreeMap;
 use std::io::Read;
 use std::path::Path;
@@ -77,7 +77,7 @@ impl Array {
     }
 
     pub(crate) fn bad(&self, path: &Path, message: impl std::fmt::Display) -> Error {
-        Error::input(path, format!("array `{}`: {message}", excerpt(&self.name)))
+        RecordError::new(path, Part::Array(self.name.clone()), message.to_string()).into()
     }
 
     /// The values as i64, for any integer type (`what` says what they are, for errors).
@@ -135,7 +135,7 @@ fn elements(shape: &[usize]) -> Option<usize> {
 
 /// Parses one `.npy` file's bytes (`name` is the array's name; `path` for errors).
 pub(crate) fn npy(bytes: &Bytes, name: &str, path: &Path) -> Result<Array> {
-    let bad = |m: String| Error::input(path, format!("array `{}`: {m}", excerpt(name)));
+    let bad = |m: String| -> Error { RecordError::new(path, Part::Array(name.to_string()), m).into() };
     if bytes.len() < 10 || &bytes[..6] != b"\x93NUMPY" {
         return Err(bad("not an .npy array (no \\x93NUMPY magic)".into()));
     }
@@ -215,18 +215,19 @@ pub(crate) fn npy(bytes: &Bytes, name: &str, path: &Path) -> Result<Array> {
 /// Every array of an `.npz` archive (stored, as `np.savez` writes it), by name without `.npy`. Each entry
 /// is decompressed at most to the size its own header declares, within `budget`.
 pub(crate) fn npz(bytes: &[u8], path: &Path, budget: &mut Budget) -> Result<BTreeMap<String, Bytes>> {
-    let bad = |m: String| Error::input(path, m);
-    let mut zip =
-        zip::ZipArchive::new(std::io::Cursor::new(bytes)).map_err(|e| Error::parse(path, "not an .npz archive", e))?;
+    let bad = |m: String| -> Error { RecordError::new(path, Part::Whole, m).into() };
+    let entry = |i: usize| move |e: zip::result::ZipError| RecordError::new(path, Part::Entry(i), "").because(e);
+    let mut zip = zip::ZipArchive::new(std::io::Cursor::new(bytes))
+        .map_err(|e| RecordError::new(path, Part::Whole, "not an .npz archive").because(e))?;
     let mut out = BTreeMap::new();
     for i in 0..zip.len() {
-        let method = zip.by_index_raw(i).map_err(|e| bad(format!("entry {i}: {}", excerpt_long(&e))))?.compression();
+        let method = zip.by_index_raw(i).map_err(entry(i))?.compression();
         if method != zip::CompressionMethod::Stored {
             return Err(bad(format!(
                 "entry {i} is compressed ({method}): write the archive with np.savez, not np.savez_compressed"
             )));
         }
-        let mut entry = zip.by_index(i).map_err(|e| bad(format!("entry {i}: {}", excerpt_long(&e))))?;
+        let mut entry = zip.by_index(i).map_err(entry(i))?;
         let name = String::from_utf8_lossy(entry.name_raw()).into_owned();
         let Some(stem) = name.strip_suffix(".npy") else { continue };
         let size = entry.size();
@@ -236,7 +237,7 @@ pub(crate) fn npz(bytes: &[u8], path: &Path, budget: &mut Budget) -> Result<BTre
         (&mut entry)
             .take(size.saturating_add(1))
             .read_to_end(&mut data)
-            .map_err(|e| bad(format!("entry `{}`: {}", excerpt(&name), excerpt_long(&e))))?;
+            .map_err(|e| RecordError::new(path, Part::EntryNamed(name.clone()), "").because(e))?;
         if data.len() as u64 != size {
             let held = if data.len() as u64 > size { "more".into() } else { format!("only {}", data.len()) };
             return Err(bad(format!("entry `{}` declares {size} bytes but holds {held}", excerpt(&name))));
@@ -270,16 +271,16 @@ fn elem_of(dtype: safetensors::Dtype) -> Option<Elem> {
 /// Every tensor of a safetensors file (validated by the `safetensors` crate: header, offsets,
 /// sizes), and its `__metadata__`.
 pub(crate) fn safetensors(bytes: &Bytes, path: &Path) -> Result<(Vec<Array>, BTreeMap<String, String>)> {
-    let bad = |m: String| Error::input(path, m);
-    let file =
-        safetensors::SafeTensors::deserialize(bytes).map_err(|e| Error::parse(path, "not a safetensors file", e))?;
-    let (_, meta) =
-        safetensors::SafeTensors::read_metadata(bytes).map_err(|e| Error::parse(path, "not a safetensors file", e))?;
+    let not_safetensors =
+        |e: safetensors::SafeTensorError| RecordError::new(path, Part::Whole, "not a safetensors file").because(e);
+    let file = safetensors::SafeTensors::deserialize(bytes).map_err(not_safetensors)?;
+    let (_, meta) = safetensors::SafeTensors::read_metadata(bytes).map_err(not_safetensors)?;
     let metadata = meta.metadata().clone().unwrap_or_default().into_iter().collect();
     let mut arrays = Vec::new();
     for (name, view) in file.iter() {
-        let elem = elem_of(view.dtype())
-            .ok_or_else(|| bad(format!("tensor `{}`: dtype {:?} is not supported", excerpt(name), view.dtype())))?;
+        let elem = elem_of(view.dtype()).ok_or_else(|| {
+            RecordError::new(path, Part::Tensor(name.to_string()), format!("dtype {:?} is not supported", view.dtype()))
+        })?;
         arrays.push(Array {
             name: name.to_string(),
             shape: view.shape().to_vec(),
@@ -289,4 +290,26 @@ pub(crate) fn safetensors(bytes: &Bytes, path: &Path) -> Result<(Vec<Array>, BTr
     }
     arrays.sort_by(|a, b| a.name.cmp(&b.name));
     Ok((arrays, metadata))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use moe_audit_core::error::chain;
+    use std::error::Error as _;
+
+    #[test]
+    fn a_reader_error_is_kept_as_the_source_of_a_record_error() {
+        let path = Path::new("r.npz");
+        let mut budget = Budget::new(moe_audit_core::MemoryBudget::new(1 << 20));
+        let e = npz(b"not a zip", path, &mut budget).unwrap_err();
+        let Error::Record(r) = &e else { panic!("{e:?}") };
+        assert_eq!((r.path.as_path(), &r.part), (path, &Part::Whole));
+        assert!(e.source().and_then(|s| s.downcast_ref::<zip::result::ZipError>()).is_some(), "{e:?}");
+        assert!(chain(&e).starts_with("r.npz: not an .npz archive: "), "{}", chain(&e));
+        let e = npy(&Bytes::from_static(b"\x93NUMPY\x01\x00\x04\x00{'x}"), "ids", Path::new("r.npy")).unwrap_err();
+        let Error::Record(r) = &e else { panic!("{e:?}") };
+        assert_eq!(r.part, Part::Array("ids".into()));
+        assert_eq!(e.to_string(), "r.npy: array `ids`: the header has no 'descr'");
+    }
 }

@@ -13,19 +13,16 @@
 
 use super::array::Elem;
 use super::config::{LayerKind, Layout};
+use super::file::bad;
 use super::formats::{Axis, Dtype, Fill, Format, Raw, Sequence};
 use super::ids::Ids;
 use super::text::ranges;
-use moe_audit_core::error::{Error, Result};
+use moe_audit_core::error::{Result, Text};
 use rayon::prelude::*;
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::Path;
-
-fn bad(path: &Path, message: impl Into<String>) -> Error {
-    Error::input(path, message.into())
-}
 
 /// What one (token, layer) row holds.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -737,7 +734,7 @@ pub struct Found {
     /// Ids not below the expert count (physical EPLB slots?): count and largest.
     pub beyond: Option<(usize, i32)>,
     /// Notes of the reader (steps or ranks merged, a shape taken from the other record, ...).
-    pub notes: Vec<String>,
+    pub notes: Vec<Text>,
 }
 
 impl Found {

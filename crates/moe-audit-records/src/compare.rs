@@ -13,7 +13,9 @@ use super::measure::{self, Measures};
 use super::read::{self, Source};
 use super::record::Record;
 use super::sides::{Role, Sides};
+use crate::settings::MAX_DISAGREEMENT;
 use moe_audit_core::error::{Error, Result};
+use moe_audit_core::text;
 use moe_audit_core::MemoryBudget;
 use serde::{Serialize, Serializer};
 
@@ -79,7 +81,7 @@ impl CompareOptions {
     /// The options, the threshold checked to be a share (0 to 1).
     pub fn new(max_disagreement: Option<f64>) -> Result<Self> {
         if let Some(m) = max_disagreement.filter(|m| !(0.0..=1.0).contains(m)) {
-            return Err(Error::Usage(format!("--max-disagreement must be a share between 0 and 1, got {m}")));
+            return Err(Error::usage(text!(MAX_DISAGREEMENT, format!(" must be a share between 0 and 1, got {m}"))));
         }
         Ok(CompareOptions { max_disagreement })
     }

@@ -9,11 +9,13 @@ use super::config::{LayerKind, Layout};
 use super::diagnosis::{defect, note, Diagnosis, DiagnosisKind};
 use super::formats::Format;
 use super::measure::{LayerMeasure, Measures};
-use super::pipeline::HOW_TO_GIVE;
+use super::pipeline::how_to_give;
 use super::record::Record;
 use super::sides::Role;
 use super::text::{pct, ranges};
+use crate::settings::CONFIG;
 use moe_audit_core::error::{Error, Result};
+use moe_audit_core::text;
 use std::collections::HashMap;
 
 /// What reading `r` found, as diagnoses: one function each, in the report's order.
@@ -23,7 +25,7 @@ pub(super) fn of_record(role: Role, r: &Record, layout: Option<&Layout>) -> Vec<
     }
     let mut out = Vec::new();
     out.extend(layer_numbers(role, r, layout));
-    out.extend(r.found.notes.iter().map(|n| note(DiagnosisKind::Reading, format!("{role}: {n}"), "")));
+    out.extend(r.found.notes.iter().map(|n| note(DiagnosisKind::Reading, text!(format!("{role}: "), n), "")));
     out.extend(zero_layers(role, r, layout));
     out.extend(layout.and_then(|l| absent_stage(role, r, l)));
     out.extend(dense_filled(role, r));
@@ -53,12 +55,9 @@ fn layer_numbers(role: Role, r: &Record, layout: Option<&Layout>) -> Option<Diag
         return None;
     }
     let change = if layout.is_some() {
-        "write the global layer numbers in the file (metadata `layers`) to make this explicit".to_string()
+        "write the global layer numbers in the file (metadata `layers`) to make this explicit".into()
     } else {
-        format!(
-            "give {} (config.json) so dense and MTP layers are known, or write `layers` in the file",
-            moe_audit_core::error::Setting::Config
-        )
+        text!("give ", CONFIG, " (config.json) so dense and MTP layers are known, or write `layers` in the file")
     };
     Some(note(DiagnosisKind::LayerNumbers, format!("the {role} file gives no layer numbers: {}", f.numbering), change))
 }
@@ -73,10 +72,13 @@ fn zero_layers(role: Role, r: &Record, layout: Option<&Layout>) -> Option<Diagno
     Some(match layout {
         None => note(
             DiagnosisKind::Unpaired,
-            format!(
-                "{role} layers {} hold only zeros: left out as dense (engines zero-fill dense layers); with {} a MoE layer holding only zeros is a capture that never ran",
-                ranges(zero),
-                moe_audit_core::error::Setting::Config
+            text!(
+                format!(
+                    "{role} layers {} hold only zeros: left out as dense (engines zero-fill dense layers); with ",
+                    ranges(zero)
+                ),
+                CONFIG,
+                " a MoE layer holding only zeros is a capture that never ran"
             ),
             "",
         ),
@@ -210,9 +212,9 @@ fn absent_stage(role: Role, r: &Record, l: &Layout) -> Option<Diagnosis> {
         moe[moe.len() - n..] == absent[..] || moe[..n] == absent[..]
     };
     let change = if r.format == Format::MegatronTrace {
-        format!("give the folder of every rank's router_trace_rank{{r}}.jsonl, the stages' files merged by where each stage's layers begin: {HOW_TO_GIVE}")
+        text!("give the folder of every rank's router_trace_rank{r}.jsonl, the stages' files merged by where each stage's layers begin: ", how_to_give())
     } else {
-        "merge every pipeline stage's record (every rank's) before it is compared or replayed".to_string()
+        "merge every pipeline stage's record (every rank's) before it is compared or replayed".into()
     };
     block.then(|| {
         defect(

@@ -1,6 +1,7 @@
 //! What alignment and the diagnoses find: a kind, defect or note, what was found in numbers and
 //! what to change. docs/ROUTES.md explains every kind.
 
+use moe_audit_core::error::Text;
 use serde::Serialize;
 
 /// What a diagnosis is about.
@@ -82,17 +83,17 @@ pub struct Diagnosis {
     /// Whether it is a defect (the gate fails) or a note on how the records were aligned.
     pub defect: bool,
     /// What was found, with numbers.
-    pub found: String,
+    pub found: Text,
     /// What to change (empty for a note that needs nothing).
-    pub change: String,
+    pub change: Text,
 }
 
 /// A note: how the records were aligned, not a failure.
-pub(crate) fn note(kind: DiagnosisKind, found: String, change: impl Into<String>) -> Diagnosis {
-    Diagnosis { kind, defect: false, found, change: change.into() }
+pub(crate) fn note(kind: DiagnosisKind, found: impl Into<Text>, change: impl Into<Text>) -> Diagnosis {
+    Diagnosis { kind, defect: false, found: found.into(), change: change.into() }
 }
 
 /// A defect: the gate fails.
-pub(crate) fn defect(kind: DiagnosisKind, found: String, change: impl Into<String>) -> Diagnosis {
-    Diagnosis { kind, defect: true, found, change: change.into() }
+pub(crate) fn defect(kind: DiagnosisKind, found: impl Into<Text>, change: impl Into<Text>) -> Diagnosis {
+    Diagnosis { kind, defect: true, found: found.into(), change: change.into() }
 }

@@ -5,15 +5,17 @@
 
 use super::budget::Budget;
 use bytes::Bytes;
-use moe_audit_core::error::{Error, Result, Setting};
+use moe_audit_core::error::{Error, Part, RecordError, Result, Text};
 use moe_audit_core::files::{open_unblocked, read_bounded};
+use moe_audit_core::settings::MAX_MEMORY;
 use std::path::Path;
 
 /// A trace file to read: its name, its rank when a folder's file name says it, its bytes.
 pub(crate) type TraceFile = (String, Option<u64>, Vec<u8>);
 
-fn bad(path: &Path, message: impl Into<String>) -> Error {
-    Error::input(path, message.into())
+/// The record at `path` is wrong as a whole: `message` ([`RecordError`], [`Part::Whole`]).
+pub(crate) fn bad(path: &Path, message: impl Into<Text>) -> Error {
+    RecordError::new(path, Part::Whole, message).into()
 }
 
 /// A record file's bytes: a regular file is mapped (its arrays are read in place, a chunk at a
@@ -41,7 +43,7 @@ fn read_whole(path: &Path, budget: &mut Budget) -> Result<Vec<u8>> {
     if let Some(size) = std::fs::metadata(path).ok().filter(|m| m.is_file()).map(|m| m.len()) {
         Budget::clone(budget).take(&what, size)?;
     }
-    let bytes = read_bounded(path, budget.left(), &Setting::MaxMemory.to_string())?;
+    let bytes = read_bounded(path, budget.left(), MAX_MEMORY)?;
     budget.take(&what, bytes.len() as u64)?;
     Ok(bytes)
 }

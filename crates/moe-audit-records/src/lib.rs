@@ -29,6 +29,7 @@ mod measure;
 mod pipeline;
 pub mod read;
 mod record;
+pub mod settings;
 mod show;
 mod sides;
 mod text;

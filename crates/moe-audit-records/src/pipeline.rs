@@ -11,6 +11,9 @@
 //! `use_tp_pp_dp_mapping` (`megatron/training/initialize.py` L388; the weight-remat axis is
 //! inserted after `tp`, `megatron/core/parallel_state.py` L582-598).
 
+use crate::settings::CONFIG;
+use moe_audit_core::error::Text;
+use moe_audit_core::text;
 use serde::Serialize;
 use serde_json::Value;
 
@@ -30,7 +33,13 @@ const KEYS: [&str; 11] = [
 ];
 
 /// What moe-audit needs to merge a pipeline's trace, said once for every message that asks.
-pub const HOW_TO_GIVE: &str = "give Megatron's `pipeline_model_parallel_size` in the --config file (1 without pipeline parallelism; for an uneven split also `num_layers_in_first_pipeline_stage`, `num_layers_in_last_pipeline_stage` or `pipeline_model_parallel_layout`, as the run had them)";
+pub fn how_to_give() -> Text {
+    text!(
+        "give Megatron's `pipeline_model_parallel_size` in the ",
+        CONFIG,
+        " file (1 without pipeline parallelism; for an uneven split also `num_layers_in_first_pipeline_stage`, `num_layers_in_last_pipeline_stage` or `pipeline_model_parallel_layout`, as the run had them)"
+    )
+}
 
 /// One pipeline stage: the global decoder layers it builds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -154,7 +163,7 @@ impl Pipeline {
     }
 
     /// The pipeline rank of global rank `rank` in a world of `world` ranks (`None`: unknown).
-    pub fn stage_of(&self, rank: usize, world: Option<usize>) -> Result<usize, String> {
+    pub fn stage_of(&self, rank: usize, world: Option<usize>) -> Result<usize, Text> {
         let size = self.size;
         let stride = match (self.stride, world.or(self.world)) {
             // Rank 0 is stage 0 in every order.
@@ -164,11 +173,14 @@ impl Pipeline {
             (None, Some(w)) => {
                 return Err(format!(
                     "rank {rank} in a world of {w} ranks over {size} pipeline stages: the world size must be a multiple of the stages and above every rank"
-                ))
+                )
+                .into())
             }
             (None, None) => {
-                return Err(format!(
-                    "the pipeline stage of rank {rank} depends on the world size (the pipeline rank is the outermost): give the folder of every rank's router_trace_rank{{r}}.jsonl, or `world_size` in the --config file"
+                return Err(text!(
+                    format!("the pipeline stage of rank {rank} depends on the world size (the pipeline rank is the outermost): give the folder of every rank's router_trace_rank{{r}}.jsonl, or `world_size` in the "),
+                    CONFIG,
+                    " file"
                 ))
             }
         };
@@ -354,7 +366,7 @@ mod tests {
         // Default order tp-cp-ep-dp-pp: 8 ranks, stage = rank / 4.
         assert_eq!((0..8).map(|r| p.stage_of(r, Some(8)).unwrap()).collect::<Vec<_>>(), [0, 0, 0, 0, 1, 1, 1, 1]);
         assert_eq!(p.stage_of(0, None), Ok(0));
-        assert!(p.stage_of(3, None).unwrap_err().contains("depends on the world size"));
+        assert!(p.stage_of(3, None).unwrap_err().to_string().contains("depends on the world size"));
         // tp-cp-ep-pp-dp with tensor parallel 2: stage = (rank / 2) % 2.
         let v =
             json!({"pipeline_model_parallel_size": 2, "use_tp_pp_dp_mapping": true, "tensor_model_parallel_size": 2});

@@ -5,12 +5,12 @@
 use super::array::{self, Array};
 use super::budget::Budget;
 use super::config::{LayerKind, Layout};
-use super::file;
+use super::file::{self, bad};
 use super::formats::{self, Dtype, Raw};
 use super::ids::{self, Ids};
 use super::sides::Sides;
 use bytes::Bytes;
-use moe_audit_core::error::{Error, Result};
+use moe_audit_core::error::{Part, RecordError, Result};
 use serde_json::Value;
 use std::path::Path;
 
@@ -18,10 +18,6 @@ pub use super::clean::Found;
 pub use super::formats::{Format, Sequence, ShapeHint, GENERIC};
 pub use super::record::Record;
 pub use super::text::ranges;
-
-fn bad(path: &Path, message: impl Into<String>) -> Error {
-    Error::input(path, message.into())
-}
 
 /// Where a record is read from.
 #[derive(Debug)]
@@ -193,7 +189,8 @@ fn dispatch(
         }
         // The parsed tree holds the base64 text once more.
         budget.take(&format!("parsing {}", path.display()), bytes.len() as u64 * 2)?;
-        let value: Value = serde_json::from_slice(bytes).map_err(|e| Error::parse(path, "not JSON", e))?;
+        let value: Value =
+            serde_json::from_slice(bytes).map_err(|e| RecordError::new(path, Part::Whole, "not JSON").because(e))?;
         let config = layout.map(|l| (l.kinds.iter().filter(|k| **k != LayerKind::Mtp).count(), l.top_k));
         return formats::from_json(path, &value, config, hint, budget);
     }

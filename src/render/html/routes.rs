@@ -39,9 +39,9 @@ fn diagnoses(b: &mut String, c: &Comparison) {
     }
     for d in &c.diagnoses {
         let word = if d.defect { badge("leak", "DEFECT") } else { badge("na", "note") };
-        let _ = write!(b, "<div class=\"card\">{word} <b>{}</b>: {}", esc(d.kind.name()), esc(&d.found));
+        let _ = write!(b, "<div class=\"card\">{word} <b>{}</b>: {}", esc(d.kind.name()), esc(&d.found.to_string()));
         if !d.change.is_empty() {
-            let _ = write!(b, "<div class=\"details\"><b>change:</b> {}</div>", esc(&d.change));
+            let _ = write!(b, "<div class=\"details\"><b>change:</b> {}</div>", esc(&d.change.to_string()));
         }
         b.push_str("</div>\n");
     }

@@ -27,10 +27,11 @@ use crate::external::Mode;
 use crate::progress::Progress;
 use crate::sizes::RunSizes;
 use candle_core::Device;
-use moe_audit_core::error::{Error, FieldError, Result, Setting};
+use moe_audit_core::error::{Error, FieldError, Result};
 use moe_audit_core::layer::{MoeLayer, Seeded};
 use moe_audit_core::router::{logits_to_host, Router};
 use moe_audit_core::routing::{LoadStats, Routing};
+use moe_audit_core::text;
 use moe_audit_core::MemoryBudget;
 use probe::Ctx;
 use serde::{Deserialize, Serialize};
@@ -363,32 +364,28 @@ pub fn verdicts(r: &RouterReport) -> Vec<(Probe, Verdict)> {
 pub fn audit(subject: &Subject, options: &AuditOptions, progress: &dyn Progress) -> Result<RouterReport> {
     let (b, s) = (options.batch, options.seq_len);
     if b == 0 || s == 0 {
-        return Err(Error::Usage(format!(
-            "{} and {} must be at least 1, got {b} and {s}",
-            Setting::Batch,
-            Setting::SeqLen
+        return Err(Error::usage(text!(
+            moe_audit_core::settings::BATCH,
+            " and ",
+            moe_audit_core::settings::SEQ_LEN,
+            format!(" must be at least 1, got {b} and {s}")
         )));
     }
     if let Some(e) = options.probes.iter().find_map(|p| p.check_router().err()) {
-        return Err(Error::Usage(e));
+        return Err(Error::usage(e));
     }
     let router = subject.router;
     if let Some(n) = router.ranks().filter(|&n| !b.is_multiple_of(n)) {
-        return Err(Error::Usage(format!(
-            "{} {b} is not a multiple of the {n} ranks router `{}` runs over (each rank takes batch/ranks sequences)",
-            Setting::Batch,
-            router.name()
+        return Err(Error::usage(text!(
+            moe_audit_core::settings::BATCH,
+            format!(
+                " {b} is not a multiple of the {n} ranks router `{}` runs over (each rank takes batch/ranks sequences)",
+                router.name()
+            )
         )));
     }
     if let Some(l) = subject.layouts.iter().find(|l| !b.is_multiple_of(l.ep())) {
-        return Err(Error::Usage(format!(
-            "{} {b} is not a multiple of the {} ranks layout launch `{}` (`{}`) runs over, to compare with router `{}`",
-            Setting::Batch,
-            l.ep(),
-            l.router.name(),
-            moe_audit_core::error::excerpt(l.command),
-            router.name()
-        )));
+        return Err(Error::usage(text!(moe_audit_core::settings::BATCH, format!(" {b} is not a multiple of the {} ranks layout launch `{}` (`{}`) runs over, to compare with router `{}`", l.ep(), l.router.name(), moe_audit_core::error::excerpt(l.command), router.name()))));
     }
     let hidden = match router.hidden_size() {
         Some(h) => Some(probe::hidden_states(router, (b, s), h, options.seed)?),

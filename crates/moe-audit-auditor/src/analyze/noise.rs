@@ -18,7 +18,6 @@
 use super::repeats::{Observed, Repeats};
 use super::{Finding, Probe, Verdict};
 use crate::external::Mode;
-use moe_audit_core::error::Setting;
 
 /// The normal quantile of a two-sided 99.9% interval.
 const Z: f64 = 3.2905;
@@ -129,7 +128,7 @@ pub fn fix() -> String {
 
 /// The fix for a router random in (training, inference) mode, naming only what its adapter
 /// offers (`seed_calls`, as its handshake declares it), for a router audited in `audited_in`
-/// (audited in inference mode, `--mode inference` is no advice).
+/// (audited in inference mode, auditing in inference mode is no advice).
 pub(crate) fn fix_for(seed_calls: Option<bool>, (training, inference): (bool, bool), audited_in: Mode) -> String {
     let seed = match seed_calls {
         None => "seed every request's random draws from the `seed` moe-audit/2 sends".to_string(),
@@ -141,8 +140,7 @@ pub(crate) fn fix_for(seed_calls: Option<bool>, (training, inference): (bool, bo
     };
     match (training, inference, audited_in) {
         (true, false, Mode::Train) => format!(
-            "random in training: {seed}, or audit {} inference (S and M call training mode too: inconclusive there unless it is seeded)",
-            Setting::Mode
+            "random in training: {seed}, or audit in inference mode (S and M call training mode too: inconclusive there unless it is seeded)"
         ),
         (true, false, Mode::Inference) => format!("random in training: {seed}"),
         (false, _, _) => format!("random when serving: no random selection or sampling at inference, or {seed}"),
@@ -283,7 +281,7 @@ mod tests {
             ),
             "{d}"
         );
-        assert!(!d.contains("seed_calls") && !d.contains("--mode inference"), "{d}");
+        assert!(!d.contains("seed_calls") && !d.contains("inference mode"), "{d}");
     }
 
     #[test]

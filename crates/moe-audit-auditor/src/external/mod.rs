@@ -44,7 +44,7 @@ pub trait Answers: Send + Sync + 'static {
         placement: &[usize],
     ) -> Result<Routing> {
         let _ = (mode, rows, padding, placement);
-        Err(Error::Usage(format!("router `{}`: its answers carry no placement", self.handshake().name)))
+        Err(Error::usage(format!("router `{}`: its answers carry no placement", self.handshake().name)))
     }
 }
 

@@ -16,7 +16,9 @@
 use super::protocol::{self, frame_request, parse_response, Asked, BinaryHeader, Handshake, InputKind, Mode, Request};
 use super::{Answers, External};
 use moe_audit_core::error::{excerpt_long, Error, Result};
+use moe_audit_core::error::{ProtocolError, Text};
 use moe_audit_core::routing::Routing;
+use moe_audit_core::text;
 use moe_audit_core::MemoryBudget;
 use ndarray::{ArrayView2, ArrayView3};
 use std::io::{BufReader, Read, Write};
@@ -48,9 +50,9 @@ const MAX_TIMEOUT_SECS: f64 = 86_400.0;
 /// The timeout in seconds as a duration: finite, positive, at most a day.
 pub fn timeout(secs: f64) -> Result<Duration> {
     if !(secs.is_finite() && secs > 0.0 && secs <= MAX_TIMEOUT_SECS) {
-        return Err(Error::Usage(format!(
-            "{} must be a number of seconds in (0, {MAX_TIMEOUT_SECS}], got {secs:?}",
-            moe_audit_core::error::Setting::Timeout
+        return Err(Error::usage(text!(
+            crate::settings::TIMEOUT,
+            format!(" must be a number of seconds in (0, {MAX_TIMEOUT_SECS}], got {secs:?}")
         )));
     }
     Ok(Duration::from_secs_f64(secs))
@@ -94,7 +96,7 @@ struct Conversation {
     got: Receiver<std::io::Result<Got>>,
     next_id: u64,
     /// Set once an error stopped the child: later calls fail with it.
-    failed: Option<String>,
+    failed: Option<Text>,
     /// The tree was killed and the child reaped (its pid may belong to another process now).
     stopped: bool,
 }
@@ -255,7 +257,7 @@ fn tag() -> String {
 }
 
 impl Peer {
-    pub(crate) fn error(&self, message: String) -> Error {
+    pub(crate) fn error(&self, message: impl Into<Text>) -> Error {
         Error::input(format!("{} `{}`", self.role, self.command), message)
     }
 
@@ -264,14 +266,15 @@ impl Peer {
     }
 
     /// Kills the router's tree and returns the error (with the tail of its stderr, if any).
-    pub(crate) fn fail(&self, message: String) -> Error {
+    pub(crate) fn fail(&self, message: impl Into<Text>) -> Error {
+        let message = message.into();
         let mut conv = self.conversation();
         stop(&mut conv, &self.tag);
         // The tree is dead: its stderr ends at once; read what it said last.
         let _ = self.stderr_done.lock().unwrap_or_else(|e| e.into_inner()).recv_timeout(Duration::from_secs(1));
         let tail = String::from_utf8_lossy(&self.stderr.lock().unwrap_or_else(|e| e.into_inner())).trim().to_string();
         let message = match last_words(&tail) {
-            Some(last) if !last.is_empty() => format!("{message}; its stderr ends: {}", excerpt_long(last)),
+            Some(last) if !last.is_empty() => message.then(format!("; its stderr ends: {}", excerpt_long(last))),
             _ => message,
         };
         conv.failed = Some(message.clone());
@@ -333,11 +336,10 @@ impl Peer {
                 exited = Some((now, status.to_string()));
             }
             if now >= deadline {
-                return Err(self.fail(format!(
-                    "timed out after {} s ({}) waiting for {waiting_for}; the {} was killed",
-                    self.timeout.as_secs_f64(),
-                    moe_audit_core::error::Setting::Timeout,
-                    self.role
+                return Err(self.fail(text!(
+                    format!("timed out after {} s (", self.timeout.as_secs_f64()),
+                    crate::settings::TIMEOUT,
+                    format!(") waiting for {waiting_for}; the {} was killed", self.role)
                 )));
             }
         }
@@ -370,13 +372,15 @@ impl Peer {
             Err(e) => e,
         };
         let message = match (message, exit_status(&mut self.conversation().child)) {
-            (_, Some(status)) => format!("the {} exited ({status}) before answering {what}", self.role),
-            (Some(e), None) => format!("{what}: cannot send: {e}"),
-            (None, None) => format!(
-                "timed out after {} s ({}) sending {what}: the {role} stopped reading its stdin; the {role} was killed",
-                self.timeout.as_secs_f64(),
-                moe_audit_core::error::Setting::Timeout,
-                role = self.role
+            (_, Some(status)) => format!("the {} exited ({status}) before answering {what}", self.role).into(),
+            (Some(e), None) => format!("{what}: cannot send: {e}").into(),
+            (None, None) => text!(
+                format!("timed out after {} s (", self.timeout.as_secs_f64()),
+                crate::settings::TIMEOUT,
+                format!(
+                    ") sending {what}: the {role} stopped reading its stdin; the {role} was killed",
+                    role = self.role
+                )
             ),
         };
         Err(self.fail(message))
@@ -386,7 +390,7 @@ impl Peer {
     /// and the error quotes the line when it is not one.
     pub(crate) fn handshake<H: serde::de::DeserializeOwned>(
         &self,
-        validate: impl Fn(&H) -> std::result::Result<(), String>,
+        validate: impl Fn(&H) -> std::result::Result<(), ProtocolError>,
     ) -> Result<H> {
         let line = self.receive_line("its handshake")?;
         let shown = excerpt_long(&line);
@@ -398,7 +402,7 @@ impl Peer {
         }
         serde_json::from_str(&line)
             .map_err(|e| excerpt_long(&e))
-            .and_then(|h: H| validate(&h).map(|()| h))
+            .and_then(|h: H| validate(&h).map(|()| h).map_err(|e| e.to_string()))
             .map_err(|e| self.fail(format!("bad handshake ({e}): `{shown}`")))
     }
 
@@ -473,7 +477,7 @@ impl Subprocess {
         let what = format!("request {id} ({mode}, batch {batch} x seq_len {seq_len})");
         self.peer.send(message, &what)?;
         let line = self.peer.receive_line(&what)?;
-        let fail = |e: String| self.peer.fail(format!("{what}: {e}"));
+        let fail = |e: ProtocolError| self.peer.fail(text!(format!("{what}: "), e));
         let response = if hs.binary_responses() {
             let header = BinaryHeader::parse(&line).map_err(fail)?;
             let len = header.payload_len(hs, batch * seq_len, self.peer.read_limit as u64).map_err(fail)?;

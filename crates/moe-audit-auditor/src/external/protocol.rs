@@ -6,7 +6,7 @@
 //! over its ranks, the capacity per rank) that sends its output rows (`output`).
 
 use moe_audit_core::config::{Flatten, ScopeConfig, ScopeGroup};
-use moe_audit_core::error::{excerpt, excerpt_long};
+use moe_audit_core::error::{excerpt, excerpt_long, ProtocolError};
 use moe_audit_core::routing::{
     scores, Decisions, GroupRecord, GroupRule, OutputDtype, Outputs, Route, Routing, ScopeRecord, TokenRouting,
 };
@@ -94,10 +94,10 @@ pub const MAX_FINGERPRINT: usize = 128;
 
 impl Handshake {
     /// Checks the handshake; the error says which field is wrong.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), ProtocolError> {
         if self.protocol != PROTOCOL && self.protocol != PROTOCOL_2 {
             let protocol = excerpt(&self.protocol);
-            return Err(format!("handshake: protocol `{protocol}`, expected `{PROTOCOL}` or `{PROTOCOL_2}`"));
+            return Err(format!("handshake: protocol `{protocol}`, expected `{PROTOCOL}` or `{PROTOCOL_2}`").into());
         }
         let v2_only = [
             ("responses", self.responses.is_some()),
@@ -108,10 +108,10 @@ impl Handshake {
             ("weights", self.weights.is_some()),
         ];
         if let Some((field, _)) = v2_only.iter().find(|(_, set)| *set && !self.framed()) {
-            return Err(format!("handshake: `{field}` needs protocol `{PROTOCOL_2}`"));
+            return Err(format!("handshake: `{field}` needs protocol `{PROTOCOL_2}`").into());
         }
         if let Some(n) = self.ranks.filter(|n| !(1..=MAX_RANKS).contains(n)) {
-            return Err(format!("handshake: ranks {n} is not from 1 to {MAX_RANKS}"));
+            return Err(format!("handshake: ranks {n} is not from 1 to {MAX_RANKS}").into());
         }
         if self.output.is_some() && (self.input != InputKind::Hidden || !self.binary_responses()) {
             return Err("handshake: `output` needs input `hidden` and responses `binary`".into());
@@ -122,21 +122,23 @@ impl Handshake {
         if let Some(w) = &self.weights {
             if w.is_empty() || w.len() > MAX_FINGERPRINT || !w.bytes().all(|b| b.is_ascii_hexdigit()) {
                 let w = excerpt(w);
-                return Err(format!("handshake: weights `{w}` is not a hex string of 1 to {MAX_FINGERPRINT} digits"));
+                return Err(
+                    format!("handshake: weights `{w}` is not a hex string of 1 to {MAX_FINGERPRINT} digits").into()
+                );
             }
         }
         if let Err(e) = moe_audit_core::names::check(&self.name) {
-            return Err(format!("handshake: name {e}"));
+            return Err(format!("handshake: name {e}").into());
         }
         if !(1..=MAX_SIZE).contains(&self.experts) {
-            return Err(format!("handshake: experts {} is not from 1 to {MAX_SIZE}", self.experts));
+            return Err(format!("handshake: experts {} is not from 1 to {MAX_SIZE}", self.experts).into());
         }
         if let Some(h) = self.hidden_size.filter(|&h| h > MAX_SIZE) {
-            return Err(format!("handshake: hidden_size {h} is over {MAX_SIZE}"));
+            return Err(format!("handshake: hidden_size {h} is over {MAX_SIZE}").into());
         }
         if let Some(k) = self.top_k {
             if k == 0 || k > self.experts {
-                return Err(format!("handshake: top_k {k} is not from 1 to {}", self.experts));
+                return Err(format!("handshake: top_k {k} is not from 1 to {}", self.experts).into());
             }
         }
         match (self.input, self.hidden_size) {
@@ -150,7 +152,7 @@ impl Handshake {
     /// hidden_size and output dtype equal, and the weights fingerprint when both send one. The
     /// name may differ (it may carry the EP size), and so may `ranks`. The error names the
     /// first field that differs and both values.
-    pub fn same_layer(&self, other: &Handshake) -> Result<(), String> {
+    pub fn same_layer(&self, other: &Handshake) -> Result<(), ProtocolError> {
         use serde_json::json;
         let mut fields = vec![
             ("experts", json!(other.experts), json!(self.experts)),
@@ -168,7 +170,8 @@ impl Handshake {
                 excerpt(&theirs.to_string()),
                 excerpt(&ours.to_string()),
                 self.name
-            )),
+            )
+            .into()),
             None => Ok(()),
         }
     }
@@ -392,22 +395,26 @@ pub struct BinaryHeader {
 
 impl BinaryHeader {
     /// Parses a header line; the error quotes an excerpt of a line that is not one.
-    pub fn parse(line: &str) -> Result<Self, String> {
-        serde_json::from_str(line)
-            .map_err(|e| format!("not a binary response header ({}): `{}`", excerpt_long(&e), excerpt_long(line)))
+    pub fn parse(line: &str) -> Result<Self, ProtocolError> {
+        serde_json::from_str(line).map_err(|source| ProtocolError::NotA {
+            expected: "a binary response header",
+            line: line.to_string(),
+            source,
+        })
     }
 
     /// The payload length once checked against what `tokens` tokens of `hs` can hold (at most
     /// `top_k` or E routes each) and against `limit`: nothing is allocated from a header
     /// before this.
-    pub fn payload_len(&self, hs: &Handshake, tokens: usize, limit: u64) -> Result<usize, String> {
+    pub fn payload_len(&self, hs: &Handshake, tokens: usize, limit: u64) -> Result<usize, ProtocolError> {
         let per_token = hs.top_k.unwrap_or(hs.experts) as u64;
         let most = (tokens as u64).saturating_mul(per_token);
         if self.routes > most {
             return Err(format!(
                 "{} routes, more than {tokens} tokens x {per_token} routes each can hold",
                 self.routes
-            ));
+            )
+            .into());
         }
         let rows = if hs.output.is_some() { hs.row_width() as u64 } else { 0 };
         let want = self.routes.checked_mul(9).and_then(|r| r.checked_add(4 * tokens as u64)).and_then(|w| {
@@ -420,21 +427,19 @@ impl BinaryHeader {
                 self.bytes,
                 self.routes,
                 want.map_or("more than 2^64".to_string(), |w| w.to_string())
-            ));
+            )
+            .into());
         };
         if want > limit {
-            return Err(format!(
-                "a payload of {want} bytes is over {limit} ({})",
-                moe_audit_core::error::Setting::MaxMemory
-            ));
+            return Err(ProtocolError::PayloadOverLimit { bytes: want, limit });
         }
-        usize::try_from(want).map_err(|_| format!("a payload of {want} bytes does not fit in memory"))
+        usize::try_from(want).map_err(|_| format!("a payload of {want} bytes does not fit in memory").into())
     }
 
     /// The response the payload holds: counts (u32), experts (i32), weights (f32), kept
     /// flags (u8, 0 or 1), then with `output` the output rows (f32), little-endian. `payload`
     /// has [`BinaryHeader::payload_len`] bytes.
-    pub fn decode(self, payload: &[u8], tokens: usize) -> Result<Response, String> {
+    pub fn decode(self, payload: &[u8], tokens: usize) -> Result<Response, ProtocolError> {
         let r = self.routes as usize;
         let (counts, rest) = payload.split_at(4 * tokens);
         let (experts, rest) = rest.split_at(4 * r);
@@ -451,10 +456,10 @@ impl BinaryHeader {
             })
             .collect();
         if total != self.routes {
-            return Err(format!("the token counts add up to {total} routes, the header says {}", self.routes));
+            return Err(format!("the token counts add up to {total} routes, the header says {}", self.routes).into());
         }
         if let Some(i) = kept.iter().position(|&k| k > 1) {
-            return Err(format!("route {i}: kept flag {} is not 0 or 1", kept[i]));
+            return Err(format!("route {i}: kept flag {} is not 0 or 1", kept[i]).into());
         }
         let mut routes = experts.chunks_exact(4).zip(weights.chunks_exact(4)).zip(kept).map(|((e, w), &k)| RouteOut {
             expert: i64::from(i32::from_le_bytes(word(e))),
@@ -485,12 +490,12 @@ pub struct Asked<'a> {
 }
 
 /// Checks that `placement` puts `batch / ranks` sequences on each of `ranks` ranks.
-pub fn check_placement(placement: &[usize], batch: usize, ranks: usize) -> Result<(), String> {
+pub fn check_placement(placement: &[usize], batch: usize, ranks: usize) -> Result<(), ProtocolError> {
     if placement.len() != batch {
-        return Err(format!("placement has {} entries, the batch {batch} sequences", placement.len()));
+        return Err(format!("placement has {} entries, the batch {batch} sequences", placement.len()).into());
     }
     if let Some(r) = placement.iter().find(|&&r| r >= ranks) {
-        return Err(format!("placement names rank {r}, the router has ranks 0 to {}", ranks - 1));
+        return Err(format!("placement names rank {r}, the router has ranks 0 to {}", ranks - 1).into());
     }
     let mut held = vec![0usize; ranks];
     placement.iter().for_each(|&r| held[r] += 1);
@@ -499,21 +504,24 @@ pub fn check_placement(placement: &[usize], batch: usize, ranks: usize) -> Resul
             "placement puts {} sequences on rank {r}, a balanced one {} of {batch} on each of {ranks} ranks",
             held[r],
             batch / ranks
-        )),
+        )
+        .into()),
         None => Ok(()),
     }
 }
 
 impl Response {
     /// Checks the response against its request and builds the routing record.
-    pub fn into_routing(self, hs: &Handshake, asked: &Asked) -> Result<Routing, String> {
+    pub fn into_routing(self, hs: &Handshake, asked: &Asked) -> Result<Routing, ProtocolError> {
         let Asked { id, batch, seq_len, .. } = *asked;
         if self.id != id {
-            return Err(format!("response id {} does not match", self.id));
+            return Err(format!("response id {} does not match", self.id).into());
         }
         let n = batch * seq_len;
         if self.tokens.len() != n {
-            return Err(format!("{} tokens, expected batch {batch} x seq_len {seq_len} = {n}", self.tokens.len()));
+            return Err(
+                format!("{} tokens, expected batch {batch} x seq_len {seq_len} = {n}", self.tokens.len()).into()
+            );
         }
         let e = hs.experts;
         let mut tokens = Vec::with_capacity(n);
@@ -525,20 +533,22 @@ impl Response {
             for r in routes {
                 let expert = usize::try_from(r.expert).ok().filter(|&x| x < e);
                 let Some(expert) = expert else {
-                    return Err(format!("{}: expert {} is out of range 0 to {}", at(), r.expert, e.saturating_sub(1)));
+                    return Err(
+                        format!("{}: expert {} is out of range 0 to {}", at(), r.expert, e.saturating_sub(1)).into()
+                    );
                 };
                 if std::mem::replace(&mut seen[expert], true) {
-                    return Err(format!("{}: expert {expert} appears twice", at()));
+                    return Err(format!("{}: expert {expert} appears twice", at()).into());
                 }
                 if !r.weight.is_finite() {
-                    return Err(format!("{}: weight {} of expert {expert} is not finite", at(), r.weight));
+                    return Err(format!("{}: weight {} of expert {expert} is not finite", at(), r.weight).into());
                 }
                 out.push(Route { expert, weight: r.weight, kept: r.kept, padded: false });
             }
             // A padding token may be left unrouted, as built-in routers that exclude it do.
             let unrouted_padding = out.is_empty() && asked.padding.is_some_and(|m| m[[b, s]]);
             if let Some(k) = hs.top_k.filter(|&k| out.len() != k && !unrouted_padding) {
-                return Err(format!("{}: {} routes, the handshake declared top_k {k}", at(), out.len()));
+                return Err(format!("{}: {} routes, the handshake declared top_k {k}", at(), out.len()).into());
             }
             tokens.push(TokenRouting { batch: b, pos: s, group: 0, routes: out, capacity: None });
         }
@@ -555,7 +565,8 @@ impl Response {
                         "placement {} is not the requested {}",
                         excerpt_long(format!("{p:?}")),
                         excerpt_long(format!("{:?}", asked.placement.unwrap_or_default()))
-                    ));
+                    )
+                    .into());
                 }
                 Some(p)
             }
@@ -568,7 +579,8 @@ impl Response {
                         "token {i} (batch {}, position {}): output row is not finite",
                         i / seq_len,
                         i % seq_len
-                    ));
+                    )
+                    .into());
                 }
                 Some(Outputs { dtype, hidden: h, rows })
             }
@@ -616,7 +628,7 @@ fn scope_of(
         }
         Some(Capacity::PerExpert(c)) => {
             if c.len() != e {
-                return Err(format!("capacity has {} entries, expected one per expert ({e})", c.len()));
+                return Err(format!("capacity has {} entries, expected one per expert ({e})", c.len()).into());
             }
             let (scope, members) = whole(c.iter().copied().max());
             Ok((Some(c), scope, members))
@@ -638,14 +650,16 @@ fn scope_of(
                     "capacity scope `rank` has {} ranks, slots has {} entries",
                     groups.len(),
                     slots.len()
-                ));
+                )
+                .into());
             }
             if slots.len() != groups.len() {
                 return Err(format!(
                     "capacity scope `{scope}` has {} groups in batch {batch} x seq_len {seq_len}, slots has {} entries",
                     groups.len(),
                     slots.len()
-                ));
+                )
+                .into());
             }
             let total = slots.iter().try_fold(0usize, |a, &c| a.checked_add(c));
             let Some(total) = total else {
@@ -659,8 +673,12 @@ fn scope_of(
 }
 
 /// Parses one response line; the error quotes an excerpt of a line that is not a response.
-pub fn parse_response(line: &str) -> Result<Response, String> {
-    serde_json::from_str(line).map_err(|e| format!("not a response ({}): `{}`", excerpt_long(&e), excerpt_long(line)))
+pub fn parse_response(line: &str) -> Result<Response, ProtocolError> {
+    serde_json::from_str(line).map_err(|source| ProtocolError::NotA {
+        expected: "a response",
+        line: line.to_string(),
+        source,
+    })
 }
 
 #[cfg(test)]
@@ -690,7 +708,7 @@ mod tests {
         // The name and the ranks may differ; a fingerprint is compared only when both send one.
         assert_eq!(ep2.same_layer(&Handshake { ranks: None, ..hs() }), Ok(()));
         assert_eq!(ep2.same_layer(&Handshake { weights: Some("00ff".into()), ..hs() }), Ok(()));
-        let differs = |other: Handshake| ep2.same_layer(&other).unwrap_err();
+        let differs = |other: Handshake| ep2.same_layer(&other).unwrap_err().to_string();
         assert_eq!(
             differs(Handshake { top_k: Some(1), ..hs() }),
             "the layers differ: `top_k` 1 here, 2 in router `ep2`"
@@ -704,7 +722,7 @@ mod tests {
 
     fn check(line: &str) -> Result<Routing, String> {
         let asked = Asked { id: 3, batch: 1, seq_len: 2, padding: None, logits: None, placement: None };
-        parse_response(line)?.into_routing(&hs(), &asked)
+        parse_response(line).and_then(|r| r.into_routing(&hs(), &asked)).map_err(|e| e.to_string())
     }
 
     #[test]

@@ -16,9 +16,10 @@ use super::{Answers, External};
 use crate::analyze::{audit, AuditOptions, Subject};
 use crate::progress::Silent;
 use candle_core::{Device, Tensor};
-use moe_audit_core::error::{excerpt, Error, Result};
+use moe_audit_core::error::{excerpt, Error, ProtocolError, Result, Text};
 use moe_audit_core::layer::CallSizes;
 use moe_audit_core::routing::Routing;
+use moe_audit_core::text;
 use moe_audit_core::MemoryBudget;
 use ndarray::{Array3, ArrayView2, ArrayView3};
 use serde::{Deserialize, Serialize};
@@ -65,13 +66,13 @@ pub struct Manifest {
 
 /// Trace files hold routes only: a layer over ranks (its calls placed) or one that sends its
 /// output rows runs as a subprocess.
-fn traceable(hs: &Handshake) -> std::result::Result<(), String> {
+fn traceable(hs: &Handshake) -> std::result::Result<(), Text> {
     match (hs.ranks, hs.output) {
         (None, None) => Ok(()),
-        _ => {
-            Err("trace files carry no `ranks` placement and no `output` rows: audit such a layer with --router-cmd"
-                .into())
-        }
+        _ => Err(text!(
+            "trace files carry no `ranks` placement and no `output` rows: audit such a layer with ",
+            crate::settings::ROUTER_CMD
+        )),
     }
 }
 
@@ -104,15 +105,15 @@ impl Answers for Recorder {
             Response { id: 0, tokens: vec![vec![route]; b * s], capacity: None, placement: None, output: None };
         let hs = Handshake { top_k: None, ..self.hs.clone() };
         let asked = Asked { id: 0, batch: b, seq_len: s, padding: None, logits: None, placement: None };
-        response.into_routing(&hs, &asked).map_err(|e| Error::Invalid(format!("plan: {e}")))
+        response.into_routing(&hs, &asked).map_err(|e| Error::invalid(format!("plan: {e}")))
     }
 }
 
 /// Writes the plan of `options` for a router described by `router` into `dir`; returns the
 /// number of calls. Fails first when it is estimated to need more than `budget` bytes.
 pub fn plan(router: &Handshake, options: &AuditOptions, dir: &Path, budget: MemoryBudget) -> Result<usize> {
-    router.validate().map_err(Error::Usage)?;
-    traceable(router).map_err(Error::Usage)?;
+    router.validate().map_err(Error::usage)?;
+    traceable(router).map_err(Error::usage)?;
     // One audit at a time, plus every call it makes, kept until written: P's S prefixes (half
     // the call on average), F's and N's trials, R's cases at up to twice the size, a few more.
     let (width, routes) = (router.row_width(), router.top_k.unwrap_or(1));
@@ -243,7 +244,7 @@ impl TraceRouter {
         let decisions = moe_audit_core::files::read_text_within(&decisions_path, budget)?;
         let mut responses = HashMap::new();
         for (n, line) in decisions.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
-            let at = |m: String| Error::input(&decisions_path, format!("line {}: {m}", n + 1));
+            let at = |m: ProtocolError| Error::input(&decisions_path, text!(format!("line {}: ", n + 1), m));
             let r = parse_response(line).map_err(at)?;
             if responses.insert(r.id, r).is_some() {
                 return Err(at("a second response for this id".into()));

@@ -11,8 +11,9 @@ mod plan;
 use super::answer_diff::{classify_case, compare_pair, CaseClass, Change, PairResult, OUTPUT_TOLERANCE};
 use super::{Model, ModelInfo, ModelOutput, TokenCall};
 use crate::analyze::{Probe, Property, Verdict};
-use moe_audit_core::error::{Error, Result, Setting};
+use moe_audit_core::error::{Error, Result};
 use moe_audit_core::routing::Route;
+use moe_audit_core::text;
 use plan::{Case, Plan};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -214,21 +215,21 @@ const PROBE_SALT: u64 = 0x746f_6b65_6e00;
 pub fn audit_model(model: &dyn Model, options: &ModelAuditOptions) -> Result<ModelReport> {
     let info = model.info();
     moe_audit_core::error::ensure_positive(&[
-        (Setting::Batch, options.batch),
-        (Setting::SeqLen, options.seq_len),
-        (Setting::Trials, options.trials),
+        (moe_audit_core::settings::BATCH, options.batch),
+        (moe_audit_core::settings::SEQ_LEN, options.seq_len),
+        (crate::settings::TRIALS, options.trials),
     ])?;
     if options.prefill > options.seq_len {
-        return Err(Error::Usage(format!(
+        return Err(Error::usage(format!(
             "prefill {} is over the sequence length {}",
             options.prefill, options.seq_len
         )));
     }
     if let Some(p) = options.probes.iter().find(|p| !Probe::MODEL.contains(p)) {
         let letters = Probe::MODEL.iter().map(Probe::to_string).collect::<Vec<_>>().join(",");
-        return Err(Error::Usage(format!(
-            "{}: probe {p} does not audit whole models: expected letters of {letters}",
-            Setting::Probes
+        return Err(Error::usage(text!(
+            crate::settings::PROBES,
+            format!(": probe {p} does not audit whole models: expected letters of {letters}")
         )));
     }
     let mut rng = ChaCha8Rng::seed_from_u64(options.seed);
@@ -447,11 +448,11 @@ pub fn replay(model: &dyn Model, w: &TokenWitness) -> Result<Verdict> {
     let info = model.info();
     if w.model != info.name {
         let model = moe_audit_core::error::excerpt(&w.model);
-        return Err(Error::Invalid(format!("the witness is of model `{model}`, not `{}`", info.name)));
+        return Err(Error::invalid(format!("the witness is of model `{model}`, not `{}`", info.name)));
     }
     let index = |call: &TokenCall, (s, p): (usize, usize)| -> Result<usize> {
         if s >= call.batch || p >= call.seq_len {
-            return Err(Error::Invalid(format!("the witness's token ({s}, {p}) is outside its call")));
+            return Err(Error::invalid(format!("the witness's token ({s}, {p}) is outside its call")));
         }
         Ok(s * call.seq_len + p)
     };
@@ -460,7 +461,7 @@ pub fn replay(model: &dyn Model, w: &TokenWitness) -> Result<Verdict> {
         Some(layer) => match info.routed().position(|l| l.layer == layer) {
             Some(i) => Some(i),
             None => {
-                return Err(Error::Invalid(format!("the witness's layer {layer} is not a routed layer of the model")))
+                return Err(Error::invalid(format!("the witness's layer {layer} is not a routed layer of the model")))
             }
         },
         None => None,

@@ -19,7 +19,7 @@ pub use audit::{audit_model, ModelAuditOptions, ModelFinding, ModelReport};
 pub use builtin::{Builtin, BuiltinSpec};
 pub use process::ModelProcess;
 
-use moe_audit_core::error::{Error, Result};
+use moe_audit_core::error::{Error, ProtocolError, Result};
 use moe_audit_core::routing::Routing;
 use serde::{Deserialize, Serialize};
 
@@ -86,44 +86,44 @@ pub const MAX_VOCAB: usize = 1 << 31;
 
 impl ModelInfo {
     /// Checks the handshake; the error says which field is wrong.
-    pub fn validate(&self) -> std::result::Result<(), String> {
+    pub fn validate(&self) -> std::result::Result<(), ProtocolError> {
         use crate::external::protocol::MAX_SIZE;
         if self.protocol != PROTOCOL_3 {
             let protocol = moe_audit_core::error::excerpt(&self.protocol);
-            return Err(format!("handshake: protocol `{protocol}`, expected `{PROTOCOL_3}`"));
+            return Err(format!("handshake: protocol `{protocol}`, expected `{PROTOCOL_3}`").into());
         }
         if let Err(e) = moe_audit_core::names::check(&self.name) {
-            return Err(format!("handshake: name {e}"));
+            return Err(format!("handshake: name {e}").into());
         }
         if !(1..=MAX_VOCAB).contains(&self.vocab) {
-            return Err(format!("handshake: vocab {} is not from 1 to {MAX_VOCAB}", self.vocab));
+            return Err(format!("handshake: vocab {} is not from 1 to {MAX_VOCAB}", self.vocab).into());
         }
         if self.outputs > MAX_SIZE {
-            return Err(format!("handshake: outputs {} is over {MAX_SIZE}", self.outputs));
+            return Err(format!("handshake: outputs {} is over {MAX_SIZE}", self.outputs).into());
         }
         if self.layers.len() > MAX_LAYERS {
-            return Err(format!("handshake: {} layers, more than {MAX_LAYERS}", self.layers.len()));
+            return Err(format!("handshake: {} layers, more than {MAX_LAYERS}", self.layers.len()).into());
         }
         for (i, l) in self.layers.iter().enumerate() {
             let at = format!("handshake: layers[{i}] (layer {})", l.layer);
             if i > 0 && l.layer <= self.layers[i - 1].layer {
-                return Err(format!("{at}: layer numbers must increase"));
+                return Err(format!("{at}: layer numbers must increase").into());
             }
             match (l.routed(), l.experts, l.top_k) {
                 (false, None, None) => {}
-                (false, ..) => return Err(format!("{at}: a dense layer has no experts or top_k")),
-                (true, None, _) => return Err(format!("{at}: a routed layer needs experts")),
+                (false, ..) => return Err(format!("{at}: a dense layer has no experts or top_k").into()),
+                (true, None, _) => return Err(format!("{at}: a routed layer needs experts").into()),
                 (true, Some(e), _) if !(1..=MAX_SIZE).contains(&e) => {
-                    return Err(format!("{at}: experts {e} is not from 1 to {MAX_SIZE}"))
+                    return Err(format!("{at}: experts {e} is not from 1 to {MAX_SIZE}").into())
                 }
                 (true, Some(e), Some(k)) if k == 0 || k > e => {
-                    return Err(format!("{at}: top_k {k} is not from 1 to {e}"))
+                    return Err(format!("{at}: top_k {k} is not from 1 to {e}").into())
                 }
                 _ => {}
             }
         }
         if !self.layers.iter().any(LayerInfo::routed) {
-            return Err(format!("model `{}` has no MoE layer: nothing to audit", self.name));
+            return Err(format!("model `{}` has no MoE layer: nothing to audit", self.name).into());
         }
         Ok(())
     }
@@ -192,7 +192,7 @@ impl ModelInfo {
     /// Checks what a model answered against the call and the handshake: every routed layer, in
     /// order, each routing `[batch, seq_len]` over its experts, logits and outputs as declared.
     /// The error says what is missing or wrong (a built-in model is held to it too).
-    pub fn check_output(&self, call: &TokenCall, out: &ModelOutput) -> std::result::Result<(), String> {
+    pub fn check_output(&self, call: &TokenCall, out: &ModelOutput) -> std::result::Result<(), ProtocolError> {
         self.check_layers(out.layers.iter().map(|l| l.layer))?;
         let t = call.tokens.len();
         for (info, l) in self.routed().zip(&out.layers) {
@@ -204,20 +204,23 @@ impl ModelInfo {
                 return Err(format!(
                     "layer {}: a routing of batch {} x seq_len {} over {} experts, expected {} x {} over {experts}",
                     l.layer, r.batch, r.seq_len, r.experts, call.batch, call.seq_len
-                ));
+                )
+                .into());
             }
             match (&l.logits, self.logits) {
                 (Some(v), true) if v.len() == t * experts => {}
                 (None, false) => {}
                 _ => {
-                    return Err(format!("layer {}: router logits are not {t} x {experts} values as declared", l.layer))
+                    return Err(
+                        format!("layer {}: router logits are not {t} x {experts} values as declared", l.layer).into()
+                    )
                 }
             }
         }
         match (&out.outputs, self.outputs) {
             (None, 0) => Ok(()),
             (Some(v), d) if d > 0 && v.len() == t * d => Ok(()),
-            _ => Err(format!("output rows are not {t} x {} values as declared", self.outputs)),
+            _ => Err(format!("output rows are not {t} x {} values as declared", self.outputs).into()),
         }
     }
 }

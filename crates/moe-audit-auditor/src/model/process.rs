@@ -37,7 +37,8 @@ impl Model for ModelProcess {
         let what = format!("request {id} ({})", call.describe());
         self.peer.send(frame_request(id, call), &what)?;
         let line = self.peer.receive_line(&what)?;
-        let fail = |e: String| self.peer.fail(format!("{what}: {e}"));
+        let fail =
+            |e: moe_audit_core::error::ProtocolError| self.peer.fail(moe_audit_core::text!(format!("{what}: "), e));
         let header = ResponseHeader::parse(&line).map_err(fail)?;
         let len = header.payload_len(&self.info, id, call.tokens.len(), self.peer.read_limit() as u64).map_err(fail)?;
         let payload = self.peer.receive_bytes(len, &what)?;

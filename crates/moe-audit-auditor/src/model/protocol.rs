@@ -9,7 +9,7 @@
 use super::{LayerOutput, ModelInfo, ModelOutput, Path, TokenCall};
 use crate::external::protocol::{Asked, BinaryHeader, Capacity, Encoding, Handshake, InputKind, PROTOCOL_2};
 use crate::external::Mode;
-use moe_audit_core::error::excerpt_long;
+use moe_audit_core::error::ProtocolError;
 use ndarray::ArrayView2;
 use serde::{Deserialize, Serialize};
 
@@ -82,17 +82,20 @@ pub struct ResponseHeader {
 
 impl ResponseHeader {
     /// Parses a header line; the error quotes an excerpt of a line that is not one.
-    pub fn parse(line: &str) -> Result<Self, String> {
-        serde_json::from_str(line)
-            .map_err(|e| format!("not a response header ({}): `{}`", excerpt_long(&e), excerpt_long(line)))
+    pub fn parse(line: &str) -> Result<Self, ProtocolError> {
+        serde_json::from_str(line).map_err(|source| ProtocolError::NotA {
+            expected: "a response header",
+            line: line.to_string(),
+            source,
+        })
     }
 
     /// The payload length once the header is checked against the request (its id), the
     /// handshake (every routed layer, in order; at most `top_k` or E routes per token) and
     /// `limit`: nothing is allocated from a header before this.
-    pub fn payload_len(&self, info: &ModelInfo, id: u64, tokens: usize, limit: u64) -> Result<usize, String> {
+    pub fn payload_len(&self, info: &ModelInfo, id: u64, tokens: usize, limit: u64) -> Result<usize, ProtocolError> {
         if self.id != id {
-            return Err(format!("response id {} does not match", self.id));
+            return Err(format!("response id {} does not match", self.id).into());
         }
         info.check_layers(self.layers.iter().map(|l| l.layer))?;
         let t = tokens as u64;
@@ -101,7 +104,9 @@ impl ResponseHeader {
             let e = l.experts.unwrap_or(0) as u64;
             let most = t.saturating_mul(l.top_k.map_or(e, |k| k as u64));
             if h.routes > most {
-                return Err(format!("layer {}: {} routes, more than {tokens} tokens can hold", l.layer, h.routes));
+                return Err(
+                    format!("layer {}: {} routes, more than {tokens} tokens can hold", l.layer, h.routes).into()
+                );
             }
             let logits = if info.logits { t.checked_mul(4 * e) } else { Some(0) };
             let layer = h.routes.checked_mul(9).and_then(|r| r.checked_add(4 * t)).zip(logits);
@@ -114,20 +119,17 @@ impl ResponseHeader {
             return Err("the payload would be longer than 2^64 bytes".into());
         };
         if total != self.bytes {
-            return Err(format!("the header says {} bytes, its layers and outputs take {total}", self.bytes));
+            return Err(format!("the header says {} bytes, its layers and outputs take {total}", self.bytes).into());
         }
         if total > limit {
-            return Err(format!(
-                "a payload of {total} bytes is over {limit} ({})",
-                moe_audit_core::error::Setting::MaxMemory
-            ));
+            return Err(ProtocolError::PayloadOverLimit { bytes: total, limit });
         }
-        usize::try_from(total).map_err(|_| format!("a payload of {total} bytes does not fit in memory"))
+        usize::try_from(total).map_err(|_| format!("a payload of {total} bytes does not fit in memory").into())
     }
 
     /// The answer the payload holds (of [`ResponseHeader::payload_len`] bytes), each layer
     /// checked and built into its record by the `/2` decoder.
-    pub fn decode(self, info: &ModelInfo, call: &TokenCall, payload: &[u8]) -> Result<ModelOutput, String> {
+    pub fn decode(self, info: &ModelInfo, call: &TokenCall, payload: &[u8]) -> Result<ModelOutput, ProtocolError> {
         let t = call.tokens.len();
         let mask: Option<ndarray::Array2<bool>> = call
             .padding
@@ -143,7 +145,7 @@ impl ResponseHeader {
             rest = after;
             let logits = info.logits.then(|| f32s(logits));
             if let Some(i) = logits.as_ref().and_then(|v| v.iter().position(|x| !x.is_finite())) {
-                return Err(format!("layer {}: router logit {i} is not finite", l.layer));
+                return Err(format!("layer {}: router logit {i} is not finite", l.layer).into());
             }
             let binary = BinaryHeader {
                 id: self.id,
@@ -152,7 +154,7 @@ impl ResponseHeader {
                 placement: None,
                 bytes: routes_len as u64,
             };
-            let at = |e: String| format!("layer {}: {e}", l.layer);
+            let at = |e: ProtocolError| ProtocolError::from(moe_audit_core::text!(format!("layer {}: ", l.layer), e));
             let response = binary.decode(routes, t).map_err(at)?;
             let hs = Handshake {
                 protocol: PROTOCOL_2.into(),
@@ -270,6 +272,10 @@ mod tests {
             Err("the header says 9 bytes, its layers and outputs take 74".into())
         );
         let huge = ResponseHeader::parse(r#"{"id": 4, "layers": [{"layer": 1, "routes": 2}], "bytes": 74}"#).unwrap();
-        assert!(huge.payload_len(&info(), 4, 2, 50).unwrap_err().starts_with("a payload of 74 bytes is over 50"));
+        assert!(huge
+            .payload_len(&info(), 4, 2, 50)
+            .unwrap_err()
+            .to_string()
+            .starts_with("a payload of 74 bytes is over 50"));
     }
 }

@@ -18,7 +18,8 @@
 //! ```
 
 use crate::external::{InputKind, Mode};
-use moe_audit_core::error::{excerpt, excerpt_long, Error, Result};
+use moe_audit_core::error::{excerpt, excerpt_long, Error, Result, Text};
+use moe_audit_core::text;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
@@ -66,11 +67,7 @@ impl Header {
         if header.format == FORMAT_UNSEALED {
             return Err(Error::input(
                 path,
-                format!(
-                    "format `{FORMAT_UNSEALED}` has no header seal (an edit of it would go unnoticed): read its header, then migrate it with {} {}",
-                    moe_audit_core::error::Setting::Update,
-                    path.display()
-                ),
+                text!(format!("format `{FORMAT_UNSEALED}` has no header seal (an edit of it would go unnoticed): read its header, then migrate it with "), crate::settings::UPDATE, format!(" {}", path.display())),
             ));
         }
         Ok(header)
@@ -79,22 +76,23 @@ impl Header {
     /// [`Header::parse`], also reading the unsealed format (to migrate it with `--update`); a
     /// sealed header must still match its seal.
     pub fn parse_unsealed(text: &str, path: &Path) -> Result<Self> {
-        let bad = |message: String| Error::input(path, message);
+        let bad = |message: Text| Error::input(path, message);
         let header: Header = toml::from_str(text).map_err(|e| {
-            bad(format!("not a moe-audit snapshot header: {}", excerpt_long(e.to_string().replace('\n', " "))))
+            bad(format!("not a moe-audit snapshot header: {}", excerpt_long(e.to_string().replace('\n', " "))).into())
         })?;
         if header.format != FORMAT && header.format != FORMAT_UNSEALED {
-            return Err(bad(format!("format `{}`, this moe-audit reads `{FORMAT}`", excerpt(&header.format))));
+            return Err(bad(format!("format `{}`, this moe-audit reads `{FORMAT}`", excerpt(&header.format)).into()));
         }
         if header.weight_decimals != WEIGHT_DECIMALS {
             return Err(bad(format!(
                 "weight_decimals = {}, this moe-audit renders {WEIGHT_DECIMALS}",
                 header.weight_decimals
-            )));
+            )
+            .into()));
         }
         if header.format == FORMAT && header.header_sha256 != header.sealed().header_sha256 {
             return Err(bad(
-                format!("the header does not match its `header_sha256` (edited or corrupted): nothing is made from it; make the snapshot again (`moe-audit snapshot record ROUTER {} FILE`)", moe_audit_core::error::Setting::Output),
+                text!("the header does not match its `header_sha256` (edited or corrupted): nothing is made from it; make the snapshot again (`moe-audit snapshot record ROUTER ", crate::settings::OUTPUT, " FILE`)"),
             ));
         }
         Ok(header)
@@ -239,7 +237,7 @@ impl SnapshotFile {
 
     /// Parses a file's text; errors name `path` and the line.
     pub fn parse(text: &str, path: &Path) -> Result<Self> {
-        let bad = |message: String| Error::input(path, message);
+        let bad = |message: Text| Error::input(path, message);
         let mut sections: Vec<(Mode, String)> = Vec::new();
         let mut header_text = String::new();
         for (i, line) in text.split_inclusive('\n').enumerate() {
@@ -247,7 +245,7 @@ impl SnapshotFile {
                 "=== train ===" => Some(Mode::Train),
                 "=== inference ===" => Some(Mode::Inference),
                 l if l.starts_with("===") => {
-                    return Err(bad(format!("line {}: unknown section `{}`", i + 1, excerpt(l))))
+                    return Err(bad(format!("line {}: unknown section `{}`", i + 1, excerpt(l)).into()))
                 }
                 _ => None,
             };
@@ -265,7 +263,8 @@ impl SnapshotFile {
                 "the header lists modes [{}], the file has sections [{}]",
                 names(&header.modes),
                 names(&modes)
-            )));
+            )
+            .into()));
         }
         Ok(SnapshotFile { header, sections })
     }
@@ -380,7 +379,7 @@ mod tests {
         let old = text.replace(FORMAT, FORMAT_UNSEALED).replace("seed = 0", "seed = 1");
         let old: String = old.lines().filter(|l| !l.starts_with("header_sha256")).map(|l| format!("{l}\n")).collect();
         let err = SnapshotFile::parse(&old, p).unwrap_err().to_string();
-        let update = format!("{} x.snap", moe_audit_core::error::Setting::Update);
+        let update = text!(crate::settings::UPDATE, " x.snap").to_string();
         assert!(err.contains("`moe-audit-snapshot/1` has no header seal") && err.contains(&update), "{err}");
         let end = old.find("=== ").unwrap();
         assert_eq!(Header::parse_unsealed(&old[..end], p).unwrap().input.seed, 1);

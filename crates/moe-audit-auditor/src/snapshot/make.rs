@@ -9,11 +9,12 @@ use crate::external::trace::{file_in, read_manifest, Manifest, PlannedCall, DECI
 use crate::external::{ExternalRouter, Handshake, InputKind, Mode, TraceRouter};
 use candle_core::{DType, Device, Tensor};
 use moe_audit_core::config::RouterConfig;
-use moe_audit_core::error::{ensure_positive, excerpt, excerpt_long, Error, Result, Setting};
+use moe_audit_core::error::{ensure_positive, excerpt, excerpt_long, Error, Result};
 use moe_audit_core::layer::gate::GateSource;
 use moe_audit_core::layer::CallSizes;
 use moe_audit_core::layer::{MoeLayer, Seeded};
 use moe_audit_core::router::Router;
+use moe_audit_core::text;
 use moe_audit_core::MemoryBudget;
 use ndarray::Array3;
 use std::collections::HashMap;
@@ -42,7 +43,10 @@ pub fn make(
 ) -> Result<SnapshotFile> {
     let mut router = router.clone();
     let mut input = input.clone();
-    ensure_positive(&[(Setting::Batch, input.batch), (Setting::SeqLen, input.seq_len)])?;
+    ensure_positive(&[
+        (moe_audit_core::settings::BATCH, input.batch),
+        (moe_audit_core::settings::SEQ_LEN, input.seq_len),
+    ])?;
     let routed: Vec<(Mode, Array3<f32>, moe_audit_core::routing::Routing)> = match &mut router {
         RouterSource::Preset { name } => config_routings(RouterConfig::load(name)?, &mut input, None, budget)?,
         RouterSource::Config { path, sha256 } => {
@@ -80,9 +84,10 @@ pub fn make(
         }
         RouterSource::Harness { .. } => {
             let Some(dir) = traces else {
-                return Err(Error::Usage(format!(
-                    "this snapshot was answered by a harness (the Python helper): re-run its test, or pass {} DIR answered by the router",
-                    Setting::Traces
+                return Err(Error::usage(text!(
+                    "this snapshot was answered by a harness (the Python helper): re-run its test, or pass ",
+                    crate::settings::TRACES,
+                    " DIR answered by the router"
                 )));
             };
             harness(dir, &mut router, &mut input, budget)?
@@ -113,7 +118,10 @@ type Routed = Vec<(Mode, Array3<f32>, moe_audit_core::routing::Routing)>;
 /// records, routed by the answers.
 fn harness(dir: &Path, router: &mut RouterSource, input: &mut InputSpec, budget: MemoryBudget) -> Result<Routed> {
     let recipe = read_recipe(dir)?.ok_or_else(|| {
-        Error::input(dir, format!("no {PLAN_RECIPE}: not a directory written by a snapshot's {}", Setting::Plan))
+        Error::input(
+            dir,
+            text!(format!("no {PLAN_RECIPE}: not a directory written by a snapshot's "), crate::settings::PLAN),
+        )
     })?;
     (*router, *input) = (recipe.router, recipe.input);
     let mut found = input.clone();
@@ -131,7 +139,7 @@ fn config_routings(
 ) -> Result<Routed> {
     if input.rows == Rows::Traces {
         let name = &config.name;
-        return Err(Error::Invalid(format!("[input] rows = \"traces\": router `{name}` is not a trace directory")));
+        return Err(Error::invalid(format!("[input] rows = \"traces\": router `{name}` is not a trace directory")));
     }
     let experts = config.experts;
     let logits = input.rows == Rows::Logits;
@@ -141,11 +149,9 @@ fn config_routings(
             let hidden = if logits {
                 1
             } else {
-                input
-                    .hidden
-                    .ok_or_else(|| Error::Invalid("[input] hidden: the seeded gate needs a hidden size".into()))?
+                input.hidden.ok_or_else(|| Error::invalid("[input] hidden: the seeded gate needs a hidden size"))?
             };
-            ensure_positive(&[(Setting::Hidden, hidden)])?;
+            ensure_positive(&[(moe_audit_core::settings::HIDDEN, hidden)])?;
             // The gate and its experts are made before the rows: bound them first.
             let (batch, seq_len) = (input.batch, input.seq_len);
             let sizes = CallSizes { batch, seq_len, experts, routes: config.k(), hidden, ffn: 1 };
@@ -209,19 +215,21 @@ fn rows(input: &mut InputSpec, hs: &Handshake, budget: MemoryBudget) -> Result<A
         Rows::Logits => InputKind::Logits,
         Rows::HiddenStates => InputKind::Hidden,
         Rows::Traces => {
-            return Err(Error::Invalid(format!(
+            return Err(Error::invalid(format!(
                 "[input] rows = \"traces\": router `{}` is not a trace directory",
                 hs.name
             )))
         }
     };
-    let file = input.file.as_deref().ok_or_else(|| Error::Invalid("[input] file: the rows file is missing".into()))?;
+    let file = input.file.as_deref().ok_or_else(|| Error::invalid("[input] file: the rows file is missing"))?;
     if want != hs.input {
         let (given, takes) = match want {
-            InputKind::Logits => (Setting::Logits, format!("hidden states ({})", Setting::HiddenStates)),
-            InputKind::Hidden => (Setting::HiddenStates, format!("logits ({})", Setting::Logits)),
+            InputKind::Logits => {
+                (crate::settings::LOGITS, text!("hidden states (", crate::settings::HIDDEN_STATES, ")"))
+            }
+            InputKind::Hidden => (crate::settings::HIDDEN_STATES, text!("logits (", crate::settings::LOGITS, ")")),
         };
-        return Err(Error::Usage(format!("{given} {}: router `{}` takes {takes}", excerpt(file), hs.name)));
+        return Err(Error::usage(text!(given, format!(" {}: router `{}` takes ", excerpt(file), hs.name), takes)));
     }
     let what = match want {
         InputKind::Logits => format!("the router has {} experts", hs.experts),
@@ -284,7 +292,7 @@ pub fn is_snapshot_plan(dir: &Path) -> bool {
 /// answer (`manifest.json` with one train and one inference call, `inputs.safetensors`) with the
 /// recipe of the snapshot beside them; `moe-audit snapshot record --traces DIR` then makes the snapshot.
 pub fn write_plan(dir: &Path, hs: &Handshake, input: &InputSpec, budget: MemoryBudget) -> Result<()> {
-    hs.validate().map_err(Error::Usage)?;
+    hs.validate().map_err(Error::usage)?;
     let mut input = InputSpec { hidden: None, ..input.clone() };
     let rows = rows(&mut input, hs, budget)?;
     let bytes: Vec<u8> = rows.iter().flat_map(|v| v.to_le_bytes()).collect();

@@ -22,8 +22,9 @@ pub use make::{is_snapshot_plan, make, write_plan, PLAN_RECIPE};
 #[allow(deprecated)]
 pub use table_diff::{compare, diff_tables, TableDiff};
 
-use moe_audit_core::error::{quote, Error, Result, Setting};
+use moe_audit_core::error::{quote, Error, Result};
 use moe_audit_core::routing::{render_table, Routing};
+use moe_audit_core::text;
 use moe_audit_core::MemoryBudget;
 use std::fmt::Write;
 use std::path::Path;
@@ -109,36 +110,23 @@ pub fn remake(
         (RouterSource::Command { command, .. }, None) => {
             return Err(Error::input(
                 path,
-                format!(
-                    "[router] command = {} is a record for the reader, never run from the file: give the router's command with {}",
-                    quote(command),
-                    Setting::RouterCmd
-                ),
+                text!(format!("[router] command = {} is a record for the reader, never run from the file: give the router's command with ", quote(command)), crate::settings::ROUTER_CMD),
             ))
         }
         (RouterSource::Command { command, .. }, Some(given)) if given != command => {
             return Err(Error::input(
                 path,
-                format!(
-                    "{} {} is not the header's [router] command = {}: neither is run",
-                    Setting::RouterCmd,
-                    quote(given),
-                    quote(command)
-                ),
+                text!(crate::settings::ROUTER_CMD, format!(" {} is not the header's [router] command = {}: neither is run", quote(given), quote(command))),
             ))
         }
         (RouterSource::Command { .. }, Some(_)) => {}
         (_, Some(_)) => {
-            return Err(Error::Usage(format!("{}: this snapshot's router is not a command", Setting::RouterCmd)))
+            return Err(Error::usage(text!(crate::settings::ROUTER_CMD, ": this snapshot's router is not a command")))
         }
         (RouterSource::Harness { .. }, None) if traces.is_none() => {
             return Err(Error::input(
                 path,
-                format!(
-                    "answered by a harness (the Python helper): re-run its test, or pass {} DIR that {} wrote and the router answered",
-                    Setting::Traces,
-                    Setting::Plan
-                ),
+                text!("answered by a harness (the Python helper): re-run its test, or pass ", crate::settings::TRACES, " DIR that ", crate::settings::PLAN, " wrote and the router answered"),
             ))
         }
         (RouterSource::Preset { name }, None) if moe_audit_core::config::preset(name).is_none() => {
@@ -189,12 +177,7 @@ pub fn check(path: &Path, stored: &SnapshotFile, fresh: &SnapshotFile) -> Result
     } else if stored.header.input.sha256 != fresh.header.input.sha256 {
         return Err(Error::input(
             path,
-            format!(
-                "the inputs are not those the snapshot was made from (sha256 {} now {}): routings of other inputs cannot be compared; remake it with {}",
-                short(&stored.header.input.sha256),
-                short(&fresh.header.input.sha256),
-                moe_audit_core::error::Setting::Update
-            ),
+            text!(format!("the inputs are not those the snapshot was made from (sha256 {} now {}): routings of other inputs cannot be compared; remake it with ", short(&stored.header.input.sha256), short(&fresh.header.input.sha256)), crate::settings::UPDATE),
         ));
     }
     if let (Some(a), Some(b)) = (router_hash(&stored.header), router_hash(&fresh.header)) {

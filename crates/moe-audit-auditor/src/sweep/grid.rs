@@ -195,7 +195,7 @@ impl Grid {
         }
         match self.exploit.as_ref().map(ExploitOptions::validate) {
             Some(Err(Error::Setting { setting, message })) => {
-                return Err(FieldError::new(format!("exploit.{}", setting.name()), message))
+                return Err(FieldError::new(format!("exploit.{}", setting.name()), message.to_string()))
             }
             Some(Err(e)) => return Err(FieldError::new("exploit", e.to_string())),
             _ => {}

@@ -77,7 +77,7 @@ pub fn seeded_weights(dims: LayerDims, seed: u64, device: &Device) -> Result<Has
 /// The file is read whole first, so it may hold at most `max_bytes` (half the memory limit:
 /// the tensors are a second copy).
 pub fn load_safetensors(path: &Path, device: &Device, max_bytes: u64) -> Result<HashMap<String, Tensor>> {
-    let bytes = crate::files::read_bounded(path, max_bytes, &format!("half of {}", crate::error::Setting::MaxMemory))?;
+    let bytes = crate::files::read_bounded(path, max_bytes, crate::text!("half of ", crate::settings::MAX_MEMORY))?;
     if let Some(name) = duplicate_tensor_name(&bytes) {
         return Err(Error::input(path, format!("the header names tensor `{}` twice", excerpt(&name))));
     }

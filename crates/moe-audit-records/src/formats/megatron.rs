@@ -29,9 +29,11 @@ use super::{bad, choices, nested, Axis, Dtype, Format, Raw, Sequence};
 use crate::budget::Budget;
 use crate::config::{LayerKind, Layout};
 use crate::file::TraceFile;
-use crate::pipeline::HOW_TO_GIVE;
+use crate::pipeline::how_to_give;
+use crate::settings::CONFIG;
 use crate::text::ranges;
-use moe_audit_core::error::{excerpt, excerpt_long, Error, Result};
+use moe_audit_core::error::{excerpt, excerpt_long, Error, Result, Text};
+use moe_audit_core::text;
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -90,9 +92,8 @@ pub(crate) fn trace(path: &Path, files: &[TraceFile], layout: Option<&Layout>, b
     if repeats > 0 {
         notes.push(format!("{repeats} repeated line(s) (recompute or tensor-parallel replicas) read once"));
     }
-    notes.push(how);
     let mut raw = stack(path, &routers, top_k, layout)?;
-    raw.notes = notes;
+    raw.notes = notes.into_iter().map(Text::from).chain([how]).collect();
     Ok(raw)
 }
 
@@ -278,7 +279,7 @@ fn stages(path: &Path, files: &[RankFile], folder: bool, layout: Option<&Layout>
         let whose = if folder { format!("{} rank files", files.len()) } else { format!("{}'s file", what(&files[0])) };
         return Err(bad(
             path,
-            format!("{whose}: which pipeline stage a rank ran is not in its trace (every stage numbers its layers from 0): {HOW_TO_GIVE}"),
+            text!(format!("{whose}: which pipeline stage a rank ran is not in its trace (every stage numbers its layers from 0): "), how_to_give()),
         ));
     };
     if p.chunks > 1 {
@@ -313,8 +314,9 @@ fn stages(path: &Path, files: &[RankFile], folder: bool, layout: Option<&Layout>
     let at = files
         .iter()
         .map(|f| {
-            let s =
-                p.stage_of(f.rank.unwrap_or(0) as usize, world).map_err(|e| bad(path, format!("{}: {e}", f.name)))?;
+            let s = p
+                .stage_of(f.rank.unwrap_or(0) as usize, world)
+                .map_err(|e| bad(path, text!(format!("{}: ", f.name), e)))?;
             by_stage.entry(s).or_default().push(f.rank.unwrap_or(0) as usize);
             let stage = p.stages[s];
             Ok(At { first: stage.first as u64, layers: Some(stage.layers as u64) })
@@ -340,7 +342,7 @@ fn stages(path: &Path, files: &[RankFile], folder: bool, layout: Option<&Layout>
 /// the config says it is not: read so, some number would be dense or outside its stage, while
 /// read 1-based every one is a MoE layer inside it. Read 0-based, a number outside its stage
 /// is refused: the config's split is not the run's.
-fn numbering(path: &Path, files: &[RankFile], at: &[At], layout: Option<&Layout>) -> Result<(bool, String)> {
+fn numbering(path: &Path, files: &[RankFile], at: &[At], layout: Option<&Layout>) -> Result<(bool, Text)> {
     let moe = |g: u64| layout.is_none_or(|l| l.kinds.get(g as usize) == Some(&LayerKind::Moe));
     let within = |a: &At, g: u64| a.layers.is_none_or(|n| g >= a.first && g < a.first + n);
     let fits = |global: &dyn Fn(&At, u64) -> Option<u64>| {
@@ -364,11 +366,11 @@ fn numbering(path: &Path, files: &[RankFile], at: &[At], layout: Option<&Layout>
         }
     }
     let how = if one_based {
-        "decoder `layer` read as 1-based global layer numbers (the inference path): read 0-based, some would be dense in the config or outside their stage".to_string()
+        "decoder `layer` read as 1-based global layer numbers (the inference path): read 0-based, some would be dense in the config or outside their stage".into()
     } else if layout.is_some() {
-        "decoder `layer` read as the 0-based index in its pipeline stage (the training hook path), from the stage's first layer".to_string()
+        "decoder `layer` read as the 0-based index in its pipeline stage (the training hook path), from the stage's first layer".into()
     } else {
-        "decoder `layer` read as 0-based (the training hook path); the inference path writes 1-based numbers: give --config to tell".to_string()
+        text!("decoder `layer` read as 0-based (the training hook path); the inference path writes 1-based numbers: give ", CONFIG, " to tell")
     };
     Ok((one_based, how))
 }

@@ -20,9 +20,10 @@ pub(crate) mod vllm;
 
 use super::array::{Array, Elem};
 use super::budget::Budget;
+pub(crate) use super::file::bad;
 use super::ids::Ids;
 use bytes::Bytes;
-use moe_audit_core::error::{excerpt, excerpt_names, Error, Result};
+use moe_audit_core::error::{excerpt, excerpt_names, Error, Result, Text};
 use serde::Serialize;
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -186,7 +187,7 @@ pub(crate) struct Raw {
     /// The writer's fill that a router could also choose, and where the writer puts it.
     pub fill: Fill,
     pub meta: BTreeMap<String, String>,
-    pub notes: Vec<String>,
+    pub notes: Vec<Text>,
 }
 
 impl Raw {
@@ -249,10 +250,6 @@ impl Raw {
         };
         Ok(all)
     }
-}
-
-pub(crate) fn bad(path: &Path, message: impl Into<String>) -> Error {
-    Error::input(path, message.into())
 }
 
 /// An array's shape as a message shows it: the file says how many dimensions.

@@ -32,7 +32,9 @@
 use super::{bad, base64, ids_of_bytes, Axis, Dtype, Format, Raw, ShapeHint};
 use crate::array::Elem;
 use crate::budget::Budget;
-use moe_audit_core::error::{excerpt, Result, Setting};
+use crate::settings::CONFIG;
+use moe_audit_core::error::{excerpt, Result, Text};
+use moe_audit_core::text;
 use serde_json::Value;
 use std::path::Path;
 
@@ -77,7 +79,7 @@ pub(crate) fn read(
             return Err(bad(path, format!("response {i}: {} bytes are not whole {} values", raw.len(), elem.name())));
         }
         let (n_layers, top_k) = shape(raw.len() / elem.size(), rows(item, start), config, other, &mut how)
-            .map_err(|m| bad(path, format!("response {i}: {m}")))?;
+            .map_err(|m| bad(path, text!(format!("response {i}: "), m)))?;
         if n_layers == 0 || top_k == 0 {
             return Err(bad(path, format!("response {i}: shaped as {n_layers} layers x top-k {top_k}: no routes")));
         }
@@ -102,11 +104,10 @@ pub(crate) fn read(
     let mut all = Raw::concat(path, parts, budget)?;
     all.axis = Axis::Decoder;
     if let Some(how) = how {
-        all.notes.push(format!(
-            "no shape in the payload and no {}: shaped as [rows, {}, {}], {how}",
-            Setting::Config,
-            all.n_layers,
-            all.top_k
+        all.notes.push(text!(
+            "no shape in the payload and no ",
+            CONFIG,
+            format!(": shaped as [rows, {}, {}], {how}", all.n_layers, all.top_k)
         ));
     }
     Ok(all)
@@ -134,32 +135,36 @@ fn shape(
     config: Option<(usize, usize)>,
     other: Option<ShapeHint>,
     how: &mut Option<String>,
-) -> std::result::Result<(usize, usize), String> {
+) -> std::result::Result<(usize, usize), Text> {
     if let Some(shape) = config {
         return Ok(shape);
     }
-    let give = format!("give the model's config.json ({}) for num_hidden_layers and top-k", Setting::Config);
+    let give = text!("give the model's config.json (", CONFIG, ") for num_hidden_layers and top-k");
     let Some(rows) = rows else {
         let other = other
-            .ok_or_else(|| format!("SGLang routes have no shape and no prompt_tokens and completion_tokens: {give}"))?;
+            .ok_or_else(|| text!("SGLang routes have no shape and no prompt_tokens and completion_tokens: ", &give))?;
         how.get_or_insert_with(|| {
             "as the other record (no prompt_tokens and completion_tokens in the response)".into()
         });
         return Ok((other.layers, other.top_k));
     };
     if rows == 0 || !ids.is_multiple_of(rows) {
-        return Err(format!(
-            "{ids} ids are not {rows} rows (prompt_tokens + completion_tokens - 1 - routed_experts_start_len) of whole layers x top-k (a start not returned with the response?): {give}"
+        return Err(text!(
+            format!("{ids} ids are not {rows} rows (prompt_tokens + completion_tokens - 1 - routed_experts_start_len) of whole layers x top-k (a start not returned with the response?): "),
+            give
         ));
     }
     let per_row = ids / rows;
     let Some(other) = other else {
-        return Err(format!("{rows} rows of {per_row} ids each, layers x top-k: {give} to tell them apart"));
+        return Err(text!(format!("{rows} rows of {per_row} ids each, layers x top-k: "), give, " to tell them apart"));
     };
     if other.top_k == 0 || !per_row.is_multiple_of(other.top_k) {
-        return Err(format!(
-            "{rows} rows of {per_row} ids each are not whole layers of the other record's top-k {}: {give}",
-            other.top_k
+        return Err(text!(
+            format!(
+                "{rows} rows of {per_row} ids each are not whole layers of the other record's top-k {}: ",
+                other.top_k
+            ),
+            give
         ));
     }
     how.get_or_insert_with(|| "rows by its prompt_tokens + completion_tokens, top-k the other record's".into());

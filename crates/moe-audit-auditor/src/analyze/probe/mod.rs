@@ -17,6 +17,7 @@ use moe_audit_core::error::{Error, Result};
 use moe_audit_core::layer::Seeded;
 use moe_audit_core::router::{logits_to_host, Router};
 use moe_audit_core::routing::Routing;
+use moe_audit_core::text;
 use ndarray::{s, Array2, Array3, Axis};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -301,13 +302,15 @@ impl Probe {
         for item in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
             let probe = known.iter().copied().find(|p| p.to_string().eq_ignore_ascii_case(item));
             let Some(probe) = probe else {
-                let (setting, item) = (moe_audit_core::error::Setting::Probes, moe_audit_core::error::excerpt(item));
-                return Err(Error::Usage(match audit {
-                    Audit::Router => format!("{setting}: unknown probe `{item}`, expected some of {}", letters()),
+                let (setting, item) = (crate::settings::PROBES, moe_audit_core::error::excerpt(item));
+                return Err(Error::usage(match audit {
+                    Audit::Router => {
+                        text!(setting, format!(": unknown probe `{item}`, expected some of {}", letters()))
+                    }
                     Audit::Model => {
-                        format!(
-                            "{setting}: unknown probe `{item}` for a whole model: expected letters of {}",
-                            letters()
+                        text!(
+                            setting,
+                            format!(": unknown probe `{item}` for a whole model: expected letters of {}", letters())
                         )
                     }
                 }));
@@ -317,10 +320,10 @@ impl Probe {
             }
         }
         if probes.is_empty() {
-            let setting = moe_audit_core::error::Setting::Probes;
-            return Err(Error::Usage(match audit {
-                Audit::Router => format!("{setting}: no probe given"),
-                Audit::Model => format!("{setting} is empty: an audit that runs no probe cannot pass"),
+            let setting = crate::settings::PROBES;
+            return Err(Error::usage(match audit {
+                Audit::Router => text!(setting, ": no probe given"),
+                Audit::Model => text!(setting, " is empty: an audit that runs no probe cannot pass"),
             }));
         }
         probes.sort();

@@ -181,7 +181,7 @@ fn overflow(base: &Logits, low: &Logits, dtype: DType) -> Result<()> {
         None => Ok(()),
         Some((b, p, e, x, y)) => {
             let (name, max) = if dtype == DType::F16 { ("f16", "65504") } else { ("bf16", "3.39e38") };
-            Err(moe_audit_core::Error::Usage(format!(
+            Err(moe_audit_core::Error::usage(format!(
                 "probe X: {name} overflows at batch {b}, position {p}, expert {e}: the logit {x} (f32) becomes {y} \
                  in {name} (largest finite {max}); scale the gate down or leave X out"
             )))

@@ -27,7 +27,8 @@ impl Rule for Repeat {
 
     fn fix(&self) -> Option<String> {
         // D runs in the audited mode: a router may be random in training only (jitter, sampling).
-        Some(format!("random only in training (jitter, sampling): seed every training call or audit {} inference; random when serving: make it deterministic, no random selection or sampling at inference", moe_audit_core::error::Setting::Mode))
+        // A report's words, the same for every front end: the mode in words, not a flag.
+        Some("random only in training (jitter, sampling): seed every training call or audit in inference mode; random when serving: make it deterministic, no random selection or sampling at inference".into())
     }
 
     fn run(&self, ctx: &Ctx, _sample: Option<&Sample>) -> Result<Finding> {

@@ -28,6 +28,7 @@ use crate::external::Mode;
 use moe_audit_core::config::RouterConfig;
 use moe_audit_core::error::{excerpt, Error, Result};
 use moe_audit_core::routing::{Logits, TokenRouting};
+use moe_audit_core::text;
 use moe_audit_core::MemoryBudget;
 use ndarray::Array2;
 use serde::{Deserialize, Serialize};
@@ -183,9 +184,9 @@ impl Witness {
         if w.format == FORMAT_UNSEALED {
             return Err(Error::input(
                 path,
-                format!(
-                    "format `{FORMAT_UNSEALED}` has no content hash to check: write the witness again with {}",
-                    moe_audit_core::error::Setting::WitnessDir
+                text!(
+                    format!("format `{FORMAT_UNSEALED}` has no content hash to check: write the witness again with "),
+                    crate::settings::WITNESS_DIR
                 ),
             ));
         }

@@ -14,6 +14,7 @@ use moe_audit_core::config::RouterConfig;
 use moe_audit_core::error::{excerpt, excerpt_long, Error, Result};
 use moe_audit_core::router::Router;
 use moe_audit_core::routing::{assign_routes, capacity_of, diff_token, Routing, TokenDiff, TokenRouting};
+use moe_audit_core::text;
 use std::path::Path;
 
 /// A case reduced to one token, the unit that shrinking works on and a replay routes.
@@ -52,7 +53,7 @@ impl Replayer for RouterConfig {
             Mode::Inference => {
                 let inference = self
                     .inference_config()?
-                    .ok_or_else(|| Error::Invalid("an inference-mode witness needs an [inference] table".into()))?;
+                    .ok_or_else(|| Error::invalid("an inference-mode witness needs an [inference] table"))?;
                 route_with(&inference, call)
             }
         }
@@ -72,7 +73,7 @@ impl Replayer for Live<'_> {
             Mode::Train => call.routes(self.0),
             Mode::Inference => match self.0.inference()? {
                 Some(inference) => call.routes(inference.as_ref()),
-                None => Err(Error::Usage(format!("router `{}` has no inference mode", self.0.name()))),
+                None => Err(Error::usage(format!("router `{}` has no inference mode", self.0.name()))),
             },
         }
     }
@@ -90,7 +91,7 @@ pub(super) fn replay_pair(
     modes: (Mode, Mode),
 ) -> Result<(Routing, Routing, TokenDiff)> {
     let Some(tb) = pair.token_b() else {
-        return Err(Error::Invalid("witness token has no counterpart in call b".into()));
+        return Err(Error::invalid("witness token has no counterpart in call b"));
     };
     let (ra, rb) = probe.rule().replay(with, &pair.a, &pair.b, modes)?;
     let diff = diff_token(&ra, pair.token, &rb, tb);
@@ -139,11 +140,13 @@ impl Witness {
     /// Replays the witness from its own contents (a witness with a router config).
     pub fn replay(self, path: &Path) -> Result<ReplayOutcome> {
         let Some(config) = self.router.clone() else {
-            return Err(Error::Usage(format!(
-                "{}: the witness is of router `{}` outside moe-audit: replay it with {}",
-                path.display(),
-                excerpt(self.name().unwrap_or_default()),
-                moe_audit_core::error::Setting::RouterCmd
+            return Err(Error::usage(text!(
+                format!(
+                    "{}: the witness is of router `{}` outside moe-audit: replay it with ",
+                    path.display(),
+                    excerpt(self.name().unwrap_or_default())
+                ),
+                crate::settings::ROUTER_CMD
             )));
         };
         self.replay_with(path, &config, None, config.experts)
@@ -155,27 +158,32 @@ impl Witness {
     /// must introduce itself as the witness's `layout` says; any other witness takes none.
     pub fn replay_on(self, path: &Path, router: &dyn Router, layout: Option<&dyn Router>) -> Result<ReplayOutcome> {
         let Some(stored) = &self.handshake else {
-            return Err(Error::Usage(format!(
-                "{}: the witness holds a router config: replay it without {}",
-                path.display(),
-                moe_audit_core::error::Setting::RouterCmd
+            return Err(Error::usage(text!(
+                format!("{}: the witness holds a router config: replay it without ", path.display()),
+                crate::settings::ROUTER_CMD
             )));
         };
         same_router(path, stored, router, "router")?;
         match (&self.layout, layout) {
             (Some(stored), Some(layout)) => same_router(path, &stored.handshake, layout, "layout launch")?,
             (Some(stored), None) => {
-                return Err(Error::Usage(format!(
-                    "{}: the witness compares router `{}` with another launch of it: replay it with --layout-cmd {}",
-                    path.display(),
-                    excerpt(self.name().unwrap_or_default()),
-                    excerpt_long(serde_json::Value::from(stored.command.as_str()))
+                return Err(Error::usage(text!(
+                    format!(
+                        "{}: the witness compares router `{}` with another launch of it: replay it with ",
+                        path.display(),
+                        excerpt(self.name().unwrap_or_default())
+                    ),
+                    crate::settings::LAYOUT_CMD,
+                    format!(" {}", excerpt_long(serde_json::Value::from(stored.command.as_str())))
                 )))
             }
             (None, Some(_)) => {
-                return Err(Error::Usage(format!(
-                    "{}: the witness compares no other launch of the layer: replay it without --layout-cmd",
-                    path.display()
+                return Err(Error::usage(text!(
+                    format!(
+                        "{}: the witness compares no other launch of the layer: replay it without ",
+                        path.display()
+                    ),
+                    crate::settings::LAYOUT_CMD
                 )))
             }
             (None, None) => {}
@@ -219,9 +227,9 @@ impl Witness {
         if stored != self.content_hash()? {
             return Err(Error::input(
                 path,
-                format!(
-                    "the content does not match its `sha256` (edited or corrupted): write the witness again with {}",
-                    moe_audit_core::error::Setting::WitnessDir
+                text!(
+                    "the content does not match its `sha256` (edited or corrupted): write the witness again with ",
+                    crate::settings::WITNESS_DIR
                 ),
             ));
         }

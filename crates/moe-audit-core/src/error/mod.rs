@@ -3,6 +3,14 @@
 use std::fmt;
 use std::path::PathBuf;
 
+mod protocol;
+mod record;
+mod setting;
+
+pub use protocol::ProtocolError;
+pub use record::{Part, RecordError};
+pub use setting::{library_name, with_names, Names, Setting, Text};
+
 /// Result alias used across the crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -46,7 +54,7 @@ pub enum Error {
         /// Where the shapes met.
         context: String,
         /// Expected versus got.
-        message: String,
+        message: Text,
     },
     /// An input file that could not be read or parsed.
     #[error("{}: {message}", shown(path))]
@@ -54,7 +62,7 @@ pub enum Error {
         /// The file.
         path: PathBuf,
         /// What is wrong with it.
-        message: String,
+        message: Text,
     },
     /// A file or directory that could not be read, written or created: what failed, and the
     /// system's error as its source.
@@ -63,7 +71,7 @@ pub enum Error {
         /// The file or directory.
         path: PathBuf,
         /// What failed (`cannot read`, `cannot write`, `cannot create`), with advice if any.
-        doing: String,
+        doing: Text,
         /// The system's error.
         #[source]
         source: std::io::Error,
@@ -94,18 +102,18 @@ pub enum Error {
     /// model, a snapshot header's `[input]` that does not fit its router, a harness's answer
     /// that does not fit its plan.
     #[error("{0}")]
-    Invalid(String),
+    Invalid(Text),
     /// A setting (a size, a limit, a list) that cannot be used; settings are named as
-    /// [`Setting`]s, so that the command line can write them as its flags.
+    /// [`Setting`]s in the [`Text`], so that a front end writes them its own way.
     #[error("{0}")]
-    Usage(String),
-    /// A setting out of its range, named as a value: the command line writes it as its flag.
-    #[error("{setting}: {message}")]
+    Usage(Text),
+    /// A setting out of its range, named as a value: a front end writes it its own way.
+    #[error("{}: {message}", Text::from(*setting))]
     Setting {
         /// The setting.
         setting: Setting,
         /// What is wrong, including the offending value.
-        message: String,
+        message: Text,
     },
     /// An expert-parallel rank failed; every rank stops with this error.
     #[error("rank {rank} failed: {message}")]
@@ -115,6 +123,12 @@ pub enum Error {
         /// Its error.
         message: String,
     },
+    /// A peer's message that breaks the wire protocol.
+    #[error(transparent)]
+    Protocol(#[from] ProtocolError),
+    /// A routing record that cannot be read.
+    #[error(transparent)]
+    Record(#[from] RecordError),
     /// A failure inside candle (device, dtype, kernel).
     #[error("candle: {0}")]
     Candle(#[from] candle_core::Error),
@@ -127,12 +141,12 @@ impl Error {
     }
 
     /// An [`Error::Shape`]: shapes that do not fit together in `context`.
-    pub fn shape(context: &str, message: impl Into<String>) -> Self {
+    pub fn shape(context: &str, message: impl Into<Text>) -> Self {
         Error::Shape { context: context.to_string(), message: message.into() }
     }
 
     /// An [`Error::Io`]: `doing` (`cannot read`) failed on `path` for `source`.
-    pub fn io(path: impl Into<PathBuf>, doing: impl Into<String>, source: std::io::Error) -> Self {
+    pub fn io(path: impl Into<PathBuf>, doing: impl Into<Text>, source: std::io::Error) -> Self {
         Error::Io { path: path.into(), doing: doing.into(), source }
     }
 
@@ -150,8 +164,23 @@ impl Error {
         Error::System { what: what.into(), source: Box::new(source) }
     }
 
+    /// An [`Error::Usage`]: a setting that cannot be used, in words that name it.
+    pub fn usage(message: impl Into<Text>) -> Self {
+        Error::Usage(message.into())
+    }
+
+    /// An [`Error::Invalid`]: content that cannot be used as given.
+    pub fn invalid(message: impl Into<Text>) -> Self {
+        Error::Invalid(message.into())
+    }
+
+    /// An [`Error::Setting`]: `setting` cannot be used, `message` says why.
+    pub fn setting(setting: Setting, message: impl Into<Text>) -> Self {
+        Error::Setting { setting, message: message.into() }
+    }
+
     /// An [`Error::Input`]: what is wrong with the file at `path`.
-    pub fn input(path: impl Into<PathBuf>, message: impl Into<String>) -> Self {
+    pub fn input(path: impl Into<PathBuf>, message: impl Into<Text>) -> Self {
         Error::Input { path: path.into(), message: message.into() }
     }
 }
@@ -189,154 +218,10 @@ impl FieldError {
     }
 }
 
-/// A setting of a run that a message may name. The library writes it as `` setting `name` ``
-/// (the field or parameter it sets); the command line writes its flag instead, so no library
-/// message names a flag.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Setting {
-    /// Sequences per call.
-    Batch,
-    /// Tokens per sequence.
-    SeqLen,
-    /// Hidden size.
-    Hidden,
-    /// Expert FFN size.
-    Ffn,
-    /// Random cases per probe.
-    Trials,
-    /// Expert-parallel ranks.
-    Ranks,
-    /// The probes an audit runs.
-    Probes,
-    /// How long an external router may take to answer.
-    Timeout,
-    /// The command of an external router.
-    RouterCmd,
-    /// The memory limit.
-    MaxMemory,
-    /// Rewriting a snapshot in place.
-    Update,
-    /// Trace files answered by a harness.
-    Traces,
-    /// Writing a harness's inputs instead of a snapshot.
-    Plan,
-    /// A file of logit rows.
-    Logits,
-    /// A file of hidden-state rows.
-    HiddenStates,
-    /// Vocabulary size of the exploit decoder.
-    Vocab,
-    /// Training steps.
-    Steps,
-    /// Independent training runs.
-    Seeds,
-    /// Peak learning rate.
-    Lr,
-    /// Held-out evaluation batches.
-    EvalBatches,
-    /// Points on the learning curve.
-    CurvePoints,
-    /// Batches of the untrained probe.
-    ProbeBatches,
-    /// The share of routing decisions two records may disagree on.
-    MaxDisagreement,
-    /// The largest bias a low-precision reduction may have.
-    MaxBias,
-    /// The mode the audited calls are made in (training or inference).
-    Mode,
-    /// A model's `config.json`.
-    Config,
-    /// Where witnesses are written.
-    WitnessDir,
-    /// The output file.
-    Output,
-}
-
-impl Setting {
-    /// Every setting.
-    pub const ALL: [Setting; 28] = [
-        Setting::Batch,
-        Setting::SeqLen,
-        Setting::Hidden,
-        Setting::Ffn,
-        Setting::Trials,
-        Setting::Ranks,
-        Setting::Probes,
-        Setting::Timeout,
-        Setting::RouterCmd,
-        Setting::MaxMemory,
-        Setting::Update,
-        Setting::Traces,
-        Setting::Plan,
-        Setting::Logits,
-        Setting::HiddenStates,
-        Setting::Vocab,
-        Setting::Steps,
-        Setting::Seeds,
-        Setting::Lr,
-        Setting::EvalBatches,
-        Setting::CurvePoints,
-        Setting::ProbeBatches,
-        Setting::MaxDisagreement,
-        Setting::MaxBias,
-        Setting::Mode,
-        Setting::Config,
-        Setting::WitnessDir,
-        Setting::Output,
-    ];
-
-    /// The library's name for it.
-    pub fn name(self) -> &'static str {
-        match self {
-            Setting::Batch => "batch",
-            Setting::SeqLen => "seq_len",
-            Setting::Hidden => "hidden",
-            Setting::Ffn => "ffn",
-            Setting::Trials => "trials",
-            Setting::Ranks => "ranks",
-            Setting::Probes => "probes",
-            Setting::Timeout => "timeout",
-            Setting::RouterCmd => "router_cmd",
-            Setting::MaxMemory => "max_memory",
-            Setting::Update => "update",
-            Setting::Traces => "traces",
-            Setting::Plan => "plan",
-            Setting::Logits => "logits",
-            Setting::HiddenStates => "hidden_states",
-            Setting::Vocab => "vocab",
-            Setting::Steps => "steps",
-            Setting::Seeds => "seeds",
-            Setting::Lr => "lr",
-            Setting::EvalBatches => "eval_batches",
-            Setting::CurvePoints => "curve_points",
-            Setting::ProbeBatches => "probe_batches",
-            Setting::MaxDisagreement => "max_disagreement",
-            Setting::MaxBias => "max_bias",
-            Setting::Mode => "mode",
-            Setting::Config => "config",
-            Setting::WitnessDir => "witness_dir",
-            Setting::Output => "output",
-        }
-    }
-}
-
-/// How messages name settings, when a front end (the command line) names them its own way.
-static NAMES: std::sync::OnceLock<fn(Setting) -> &'static str> = std::sync::OnceLock::new();
-
-/// Makes every message name each setting as `names` says (the binary: its flag, `--max-memory`)
-/// instead of `` setting `max_memory` ``. Call once, before any error is made; later calls are
-/// ignored. Messages are built with the name, so no message is rewritten afterwards.
-pub fn name_settings(names: fn(Setting) -> &'static str) {
-    let _ = NAMES.set(names);
-}
-
-impl fmt::Display for Setting {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match NAMES.get() {
-            Some(names) => f.write_str(names(*self)),
-            None => write!(f, "setting `{}`", self.name()),
-        }
-    }
+/// `e` as a front end shows it: [`chain`] on [`one_line`], every [`Setting`] named by `names`
+/// (the command line: its flags).
+pub fn present(e: &dyn std::error::Error, names: Names) -> String {
+    with_names(names, || one_line(&chain(e)))
 }
 
 /// An error and its causes on one line, `what: cause: its cause`, as the command line prints
@@ -348,7 +233,7 @@ pub fn chain(e: &dyn std::error::Error) -> String {
     let mut cause = e.source();
     while let Some(c) = cause {
         let text = c.to_string();
-        if !last.ends_with(&text) {
+        if !last.ends_with(&text) && !last.contains(&excerpt_long(&text)) {
             line.push_str(": ");
             line.push_str(&excerpt_long(&text));
         }
@@ -478,7 +363,7 @@ fn bounded(text: &str, max: usize, quoted: bool) -> String {
 /// The sizes that must be at least 1, checked in one place: the first that is 0 is named.
 pub fn ensure_positive(sizes: &[(Setting, usize)]) -> Result<()> {
     match sizes.iter().find(|(_, v)| *v == 0) {
-        Some((setting, _)) => Err(Error::Usage(format!("{setting} must be at least 1"))),
+        Some((setting, _)) => Err(Error::usage(crate::text!(*setting, " must be at least 1"))),
         None => Ok(()),
     }
 }
