@@ -143,8 +143,8 @@ fn report(
 }
 
 fn main() -> moe_audit::Result<()> {
-    let reps = timing::reps(9).map_err(moe_audit::Error::Usage)?;
-    let mpi = timing::flag("--comm").map_err(moe_audit::Error::Usage)?.as_deref() == Some("mpi");
+    let reps = timing::reps(9).map_err(moe_audit::Error::usage)?;
+    let mpi = timing::flag("--comm").map_err(moe_audit::Error::usage)?.as_deref() == Some("mpi");
     let layer =
         MoeLayer::seeded(preset("mixtral").expect("preset").config()?, HIDDEN, FFN, 0, DType::F32, &Device::Cpu)?;
     let x = Seeded::new(1).normal(&[BATCH, SEQ, HIDDEN], &Device::Cpu)?;

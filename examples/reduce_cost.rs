@@ -141,8 +141,8 @@ fn report(comm: &dyn Communicator, reps: usize, label: &str) -> moe_audit::Resul
 }
 
 fn main() -> moe_audit::Result<()> {
-    let reps = timing::reps(7).map_err(moe_audit::Error::Usage)?;
-    let mpi = timing::flag("--comm").map_err(moe_audit::Error::Usage)?.as_deref() == Some("mpi");
+    let reps = timing::reps(7).map_err(moe_audit::Error::usage)?;
+    let mpi = timing::flag("--comm").map_err(moe_audit::Error::usage)?.as_deref() == Some("mpi");
     let mut last = None;
     if mpi {
         #[cfg(feature = "mpi")]

@@ -25,6 +25,7 @@ mod render;
 mod runtime;
 
 pub use moe_audit_auditor::{analyze, check, exploit, external, model, progress, seeds, sizes, snapshot, sweep};
+pub use moe_audit_core::text;
 pub use moe_audit_core::{config, error, files, layer, memory, names, router, routing};
 pub use moe_audit_engine as engine;
 pub use moe_audit_parallel as parallel;

@@ -628,7 +628,7 @@ fn scope_of(
         }
         Some(Capacity::PerExpert(c)) => {
             if c.len() != e {
-                return Err(format!("capacity has {} entries, expected one per expert ({e})", c.len()).into());
+                return Err(format!("capacity has {} entries, expected one per expert ({e})", c.len()));
             }
             let (scope, members) = whole(c.iter().copied().max());
             Ok((Some(c), scope, members))
@@ -650,16 +650,14 @@ fn scope_of(
                     "capacity scope `rank` has {} ranks, slots has {} entries",
                     groups.len(),
                     slots.len()
-                )
-                .into());
+                ));
             }
             if slots.len() != groups.len() {
                 return Err(format!(
                     "capacity scope `{scope}` has {} groups in batch {batch} x seq_len {seq_len}, slots has {} entries",
                     groups.len(),
                     slots.len()
-                )
-                .into());
+                ));
             }
             let total = slots.iter().try_fold(0usize, |a, &c| a.checked_add(c));
             let Some(total) = total else {

@@ -60,7 +60,8 @@ impl PartialEq for ProtocolError {
 
 impl PartialEq<&str> for ProtocolError {
     fn eq(&self, other: &&str) -> bool {
-        self.to_string() == *other
+        let said = self.to_string();
+        said == *other
     }
 }
 
