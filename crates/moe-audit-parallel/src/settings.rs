@@ -1,5 +1,5 @@
 //! The settings this crate owns, as messages name them
-//! ([`Setting`](moe_audit_core::error::Setting)); a front end spells them (the command line as
+//! ([`Setting`]); a front end spells them (the command line as
 //! flags).
 
 use moe_audit_core::error::Setting;
