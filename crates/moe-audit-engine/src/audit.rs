@@ -225,7 +225,8 @@ fn region(axis: Axis, a: &Reply, b: &Reply) -> (Range<usize>, Option<usize>) {
     }
 }
 
-/// Compares every pairing of `axis`.
+/// Compares every pairing of `axis`: each pair's decisions counted, then the axis's rows as one
+/// records comparison.
 pub(crate) fn measure(
     axis: Axis,
     scripts: &[Script],
@@ -233,21 +234,8 @@ pub(crate) fn measure(
     must_hold: bool,
     run: &Run,
 ) -> Result<AxisReport, EngineError> {
-    let mut report = AxisReport {
-        axis,
-        pairs: 0,
-        decisions: 0,
-        changed: 0,
-        one_slot: 0,
-        changes: Vec::new(),
-        diverged: Vec::new(),
-        cached: Vec::new(),
-        must_hold,
-        comparison: None,
-        witness: None,
-    };
-    let mut parts = [Vec::new(), Vec::new()];
-    let (mut sa, mut sb) = (Vec::new(), Vec::new());
+    let mut report = AxisReport::empty(axis, must_hold);
+    let mut sides = [Vec::new(), Vec::new()];
     for (script, got) in scripts.iter().zip(replies) {
         for &pairing in script.pairings.iter().filter(|p| p.axis == axis) {
             let Pairing { a, b, .. } = pairing;
@@ -260,73 +248,95 @@ pub(crate) fn measure(
                     ),
                 });
             }
-            report.pairs += 1;
-            if matches!(axis, Axis::Cache | Axis::Stale) {
-                report.cached.push(b.cached);
-            }
-            let (range, diverged) = region(axis, a, b);
-            let before = report.changed;
-            if let Some(position) = diverged {
-                report.diverged.push(Divergence { probe: script.probe, position });
-            }
-            let w = a.layers * a.top_k;
-            for (t, (ra, rb)) in a.rows_at(range.clone()).chunks(w).zip(b.rows_at(range.clone()).chunks(w)).enumerate()
-            {
-                for (layer, (xa, xb)) in ra.chunks(a.top_k).zip(rb.chunks(a.top_k)).enumerate() {
-                    sorted(xa, &mut sa);
-                    sorted(xb, &mut sb);
-                    if sa.is_empty() && sb.is_empty() {
-                        continue;
-                    }
-                    report.decisions += 1;
-                    if sa != sb {
-                        report.changed += 1;
-                        let common = sa.iter().filter(|e| sb.contains(e)).count();
-                        if common + 1 == sa.len().max(sb.len()) {
-                            report.one_slot += 1;
-                        }
-                        if report.changes.len() < CHANGES_SHOWN {
-                            let position = range.start + t;
-                            report.changes.push(Change {
-                                probe: script.probe,
-                                position,
-                                layer,
-                                a: sa.clone(),
-                                b: sb.clone(),
-                            });
-                        }
-                    }
-                }
-            }
-            if report.witness.is_none() && (report.changed > before || diverged.is_some()) {
+            let range = report.add_pair(script.probe, a, b);
+            if report.witness.is_none() && !report.held() {
                 report.witness = Some(script.only(pairing));
             }
             if !range.is_empty() {
-                for (side, r) in parts.iter_mut().zip([a, b]) {
-                    let bytes: Vec<u8> = r.rows_at(range.clone()).iter().flat_map(|v| v.to_le_bytes()).collect();
-                    side.push(IdArray {
-                        bytes: Bytes::from(bytes),
-                        dtype: "int32".into(),
-                        shape: [range.len(), r.layers, r.top_k],
-                    });
+                for (side, r) in sides.iter_mut().zip([a, b]) {
+                    side.push(id_array(r, range.clone()));
                 }
             }
         }
     }
-    if !parts[0].is_empty() {
-        let mut budget = Budget::new(run.memory);
-        let [pa, pb] = parts;
-        let layout = run.servers.first().and_then(|s| s.layout());
-        let name = |side: &str| format!("{} ({side})", axis.name());
-        // Both engines return every decoder layer, by absolute index.
-        let width = pa[0].shape[1];
-        let numbers = || Some((0..width).collect());
-        let records = from_ids(&name("reference"), pa, numbers(), layout, &mut budget)
-            .and_then(|ra| Ok((ra, from_ids(&name("other"), pb, numbers(), layout, &mut budget)?)));
-        let compared = records.and_then(|(ra, rb)| compare(&ra, &rb, layout, &CompareOptions::default(), &mut budget));
-        report.comparison = Some(compared.map_err(|e| EngineError::Settings { why: e.to_string() })?);
-    }
+    report.comparison = comparison(axis, sides, run)?;
     Ok(report)
+}
+
+impl AxisReport {
+    fn empty(axis: Axis, must_hold: bool) -> AxisReport {
+        AxisReport {
+            axis,
+            pairs: 0,
+            decisions: 0,
+            changed: 0,
+            one_slot: 0,
+            changes: Vec::new(),
+            diverged: Vec::new(),
+            cached: Vec::new(),
+            must_hold,
+            comparison: None,
+            witness: None,
+        }
+    }
+
+    /// Counts the decisions of one pair over the axis's region; returns the positions compared.
+    fn add_pair(&mut self, probe: usize, a: &Reply, b: &Reply) -> Range<usize> {
+        self.pairs += 1;
+        if matches!(self.axis, Axis::Cache | Axis::Stale) {
+            self.cached.push(b.cached);
+        }
+        let (range, diverged) = region(self.axis, a, b);
+        if let Some(position) = diverged {
+            self.diverged.push(Divergence { probe, position });
+        }
+        let (w, k) = (a.layers * a.top_k, a.top_k);
+        let (mut sa, mut sb) = (Vec::new(), Vec::new());
+        let rows = a.rows_at(range.clone()).chunks(w).zip(b.rows_at(range.clone()).chunks(w));
+        for (t, (ra, rb)) in rows.enumerate() {
+            for (layer, (xa, xb)) in ra.chunks(k).zip(rb.chunks(k)).enumerate() {
+                sorted(xa, &mut sa);
+                sorted(xb, &mut sb);
+                if sa.is_empty() && sb.is_empty() {
+                    continue;
+                }
+                self.decisions += 1;
+                if sa != sb {
+                    self.changed += 1;
+                    let common = sa.iter().filter(|e| sb.contains(e)).count();
+                    if common + 1 == sa.len().max(sb.len()) {
+                        self.one_slot += 1;
+                    }
+                    if self.changes.len() < CHANGES_SHOWN {
+                        let position = range.start + t;
+                        self.changes.push(Change { probe, position, layer, a: sa.clone(), b: sb.clone() });
+                    }
+                }
+            }
+        }
+        range
+    }
+}
+
+/// A reply's rows at `range` as an array in memory (int32, `[n, layers, top_k]`).
+fn id_array(r: &Reply, range: Range<usize>) -> IdArray {
+    let bytes: Vec<u8> = r.rows_at(range.clone()).iter().flat_map(|v| v.to_le_bytes()).collect();
+    IdArray { bytes: Bytes::from(bytes), dtype: "int32".into(), shape: [range.len(), r.layers, r.top_k] }
+}
+
+/// The axis's rows, reference against other, as `routes compare` compares two records.
+fn comparison(axis: Axis, sides: [Vec<IdArray>; 2], run: &Run) -> Result<Option<Comparison>, EngineError> {
+    let [pa, pb] = sides;
+    let Some(width) = pa.first().map(|p| p.shape[1]) else { return Ok(None) };
+    let mut budget = Budget::new(run.memory);
+    let layout = run.servers.first().and_then(|s| s.layout());
+    let name = |side: &str| format!("{} ({side})", axis.name());
+    // Both engines return every decoder layer, by absolute index.
+    let numbers = || Some((0..width).collect());
+    let records = from_ids(&name("reference"), pa, numbers(), layout, &mut budget)
+        .and_then(|ra| Ok((ra, from_ids(&name("other"), pb, numbers(), layout, &mut budget)?)));
+    let compared = records.and_then(|(ra, rb)| compare(&ra, &rb, layout, &CompareOptions::default(), &mut budget));
+    compared.map(Some).map_err(|e| EngineError::Settings { why: e.to_string() })
 }
 
 /// The non-negative ids of a decision, sorted (a set).

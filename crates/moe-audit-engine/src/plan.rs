@@ -231,103 +231,119 @@ impl Script {
     }
 }
 
+impl Script {
+    /// Adds a step of `requests` to `server`; the [`Take`] of its request `index`.
+    fn push(&mut self, server: usize, requests: Vec<Planned>, index: usize) -> Take {
+        self.steps.push(Step { server, requests });
+        Take { step: self.steps.len() - 1, index }
+    }
+
+    /// A salt slot no request of the script has used.
+    fn fresh_salt(&self) -> usize {
+        self.requests()
+    }
+}
+
 /// The scripts of an audit: one per probe prompt (and per long prompt with a second server).
+/// The draws are in a fixed order (probe length, probe, mates, cache prompt; long prompts last),
+/// so a seed names the same requests whatever the axes.
 pub fn scripts(settings: &Settings) -> Vec<Script> {
     let mut rng = ChaCha8Rng::seed_from_u64(settings.seed);
-    let on = |axis| settings.axes.contains(&axis);
-    let (lo, hi) = settings.prompt_len;
-    let mut out = Vec::new();
-    for probe in 0..settings.probes {
-        let len = rng.random_range(lo..=hi);
-        let prompt = draw(&mut rng, len, settings.vocab);
-        let g = settings.generate;
-        let alone = |salt| Planned { prompt: Prompt::Tokens(prompt.clone()), max_tokens: g, salt };
-        let mut s = Script { probe, steps: vec![Step { server: 0, requests: vec![alone(0)] }], pairings: Vec::new() };
-        let reference = Take { step: 0, index: 0 };
-        let add = |s: &mut Script, axis: Axis, server: usize, requests: Vec<Planned>, index: usize| {
-            s.steps.push(Step { server, requests });
-            let b = Take { step: s.steps.len() - 1, index };
-            s.pairings.push(Pairing { axis, a: reference, b });
-        };
-        let next_salt = |s: &Script| s.requests();
-        if on(Axis::Repeat) {
-            let r = alone(next_salt(&s));
-            add(&mut s, Axis::Repeat, 0, vec![r], 0);
-        }
-        if on(Axis::Continuation) {
-            let r = Planned { max_tokens: 1, ..alone(next_salt(&s)) };
-            add(&mut s, Axis::Continuation, 0, vec![r], 0);
-        }
-        if on(Axis::Decode) {
-            let prompt = Prompt::Reply { step: 0, index: 0, then: Vec::new() };
-            let r = Planned { prompt, max_tokens: 1, salt: next_salt(&s) };
-            add(&mut s, Axis::Decode, 0, vec![r], 0);
-        }
-        if on(Axis::Batch) {
-            // The probe in the middle of mates of other lengths, all in flight at once.
-            let first = next_salt(&s);
-            let mut group: Vec<Planned> = (0..settings.mates)
-                .map(|m| {
-                    let mut n = rng.random_range(lo..=hi.max(lo + 1));
-                    if n == len {
-                        n = if n > lo { n - 1 } else { n + 1 };
-                    }
-                    Planned {
-                        prompt: Prompt::Tokens(draw(&mut rng, n, settings.vocab)),
-                        max_tokens: g,
-                        salt: first + m,
-                    }
-                })
-                .collect();
-            let at = settings.mates / 2;
-            group.insert(at, alone(first + settings.mates));
-            add(&mut s, Axis::Batch, 0, group, at);
-        }
-        if on(Axis::Cache) || on(Axis::Stale) {
-            // A prompt of whole cache blocks fills the cache in its own namespace; the same
-            // prompt and new ids in that namespace hit it; the same in a fresh one recompute.
-            let fill = draw(&mut rng, settings.cache_len, settings.vocab);
-            let extended = [fill.clone(), draw(&mut rng, settings.extension, settings.vocab)].concat();
-            let salt = next_salt(&s);
-            s.steps.push(Step {
-                server: 0,
-                requests: vec![Planned { prompt: Prompt::Tokens(fill), max_tokens: g, salt }],
-            });
-            let filled = Take { step: s.steps.len() - 1, index: 0 };
-            let hit = Planned { prompt: Prompt::Tokens(extended.clone()), max_tokens: g, salt };
-            s.steps.push(Step { server: 0, requests: vec![hit] });
-            let hit = Take { step: s.steps.len() - 1, index: 0 };
-            if on(Axis::Stale) {
-                s.pairings.push(Pairing { axis: Axis::Stale, a: filled, b: hit });
-            }
-            if on(Axis::Cache) {
-                let fresh = Planned { prompt: Prompt::Tokens(extended), max_tokens: g, salt: next_salt(&s) };
-                s.steps.push(Step { server: 0, requests: vec![fresh] });
-                s.pairings.push(Pairing { axis: Axis::Cache, a: Take { step: s.steps.len() - 1, index: 0 }, b: hit });
-            }
-        }
-        if on(Axis::Against) {
-            let r = alone(next_salt(&s));
-            add(&mut s, Axis::Against, 1, vec![r], 0);
-        }
-        out.push(s);
-    }
-    if on(Axis::Against) {
+    let mut out: Vec<Script> = (0..settings.probes).map(|probe| probe_script(probe, settings, &mut rng)).collect();
+    if settings.axes.contains(&Axis::Against) {
         for n in 0..settings.long_prompts {
             let prompt = draw(&mut rng, settings.long_len, settings.vocab);
             let req = |salt| Planned { prompt: Prompt::Tokens(prompt.clone()), max_tokens: settings.generate, salt };
-            out.push(Script {
-                probe: settings.probes + n,
-                steps: vec![Step { server: 0, requests: vec![req(0)] }, Step { server: 1, requests: vec![req(1)] }],
-                pairings: vec![Pairing {
-                    axis: Axis::Against,
-                    a: Take { step: 0, index: 0 },
-                    b: Take { step: 1, index: 0 },
-                }],
-            });
+            let mut s = Script { probe: settings.probes + n, steps: Vec::new(), pairings: Vec::new() };
+            let a = s.push(0, vec![req(0)], 0);
+            let b = s.push(1, vec![req(1)], 0);
+            s.pairings.push(Pairing { axis: Axis::Against, a, b });
+            out.push(s);
         }
     }
     out
+}
+
+/// One probe prompt's script: the probe alone (step 0, every axis's reference but cache's), then
+/// each axis's other side.
+fn probe_script(probe: usize, settings: &Settings, rng: &mut ChaCha8Rng) -> Script {
+    let on = |axis| settings.axes.contains(&axis);
+    let (lo, hi) = settings.prompt_len;
+    let len = rng.random_range(lo..=hi);
+    let prompt = draw(rng, len, settings.vocab);
+    let g = settings.generate;
+    let alone = |salt| Planned { prompt: Prompt::Tokens(prompt.clone()), max_tokens: g, salt };
+    let mut s = Script { probe, steps: Vec::new(), pairings: Vec::new() };
+    let reference = s.push(0, vec![alone(0)], 0);
+    let against_reference = |s: &mut Script, axis, server, requests, index| {
+        let b = s.push(server, requests, index);
+        s.pairings.push(Pairing { axis, a: reference, b });
+    };
+    if on(Axis::Repeat) {
+        let r = alone(s.fresh_salt());
+        against_reference(&mut s, Axis::Repeat, 0, vec![r], 0);
+    }
+    if on(Axis::Continuation) {
+        let r = Planned { max_tokens: 1, ..alone(s.fresh_salt()) };
+        against_reference(&mut s, Axis::Continuation, 0, vec![r], 0);
+    }
+    if on(Axis::Decode) {
+        let prompt = Prompt::Reply { step: 0, index: 0, then: Vec::new() };
+        let r = Planned { prompt, max_tokens: 1, salt: s.fresh_salt() };
+        against_reference(&mut s, Axis::Decode, 0, vec![r], 0);
+    }
+    if on(Axis::Batch) {
+        let (group, at) = batch_group(len, s.fresh_salt(), settings, rng);
+        let group = group.into_iter().map(|p| p.unwrap_or_else(|| alone(s.fresh_salt() + settings.mates))).collect();
+        against_reference(&mut s, Axis::Batch, 0, group, at);
+    }
+    if on(Axis::Cache) || on(Axis::Stale) {
+        cache_steps(&mut s, settings, rng);
+    }
+    if on(Axis::Against) {
+        let r = alone(s.fresh_salt());
+        against_reference(&mut s, Axis::Against, 1, vec![r], 0);
+    }
+    s
+}
+
+/// The batch axis's group: `--mates` prompts of other lengths than the probe's (`len`), salted
+/// from `first`, with a gap (`None`) in the middle for the probe; the gap's index.
+fn batch_group(len: usize, first: usize, settings: &Settings, rng: &mut ChaCha8Rng) -> (Vec<Option<Planned>>, usize) {
+    let (lo, hi) = settings.prompt_len;
+    let mut group: Vec<Option<Planned>> = (0..settings.mates)
+        .map(|m| {
+            let mut n = rng.random_range(lo..=hi.max(lo + 1));
+            if n == len {
+                n = if n > lo { n - 1 } else { n + 1 };
+            }
+            let prompt = Prompt::Tokens(draw(rng, n, settings.vocab));
+            Some(Planned { prompt, max_tokens: settings.generate, salt: first + m })
+        })
+        .collect();
+    let at = settings.mates / 2;
+    group.insert(at, None);
+    (group, at)
+}
+
+/// The cache and stale axes: a prompt of whole cache blocks fills the cache in its own
+/// namespace; the same prompt and new ids in that namespace hit it; the same in a fresh one
+/// recompute it.
+fn cache_steps(s: &mut Script, settings: &Settings, rng: &mut ChaCha8Rng) {
+    let g = settings.generate;
+    let fill = draw(rng, settings.cache_len, settings.vocab);
+    let extended = [fill.clone(), draw(rng, settings.extension, settings.vocab)].concat();
+    let salt = s.fresh_salt();
+    let filled = s.push(0, vec![Planned { prompt: Prompt::Tokens(fill), max_tokens: g, salt }], 0);
+    let hit = s.push(0, vec![Planned { prompt: Prompt::Tokens(extended.clone()), max_tokens: g, salt }], 0);
+    if settings.axes.contains(&Axis::Stale) {
+        s.pairings.push(Pairing { axis: Axis::Stale, a: filled, b: hit });
+    }
+    if settings.axes.contains(&Axis::Cache) {
+        let fresh = Planned { prompt: Prompt::Tokens(extended), max_tokens: g, salt: s.fresh_salt() };
+        let recomputed = s.push(0, vec![fresh], 0);
+        s.pairings.push(Pairing { axis: Axis::Cache, a: recomputed, b: hit });
+    }
 }
 
 fn draw(rng: &mut ChaCha8Rng, n: usize, vocab: u32) -> Vec<u32> {

@@ -184,7 +184,29 @@ impl Server {
 
     /// Sends `request` and reads its reply (`n` names it in errors).
     pub fn generate(&self, request: &Request, n: usize) -> Result<Reply, EngineError> {
-        let (path, body) = match self.info.engine {
+        let (path, body) = self.body(request);
+        let at = format!("{}{path} (request {n})", self.client.base);
+        let answer = self.client.post(path, &body)?;
+        let doc = json_of(&at, &answer)?;
+        let (output, cached) = match self.info.engine {
+            Engine::Vllm => vllm_tokens(&at, &doc, request)?,
+            Engine::Sglang => sglang_tokens(&at, &doc)?,
+        };
+        if output.len() != request.max_tokens {
+            return Err(EngineError::Response {
+                at,
+                why: format!("{} tokens generated, {} asked (ignore_eos is set)", output.len(), request.max_tokens),
+            });
+        }
+        let (layers, top_k, routes) = self.routes(&at, answer.body, request.prompt.len(), output.len())?;
+        let mut tokens = request.prompt.clone();
+        tokens.extend(output);
+        Ok(Reply { tokens, prompt_len: request.prompt.len(), cached, layers, top_k, routes })
+    }
+
+    /// The engine's endpoint and body for `request`.
+    fn body(&self, request: &Request) -> (&'static str, Value) {
+        match self.info.engine {
             Engine::Vllm => (
                 "/v1/completions",
                 json!({
@@ -210,34 +232,29 @@ impl Server {
                     "cache_salt": request.salt,
                 }),
             ),
-        };
-        let at = format!("{}{path} (request {n})", self.client.base);
-        let answer = self.client.post(path, &body)?;
-        let doc = json_of(&at, &answer)?;
-        let (output, cached) = match self.info.engine {
-            Engine::Vllm => vllm_tokens(&at, &doc, request)?,
-            Engine::Sglang => sglang_tokens(&at, &doc)?,
-        };
-        if output.len() != request.max_tokens {
-            return Err(EngineError::Response {
-                at,
-                why: format!("{} tokens generated, {} asked (ignore_eos is set)", output.len(), request.max_tokens),
-            });
         }
+    }
+
+    /// The routes of an answer, read by the records crate's reader of its engine and checked
+    /// against the token counts: (layers, top-k, `[rows, layers, top_k]` from position 0).
+    fn routes(
+        &self,
+        at: &str,
+        body: Vec<u8>,
+        prompt: usize,
+        generated: usize,
+    ) -> Result<(usize, usize, Vec<i32>), EngineError> {
         let mut budget = Budget::new(self.memory);
-        let record =
-            moe_audit_records::from_bytes(&at, Bytes::from(answer.body), self.layout.as_ref(), None, &mut budget)
-                .map_err(|e| EngineError::Routes { at: at.clone(), why: e.to_string() })?;
-        let expect = request.prompt.len() + output.len() - 1;
+        let record = moe_audit_records::from_bytes(at, Bytes::from(body), self.layout.as_ref(), None, &mut budget)
+            .map_err(|e| EngineError::Routes { at: at.to_string(), why: e.to_string() })?;
+        let expect = prompt + generated - 1;
         let first = record.sequences.first().map_or(0, |s| s.first_position);
         if record.tokens + first != expect || record.sequences.len() != 1 {
             return Err(EngineError::Response {
-                at,
+                at: at.to_string(),
                 why: format!(
-                    "{} route rows from position {first}, {expect} expected (prompt {} + generated {} - 1)",
-                    record.tokens,
-                    request.prompt.len(),
-                    output.len()
+                    "{} route rows from position {first}, {expect} expected (prompt {prompt} + generated {generated} - 1)",
+                    record.tokens
                 ),
             });
         }
@@ -249,20 +266,12 @@ impl Server {
                     .into(),
             });
         }
-        let mut routes = vec![-1; first * record.layers.len() * record.top_k];
+        let (layers, top_k) = (record.layers.len(), record.top_k);
+        let mut routes = vec![-1; first * layers * top_k];
         let mut rows = Vec::new();
         record.rows(0..record.tokens, &mut rows);
         routes.extend(rows);
-        let mut tokens = request.prompt.clone();
-        tokens.extend(output);
-        Ok(Reply {
-            tokens,
-            prompt_len: request.prompt.len(),
-            cached,
-            layers: record.layers.len(),
-            top_k: record.top_k,
-            routes,
-        })
+        Ok((layers, top_k, routes))
     }
 }
 
