@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from routes_cli import routes_compare
+from routes_cli import routes_compare as command_compare
 
 import moe_audit
 import moe_audit.routes as routes
@@ -39,6 +39,16 @@ CONFIG = {
     "model_type": "qwen3_moe", "num_hidden_layers": LAYERS, "num_experts": EXPERTS,
     "num_experts_per_tok": TOP_K, "decoder_sparse_step": 1, "mlp_only_layers": [],
 }
+
+
+def routes_compare(*args):
+    """`moe-audit routes compare` and its JSON as Python is told it: the report names a setting
+    as `compare`'s keyword (`config`), the command as its flag (`--config`)."""
+    code, doc = command_compare(*args)
+    text = json.dumps(doc)
+    for flag in ("--config", "--max-disagreement", "--max-memory"):
+        text = text.replace(flag, flag[2:].replace("-", "_"))
+    return code, json.loads(text)
 
 
 def without_paths(doc):
