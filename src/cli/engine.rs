@@ -160,7 +160,7 @@ impl EngineArgs {
             concurrency: self.concurrency,
             axes,
         };
-        settings.check(self.against.is_some()).map_err(Error::usage)?;
+        settings.check(self.against.is_some())?;
         let budget = self.memory.budget();
         let config = self.config.as_deref().map(|p| read_config(p, budget)).transpose()?;
         if let Some(size) = config.as_ref().and_then(|c| c.1["vocab_size"].as_u64()) {

@@ -114,7 +114,7 @@ pub struct Run<'a> {
 
 /// Audits the server(s) of `run` with `settings`; `progress` hears each request sent.
 pub fn audit(run: &Run, settings: &Settings, progress: &(dyn Fn(usize, usize) + Sync)) -> Result<Report, EngineError> {
-    settings.check(run.servers.len() > 1).map_err(|why| EngineError::Settings { why })?;
+    settings.check(run.servers.len() > 1)?;
     for server in &run.servers {
         if let Some(max) = server.info.settings.get("max_model_len").and_then(|m| m.parse::<usize>().ok()) {
             if settings.longest() > max {

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 /// The most bytes of one response read: a routes payload of 1 GiB would be a 32k-token
 /// sequence of a 64-layer model with top-8 as int32, base64.
-pub const MAX_RESPONSE: u64 = 1 << 30;
+pub(crate) const MAX_RESPONSE: u64 = 1 << 30;
 
 /// A plain-HTTP client of one server.
 #[derive(Debug, Clone)]

@@ -2,6 +2,7 @@
 //! together) and the comparisons its replies answer, one per axis. Seeded: the same settings
 //! give the same token ids.
 
+use crate::EngineError;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
@@ -110,7 +111,7 @@ impl Default for Settings {
 
 impl Settings {
     /// Rules the flags cannot say, each as one line naming the setting.
-    pub fn check(&self, against: bool) -> Result<(), String> {
+    pub fn check(&self, against: bool) -> Result<(), EngineError> {
         let (lo, hi) = self.prompt_len;
         let rules = [
             (self.probes == 0, "probes must be at least 1".to_string()),
@@ -135,7 +136,7 @@ impl Settings {
             (self.axes.contains(&Axis::Against) && !against, "the against axis needs a second server".into()),
             (self.axes.is_empty(), "no axis to run".into()),
         ];
-        rules.into_iter().find(|(bad, _)| *bad).map_or(Ok(()), |(_, why)| Err(why))
+        rules.into_iter().find(|(bad, _)| *bad).map_or(Ok(()), |(_, why)| Err(EngineError::Settings { why }))
     }
 
     /// The longest sequence a request of the audit holds (prompt and generated).
