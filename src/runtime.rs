@@ -10,11 +10,11 @@
 use moe_audit::error::{Error, Result};
 
 /// Threads per core the pool may have at most (`RAYON_NUM_THREADS` above it is capped).
-pub const THREADS_PER_CORE: usize = 4;
+pub(crate) const THREADS_PER_CORE: usize = 4;
 
 /// Installs the signal thread and sizes the global thread pool. Call first in `main`, before any
 /// other thread starts (they inherit the blocked signals).
-pub fn init() -> Result<()> {
+pub(crate) fn init() -> Result<()> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = threads(std::env::var_os("RAYON_NUM_THREADS").as_deref(), cores)?;
     moe_audit::layer::kernel::check_setting().map_err(Error::usage)?;
@@ -30,7 +30,7 @@ pub fn init() -> Result<()> {
 
 /// The pool size for `RAYON_NUM_THREADS = value` (unset or 0: one per core), capped at
 /// [`THREADS_PER_CORE`] per core.
-pub fn threads(value: Option<&std::ffi::OsStr>, cores: usize) -> Result<usize> {
+pub(crate) fn threads(value: Option<&std::ffi::OsStr>, cores: usize) -> Result<usize> {
     let cap = cores.max(1).saturating_mul(THREADS_PER_CORE);
     let Some(value) = value else {
         return Ok(cores.max(1));
@@ -80,13 +80,13 @@ static INTERRUPTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBoo
 
 /// Whether a signal is ending the process: errors it causes (a router killed under a running
 /// audit) are not reported, the signal thread reports and exits.
-pub fn interrupted_by_signal() -> bool {
+pub(crate) fn interrupted_by_signal() -> bool {
     INTERRUPTED.load(std::sync::atomic::Ordering::SeqCst)
 }
 
 /// Kills the external routers and removes temporary outputs: every way out of the process that
 /// skips destructors (a signal, a panic) goes through here. How many routers were killed.
-pub fn clean_up() -> usize {
+pub(crate) fn clean_up() -> usize {
     let killed = moe_audit::external::process::kill_all();
     moe_audit::files::abandon_partial_files();
     killed

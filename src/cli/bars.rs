@@ -10,7 +10,7 @@ use std::io::IsTerminal;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// An audit's bar on stderr: `<router> <probe> (i/n)`, then the probe's cases done of planned.
-pub struct AuditBar {
+pub(crate) struct AuditBar {
     bar: ProgressBar,
     probes: usize,
     started: AtomicUsize,
@@ -19,12 +19,12 @@ pub struct AuditBar {
 impl AuditBar {
     /// A bar for `probes` probe runs in all (routers × probes), hidden unless stderr is a
     /// terminal.
-    pub fn stderr(probes: usize) -> AuditBar {
+    pub(crate) fn stderr(probes: usize) -> AuditBar {
         AuditBar { bar: ProgressBar::hidden(), probes, started: AtomicUsize::new(0) }
     }
 
     /// Clears the bar.
-    pub fn finish(&self) {
+    pub(crate) fn finish(&self) {
         self.bar.finish_and_clear();
     }
 }
@@ -58,7 +58,7 @@ impl Progress for AuditBar {
 
 /// A bar of `len` steps with a message (sweep cells, exploit seeds), hidden unless stderr is a
 /// terminal.
-pub fn bar(len: u64) -> ProgressBar {
+pub(crate) fn bar(len: u64) -> ProgressBar {
     let bar = on_terminal(len);
     bar.set_style(ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").expect("valid template"));
     bar

@@ -25,62 +25,62 @@ use std::path::PathBuf;
 /// Arguments of `moe-audit check`.
 #[derive(Debug, Args)]
 #[command(group(ArgGroup::new("subjects").args(["routers", "router_cmd", "traces"]).required(true).multiple(true)))]
-pub struct CheckArgs {
+pub(crate) struct CheckArgs {
     /// Preset names or router TOML files.
-    pub routers: Vec<String>,
+    pub(crate) routers: Vec<String>,
     // Probes to run: the help lists the registry's (`analyze/probe/mod.rs`).
     #[arg(long, help = Probe::help(Audit::Router), default_value_t = Probe::default_list(), help_heading = "Audit")]
-    pub probes: String,
+    pub(crate) probes: String,
     /// Sizes of the seeded layer's calls.
     #[command(flatten, next_help_heading = "Audit")]
-    pub sizes: SizeArgs,
+    pub(crate) sizes: SizeArgs,
     /// Trials of the randomised probes.
     #[arg(long, default_value_t = RunSizes::default().trials, help_heading = "Audit")]
-    pub trials: usize,
+    pub(crate) trials: usize,
     /// Seed of the layer, the inputs and every random choice.
     #[arg(long, default_value_t = 0, help_heading = "Audit")]
-    pub seed: u64,
+    pub(crate) seed: u64,
     /// Verdicts that make the check exit 1, comma separated: `leak` (a causality leak, a broken
     /// invariant, a random router's inconclusive verdict), `latent` (only the capacity in force
     /// changed, no decision did), `drift` (probe X: routing in bf16 or f16 differs from f32).
     #[arg(long, value_name = "VERDICTS", default_value = FailOn::DEFAULT, value_parser = FailOn::parse, help_heading = "Audit")]
-    pub fail_on: FailOn,
+    pub(crate) fail_on: FailOn,
     /// Route every prefix in P (time quadratic in --seq-len) instead of searching them; the
     /// verdicts and witnesses are the same, the counts cover every prefix.
     #[arg(long, help_heading = "Audit")]
-    pub exhaustive: bool,
+    pub(crate) exhaustive: bool,
     /// Report format.
     #[arg(long, value_enum, default_value_t = CheckFormat::Text, help_heading = "Output")]
-    pub format: CheckFormat,
+    pub(crate) format: CheckFormat,
     /// Write the report here instead of stdout.
     #[arg(long, value_name = "FILE", help_heading = "Output")]
-    pub output: Option<PathBuf>,
+    pub(crate) output: Option<PathBuf>,
     /// Write one witness file per leak here (`<router>-<probe>.json`; `moe-audit replay` replays
     /// one).
     #[arg(long, value_name = "DIR", help_heading = "Output")]
-    pub witness_dir: Option<PathBuf>,
+    pub(crate) witness_dir: Option<PathBuf>,
     /// The memory limit.
     #[command(flatten)]
-    pub memory: MemoryArgs,
+    pub(crate) memory: MemoryArgs,
     /// Also print GitHub Actions `::error::` annotations, one per leak, on stdout.
     #[arg(long, help_heading = "Output")]
-    pub github: bool,
+    pub(crate) github: bool,
     /// Routers outside moe-audit.
     #[command(flatten)]
-    pub external: ExternalArgs,
+    pub(crate) external: ExternalArgs,
     /// Expert-parallel ranks of the layout probe (L), which runs the layer on them [default: 2;
     /// with --comm mpi, the MPI world size].
     #[arg(long, help_heading = "Parallel")]
-    pub ranks: Option<usize>,
+    pub(crate) ranks: Option<usize>,
     /// How the ranks communicate: threads of this process, or MPI, one rank per process under
     /// `mpirun -np R` (rank 0 prints the report; needs a build with `--features mpi`).
     #[arg(long, value_enum, default_value_t = CommKind::InProcess, help_heading = "Parallel")]
-    pub comm: CommKind,
+    pub(crate) comm: CommKind,
 }
 
 /// Report formats of `check`.
 #[derive(Debug, Clone, Copy, ValueEnum)]
-pub enum CheckFormat {
+pub(crate) enum CheckFormat {
     /// One row per router × probe, for a terminal.
     Text,
     /// The whole report.
@@ -95,7 +95,7 @@ pub enum CheckFormat {
 
 /// A validated `check`: what to audit, how, and where the report goes.
 #[derive(Debug)]
-pub struct CheckOptions {
+pub(crate) struct CheckOptions {
     /// The targets and the audit's options (the plan's, for traces).
     check: Check,
     /// `--ranks` as given (MPI checks it against the world size).
@@ -113,7 +113,7 @@ pub struct CheckOptions {
 impl CheckArgs {
     /// Every rule on the flags that clap cannot say, in one place: the audit's options, then the
     /// targets (the configs loaded), then the check they make (the plan's options for traces).
-    pub fn validated(&self) -> Result<CheckOptions> {
+    pub(crate) fn validated(&self) -> Result<CheckOptions> {
         let budget = self.memory.budget();
         let (options, layer) = self.audit_options()?;
         let targets = self.external.targets(&self.routers, layer, &options.probes)?;
@@ -230,15 +230,15 @@ fn name_exhaustive(report: &mut Report) {
 
 /// Arguments of `moe-audit zoo`.
 #[derive(Debug, Args)]
-pub struct ZooArgs {
+pub(crate) struct ZooArgs {
     /// Seed of the layers, the inputs and every random choice.
     #[arg(long, default_value_t = 0)]
-    pub seed: u64,
+    pub(crate) seed: u64,
 }
 
 impl ZooArgs {
     /// The audit's options: the defaults, with this seed.
-    pub fn validated(&self) -> AuditOptions {
+    pub(crate) fn validated(&self) -> AuditOptions {
         AuditOptions { seed: self.seed, ..AuditOptions::default() }
     }
 }

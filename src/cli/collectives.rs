@@ -18,62 +18,62 @@ const MAX_RANKS: usize = 1024;
 
 /// Arguments of `moe-audit collectives`.
 #[derive(Debug, Args)]
-pub struct CollectivesArgs {
+pub(crate) struct CollectivesArgs {
     /// Rank counts to reduce over (in-process; with --comm mpi, the MPI world size only).
     #[arg(long, value_delimiter = ',', default_value = "4,8,16,32,64")]
-    pub ranks: Vec<usize>,
+    pub(crate) ranks: Vec<usize>,
     /// How the ranks communicate (mpi: run under `mpirun -np R`; rank 0 prints).
     #[arg(long, value_enum, default_value_t = CommKind::InProcess)]
-    pub comm: CommKind,
+    pub(crate) comm: CommKind,
     /// Elements per buffer [default: 4096, or every value of --gradients].
     #[arg(long)]
-    pub elements: Option<usize>,
+    pub(crate) elements: Option<usize>,
     /// Dynamic ranges of the seeded payload: outliers are this many times the typical value.
     #[arg(long, value_delimiter = ',', default_value = "10,100,1000,10000")]
-    pub ranges: Vec<f64>,
+    pub(crate) ranges: Vec<f64>,
     /// Probability that a rank's value of an element is an outlier (seeded payload).
     #[arg(long, default_value_t = 0.01)]
-    pub outliers: f64,
+    pub(crate) outliers: f64,
     /// Seed of the payload.
     #[arg(long, default_value_t = 0)]
-    pub seed: u64,
+    pub(crate) seed: u64,
     /// Real gradients instead of the seeded payload: a safetensors file whose tensors all have
     /// the ranks as first dimension (row r of every tensor, in name order, is rank r's buffer).
     #[arg(long, value_name = "FILE")]
-    pub gradients: Option<PathBuf>,
+    pub(crate) gradients: Option<PathBuf>,
     /// Algorithms compared.
     #[arg(long, value_parser = super::one_of(Algorithm::ALL, Algorithm::name, Algorithm::about), value_delimiter = ',', default_value = "ring,halving,hierarchical,direct")]
-    pub algorithms: Vec<Algorithm>,
+    pub(crate) algorithms: Vec<Algorithm>,
     /// Wire precisions compared.
     #[arg(long, value_parser = super::precision(), value_delimiter = ',', default_value = "f32,bf16,f16")]
-    pub wire: Vec<Precision>,
+    pub(crate) wire: Vec<Precision>,
     /// Accumulator precisions compared.
     #[arg(long, value_parser = super::precision(), value_delimiter = ',', default_value = "f32,bf16,f16")]
-    pub accumulate: Vec<Precision>,
+    pub(crate) accumulate: Vec<Precision>,
     /// Ranks per domain of the hierarchical algorithm (must divide every rank count).
     #[arg(long, default_value_t = 4)]
-    pub domain: usize,
+    pub(crate) domain: usize,
     /// An element is swamped when its error exceeds this share of its exact sum.
     #[arg(long, default_value_t = 0.01)]
-    pub tolerance: f64,
+    pub(crate) tolerance: f64,
     /// Exit 1 when a configuration's |bias| (mean signed error over mean |exact|) exceeds this.
     #[arg(long)]
-    pub max_bias: Option<f64>,
+    pub(crate) max_bias: Option<f64>,
     /// Output format.
     #[arg(long, value_enum, default_value_t = CollectivesFormat::Text)]
-    pub format: CollectivesFormat,
+    pub(crate) format: CollectivesFormat,
     /// Also draw relative error against ranks, one line per configuration and one chart per
     /// range, into this directory (SVG and PNG).
     #[arg(long = "chart-dir", alias = "chart", value_name = "DIR")]
-    pub chart: Option<PathBuf>,
+    pub(crate) chart: Option<PathBuf>,
     /// The memory limit.
     #[command(flatten)]
-    pub memory: MemoryArgs,
+    pub(crate) memory: MemoryArgs,
 }
 
 /// Output formats of `collectives`.
 #[derive(Debug, Clone, Copy, ValueEnum)]
-pub enum CollectivesFormat {
+pub(crate) enum CollectivesFormat {
     /// One table per dynamic range.
     Text,
     /// Every figure.
@@ -82,7 +82,7 @@ pub enum CollectivesFormat {
 
 /// A validated `collectives`: the payload, the plan, and what to do with the figures.
 #[derive(Debug)]
-pub struct CollectivesOptions {
+pub(crate) struct CollectivesOptions {
     /// Rank counts, each in 1..=MAX_RANKS.
     ranks: Vec<usize>,
     comm: CommKind,
@@ -97,7 +97,7 @@ pub struct CollectivesOptions {
 
 impl CollectivesArgs {
     /// Every rule on the flags in one place, in named steps; reads the gradients file.
-    pub fn validated(&self) -> Result<CollectivesOptions> {
+    pub(crate) fn validated(&self) -> Result<CollectivesOptions> {
         self.check_ranks()?;
         self.check_reductions()?;
         let budget = self.memory.budget();

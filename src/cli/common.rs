@@ -14,24 +14,24 @@ use std::time::Duration;
 /// `--batch`, `--seq-len`, `--hidden`, `--ffn`: a seeded layer's call, declared once for `check`,
 /// `model` and `ep`, with [`RunSizes`]' defaults.
 #[derive(Debug, Args)]
-pub struct SizeArgs {
+pub(crate) struct SizeArgs {
     /// Sequences per call (split evenly over expert-parallel ranks).
     #[arg(long, default_value_t = RunSizes::default().batch)]
-    pub batch: usize,
+    pub(crate) batch: usize,
     /// Tokens per sequence.
     #[arg(long, default_value_t = RunSizes::default().seq_len)]
-    pub seq_len: usize,
+    pub(crate) seq_len: usize,
     /// Hidden size of the seeded layer.
     #[arg(long, default_value_t = RunSizes::default().hidden)]
-    pub hidden: usize,
+    pub(crate) hidden: usize,
     /// Expert FFN size of the seeded layer.
     #[arg(long, default_value_t = RunSizes::default().ffn)]
-    pub ffn: usize,
+    pub(crate) ffn: usize,
 }
 
 impl SizeArgs {
     /// These sizes with `trials` and `ranks`, checked.
-    pub fn validated(&self, trials: usize, ranks: usize) -> Result<RunSizes> {
+    pub(crate) fn validated(&self, trials: usize, ranks: usize) -> Result<RunSizes> {
         let sizes =
             RunSizes { batch: self.batch, seq_len: self.seq_len, hidden: self.hidden, ffn: self.ffn, trials, ranks };
         sizes.validate()?;
@@ -41,38 +41,38 @@ impl SizeArgs {
 
 /// `--max-memory`, declared once for every command.
 #[derive(Debug, Args)]
-pub struct MemoryArgs {
+pub(crate) struct MemoryArgs {
     /// Refuse to start a run estimated to need more memory (e.g. `4GiB`; default: half of
     /// physical memory).
     #[arg(long, value_name = "SIZE", value_parser = moe_audit::memory::parse_size, allow_hyphen_values = true)]
-    pub max_memory: Option<bytesize::ByteSize>,
+    pub(crate) max_memory: Option<bytesize::ByteSize>,
 }
 
 impl MemoryArgs {
     /// The budget in force.
-    pub fn budget(&self) -> moe_audit::MemoryBudget {
+    pub(crate) fn budget(&self) -> moe_audit::MemoryBudget {
         moe_audit::MemoryBudget::from_request(self.max_memory)
     }
 }
 
 /// `--timeout`: how long a command (a router or a model) may take to answer.
 #[derive(Debug, Args)]
-pub struct TimeoutArgs {
+pub(crate) struct TimeoutArgs {
     /// Seconds to wait for the command's handshake and for each answer.
     #[arg(long, default_value_t = 60.0, value_name = "SECS", allow_hyphen_values = true)]
-    pub timeout: f64,
+    pub(crate) timeout: f64,
 }
 
 impl TimeoutArgs {
     /// The timeout as a duration, checked.
-    pub fn validated(&self) -> Result<Duration> {
+    pub(crate) fn validated(&self) -> Result<Duration> {
         moe_audit::external::process::timeout(self.timeout)
     }
 }
 
 /// `--mode`: the mode a router command is audited or replayed in, parsed straight into the
 /// library's [`Mode`] (clap's own shadow type would be a second name for it).
-pub fn mode_parser() -> impl TypedValueParser<Value = Mode> {
+pub(crate) fn mode_parser() -> impl TypedValueParser<Value = Mode> {
     PossibleValuesParser::new([
         PossibleValue::new("train").help("Training mode (the default)"),
         PossibleValue::new("inference").help("Serving mode"),
@@ -82,7 +82,7 @@ pub fn mode_parser() -> impl TypedValueParser<Value = Mode> {
 
 /// `--input` of `plan` and `snapshot plan`: what a harness feeds its router.
 #[derive(Debug, Clone, Copy, ValueEnum)]
-pub enum InputArg {
+pub(crate) enum InputArg {
     /// E gate logits per token.
     Logits,
     /// H hidden values per token.
@@ -100,7 +100,7 @@ impl From<InputArg> for InputKind {
 
 /// Communicators of `--comm` (`check`, `ep`, `collectives`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum CommKind {
+pub(crate) enum CommKind {
     /// In-process ranks (threads).
     #[value(name = "inproc")]
     InProcess,
@@ -110,28 +110,28 @@ pub enum CommKind {
 
 /// The error of `--comm mpi` in a build without MPI.
 #[cfg(not(feature = "mpi"))]
-pub fn no_mpi() -> Error {
+pub(crate) fn no_mpi() -> Error {
     Error::usage("--comm mpi: this moe-audit was built without MPI (cargo build --features mpi)")
 }
 
 /// Which verdicts fail a check (`--fail-on`): each word names one verdict.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct FailOn {
+pub(crate) struct FailOn {
     /// A causality leak, a broken invariant, or a verdict a random router made inconclusive.
-    pub leak: bool,
+    pub(crate) leak: bool,
     /// A latent dependence: only the capacity in force changed, no decision did.
-    pub latent: bool,
+    pub(crate) latent: bool,
     /// Precision drift (probe X).
-    pub drift: bool,
+    pub(crate) drift: bool,
 }
 
 impl FailOn {
     /// The default: a latent dependence fails as a leak does, since it drops tokens as soon as
     /// the capacity binds (docs/PROPERTIES.md, "Latent").
-    pub const DEFAULT: &'static str = "leak,latent";
+    pub(crate) const DEFAULT: &'static str = "leak,latent";
 
     /// Parses `--fail-on`'s comma-separated list.
-    pub fn parse(list: &str) -> std::result::Result<FailOn, String> {
+    pub(crate) fn parse(list: &str) -> std::result::Result<FailOn, String> {
         let mut on = FailOn { leak: false, latent: false, drift: false };
         for word in list.split(',').map(str::trim) {
             match word {
@@ -149,7 +149,7 @@ impl FailOn {
     }
 
     /// Whether a finding of verdict `v` fails the check.
-    pub fn counts(self, v: Verdict) -> bool {
+    pub(crate) fn counts(self, v: Verdict) -> bool {
         match v {
             // A random router must not pass a gate silently, even when D is not among the probes.
             Verdict::Leak | Verdict::Inconclusive => self.leak,
@@ -160,7 +160,7 @@ impl FailOn {
     }
 
     /// Whether `report` has a verdict that fails (a broken invariant is a leak).
-    pub fn fails(self, report: &Report) -> bool {
+    pub(crate) fn fails(self, report: &Report) -> bool {
         report
             .routers
             .iter()
@@ -169,7 +169,7 @@ impl FailOn {
 }
 
 /// `path` as UTF-8 (a snapshot header records it as text), or a usage error naming `flag`.
-pub fn utf8(path: &Path, flag: &str) -> Result<String> {
+pub(crate) fn utf8(path: &Path, flag: &str) -> Result<String> {
     path.to_str().map(str::to_string).ok_or_else(|| Error::usage(format!("{flag}: the path is not UTF-8")))
 }
 

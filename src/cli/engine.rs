@@ -16,88 +16,88 @@ use std::path::PathBuf;
 
 /// Arguments of `moe-audit engine`.
 #[derive(Debug, Args)]
-pub struct EngineArgs {
+pub(crate) struct EngineArgs {
     /// The server: `http://host:port` of a vLLM or SGLang server started with
     /// `--enable-return-routed-experts`. Nobody else should use it during the audit.
     #[arg(value_name = "URL")]
-    pub url: String,
+    pub(crate) url: String,
     /// A second server that differs in one setting (prefill chunk budget, TP/EP degree,
     /// batch-invariant or deterministic mode): the same requests compared across the two.
     #[arg(long, value_name = "URL")]
-    pub against: Option<String>,
+    pub(crate) against: Option<String>,
     /// Refuse a server of another engine [default: told by its endpoints].
     #[arg(long, value_parser = one_of(Engine::ALL, Engine::name, Engine::about))]
-    pub engine: Option<Engine>,
+    pub(crate) engine: Option<Engine>,
     /// The model's config.json (Hugging Face): SGLang returns routes without their shape.
     #[arg(long, value_name = "FILE")]
-    pub config: Option<PathBuf>,
+    pub(crate) config: Option<PathBuf>,
     /// Axes compared [default: every axis; `against` only with --against].
     #[arg(long, value_delimiter = ',', value_parser = one_of(Axis::ALL, Axis::name, Axis::about))]
-    pub axes: Vec<Axis>,
+    pub(crate) axes: Vec<Axis>,
     /// Axes that must hold: exit 1 when one changes.
     #[arg(long, value_delimiter = ',', default_value = "repeat,stale", value_parser = one_of(Axis::ALL, Axis::name, Axis::about))]
-    pub must_hold: Vec<Axis>,
+    pub(crate) must_hold: Vec<Axis>,
     /// Seed of the prompts.
     #[arg(long, default_value_t = 0)]
-    pub seed: u64,
+    pub(crate) seed: u64,
     /// Probe prompts.
     #[arg(long, default_value_t = Settings::default().probes)]
-    pub probes: usize,
+    pub(crate) probes: usize,
     /// Shortest and longest probe prompt, in tokens.
     #[arg(long, value_name = "MIN..MAX", default_value = "32..96", value_parser = parse_range)]
-    pub prompt_len: (usize, usize),
+    pub(crate) prompt_len: (usize, usize),
     /// Tokens generated per probe (greedy, end of sequence ignored).
     #[arg(long, default_value_t = Settings::default().generate)]
-    pub generate: usize,
+    pub(crate) generate: usize,
     /// Batch-mates sent with each probe.
     #[arg(long, default_value_t = Settings::default().mates)]
-    pub mates: usize,
+    pub(crate) mates: usize,
     /// Token ids are drawn from [0, VOCAB); at most the model's vocabulary (checked against
     /// --config): vLLM started with --skip-tokenizer-init does not check ids, and one past the
     /// vocabulary kills its engine.
     #[arg(long, default_value_t = Settings::default().vocab)]
-    pub vocab: u32,
+    pub(crate) vocab: u32,
     /// Length of the prompt that fills the prefix cache (cache and stale axes): whole blocks of
     /// the engine (vLLM's CPU build caches blocks of 128 tokens, its GPU build 16).
     #[arg(long, default_value_t = Settings::default().cache_len)]
-    pub cache_len: usize,
+    pub(crate) cache_len: usize,
     /// Tokens appended to the cached prompt.
     #[arg(long, default_value_t = Settings::default().extension)]
-    pub extension: usize,
+    pub(crate) extension: usize,
     /// Long prompts sent to both servers (with --against: the prefill chunking).
     #[arg(long, default_value_t = Settings::default().long_prompts)]
-    pub long_prompts: usize,
+    pub(crate) long_prompts: usize,
     /// Length of a long prompt.
     #[arg(long, default_value_t = Settings::default().long_len)]
-    pub long_len: usize,
+    pub(crate) long_len: usize,
     /// The most requests in flight at once (the batch axis sends the probe and its mates
     /// together; every other request is sent alone).
     #[arg(long, default_value_t = Settings::default().concurrency)]
-    pub concurrency: usize,
+    pub(crate) concurrency: usize,
     /// Each request's timeout.
     #[command(flatten)]
-    pub timeout: TimeoutArgs,
+    pub(crate) timeout: TimeoutArgs,
     /// Prefix of the requests' cache salts [default: from the clock, so no run reads another's
     /// cache entries].
     #[arg(long, value_name = "ID")]
-    pub run_id: Option<String>,
+    pub(crate) run_id: Option<String>,
     /// Output format.
     #[arg(long, value_enum, default_value_t = EngineFormat::Text)]
-    pub format: EngineFormat,
+    pub(crate) format: EngineFormat,
     /// Write the report to this file instead of stdout.
     #[arg(long, value_name = "FILE")]
-    pub output: Option<PathBuf>,
+    pub(crate) output: Option<PathBuf>,
     /// Write one witness per changed axis here (`engine-AXIS.json`), replayed by `moe-audit replay`.
     #[arg(long, value_name = "DIR")]
-    pub witness_dir: Option<PathBuf>,
+    pub(crate) witness_dir: Option<PathBuf>,
     /// The memory limit.
     #[command(flatten)]
-    pub memory: MemoryArgs,
+    pub(crate) memory: MemoryArgs,
 }
 
 /// Output formats of `engine`.
 #[derive(Debug, Clone, Copy, ValueEnum)]
-pub enum EngineFormat {
+pub(crate) enum EngineFormat {
     /// One row per axis, then the changes.
     Text,
     /// Every figure.
@@ -123,7 +123,7 @@ fn parse_range(s: &str) -> std::result::Result<(usize, usize), String> {
 
 /// A validated `engine`.
 #[derive(Debug)]
-pub struct EngineOptions {
+pub(crate) struct EngineOptions {
     /// The model's config.json, kept in witnesses (SGLang's replay needs its shape).
     config: Option<serde_json::Value>,
     url: String,
@@ -140,7 +140,7 @@ pub struct EngineOptions {
 
 impl EngineArgs {
     /// The flags checked and the config read.
-    pub fn validated(&self) -> Result<EngineOptions> {
+    pub(crate) fn validated(&self) -> Result<EngineOptions> {
         let axes = if self.axes.is_empty() {
             Axis::ALL.into_iter().filter(|&a| a != Axis::Against || self.against.is_some()).collect()
         } else {

@@ -19,43 +19,43 @@ use std::path::PathBuf;
 
 /// Arguments of `moe-audit ep`.
 #[derive(Debug, Args)]
-pub struct EpArgs {
+pub(crate) struct EpArgs {
     /// Preset name or router TOML file.
-    pub router: String,
+    pub(crate) router: String,
     /// Ranks (in-process; with --comm mpi, the MPI world size) [default: 2].
     #[arg(long)]
-    pub ranks: Option<usize>,
+    pub(crate) ranks: Option<usize>,
     /// How the ranks communicate (mpi: run under `mpirun -np R`; rank 0 prints).
     #[arg(long, value_enum, default_value_t = CommKind::InProcess)]
-    pub comm: CommKind,
+    pub(crate) comm: CommKind,
     /// Sizes of the seeded layer's call.
     #[command(flatten)]
-    pub sizes: SizeArgs,
+    pub(crate) sizes: SizeArgs,
     /// Seed of the layer and the input.
     #[arg(long, default_value_t = 0)]
-    pub seed: u64,
+    pub(crate) seed: u64,
     /// Hidden states instead of seeded ones: a JSON array of batch*seq_len rows of `hidden`
     /// numbers, sequence-major (--batch splits them into sequences).
     #[arg(long = "hidden-states", alias = "input", value_name = "FILE")]
-    pub input: Option<PathBuf>,
+    pub(crate) input: Option<PathBuf>,
     /// Output format.
     #[arg(long, value_enum, default_value_t = EpFormat::Text)]
-    pub format: EpFormat,
+    pub(crate) format: EpFormat,
     /// The memory limit.
     #[command(flatten)]
-    pub memory: MemoryArgs,
+    pub(crate) memory: MemoryArgs,
     /// Precision of the expert outputs on their way back (the combine's wire); with a
     /// low-precision combine the report compares the output with the f32 combine's.
     #[arg(long, value_parser = super::precision(), default_value = "f32")]
-    pub combine_wire: Precision,
+    pub(crate) combine_wire: Precision,
     /// Precision of the combine's sum of each token's weighted expert outputs.
     #[arg(long, value_parser = super::precision(), default_value = "f32")]
-    pub combine_accumulate: Precision,
+    pub(crate) combine_accumulate: Precision,
 }
 
 /// Output formats of `ep`.
 #[derive(Debug, Clone, Copy, ValueEnum)]
-pub enum EpFormat {
+pub(crate) enum EpFormat {
     /// A table per rank.
     Text,
     /// The whole result.
@@ -64,7 +64,7 @@ pub enum EpFormat {
 
 /// A validated `ep`: the seeded layer's router and sizes, its input, how it runs.
 #[derive(Debug)]
-pub struct EpOptions {
+pub(crate) struct EpOptions {
     config: RouterConfig,
     run: RunSizes,
     /// `--ranks` as given (MPI checks it against the world size).
@@ -80,7 +80,7 @@ pub struct EpOptions {
 impl EpArgs {
     /// Sizes checked, the router loaded, the input file read, and the forward's memory estimate
     /// (at the input's real sizes: a file's, not --seq-len) checked against the limit.
-    pub fn validated(&self) -> Result<EpOptions> {
+    pub(crate) fn validated(&self) -> Result<EpOptions> {
         let ranks = self.ranks.unwrap_or(RunSizes::default().ranks);
         let run = self.sizes.validated(RunSizes::default().trials, ranks)?;
         let config = RouterConfig::load(&self.router)?;

@@ -4,14 +4,14 @@
 //! an internal error). A signal ends the process with 128 + its number (`runtime.rs`).
 
 /// Done, and the check passed.
-pub const OK: u8 = 0;
+pub(crate) const OK: u8 = 0;
 /// The check failed: what the command looks for was found.
-pub const FAILED: u8 = 1;
+pub(crate) const FAILED: u8 = 1;
 /// Nothing was judged: bad input or usage, an I/O failure, an internal error, a panic.
-pub const ERROR: u8 = 2;
+pub(crate) const ERROR: u8 = 2;
 
 /// [`FAILED`] when `failed`, else [`OK`].
-pub fn failed_if(failed: bool) -> u8 {
+pub(crate) fn failed_if(failed: bool) -> u8 {
     if failed {
         FAILED
     } else {

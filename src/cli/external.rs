@@ -17,49 +17,49 @@ use std::path::{Path, PathBuf};
 /// The `check` flags of routers outside moe-audit.
 #[derive(Debug, Args)]
 #[command(next_help_heading = "External routers")]
-pub struct ExternalArgs {
+pub(crate) struct ExternalArgs {
     /// A command speaking the moe-audit/1 or /2 protocol on stdin/stdout (docs/PROTOCOL.md), run
     /// with `sh -c`; repeat it for several routers.
     #[arg(long, value_name = "COMMAND")]
-    pub router_cmd: Vec<String>,
+    pub(crate) router_cmd: Vec<String>,
     /// Another launch of the --router-cmd layer at another expert-parallel size (the same
     /// script at `--nproc_per_node 1` or 4), spawned like it; the layout probe (L) compares its
     /// answer to the base call token by token. Repeat it for several sizes.
     #[arg(long, value_name = "COMMAND", requires = "router_cmd")]
-    pub layout_cmd: Vec<String>,
+    pub(crate) layout_cmd: Vec<String>,
     /// How long a router command may take.
     #[command(flatten)]
-    pub timeout: TimeoutArgs,
+    pub(crate) timeout: TimeoutArgs,
     /// The mode --router-cmd routers are audited in: every probe's requests carry it (M compares
     /// it with the other mode); `inference` audits the serving path.
     #[arg(long, value_parser = mode_parser(), default_value = "train", requires = "router_cmd")]
-    pub mode: Mode,
+    pub(crate) mode: Mode,
     /// A trace directory (`moe-audit plan`, answered by your harness); the audit runs with the
     /// plan's probes and sizes.
     #[arg(long, value_name = "DIR", conflicts_with = "router_cmd")]
-    pub traces: Option<PathBuf>,
+    pub(crate) traces: Option<PathBuf>,
     /// A safetensors checkpoint holding the gate of the routers named on the command line.
     #[arg(long, value_name = "FILE.safetensors", requires_all = ["gate", "routers"])]
-    pub weights: Option<PathBuf>,
+    pub(crate) weights: Option<PathBuf>,
     /// The gate matrix `[experts, hidden]` in --weights.
     #[arg(long, value_name = "TENSOR", requires = "weights")]
-    pub gate: Option<String>,
+    pub(crate) gate: Option<String>,
     /// A selection-only expert bias `[experts]` in --weights (DeepSeek-V3
     /// `e_score_correction_bias`); replaces the config's `expert_bias`.
     #[arg(long, value_name = "TENSOR", requires = "gate")]
-    pub bias: Option<String>,
+    pub(crate) bias: Option<String>,
     /// Real hidden states `[..., hidden]` to sample the audit's tokens from, with --weights
     /// (`FILE.safetensors` holding one tensor, or `FILE.safetensors:TENSOR`); default: seeded
     /// standard normal.
     #[arg(long, value_name = "FILE[:TENSOR]", requires = "gate")]
-    pub hidden_states: Option<String>,
+    pub(crate) hidden_states: Option<String>,
 }
 
 impl ExternalArgs {
     /// These flags checked (clap has checked which go together) and turned into targets, after
     /// the `routers` named on the command line, loaded (on the gate of --weights when given, else
     /// on a seeded layer of `layer`); `probes` are the audit's.
-    pub fn targets(&self, routers: &[String], layer: (usize, usize), probes: &[Probe]) -> Result<Vec<Target>> {
+    pub(crate) fn targets(&self, routers: &[String], layer: (usize, usize), probes: &[Probe]) -> Result<Vec<Target>> {
         let timeout = self.timeout.validated()?;
         if !self.layout_cmd.is_empty() {
             if self.router_cmd.len() != 1 {
@@ -106,48 +106,48 @@ impl ExternalArgs {
 
 /// Arguments of `moe-audit plan`.
 #[derive(Debug, Args)]
-pub struct PlanArgs {
+pub(crate) struct PlanArgs {
     /// Where to write `manifest.json` and `inputs.safetensors`.
     #[arg(long = "output-dir", alias = "output", value_name = "DIR")]
-    pub output: PathBuf,
+    pub(crate) output: PathBuf,
     /// The router's name in the report.
     #[arg(long, default_value = "traced")]
-    pub name: String,
+    pub(crate) name: String,
     /// Number of experts E.
     #[arg(long)]
-    pub experts: usize,
+    pub(crate) experts: usize,
     /// Experts per token (omit for expert choice).
     #[arg(long)]
-    pub top_k: Option<usize>,
+    pub(crate) top_k: Option<usize>,
     /// What the harness feeds its router: E logits or H hidden values per token.
     #[arg(long, value_enum, default_value_t = InputArg::Logits)]
-    pub input: InputArg,
+    pub(crate) input: InputArg,
     /// Hidden size H (with --input hidden).
     #[arg(long)]
-    pub hidden_size: Option<usize>,
+    pub(crate) hidden_size: Option<usize>,
     /// Probes to plan, comma separated.
     #[arg(long, default_value_t = Probe::default_list())]
-    pub probes: String,
+    pub(crate) probes: String,
     /// Sequences per call.
     #[arg(long, default_value_t = 4)]
-    pub batch: usize,
+    pub(crate) batch: usize,
     /// Tokens per sequence.
     #[arg(long, default_value_t = 128)]
-    pub seq_len: usize,
+    pub(crate) seq_len: usize,
     /// Trials of the randomised probes.
     #[arg(long, default_value_t = 32)]
-    pub trials: usize,
+    pub(crate) trials: usize,
     /// Seed of the inputs and every random choice.
     #[arg(long, default_value_t = 0)]
-    pub seed: u64,
+    pub(crate) seed: u64,
     /// The memory limit.
     #[command(flatten)]
-    pub memory: MemoryArgs,
+    pub(crate) memory: MemoryArgs,
 }
 
 /// A validated `plan`: the handshake of the router to plan for and the audit's options.
 #[derive(Debug)]
-pub struct PlanOptions {
+pub(crate) struct PlanOptions {
     router: Handshake,
     options: AuditOptions,
     output: PathBuf,
@@ -156,7 +156,7 @@ pub struct PlanOptions {
 
 impl PlanArgs {
     /// Every rule on the flags in one place.
-    pub fn validated(&self) -> Result<PlanOptions> {
+    pub(crate) fn validated(&self) -> Result<PlanOptions> {
         let input: InputKind = self.input.into();
         let router = Handshake {
             protocol: moe_audit::external::protocol::PROTOCOL.into(),

@@ -42,15 +42,15 @@ use sweep::SweepArgs;
 /// Audit Mixture-of-Experts routers for train/inference causality leaks.
 #[derive(Debug, Parser)]
 #[command(name = "moe-audit", version, about)]
-pub struct Cli {
+pub(crate) struct Cli {
     /// What to do.
     #[command(subcommand)]
-    pub command: Command,
+    pub(crate) command: Command,
 }
 
 /// The commands.
 #[derive(Debug, Subcommand)]
-pub enum Command {
+pub(crate) enum Command {
     /// List the built-in router presets.
     Presets,
     /// Route seeded inputs (or given logits) and print the routing record and load summary.
@@ -91,7 +91,7 @@ pub enum Command {
 }
 
 /// Runs a parsed command, writing its output to `out`. Returns the process exit code.
-pub fn run(cli: Cli, out: &mut dyn Write) -> Result<u8> {
+pub(crate) fn run(cli: Cli, out: &mut dyn Write) -> Result<u8> {
     match cli.command {
         Command::Presets => {
             for p in presets() {
@@ -119,7 +119,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<u8> {
 /// How the command line names `setting` in what it prints (every message and report, through
 /// [`error::with_names`](moe_audit::error::with_names)): the flag that sets it, `--max-memory`
 /// for `max_memory`, or the subcommand that is the setting (`snapshot update`).
-pub fn flag(setting: Setting) -> Cow<'static, str> {
+pub(crate) fn flag(setting: Setting) -> Cow<'static, str> {
     use moe_audit::settings::{PLAN, UPDATE};
     match setting {
         s if s == UPDATE => "snapshot update".into(),

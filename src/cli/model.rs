@@ -20,63 +20,63 @@ use std::time::Duration;
 /// Arguments of `moe-audit model`.
 #[derive(Debug, Args)]
 #[command(group(ArgGroup::new("model").args(["router", "cmd"]).required(true)))]
-pub struct ModelArgs {
+pub(crate) struct ModelArgs {
     /// Audit the built-in decoder (token embeddings, --layers × (causal attention + FFN), layer
     /// 0 dense and the others MoE with this router: a preset name or a router TOML file).
     #[arg(value_name = "ROUTER")]
-    pub router: Option<String>,
+    pub(crate) router: Option<String>,
     /// Audit a model in a command speaking moe-audit/3 on stdin/stdout (docs/PROTOCOL.md), run
     /// with `sh -c`.
     #[arg(long = "model-cmd", alias = "cmd", value_name = "COMMAND", help_heading = "Model")]
-    pub cmd: Option<String>,
+    pub(crate) cmd: Option<String>,
     /// How long the model command may take.
     #[command(flatten, next_help_heading = "Model")]
-    pub timeout: TimeoutArgs,
+    pub(crate) timeout: TimeoutArgs,
     /// Decoder layers of the built-in model (layer 0 dense).
     #[arg(long, default_value_t = 4, conflicts_with = "cmd", help_heading = "Model")]
-    pub layers: usize,
+    pub(crate) layers: usize,
     /// Vocabulary of the built-in model.
     #[arg(long, default_value_t = 256, conflicts_with = "cmd", help_heading = "Model")]
-    pub vocab: usize,
+    pub(crate) vocab: usize,
     /// A layer of the built-in model whose attention sees later tokens (a deliberate bug the
     /// audit must catch).
     #[arg(long, value_name = "LAYER", conflicts_with = "cmd", help_heading = "Model")]
-    pub non_causal: Option<usize>,
+    pub(crate) non_causal: Option<usize>,
     // Probes to run: the help lists the registry's (`analyze/probe/mod.rs`).
     #[arg(long, help = Probe::help(Audit::Model), default_value_t = default_probes(), help_heading = "Audit")]
-    pub probes: String,
+    pub(crate) probes: String,
     /// Sizes of the audit's calls (and of the built-in model).
     #[command(flatten, next_help_heading = "Audit")]
-    pub sizes: SizeArgs,
+    pub(crate) sizes: SizeArgs,
     /// Trials of the randomised probes.
     #[arg(long, default_value_t = RunSizes::default().trials, help_heading = "Audit")]
-    pub trials: usize,
+    pub(crate) trials: usize,
     /// Seed of the built-in model, the token ids and every random choice.
     #[arg(long, default_value_t = 0, help_heading = "Audit")]
-    pub seed: u64,
+    pub(crate) seed: u64,
     /// Positions the generation probe (G) prefills before feeding one token at a time
     /// [default: half of --seq-len].
     #[arg(long, help_heading = "Audit")]
-    pub prefill: Option<usize>,
+    pub(crate) prefill: Option<usize>,
     /// Verdicts that make the audit exit 1, comma separated: `leak`, `latent`, `drift`.
     #[arg(long, value_name = "VERDICTS", default_value = FailOn::DEFAULT, value_parser = FailOn::parse, help_heading = "Audit")]
-    pub fail_on: FailOn,
+    pub(crate) fail_on: FailOn,
     /// Report format.
     #[arg(long, value_enum, default_value_t = ModelFormat::Text, help_heading = "Output")]
-    pub format: ModelFormat,
+    pub(crate) format: ModelFormat,
     /// Write the report here instead of stdout.
     #[arg(long, value_name = "FILE", help_heading = "Output")]
-    pub output: Option<PathBuf>,
+    pub(crate) output: Option<PathBuf>,
     /// Write one witness file per leak here (`<model>-<probe>.json`).
     #[arg(long, value_name = "DIR", help_heading = "Output")]
-    pub witness_dir: Option<PathBuf>,
+    pub(crate) witness_dir: Option<PathBuf>,
     /// Replay a witness of this model instead of auditing it: exit 1 while the token still
     /// changes, 0 when not.
     #[arg(long, value_name = "WITNESS.json", conflicts_with_all = ["probes", "prefill", "trials", "format", "output", "witness_dir"], help_heading = "Output")]
-    pub replay: Option<PathBuf>,
+    pub(crate) replay: Option<PathBuf>,
     /// The memory limit.
     #[command(flatten)]
-    pub memory: MemoryArgs,
+    pub(crate) memory: MemoryArgs,
 }
 
 fn default_probes() -> String {
@@ -85,7 +85,7 @@ fn default_probes() -> String {
 
 /// Report formats of `model`.
 #[derive(Debug, Clone, Copy, ValueEnum)]
-pub enum ModelFormat {
+pub(crate) enum ModelFormat {
     /// One row per layer × probe, for a terminal.
     Text,
     /// The whole report.
@@ -96,7 +96,7 @@ pub enum ModelFormat {
 
 /// A validated `model`: which model, and what to do with it.
 #[derive(Debug)]
-pub struct ModelOptions {
+pub(crate) struct ModelOptions {
     source: Source,
     /// The largest call of the audit (R pads a quarter of the sequence on), checked against the
     /// memory limit once the built-in model exists.
@@ -122,7 +122,7 @@ enum Action {
 
 impl ModelArgs {
     /// Every rule on the flags that clap cannot say, in one place; loads the router.
-    pub fn validated(&self) -> Result<ModelOptions> {
+    pub(crate) fn validated(&self) -> Result<ModelOptions> {
         let (batch, seq_len) = (self.sizes.batch, self.sizes.seq_len);
         let source = match (&self.cmd, &self.router) {
             (Some(command), _) => Source::Command { command: command.clone(), timeout: self.timeout.validated()? },

@@ -19,42 +19,42 @@ use std::time::Duration;
 
 /// Arguments of `moe-audit replay`.
 #[derive(Debug, Args)]
-pub struct ReplayArgs {
+pub(crate) struct ReplayArgs {
     /// The witness file.
     #[arg(value_name = "WITNESS.json")]
-    pub witness: PathBuf,
+    pub(crate) witness: PathBuf,
     /// Replay against this live router (the witness of a router outside moe-audit), a command
     /// speaking the moe-audit/1 or /2 protocol, run with `sh -c`.
     #[arg(long, value_name = "COMMAND")]
-    pub router_cmd: Option<String>,
+    pub(crate) router_cmd: Option<String>,
     /// The other launch of the layer that a witness of L across launches compares it with
     /// (the witness names the command it was found with).
     #[arg(long, value_name = "COMMAND", requires = "router_cmd")]
-    pub layout_cmd: Option<String>,
+    pub(crate) layout_cmd: Option<String>,
     /// How long the router command may take.
     #[command(flatten)]
-    pub timeout: TimeoutArgs,
+    pub(crate) timeout: TimeoutArgs,
     /// The mode the router command is called in.
     #[arg(long, value_parser = mode_parser(), default_value = "train", requires = "router_cmd")]
-    pub mode: Mode,
+    pub(crate) mode: Mode,
     /// Seed the router command is started with.
     #[arg(long, default_value_t = 0, requires = "router_cmd")]
-    pub seed: u64,
+    pub(crate) seed: u64,
     /// Verdicts that make the replay exit 1 when they reproduce: `leak`, `latent` (only the
     /// capacity in force changed), `drift` (an X witness).
     #[arg(long, value_name = "VERDICTS", default_value = FailOn::DEFAULT, value_parser = FailOn::parse)]
-    pub fail_on: FailOn,
+    pub(crate) fail_on: FailOn,
     /// An engine witness: send its requests to this server instead of the one it names.
     #[arg(long, value_name = "URL", conflicts_with = "router_cmd")]
-    pub url: Option<String>,
+    pub(crate) url: Option<String>,
     /// The memory limit.
     #[command(flatten)]
-    pub memory: MemoryArgs,
+    pub(crate) memory: MemoryArgs,
 }
 
 /// A validated `replay`.
 #[derive(Debug)]
-pub struct ReplayOptions {
+pub(crate) struct ReplayOptions {
     witness: PathBuf,
     /// The live router: its command, timeout, seed and mode.
     router: Option<(String, Duration, u64, Mode)>,
@@ -69,7 +69,7 @@ pub struct ReplayOptions {
 
 impl ReplayArgs {
     /// The flags checked.
-    pub fn validated(&self) -> Result<ReplayOptions> {
+    pub(crate) fn validated(&self) -> Result<ReplayOptions> {
         let timeout = self.timeout.validated()?;
         Ok(ReplayOptions {
             witness: self.witness.clone(),

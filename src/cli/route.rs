@@ -17,39 +17,39 @@ use std::path::PathBuf;
 
 /// Arguments of `moe-audit route`.
 #[derive(Debug, Args)]
-pub struct RouteArgs {
+pub(crate) struct RouteArgs {
     /// A preset name (see `moe-audit presets`) or a router TOML file.
-    pub router: String,
+    pub(crate) router: String,
     /// Sequences per call.
     #[arg(long, default_value_t = 2, help_heading = "Sizes")]
-    pub batch: usize,
+    pub(crate) batch: usize,
     /// Tokens per sequence (default 8; with --logits, derived from the file).
     #[arg(long, help_heading = "Sizes")]
-    pub seq_len: Option<usize>,
+    pub(crate) seq_len: Option<usize>,
     /// Hidden size of the seeded layer.
     #[arg(long, default_value_t = 64, help_heading = "Sizes")]
-    pub hidden: usize,
+    pub(crate) hidden: usize,
     /// Expert FFN size of the seeded layer.
     #[arg(long, default_value_t = 128, help_heading = "Sizes")]
-    pub ffn: usize,
+    pub(crate) ffn: usize,
     /// Seed of the layer weights and hidden states.
     #[arg(long, default_value_t = 0, help_heading = "Input")]
-    pub seed: u64,
+    pub(crate) seed: u64,
     /// Route these logits instead: a JSON array of batch*seq_len rows of `experts` numbers,
     /// flattened sequence-major; --batch splits the rows into sequences.
     #[arg(long, value_name = "FILE", help_heading = "Input")]
-    pub logits: Option<PathBuf>,
+    pub(crate) logits: Option<PathBuf>,
     /// Output format.
     #[arg(long, value_enum, default_value_t = RouteFormat::Text, help_heading = "Output")]
-    pub format: RouteFormat,
+    pub(crate) format: RouteFormat,
     /// The memory limit.
     #[command(flatten)]
-    pub memory: MemoryArgs,
+    pub(crate) memory: MemoryArgs,
 }
 
 /// Output formats of `route`.
 #[derive(Debug, Clone, Copy, ValueEnum)]
-pub enum RouteFormat {
+pub(crate) enum RouteFormat {
     /// The compact routing table with the load summary (`table` until 0.3.0, still taken).
     #[value(alias = "table")]
     Text,
@@ -59,7 +59,7 @@ pub enum RouteFormat {
 
 /// A validated `route`: the router, its input, the output format.
 #[derive(Debug)]
-pub struct RouteOptions {
+pub(crate) struct RouteOptions {
     config: RouterConfig,
     input: Input,
     format: RouteFormat,
@@ -77,7 +77,7 @@ enum Input {
 impl RouteArgs {
     /// The router loaded, the logits file read, sizes checked and the call's memory estimate
     /// checked against the limit.
-    pub fn validated(&self) -> Result<RouteOptions> {
+    pub(crate) fn validated(&self) -> Result<RouteOptions> {
         let config = RouterConfig::load(&self.router)?;
         let budget = self.memory.budget();
         let (input, sizes) = match &self.logits {

@@ -13,15 +13,15 @@ use std::path::{Path, PathBuf};
 
 /// Arguments of `moe-audit routes`.
 #[derive(Debug, Args)]
-pub struct RoutesArgs {
+pub(crate) struct RoutesArgs {
     /// What to do with routing records.
     #[command(subcommand)]
-    pub command: RoutesCommand,
+    pub(crate) command: RoutesCommand,
 }
 
 /// The `routes` subcommands.
 #[derive(Debug, Subcommand)]
-pub enum RoutesCommand {
+pub(crate) enum RoutesCommand {
     /// Align a rollout record against a trainer record, diagnose the alignment, measure their
     /// disagreement (exit 0 ok, 1 a defect or over --max-disagreement, 2 bad input).
     Compare(CompareArgs),
@@ -32,37 +32,37 @@ pub enum RoutesCommand {
 
 /// Arguments of `routes compare`.
 #[derive(Debug, Args)]
-pub struct CompareArgs {
+pub(crate) struct CompareArgs {
     /// The engine's record: an SGLang response (JSON), a vLLM `.npy` or HTTP response, a
     /// Megatron-Core inference response, or any trainer format.
-    pub rollout: PathBuf,
+    pub(crate) rollout: PathBuf,
     /// The trainer's record: the generic format (`moe_audit.routes.record`), Megatron-Core
     /// `router_trace_rank{r}.jsonl` (or a folder of them), verl, slime, SkyRL or NeMo-RL arrays
     /// (`.npz`/safetensors), or any rollout format. docs/ROUTES.md lists every layout.
-    pub trainer: PathBuf,
+    pub(crate) trainer: PathBuf,
     /// The model's Hugging Face config.json: which layers are MoE, dense or MTP, experts, top-k.
     #[arg(long, value_name = "config.json")]
-    pub config: Option<PathBuf>,
+    pub(crate) config: Option<PathBuf>,
     /// Fail when more than this share (0..1) of router decisions differ; 0 checks a replay.
     #[arg(long, value_name = "R")]
-    pub max_disagreement: Option<f64>,
+    pub(crate) max_disagreement: Option<f64>,
     /// Output format.
     #[arg(long, value_enum, default_value_t = CompareFormat::Text)]
-    pub format: CompareFormat,
+    pub(crate) format: CompareFormat,
     /// Also draw the disagreement per layer (`.png` or `.svg`).
     #[arg(long, value_name = "FILE")]
-    pub chart: Option<PathBuf>,
+    pub(crate) chart: Option<PathBuf>,
     /// Write the report here instead of stdout.
     #[arg(long, value_name = "FILE")]
-    pub output: Option<PathBuf>,
+    pub(crate) output: Option<PathBuf>,
     /// `--max-memory`.
     #[command(flatten)]
-    pub memory: super::common::MemoryArgs,
+    pub(crate) memory: super::common::MemoryArgs,
 }
 
 /// Output formats of `routes compare`.
 #[derive(Debug, Clone, Copy, ValueEnum)]
-pub enum CompareFormat {
+pub(crate) enum CompareFormat {
     /// Diagnoses, headline numbers, the per-layer table.
     Text,
     /// The whole comparison as JSON.
@@ -79,23 +79,23 @@ pub enum CompareFormat {
 
 /// Arguments of `routes show`.
 #[derive(Debug, Args)]
-pub struct ShowArgs {
+pub(crate) struct ShowArgs {
     /// The record.
-    pub file: PathBuf,
+    pub(crate) file: PathBuf,
     /// The model's config.json (layer numbers, expert count, top-k; needed for SGLang JSON).
     #[arg(long, value_name = "config.json")]
-    pub config: Option<PathBuf>,
+    pub(crate) config: Option<PathBuf>,
     /// Output format.
     #[arg(long, value_enum, default_value_t = ShowFormat::Text)]
-    pub format: ShowFormat,
+    pub(crate) format: ShowFormat,
     /// `--max-memory`.
     #[command(flatten)]
-    pub memory: super::common::MemoryArgs,
+    pub(crate) memory: super::common::MemoryArgs,
 }
 
 /// Output formats of `routes show`.
 #[derive(Debug, Clone, Copy, ValueEnum)]
-pub enum ShowFormat {
+pub(crate) enum ShowFormat {
     /// One line per layer.
     Text,
     /// The summary as JSON.
@@ -104,7 +104,7 @@ pub enum ShowFormat {
 
 /// A validated `routes` subcommand.
 #[derive(Debug)]
-pub enum RoutesOptions {
+pub(crate) enum RoutesOptions {
     /// `routes compare`.
     Compare(Compare),
     /// `routes show`.
@@ -113,7 +113,7 @@ pub enum RoutesOptions {
 
 /// A validated `routes compare`.
 #[derive(Debug)]
-pub struct Compare {
+pub(crate) struct Compare {
     rollout: PathBuf,
     trainer: PathBuf,
     config: Option<PathBuf>,
@@ -126,7 +126,7 @@ pub struct Compare {
 
 impl RoutesArgs {
     /// The subcommand's flags checked.
-    pub fn validated(&self) -> Result<RoutesOptions> {
+    pub(crate) fn validated(&self) -> Result<RoutesOptions> {
         Ok(match &self.command {
             RoutesCommand::Compare(a) => RoutesOptions::Compare(a.validated()?),
             RoutesCommand::Show(a) => RoutesOptions::Show {

@@ -19,15 +19,15 @@ use std::path::{Path, PathBuf};
 
 /// Arguments of `moe-audit snapshot`.
 #[derive(Debug, Args)]
-pub struct SnapshotArgs {
+pub(crate) struct SnapshotArgs {
     /// What to do with a snapshot.
     #[command(subcommand)]
-    pub command: SnapshotCommand,
+    pub(crate) command: SnapshotCommand,
 }
 
 /// The `snapshot` subcommands.
 #[derive(Debug, Subcommand)]
-pub enum SnapshotCommand {
+pub(crate) enum SnapshotCommand {
     /// Route fixed inputs (train and inference) through one router and write the snapshot.
     Record(RecordArgs),
     /// Make the snapshot FILE's header describes again and compare: exit 0 when unchanged, 1
@@ -44,115 +44,115 @@ pub enum SnapshotCommand {
 /// The inputs of a snapshot: `record` and `plan`.
 #[derive(Debug, Args)]
 #[command(next_help_heading = "Input")]
-pub struct InputArgs {
+pub(crate) struct InputArgs {
     /// Sequences [default: 2].
     #[arg(long)]
-    pub batch: Option<usize>,
+    pub(crate) batch: Option<usize>,
     /// Tokens per sequence [default: 8; with --logits or --hidden-states, from the file].
     #[arg(long)]
-    pub seq_len: Option<usize>,
+    pub(crate) seq_len: Option<usize>,
     /// Hidden size of a preset's or TOML router's seeded gate and hidden states [default: 64].
     #[arg(long)]
-    pub hidden: Option<usize>,
+    pub(crate) hidden: Option<usize>,
     /// Seed of the inputs (standard normal rows) and of a preset's or TOML router's gate
     /// [default: 0].
     #[arg(long)]
-    pub seed: Option<u64>,
+    pub(crate) seed: Option<u64>,
     /// Route these logits: a JSON array of batch*seq_len rows of E numbers, sequence-major.
     #[arg(long, value_name = "FILE", conflicts_with = "hidden_states")]
-    pub logits: Option<PathBuf>,
+    pub(crate) logits: Option<PathBuf>,
     /// Route these hidden states: a JSON array of batch*seq_len rows of H numbers.
     #[arg(long, value_name = "FILE")]
-    pub hidden_states: Option<PathBuf>,
+    pub(crate) hidden_states: Option<PathBuf>,
 }
 
 /// Arguments of `snapshot record`.
 #[derive(Debug, Args)]
 #[command(group(ArgGroup::new("source").args(["router", "router_cmd", "traces"]).required(true)))]
-pub struct RecordArgs {
+pub(crate) struct RecordArgs {
     /// A preset name or router TOML file (with a seeded gate, or the gate of --weights).
-    pub router: Option<String>,
+    pub(crate) router: Option<String>,
     /// Write the snapshot here (atomically: complete or untouched) instead of stdout.
     #[arg(long, value_name = "FILE.snap", help_heading = "Output")]
-    pub output: Option<PathBuf>,
+    pub(crate) output: Option<PathBuf>,
     /// A router run as a subprocess: a command speaking the moe-audit/1 or /2 protocol
     /// (docs/PROTOCOL.md), run with `sh -c` (its hidden size is its own).
     #[arg(long, value_name = "COMMAND", conflicts_with = "hidden", help_heading = "External routers")]
-    pub router_cmd: Option<String>,
+    pub(crate) router_cmd: Option<String>,
     /// How long the router command may take.
     #[command(flatten, next_help_heading = "External routers")]
-    pub timeout: TimeoutArgs,
+    pub(crate) timeout: TimeoutArgs,
     /// A trace directory answered by a harness (`moe-audit plan`, or `snapshot plan`): the first
     /// call of each mode is snapshotted, on the plan's own inputs.
     #[arg(long, value_name = "DIR", conflicts_with_all = ["batch", "seq_len", "seed", "hidden", "logits", "hidden_states"], help_heading = "External routers")]
-    pub traces: Option<PathBuf>,
+    pub(crate) traces: Option<PathBuf>,
     /// A safetensors checkpoint holding the gate of ROUTER (whose hidden size is its own).
     #[arg(long, value_name = "FILE.safetensors", requires = "gate", conflicts_with_all = ["router_cmd", "traces", "hidden"], help_heading = "External routers")]
-    pub weights: Option<PathBuf>,
+    pub(crate) weights: Option<PathBuf>,
     /// The gate matrix `[experts, hidden]` in --weights.
     #[arg(long, value_name = "TENSOR", requires = "weights", help_heading = "External routers")]
-    pub gate: Option<String>,
+    pub(crate) gate: Option<String>,
     /// A selection-only expert bias `[experts]` in --weights.
     #[arg(long, value_name = "TENSOR", requires = "gate", help_heading = "External routers")]
-    pub bias: Option<String>,
+    pub(crate) bias: Option<String>,
     /// The inputs.
     #[command(flatten)]
-    pub input: InputArgs,
+    pub(crate) input: InputArgs,
     /// The memory limit.
     #[command(flatten)]
-    pub memory: MemoryArgs,
+    pub(crate) memory: MemoryArgs,
 }
 
 /// Arguments of `snapshot check` and `snapshot update`: the file's header says everything else.
 #[derive(Debug, Args)]
-pub struct AgainArgs {
+pub(crate) struct AgainArgs {
     /// The snapshot.
     #[arg(value_name = "FILE.snap")]
-    pub file: PathBuf,
+    pub(crate) file: PathBuf,
     /// The router command, when the header's router is one (the header's is never run: it runs
     /// only when given here, and must be the header's).
     #[arg(long, value_name = "COMMAND")]
-    pub router_cmd: Option<String>,
+    pub(crate) router_cmd: Option<String>,
     /// Where a harness's answers are now (a snapshot made from traces or a plan).
     #[arg(long, value_name = "DIR")]
-    pub traces: Option<PathBuf>,
+    pub(crate) traces: Option<PathBuf>,
     /// The memory limit.
     #[command(flatten)]
-    pub memory: MemoryArgs,
+    pub(crate) memory: MemoryArgs,
 }
 
 /// Arguments of `snapshot plan`.
 #[derive(Debug, Args)]
-pub struct PlanArgs {
+pub(crate) struct PlanArgs {
     /// Where to write the inputs.
     #[arg(value_name = "DIR")]
-    pub dir: PathBuf,
+    pub(crate) dir: PathBuf,
     /// The router's name.
     #[arg(long, default_value = "router", help_heading = "Router")]
-    pub name: String,
+    pub(crate) name: String,
     /// Number of experts E.
     #[arg(long, help_heading = "Router")]
-    pub experts: usize,
+    pub(crate) experts: usize,
     /// Experts per token (omit for expert choice).
     #[arg(long, help_heading = "Router")]
-    pub top_k: Option<usize>,
+    pub(crate) top_k: Option<usize>,
     /// What the router's rows hold.
     #[arg(long, value_enum, default_value_t = InputArg::Logits, help_heading = "Router")]
-    pub input: InputArg,
+    pub(crate) input: InputArg,
     /// Hidden size H (with --input hidden).
     #[arg(long, help_heading = "Router")]
-    pub hidden_size: Option<usize>,
+    pub(crate) hidden_size: Option<usize>,
     /// The inputs.
     #[command(flatten)]
-    pub rows: InputArgs,
+    pub(crate) rows: InputArgs,
     /// The memory limit.
     #[command(flatten)]
-    pub memory: MemoryArgs,
+    pub(crate) memory: MemoryArgs,
 }
 
 /// A validated `snapshot`.
 #[derive(Debug)]
-pub enum SnapshotOptions {
+pub(crate) enum SnapshotOptions {
     /// Make a snapshot of one router.
     Record { source: RouterSource, input: InputSpec, output: Option<PathBuf>, budget: MemoryBudget },
     /// Make a stored snapshot again: compare (`check`) or rewrite it (`update`).
@@ -163,7 +163,7 @@ pub enum SnapshotOptions {
 
 impl SnapshotArgs {
     /// The subcommand's flags checked, its router and inputs resolved.
-    pub fn validated(&self) -> Result<SnapshotOptions> {
+    pub(crate) fn validated(&self) -> Result<SnapshotOptions> {
         Ok(match &self.command {
             SnapshotCommand::Record(a) => SnapshotOptions::Record {
                 source: a.source()?,

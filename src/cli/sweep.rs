@@ -13,21 +13,21 @@ use std::path::{Path, PathBuf};
 
 /// Arguments of `moe-audit sweep`.
 #[derive(Debug, Args)]
-pub struct SweepArgs {
+pub(crate) struct SweepArgs {
     /// Grid file (TOML); without it, the built-in default grid.
     #[arg(value_name = "SWEEP.toml")]
-    pub grid: Option<PathBuf>,
+    pub(crate) grid: Option<PathBuf>,
     /// Where sweep.json, sweep.csv, sweep.md and the charts go.
     #[arg(long, value_name = "DIR", default_value = "sweep-results")]
-    pub output_dir: PathBuf,
+    pub(crate) output_dir: PathBuf,
     /// The memory limit.
     #[command(flatten)]
-    pub memory: MemoryArgs,
+    pub(crate) memory: MemoryArgs,
 }
 
 /// A validated `sweep`: the grid read, where its files go.
 #[derive(Debug)]
-pub struct SweepOptions {
+pub(crate) struct SweepOptions {
     grid: Grid,
     /// How messages name the grid: its file, or `<default grid>`.
     source: String,
@@ -39,7 +39,7 @@ pub struct SweepOptions {
 
 impl SweepArgs {
     /// The grid file read (or the default grid).
-    pub fn validated(&self) -> Result<SweepOptions> {
+    pub(crate) fn validated(&self) -> Result<SweepOptions> {
         let (grid, source, base) = match &self.grid {
             Some(path) => {
                 let base = path.parent().unwrap_or(Path::new(".")).to_path_buf();

@@ -7,7 +7,7 @@ use clap::{Arg, ArgAction, Command};
 
 /// The lines of the README's synopsis block: one entry per command (subcommands of `routes`
 /// included), wrapped at `width` columns with continuation lines indented by two spaces.
-pub fn synopsis(cli: &Command, width: usize) -> String {
+pub(crate) fn synopsis(cli: &Command, width: usize) -> String {
     let mut out = String::new();
     for command in cli.get_subcommands() {
         let mut path = vec![cli.get_name().to_string(), command.get_name().to_string()];

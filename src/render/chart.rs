@@ -46,7 +46,7 @@ pub(super) fn leak_vs_imbalance(cells: &[CellResult], dir: &Path, staged: &mut S
 
 /// The cells no other cell beats on both axes (lower imbalance and lower leak rate), by
 /// increasing imbalance.
-pub fn pareto(points: &[(f64, f64)]) -> Vec<usize> {
+pub(crate) fn pareto(points: &[(f64, f64)]) -> Vec<usize> {
     let mut order: Vec<usize> = (0..points.len()).collect();
     order.sort_by(|&a, &b| {
         points[a].0.total_cmp(&points[b].0).then(points[a].1.total_cmp(&points[b].1)).then(a.cmp(&b))

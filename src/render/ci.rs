@@ -63,7 +63,7 @@ use crate::names::xml;
 
 /// JUnit XML: a test suite per router, a test case per probe (leak, latent = failure, not applicable =
 /// skipped) and one for the invariants.
-pub fn render_junit(report: &Report) -> String {
+pub(crate) fn render_junit(report: &Report) -> String {
     let count = |v: Verdict| report.routers.iter().flat_map(|r| &r.findings).filter(|f| f.verdict == v).count();
     let broken = report.routers.iter().filter(|r| !r.invariants.is_empty()).count();
     let tests: usize = report.routers.iter().map(|r| r.findings.len() + 1).sum();
@@ -147,7 +147,7 @@ fn escape(s: &str, property: bool) -> String {
 }
 
 /// `::error title=...::message` per leak, latent finding and invariant failure.
-pub fn render_github(report: &Report) -> String {
+pub(crate) fn render_github(report: &Report) -> String {
     let mut out = String::new();
     for r in &report.routers {
         for f in r.findings.iter().filter(|f| matches!(f.verdict, Verdict::Leak | Verdict::Latent)) {

@@ -13,7 +13,7 @@ use std::path::Path;
 /// The tables: per dynamic range (headed by it when the payload is `seeded`), one row per
 /// configuration of `plan` with its error at every rank count of `ranks`; then the `--max-bias`
 /// line.
-pub fn render_collectives(r: &CollectivesReport, plan: &AuditPlan, ranks: &[usize], seeded: bool) -> String {
+pub(crate) fn render_collectives(r: &CollectivesReport, plan: &AuditPlan, ranks: &[usize], seeded: bool) -> String {
     let last = *ranks.last().expect("not empty");
     let list = ranks.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
     let mut s = format!(
@@ -82,7 +82,7 @@ pub fn render_collectives(r: &CollectivesReport, plan: &AuditPlan, ranks: &[usiz
 
 /// Relative error against ranks (log-log), one line per configuration, for one range:
 /// `<dir>/collectives-range-<range>.svg` and `.png`.
-pub fn collectives_chart(r: &CollectivesReport, plan: &AuditPlan, range: f64, dir: &Path) -> Result<()> {
+pub(crate) fn collectives_chart(r: &CollectivesReport, plan: &AuditPlan, range: f64, dir: &Path) -> Result<()> {
     register_font();
     let stem = format!("collectives-range-{range}");
     let svg = dir.join(format!("{stem}.svg"));

@@ -47,7 +47,7 @@ pub(crate) fn axis_note(a: &AxisReport) -> Option<String> {
 }
 
 /// The report as text.
-pub fn engine_text(r: &Report) -> String {
+pub(crate) fn engine_text(r: &Report) -> String {
     let mut out = String::new();
     let s = &r.settings;
     let _ = writeln!(out, "moe-audit engine: {}", server_line(&r.server));
@@ -126,7 +126,7 @@ pub fn engine_text(r: &Report) -> String {
 }
 
 /// A replayed witness, as text.
-pub fn engine_replay_text(a: &AxisReport) -> String {
+pub(crate) fn engine_replay_text(a: &AxisReport) -> String {
     let mut out = format!(
         "{}: {} of {} decisions changed ({:.3}%), {} pairs diverged: {}\n",
         a.axis.name(),

@@ -3,7 +3,7 @@
 use crate::parallel::EpReport;
 
 /// The per-rank traffic table of `ep`, with the output checksum and the single-device check.
-pub fn render_ep(r: &EpReport) -> String {
+pub(crate) fn render_ep(r: &EpReport) -> String {
     let mut s = format!(
         "router {} | {} ranks | batch {} x seq {}, hidden {} | {} experts, {} per rank\n",
         r.router,

@@ -14,13 +14,13 @@ pub fn json<T: Serialize>(value: &T) -> String {
 
 /// Where the witness of `router` × `probe` goes in `dir`: `<router>-<probe>.json`, the router
 /// name made a safe file stem ([`crate::names::file_stem`]).
-pub fn witness_path(dir: &Path, router: &str, probe: Probe) -> PathBuf {
+pub(crate) fn witness_path(dir: &Path, router: &str, probe: Probe) -> PathBuf {
     dir.join(format!("{}-{probe}.json", crate::names::file_stem(router)))
 }
 
 /// Stages one witness file per finding that has one into `dir` (created if needed); they land
 /// when `staged` is committed, together with the report.
-pub fn write_witnesses(report: &Report, dir: &Path, staged: &mut Staged) -> Result<()> {
+pub(crate) fn write_witnesses(report: &Report, dir: &Path, staged: &mut Staged) -> Result<()> {
     crate::files::create_dir(dir)?;
     for r in &report.routers {
         for f in r.findings.iter().filter(|f| f.witness.is_some()) {

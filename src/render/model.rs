@@ -64,7 +64,7 @@ fn spread(f: &ModelFinding) -> String {
 }
 
 /// The whole-model report for a terminal.
-pub fn render_model_text(report: &ModelReport) -> String {
+pub(crate) fn render_model_text(report: &ModelReport) -> String {
     let info = &report.model;
     let o = &report.options;
     let mut s = String::new();
@@ -158,7 +158,7 @@ pub fn render_model_text(report: &ModelReport) -> String {
 
 /// The outcome of `model --replay`: the token's verdict now (`LEAK reproduced`, `LATENT
 /// reproduced` when only the capacity in force changes, or `no longer leaks`).
-pub fn render_model_replay(w: &TokenWitness, verdict: Verdict) -> String {
+pub(crate) fn render_model_replay(w: &TokenWitness, verdict: Verdict) -> String {
     let at = w.layer.map_or("its output row".to_string(), |l| format!("layer {l}"));
     let said = match verdict {
         Verdict::Pass => "no longer leaks".to_string(),

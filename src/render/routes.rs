@@ -13,9 +13,9 @@ use std::fmt::Write;
 use std::path::Path;
 
 /// The R3 paper's figures (Ma et al. 2025, Qwen3-30B-A3B, SGLang against Megatron, no replay).
-pub const PAPER_DECISIONS: f64 = 0.10;
+pub(crate) const PAPER_DECISIONS: f64 = 0.10;
 /// ... and the share of tokens differing in at least one layer.
-pub const PAPER_TOKENS: f64 = 0.94;
+pub(crate) const PAPER_TOKENS: f64 = 0.94;
 
 fn pct(x: f64) -> String {
     format!("{:.2}%", 100.0 * x)
@@ -88,7 +88,7 @@ pub(crate) fn margins_line(c: &Comparison) -> Option<String> {
 }
 
 /// The comparison as text.
-pub fn routes_text(c: &Comparison) -> String {
+pub(crate) fn routes_text(c: &Comparison) -> String {
     let m = &c.measures;
     let mut out = String::new();
     let _ = writeln!(out, "{}", side_line(&c.rollout));
@@ -158,7 +158,7 @@ pub fn routes_text(c: &Comparison) -> String {
 }
 
 /// The comparison as markdown.
-pub fn routes_markdown(c: &Comparison) -> String {
+pub(crate) fn routes_markdown(c: &Comparison) -> String {
     let m = &c.measures;
     let mut out = String::from("# Rollout against trainer routing\n\n");
     let _ = writeln!(out, "- {}\n- {}\n", side_line(&c.rollout), side_line(&c.trainer));
@@ -202,7 +202,7 @@ pub fn routes_markdown(c: &Comparison) -> String {
 }
 
 /// JUnit XML: one test case per defect kind the alignment checks, and one for the threshold.
-pub fn routes_junit(c: &Comparison) -> String {
+pub(crate) fn routes_junit(c: &Comparison) -> String {
     use crate::records::DiagnosisKind as K;
     let checks = [K::LayerMapping, K::TokenOffset, K::Packing, K::Aliasing, K::ReplayNotApplied];
     let mut cases = Vec::new();
@@ -244,7 +244,7 @@ pub fn routes_junit(c: &Comparison) -> String {
 
 /// GitHub Actions annotations: an error per defect and for a threshold exceeded, a notice with
 /// the headline numbers.
-pub fn routes_github(c: &Comparison) -> String {
+pub(crate) fn routes_github(c: &Comparison) -> String {
     let esc = |s: &str| s.replace('%', "%25").replace('\r', "%0D").replace('\n', "%0A");
     let mut out = String::new();
     for d in c.diagnoses.iter().filter(|d| d.defect) {
@@ -281,7 +281,7 @@ pub fn routes_github(c: &Comparison) -> String {
 }
 
 /// A record summarised as text: one line per layer.
-pub fn show_text(s: &Summary) -> String {
+pub(crate) fn show_text(s: &Summary) -> String {
     let r = &s.record;
     let mut out = String::new();
     let _ = writeln!(
@@ -367,7 +367,7 @@ pub fn show_text(s: &Summary) -> String {
 }
 
 /// Draws the per-layer disagreement chart into `path` (`.svg` or `.png`), staged in `staged`.
-pub fn routes_chart(c: &Comparison, path: &Path, staged: &mut Staged) -> Result<()> {
+pub(crate) fn routes_chart(c: &Comparison, path: &Path, staged: &mut Staged) -> Result<()> {
     register_font();
     let tmp = staged.path_for(path);
     const SIZE: (u32, u32) = (1000, 560);

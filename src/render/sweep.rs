@@ -9,7 +9,7 @@ use std::fmt::Write;
 /// Writes every output of a sweep into `dir` (created if needed); returns the paths written.
 /// The files are one set: written under temporary names and renamed together, so the folder
 /// holds the previous run's set or this one's, never a mix or a torn file.
-pub fn write_sweep(report: &SweepReport, dir: &std::path::Path) -> Result<Vec<std::path::PathBuf>> {
+pub(crate) fn write_sweep(report: &SweepReport, dir: &std::path::Path) -> Result<Vec<std::path::PathBuf>> {
     crate::files::create_dir(dir)?;
     let mut staged = crate::files::Staged::new();
     let mut written = Vec::new();
@@ -35,7 +35,7 @@ fn opt<T: ToString>(v: Option<T>) -> String {
 /// One header line and one line per cell, both from one list of (column, value) per cell; empty
 /// fields where a value does not apply. Fields are quoted by the `csv` crate where they need it
 /// (a router name with a comma or a quote).
-pub fn csv(cells: &[CellResult]) -> String {
+pub(crate) fn csv(cells: &[CellResult]) -> String {
     // The exploit columns only when the grid measured them: other sweeps keep their bytes.
     let exploit = cells.iter().any(|c| c.exploit.is_some());
     let rows: Vec<_> = cells.iter().map(|c| row(c, exploit)).collect();
@@ -110,7 +110,7 @@ fn opt_pct(v: Option<f64>) -> String {
 }
 
 /// The cells as a markdown table (percentages), then skipped combinations and swamping.
-pub fn markdown(report: &SweepReport) -> String {
+pub(crate) fn markdown(report: &SweepReport) -> String {
     let exploit = report.cells.iter().any(|c| c.exploit.is_some());
     let mut out = String::from(
         "| router | cf | k | E | B×S | max/mean routed | CV | drop % | aux | max/mean kept | P % | F % | N % | R % | L % | M % | Δout % | bf16 flips % |",

@@ -103,7 +103,7 @@ pub(crate) fn once_per_router(fixes: &mut Vec<String>, label: &str, text: String
 }
 
 /// The terminal table: one row per router × probe, then invariant failures and the summary.
-pub fn render_text(report: &Report, witness_paths: &dyn Fn(&str, Probe) -> Option<String>) -> String {
+pub(crate) fn render_text(report: &Report, witness_paths: &dyn Fn(&str, Probe) -> Option<String>) -> String {
     let mut out = String::new();
     let o = &report.options;
     let _ =
@@ -203,7 +203,7 @@ pub(crate) fn inconclusive_line(report: &Report) -> Option<String> {
 }
 
 /// Markdown for a CI step summary.
-pub fn render_markdown(report: &Report) -> String {
+pub(crate) fn render_markdown(report: &Report) -> String {
     let mut out = String::from("## moe-audit\n\n");
     let o = &report.options;
     let _ = writeln!(out, "batch {} × seq {}, {} trials, seed {}\n", o.batch, o.seq_len, o.trials, o.seed);
@@ -266,7 +266,7 @@ pub fn render_markdown(report: &Report) -> String {
 
 /// The zoo: one row per router, a verdict column per probe, beside its load balance, then how
 /// many leak (a broken invariant counts, as in [`Report::leaks`]).
-pub fn render_zoo(report: &Report) -> String {
+pub(crate) fn render_zoo(report: &Report) -> String {
     let (routers, probes) = (&report.routers, &report.options.probes);
     let mut out = String::new();
     let width = router_width(report);
@@ -301,7 +301,7 @@ pub fn render_zoo(report: &Report) -> String {
 
 /// The outcome of `replay`: the leak (capacity alone: latent; X: the drift) reproduced, with
 /// the before and after routes, or gone.
-pub fn render_replay(replay: &ReplayOutcome) -> String {
+pub(crate) fn render_replay(replay: &ReplayOutcome) -> String {
     let w = &replay.witness;
     let token = format!("batch {}, position {}", w.token_a.batch, w.token_a.pos);
     let found = verdict_word(replay.verdict()).to_uppercase();

@@ -5,6 +5,7 @@
 
 use crate::analyze::{audit, audit_configs, AuditOptions, Launch, Report, RouterReport, Subject};
 use crate::external::{planned_options, ExternalRouter, Mode, TraceRouter};
+use crate::hints::HintsOf;
 use crate::progress::Progress;
 use moe_audit_core::config::RouterConfig;
 use moe_audit_core::error::{Error, Result};

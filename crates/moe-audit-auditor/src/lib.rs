@@ -13,6 +13,8 @@ pub mod analyze;
 pub mod check;
 pub mod exploit;
 pub mod external;
+mod hints;
+mod mode;
 pub mod model;
 pub mod progress;
 pub mod seeds;

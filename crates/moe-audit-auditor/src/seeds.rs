@@ -10,23 +10,23 @@ pub const INPUT: u64 = 0x9e37_79b9_7f4a_7c15;
 /// Seeded hidden states of `ep`'s forward.
 pub const EP_INPUT: u64 = 0xe9;
 /// Hidden states fed to an external router that takes hidden rows (its gate is its own).
-pub const EXTERNAL_HIDDEN: u64 = 0x9001;
+pub(crate) const EXTERNAL_HIDDEN: u64 = 0x9001;
 /// One stream per probe (`+ probe index`): the probe's random choices.
-pub const PROBE: u64 = 0x5eed_0000;
+pub(crate) const PROBE: u64 = 0x5eed_0000;
 /// F: the fresh later tokens of the layer sample.
-pub const FUTURE_SAMPLE: u64 = 0xf;
+pub(crate) const FUTURE_SAMPLE: u64 = 0xf;
 /// N: the fresh neighbouring sequence of the layer sample.
-pub const NEIGHBOUR_SAMPLE: u64 = 0xa;
+pub(crate) const NEIGHBOUR_SAMPLE: u64 = 0xa;
 /// S: the other call made in between (its logits and its layer sample).
-pub const REPLAY_OTHER_CALL: u64 = 0x5;
+pub(crate) const REPLAY_OTHER_CALL: u64 = 0x5;
 /// X: the payloads of the accumulator check.
-pub const NUMERICS: u64 = 0x5a4d;
+pub(crate) const NUMERICS: u64 = 0x5a4d;
 /// The sweep's heatmap: one stream per changed position (`+ position`).
-pub const HEATMAP: u64 = 0x4ea7_0000;
+pub(crate) const HEATMAP: u64 = 0x4ea7_0000;
 /// The sweep's balancing steps before an audit (`+ step`).
-pub const BALANCE_STEP: u64 = 0xba1a_0000;
+pub(crate) const BALANCE_STEP: u64 = 0xba1a_0000;
 /// The sweep's output-change check: the later half that replaces the input's.
-pub const SWEEP_LATER_HALF: u64 = 0xf0_7e;
+pub(crate) const SWEEP_LATER_HALF: u64 = 0xf0_7e;
 
 #[cfg(test)]
 mod tests {

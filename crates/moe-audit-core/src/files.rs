@@ -102,7 +102,7 @@ pub fn read_text_within(path: &Path, budget: MemoryBudget) -> Result<String> {
 /// A line over the limit of [`read_line_bounded`], which follows from the memory limit.
 #[derive(Debug, thiserror::Error)]
 #[error("a line longer than {} ({})", ByteSize(*limit as u64).display().iec(), Text::from(MAX_MEMORY))]
-pub struct LineTooLong {
+pub(crate) struct LineTooLong {
     /// The most a line may hold, in bytes.
     pub limit: usize,
 }

@@ -24,11 +24,6 @@ pub trait Router: Send + Sync {
     fn config(&self) -> Option<&RouterConfig> {
         None
     }
-    /// How a router outside moe-audit introduced itself (its protocol handshake), when it did:
-    /// its witnesses then store the calls as sent and replay against the live router.
-    fn handshake(&self) -> Option<serde_json::Value> {
-        None
-    }
     /// Stage 1: gate logits.
     ///
     /// # Shapes
@@ -86,8 +81,8 @@ pub trait Router: Send + Sync {
 /// What the analyzer needs to know only about routers fed hidden states or living elsewhere (a
 /// subprocess, trace files, a real gate with real activations). Every method defaults to what
 /// a built-in router needs, so such a router implements the few that differ and returns itself
-/// from [`Router::hints`]; the analyzer reads them through `dyn Router`'s methods of the same
-/// names.
+/// from [`Router::hints`]. Routing needs none of them: the auditor reads them (with these
+/// defaults for a router that gives none).
 pub trait Hints: Send + Sync {
     /// Width of a row the assignment stage takes, when it is not E logits: H hidden values for
     /// a router that applies its own gate inside assignment (an external router with `input:
@@ -144,49 +139,10 @@ pub trait Hints: Send + Sync {
         let _ = (logits, padding, placement);
         Err(Error::invalid("the router places no sequences on ranks"))
     }
-}
-
-/// The [`Hints`] of any router, with the built-in defaults when it gives none.
-impl dyn Router + '_ {
-    /// Width of a row the assignment stage takes ([`Hints::row_width`]; E by default).
-    pub fn row_width(&self) -> usize {
-        self.hints().and_then(Hints::row_width).unwrap_or_else(|| self.experts())
-    }
-    /// A row that wants expert `e` above all others ([`Hints::targeted_row`]).
-    pub fn targeted_row(&self, e: usize) -> Option<Vec<f32>> {
-        self.hints().and_then(|h| h.targeted_row(e))
-    }
-    /// The audit's hidden states, when the router draws its own ([`Hints::draw_hidden`]).
-    pub fn draw_hidden(&self, shape: (usize, usize), seed: u64) -> Result<Option<Tensor>> {
-        self.hints().map_or(Ok(None), |h| h.draw_hidden(shape, seed))
-    }
-    /// Whether calls may run concurrently ([`Hints::concurrent`]).
-    pub fn concurrent(&self) -> bool {
-        self.hints().is_none_or(Hints::concurrent)
-    }
-    /// Whether the router is audited in its serving mode ([`Hints::serving`]).
-    pub fn serving(&self) -> bool {
-        self.hints().is_some_and(Hints::serving)
-    }
-    /// Whether its adapter offers `seed_calls` ([`Hints::seed_calls`]).
-    pub fn seed_calls(&self) -> Option<bool> {
-        self.hints().and_then(Hints::seed_calls)
-    }
-    /// The ranks a layer places sequences over ([`Hints::ranks`]).
-    pub fn ranks(&self) -> Option<usize> {
-        self.hints().and_then(Hints::ranks)
-    }
-    /// The routes of a call under a placement ([`Hints::assign_placed`]).
-    pub fn assign_placed(
-        &self,
-        logits: ArrayView3<f32>,
-        padding: Option<ArrayView2<bool>>,
-        placement: &[usize],
-    ) -> Result<Routing> {
-        match self.hints() {
-            Some(h) => h.assign_placed(logits, padding, placement),
-            None => Err(Error::shape(&format!("router `{}`", self.name()), "the router places no sequences on ranks")),
-        }
+    /// How a router outside moe-audit introduced itself (its protocol handshake), when it did:
+    /// its witnesses then store the calls as sent and replay against the live router.
+    fn handshake(&self) -> Option<serde_json::Value> {
+        None
     }
 }
 
@@ -225,11 +181,6 @@ impl ConfigRouter {
     /// One step of the router's state between training batches ([`RouterConfig::step`]).
     pub fn step(&mut self, batch: &crate::routing::StepBatch) -> Result<()> {
         self.config.step(batch)
-    }
-
-    /// The gate matrix `[experts, hidden]`.
-    pub fn gate_weight(&self) -> &Tensor {
-        self.gate.weight()
     }
 }
 

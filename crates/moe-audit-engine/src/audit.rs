@@ -156,7 +156,7 @@ pub fn audit(run: &Run, settings: &Settings, progress: &(dyn Fn(usize, usize) + 
 
 /// Sends a script's steps in order (each step's requests in flight together) and returns the
 /// replies by step.
-pub fn execute(run: &Run, script: &Script, sent: &mut dyn FnMut(usize)) -> Result<Vec<Vec<Reply>>, EngineError> {
+pub(crate) fn execute(run: &Run, script: &Script, sent: &mut dyn FnMut(usize)) -> Result<Vec<Vec<Reply>>, EngineError> {
     let mut replies: Vec<Vec<Reply>> = Vec::with_capacity(script.steps.len());
     for step in &script.steps {
         let server = run.servers.get(step.server).ok_or_else(|| EngineError::Settings {

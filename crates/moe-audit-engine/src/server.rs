@@ -120,7 +120,7 @@ impl Reply {
     }
 
     /// The rows of positions `range`.
-    pub fn rows_at(&self, range: std::ops::Range<usize>) -> &[i32] {
+    pub(crate) fn rows_at(&self, range: std::ops::Range<usize>) -> &[i32] {
         let w = self.layers * self.top_k;
         &self.routes[range.start * w..range.end * w]
     }

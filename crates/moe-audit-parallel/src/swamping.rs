@@ -165,7 +165,7 @@ pub struct Figures {
 
 impl Figures {
     /// Its configuration as reports name it: `ring wire f16 accumulate f32`.
-    pub fn config_name(&self) -> String {
+    pub(crate) fn config_name(&self) -> String {
         format!("{} wire {} accumulate {}", self.algorithm.name(), self.wire.name(), self.accumulate.name())
     }
 }
@@ -214,7 +214,7 @@ pub fn audit(comm: &dyn Communicator, payload: &Payload, plan: &AuditPlan) -> Re
 
 /// The exact sum of each element of the inputs as the collective sees them (rounded to the
 /// wire), in f64 with Neumaier compensation.
-pub fn exact_sums(rows: &[Vec<f32>], wire: Precision, n: usize) -> Vec<f64> {
+pub(crate) fn exact_sums(rows: &[Vec<f32>], wire: Precision, n: usize) -> Vec<f64> {
     (0..n)
         .map(|i| {
             let (mut sum, mut comp) = (0.0f64, 0.0f64);

@@ -33,7 +33,7 @@ const KEYS: [&str; 11] = [
 ];
 
 /// What moe-audit needs to merge a pipeline's trace, said once for every message that asks.
-pub fn how_to_give() -> Text {
+pub(crate) fn how_to_give() -> Text {
     text!(
         "give Megatron's `pipeline_model_parallel_size` in the ",
         CONFIG,
@@ -163,7 +163,7 @@ impl Pipeline {
     }
 
     /// The pipeline rank of global rank `rank` in a world of `world` ranks (`None`: unknown).
-    pub fn stage_of(&self, rank: usize, world: Option<usize>) -> Result<usize, Text> {
+    pub(crate) fn stage_of(&self, rank: usize, world: Option<usize>) -> Result<usize, Text> {
         let size = self.size;
         let stride = match (self.stride, world.or(self.world)) {
             // Rank 0 is stage 0 in every order.

@@ -110,7 +110,7 @@ impl Record {
     }
 
     /// Whether any route of the layer index is left (a dense layer's placeholder has none).
-    pub fn layer_routed(&self, layer: usize) -> bool {
+    pub(crate) fn layer_routed(&self, layer: usize) -> bool {
         self.routed[layer]
     }
 
@@ -120,14 +120,14 @@ impl Record {
     }
 
     /// Whether a token has no route in any layer (padding).
-    pub fn token_empty(&self, token: usize) -> bool {
+    pub(crate) fn token_empty(&self, token: usize) -> bool {
         let mut row = Vec::new();
         self.rows(token..token + 1, &mut row);
         row.iter().all(|&e| e < 0)
     }
 
     /// Padding rows found, all causes.
-    pub fn padding_rows(&self) -> usize {
+    pub(crate) fn padding_rows(&self) -> usize {
         self.found.padding.values().sum()
     }
 }

@@ -11,7 +11,7 @@ use crate::routing::Route;
 use std::fmt::Write;
 
 /// The audit of routers as one HTML document.
-pub fn check_html(report: &Report) -> String {
+pub(crate) fn check_html(report: &Report) -> String {
     let o = &report.options;
     let mut b = String::from("<h1>moe-audit check</h1>\n");
     let probes: Vec<String> = o.probes.iter().map(|p| format!("{p} {}", p.name())).collect();

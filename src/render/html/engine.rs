@@ -8,7 +8,7 @@ use crate::render::engine::{axis_note, axis_verdict};
 use std::fmt::Write;
 
 /// The report as one HTML document.
-pub fn engine_html(r: &Report) -> String {
+pub(crate) fn engine_html(r: &Report) -> String {
     let mut b = String::from("<h1>moe-audit engine</h1>\n");
     let _ = writeln!(
         b,

@@ -10,7 +10,7 @@ mod page;
 mod routes;
 mod svg;
 
-pub use check::check_html;
-pub use engine::engine_html;
-pub use model::model_html;
-pub use routes::routes_html;
+pub(crate) use check::check_html;
+pub(crate) use engine::engine_html;
+pub(crate) use model::model_html;
+pub(crate) use routes::routes_html;

@@ -34,7 +34,7 @@ fn positions(c: usize, span: usize) -> String {
 }
 
 /// The audit of a model as one HTML document.
-pub fn model_html(report: &ModelReport) -> String {
+pub(crate) fn model_html(report: &ModelReport) -> String {
     let (info, o) = (&report.model, &report.options);
     let mut b = format!("<h1>moe-audit model: {}</h1>\n", esc(&info.name));
     let _ = writeln!(

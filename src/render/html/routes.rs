@@ -13,7 +13,7 @@ use std::fmt::Write;
 const ROWS: usize = 40;
 
 /// The comparison as one HTML document.
-pub fn routes_html(c: &Comparison) -> String {
+pub(crate) fn routes_html(c: &Comparison) -> String {
     let mut b = String::from("<h1>moe-audit routes compare</h1>\n");
     let _ = writeln!(b, "<p class=\"sub\">{}<br>{}</p>", esc(&side_line(&c.rollout)), esc(&side_line(&c.trainer)));
     let _ = writeln!(b, "<div class=\"summary {}\">{}</div>", if c.failed { "leak" } else { "pass" }, esc(&verdict(c)));

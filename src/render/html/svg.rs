@@ -8,23 +8,23 @@ use std::fmt::Write;
 /// One token of a strip.
 pub(super) struct Cell {
     /// Position in its call.
-    pub pos: usize,
+    pub(crate) pos: usize,
     /// Short text inside the cell (a token id, or nothing).
-    pub text: String,
+    pub(crate) text: String,
     /// Fill colour.
-    pub fill: &'static str,
+    pub(crate) fill: &'static str,
     /// Tooltip.
-    pub title: String,
+    pub(crate) title: String,
     /// The witness token: drawn with a heavy border.
-    pub mark: bool,
+    pub(crate) mark: bool,
 }
 
 /// A strip: a label and the cells of one sequence.
 pub(super) struct Strip {
-    pub label: String,
+    pub(crate) label: String,
     /// The marked token's position (strips are aligned on it).
-    pub focus: usize,
-    pub cells: Vec<Cell>,
+    pub(crate) focus: usize,
+    pub(crate) cells: Vec<Cell>,
 }
 
 const CELL: i64 = 24;
@@ -140,8 +140,8 @@ pub(super) fn heatmap(
 
 /// One bar of a stacked bar chart: its label and (value, colour, tooltip) segments.
 pub(super) struct Bar {
-    pub label: String,
-    pub parts: Vec<(f64, &'static str, String)>,
+    pub(crate) label: String,
+    pub(crate) parts: Vec<(f64, &'static str, String)>,
 }
 
 /// Vertical stacked bars on a linear scale from 0 to `max`, ticks written by `tick`.
@@ -202,10 +202,10 @@ pub(super) fn bars(bars: &[Bar], max: f64, tick: &dyn Fn(f64) -> String) -> Stri
 
 /// A labelled point of a scatter.
 pub(super) struct Point {
-    pub x: f64,
-    pub y: f64,
-    pub label: String,
-    pub fill: &'static str,
+    pub(crate) x: f64,
+    pub(crate) y: f64,
+    pub(crate) label: String,
+    pub(crate) fill: &'static str,
 }
 
 /// A scatter from (1, 0) up, the axes named, each point labelled.

@@ -1,6 +1,7 @@
 //! A probe case: two calls whose aligned tokens must route alike, and the machinery to run
 //! and compare them.
 
+use crate::hints::HintsOf;
 use moe_audit_core::error::Result;
 use moe_audit_core::router::Router;
 use moe_audit_core::routing::{diff_token, TokenDiff};

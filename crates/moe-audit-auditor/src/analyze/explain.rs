@@ -6,7 +6,7 @@
 use super::probe::Modes;
 use super::witness::TokenRef;
 use super::{AuditOptions, Finding, Probe, Verdict};
-use crate::external::Mode;
+use crate::mode::Mode;
 use moe_audit_core::config::{Family, RouterConfig};
 use moe_audit_core::routing::{Route, TokenRouting};
 use serde::{Deserialize, Serialize};

@@ -23,7 +23,8 @@ pub(crate) use probe::TARGET_LOGIT;
 pub use probe::{numerics, Audit, Probe};
 pub use witness::Witness;
 
-use crate::external::Mode;
+use crate::hints::HintsOf;
+use crate::mode::Mode;
 use crate::progress::Progress;
 use crate::sizes::RunSizes;
 use candle_core::Device;
@@ -328,7 +329,7 @@ impl Launch<'_> {
 /// fails before allocating anything when an audit is estimated to need more than `budget`
 /// bytes. With `comm`, the layout probe runs the layer expert-parallel over it (every rank audits
 /// alike).
-pub fn audit_configs(
+pub(crate) fn audit_configs(
     configs: Vec<moe_audit_core::RouterConfig>,
     options: &AuditOptions,
     (hidden, ffn): (usize, usize),

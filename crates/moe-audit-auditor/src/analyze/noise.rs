@@ -17,7 +17,7 @@
 
 use super::repeats::{Observed, Repeats};
 use super::{Finding, Probe, Verdict};
-use crate::external::Mode;
+use crate::mode::Mode;
 
 /// The normal quantile of a two-sided 99.9% interval.
 const Z: f64 = 3.2905;

@@ -9,7 +9,8 @@
 
 use super::case::{Call, Case};
 use super::tally::Tally;
-use crate::external::Mode;
+use crate::hints::HintsOf;
+use crate::mode::Mode;
 use moe_audit_core::error::Result;
 use moe_audit_core::router::Router;
 use moe_audit_core::routing::Routing;

@@ -13,11 +13,13 @@ pub mod process;
 pub mod protocol;
 pub mod trace;
 
+pub use crate::mode::Mode;
 pub use process::{ExternalRouter, Subprocess};
-pub use protocol::{Handshake, InputKind, Mode};
+pub use protocol::{Handshake, InputKind};
 #[allow(deprecated)]
 pub use trace::{plan, planned_options, Replay, TraceAnswers, TraceRouter};
 
+use crate::hints::HintsOf;
 use candle_core::{Device, Tensor};
 use moe_audit_core::error::{Error, Result};
 use moe_audit_core::layer::Seeded;
@@ -100,20 +102,6 @@ impl<A: Answers> Router for External<A> {
         Some(self)
     }
 
-    /// The router's identity for its witnesses: the handshake without its transport (protocol
-    /// version, response encoding, padding mask) and its adapter's options (`seed_calls`), so a
-    /// witness replays over either protocol.
-    fn handshake(&self) -> Option<serde_json::Value> {
-        let mut value = serde_json::to_value(External::handshake(self)).ok()?;
-        if let Some(fields) = value.as_object_mut() {
-            // `ranks`, `output` and `weights` stay: they say what the layer is.
-            for transport in ["protocol", "responses", "padding_mask", "seed_calls"] {
-                fields.remove(transport);
-            }
-        }
-        Some(value)
-    }
-
     /// The router's gate lives elsewhere: its rows pass through unchanged.
     fn scores(&self, hidden: &Tensor) -> Result<Tensor> {
         pass_through(self, hidden)
@@ -142,6 +130,19 @@ impl<A: Answers> Router for External<A> {
 }
 
 impl<A: Answers> Hints for External<A> {
+    /// The router's identity for its witnesses: the handshake without its transport (protocol
+    /// version, response encoding, padding mask) and its adapter's options (`seed_calls`), so a
+    /// witness replays over either protocol.
+    fn handshake(&self) -> Option<serde_json::Value> {
+        let mut value = serde_json::to_value(External::handshake(self)).ok()?;
+        if let Some(fields) = value.as_object_mut() {
+            // `ranks`, `output` and `weights` stay: they say what the layer is.
+            for transport in ["protocol", "responses", "padding_mask", "seed_calls"] {
+                fields.remove(transport);
+            }
+        }
+        Some(value)
+    }
     fn row_width(&self) -> Option<usize> {
         Some(self.handshake().row_width())
     }

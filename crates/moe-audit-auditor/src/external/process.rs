@@ -13,8 +13,9 @@
 //! run them concurrently, so request ids and the order a stateful router sees are the same on
 //! every run.
 
-use super::protocol::{self, frame_request, parse_response, Asked, BinaryHeader, Handshake, InputKind, Mode, Request};
+use super::protocol::{self, frame_request, parse_response, Asked, BinaryHeader, Handshake, InputKind, Request};
 use super::{Answers, External};
+use crate::mode::Mode;
 use moe_audit_core::error::{excerpt_long, Error, Result};
 use moe_audit_core::error::{ProtocolError, Text};
 use moe_audit_core::routing::Routing;

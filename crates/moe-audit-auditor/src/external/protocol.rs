@@ -5,6 +5,7 @@
 //! a `/2` router may be an MoE layer run expert-parallel (`ranks`: each call's sequences placed
 //! over its ranks, the capacity per rank) that sends its output rows (`output`).
 
+use crate::mode::Mode;
 use moe_audit_core::config::{Flatten, ScopeConfig, ScopeGroup};
 use moe_audit_core::error::{excerpt, excerpt_long, ProtocolError};
 use moe_audit_core::routing::{
@@ -12,7 +13,6 @@ use moe_audit_core::routing::{
 };
 use ndarray::ArrayView2;
 use serde::{Deserialize, Serialize};
-use std::fmt;
 
 /// The protocol tag of version 1 (JSON lines both ways).
 pub const PROTOCOL: &str = "moe-audit/1";
@@ -90,7 +90,7 @@ pub const MAX_SIZE: usize = 1 << 20;
 pub const MAX_RANKS: usize = 1024;
 
 /// The longest weights fingerprint, in hex digits (a sha512 takes 128).
-pub const MAX_FINGERPRINT: usize = 128;
+pub(crate) const MAX_FINGERPRINT: usize = 128;
 
 impl Handshake {
     /// Checks the handshake; the error says which field is wrong.
@@ -182,7 +182,7 @@ impl Handshake {
     }
 
     /// Whether responses come as binary frames.
-    pub fn binary_responses(&self) -> bool {
+    pub(crate) fn binary_responses(&self) -> bool {
         self.responses == Some(Encoding::Binary)
     }
 
@@ -197,54 +197,6 @@ impl Handshake {
             InputKind::Logits => self.experts,
             InputKind::Hidden => self.hidden_size.unwrap_or(0),
         }
-    }
-}
-
-/// The mode a router routes in: its training configuration or its inference one (`[inference]`
-/// of a config, `mode: inference` over the protocol, `--mode`). A call of a probe case names the
-/// mode relative to the router audited: `Train` is the router itself, `Inference` its
-/// [`Router::inference`](moe_audit_core::router::Router::inference) router.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Mode {
-    /// Training (every probe but M's second call; the default a witness leaves out).
-    #[default]
-    Train,
-    /// Serving (the M probe).
-    Inference,
-}
-
-impl Mode {
-    /// Whether this is the training mode (the default a witness leaves out).
-    pub fn is_train(&self) -> bool {
-        *self == Mode::Train
-    }
-
-    /// The mode `router` is audited in: inference for a router audited serving
-    /// (`check --mode inference`), else training.
-    pub fn audited(router: &dyn moe_audit_core::router::Router) -> Mode {
-        if router.serving() {
-            Mode::Inference
-        } else {
-            Mode::Train
-        }
-    }
-
-    /// The other mode.
-    pub fn other(self) -> Mode {
-        match self {
-            Mode::Train => Mode::Inference,
-            Mode::Inference => Mode::Train,
-        }
-    }
-}
-
-impl fmt::Display for Mode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Mode::Train => "train",
-            Mode::Inference => "inference",
-        })
     }
 }
 
@@ -285,7 +237,7 @@ struct FrameHeader<'a> {
 /// # Shapes
 /// `rows`: `batch * seq_len * width` values, sequence-major; `padding`: `batch * seq_len` flags;
 /// `placement`: `batch` ranks.
-pub fn frame_request(
+pub(crate) fn frame_request(
     (id, mode, seed): (u64, Mode, u64),
     (batch, seq_len, width): (usize, usize, usize),
     rows: &[f32],
@@ -474,7 +426,7 @@ impl BinaryHeader {
 
 /// What a response answers: the request's id, shape, padding mask (`true` = padding) and its
 /// rows when they are logits (for the load statistics).
-pub struct Asked<'a> {
+pub(crate) struct Asked<'a> {
     /// The request's id.
     pub id: u64,
     /// Sequences.
@@ -490,7 +442,7 @@ pub struct Asked<'a> {
 }
 
 /// Checks that `placement` puts `batch / ranks` sequences on each of `ranks` ranks.
-pub fn check_placement(placement: &[usize], batch: usize, ranks: usize) -> Result<(), ProtocolError> {
+pub(crate) fn check_placement(placement: &[usize], batch: usize, ranks: usize) -> Result<(), ProtocolError> {
     if placement.len() != batch {
         return Err(format!("placement has {} entries, the batch {batch} sequences", placement.len()).into());
     }
@@ -512,7 +464,7 @@ pub fn check_placement(placement: &[usize], batch: usize, ranks: usize) -> Resul
 
 impl Response {
     /// Checks the response against its request and builds the routing record.
-    pub fn into_routing(self, hs: &Handshake, asked: &Asked) -> Result<Routing, ProtocolError> {
+    pub(crate) fn into_routing(self, hs: &Handshake, asked: &Asked) -> Result<Routing, ProtocolError> {
         let Asked { id, batch, seq_len, .. } = *asked;
         if self.id != id {
             return Err(format!("response id {} does not match", self.id).into());
@@ -671,7 +623,7 @@ fn scope_of(
 }
 
 /// Parses one response line; the error quotes an excerpt of a line that is not a response.
-pub fn parse_response(line: &str) -> Result<Response, ProtocolError> {
+pub(crate) fn parse_response(line: &str) -> Result<Response, ProtocolError> {
     serde_json::from_str(line).map_err(|source| ProtocolError::NotA {
         expected: "a response",
         line: line.to_string(),

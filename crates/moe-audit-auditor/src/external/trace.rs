@@ -11,9 +11,10 @@
 //! against a recorder that routes every token to e, and writes the union of the calls: whatever
 //! the real router answers, every call it is asked is in the plan.
 
-use super::protocol::{parse_response, Asked, Handshake, InputKind, Mode, Response, RouteOut};
+use super::protocol::{parse_response, Asked, Handshake, InputKind, Response, RouteOut};
 use super::{Answers, External};
 use crate::analyze::{audit, AuditOptions, Subject};
+use crate::mode::Mode;
 use crate::progress::Silent;
 use candle_core::{Device, Tensor};
 use moe_audit_core::error::{excerpt, Error, ProtocolError, Result, Text};
@@ -30,15 +31,15 @@ use std::sync::{Arc, Mutex};
 /// The manifest format tag.
 pub const FORMAT: &str = "moe-audit-plan/1";
 /// File names inside a trace directory.
-pub const MANIFEST: &str = "manifest.json";
+pub(crate) const MANIFEST: &str = "manifest.json";
 /// The probe inputs.
-pub const INPUTS: &str = "inputs.safetensors";
+pub(crate) const INPUTS: &str = "inputs.safetensors";
 /// The harness's answers, one response line per call.
-pub const DECISIONS: &str = "decisions.jsonl";
+pub(crate) const DECISIONS: &str = "decisions.jsonl";
 
 /// One planned call.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct PlannedCall {
+pub(crate) struct PlannedCall {
     /// The id the response must carry.
     pub id: u64,
     /// Configuration to route with.
@@ -53,7 +54,7 @@ pub struct PlannedCall {
 
 /// `manifest.json`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Manifest {
+pub(crate) struct Manifest {
     /// Always [`FORMAT`].
     pub format: String,
     /// The router, as its handshake would describe it.

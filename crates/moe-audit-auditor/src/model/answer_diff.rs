@@ -41,7 +41,7 @@ pub(crate) struct PairResult {
 /// A case as a whole.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub enum CaseClass {
+pub(crate) enum CaseClass {
     /// Nothing changed beyond tolerance.
     Same,
     /// Only changes numerics explain (and what they carried to later layers).

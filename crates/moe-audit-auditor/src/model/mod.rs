@@ -80,9 +80,9 @@ pub struct ModelInfo {
 }
 
 /// The most layers a model may declare.
-pub const MAX_LAYERS: usize = 4096;
+pub(crate) const MAX_LAYERS: usize = 4096;
 /// The largest vocabulary (token ids travel as u32).
-pub const MAX_VOCAB: usize = 1 << 31;
+pub(crate) const MAX_VOCAB: usize = 1 << 31;
 
 impl ModelInfo {
     /// Checks the handshake; the error says which field is wrong.
@@ -135,7 +135,7 @@ impl ModelInfo {
 
     /// Checks a call before it is sent: shape, token ids below the vocabulary, a padding mask
     /// only to a model that takes one, the generation path only to one that runs it.
-    pub fn check_call(&self, call: &TokenCall) -> Result<()> {
+    pub(crate) fn check_call(&self, call: &TokenCall) -> Result<()> {
         let what = || format!("model `{}`", self.name);
         let n = call.batch.checked_mul(call.seq_len).filter(|&n| n > 0);
         if n != Some(call.tokens.len()) {
@@ -267,7 +267,7 @@ impl TokenCall {
     }
 
     /// Whether token `(b, p)` is padding.
-    pub fn is_padding(&self, b: usize, p: usize) -> bool {
+    pub(crate) fn is_padding(&self, b: usize, p: usize) -> bool {
         self.padding.as_ref().is_some_and(|m| m[b * self.seq_len + p])
     }
 

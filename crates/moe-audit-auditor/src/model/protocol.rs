@@ -29,7 +29,7 @@ struct RequestHeader {
 
 /// A request as written: its header line, then the token ids (u32) and, with a mask, one byte
 /// per token (1 = padding).
-pub fn frame_request(id: u64, call: &TokenCall) -> Vec<u8> {
+pub(crate) fn frame_request(id: u64, call: &TokenCall) -> Vec<u8> {
     let mask = call.padding.as_deref();
     let bytes = 4 * call.tokens.len() + mask.map_or(0, <[bool]>::len);
     let (path, prefill) = match call.path {

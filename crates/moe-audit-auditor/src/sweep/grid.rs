@@ -205,7 +205,7 @@ impl Grid {
 
     /// Resolves the routers: presets by name, files inside `base` (the grid file's folder; no
     /// absolute path, `..` or symlink out of it: a grid is data, it points at no other file).
-    pub fn load_routers(&self, source_name: &str, base: &Path) -> Result<Vec<RouterConfig>> {
+    pub(crate) fn load_routers(&self, source_name: &str, base: &Path) -> Result<Vec<RouterConfig>> {
         (self.routers.iter().enumerate())
             .map(|(i, name)| {
                 if moe_audit_core::config::preset(name).is_some() {

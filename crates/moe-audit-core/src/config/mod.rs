@@ -351,7 +351,7 @@ impl RouterConfig {
 
     /// This configuration with a selection-only bias (e.g. read from weights), checked as if
     /// the file had said `expert_bias = [...]`.
-    pub fn with_expert_bias(self, bias: Vec<f32>) -> std::result::Result<RouterConfig, FieldError> {
+    pub(crate) fn with_expert_bias(self, bias: Vec<f32>) -> std::result::Result<RouterConfig, FieldError> {
         let file = RouterFile { expert_bias: Some(bias), ..RouterFile::from(self) };
         let config = RouterConfig::try_from(file)?;
         config.validate()?;

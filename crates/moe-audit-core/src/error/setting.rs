@@ -5,37 +5,17 @@
 //! of [`present`] names it (the binary: `--max-memory`; the Python extension: `max_memory`), or
 //! as the library does, `` setting `max_memory` ``.
 
+pub use crate::settings::Setting;
 use std::borrow::Cow;
 use std::cell::Cell;
 use std::fmt;
-
-/// A setting of a run (a size, a limit, a file) that a message may name: its field or parameter
-/// name, `max_memory`. Each crate declares the settings it owns as constants (its `settings`
-/// module); a front end spells them its own way.
-///
-/// There is no `Display`: a setting is written only through a [`Text`], so no message turns it
-/// into the library's words before its caller names it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Setting(&'static str);
-
-impl Setting {
-    /// The setting called `name` (snake case, as the field or parameter it sets).
-    pub const fn new(name: &'static str) -> Self {
-        Setting(name)
-    }
-
-    /// The library's name for it.
-    pub fn name(self) -> &'static str {
-        self.0
-    }
-}
 
 /// How a front end names a setting.
 pub type Names = fn(Setting) -> Cow<'static, str>;
 
 /// The library's own words: `` setting `max_memory` ``.
 pub fn library_name(setting: Setting) -> Cow<'static, str> {
-    format!("setting `{}`", setting.0).into()
+    format!("setting `{}`", setting.name()).into()
 }
 
 thread_local! {

@@ -53,7 +53,7 @@ impl Expert {
     }
 
     /// Bytes an expert of these sizes holds in f32 on the CPU (its packed weights).
-    pub fn bytes_f32(hidden: usize, ffn: usize) -> u64 {
+    pub(crate) fn bytes_f32(hidden: usize, ffn: usize) -> u64 {
         PackedMatrix::bytes_for(ffn, hidden).saturating_mul(2).saturating_add(PackedMatrix::bytes_for(hidden, ffn))
     }
 

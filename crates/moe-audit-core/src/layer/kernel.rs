@@ -27,7 +27,7 @@ pub enum Kernel {
 }
 
 /// The environment variable that forces a kernel.
-pub const KERNEL_VAR: &str = "MOE_AUDIT_KERNEL";
+pub(crate) const KERNEL_VAR: &str = "MOE_AUDIT_KERNEL";
 
 impl Kernel {
     /// Every kernel, fastest first.
@@ -62,7 +62,7 @@ impl Kernel {
 
     /// The kernel `MOE_AUDIT_KERNEL = value` asks for (unset, empty or `auto`: the best), or why
     /// it cannot run here.
-    pub fn from_setting(value: Option<&str>) -> Result<Kernel, String> {
+    pub(crate) fn from_setting(value: Option<&str>) -> Result<Kernel, String> {
         let text = value.map(str::trim).unwrap_or("");
         if text.is_empty() || text == "auto" {
             return Ok(Kernel::best());
@@ -140,7 +140,7 @@ impl Aligned {
 /// A weight matrix `W` (`[n, k]`, row-major: `n` outputs of `k` inputs) stored as the kernel
 /// reads it: panels of 32 outputs, each `[k][32]` (the last padded with zeros).
 #[derive(Debug, Clone)]
-pub struct PackedMatrix {
+pub(crate) struct PackedMatrix {
     n: usize,
     k: usize,
     panels: Aligned,
@@ -148,7 +148,7 @@ pub struct PackedMatrix {
 
 impl PackedMatrix {
     /// Packs `w` (`[n, k]`, row-major).
-    pub fn pack(w: &[f32], n: usize, k: usize) -> Self {
+    pub(crate) fn pack(w: &[f32], n: usize, k: usize) -> Self {
         assert_eq!(w.len(), n * k, "packing a [{n}, {k}] matrix");
         let mut panels = Aligned::zeros(Self::panel_count(n) * k * NR);
         for (p, panel) in panels.as_mut_slice().chunks_exact_mut(k * NR).enumerate() {
@@ -166,23 +166,13 @@ impl PackedMatrix {
     }
 
     /// Bytes a packed `[n, k]` matrix takes (for memory estimates; none for an empty one).
-    pub fn bytes_for(n: usize, k: usize) -> u64 {
+    pub(crate) fn bytes_for(n: usize, k: usize) -> u64 {
         let values = (Self::panel_count(n) as u64).saturating_mul(NR as u64 * 4).saturating_mul(k as u64);
         if values == 0 {
             0
         } else {
             values.saturating_add(ALIGN as u64)
         }
-    }
-
-    /// Outputs (`n`).
-    pub fn outputs(&self) -> usize {
-        self.n
-    }
-
-    /// Inputs (`k`).
-    pub fn inputs(&self) -> usize {
-        self.k
     }
 }
 

@@ -16,7 +16,8 @@ mod weights;
 pub use estimate::CallSizes;
 pub use expert::Expert;
 pub use kernel::Kernel;
-pub use weights::{infer_dims, load_safetensors, seeded_weights, tensor_names, LayerDims, Seeded};
+use weights::infer_dims;
+pub use weights::{load_safetensors, seeded_weights, LayerDims, Seeded};
 
 use crate::config::RouterConfig;
 use crate::error::{excerpt_long, Error, Result};

@@ -21,7 +21,7 @@ pub struct LayerDims {
 }
 
 /// Mixtral-style tensor names: `gate.weight`, `experts.{i}.w1.weight`, `w2`, `w3`.
-pub fn tensor_names(experts: usize) -> Vec<String> {
+pub(crate) fn tensor_names(experts: usize) -> Vec<String> {
     let mut names = vec!["gate.weight".to_string()];
     for i in 0..experts {
         for w in ["w1", "w2", "w3"] {
@@ -111,7 +111,7 @@ fn duplicate_tensor_name(bytes: &[u8]) -> Option<String> {
 }
 
 /// Infers [`LayerDims`] from Mixtral-style tensors.
-pub fn infer_dims(tensors: &HashMap<String, Tensor>, source: &str) -> Result<LayerDims> {
+pub(crate) fn infer_dims(tensors: &HashMap<String, Tensor>, source: &str) -> Result<LayerDims> {
     let get = |name: &str| {
         tensors.get(name).ok_or_else(|| Error::shape(source, format!("missing tensor `{name}`"))).and_then(|t| {
             t.dims2().map_err(|_| {

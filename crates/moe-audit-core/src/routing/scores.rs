@@ -186,7 +186,7 @@ impl Choices {
 
     /// Choices given whole: `experts` and `gates` hold `k` per token.
     #[cfg(test)]
-    pub fn from_parts(k: usize, experts: Vec<usize>, gates: Vec<f32>) -> Choices {
+    pub(crate) fn from_parts(k: usize, experts: Vec<usize>, gates: Vec<f32>) -> Choices {
         assert!(k > 0 && experts.len() == gates.len() && experts.len().is_multiple_of(k));
         Choices { k, experts, gates, scratch: Scratch::default() }
     }
@@ -213,7 +213,7 @@ impl Choices {
 
     /// [`Choices::push`] selecting on `select` (a Sinkhorn-balanced row) instead of the
     /// affinities; the gates still come from the token's own scores.
-    pub fn push_on(&mut self, config: &RouterConfig, row: Row<'_>, select: &[f32]) {
+    pub(crate) fn push_on(&mut self, config: &RouterConfig, row: Row<'_>, select: &[f32]) {
         self.push_from(config, row, Some(select))
     }
 

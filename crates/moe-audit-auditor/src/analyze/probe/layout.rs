@@ -26,7 +26,8 @@ use crate::analyze::{
     witness::{self, Witness},
     AuditOptions, Finding, Launch, Probe, Verdict,
 };
-use crate::external::Mode;
+use crate::hints::HintsOf;
+use crate::mode::Mode;
 use moe_audit_core::config::{Flatten, RouterConfig, ScopeGroup};
 use moe_audit_core::error::excerpt;
 use moe_audit_core::error::Result;

@@ -11,7 +11,8 @@ use super::repeats::Repeats;
 use super::tally::{pick_witness_token, witness_hit, Tally};
 use super::witness::{self, Replayer, Witness};
 use super::{AuditOptions, Finding, Property, Verdict};
-use crate::external::Mode;
+use crate::hints::HintsOf;
+use crate::mode::Mode;
 use candle_core::{Device, Tensor};
 use moe_audit_core::error::{Error, Result};
 use moe_audit_core::layer::Seeded;
@@ -41,7 +42,7 @@ mod serves {
     /// A router audit runs it by default.
     pub const ROUTER: u8 = 1;
     /// A router audit runs it when asked (`--probes`).
-    pub const OPT_IN: u8 = 2;
+    pub(crate) const OPT_IN: u8 = 2;
     /// A whole-model audit runs it (its cases: `model/audit/plan.rs`).
     pub const MODEL: u8 = 4;
 }
@@ -402,7 +403,7 @@ impl Ctx<'_> {
     }
 
     /// `n` copies of a crafted token row that wants expert `e` above all others.
-    pub fn targeted_rows(&self, n: usize, e: usize) -> Array2<f32> {
+    pub(crate) fn targeted_rows(&self, n: usize, e: usize) -> Array2<f32> {
         let row = self.router.targeted_row(e).unwrap_or_else(|| {
             let mut row = vec![0.0; self.width()];
             row[e] = TARGET_LOGIT;
@@ -414,7 +415,7 @@ impl Ctx<'_> {
     /// The expert a token is pushed toward in trial `trial`: its routes in turn (1st choice, 2nd
     /// choice, ...), or its strongest logit when it has no route (expert choice); for a router
     /// fed hidden rows (no logits to read), the experts in turn.
-    pub fn target_of(&self, batch: usize, pos: usize, trial: usize) -> usize {
+    pub(crate) fn target_of(&self, batch: usize, pos: usize, trial: usize) -> usize {
         let routes = &self.base_routing.token(batch, pos).routes;
         let real: Vec<usize> = routes.iter().filter(|r| !r.padded).map(|r| r.expert).collect();
         let experts = self.router.experts();

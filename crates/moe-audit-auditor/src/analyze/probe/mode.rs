@@ -5,7 +5,6 @@ use super::{run_repeat, Ctx, Rule, Sample};
 use crate::analyze::case::{Call, Case};
 use crate::analyze::witness::{Replayer, Witness};
 use crate::analyze::{AuditOptions, Finding, Probe, Verdict};
-use crate::external;
 use moe_audit_core::error::Result;
 use moe_audit_core::routing::Routing;
 
@@ -18,8 +17,8 @@ impl Rule for Mode {
             Modes::Config => ["the training configuration".into(), "the [inference] configuration".into()],
             // An external router has modes, not an `[inference]` table; the mode audited comes
             // first (the witness's `before` is its routing).
-            Modes::External(external::Mode::Inference) => ["inference mode".into(), "training mode".into()],
-            Modes::External(external::Mode::Train) => ["training mode".into(), "inference mode".into()],
+            Modes::External(crate::mode::Mode::Inference) => ["inference mode".into(), "training mode".into()],
+            Modes::External(crate::mode::Mode::Train) => ["training mode".into(), "inference mode".into()],
         }
     }
 
@@ -45,7 +44,7 @@ impl Rule for Mode {
             Some(_) => "training versus [inference] configuration on the same input",
             None => "the router's two modes (`mode: train` and `mode: inference` requests) on the same input",
         };
-        let modes = (external::Mode::Train, external::Mode::Inference);
+        let modes = (crate::mode::Mode::Train, crate::mode::Mode::Inference);
         run_repeat(ctx, Probe::M, &case, (&ctx.base_routing, &served), modes, note)
     }
 
@@ -58,8 +57,8 @@ impl Rule for Mode {
         with: &dyn Replayer,
         a: &Call,
         _: &Call,
-        _: (external::Mode, external::Mode),
+        _: (crate::mode::Mode, crate::mode::Mode),
     ) -> Result<(Routing, Routing)> {
-        Ok((with.route(a, external::Mode::Train)?, with.route(a, external::Mode::Inference)?))
+        Ok((with.route(a, crate::mode::Mode::Train)?, with.route(a, crate::mode::Mode::Inference)?))
     }
 }

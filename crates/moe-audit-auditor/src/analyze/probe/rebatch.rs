@@ -9,6 +9,7 @@ use crate::analyze::explain::plural;
 use crate::analyze::layer_check::{SampleCase, SampleInput};
 use crate::analyze::witness::Witness;
 use crate::analyze::{AuditOptions, Finding, Probe};
+use crate::hints::HintsOf;
 use moe_audit_core::error::Result;
 use ndarray::{Array2, Array3, Axis};
 use rand::Rng;

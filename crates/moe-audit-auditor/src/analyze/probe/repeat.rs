@@ -9,7 +9,7 @@ use crate::analyze::case::Call;
 use crate::analyze::layer_check::{SampleCase, SampleInput};
 use crate::analyze::witness::{Replayer, Witness};
 use crate::analyze::{AuditOptions, Finding, Probe};
-use crate::external::Mode;
+use crate::mode::Mode;
 use moe_audit_core::error::Result;
 use moe_audit_core::routing::Routing;
 

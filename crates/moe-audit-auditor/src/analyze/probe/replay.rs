@@ -12,7 +12,7 @@ use crate::analyze::noise::Noise;
 use crate::analyze::tally::{pick_witness_token, witness_hit, Tally};
 use crate::analyze::witness::{self, Replayer, Witness};
 use crate::analyze::{AuditOptions, Finding, Probe, Verdict};
-use crate::external::Mode;
+use crate::mode::Mode;
 use candle_core::Tensor;
 use moe_audit_core::error::Result;
 use moe_audit_core::routing::Routing;

@@ -24,7 +24,8 @@ pub(crate) use shrink::{build, build_routed};
 
 use super::case::Call;
 use super::{Probe, Property};
-use crate::external::Mode;
+use crate::hints::HintsOf;
+use crate::mode::Mode;
 use moe_audit_core::config::RouterConfig;
 use moe_audit_core::error::{excerpt, Error, Result};
 use moe_audit_core::routing::{Logits, TokenRouting};
@@ -173,7 +174,7 @@ impl Witness {
 
     /// Reads a witness file under the memory limit `budget`: the text, and the values parsed
     /// from it (about four times the text), must fit.
-    pub fn read_within(path: &Path, budget: MemoryBudget) -> Result<Witness> {
+    pub(crate) fn read_within(path: &Path, budget: MemoryBudget) -> Result<Witness> {
         let text = moe_audit_core::files::read_text_within(path, budget)?;
         Self::parse(&text, path)
     }

@@ -9,7 +9,8 @@
 use super::{load, Witness};
 use crate::analyze::case::Call;
 use crate::analyze::{Probe, Verdict};
-use crate::external::Mode;
+use crate::hints::HintsOf;
+use crate::mode::Mode;
 use moe_audit_core::config::RouterConfig;
 use moe_audit_core::error::{excerpt, excerpt_long, Error, Result};
 use moe_audit_core::router::Router;
