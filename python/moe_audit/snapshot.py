@@ -92,7 +92,7 @@ def _plan(router: Router, directory: str, options: dict[str, Any]) -> None:
     if spec["top_k"] is not None:
         args += ["--top-k", spec["top_k"]]
     if spec["hidden_size"] is not None:
-        args += ["--hidden-size", spec["hidden_size"]]
+        args += ["--hidden", spec["hidden_size"]]
     flags = {"batch": "--batch", "seq_len": "--seq-len", "seed": "--seed", "logits": "--logits",
              "hidden_states": "--hidden-states"}
     for key, flag in flags.items():

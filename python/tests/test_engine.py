@@ -14,7 +14,7 @@ import pytest
 from moe_audit import MoeAuditError, engine
 
 FAKE = Path(__file__).resolve().parents[2] / "tests" / "it" / "engines" / "fake_engine.py"
-SMALL = {"probes": 3, "mates": 3, "generate": 4, "prompt_len": (20, 40)}
+SMALL = {"prompts": 3, "mates": 3, "generate": 4, "prompt_len": (20, 40)}
 
 
 @contextmanager
@@ -40,7 +40,7 @@ def test_a_clean_engine_holds_and_a_decode_defect_is_found() -> None:
         assert all(a.held and a.decisions > 0 for a in report.axes)
         assert report.requests == 33
     with fake("--engine", "vllm", "--fault", "decode") as url:
-        report = engine.audit(url, must_hold=("decode",), **{**SMALL, "probes": 6})  # type: ignore[arg-type]
+        report = engine.audit(url, must_hold=("decode",), **{**SMALL, "prompts": 6})  # type: ignore[arg-type]
         assert report.failed
         decode = next(a for a in report.axes if a.axis == "decode")
         assert decode.changed > 0 and decode.must_hold

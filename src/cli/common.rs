@@ -11,6 +11,12 @@ use moe_audit::RunSizes;
 use std::path::Path;
 use std::time::Duration;
 
+/// Sequences per call `route` and `snapshot` take by default: a few tokens a reader can follow
+/// (their other sizes are [`RunSizes`]').
+pub(crate) const SHOWN_BATCH: usize = 2;
+/// Tokens per sequence `route` and `snapshot` take by default.
+pub(crate) const SHOWN_SEQ_LEN: usize = 8;
+
 /// `--batch`, `--seq-len`, `--hidden`, `--ffn`: a seeded layer's call, declared once for `check`,
 /// `model` and `ep`, with [`RunSizes`]' defaults.
 #[derive(Debug, Args)]
@@ -81,7 +87,7 @@ pub(crate) fn mode_parser() -> impl TypedValueParser<Value = Mode> {
 }
 
 /// `--input` of `plan` and `snapshot plan`: what a harness feeds its router.
-#[derive(Debug, Clone, Copy, ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub(crate) enum InputArg {
     /// E gate logits per token.
     Logits,

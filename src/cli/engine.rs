@@ -41,8 +41,8 @@ pub(crate) struct EngineArgs {
     #[arg(long, default_value_t = 0)]
     pub(crate) seed: u64,
     /// Probe prompts.
-    #[arg(long, default_value_t = Settings::default().probes)]
-    pub(crate) probes: usize,
+    #[arg(long, default_value_t = Settings::default().prompts)]
+    pub(crate) prompts: usize,
     /// Shortest and longest probe prompt, in tokens.
     #[arg(long, value_name = "MIN..MAX", default_value = "32..96", value_parser = parse_range)]
     pub(crate) prompt_len: (usize, usize),
@@ -148,7 +148,7 @@ impl EngineArgs {
         };
         let settings = Settings {
             seed: self.seed,
-            probes: self.probes,
+            prompts: self.prompts,
             prompt_len: self.prompt_len,
             generate: self.generate,
             mates: self.mates,

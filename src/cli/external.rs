@@ -11,6 +11,7 @@ use moe_audit::error::{ensure_positive, Error, Result};
 use moe_audit::external::{plan, Handshake, InputKind, Mode};
 use moe_audit::settings::{BATCH, SEQ_LEN, TRIALS};
 use moe_audit::MemoryBudget;
+use moe_audit::RunSizes;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -123,19 +124,19 @@ pub(crate) struct PlanArgs {
     #[arg(long, value_enum, default_value_t = InputArg::Logits)]
     pub(crate) input: InputArg,
     /// Hidden size H (with --input hidden).
-    #[arg(long)]
+    #[arg(long = "hidden", alias = "hidden-size", value_name = "H")]
     pub(crate) hidden_size: Option<usize>,
     /// Probes to plan, comma separated.
     #[arg(long, default_value_t = Probe::default_list())]
     pub(crate) probes: String,
     /// Sequences per call.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = RunSizes::default().batch)]
     pub(crate) batch: usize,
     /// Tokens per sequence.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = RunSizes::default().seq_len)]
     pub(crate) seq_len: usize,
     /// Trials of the randomised probes.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = RunSizes::default().trials)]
     pub(crate) trials: usize,
     /// Seed of the inputs and every random choice.
     #[arg(long, default_value_t = 0)]
@@ -183,8 +184,9 @@ impl PlanArgs {
         }
         match (input, self.hidden_size) {
             (InputKind::Hidden, h) if !(1..=max).contains(&h.unwrap_or(0)) => {
-                return Err(Error::usage(format!("--input hidden needs --hidden-size from 1 to {max}")));
+                return Err(Error::usage(format!("--input hidden needs --hidden from 1 to {max}")));
             }
+            (InputKind::Logits, Some(_)) => return Err(Error::usage("--hidden is the size of --input hidden rows")),
             _ => {}
         }
         moe_audit::names::check(&self.name).map_err(|m| Error::usage(format!("--name {m}")))?;

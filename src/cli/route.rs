@@ -1,6 +1,6 @@
 //! `moe-audit route`: one call through a router, shown as a table or the JSON record.
 
-use super::common::MemoryArgs;
+use super::common::{MemoryArgs, SHOWN_BATCH, SHOWN_SEQ_LEN};
 use super::exit;
 use super::io_error;
 use candle_core::{DType, Device};
@@ -12,6 +12,7 @@ use moe_audit::layer::{MoeLayer, Seeded};
 use moe_audit::render::json;
 use moe_audit::routing::{assign, render_table, Logits};
 use moe_audit::settings::{BATCH, FFN, HIDDEN, SEQ_LEN};
+use moe_audit::RunSizes;
 use std::io::Write;
 use std::path::PathBuf;
 
@@ -21,16 +22,16 @@ pub(crate) struct RouteArgs {
     /// A preset name (see `moe-audit presets`) or a router TOML file.
     pub(crate) router: String,
     /// Sequences per call.
-    #[arg(long, default_value_t = 2, help_heading = "Sizes")]
+    #[arg(long, default_value_t = SHOWN_BATCH, help_heading = "Sizes")]
     pub(crate) batch: usize,
     /// Tokens per sequence (default 8; with --logits, derived from the file).
     #[arg(long, help_heading = "Sizes")]
     pub(crate) seq_len: Option<usize>,
     /// Hidden size of the seeded layer.
-    #[arg(long, default_value_t = 64, help_heading = "Sizes")]
+    #[arg(long, default_value_t = RunSizes::default().hidden, help_heading = "Sizes")]
     pub(crate) hidden: usize,
     /// Expert FFN size of the seeded layer.
-    #[arg(long, default_value_t = 128, help_heading = "Sizes")]
+    #[arg(long, default_value_t = RunSizes::default().ffn, help_heading = "Sizes")]
     pub(crate) ffn: usize,
     /// Seed of the layer weights and hidden states.
     #[arg(long, default_value_t = 0, help_heading = "Input")]
@@ -91,7 +92,7 @@ impl RouteArgs {
                 (Input::Logits(logits), sizes)
             }
             None => {
-                let seq_len = self.seq_len.unwrap_or(8);
+                let seq_len = self.seq_len.unwrap_or(SHOWN_SEQ_LEN);
                 ensure_positive(&[(BATCH, self.batch), (SEQ_LEN, seq_len), (HIDDEN, self.hidden), (FFN, self.ffn)])?;
                 let sizes = CallSizes {
                     batch: self.batch,

@@ -2,7 +2,7 @@
 //! `check` one or `update` it (made again from its header), and `plan` the inputs for a harness
 //! that routes them itself (the Python helper).
 
-use super::common::{utf8, InputArg, MemoryArgs, TimeoutArgs};
+use super::common::{utf8, InputArg, MemoryArgs, TimeoutArgs, SHOWN_BATCH, SHOWN_SEQ_LEN};
 use super::exit;
 use super::io_error;
 use clap::{ArgGroup, Args, Subcommand};
@@ -14,6 +14,7 @@ use moe_audit::snapshot::{
     check, make, remake, write_atomic, write_plan, Header, InputSpec, RouterSource, Rows, SnapshotFile,
 };
 use moe_audit::MemoryBudget;
+use moe_audit::RunSizes;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -51,8 +52,9 @@ pub(crate) struct InputArgs {
     /// Tokens per sequence [default: 8; with --logits or --hidden-states, from the file].
     #[arg(long)]
     pub(crate) seq_len: Option<usize>,
-    /// Hidden size of a preset's or TOML router's seeded gate and hidden states [default: 64].
-    #[arg(long)]
+    /// Hidden size H: of a preset's or TOML router's seeded gate and hidden states [default:
+    /// 64]; for `plan`, of a router with --input hidden.
+    #[arg(long, alias = "hidden-size", value_name = "H")]
     pub(crate) hidden: Option<usize>,
     /// Seed of the inputs (standard normal rows) and of a preset's or TOML router's gate
     /// [default: 0].
@@ -139,9 +141,6 @@ pub(crate) struct PlanArgs {
     /// What the router's rows hold.
     #[arg(long, value_enum, default_value_t = InputArg::Logits, help_heading = "Router")]
     pub(crate) input: InputArg,
-    /// Hidden size H (with --input hidden).
-    #[arg(long, help_heading = "Router")]
-    pub(crate) hidden_size: Option<usize>,
     /// The inputs.
     #[command(flatten)]
     pub(crate) rows: InputArgs,
@@ -178,6 +177,9 @@ impl SnapshotArgs {
                 traces: a.traces.clone(),
                 budget: a.memory.budget(),
             },
+            SnapshotCommand::Plan(a) if a.input == InputArg::Logits && a.rows.hidden.is_some() => {
+                return Err(Error::usage("--hidden is the size of --input hidden rows"));
+            }
             SnapshotCommand::Plan(a) => SnapshotOptions::Plan {
                 dir: a.dir.clone(),
                 router: Handshake {
@@ -186,7 +188,7 @@ impl SnapshotArgs {
                     experts: a.experts,
                     top_k: a.top_k,
                     input: a.input.into(),
-                    hidden_size: a.hidden_size,
+                    hidden_size: a.rows.hidden,
                     responses: None,
                     padding_mask: false,
                     seed_calls: None,
@@ -210,11 +212,11 @@ impl InputArgs {
         };
         let file = file.map(|f| utf8(f, "--logits/--hidden-states")).transpose()?;
         Ok(InputSpec {
-            batch: self.batch.unwrap_or(2),
-            seq_len: self.seq_len.unwrap_or(8),
+            batch: self.batch.unwrap_or(SHOWN_BATCH),
+            seq_len: self.seq_len.unwrap_or(SHOWN_SEQ_LEN),
             rows,
             seed: self.seed.unwrap_or(0),
-            hidden: Some(self.hidden.unwrap_or(64)),
+            hidden: Some(self.hidden.unwrap_or(RunSizes::default().hidden)),
             file,
             sha256: String::new(),
         })

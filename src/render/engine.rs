@@ -56,8 +56,8 @@ pub(crate) fn engine_text(r: &Report) -> String {
     }
     let _ = writeln!(
         out,
-        "  {} probes of {}-{} tokens, {} generated, {} batch-mates, seed {}; {} requests, at most {} in flight\n",
-        s.probes, s.prompt_len.0, s.prompt_len.1, s.generate, s.mates, s.seed, r.requests, s.concurrency
+        "  {} probe prompts of {}-{} tokens, {} generated, {} batch-mates, seed {}; {} requests, at most {} in flight\n",
+        s.prompts, s.prompt_len.0, s.prompt_len.1, s.generate, s.mates, s.seed, r.requests, s.concurrency
     );
     let _ = writeln!(
         out,

@@ -53,8 +53,8 @@ const SMALL: [&str; 6] = ["--mates", "3", "--generate", "4", "--prompt-len", "20
 fn audit(url: &str, extra: &[&str]) -> (i32, String, String) {
     let mut args = vec!["engine", url, "--run-id", "test"];
     args.extend_from_slice(&SMALL);
-    if !extra.contains(&"--probes") {
-        args.extend_from_slice(&["--probes", "3"]);
+    if !extra.contains(&"--prompts") {
+        args.extend_from_slice(&["--prompts", "3"]);
     }
     args.extend_from_slice(extra);
     let out = run(&args, &[]);
@@ -123,7 +123,7 @@ fn each_defect_changes_its_own_axis() {
     ];
     for (fault, axis) in cases {
         let fake = Fake::start(&["--engine", "vllm", "--enable-prompt-tokens-details", "--fault", fault]);
-        let (code, out, err) = audit(&fake.url, &["--format", "json", "--must-hold", axis, "--probes", "6"]);
+        let (code, out, err) = audit(&fake.url, &["--format", "json", "--must-hold", axis, "--prompts", "6"]);
         assert_eq!(code, 1, "--fault {fault}: {err}{out}");
         let found = axes(&out);
         assert!(found[axis].1 > 0, "--fault {fault}: {axis} did not change: {found:?}");
@@ -169,7 +169,7 @@ fn a_witness_replays_until_the_defect_is_gone() {
     let bad = Fake::start(&["--engine", "vllm", "--fault", "decode"]);
     let dir = std::env::temp_dir().join(format!("moe-audit-engine-witness-{}", std::process::id()));
     let witnesses = dir.to_str().unwrap();
-    let (code, out, err) = audit(&bad.url, &["--must-hold", "decode", "--probes", "6", "--witness-dir", witnesses]);
+    let (code, out, err) = audit(&bad.url, &["--must-hold", "decode", "--prompts", "6", "--witness-dir", witnesses]);
     assert_eq!(code, 1, "{err}{out}");
     let witness = dir.join("engine-decode.json");
     let w = witness.to_str().unwrap();
@@ -189,13 +189,13 @@ fn the_report_is_the_same_whatever_the_run() {
         return;
     }
     let fake = Fake::start(&["--engine", "vllm", "--fault", "batch"]);
-    let first = run(&["engine", &fake.url, "--run-id", "one", "--probes", "4", "--format", "json"], &[]);
-    let second = run(&["engine", &fake.url, "--run-id", "two", "--probes", "4", "--format", "json"], &[]);
+    let first = run(&["engine", &fake.url, "--run-id", "one", "--prompts", "4", "--format", "json"], &[]);
+    let second = run(&["engine", &fake.url, "--run-id", "two", "--prompts", "4", "--format", "json"], &[]);
     assert_eq!(first.stdout, second.stdout);
     assert_eq!(first.status.code(), second.status.code());
     // The page: one section per axis, each the records comparison of `routes compare`.
     let page = run(
-        &["engine", &fake.url, "--run-id", "three", "--probes", "4", "--format", "html", "--must-hold", "batch"],
+        &["engine", &fake.url, "--run-id", "three", "--prompts", "4", "--format", "html", "--must-hold", "batch"],
         &[],
     );
     assert_eq!(page.status.code(), Some(1));
@@ -258,7 +258,7 @@ fn a_real_vllm_engine_holds_on_every_axis_as_recorded() {
     }
     let engine = replayed("tests/it/engines/recorded/vllm-0.28-cpu-bf16-eager.jsonl");
     let args =
-        ["engine", &engine.url, "--config", RECORDED_CONFIG, "--run-id", "rec", "--probes", "3", "--format", "json"];
+        ["engine", &engine.url, "--config", RECORDED_CONFIG, "--run-id", "rec", "--prompts", "3", "--format", "json"];
     let out = run(&args, &[]);
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     let found = axes(&String::from_utf8_lossy(&out.stdout));
@@ -289,7 +289,7 @@ fn a_real_vllm_engine_compiled_routes_otherwise_than_eager_as_recorded() {
         RECORDED_CONFIG,
         "--run-id",
         "rec-against",
-        "--probes",
+        "--prompts",
         "3",
         "--long-prompts",
         "1",

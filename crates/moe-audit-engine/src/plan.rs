@@ -66,7 +66,7 @@ pub struct Settings {
     /// Seed of every prompt.
     pub seed: u64,
     /// Probe prompts.
-    pub probes: usize,
+    pub prompts: usize,
     /// Shortest and longest probe prompt (tokens).
     pub prompt_len: (usize, usize),
     /// Tokens generated per probe (at least 2: the decode axis compares all but the last).
@@ -94,7 +94,7 @@ impl Default for Settings {
     fn default() -> Self {
         Settings {
             seed: 0,
-            probes: 8,
+            prompts: 8,
             prompt_len: (32, 96),
             generate: 8,
             mates: 5,
@@ -114,7 +114,7 @@ impl Settings {
     pub fn check(&self, against: bool) -> Result<(), EngineError> {
         let (lo, hi) = self.prompt_len;
         let rules = [
-            (self.probes == 0, "probes must be at least 1".to_string()),
+            (self.prompts == 0, "prompts must be at least 1".to_string()),
             (lo == 0 || lo > hi, format!("prompt lengths {lo}..{hi}: give 1 <= shortest <= longest")),
             (self.generate < 2, "generate must be at least 2 (the decode axis compares all but the last)".into()),
             (self.vocab < 2, "vocab must be at least 2".into()),
@@ -250,12 +250,12 @@ impl Script {
 /// so a seed names the same requests whatever the axes.
 pub fn scripts(settings: &Settings) -> Vec<Script> {
     let mut rng = ChaCha8Rng::seed_from_u64(settings.seed);
-    let mut out: Vec<Script> = (0..settings.probes).map(|probe| probe_script(probe, settings, &mut rng)).collect();
+    let mut out: Vec<Script> = (0..settings.prompts).map(|probe| probe_script(probe, settings, &mut rng)).collect();
     if settings.axes.contains(&Axis::Against) {
         for n in 0..settings.long_prompts {
             let prompt = draw(&mut rng, settings.long_len, settings.vocab);
             let req = |salt| Planned { prompt: Prompt::Tokens(prompt.clone()), max_tokens: settings.generate, salt };
-            let mut s = Script { probe: settings.probes + n, steps: Vec::new(), pairings: Vec::new() };
+            let mut s = Script { probe: settings.prompts + n, steps: Vec::new(), pairings: Vec::new() };
             let a = s.push(0, vec![req(0)], 0);
             let b = s.push(1, vec![req(1)], 0);
             s.pairings.push(Pairing { axis: Axis::Against, a, b });
