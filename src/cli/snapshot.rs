@@ -10,9 +10,8 @@ use moe_audit::config::presets;
 use moe_audit::error::{Error, Result};
 use moe_audit::external::protocol::PROTOCOL;
 use moe_audit::external::Handshake;
-use moe_audit::snapshot::{
-    check, make, remake, write_atomic, write_plan, Header, InputSpec, RouterSource, Rows, SnapshotFile,
-};
+use moe_audit::files::write_atomic;
+use moe_audit::snapshot::{check, make, remake, write_plan, Header, InputSpec, RouterSource, Rows, SnapshotFile};
 use moe_audit::MemoryBudget;
 use moe_audit::RunSizes;
 use std::io::Write;

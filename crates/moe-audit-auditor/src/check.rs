@@ -4,7 +4,8 @@
 //! (or the Python extension) builds them directly and gets the same report.
 
 use crate::analyze::{audit, audit_configs, AuditOptions, Launch, Report, RouterReport, Subject};
-use crate::external::{planned_options, ExternalRouter, Mode, TraceRouter};
+use crate::external::trace::planned_options;
+use crate::external::{ExternalRouter, Mode, TraceRouter};
 use crate::hints::HintsOf;
 use crate::progress::Progress;
 use moe_audit_core::config::RouterConfig;

@@ -10,7 +10,7 @@ use serde::Serialize;
 use std::ops::Range;
 
 /// Changed decisions listed per axis (the rest are counted).
-pub const CHANGES_SHOWN: usize = 20;
+pub(crate) const CHANGES_SHOWN: usize = 20;
 
 /// One (position, layer) decision whose expert set changed.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]

@@ -19,7 +19,7 @@ mod plan;
 mod server;
 mod witness;
 
-pub use audit::{audit, AxisReport, Change, Divergence, Report, Run, CHANGES_SHOWN};
+pub use audit::{audit, AxisReport, Change, Divergence, Report, Run};
 pub use plan::{scripts, Axis, Pairing, Planned, Prompt, Script, Settings, Step, Take};
 pub use server::{Connect, Engine, Reply, Request, Server, ServerInfo};
 pub use witness::{replay, Witness, WITNESS_VERSION};

@@ -17,7 +17,7 @@ pub use crate::mode::Mode;
 pub use process::{ExternalRouter, Subprocess};
 pub use protocol::{Handshake, InputKind};
 #[allow(deprecated)]
-pub use trace::{plan, planned_options, Replay, TraceAnswers, TraceRouter};
+pub use trace::{plan, Replay, TraceAnswers, TraceRouter};
 
 use crate::hints::HintsOf;
 use candle_core::{Device, Tensor};

@@ -202,7 +202,7 @@ impl Handshake {
 
 /// One `/1` call: `batch * seq_len` rows, sequence-major.
 #[derive(Debug, Serialize)]
-pub struct Request<'a> {
+pub(crate) struct Request<'a> {
     /// Request number, from 1.
     pub id: u64,
     /// Configuration to route with.
@@ -257,7 +257,7 @@ pub(crate) fn frame_request(
 /// One route of a response.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct RouteOut {
+pub(crate) struct RouteOut {
     /// Expert id (signed, so a negative id is reported as out of range, not as a parse error).
     pub expert: i64,
     /// Combine weight when kept; the gate before dropping otherwise.
@@ -269,7 +269,7 @@ pub struct RouteOut {
 /// The capacity a response states.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(untagged, try_from = "serde_json::Value")]
-pub enum Capacity {
+pub(crate) enum Capacity {
     /// Slots per expert over the call (`/1`): one routing group, the whole call.
     PerExpert(Vec<usize>),
     /// Slots per expert in each routing group of a scope (`/2`).
@@ -279,7 +279,7 @@ pub enum Capacity {
 /// A capacity with its scope: which tokens compete together, and each group's slots.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct ScopedCapacity {
+pub(crate) struct ScopedCapacity {
     /// `batch`, `sequence` or `tokens:N`, as a built-in router's `[scope] group`; or `rank`
     /// (a router with `ranks`: one group per rank, its sequences' tokens).
     pub scope: GroupRule,
@@ -311,7 +311,7 @@ fn sequence_major() -> Flatten {
 /// A router's answer to one request.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct Response {
+pub(crate) struct Response {
     /// The request's id.
     pub id: u64,
     /// Per token (sequence-major), its routes in choice order.
@@ -330,7 +330,7 @@ pub struct Response {
 /// The header line of a binary `/2` response; `bytes` bytes follow it.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct BinaryHeader {
+pub(crate) struct BinaryHeader {
     /// The request's id.
     pub id: u64,
     /// Routes R over all tokens.

@@ -184,7 +184,7 @@ pub type TraceRouter = External<TraceAnswers>;
 
 /// The audit a trace directory was planned for, from its manifest alone (the inputs and the
 /// decisions are read by [`TraceRouter::open`]).
-pub fn planned_options(dir: &Path, budget: MemoryBudget) -> Result<AuditOptions> {
+pub(crate) fn planned_options(dir: &Path, budget: MemoryBudget) -> Result<AuditOptions> {
     Ok(read_manifest(dir, budget)?.options)
 }
 

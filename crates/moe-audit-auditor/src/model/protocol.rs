@@ -58,7 +58,7 @@ pub(crate) fn frame_request(id: u64, call: &TokenCall) -> Vec<u8> {
 /// One routed layer in a response header.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct LayerHeader {
+pub(crate) struct LayerHeader {
     /// Global layer number.
     pub layer: usize,
     /// Routes R_l over all tokens.
@@ -71,7 +71,7 @@ pub struct LayerHeader {
 /// The header line of a response.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct ResponseHeader {
+pub(crate) struct ResponseHeader {
     /// The request's id.
     pub id: u64,
     /// Every routed layer of the handshake, in its order.

@@ -27,9 +27,9 @@ use std::path::Path;
 pub const FORMAT: &str = "moe-audit-snapshot/2";
 /// The format before the header seal: `--update` migrates it, `--check` refuses it (an unsealed
 /// header could be edited unnoticed).
-pub const FORMAT_UNSEALED: &str = "moe-audit-snapshot/1";
+pub(crate) const FORMAT_UNSEALED: &str = "moe-audit-snapshot/1";
 /// Decimals of the weights in the routing text ([`render_table`](moe_audit_core::routing::render_table)).
-pub const WEIGHT_DECIMALS: u32 = 4;
+pub(crate) const WEIGHT_DECIMALS: u32 = 4;
 
 const COMMENT: &str =
     "# moe-audit routing snapshot. Compare: moe-audit snapshot check FILE; rewrite: moe-audit snapshot update FILE.\n";
@@ -276,8 +276,8 @@ impl SnapshotFile {
     }
 }
 
-/// Writes `bytes` to `path` atomically ([`moe_audit_core::files::write_atomic`]: a temporary file beside
-/// it, then a rename, so the file is complete or untouched; a device or FIFO is written through).
+/// Writes `bytes` to `path` atomically: [`moe_audit_core::files::write_atomic`], which it forwards to.
+#[deprecated(since = "0.3.0", note = "use `moe_audit::files::write_atomic`")]
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     moe_audit_core::files::write_atomic(path, bytes)
 }
@@ -406,11 +406,11 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("moe-audit-snap-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("a.snap");
-        write_atomic(&path, b"one").unwrap();
-        write_atomic(&path, b"two").unwrap();
+        moe_audit_core::files::write_atomic(&path, b"one").unwrap();
+        moe_audit_core::files::write_atomic(&path, b"two").unwrap();
         assert_eq!(std::fs::read(&path).unwrap(), b"two");
         assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
-        assert!(write_atomic(&dir.join("missing/a.snap"), b"x").is_err());
+        assert!(moe_audit_core::files::write_atomic(&dir.join("missing/a.snap"), b"x").is_err());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

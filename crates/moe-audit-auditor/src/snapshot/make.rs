@@ -1,7 +1,7 @@
 //! Making a snapshot from its header: build the router, make the inputs, route them in every
 //! mode. `snapshot` runs this once to write a file and `snapshot check` again to compare.
 
-use super::file::{file_sha256, sha256, write_atomic, Header, InputSpec, RouterSource, Rows, SnapshotFile};
+use super::file::{file_sha256, sha256, Header, InputSpec, RouterSource, Rows, SnapshotFile};
 use super::file::{FORMAT, WEIGHT_DECIMALS};
 use crate::analyze::{AuditOptions, Probe};
 use crate::external::protocol::PROTOCOL;
@@ -10,6 +10,7 @@ use crate::external::{ExternalRouter, Handshake, InputKind, Mode, TraceRouter};
 use candle_core::{DType, Device, Tensor};
 use moe_audit_core::config::RouterConfig;
 use moe_audit_core::error::{ensure_positive, excerpt, excerpt_long, Error, Result};
+use moe_audit_core::files::write_atomic;
 use moe_audit_core::layer::gate::GateSource;
 use moe_audit_core::layer::CallSizes;
 use moe_audit_core::layer::{MoeLayer, Seeded};
@@ -22,7 +23,7 @@ use std::path::Path;
 
 /// The recipe a `snapshot plan` directory carries, so the snapshot of its answers records the
 /// router and inputs rather than a temporary directory.
-pub const PLAN_RECIPE: &str = "snapshot.toml";
+pub(crate) const PLAN_RECIPE: &str = "snapshot.toml";
 
 /// A plan directory's recipe.
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -284,7 +285,7 @@ fn read_recipe(dir: &Path) -> Result<Option<PlanRecipe>> {
 
 /// Whether `dir` was written by [`write_plan`] (its snapshot then records the router, not the
 /// directory).
-pub fn is_snapshot_plan(dir: &Path) -> bool {
+pub(crate) fn is_snapshot_plan(dir: &Path) -> bool {
     dir.join(PLAN_RECIPE).is_file()
 }
 

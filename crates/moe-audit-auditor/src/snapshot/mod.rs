@@ -15,10 +15,10 @@ mod file;
 mod make;
 mod table_diff;
 
-pub use file::{
-    write_atomic, Header, InputSpec, RouterSource, Rows, SnapshotFile, FORMAT, FORMAT_UNSEALED, WEIGHT_DECIMALS,
-};
-pub use make::{is_snapshot_plan, make, write_plan, PLAN_RECIPE};
+#[allow(deprecated)]
+pub use file::write_atomic;
+pub use file::{Header, InputSpec, RouterSource, Rows, SnapshotFile, FORMAT};
+pub use make::{make, write_plan};
 #[allow(deprecated)]
 pub use table_diff::{compare, diff_tables, TableDiff};
 
