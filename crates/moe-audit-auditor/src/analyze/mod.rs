@@ -27,11 +27,11 @@ use crate::hints::HintsOf;
 use crate::mode::Mode;
 use crate::progress::Progress;
 use crate::sizes::RunSizes;
-use candle_core::Device;
+use candle_core::{Device, Tensor};
 use moe_audit_core::error::{Error, FieldError, Result};
 use moe_audit_core::layer::{MoeLayer, Seeded};
 use moe_audit_core::router::{logits_to_host, Router};
-use moe_audit_core::routing::{LoadStats, Routing};
+use moe_audit_core::routing::{LoadStats, Logits, Routing};
 use moe_audit_core::text;
 use moe_audit_core::MemoryBudget;
 use probe::Ctx;
@@ -363,43 +363,9 @@ pub fn verdicts(r: &RouterReport) -> Vec<(Probe, Verdict)> {
 
 /// Audits one subject, telling `progress` each probe and its cases as they run.
 pub fn audit(subject: &Subject, options: &AuditOptions, progress: &dyn Progress) -> Result<RouterReport> {
-    let (b, s) = (options.batch, options.seq_len);
-    if b == 0 || s == 0 {
-        return Err(Error::usage(text!(
-            moe_audit_core::settings::BATCH,
-            " and ",
-            moe_audit_core::settings::SEQ_LEN,
-            format!(" must be at least 1, got {b} and {s}")
-        )));
-    }
-    if let Some(e) = options.probes.iter().find_map(|p| p.check_router().err()) {
-        return Err(Error::usage(e));
-    }
+    check_sizes(subject, options)?;
     let router = subject.router;
-    if let Some(n) = router.ranks().filter(|&n| !b.is_multiple_of(n)) {
-        return Err(Error::usage(text!(
-            moe_audit_core::settings::BATCH,
-            format!(
-                " {b} is not a multiple of the {n} ranks router `{}` runs over (each rank takes batch/ranks sequences)",
-                router.name()
-            )
-        )));
-    }
-    if let Some(l) = subject.layouts.iter().find(|l| !b.is_multiple_of(l.ep())) {
-        return Err(Error::usage(text!(moe_audit_core::settings::BATCH, format!(" {b} is not a multiple of the {} ranks layout launch `{}` (`{}`) runs over, to compare with router `{}`", l.ep(), l.router.name(), moe_audit_core::error::excerpt(l.command), router.name()))));
-    }
-    let hidden = match router.hidden_size() {
-        Some(h) => Some(probe::hidden_states(router, (b, s), h, options.seed)?),
-        None => None,
-    };
-    let logits = match &hidden {
-        Some(x) => logits_to_host(&router.scores(x)?)?,
-        None => {
-            let t = Seeded::new(options.seed).normal(&[b, s, router.row_width()], &Device::Cpu)?;
-            moe_audit_core::routing::Logits::from_shape_vec((b, s, router.row_width()), t.flatten_all()?.to_vec1()?)
-                .expect("shape")
-        }
-    };
+    let (hidden, logits) = base_input(router, options)?;
     let base = Arc::new(Call::new(logits));
     let base_routing = base.route(router)?;
     let mut invariants = invariant_violations(router, &base_routing);
@@ -428,33 +394,100 @@ pub fn audit(subject: &Subject, options: &AuditOptions, progress: &dyn Progress)
         _ => None,
     };
     let load = ctx.base_routing.stats;
-    // Training-mode probes first, then M (inference calls), then the calls around the other
-    // mode (always made), then S, which reads them: a router that an inference call changes
-    // is audited in training mode as it was before, whichever probes run (see `repeats`).
+    let mut findings = run_probes(&mut ctx, &options.probes, &other, sample.as_ref())?;
+    explain_findings(&mut findings, &ctx, options);
+    Ok(RouterReport { router: router.name().to_string(), load, invariants, findings })
+}
+
+/// The sizes and probes `options` ask of `subject`: each call splits evenly over the ranks of
+/// the router and of every layout launch, and every probe applies to a router.
+fn check_sizes(subject: &Subject, options: &AuditOptions) -> Result<()> {
+    let (b, s) = (options.batch, options.seq_len);
+    if b == 0 || s == 0 {
+        return Err(Error::usage(text!(
+            moe_audit_core::settings::BATCH,
+            " and ",
+            moe_audit_core::settings::SEQ_LEN,
+            format!(" must be at least 1, got {b} and {s}")
+        )));
+    }
+    if let Some(e) = options.probes.iter().find_map(|p| p.check_router().err()) {
+        return Err(Error::usage(e));
+    }
+    let router = subject.router;
+    if let Some(n) = router.ranks().filter(|&n| !b.is_multiple_of(n)) {
+        return Err(Error::usage(text!(
+            moe_audit_core::settings::BATCH,
+            format!(
+                " {b} is not a multiple of the {n} ranks router `{}` runs over (each rank takes batch/ranks sequences)",
+                router.name()
+            )
+        )));
+    }
+    if let Some(l) = subject.layouts.iter().find(|l| !b.is_multiple_of(l.ep())) {
+        return Err(Error::usage(text!(moe_audit_core::settings::BATCH, format!(" {b} is not a multiple of the {} ranks layout launch `{}` (`{}`) runs over, to compare with router `{}`", l.ep(), l.router.name(), moe_audit_core::error::excerpt(l.command), router.name()))));
+    }
+    Ok(())
+}
+
+/// The base call's input: hidden states through the score stage for a router that takes them
+/// (the hidden states kept for the layer sample), else seeded rows as wide as the router takes.
+fn base_input(router: &dyn Router, options: &AuditOptions) -> Result<(Option<Tensor>, Logits)> {
+    let (b, s) = (options.batch, options.seq_len);
+    let hidden = match router.hidden_size() {
+        Some(h) => Some(probe::hidden_states(router, (b, s), h, options.seed)?),
+        None => None,
+    };
+    let logits = match &hidden {
+        Some(x) => logits_to_host(&router.scores(x)?)?,
+        None => {
+            let t = Seeded::new(options.seed).normal(&[b, s, router.row_width()], &Device::Cpu)?;
+            Logits::from_shape_vec((b, s, router.row_width()), t.flatten_all()?.to_vec1()?).expect("shape")
+        }
+    };
+    Ok((hidden, logits))
+}
+
+/// Every probe asked, in the order a stateful router needs: training-mode probes first, then M
+/// (inference calls), then the calls around the other mode (always made), then S, which reads
+/// them. A router that an inference call changes is so audited in training mode as it was
+/// before, whichever probes run (see `repeats`). Findings come back in the order asked.
+fn run_probes(
+    ctx: &mut Ctx,
+    probes: &[Probe],
+    other: &Call,
+    sample: Option<&layer_check::Sample>,
+) -> Result<Vec<Finding>> {
     let later = |p: &Probe| matches!(p, Probe::M | Probe::S);
     let mut findings = Vec::new();
-    for &probe in options.probes.iter().filter(|p| !later(p)) {
-        findings.push(run_probe(&mut ctx, probe, sample.as_ref())?);
+    for &probe in probes.iter().filter(|p| !later(p)) {
+        findings.push(run_probe(ctx, probe, sample)?);
     }
-    if options.probes.contains(&Probe::M) {
-        findings.push(run_probe(&mut ctx, Probe::M, sample.as_ref())?);
+    if probes.contains(&Probe::M) {
+        findings.push(run_probe(ctx, Probe::M, sample)?);
     }
-    ctx.repeats.as_mut().expect("made above").modes(router, &ctx.base, &other)?;
-    if options.probes.contains(&Probe::S) {
-        findings.push(run_probe(&mut ctx, Probe::S, sample.as_ref())?);
+    let (router, base) = (ctx.router, Arc::clone(&ctx.base));
+    ctx.repeats.as_mut().expect("made by audit").modes(router, &base, other)?;
+    if probes.contains(&Probe::S) {
+        findings.push(run_probe(ctx, Probe::S, sample)?);
     }
-    findings.sort_by_key(|f| options.probes.iter().position(|&p| p == f.probe));
+    findings.sort_by_key(|f| probes.iter().position(|&p| p == f.probe));
+    Ok(findings)
+}
+
+/// Each finding's explanation; a D that leaks for randomness gets the fix naming the mode and
+/// what the router's adapter offers.
+fn explain_findings(findings: &mut [Finding], ctx: &Ctx, options: &AuditOptions) {
+    let router = ctx.router;
     let audited_in = Mode::audited(router);
     let noise = noise::Noise::of(ctx.repeats(), audited_in);
-    let random_fix = noise::separate(&mut findings, &noise, router.seed_calls());
-    for finding in &mut findings {
+    let random_fix = noise::separate(findings, &noise, router.seed_calls());
+    for finding in findings.iter_mut() {
         finding.explain = explain::explain(finding, options, router.config(), audited_in);
-        // D leaking for randomness: the fix that names the mode and what the adapter offers.
         if let (Probe::D, Some(e), Some(fix)) = (finding.probe, &mut finding.explain, &random_fix) {
             e.fix = fix.clone();
         }
     }
-    Ok(RouterReport { router: router.name().to_string(), load, invariants, findings })
 }
 
 /// Runs one probe with its reference routed fresh (a router whose calls may change it: its

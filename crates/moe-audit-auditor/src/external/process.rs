@@ -23,7 +23,7 @@ use moe_audit_core::text;
 use moe_audit_core::MemoryBudget;
 use ndarray::{ArrayView2, ArrayView3};
 use std::io::{BufReader, Read, Write};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, ChildStderr, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -160,72 +160,11 @@ impl Peer {
     /// `role` names it in messages (`router`, `model`).
     pub(crate) fn spawn(role: &'static str, command: &str, timeout: Duration, budget: MemoryBudget) -> Result<Self> {
         let tag = tag();
-        let mut child = Command::new("sh");
-        // Its own process group, so killing it also kills what `sh -c` started.
-        #[cfg(unix)]
-        std::os::unix::process::CommandExt::process_group(&mut child, 0);
-        let mut child = {
-            // Registered under the lock, so a signal arriving now still finds the child.
-            let mut live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
-            let child = child
-                .args(["-c", command])
-                .env(TAG_VAR, &tag)
-                .env(TIMEOUT_VAR, timeout.as_secs().max(1).to_string())
-                .stdin(Stdio::piped())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .map_err(|e| Error::io(format!("{role} `{command}`"), "cannot start", e))?;
-            live.push((child.id() as i32, tag.clone()));
-            child
-        };
+        let mut child = start(role, command, &tag, timeout)?;
         let read_limit = budget.message();
-        let stdout = child.stdout.take().expect("piped");
-        let (wants, want) = mpsc::channel::<Want>();
-        let (tx, got) = mpsc::sync_channel(1);
-        std::thread::spawn(move || {
-            let mut reader = BufReader::new(stdout);
-            for want in want {
-                let read = match want {
-                    Want::Line => {
-                        moe_audit_core::files::read_line_bounded(&mut reader, read_limit).map(|l| l.map(Got::Line))
-                    }
-                    Want::Bytes(n) => read_payload(&mut reader, n).map(|b| Some(Got::Bytes(b))),
-                };
-                let Some(read) = read.transpose() else { break };
-                let stop = read.is_err();
-                if tx.send(read).is_err() || stop {
-                    break;
-                }
-            }
-        });
-        let mut stdin = child.stdin.take().expect("piped");
-        // One line in flight: calls wait for each write before the next.
-        let (requests, to_write) = mpsc::sync_channel::<Vec<u8>>(1);
-        let (wrote, written) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in to_write {
-                let result = stdin.write_all(&line).and_then(|()| stdin.flush());
-                let stop = result.is_err();
-                if wrote.send(result).is_err() || stop {
-                    break;
-                }
-            }
-        });
-        let stderr = Arc::new(Mutex::new(Vec::new()));
-        let mut err_pipe = child.stderr.take().expect("piped");
-        let sink = Arc::clone(&stderr);
-        let (done, stderr_done) = mpsc::channel::<()>();
-        std::thread::spawn(move || {
-            let _done = done;
-            let mut buf = [0u8; 4096];
-            while let Ok(n @ 1..) = err_pipe.read(&mut buf) {
-                let mut tail = sink.lock().unwrap_or_else(|e| e.into_inner());
-                tail.extend_from_slice(&buf[..n]);
-                let excess = tail.len().saturating_sub(STDERR_TAIL);
-                tail.drain(..excess);
-            }
-        });
+        let (wants, got) = read_stdout(child.stdout.take().expect("piped"), read_limit);
+        let (requests, written) = write_stdin(child.stdin.take().expect("piped"));
+        let (stderr, stderr_done) = keep_stderr_tail(child.stderr.take().expect("piped"));
         let conversation = Conversation {
             child,
             requests: Some(requests),
@@ -247,6 +186,85 @@ impl Peer {
             conversation: Mutex::new(conversation),
         })
     }
+}
+
+/// `sh -c command` in its own process group (killing it also kills what `sh -c` started), with
+/// piped stdio, registered as live under the lock, so a signal arriving now still finds it.
+fn start(role: &str, command: &str, tag: &str, timeout: Duration) -> Result<Child> {
+    let mut child = Command::new("sh");
+    #[cfg(unix)]
+    std::os::unix::process::CommandExt::process_group(&mut child, 0);
+    let mut live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
+    let child = child
+        .args(["-c", command])
+        .env(TAG_VAR, tag)
+        .env(TIMEOUT_VAR, timeout.as_secs().max(1).to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| Error::io(format!("{role} `{command}`"), "cannot start", e))?;
+    live.push((child.id() as i32, tag.to_string()));
+    Ok(child)
+}
+
+/// The stdout reader's thread: it reads what it is asked for (a line of at most `read_limit`
+/// bytes, or a payload of a given size), nothing unasked, and stops at the end or an error.
+fn read_stdout(stdout: ChildStdout, read_limit: usize) -> (mpsc::Sender<Want>, Receiver<std::io::Result<Got>>) {
+    let (wants, want) = mpsc::channel::<Want>();
+    let (tx, got) = mpsc::sync_channel(1);
+    std::thread::spawn(move || {
+        let mut reader = BufReader::new(stdout);
+        for want in want {
+            let read = match want {
+                Want::Line => {
+                    moe_audit_core::files::read_line_bounded(&mut reader, read_limit).map(|l| l.map(Got::Line))
+                }
+                Want::Bytes(n) => read_payload(&mut reader, n).map(|b| Some(Got::Bytes(b))),
+            };
+            let Some(read) = read.transpose() else { break };
+            let stop = read.is_err();
+            if tx.send(read).is_err() || stop {
+                break;
+            }
+        }
+    });
+    (wants, got)
+}
+
+/// The stdin writer's thread, one message in flight: calls wait for each write before the next.
+fn write_stdin(mut stdin: ChildStdin) -> (SyncSender<Vec<u8>>, Receiver<std::io::Result<()>>) {
+    let (requests, to_write) = mpsc::sync_channel::<Vec<u8>>(1);
+    let (wrote, written) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in to_write {
+            let result = stdin.write_all(&line).and_then(|()| stdin.flush());
+            let stop = result.is_err();
+            if wrote.send(result).is_err() || stop {
+                break;
+            }
+        }
+    });
+    (requests, written)
+}
+
+/// The stderr reader's thread, keeping the last [`STDERR_TAIL`] bytes for messages; the
+/// receiver disconnects when it has seen the end of the pipe.
+fn keep_stderr_tail(mut err_pipe: ChildStderr) -> (Arc<Mutex<Vec<u8>>>, Receiver<()>) {
+    let stderr = Arc::new(Mutex::new(Vec::new()));
+    let sink = Arc::clone(&stderr);
+    let (done, stderr_done) = mpsc::channel::<()>();
+    std::thread::spawn(move || {
+        let _done = done;
+        let mut buf = [0u8; 4096];
+        while let Ok(n @ 1..) = err_pipe.read(&mut buf) {
+            let mut tail = sink.lock().unwrap_or_else(|e| e.into_inner());
+            tail.extend_from_slice(&buf[..n]);
+            let excess = tail.len().saturating_sub(STDERR_TAIL);
+            tail.drain(..excess);
+        }
+    });
+    (stderr, stderr_done)
 }
 
 /// A tag no other router (of this or another moe-audit) carries.

@@ -476,69 +476,14 @@ impl Response {
             );
         }
         let e = hs.experts;
-        let mut tokens = Vec::with_capacity(n);
-        for (i, routes) in self.tokens.into_iter().enumerate() {
-            let (b, s) = (i / seq_len, i % seq_len);
-            let at = || format!("token {i} (batch {b}, position {s})");
-            let mut seen = vec![false; e];
-            let mut out = Vec::with_capacity(routes.len());
-            for r in routes {
-                let expert = usize::try_from(r.expert).ok().filter(|&x| x < e);
-                let Some(expert) = expert else {
-                    return Err(
-                        format!("{}: expert {} is out of range 0 to {}", at(), r.expert, e.saturating_sub(1)).into()
-                    );
-                };
-                if std::mem::replace(&mut seen[expert], true) {
-                    return Err(format!("{}: expert {expert} appears twice", at()).into());
-                }
-                if !r.weight.is_finite() {
-                    return Err(format!("{}: weight {} of expert {expert} is not finite", at(), r.weight).into());
-                }
-                out.push(Route { expert, weight: r.weight, kept: r.kept, padded: false });
-            }
-            // A padding token may be left unrouted, as built-in routers that exclude it do.
-            let unrouted_padding = out.is_empty() && asked.padding.is_some_and(|m| m[[b, s]]);
-            if let Some(k) = hs.top_k.filter(|&k| out.len() != k && !unrouted_padding) {
-                return Err(format!("{}: {} routes, the handshake declared top_k {k}", at(), out.len()).into());
-            }
-            tokens.push(TokenRouting { batch: b, pos: s, group: 0, routes: out, capacity: None });
-        }
-        let placement = match (hs.ranks, self.placement) {
-            (None, None) => None,
-            (None, Some(_)) => return Err("a `placement` from a router that declared no `ranks`".into()),
-            (Some(_), None) => {
-                return Err("no `placement`: a router with `ranks` names the rank of each sequence".into())
-            }
-            (Some(n), Some(p)) => {
-                check_placement(&p, batch, n)?;
-                if asked.placement.is_some_and(|want| want != p.as_slice()) {
-                    return Err(format!(
-                        "placement {} is not the requested {}",
-                        excerpt_long(format!("{p:?}")),
-                        excerpt_long(format!("{:?}", asked.placement.unwrap_or_default()))
-                    )
-                    .into());
-                }
-                Some(p)
-            }
-        };
-        let output = match (hs.output, self.output) {
-            (Some(dtype), Some(rows)) => {
-                let h = hs.row_width();
-                if let Some(i) = rows.chunks_exact(h.max(1)).position(|r| r.iter().any(|v| !v.is_finite())) {
-                    return Err(format!(
-                        "token {i} (batch {}, position {}): output row is not finite",
-                        i / seq_len,
-                        i % seq_len
-                    )
-                    .into());
-                }
-                Some(Outputs { dtype, hidden: h, rows })
-            }
-            (Some(_), None) => return Err("no output rows: the handshake declared `output`".into()),
-            (None, _) => None,
-        };
+        let mut tokens = self
+            .tokens
+            .into_iter()
+            .enumerate()
+            .map(|(i, routes)| token_routing(i, routes, hs, asked))
+            .collect::<Result<Vec<_>, _>>()?;
+        let placement = placement_of(self.placement, hs, asked)?;
+        let output = output_of(self.output, hs, seq_len)?;
         let ranked = hs.ranks.zip(placement.as_deref());
         let (capacity, scope, members) = scope_of(self.capacity, e, (batch, seq_len), ranked)?;
         for (g, members) in members.into_iter().enumerate() {
@@ -550,6 +495,85 @@ impl Response {
         let mut routing = Routing::assemble(decisions, Some(&softmax));
         (routing.placement, routing.output) = (placement, output);
         Ok(routing)
+    }
+}
+
+/// Token `i`'s routes checked: experts in range, none twice, finite weights, top_k of them (a
+/// padding token may be left unrouted, as built-in routers that exclude it do).
+fn token_routing(
+    i: usize,
+    routes: Vec<RouteOut>,
+    hs: &Handshake,
+    asked: &Asked,
+) -> Result<TokenRouting, ProtocolError> {
+    let e = hs.experts;
+    let (b, s) = (i / asked.seq_len, i % asked.seq_len);
+    let at = || format!("token {i} (batch {b}, position {s})");
+    let mut seen = vec![false; e];
+    let mut out = Vec::with_capacity(routes.len());
+    for r in routes {
+        let expert = usize::try_from(r.expert).ok().filter(|&x| x < e);
+        let Some(expert) = expert else {
+            return Err(format!("{}: expert {} is out of range 0 to {}", at(), r.expert, e.saturating_sub(1)).into());
+        };
+        if std::mem::replace(&mut seen[expert], true) {
+            return Err(format!("{}: expert {expert} appears twice", at()).into());
+        }
+        if !r.weight.is_finite() {
+            return Err(format!("{}: weight {} of expert {expert} is not finite", at(), r.weight).into());
+        }
+        out.push(Route { expert, weight: r.weight, kept: r.kept, padded: false });
+    }
+    let unrouted_padding = out.is_empty() && asked.padding.is_some_and(|m| m[[b, s]]);
+    if let Some(k) = hs.top_k.filter(|&k| out.len() != k && !unrouted_padding) {
+        return Err(format!("{}: {} routes, the handshake declared top_k {k}", at(), out.len()).into());
+    }
+    Ok(TokenRouting { batch: b, pos: s, group: 0, routes: out, capacity: None })
+}
+
+/// The placement a response states: there exactly when the handshake declared `ranks`,
+/// balanced, and the one requested when the request sent one.
+fn placement_of(
+    stated: Option<Vec<usize>>,
+    hs: &Handshake,
+    asked: &Asked,
+) -> Result<Option<Vec<usize>>, ProtocolError> {
+    match (hs.ranks, stated) {
+        (None, None) => Ok(None),
+        (None, Some(_)) => Err("a `placement` from a router that declared no `ranks`".into()),
+        (Some(_), None) => Err("no `placement`: a router with `ranks` names the rank of each sequence".into()),
+        (Some(n), Some(p)) => {
+            check_placement(&p, asked.batch, n)?;
+            if asked.placement.is_some_and(|want| want != p.as_slice()) {
+                return Err(format!(
+                    "placement {} is not the requested {}",
+                    excerpt_long(format!("{p:?}")),
+                    excerpt_long(format!("{:?}", asked.placement.unwrap_or_default()))
+                )
+                .into());
+            }
+            Ok(Some(p))
+        }
+    }
+}
+
+/// The output rows a response states: there when the handshake declared `output`, finite.
+fn output_of(rows: Option<Vec<f32>>, hs: &Handshake, seq_len: usize) -> Result<Option<Outputs>, ProtocolError> {
+    match (hs.output, rows) {
+        (Some(dtype), Some(rows)) => {
+            let h = hs.row_width();
+            if let Some(i) = rows.chunks_exact(h.max(1)).position(|r| r.iter().any(|v| !v.is_finite())) {
+                return Err(format!(
+                    "token {i} (batch {}, position {}): output row is not finite",
+                    i / seq_len,
+                    i % seq_len
+                )
+                .into());
+            }
+            Ok(Some(Outputs { dtype, hidden: h, rows }))
+        }
+        (Some(_), None) => Err("no output rows: the handshake declared `output`".into()),
+        (None, _) => Ok(None),
     }
 }
 
