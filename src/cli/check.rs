@@ -2,7 +2,7 @@
 //! (every preset at default sizes).
 
 use super::bars::AuditBar;
-use super::common::{CommKind, FailOn, MemoryArgs, SizeArgs};
+use super::common::{AuditArgs, CommKind, FailOn, MemoryArgs, ReportArgs, SizeArgs};
 use super::exit;
 use super::external::ExternalArgs;
 use super::io_error;
@@ -34,17 +34,9 @@ pub(crate) struct CheckArgs {
     /// Sizes of the seeded layer's calls.
     #[command(flatten, next_help_heading = "Audit")]
     pub(crate) sizes: SizeArgs,
-    /// Trials of the randomised probes.
-    #[arg(long, default_value_t = RunSizes::default().trials, help_heading = "Audit")]
-    pub(crate) trials: usize,
-    /// Seed of the layer, the inputs and every random choice.
-    #[arg(long, default_value_t = 0, help_heading = "Audit")]
-    pub(crate) seed: u64,
-    /// Verdicts that make the check exit 1, comma separated: `leak` (a causality leak, a broken
-    /// invariant, a random router's inconclusive verdict), `latent` (only the capacity in force
-    /// changed, no decision did), `drift` (probe X: routing in bf16 or f16 differs from f32).
-    #[arg(long, value_name = "VERDICTS", default_value = FailOn::DEFAULT, value_parser = FailOn::parse, help_heading = "Audit")]
-    pub(crate) fail_on: FailOn,
+    /// Trials, seed, and the verdicts that fail the check.
+    #[command(flatten, next_help_heading = "Audit")]
+    pub(crate) audit: AuditArgs,
     /// Route every prefix in P (time quadratic in --seq-len) instead of searching them; the
     /// verdicts and witnesses are the same, the counts cover every prefix.
     #[arg(long, help_heading = "Audit")]
@@ -52,13 +44,9 @@ pub(crate) struct CheckArgs {
     /// Report format.
     #[arg(long, value_enum, default_value_t = CheckFormat::Text, help_heading = "Output")]
     pub(crate) format: CheckFormat,
-    /// Write the report here instead of stdout.
-    #[arg(long, value_name = "FILE", help_heading = "Output")]
-    pub(crate) output: Option<PathBuf>,
-    /// Write one witness file per leak here (`<router>-<probe>.json`; `moe-audit replay` replays
-    /// one).
-    #[arg(long, value_name = "DIR", help_heading = "Output")]
-    pub(crate) witness_dir: Option<PathBuf>,
+    /// Where the report and its witnesses go.
+    #[command(flatten, next_help_heading = "Output")]
+    pub(crate) report: ReportArgs,
     /// The memory limit.
     #[command(flatten)]
     pub(crate) memory: MemoryArgs,
@@ -122,10 +110,10 @@ impl CheckArgs {
             ranks: self.ranks,
             comm: self.comm,
             budget,
-            fail_on: self.fail_on,
+            fail_on: self.audit.fail_on,
             format: self.format,
-            output: self.output.clone(),
-            witness_dir: self.witness_dir.clone(),
+            output: self.report.output.clone(),
+            witness_dir: self.report.witness_dir.clone(),
             github: self.github,
         })
     }
@@ -133,7 +121,7 @@ impl CheckArgs {
     /// The audit's options, and the seeded layer's hidden and FFN sizes.
     fn audit_options(&self) -> Result<(AuditOptions, (usize, usize))> {
         let ranks = self.ranks.unwrap_or(RunSizes::default().ranks);
-        let sizes = self.sizes.validated(self.trials, ranks)?;
+        let sizes = self.sizes.validated(self.audit.trials, ranks)?;
         if self.ranks.is_some() {
             split_batch(sizes.batch, ranks)?;
         }
@@ -142,7 +130,7 @@ impl CheckArgs {
             batch: sizes.batch,
             seq_len: sizes.seq_len,
             trials: sizes.trials,
-            seed: self.seed,
+            seed: self.audit.seed,
             ranks,
             exhaustive: self.exhaustive,
         };

@@ -8,7 +8,7 @@ use moe_audit::analyze::{Report, Verdict};
 use moe_audit::error::{Error, Result};
 use moe_audit::external::{InputKind, Mode};
 use moe_audit::RunSizes;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// Sequences per call `route` and `snapshot` take by default: a few tokens a reader can follow
@@ -16,6 +16,36 @@ use std::time::Duration;
 pub(crate) const SHOWN_BATCH: usize = 2;
 /// Tokens per sequence `route` and `snapshot` take by default.
 pub(crate) const SHOWN_SEQ_LEN: usize = 8;
+
+/// `--trials`, `--seed`, `--fail-on`: how an audit runs and which verdicts fail it, declared
+/// once for `check` and `model`.
+#[derive(Debug, Args)]
+pub(crate) struct AuditArgs {
+    /// Trials of the randomised probes.
+    #[arg(long, default_value_t = RunSizes::default().trials)]
+    pub(crate) trials: usize,
+    /// Seed of the seeded layer or model, the inputs and every random choice.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) seed: u64,
+    /// Verdicts that make the audit exit 1, comma separated: `leak` (a causality leak, a broken
+    /// invariant, a random router's inconclusive verdict), `latent` (only the capacity in force
+    /// changed, no decision did), `drift` (probe X: routing in bf16 or f16 differs from f32).
+    #[arg(long, value_name = "VERDICTS", default_value = FailOn::DEFAULT, value_parser = FailOn::parse)]
+    pub(crate) fail_on: FailOn,
+}
+
+/// `--output`, `--witness-dir`: where a report and its witnesses go, declared once for
+/// `check`, `model` and `engine`.
+#[derive(Debug, Args)]
+pub(crate) struct ReportArgs {
+    /// Write the report here instead of stdout.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) output: Option<PathBuf>,
+    /// Write one witness file per leak here (named after the router, model or axis and the
+    /// probe); `moe-audit replay` replays one.
+    #[arg(long, value_name = "DIR")]
+    pub(crate) witness_dir: Option<PathBuf>,
+}
 
 /// `--batch`, `--seq-len`, `--hidden`, `--ffn`: a seeded layer's call, declared once for `check`,
 /// `model` and `ep`, with [`RunSizes`]' defaults.

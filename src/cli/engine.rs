@@ -2,7 +2,7 @@
 //! batch-mates, the prefix cache, decoding, continuation length, a second server's settings and
 //! repetition (exit 1 when an axis of `--must-hold` changed).
 
-use super::common::{MemoryArgs, TimeoutArgs};
+use super::common::{MemoryArgs, ReportArgs, TimeoutArgs};
 use super::{exit, io_error, one_of};
 use clap::{Args, ValueEnum};
 use moe_audit::engine::{audit, Axis, Connect, Engine, Run, Server, Settings, Witness};
@@ -84,12 +84,9 @@ pub(crate) struct EngineArgs {
     /// Output format.
     #[arg(long, value_enum, default_value_t = EngineFormat::Text)]
     pub(crate) format: EngineFormat,
-    /// Write the report to this file instead of stdout.
-    #[arg(long, value_name = "FILE")]
-    pub(crate) output: Option<PathBuf>,
-    /// Write one witness per changed axis here (`engine-AXIS.json`), replayed by `moe-audit replay`.
-    #[arg(long, value_name = "DIR")]
-    pub(crate) witness_dir: Option<PathBuf>,
+    /// Where the report and its witnesses go (`engine-AXIS.json`, one per changed axis).
+    #[command(flatten)]
+    pub(crate) report: ReportArgs,
     /// The memory limit.
     #[command(flatten)]
     pub(crate) memory: MemoryArgs,
@@ -187,8 +184,8 @@ impl EngineArgs {
             must_hold: self.must_hold.clone(),
             run_id,
             format: self.format,
-            output: self.output.clone(),
-            witness_dir: self.witness_dir.clone(),
+            output: self.report.output.clone(),
+            witness_dir: self.report.witness_dir.clone(),
             budget,
         })
     }

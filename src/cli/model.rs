@@ -1,7 +1,7 @@
 //! `moe-audit model`: whole-model audits on token ids (the built-in decoder, or a model over
 //! `moe-audit/3`), and the replay of their witnesses.
 
-use super::common::{FailOn, MemoryArgs, SizeArgs, TimeoutArgs};
+use super::common::{AuditArgs, FailOn, MemoryArgs, ReportArgs, SizeArgs, TimeoutArgs};
 use super::exit;
 use super::io_error;
 use clap::{ArgGroup, Args, ValueEnum};
@@ -12,7 +12,6 @@ use moe_audit::model::audit::{replay, TokenWitness};
 use moe_audit::model::{audit_model, Builtin, BuiltinSpec, Model, ModelAuditOptions, ModelProcess, ModelReport};
 use moe_audit::render::{render_model_replay, render_model_text};
 use moe_audit::MemoryBudget;
-use moe_audit::RunSizes;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -48,28 +47,19 @@ pub(crate) struct ModelArgs {
     /// Sizes of the audit's calls (and of the built-in model).
     #[command(flatten, next_help_heading = "Audit")]
     pub(crate) sizes: SizeArgs,
-    /// Trials of the randomised probes.
-    #[arg(long, default_value_t = RunSizes::default().trials, help_heading = "Audit")]
-    pub(crate) trials: usize,
-    /// Seed of the built-in model, the token ids and every random choice.
-    #[arg(long, default_value_t = 0, help_heading = "Audit")]
-    pub(crate) seed: u64,
+    /// Trials, seed, and the verdicts that fail the audit.
+    #[command(flatten, next_help_heading = "Audit")]
+    pub(crate) audit: AuditArgs,
     /// Positions the generation probe (G) prefills before feeding one token at a time
     /// [default: half of --seq-len].
     #[arg(long, help_heading = "Audit")]
     pub(crate) prefill: Option<usize>,
-    /// Verdicts that make the audit exit 1, comma separated: `leak`, `latent`, `drift`.
-    #[arg(long, value_name = "VERDICTS", default_value = FailOn::DEFAULT, value_parser = FailOn::parse, help_heading = "Audit")]
-    pub(crate) fail_on: FailOn,
     /// Report format.
     #[arg(long, value_enum, default_value_t = ModelFormat::Text, help_heading = "Output")]
     pub(crate) format: ModelFormat,
-    /// Write the report here instead of stdout.
-    #[arg(long, value_name = "FILE", help_heading = "Output")]
-    pub(crate) output: Option<PathBuf>,
-    /// Write one witness file per leak here (`<model>-<probe>.json`).
-    #[arg(long, value_name = "DIR", help_heading = "Output")]
-    pub(crate) witness_dir: Option<PathBuf>,
+    /// Where the report and its witnesses go.
+    #[command(flatten, next_help_heading = "Output")]
+    pub(crate) report: ReportArgs,
     /// Replay a witness of this model instead of auditing it: exit 1 while the token still
     /// changes, 0 when not.
     #[arg(long, value_name = "WITNESS.json", conflicts_with_all = ["probes", "prefill", "trials", "format", "output", "witness_dir"], help_heading = "Output")]
@@ -132,7 +122,7 @@ impl ModelArgs {
                 vocab: self.vocab,
                 hidden: self.sizes.hidden,
                 ffn: self.sizes.ffn,
-                seed: self.seed,
+                seed: self.audit.seed,
                 non_causal: self.non_causal,
             })),
             (None, None) => unreachable!("clap requires ROUTER or --model-cmd"),
@@ -144,20 +134,20 @@ impl ModelArgs {
                     probes: Probe::parse_list_for(&self.probes, Audit::Model)?,
                     batch,
                     seq_len,
-                    trials: self.trials,
-                    seed: self.seed,
+                    trials: self.audit.trials,
+                    seed: self.audit.seed,
                     prefill: self.prefill.unwrap_or(seq_len / 2),
                 },
                 format: self.format,
-                output: self.output.clone(),
-                witness_dir: self.witness_dir.clone(),
+                output: self.report.output.clone(),
+                witness_dir: self.report.witness_dir.clone(),
             },
         };
         Ok(ModelOptions {
             source,
             largest_call: moe_audit::model::audit::largest_call(batch, seq_len),
             action,
-            fail_on: self.fail_on,
+            fail_on: self.audit.fail_on,
             budget: self.memory.budget(),
         })
     }
