@@ -122,7 +122,7 @@ fn trace_files_give_the_subprocess_verdicts() {
     let dir_s = dir.to_str().unwrap();
     let out = run(&[
         "plan",
-        "--output",
+        "--output-dir",
         dir_s,
         "--name",
         "megatron-probs-py",
@@ -214,7 +214,7 @@ fn trace_plan_covers_hidden_input_routers() {
         "2",
         "--input",
         "hidden",
-        "--hidden-size",
+        "--hidden",
         "32",
     ];
     let out = run(&[&args[..], &["--batch", "2", "--seq-len", "32", "--trials", "8"]].concat());

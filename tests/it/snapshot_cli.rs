@@ -392,7 +392,7 @@ fn bad_snapshots_and_flags_exit_2_with_one_line() {
     std::fs::write(dir.join("garbage.snap"), "hello\n").unwrap();
     let good = std::fs::read_to_string(dir.join("l.snap")).unwrap();
     std::fs::write(dir.join("broken.snap"), good.replace("  0    1  e", "  0    1  q")).unwrap();
-    let cases: [(&[&str], &str); 10] = [
+    let cases: [(&[&str], &str); 13] = [
         (&["snapshot", "check", "l.snap", "--max-memory", "100B"], "error: reading l.snap needs about"),
         (
             &["snapshot", "record", "--traces", "t", "--batch", "2"],
@@ -414,6 +414,19 @@ fn bad_snapshots_and_flags_exit_2_with_one_line() {
         (
             &["snapshot", "record", "mixtral", "--logits", "logits.json", "--batch", "5"],
             "error: logits.json: 12 rows cannot be split",
+        ),
+        // A hidden size is the width of hidden rows: with logits it was once silently unused.
+        (
+            &["snapshot", "plan", "p", "--experts", "4", "--hidden", "16"],
+            "error: --hidden is the size of --input hidden rows",
+        ),
+        (
+            &["plan", "--output-dir", "p", "--experts", "4", "--hidden", "16"],
+            "error: --hidden is the size of --input hidden rows",
+        ),
+        (
+            &["snapshot", "plan", "p", "--experts", "4", "--input", "hidden"],
+            "error: handshake: input `hidden` needs hidden_size >= 1",
         ),
     ];
     for (args, want) in cases {
