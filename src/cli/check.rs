@@ -219,15 +219,18 @@ fn name_exhaustive(report: &mut Report) {
 /// Arguments of `moe-audit zoo`.
 #[derive(Debug, Args)]
 pub(crate) struct ZooArgs {
+    // Probes to run, one column each: the help lists the registry's, as `check`'s does.
+    #[arg(long, help = Probe::help(Audit::Router), default_value_t = Probe::default_list())]
+    pub(crate) probes: String,
     /// Seed of the layers, the inputs and every random choice.
     #[arg(long, default_value_t = 0)]
     pub(crate) seed: u64,
 }
 
 impl ZooArgs {
-    /// The audit's options: the defaults, with this seed.
-    pub(crate) fn validated(&self) -> AuditOptions {
-        AuditOptions { seed: self.seed, ..AuditOptions::default() }
+    /// The audit's options: the defaults, with these probes and this seed.
+    pub(crate) fn validated(&self) -> Result<AuditOptions> {
+        Ok(AuditOptions { probes: Probe::parse_list(&self.probes)?, seed: self.seed, ..AuditOptions::default() })
     }
 }
 

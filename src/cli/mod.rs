@@ -104,7 +104,7 @@ pub(crate) fn run(cli: Cli, out: &mut dyn Write) -> Result<u8> {
         Command::Check(args) => check::run(args.validated()?, out),
         Command::Replay(args) => replay::run(&args.validated()?, out),
         Command::Model(args) => model::run(args.validated()?, out),
-        Command::Zoo(args) => check::zoo(args.validated(), out),
+        Command::Zoo(args) => check::zoo(args.validated()?, out),
         Command::Plan(args) => external::run_plan(&args.validated()?, out),
         Command::Ep(args) => ep::run(args.validated()?, out),
         Command::Sweep(args) => sweep::run(args.validated()?, out),

@@ -408,6 +408,21 @@ fn flags_that_do_not_go_together_are_refused_by_the_parser() {
     assert!(fail(&["model", "mixtral", "--format", "junit"]).contains("invalid value 'junit' for '--format <FORMAT>'"));
 }
 #[test]
+fn zoo_runs_the_probes_given_one_column_each() {
+    // Issue 45's walk: `zoo --probes`, lower case accepted, columns in the registry's order.
+    let (code, text) = check(&["zoo", "--probes", "d,F"]);
+    assert_eq!(code, 0, "{text}");
+    assert!(text.starts_with("router                 F     D     max/mean   drop\n"), "{text}");
+    assert!(text.contains("\nmixtral                pass  pass "), "{text}");
+    assert!(text.contains("\nmegatron-probs         LEAK  pass "), "{text}");
+    assert_eq!(text.lines().filter(|l| l.ends_with('%')).count(), moe_audit::config::presets().len(), "{text}");
+    assert_eq!(
+        fail(&["zoo", "--probes", "P,Q"]),
+        "error: --probes: unknown probe `Q`, expected some of P,F,N,R,D,S,M,L,X"
+    );
+}
+
+#[test]
 fn zoo_prints_every_preset_with_verdicts_and_load() {
     let (code, text) = check(&["zoo"]);
     assert_eq!(code, 0, "{text}");
