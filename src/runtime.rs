@@ -17,7 +17,7 @@ pub(crate) const THREADS_PER_CORE: usize = 4;
 pub(crate) fn init() -> Result<()> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = threads(std::env::var_os("RAYON_NUM_THREADS").as_deref(), cores)?;
-    moe_audit::layer::kernel::check_setting().map_err(Error::usage)?;
+    moe_audit::layer::kernel::check_setting().map_err(|e| Error::usage(e.to_string()))?;
     // candle sizes every matmul by `RAYON_NUM_THREADS` and, when it is unset, counts physical
     // cores by reading /proc/cpuinfo on each call (15/16 of `exploit`'s CPU time went there).
     // Said once, here, while this is the only thread: the pool's own size.

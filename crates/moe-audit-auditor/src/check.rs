@@ -101,7 +101,8 @@ impl Check {
             Target::Configs { configs, .. } | Target::Gate { configs, .. } => configs.as_slice(),
             Target::Command(_) | Target::Traces(_) => &[],
         });
-        moe_audit_core::names::check_unique(configs.map(|c| c.name.as_str())).map_err(Error::usage)?;
+        moe_audit_core::names::check_unique(configs.map(|c| c.name.as_str()))
+            .map_err(|e| Error::usage(e.to_string()))?;
         Ok(Check { targets, options })
     }
 
@@ -171,7 +172,8 @@ impl Check {
             }
         }
         // Routers named in their handshake or manifest too, before anyone writes a file.
-        moe_audit_core::names::check_unique(routers.iter().map(|r| r.router.as_str())).map_err(Error::usage)?;
+        moe_audit_core::names::check_unique(routers.iter().map(|r| r.router.as_str()))
+            .map_err(|e| Error::usage(e.to_string()))?;
         Ok(Report { options, routers })
     }
 }

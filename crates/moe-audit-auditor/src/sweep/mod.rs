@@ -175,7 +175,7 @@ pub fn run(
 ) -> Result<SweepReport> {
     let routers = grid.load_routers(source_name, base)?;
     moe_audit_core::names::check_unique(routers.iter().map(|r| r.name.as_str()))
-        .map_err(|m| moe_audit_core::Error::config(source_name, "routers", m))?;
+        .map_err(|e| moe_audit_core::Error::config(source_name, "routers", e.to_string()))?;
     // `heatmap` names an entry of `routers` (a preset or a file); its cells carry the config's
     // name. Checked here, before any cell runs.
     let heat_name = grid.routers.iter().position(|r| *r == grid.heatmap).map(|i| routers[i].name.clone());

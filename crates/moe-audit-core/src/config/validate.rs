@@ -35,7 +35,7 @@ impl RouterConfig {
     /// A valid name, at least one expert, a positive finite gate scale.
     fn check_identity(&self) -> Check {
         let e = self.experts;
-        crate::names::check(&self.name).map_err(|m| FieldError::new("name", m))?;
+        crate::names::check(&self.name).map_err(|e| FieldError::new("name", e.to_string()))?;
         ensure(e > 0, "experts", || format!("must be at least 1, got {e}"))?;
         ensure(self.routed_scaling.is_finite() && self.routed_scaling > 0.0, "routed_scaling", || {
             format!("must be finite and > 0, got {}", self.routed_scaling)

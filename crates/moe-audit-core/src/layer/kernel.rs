@@ -62,17 +62,15 @@ impl Kernel {
 
     /// The kernel `MOE_AUDIT_KERNEL = value` asks for (unset, empty or `auto`: the best), or why
     /// it cannot run here.
-    pub(crate) fn from_setting(value: Option<&str>) -> Result<Kernel, String> {
+    pub(crate) fn from_setting(value: Option<&str>) -> Result<Kernel, KernelError> {
         let text = value.map(str::trim).unwrap_or("");
         if text.is_empty() || text == "auto" {
             return Ok(Kernel::best());
         }
-        let kernel = Kernel::ALL
-            .into_iter()
-            .find(|k| k.name() == text)
-            .ok_or_else(|| format!("{KERNEL_VAR} must be auto, avx512, avx2 or portable, got {text:?}"))?;
+        let kernel =
+            Kernel::ALL.into_iter().find(|k| k.name() == text).ok_or_else(|| KernelError::Unknown(text.to_string()))?;
         if !kernel.available() {
-            return Err(format!("{KERNEL_VAR}={text}: this CPU has no {text} instructions"));
+            return Err(KernelError::Unavailable(kernel));
         }
         Ok(kernel)
     }
@@ -88,12 +86,26 @@ impl Kernel {
     }
 }
 
-/// Checks `MOE_AUDIT_KERNEL` (for the binary's start): the message says what is wrong.
-pub fn check_setting() -> Result<Kernel, String> {
+/// Why `MOE_AUDIT_KERNEL` cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KernelError {
+    /// No kernel of that name.
+    #[error("{KERNEL_VAR} must be auto, avx512, avx2 or portable, got {0:?}")]
+    Unknown(String),
+    /// A kernel this CPU cannot run.
+    #[error("{KERNEL_VAR}={}: this CPU has no {} instructions", .0.name(), .0.name())]
+    Unavailable(Kernel),
+    /// The variable is not text.
+    #[error("{KERNEL_VAR} is not text: {0:?}")]
+    NotText(std::ffi::OsString),
+}
+
+/// Checks `MOE_AUDIT_KERNEL` (for the binary's start).
+pub fn check_setting() -> Result<Kernel, KernelError> {
     match std::env::var(KERNEL_VAR) {
         Ok(value) => Kernel::from_setting(Some(&value)),
         Err(std::env::VarError::NotPresent) => Ok(Kernel::best()),
-        Err(std::env::VarError::NotUnicode(v)) => Err(format!("{KERNEL_VAR} is not text: {v:?}")),
+        Err(std::env::VarError::NotUnicode(v)) => Err(KernelError::NotText(v)),
     }
 }
 
@@ -642,10 +654,9 @@ mod tests {
         assert_eq!(Kernel::from_setting(None), Ok(Kernel::best()));
         assert_eq!(Kernel::from_setting(Some(" auto ")), Ok(Kernel::best()));
         assert_eq!(Kernel::from_setting(Some("portable")), Ok(Kernel::Portable));
-        assert_eq!(
-            Kernel::from_setting(Some("avx3")),
-            Err("MOE_AUDIT_KERNEL must be auto, avx512, avx2 or portable, got \"avx3\"".to_string())
-        );
+        let unknown = Kernel::from_setting(Some("avx3")).unwrap_err();
+        assert_eq!(unknown, KernelError::Unknown("avx3".into()));
+        assert_eq!(unknown.to_string(), "MOE_AUDIT_KERNEL must be auto, avx512, avx2 or portable, got \"avx3\"");
         for kernel in Kernel::ALL {
             assert_eq!(Kernel::from_setting(Some(kernel.name())).is_ok(), kernel.available());
         }
