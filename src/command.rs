@@ -27,11 +27,11 @@ pub fn main(args: impl IntoIterator<Item = OsString>) -> u8 {
             .unwrap_or_default();
         let at = info.location().map_or(String::new(), |l| format!(" at {}:{}", l.file(), l.line()));
         runtime::clean_up();
-        eprintln!("error: internal error (a bug, please report it): {}{at}", one_line(&what));
+        runtime::error_line(&format!("error: internal error (a bug, please report it): {}{at}", one_line(&what)));
         std::process::exit(exit::ERROR.into());
     }));
     if let Err(e) = runtime::init() {
-        eprintln!("error: {}", present(&e, flag));
+        runtime::error_line(&format!("error: {}", present(&e, flag)));
         return exit::ERROR;
     }
     let cli = match Cli::try_parse_from(args) {
@@ -47,7 +47,7 @@ pub fn main(args: impl IntoIterator<Item = OsString>) -> u8 {
             let text = e.render().to_string();
             let first: Vec<&str> = text.lines().map(str::trim).take_while(|l| !l.is_empty()).collect();
             // The value clap quotes is the caller's, and may be long.
-            eprintln!("{} (see --help)", excerpt_long(first.join(" ")));
+            runtime::error_line(&format!("{} (see --help)", excerpt_long(first.join(" "))));
             return exit::ERROR;
         }
     };
@@ -63,7 +63,7 @@ pub fn main(args: impl IntoIterator<Item = OsString>) -> u8 {
             while runtime::interrupted_by_signal() {
                 std::thread::park();
             }
-            eprintln!("error: {}", present(&e, flag));
+            runtime::error_line(&format!("error: {}", present(&e, flag)));
             exit::ERROR
         }
     }

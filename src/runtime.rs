@@ -107,8 +107,16 @@ fn interrupted(signal: libc::c_int) -> ! {
         1 => "the external router killed, ".into(),
         n => format!("{n} external routers killed, "),
     };
-    eprintln!("error: interrupted by {name}: {routers}no partial output left");
+    error_line(&format!("error: interrupted by {name}: {routers}no partial output left"));
     std::process::exit(128 + signal)
+}
+
+/// Writes `line` and its newline to stderr in one write: `eprintln!` writes each piece of its
+/// format on its own (stderr is unbuffered), so processes sharing the pipe (MPI ranks) could
+/// interleave inside a line.
+pub(crate) fn error_line(line: &str) {
+    use std::io::Write;
+    let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
 }
 
 #[cfg(test)]
