@@ -117,12 +117,22 @@ pub(crate) fn mode_parser() -> impl TypedValueParser<Value = Mode> {
 }
 
 /// `--input` of `plan` and `snapshot plan`: what a harness feeds its router.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+#[derive(Debug, Clone, Copy, ValueEnum)]
 pub(crate) enum InputArg {
     /// E gate logits per token.
     Logits,
     /// H hidden values per token.
     Hidden,
+}
+
+impl InputArg {
+    /// `--hidden` of a harness's router: the width of hidden rows, so not given with logits.
+    pub(crate) fn check_hidden(self, hidden: Option<usize>) -> Result<()> {
+        match (self, hidden) {
+            (InputArg::Logits, Some(_)) => Err(Error::usage("--hidden is the size of --input hidden rows")),
+            _ => Ok(()),
+        }
+    }
 }
 
 impl From<InputArg> for InputKind {

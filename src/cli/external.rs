@@ -182,12 +182,9 @@ impl PlanArgs {
         if let Some(k) = self.top_k.filter(|&k| k == 0 || k > self.experts) {
             return Err(Error::usage(format!("--top-k must be from 1 to {} (--experts), got {k}", self.experts)));
         }
-        match (input, self.hidden_size) {
-            (InputKind::Hidden, h) if !(1..=max).contains(&h.unwrap_or(0)) => {
-                return Err(Error::usage(format!("--input hidden needs --hidden from 1 to {max}")));
-            }
-            (InputKind::Logits, Some(_)) => return Err(Error::usage("--hidden is the size of --input hidden rows")),
-            _ => {}
+        self.input.check_hidden(self.hidden_size)?;
+        if input == InputKind::Hidden && !(1..=max).contains(&self.hidden_size.unwrap_or(0)) {
+            return Err(Error::usage(format!("--input hidden needs --hidden from 1 to {max}")));
         }
         moe_audit::names::check(&self.name).map_err(|m| Error::usage(format!("--name {m}")))?;
         let options = AuditOptions {

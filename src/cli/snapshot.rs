@@ -162,6 +162,9 @@ pub(crate) enum SnapshotOptions {
 impl SnapshotArgs {
     /// The subcommand's flags checked, its router and inputs resolved.
     pub(crate) fn validated(&self) -> Result<SnapshotOptions> {
+        if let SnapshotCommand::Plan(a) = &self.command {
+            a.input.check_hidden(a.rows.hidden)?;
+        }
         Ok(match &self.command {
             SnapshotCommand::Record(a) => SnapshotOptions::Record {
                 source: a.source()?,
@@ -176,9 +179,6 @@ impl SnapshotArgs {
                 traces: a.traces.clone(),
                 budget: a.memory.budget(),
             },
-            SnapshotCommand::Plan(a) if a.input == InputArg::Logits && a.rows.hidden.is_some() => {
-                return Err(Error::usage("--hidden is the size of --input hidden rows"));
-            }
             SnapshotCommand::Plan(a) => SnapshotOptions::Plan {
                 dir: a.dir.clone(),
                 router: Handshake {

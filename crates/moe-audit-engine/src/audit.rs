@@ -5,7 +5,7 @@ use crate::plan::{scripts, Axis, Pairing, Prompt, Script, Settings};
 use crate::server::{Reply, Request, Server, ServerInfo};
 use crate::EngineError;
 use bytes::Bytes;
-use moe_audit_records::{compare, from_ids, Budget, CompareOptions, Comparison, IdArray};
+use moe_audit_records::{compare, expert_set, from_ids, shared_experts, Budget, CompareOptions, Comparison, IdArray};
 use serde::Serialize;
 use std::ops::Range;
 
@@ -295,16 +295,15 @@ impl AxisReport {
         let rows = a.rows_at(range.clone()).chunks(w).zip(b.rows_at(range.clone()).chunks(w));
         for (t, (ra, rb)) in rows.enumerate() {
             for (layer, (xa, xb)) in ra.chunks(k).zip(rb.chunks(k)).enumerate() {
-                sorted(xa, &mut sa);
-                sorted(xb, &mut sb);
+                expert_set(xa, &mut sa);
+                expert_set(xb, &mut sb);
                 if sa.is_empty() && sb.is_empty() {
                     continue;
                 }
                 self.decisions += 1;
                 if sa != sb {
                     self.changed += 1;
-                    let common = sa.iter().filter(|e| sb.contains(e)).count();
-                    if common + 1 == sa.len().max(sb.len()) {
+                    if shared_experts(&sa, &sb) + 1 == sa.len().max(sb.len()) {
                         self.one_slot += 1;
                     }
                     if self.changes.len() < CHANGES_SHOWN {
@@ -337,11 +336,4 @@ fn comparison(axis: Axis, sides: [Vec<IdArray>; 2], run: &Run) -> Result<Option<
         .and_then(|ra| Ok((ra, from_ids(&name("other"), pb, numbers(), layout, &mut budget)?)));
     let compared = records.and_then(|(ra, rb)| compare(&ra, &rb, layout, &CompareOptions::default(), &mut budget));
     compared.map(Some).map_err(|e| EngineError::Settings { why: e.to_string() })
-}
-
-/// The non-negative ids of a decision, sorted (a set).
-fn sorted(row: &[i32], out: &mut Vec<i32>) {
-    out.clear();
-    out.extend(row.iter().copied().filter(|&e| e >= 0));
-    out.sort_unstable();
 }

@@ -39,7 +39,7 @@ pub use budget::Budget;
 pub use compare::{compare, compare_sources, CompareOptions, Comparison, Side};
 pub use config::{LayerKind, Layout};
 pub use diagnosis::{Diagnosis, DiagnosisKind};
-pub use measure::{Flip, Lane, LayerMeasure, Margins, Measures, LANES};
+pub use measure::{expert_set, shared_experts, Flip, Lane, LayerMeasure, Margins, Measures, LANES};
 #[allow(deprecated)]
 pub use read::load_pair;
 pub use read::{from_bytes, from_ids, load, load_both, Format, Found, IdArray, Record, ShapeHint, Source};

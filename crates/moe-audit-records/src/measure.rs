@@ -161,15 +161,17 @@ impl Counts {
     }
 }
 
-/// The non-negative ids of a row, sorted, into `out`.
-fn sorted(row: &[i32], out: &mut Vec<i32>) {
+/// A decision as an expert set: the non-negative ids of a row (a negative id is no route),
+/// sorted, into `out`. What `routes compare` compares, so that every comparison of decisions
+/// (the engine audit's too) agrees on what a change is.
+pub fn expert_set(row: &[i32], out: &mut Vec<i32>) {
     out.clear();
     out.extend(row.iter().copied().filter(|&e| e >= 0));
     out.sort_unstable();
 }
 
-/// Size of the intersection of two sorted lists.
-fn common(x: &[i32], y: &[i32]) -> usize {
+/// How many experts two [`expert_set`]s share (both sorted).
+pub fn shared_experts(x: &[i32], y: &[i32]) -> usize {
     let (mut i, mut j, mut n) = (0, 0, 0);
     while i < x.len() && j < y.len() {
         match x[i].cmp(&y[j]) {
@@ -399,8 +401,8 @@ impl Counts {
             self.width[p] += routes as u64;
             true
         } else {
-            sorted(ra_row, x);
-            sorted(rb_row, y);
+            expert_set(ra_row, x);
+            expert_set(rb_row, y);
             if x.is_empty() || y.is_empty() {
                 self.missing += u64::from(x.len() != y.len());
                 return None;
@@ -411,7 +413,7 @@ impl Counts {
             } else {
                 self.differ[p] += 1;
             }
-            self.common[p] += common(x, y) as u64;
+            self.common[p] += shared_experts(x, y) as u64;
             self.width[p] += x.len().max(y.len()) as u64;
             same
         };
